@@ -1,0 +1,1 @@
+"""Drop-in DistributedDataParallel with bucketed, overlapped allreduce."""

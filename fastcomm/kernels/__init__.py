@@ -1,0 +1,1 @@
+"""Fused bucket kernels (Triton on CUDA, pure-torch reference on CPU)."""

@@ -1,0 +1,1 @@
+"""fastcomm-run: torchrun-compatible elastic launcher."""
