@@ -114,11 +114,11 @@ class Store:
     # ------------------------------------------------------------------ identity
     @property
     def host(self) -> str:
-        return self._root.host
+        return getattr(_unwrap(self._root), "host", "?")
 
     @property
     def port(self) -> int:
-        return self._root.port
+        return getattr(_unwrap(self._root), "port", -1)
 
     @property
     def address(self) -> str:
@@ -262,6 +262,13 @@ class Store:
             self.set(key, pickle.dumps(obj))
             return obj
         return pickle.loads(self.get(key, timeout))
+
+
+def _unwrap(store: dist.Store) -> dist.Store:
+    """The TCPStore under nested PrefixStores (for naming its address in errors)."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
 
 
 def _check_world(world_size: int) -> None:

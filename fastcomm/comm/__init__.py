@@ -1,0 +1,42 @@
+"""Host-side store and communicators (Gloo, NCCL)."""
+
+from .base import Communicator
+from .errors import (
+    CommAbortedError,
+    CommClosedError,
+    CommTimeoutError,
+    FastcommError,
+    StoreTimeoutError,
+)
+from .gloo import GlooCommunicator
+from .store import Store
+from .types import SUPPORTED_DTYPES, ReduceOp
+from .work import Work
+from .world import get_world, init, is_initialized, new_communicator, shutdown
+
+__all__ = [
+    "Communicator",
+    "CommAbortedError",
+    "CommClosedError",
+    "CommTimeoutError",
+    "FastcommError",
+    "GlooCommunicator",
+    "ReduceOp",
+    "SUPPORTED_DTYPES",
+    "Store",
+    "StoreTimeoutError",
+    "Work",
+    "get_world",
+    "init",
+    "is_initialized",
+    "new_communicator",
+    "shutdown",
+]
+
+
+def __getattr__(name: str):
+    if name == "NcclCommunicator":  # imported lazily: CuPy is optional
+        from .nccl import NcclCommunicator
+
+        return NcclCommunicator
+    raise AttributeError(f"module 'fastcomm.comm' has no attribute {name!r}")

@@ -1,0 +1,343 @@
+"""The communicator interface shared by every backend.
+
+``Communicator`` validates arguments (type, device, dtype, contiguity, sizes, ranks, closed
+state) *before* anything is sent, so a bad call raises the same clear error on every backend and
+never leaves a peer waiting on half a collective. Backends implement the ``_impl_*`` methods,
+which may assume validated arguments and return a :class:`Work`.
+
+Collective ordering: like NCCL and Gloo, every rank must issue the same collectives in the same
+order. Store-based helpers (``split``, object exchange) number their keys with a per-communicator
+sequence that advances identically on every rank for that reason.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from .errors import CommClosedError
+from .store import Store, as_timedelta
+from .types import SUPPORTED_DTYPES, ReduceOp
+from .work import Work, completed_work
+
+__all__ = ["Communicator", "DEFAULT_TIMEOUT"]
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+class Communicator(abc.ABC):
+    """A group of ``size`` ranks that run collectives together.
+
+    Args:
+        store: a store namespace private to this communicator (the same on every member).
+        rank: this process's rank in ``[0, size)``.
+        size: number of ranks.
+        timeout: how long any collective may take before it raises (seconds or timedelta).
+    """
+
+    backend: str = "base"
+
+    def __init__(
+        self,
+        store: Store,
+        rank: int,
+        size: int,
+        timeout: float | timedelta | None = None,
+    ) -> None:
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"size must be a positive int, got {size!r}")
+        if not isinstance(rank, int) or not 0 <= rank < size:
+            raise ValueError(f"rank must be an int in [0, {size}), got {rank!r}")
+        self.store = store
+        self.rank = rank
+        self.size = size
+        self.timeout = as_timedelta(timeout, DEFAULT_TIMEOUT)
+        self._closed = False
+        self._seq = 0
+
+    # ------------------------------------------------------------------ properties
+    @property
+    @abc.abstractmethod
+    def device(self) -> torch.device:
+        """The device whose tensors this communicator is built for."""
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        state = ", closed" if self._closed else ""
+        return (
+            f"{type(self).__name__}(rank={self.rank}, size={self.size}, "
+            f"device={self.device}{state})"
+        )
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ validation
+    def _where(self) -> str:
+        return f"rank {self.rank} of {self.backend} communicator (size {self.size})"
+
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise CommClosedError(f"{self._where()}: {op} called after close()")
+
+    def _device_ok(self, device: torch.device) -> bool:
+        return device.type == self.device.type
+
+    def _check_tensor(self, t: object, op: str, name: str = "tensor") -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            allowed = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+            raise TypeError(f"{op}: {name} has dtype {t.dtype}; allowed: {allowed}")
+        if not self._device_ok(t.device):
+            raise ValueError(
+                f"{op}: {name} is on {t.device}, but the {self.backend} communicator of "
+                f"rank {self.rank} works on {self.device.type} tensors"
+            )
+        if not t.is_contiguous():
+            raise ValueError(
+                f"{op}: {name} must be contiguous (shape {tuple(t.shape)}, "
+                f"strides {t.stride()}); call .contiguous() first"
+            )
+        return t
+
+    def _check_pair(self, output: torch.Tensor, input: torch.Tensor, op: str) -> None:
+        self._check_tensor(output, op, "output")
+        self._check_tensor(input, op, "input")
+        if output.dtype != input.dtype:
+            raise TypeError(f"{op}: output dtype {output.dtype} != input dtype {input.dtype}")
+        if output.device != input.device:
+            raise ValueError(f"{op}: output on {output.device} but input on {input.device}")
+
+    def _check_peer(self, peer: object, op: str, name: str) -> int:
+        if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < self.size:
+            raise ValueError(f"{op}: {name}={peer!r} out of range; allowed: 0..{self.size - 1}")
+        return peer
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, async_op: bool = False
+    ) -> Work | None:
+        """Reduces ``tensor`` across ranks, in place.
+
+        Raises:
+            TypeError: not a tensor, or an unsupported dtype (``AVG`` needs a number type).
+            ValueError: wrong device, non-contiguous, unknown op.
+        """
+        self._check_open("all_reduce")
+        self._check_tensor(tensor, "all_reduce")
+        op = ReduceOp.coerce(op)
+        return self._finish(self._impl_all_reduce(tensor, op), async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
+        """Copies ``tensor`` of rank ``src`` into ``tensor`` of every rank."""
+        self._check_open("broadcast")
+        self._check_tensor(tensor, "broadcast")
+        self._check_peer(src, "broadcast", "src")
+        return self._finish(self._impl_broadcast(tensor, src), async_op)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        """Writes every rank's ``input`` into ``output`` in rank order.
+
+        ``output`` has ``size * input.numel()`` elements (any shape, e.g. ``(size, *shape)``).
+        """
+        self._check_open("all_gather")
+        self._check_pair(output, input, "all_gather")
+        if output.numel() != self.size * input.numel():
+            raise ValueError(
+                f"all_gather: output has {output.numel()} elements; expected size * "
+                f"input.numel() = {self.size} * {input.numel()} = {self.size * input.numel()}"
+            )
+        return self._finish(self._impl_all_gather(output, input), async_op)
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: ReduceOp | str = ReduceOp.SUM,
+        async_op: bool = False,
+    ):
+        """Reduces ``input`` across ranks and leaves slice ``rank`` of the result in ``output``.
+
+        ``input`` has ``size * output.numel()`` elements.
+        """
+        self._check_open("reduce_scatter")
+        self._check_pair(output, input, "reduce_scatter")
+        op = ReduceOp.coerce(op)
+        if input.numel() != self.size * output.numel():
+            raise ValueError(
+                f"reduce_scatter: input has {input.numel()} elements; expected size * "
+                f"output.numel() = {self.size} * {output.numel()} = {self.size * output.numel()}"
+            )
+        return self._finish(self._impl_reduce_scatter(output, input, op), async_op)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        """Sends slice ``j`` of ``input`` to rank ``j``; slice ``i`` of ``output`` comes from
+        rank ``i`` (equal splits of the flattened tensors)."""
+        self._check_open("all_to_all")
+        self._check_pair(output, input, "all_to_all")
+        if output.numel() != input.numel() or input.numel() % self.size:
+            raise ValueError(
+                f"all_to_all: input ({input.numel()} elements) and output ({output.numel()}) "
+                f"must have the same number of elements, divisible by size {self.size}"
+            )
+        return self._finish(self._impl_all_to_all(output, input), async_op)
+
+    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False):
+        """Sends ``tensor`` to rank ``dst`` (which must call ``recv`` with ``src`` = us)."""
+        self._check_open("send")
+        self._check_tensor(tensor, "send")
+        self._check_peer(dst, "send", "dst")
+        if dst == self.rank:
+            raise ValueError(f"send: dst={dst} is this rank; a rank cannot send to itself")
+        return self._finish(self._impl_send(tensor, dst), async_op)
+
+    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False):
+        """Receives into ``tensor`` from rank ``src``."""
+        self._check_open("recv")
+        self._check_tensor(tensor, "recv")
+        self._check_peer(src, "recv", "src")
+        if src == self.rank:
+            raise ValueError(f"recv: src={src} is this rank; a rank cannot receive from itself")
+        return self._finish(self._impl_recv(tensor, src), async_op)
+
+    def barrier(self, async_op: bool = False):
+        """Returns once every rank has entered the barrier."""
+        self._check_open("barrier")
+        return self._finish(self._impl_barrier(), async_op)
+
+    def _finish(self, work: Work, async_op: bool) -> Work | None:
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    # ------------------------------------------------------------------ store helpers
+    def _next_name(self, what: str) -> str:
+        self._seq += 1
+        return f"{what}/{self._seq}"
+
+    def all_gather_object(self, obj: Any, timeout: float | timedelta | None = None) -> list:
+        """Gathers a small picklable object from every rank through the store."""
+        self._check_open("all_gather_object")
+        return self.store.all_gather_object(
+            self._next_name("objects"), self.rank, self.size, obj, timeout or self.timeout
+        )
+
+    def split(
+        self,
+        color: int | None,
+        key: int | None = None,
+        timeout: float | timedelta | None = None,
+    ) -> Communicator | None:
+        """Splits into sub-communicators of the ranks that pass the same ``color``.
+
+        A collective call: every rank must call it. Ranks within a color are ordered by
+        ``(key, rank)`` (``key`` defaults to the rank). A rank passing ``color=None`` (or a
+        negative color) takes part but gets ``None`` back.
+
+        Raises:
+            TypeError: ``color`` or ``key`` is not an int (or ``None``).
+        """
+        self._check_open("split")
+        if color is not None and (not isinstance(color, int) or isinstance(color, bool)):
+            raise TypeError(f"split: color must be an int or None, got {color!r}")
+        if key is not None and (not isinstance(key, int) or isinstance(key, bool)):
+            raise TypeError(f"split: key must be an int or None, got {key!r}")
+        if color is not None and color < 0:
+            color = None
+        key = self.rank if key is None else key
+        new_timeout = as_timedelta(timeout, self.timeout)
+        name = self._next_name("split")
+        entries = self.store.all_gather_object(
+            name, self.rank, self.size, (color, key, self.rank), self.timeout
+        )
+        if color is None:
+            self._split_child(None, name, -1, 0, [], new_timeout)
+            return None
+        members = sorted((k, r) for c, k, r in entries if c == color)
+        ranks = [r for _, r in members]
+        new_rank = ranks.index(self.rank)
+        return self._split_child(color, name, new_rank, len(ranks), ranks, new_timeout)
+
+    def _split_child(
+        self,
+        color: int | None,
+        name: str,
+        new_rank: int,
+        new_size: int,
+        parent_ranks: list[int],
+        timeout: timedelta,
+    ) -> Communicator | None:
+        """Builds the child communicator (backends override to use a native split)."""
+        if color is None:
+            return None
+        store = self.store.prefixed(f"{name}/color{color}", rank=new_rank)
+        return self._new_child(store, new_rank, new_size, timeout)
+
+    @abc.abstractmethod
+    def _new_child(
+        self, store: Store, rank: int, size: int, timeout: timedelta
+    ) -> Communicator: ...
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Releases the communicator; later calls raise ``CommClosedError``. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._impl_close()
+
+    @contextmanager
+    def group(self) -> Iterator[None]:
+        """Groups the collectives issued inside (NCCL's groupStart/End); a no-op elsewhere."""
+        yield
+
+    # ------------------------------------------------------------------ backend hooks
+    @abc.abstractmethod
+    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work: ...
+
+    @abc.abstractmethod
+    def _impl_broadcast(self, tensor: torch.Tensor, src: int) -> Work: ...
+
+    @abc.abstractmethod
+    def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work: ...
+
+    @abc.abstractmethod
+    def _impl_reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp
+    ) -> Work: ...
+
+    @abc.abstractmethod
+    def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Work: ...
+
+    @abc.abstractmethod
+    def _impl_send(self, tensor: torch.Tensor, dst: int) -> Work: ...
+
+    @abc.abstractmethod
+    def _impl_recv(self, tensor: torch.Tensor, src: int) -> Work: ...
+
+    @abc.abstractmethod
+    def _impl_barrier(self) -> Work: ...
+
+    def _impl_close(self) -> None:  # noqa: B027 - backends without resources keep it empty
+        return None
+
+    # utilities for backends
+    def _done(self, op: str, output: torch.Tensor | None) -> Work:
+        return completed_work(op, self.rank, output)
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.timeout.total_seconds()

@@ -1,0 +1,129 @@
+"""Bad input, closed communicators, timeouts and dying peers: clear errors, never a hang."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from fastcomm import CommClosedError, CommTimeoutError, FastcommError
+from tests.harness import RankPool, fresh_comm, rank_comm
+
+BACKENDS = ["gloo"]
+
+
+def _raises(fn, exc_type, *needles):
+    try:
+        fn()
+    except exc_type as exc:
+        message = str(exc)
+        for needle in needles:
+            assert needle in message, f"{needle!r} not in {message!r}"
+        return message
+    raise AssertionError(f"expected {exc_type.__name__}")
+
+
+def check_bad_inputs_rejected_before_sending(backend):
+    comm = rank_comm(backend)
+    n = comm.size
+    x = torch.ones(4, 4)
+    _raises(lambda: comm.all_reduce(x.t()[0]), ValueError, "contiguous")
+    _raises(lambda: comm.all_reduce([1.0]), TypeError, "torch.Tensor")
+    _raises(lambda: comm.all_reduce(torch.ones(2, dtype=torch.bool)), TypeError, "bool", "allowed")
+    _raises(lambda: comm.all_reduce(torch.ones(2), op="median"), ValueError, "median", "SUM")
+    _raises(lambda: comm.broadcast(torch.ones(2), src=n), ValueError, f"src={n}", "out of range")
+    _raises(lambda: comm.broadcast(torch.ones(2), src=-1), ValueError, "src=-1")
+    _raises(
+        lambda: comm.all_gather(torch.empty(n * 3 + 1), torch.ones(3)),
+        ValueError, "all_gather", f"{n * 3 + 1}",
+    )
+    _raises(
+        lambda: comm.all_gather(torch.empty(n * 3, dtype=torch.float64), torch.ones(3)),
+        TypeError, "float64",
+    )
+    _raises(
+        lambda: comm.reduce_scatter(torch.empty(3), torch.ones(n * 3 - 1)),
+        ValueError, "reduce_scatter",
+    )
+    _raises(lambda: comm.all_to_all(torch.empty(n + 1), torch.ones(n + 1)), ValueError, "divisible")
+    _raises(lambda: comm.send(torch.ones(2), comm.rank), ValueError, "itself")
+    _raises(lambda: comm.recv(torch.ones(2), n + 5), ValueError, f"src={n + 5}")
+    _raises(lambda: comm.split("red"), TypeError, "color")
+    if torch.cuda.is_available() and backend != "gloo":
+        _raises(lambda: comm.all_reduce(torch.ones(2, device="cuda")), ValueError, "cuda")
+    # nothing was sent: the communicator is still in step with its peers
+    t = torch.ones(3)
+    comm.all_reduce(t)
+    torch.testing.assert_close(t, torch.full((3,), float(n)), atol=0, rtol=0)
+
+
+def check_use_after_close(backend, name):
+    comm = fresh_comm(backend, name)
+    comm.close()
+    comm.close()  # idempotent
+    for call in (
+        lambda: comm.all_reduce(torch.ones(1)),
+        lambda: comm.broadcast(torch.ones(1)),
+        lambda: comm.barrier(),
+        lambda: comm.split(0),
+    ):
+        _raises(call, CommClosedError, f"rank {comm.rank}", "after close()")
+
+
+def check_missing_peer_times_out(backend, name):
+    comm = fresh_comm(backend, name, timeout=2.0)
+    start = time.monotonic()
+    if comm.rank == 0:
+        message = _raises(lambda: comm.all_reduce(torch.ones(4)), CommTimeoutError, "rank 0",
+                          "all_reduce")
+        elapsed = time.monotonic() - start
+        comm.close()
+        return elapsed, message
+    time.sleep(4.0)  # rank 1.. stay connected but never join the collective
+    comm.close()
+    return None
+
+
+def check_peer_dies_mid_collective(backend, name):
+    comm = fresh_comm(backend, name, timeout=10.0)
+    comm.all_reduce(torch.ones(2))  # connected and in step
+    if comm.rank == comm.size - 1:
+        os._exit(3)  # killed before the next collective
+    start = time.monotonic()
+    message = _raises(lambda: comm.all_reduce(torch.ones(1 << 16)), FastcommError, "all_reduce")
+    return time.monotonic() - start, message
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(2, timeout=60) as p:
+        yield p
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_inputs(pool, backend):
+    pool.run(check_bad_inputs_rejected_before_sending, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_use_after_close(pool, backend, unique_name):
+    pool.run(check_use_after_close, backend, unique_name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_collective_a_rank_never_joins_raises_within_timeout(pool, backend, unique_name):
+    results = pool.run(check_missing_peer_times_out, backend, unique_name)
+    elapsed, message = results[0]
+    assert 1.5 <= elapsed < 10, (elapsed, message)
+    assert "s" in message
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_peer_killed_others_raise(pool, backend, unique_name):
+    failure = pool.expect_failure(check_peer_dies_mid_collective, backend, unique_name)
+    assert list(failure.errors) == [1] and "rank 1 died" in failure.errors[1]
+    # rank 0 got a fastcomm error naming itself and the op, well within the timeout
+    elapsed, message = failure.results[0]
+    assert elapsed < 10 and "rank 0" in message and "all_reduce" in message, message

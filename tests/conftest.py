@@ -1,0 +1,32 @@
+import itertools
+import os
+
+import pytest
+
+# The Triton interpreter runs @triton.jit kernels on CPU tensors; it must be on before triton
+# decorates any kernel, so it is set here, before any test module imports fastcomm.kernels.
+try:
+    import torch
+
+    _HAS_CUDA = torch.cuda.is_available()
+except ImportError:  # pragma: no cover
+    _HAS_CUDA = False
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+_names = itertools.count()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def unique_name(request):
+    """A store namespace no other check of this session uses."""
+    return f"{request.node.name}-{next(_names)}"

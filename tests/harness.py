@@ -1,0 +1,266 @@
+"""Multi-process test harness: a pool of real ranks reused across the checks of a module.
+
+Starting a process that imports torch costs ~2 s here, so a module starts its ranks once
+(``RankPool``) and sends them many checks. Each check is a module-level function (pickled by
+reference) called as ``fn(*args)`` on every rank; its return values come back in rank order,
+and a rank's exception comes back as its formatted traceback.
+
+The pool's parent process serves the ``TCPStore`` (port 0), and the ranks connect as clients
+(``TORCHELASTIC_USE_AGENT_STORE=True``), so ``fastcomm.init()`` works in them unchanged. After a
+failed or timed-out check the pool kills every rank and starts afresh for the next check, so
+one broken collective never poisons the others.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from fastcomm.comm.store import Store
+
+_CTX = mp.get_context("spawn")
+
+# Per-rank state that survives between checks of one pool (communicators, say).
+STATE: dict[str, Any] = {}
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised (or never finished) a check.
+
+    Attributes:
+        errors: rank -> traceback text of each rank that raised or died.
+        results: rank -> return value of each rank that finished.
+        unfinished: ranks that neither returned nor raised within the timeout.
+    """
+
+    def __init__(self, message: str, errors=None, results=None, unfinished=()):
+        super().__init__(message)
+        self.errors = dict(errors or {})
+        self.results = dict(results or {})
+        self.unfinished = sorted(unfinished)
+
+
+def _worker(rank: int, world_size: int, port: int, env: dict[str, str], conn: Connection):
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        if message is None:
+            return
+        fn, args, kwargs = message
+        try:
+            result = ("ok", fn(*args, **kwargs))
+        except BaseException:  # every failure goes back to pytest, with its traceback
+            result = ("err", traceback.format_exc())
+        try:
+            conn.send(result)
+        except Exception:
+            conn.send(("err", f"rank {rank}: result of {fn.__name__} is not picklable"))
+
+
+class RankPool:
+    """``world_size`` ranks started once and fed checks with :meth:`run`.
+
+    Args:
+        world_size: number of ranks.
+        env: extra environment for the ranks.
+        timeout: default seconds a check may take on all ranks together.
+        grace: seconds the other ranks get to finish once one rank has failed.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        env: dict[str, str] | None = None,
+        timeout: float = 60.0,
+        grace: float = 15.0,
+    ) -> None:
+        self.world_size = world_size
+        self.env = dict(env or {})
+        self.timeout = timeout
+        self.grace = grace
+        self.store: Store | None = None
+        self._procs: list[mp.Process] = []
+        self._conns: list[Connection] = []
+        self.restarts = 0
+
+    # ------------------------------------------------------------------ lifetime
+    def start(self) -> None:
+        self.store = Store(is_server=True, timeout=30)
+        self._procs, self._conns = [], []
+        for rank in range(self.world_size):
+            parent, child = _CTX.Pipe()
+            proc = _CTX.Process(
+                target=_worker,
+                args=(rank, self.world_size, self.store.port, self.env, child),
+                name=f"rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        self._kill()
+        self.store = None
+
+    def _kill(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self._procs:
+            proc.join(5)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ checks
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float | None = None,
+        per_rank: list[tuple] | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Runs ``fn(*args, **kwargs)`` on every rank and returns the results in rank order.
+
+        ``per_rank[r]``, when given, is appended to ``args`` on rank ``r``.
+
+        Raises:
+            RankFailure: a rank raised, died, or did not finish within ``timeout``; the message
+                holds every failing rank's traceback. The pool restarts before the next check.
+        """
+        if not self._procs:
+            self.start()
+        timeout = self.timeout if timeout is None else timeout
+        for rank, conn in enumerate(self._conns):
+            extra = tuple(per_rank[rank]) if per_rank is not None else ()
+            conn.send((fn, args + extra, kwargs))
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        pending = dict(enumerate(self._conns))
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for conn in wait(list(pending.values()), timeout=min(left, 0.5)):
+                rank = self._conns.index(conn)
+                try:
+                    status, value = conn.recv()
+                except (EOFError, OSError):
+                    code = self._procs[rank].exitcode
+                    status, value = "err", f"rank {rank} died (exit code {code})"
+                del pending[rank]
+                if status == "ok":
+                    results[rank] = value
+                else:
+                    errors[rank] = value
+                    deadline = min(deadline, time.monotonic() + self.grace)
+        if errors or pending:
+            self._kill()
+            self.restarts += 1
+            parts = [f"--- rank {r} raised:\n{tb}" for r, tb in sorted(errors.items())]
+            if pending:
+                parts.append(
+                    f"--- ranks {sorted(pending)} did not finish {fn.__name__} "
+                    f"within {timeout:.0f} s (pool restarted)"
+                )
+            raise RankFailure(
+                f"{fn.__name__} failed:\n" + "\n".join(parts), errors, results, pending
+            )
+        return [results[r] for r in range(self.world_size)]
+
+    def expect_failure(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> RankFailure:
+        """Runs a check that must fail on some rank; returns the ``RankFailure``."""
+        try:
+            self.run(fn, *args, **kwargs)
+        except RankFailure as exc:
+            return exc
+        raise AssertionError(f"{fn.__name__} was expected to fail on some rank but passed")
+
+
+# ---------------------------------------------------------------------- helpers for checks
+def rank_store():
+    """This rank's client of the pool's store (cached)."""
+    if "store" not in STATE:
+        STATE["store"] = Store(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            timeout=30,
+            rank=int(os.environ["RANK"]),
+        )
+    return STATE["store"]
+
+
+def rank_comm(backend: str = "gloo", timeout: float = 30.0):
+    """A communicator of ``backend`` over all ranks of the pool (cached per backend)."""
+    key = f"comm/{backend}"
+    if key not in STATE or STATE[key].closed:
+        from fastcomm.comm import new_communicator
+
+        STATE["gen"] = STATE.get("gen", 0) + 1
+        rank = int(os.environ["RANK"])
+        extra = {}
+        if backend == "nccl":  # FASTCOMM_TEST_DEVICE=0 puts every rank on one shared GPU
+            extra["device"] = int(os.environ.get("FASTCOMM_TEST_DEVICE", rank))
+        STATE[key] = new_communicator(
+            backend,
+            store=rank_store().prefixed(f"{backend}-{STATE['gen']}", rank=rank),
+            rank=rank,
+            size=int(os.environ["WORLD_SIZE"]),
+            timeout=timeout,
+            **extra,
+        )
+    return STATE[key]
+
+
+def fresh_comm(backend: str, name: str, timeout: float = 30.0):
+    """A new, uncached communicator in the store namespace ``name`` (unique per check)."""
+    from fastcomm.comm import new_communicator
+
+    rank = int(os.environ["RANK"])
+    return new_communicator(
+        backend,
+        store=rank_store().prefixed(name, rank=rank),
+        rank=rank,
+        size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout,
+    )
