@@ -26,9 +26,39 @@ from .store import Store, as_timedelta
 from .types import SUPPORTED_DTYPES, ReduceOp
 from .work import Work, completed_work
 
-__all__ = ["Communicator", "DEFAULT_TIMEOUT"]
+__all__ = ["Communicator", "CommStats", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+class CommStats:
+    """Calls and payload bytes per operation issued by this rank.
+
+    ``bytes[op]`` counts the bytes this rank contributes (the input of ``all_gather``, the
+    tensor of ``all_reduce``...), the figure compression hooks shrink. Reset with ``reset()``.
+    """
+
+    __slots__ = ("calls", "bytes")
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+
+    def record(self, op: str, tensor: torch.Tensor | None) -> None:
+        self.calls[op] = self.calls.get(op, 0) + 1
+        if tensor is not None:
+            self.bytes[op] = self.bytes.get(op, 0) + tensor.numel() * tensor.element_size()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+    def __repr__(self) -> str:
+        return f"CommStats(calls={self.calls}, bytes={self.bytes})"
 
 
 class Communicator(abc.ABC):
@@ -60,6 +90,7 @@ class Communicator(abc.ABC):
         self.timeout = as_timedelta(timeout, DEFAULT_TIMEOUT)
         self._closed = False
         self._seq = 0
+        self.stats = CommStats()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -139,6 +170,7 @@ class Communicator(abc.ABC):
         self._check_open("all_reduce")
         self._check_tensor(tensor, "all_reduce")
         op = ReduceOp.coerce(op)
+        self.stats.record("all_reduce", tensor)
         return self._finish(self._impl_all_reduce(tensor, op), async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
@@ -146,6 +178,7 @@ class Communicator(abc.ABC):
         self._check_open("broadcast")
         self._check_tensor(tensor, "broadcast")
         self._check_peer(src, "broadcast", "src")
+        self.stats.record("broadcast", tensor)
         return self._finish(self._impl_broadcast(tensor, src), async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
@@ -160,6 +193,7 @@ class Communicator(abc.ABC):
                 f"all_gather: output has {output.numel()} elements; expected size * "
                 f"input.numel() = {self.size} * {input.numel()} = {self.size * input.numel()}"
             )
+        self.stats.record("all_gather", input)
         return self._finish(self._impl_all_gather(output, input), async_op)
 
     def reduce_scatter(
@@ -181,6 +215,7 @@ class Communicator(abc.ABC):
                 f"reduce_scatter: input has {input.numel()} elements; expected size * "
                 f"output.numel() = {self.size} * {output.numel()} = {self.size * output.numel()}"
             )
+        self.stats.record("reduce_scatter", input)
         return self._finish(self._impl_reduce_scatter(output, input, op), async_op)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
@@ -193,6 +228,7 @@ class Communicator(abc.ABC):
                 f"all_to_all: input ({input.numel()} elements) and output ({output.numel()}) "
                 f"must have the same number of elements, divisible by size {self.size}"
             )
+        self.stats.record("all_to_all", input)
         return self._finish(self._impl_all_to_all(output, input), async_op)
 
     def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False):
@@ -202,6 +238,7 @@ class Communicator(abc.ABC):
         self._check_peer(dst, "send", "dst")
         if dst == self.rank:
             raise ValueError(f"send: dst={dst} is this rank; a rank cannot send to itself")
+        self.stats.record("send", tensor)
         return self._finish(self._impl_send(tensor, dst), async_op)
 
     def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False):
@@ -211,11 +248,13 @@ class Communicator(abc.ABC):
         self._check_peer(src, "recv", "src")
         if src == self.rank:
             raise ValueError(f"recv: src={src} is this rank; a rank cannot receive from itself")
+        self.stats.record("recv", None)
         return self._finish(self._impl_recv(tensor, src), async_op)
 
     def barrier(self, async_op: bool = False):
         """Returns once every rank has entered the barrier."""
         self._check_open("barrier")
+        self.stats.record("barrier", None)
         return self._finish(self._impl_barrier(), async_op)
 
     def _finish(self, work: Work, async_op: bool) -> Work | None:

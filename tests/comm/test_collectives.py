@@ -257,3 +257,22 @@ def test_work_wait_timeout(pool, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_split(pool, backend):
     assert pool.run(check_split, backend) == [True] * pool.world_size
+
+
+def check_stats_count_payload_bytes(backend, name):
+    from tests.harness import fresh_comm
+
+    comm = fresh_comm(backend, name)
+    comm.all_reduce(torch.ones(10))  # 40 bytes
+    comm.all_reduce(torch.ones(5, dtype=torch.float16))  # 10 bytes
+    comm.all_gather(torch.empty(comm.size * 3, dtype=torch.int64), torch.ones(3, dtype=torch.int64))
+    stats = (dict(comm.stats.calls), dict(comm.stats.bytes), comm.stats.total_bytes)
+    comm.close()
+    return stats
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stats_count_payload_bytes(pool, backend, unique_name):
+    for calls, nbytes, total in pool.run(check_stats_count_payload_bytes, backend, unique_name):
+        assert calls == {"all_reduce": 2, "all_gather": 1}
+        assert nbytes == {"all_reduce": 50, "all_gather": 24} and total == 74
