@@ -10,6 +10,7 @@ from .errors import (
 )
 from .gloo import GlooCommunicator
 from .store import Store
+from .torch_pg import TorchPGCommunicator as TorchPGCommunicator
 from .types import SUPPORTED_DTYPES, ReduceOp
 from .work import Work
 from .world import get_world, init, is_initialized, new_communicator, shutdown

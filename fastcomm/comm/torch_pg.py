@@ -1,0 +1,275 @@
+"""A torch ``ProcessGroup`` presented as a fastcomm :class:`Communicator`.
+
+``TorchPGCommunicator(pg)`` lets code written against fastcomm (the DDP reducer, the comm
+hooks) run on a group a training script already made with ``torch.distributed``: collectives
+go straight to the group's backend (``pg.allreduce`` and friends, with group-local ranks), so
+they share its connections, streams and ordering with any other use of the same group.
+
+Futures: a :class:`Work` from this adapter resolves to the output tensor (fastcomm's contract;
+torch's own futures resolve to a list). ``AVG`` on a backend without it (Gloo) is a ``SUM``
+followed by a division, done before the future resolves. On NCCL the future is torch's
+CUDA-aware future, so ``wait()`` orders the caller's stream after the collective.
+
+Sub-communicators (``split``) are fastcomm communicators (Gloo on CPU, NCCL on CUDA) built on
+the group's store under a private prefix; the group itself is never split.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .base import Communicator
+from .errors import FastcommError
+from .store import Store
+from .types import ReduceOp
+from .work import Work, wrap_error
+
+__all__ = ["TorchPGCommunicator"]
+
+_ADAPTERS: dict[str, itertools.count] = {}
+
+_TORCH_OPS = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.AVG: dist.ReduceOp.AVG,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+}
+
+
+class _TorchWork(Work):
+    """A fastcomm ``Work`` over a torch ``Work`` (completion is torch's, not a thread's)."""
+
+    def __init__(self, op, rank, output, torch_work, post=None):
+        super().__init__(op, rank, output)
+        self._torch_work = torch_work
+        output_ = output
+
+        def resolve(fut: torch.futures.Future):
+            fut.value()  # re-raises the collective's error
+            if post is not None:
+                post()
+            return output_
+
+        self._chained = torch_work.get_future().then(resolve)
+
+    def is_completed(self) -> bool:
+        return self._chained.done()
+
+    def is_success(self) -> bool:
+        return self._chained.done() and self.exception() is None
+
+    def exception(self) -> BaseException | None:
+        if not self._chained.done():
+            return None
+        try:
+            self._chained.value()
+        except BaseException as exc:  # reported, not raised: the caller asked for it
+            return exc
+        return None
+
+    def wait(self, timeout: float | timedelta | None = None) -> bool:
+        try:
+            if timeout is None:
+                self._torch_work.wait()
+            else:
+                seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+                self._torch_work.wait(timedelta(seconds=seconds))
+            self._chained.wait()
+        except FastcommError:
+            raise
+        except RuntimeError as exc:
+            raise wrap_error(self.op, self.rank, self.start, exc) from exc
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._chained
+
+
+def _backend_name(pg: dist.ProcessGroup) -> str:
+    try:
+        return str(dist.get_backend(pg)).lower()
+    except (RuntimeError, ValueError):
+        return "unknown"
+
+
+class TorchPGCommunicator(Communicator):
+    """Collectives on a torch ``ProcessGroup`` (the default group when ``None``).
+
+    Args:
+        process_group: the group; ``None`` means ``torch.distributed``'s default group.
+        timeout: limit used by ``Work.wait`` when no timeout is passed and by store helpers.
+
+    Raises:
+        RuntimeError: ``process_group`` is ``None`` and ``torch.distributed`` is not
+            initialized, or this process is not a member of the group.
+    """
+
+    backend = "torch"
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        timeout: float | timedelta | None = None,
+    ) -> None:
+        if process_group is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError(
+                    "TorchPGCommunicator(None) needs torch.distributed.init_process_group() "
+                    "to have been called (or pass a ProcessGroup)"
+                )
+            process_group = dist.distributed_c10d._get_default_group()
+        rank, size = process_group.rank(), process_group.size()
+        if rank < 0:
+            raise RuntimeError("this process is not a member of the given process group")
+        self.process_group = process_group
+        self.pg_backend = _backend_name(process_group)
+        store = _group_store(process_group, rank, timeout)
+        super().__init__(store, rank, size, timeout)
+        if "nccl" in self.pg_backend and torch.cuda.is_available():
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self._device = torch.device("cpu")
+        # Gloo (and MPI) lack AVG; NCCL has it natively.
+        self._native_avg = "nccl" in self.pg_backend
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def _device_ok(self, device: torch.device) -> bool:
+        if "gloo" in self.pg_backend:
+            return device.type in ("cpu", "cuda")
+        return device.type == self._device.type
+
+    def __repr__(self) -> str:
+        return (
+            f"TorchPGCommunicator(rank={self.rank}, size={self.size}, "
+            f"backend={self.pg_backend}, device={self.device})"
+        )
+
+    # ------------------------------------------------------------------ plumbing
+    def _issue(self, op, output, issue, post=None) -> Work:
+        start = time.monotonic()
+        try:
+            torch_work = issue()
+        except RuntimeError as exc:
+            raise wrap_error(op, self.rank, start, exc) from exc
+        return _TorchWork(op, self.rank, output, torch_work, post)
+
+    def _divide_post(self, tensor: torch.Tensor):
+        from .gloo import divide_
+
+        return lambda: divide_(tensor, self.size)
+
+    # ------------------------------------------------------------------ collectives
+    def _impl_all_reduce(self, tensor, op):
+        if tensor.numel() == 0:
+            return self._done("all_reduce", tensor)
+        opts = dist.AllreduceOptions()
+        emulate_avg = op is ReduceOp.AVG and not self._native_avg
+        opts.reduceOp = dist.ReduceOp.SUM if emulate_avg else _TORCH_OPS[op]
+        post = self._divide_post(tensor) if emulate_avg else None
+        return self._issue(
+            "all_reduce", tensor, lambda: self.process_group.allreduce([tensor], opts), post
+        )
+
+    def _impl_broadcast(self, tensor, src):
+        if tensor.numel() == 0:
+            return self._done("broadcast", tensor)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        return self._issue(
+            "broadcast", tensor, lambda: self.process_group.broadcast([tensor], opts)
+        )
+
+    def _impl_all_gather(self, output, input):
+        if input.numel() == 0:
+            return self._done("all_gather", output)
+        out_flat, in_flat = output.view(-1), input.view(-1)
+        return self._issue(
+            "all_gather", output, lambda: self.process_group._allgather_base(out_flat, in_flat)
+        )
+
+    def _impl_reduce_scatter(self, output, input, op):
+        if output.numel() == 0:
+            return self._done("reduce_scatter", output)
+        opts = dist.ReduceScatterOptions()
+        emulate_avg = op is ReduceOp.AVG and not self._native_avg
+        opts.reduceOp = dist.ReduceOp.SUM if emulate_avg else _TORCH_OPS[op]
+        out_flat, in_flat = output.view(-1), input.view(-1)
+        post = self._divide_post(output) if emulate_avg else None
+        return self._issue(
+            "reduce_scatter",
+            output,
+            lambda: self.process_group._reduce_scatter_base(out_flat, in_flat, opts),
+            post,
+        )
+
+    def _impl_all_to_all(self, output, input):
+        if input.numel() == 0:
+            return self._done("all_to_all", output)
+        out_flat, in_flat = output.view(-1), input.view(-1)
+        return self._issue(
+            "all_to_all",
+            output,
+            lambda: self.process_group.alltoall_base(
+                out_flat, in_flat, [], [], dist.AllToAllOptions()
+            ),
+        )
+
+    def _impl_send(self, tensor, dst):
+        if tensor.numel() == 0:
+            return self._done("send", tensor)
+        return self._issue("send", tensor, lambda: self.process_group.send([tensor], dst, 0))
+
+    def _impl_recv(self, tensor, src):
+        if tensor.numel() == 0:
+            return self._done("recv", tensor)
+        return self._issue("recv", tensor, lambda: self.process_group.recv([tensor], src, 0))
+
+    def _impl_barrier(self):
+        return self._issue(
+            "barrier", None, lambda: self.process_group.barrier(dist.BarrierOptions())
+        )
+
+    # ------------------------------------------------------------------ objects / split
+    def all_gather_object(self, obj, timeout=None) -> list:
+        """Gathers a small picklable object from every member (through the group itself)."""
+        self._check_open("all_gather_object")
+        gathered: list = [None] * self.size
+        dist.all_gather_object(gathered, obj, group=self.process_group)
+        return gathered
+
+    def _new_child(self, store: Store, rank: int, size: int, timeout: timedelta):
+        from .world import new_communicator
+
+        if self._device.type == "cuda":
+            return new_communicator(
+                "nccl", store=store, rank=rank, size=size, timeout=timeout, device=self._device
+            )
+        return new_communicator("gloo", store=store, rank=rank, size=size, timeout=timeout)
+
+
+def _group_store(pg: dist.ProcessGroup, rank: int, timeout) -> Store:
+    """A fastcomm view of the group's own store, under a prefix private to this adapter."""
+    try:
+        base = pg.get_group_store()
+    except (RuntimeError, AttributeError):
+        base = dist.distributed_c10d._get_default_store()
+    # Every adapter of a group gets its own namespace (adapters are made in the same order on
+    # every member, like any collective), so store-based helpers of two never share keys.
+    count = _ADAPTERS.setdefault(pg.group_name, itertools.count())
+    prefix = f"fastcomm/torch_pg/{pg.group_name}/{next(count)}"
+    return Store(
+        timeout=timeout,
+        rank=rank,
+        _base=dist.PrefixStore(prefix, base),
+        _root=base,
+        prefix=prefix,
+    )

@@ -1,0 +1,284 @@
+"""Gradient buckets: assignment, flat buffers, and the ``GradBucket`` seen by comm hooks.
+
+Assignment (`assign_buckets`): parameters are taken in a given order (reverse registration
+order at first, the observed arrival order after the rebuild) and appended to the open bucket
+of their dtype and device; a bucket closes once it holds at least its cap (torch's rule, so a
+bucket may pass its cap by one tensor). Caps are used in launch order and the last repeats.
+
+Layout: bucket ``b`` owns ``flat``, one 1-D buffer of its dtype holding its parameters'
+gradients back to back in bucket order; ``views[i]`` is parameter ``i``'s slice shaped like
+the parameter. With ``gradient_as_bucket_view`` the ``.grad`` of each parameter *is* that
+view (so ``flat`` aliases the gradients); otherwise ``flat`` is a staging buffer that the
+fused pack kernel fills and the unpack kernel empties.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fastcomm import kernels
+
+__all__ = ["Bucket", "GradBucket", "assign_buckets", "pack_bucket", "unpack_grads"]
+
+
+def assign_buckets(
+    params: Sequence[torch.Tensor], order: Sequence[int], caps_bytes: Sequence[int]
+) -> list[list[int]]:
+    """Groups parameter indices, taken in `order`, into buckets of one dtype and device.
+
+    Args:
+        params: every parameter, indexed by position.
+        order: the indices in the order their gradients are expected.
+        caps_bytes: byte caps of the buckets of each (dtype, device), in order; the last
+            repeats.
+
+    Returns:
+        Buckets (lists of indices) in launch order: closed buckets as they close, then the
+        still-open ones in the order they were opened.
+    """
+    open_buckets: dict[tuple, tuple[list[int], list[int]]] = {}  # key -> (indices, [bytes, n])
+    done: list[list[int]] = []
+    for i in order:
+        p = params[i]
+        key = (p.dtype, p.device)
+        indices, state = open_buckets.setdefault(key, ([], [0, 0]))
+        indices.append(i)
+        state[0] += p.numel() * p.element_size()
+        if state[0] >= caps_bytes[min(state[1], len(caps_bytes) - 1)]:
+            done.append(indices)
+            open_buckets[key] = ([], [0, state[1] + 1])
+    done.extend(indices for indices, _ in open_buckets.values() if indices)
+    return done
+
+
+class Bucket:
+    """One bucket's parameters, their layout in ``flat`` and scratch buffers for hooks."""
+
+    __slots__ = (
+        "index", "param_indices", "params", "names", "offsets", "numel", "dtype", "device",
+        "flat", "views", "scratch",
+    )
+
+    def __init__(self, index: int, param_indices: list[int], params, names) -> None:
+        self.index = index
+        self.param_indices = param_indices
+        self.params = [params[i] for i in param_indices]
+        self.names = [names[i] for i in param_indices]
+        first = self.params[0]
+        self.dtype, self.device = first.dtype, first.device
+        self.offsets = []
+        total = 0
+        for p in self.params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.numel = total
+        self.flat = torch.zeros(total, dtype=self.dtype, device=self.device)
+        self.views = [
+            self.flat[o : o + p.numel()].view(p.shape)
+            for o, p in zip(self.offsets, self.params, strict=True)
+        ]
+        self.scratch: dict[object, torch.Tensor] = {}
+
+    def scratch_buffer(self, key: object, dtype: torch.dtype, numel: int | None = None):
+        """A buffer reused across iterations (hooks' compressed copies); zeros when new."""
+        numel = self.numel if numel is None else numel
+        buf = self.scratch.get(key)
+        if buf is None or buf.dtype != dtype or buf.numel() != numel:
+            buf = torch.zeros(numel, dtype=dtype, device=self.device)
+            self.scratch[key] = buf
+        return buf
+
+    def __repr__(self) -> str:
+        return (
+            f"Bucket({self.index}, {len(self.params)} params, {self.numel} x {self.dtype}, "
+            f"{self.device})"
+        )
+
+
+# ---------------------------------------------------------------------- pack / unpack
+def _flush_pack(run, out, start, end, scale) -> None:
+    if run:
+        kernels.pack(run, out[start:end], scale=scale, dtype=out.dtype)
+
+
+def pack_bucket(bucket: Bucket, grads: Sequence[torch.Tensor | None], out, *, scale=1.0):
+    """Packs a bucket's `grads` into `out` (a flat buffer of its size) with the fused kernel.
+
+    ``None`` gradients (parameters that got none) contribute zeros. The common case, every
+    gradient present and contiguous, is exactly one ``kernels.pack`` launch.
+    """
+    if all(g is not None and g.is_contiguous() for g in grads):
+        return kernels.pack(grads, out, scale=scale, dtype=out.dtype)
+    run: list[torch.Tensor] = []
+    run_start = 0
+    for g, p, off in zip(grads, bucket.params, bucket.offsets, strict=True):
+        if g is None:
+            _flush_pack(run, out, run_start, off, scale)
+            run = []
+            out[off : off + p.numel()].zero_()
+            run_start = off + p.numel()
+        else:
+            run.append(g if g.is_contiguous() else g.contiguous())
+    _flush_pack(run, out, run_start, bucket.numel, scale)
+    return out
+
+
+def unpack_grads(
+    flat: torch.Tensor,
+    targets: Sequence[torch.Tensor | None],
+    offsets: Sequence[int],
+    numel: int,
+    *,
+    scale: float = 1.0,
+) -> None:
+    """Unpacks `flat` into `targets` (``None``: leave that slice unread) with the fused kernel.
+
+    ``offsets[i]`` is target ``i``'s start in `flat`; the common case, every target present
+    and contiguous, is one ``kernels.unpack`` launch. Non-contiguous targets (channels-last
+    gradients) are filled through a contiguous copy.
+    """
+    if all(t is not None and t.is_contiguous() for t in targets):
+        kernels.unpack(flat, targets, scale=scale)
+        return
+    run: list[torch.Tensor] = []
+    fixups: list[tuple[torch.Tensor, torch.Tensor]] = []
+    run_start = 0
+    ends = list(offsets[1:]) + [numel]
+    for t, off, end in zip(targets, offsets, ends, strict=True):
+        if t is None:
+            if run:
+                kernels.unpack(flat[run_start:off], run, scale=scale)
+            run = []
+            run_start = end
+            continue
+        if not t.is_contiguous():
+            tmp = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            fixups.append((t, tmp))
+            t = tmp
+        run.append(t)
+    if run:
+        kernels.unpack(flat[run_start:numel], run, scale=scale)
+    for t, tmp in fixups:
+        t.copy_(tmp)
+
+
+# ---------------------------------------------------------------------- torch's contract
+class GradBucket:
+    """What a comm hook receives: torch's ``dist.GradBucket`` contract, plus fused packing.
+
+    torch's methods: ``index()``, ``buffer()`` (the flat gradients, unscaled, packed on first
+    use), ``gradients()`` (views of ``buffer()`` shaped like the parameters), ``parameters()``,
+    ``is_last()``, ``set_buffer(tensor)``.
+
+    fastcomm's additions, used by the built-in hooks: ``packed(dtype, scale)`` packs the
+    gradients straight into a buffer of another dtype with the scale applied (one kernel,
+    instead of ``buffer()`` then a cast), ``scale()`` is the averaging factor the reducer
+    would apply (``1/world``, or what ``join`` says), ``comm`` is the DDP's communicator and
+    ``parameter_names()`` the parameters' qualified names.
+    """
+
+    __slots__ = ("_bucket", "_grads", "_buffer", "_last", "_scale", "_bucket_view", "comm")
+
+    def __init__(
+        self,
+        bucket: Bucket,
+        grads: list[torch.Tensor | None] | None,
+        *,
+        is_last: bool,
+        scale: float,
+        bucket_view: bool,
+        comm,
+    ) -> None:
+        self._bucket = bucket
+        self._grads = grads  # None: a joined rank's shadow bucket (zeros)
+        self._buffer: torch.Tensor | None = None
+        self._last = is_last
+        self._scale = scale
+        self._bucket_view = bucket_view
+        self.comm = comm
+
+    # torch's contract ---------------------------------------------------------------
+    def index(self) -> int:
+        return self._bucket.index
+
+    def buffer(self) -> torch.Tensor:
+        if self._buffer is None:
+            flat = self._bucket.flat
+            if self._grads is None:
+                flat.zero_()
+            elif not self._bucket_view:
+                pack_bucket(self._bucket, self._grads, flat)
+            self._buffer = flat
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        buf = self.buffer()
+        return [
+            buf[o : o + p.numel()].view(p.shape)
+            for o, p in zip(self._bucket.offsets, self._bucket.params, strict=True)
+        ]
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self._bucket.params)
+
+    def is_last(self) -> bool:
+        return self._last
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    # fastcomm's additions -------------------------------------------------------------
+    def scale(self) -> float:
+        """The averaging factor of this iteration (``1 / world_size`` unless joined)."""
+        return self._scale
+
+    def parameter_names(self) -> list[str]:
+        return list(self._bucket.names)
+
+    def numel(self) -> int:
+        return self._bucket.numel
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._bucket.dtype
+
+    def packed(
+        self, dtype: torch.dtype | None = None, scale: float = 1.0, *, numel: int | None = None
+    ) -> torch.Tensor:
+        """The gradients times `scale`, as a flat buffer of `dtype`, in one fused kernel.
+
+        Args:
+            dtype: dtype of the result (default: the bucket's).
+            scale: factor applied while packing (e.g. ``bucket.scale()`` to average).
+            numel: length of the result when it must be longer than the bucket (the tail is
+                zeros), e.g. padded to whole quantization blocks per rank.
+
+        Returns:
+            With the bucket's own dtype and length, the bucket's flat buffer (scaled in
+            place); otherwise a scratch buffer of the bucket, reused every iteration.
+        """
+        bucket = self._bucket
+        dtype = bucket.dtype if dtype is None else dtype
+        numel = bucket.numel if numel is None else numel
+        if numel < bucket.numel:
+            raise ValueError(f"numel={numel} is shorter than the bucket ({bucket.numel})")
+        if dtype == bucket.dtype and numel == bucket.numel:
+            full = out = bucket.flat
+        else:
+            full = bucket.scratch_buffer(("packed", dtype, numel), dtype, numel)
+            out = full[: bucket.numel]
+        if self._grads is None:  # a joined rank's shadow bucket
+            return full.zero_()
+        if self._buffer is not None and self._buffer is not bucket.flat:
+            kernels.pack([self._buffer.reshape(-1)], out, scale=scale, dtype=dtype)
+        elif self._bucket_view or self._buffer is not None:
+            if out is bucket.flat:
+                if scale != 1.0:
+                    out.mul_(scale)
+            else:
+                kernels.pack([bucket.flat], out, scale=scale, dtype=dtype)
+        else:
+            pack_bucket(bucket, self._grads, out, scale=scale)
+        return full

@@ -1,0 +1,391 @@
+"""``DDP``: a drop-in ``torch.nn.parallel.DistributedDataParallel`` on fastcomm.
+
+Swap the class and keep the script: the constructor takes torch's arguments in torch's order
+(plus ``comm=``, keyword only), ``.module``, ``state_dict()`` (keys prefixed ``module.``),
+``no_sync()``, ``join()`` and ``register_comm_hook`` behave as torch's. The gradient reduction
+is fastcomm's: buckets packed with the fused kernel (averaging folded in), allreduces launched
+from the autograd hooks so they overlap the rest of backward, one unpack per bucket at the end.
+
+Communicator: ``comm`` if given; else ``process_group`` adapted (`TorchPGCommunicator`); else
+``fastcomm.get_world()`` when ``fastcomm.init()`` ran; else torch's default group, adapted.
+
+Torch arguments with no fastcomm meaning are accepted and documented on ``__init__``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fastcomm.comm.base import Communicator
+
+from .config import DDPConfig, check_param_dtype
+from .join import Join, notify_join
+from .reducer import Reducer
+from .sync import broadcast_tensors, verify_same_parameters
+
+__all__ = ["DDP", "DistributedDataParallel"]
+
+
+def resolve_comm(comm, process_group) -> Communicator:
+    """The communicator a DDP uses (see the module docstring)."""
+    if comm is not None:
+        if not isinstance(comm, Communicator):
+            raise TypeError(f"comm must be a fastcomm Communicator, got {type(comm).__name__}")
+        return comm
+    from fastcomm.comm.torch_pg import TorchPGCommunicator
+
+    if process_group is not None:
+        return TorchPGCommunicator(process_group)
+    import fastcomm
+
+    if fastcomm.is_initialized():
+        return fastcomm.get_world()
+    if dist.is_available() and dist.is_initialized():
+        return TorchPGCommunicator(None)
+    raise RuntimeError(
+        "fastcomm DDP needs a communicator: call torch.distributed.init_process_group(...) or "
+        "fastcomm.init() first, or pass comm= (a fastcomm communicator) or process_group="
+    )
+
+
+class DDP(nn.Module):
+    """Data parallelism over a fastcomm communicator, with torch DDP's interface.
+
+    Args:
+        module: the model; every rank wraps the same architecture.
+        device_ids: ``None`` or one CUDA device for a single-device CUDA module (inputs are
+            moved there, as torch does).
+        output_device: accepted as torch's (outputs stay where the module puts them).
+        dim: accepted for compatibility (DDP never scatters inputs).
+        broadcast_buffers: broadcast rank 0's buffers at each forward (and include buffers in
+            the construction-time broadcast). ``forward_sync_buffers`` overrides it.
+        init_sync: check the parameters match across ranks and broadcast rank 0's state.
+        process_group: a torch ``ProcessGroup`` to reduce over (adapted).
+        bucket_cap_mb: bucket cap in MiB (default 25, with a 1 MiB first bucket).
+        find_unused_parameters: mark the parameters unreachable from the outputs ready.
+        check_reduction: deprecated in torch; ignored.
+        gradient_as_bucket_view: ``.grad`` are views into the bucket buffers.
+        static_graph: learn the unused set once; no graph traversal after that.
+        delay_all_reduce_named_params, param_to_hook_all_reduce: torch's delayed-allreduce
+            feature; not supported (``ValueError`` when given).
+        mixed_precision: torch's ``_MixedPrecision``: ``reduce_dtype`` (or ``param_dtype``)
+            sets the communication dtype, cast fused into pack/unpack; ``buffer_dtype``
+            casts the buffers once. Parameters stay in their dtype: run forward under
+            ``torch.autocast`` for low-precision compute.
+        device_mesh: a 1-D ``DeviceMesh``; its group is used as ``process_group``.
+        skip_all_reduce_unused_params: skip buckets whose parameters all went unused (every
+            rank must have the same unused set).
+        bucket_cap_mb_list: per-bucket caps in MiB, in launch order (the last repeats).
+        batched_grad_copy: accepted; fastcomm always packs a bucket in one fused kernel.
+        forward_sync_buffers: torch's replacement for ``broadcast_buffers``.
+        comm: a fastcomm communicator to reduce over.
+
+    Raises:
+        RuntimeError: no communicator can be found, or no parameter requires a gradient.
+        ValueError: parameters differ across ranks (raised on every rank), bad options.
+        TypeError: a parameter dtype that cannot be reduced.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: list[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = True,
+        init_sync: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: list | None = None,
+        param_to_hook_all_reduce: nn.Parameter | None = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: list[float] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
+        *,
+        comm: Communicator | None = None,
+    ) -> None:
+        super().__init__()
+        if delay_all_reduce_named_params is not None or param_to_hook_all_reduce is not None:
+            raise ValueError(
+                "delay_all_reduce_named_params / param_to_hook_all_reduce are not supported by "
+                "fastcomm DDP; leave them None"
+            )
+        if device_mesh is not None:
+            if process_group is not None:
+                raise ValueError("pass either process_group or device_mesh, not both")
+            if device_mesh.ndim != 1:
+                raise ValueError(f"device_mesh must be 1-D, got {device_mesh.ndim} dimensions")
+            process_group = device_mesh.get_group()
+        if broadcast_buffers is None:
+            broadcast_buffers = True
+        forward_sync = broadcast_buffers if forward_sync_buffers is None else forward_sync_buffers
+        init_sync_buffers = True if forward_sync_buffers is not None else broadcast_buffers
+        self.config = DDPConfig(
+            bucket_cap_mb=bucket_cap_mb,
+            bucket_cap_mb_list=bucket_cap_mb_list,
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+            forward_sync_buffers=forward_sync,
+            init_sync=init_sync,
+            init_sync_buffers=init_sync_buffers,
+            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+            batched_grad_copy=batched_grad_copy,
+        )
+        self.module = module
+        self.dim = dim
+        self.process_group = process_group
+        self.comm = resolve_comm(comm, process_group)
+        self.mixed_precision = mixed_precision
+
+        ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        self.parameters_to_ignore = ignore
+        names, params = _reduced_parameters(module, ignore)
+        if not params:
+            raise RuntimeError(
+                "DistributedDataParallel is not needed when a module doesn't have any "
+                "parameter that requires a gradient."
+            )
+        for name, p in zip(names, params, strict=True):
+            check_param_dtype(name, p)
+        devices = {p.device for p in params}
+        self.device = next(iter(devices))
+        self.device_type = self.device.type
+        if device_ids:
+            if len(device_ids) != 1 or self.device_type == "cpu" or len(devices) > 1:
+                raise ValueError(
+                    f"device_ids must be None or a single device for a single-device CUDA "
+                    f"module, got {device_ids} for parameters on {sorted(map(str, devices))}"
+                )
+            self.device_ids = [_device_index(device_ids[0])]
+            self.output_device = (
+                self.device_ids[0] if output_device is None else _device_index(output_device)
+            )
+        else:
+            self.device_ids = None
+            self.output_device = None
+        if mixed_precision is not None:
+            _check_mixed_precision(mixed_precision)
+            if getattr(mixed_precision, "buffer_dtype", None) is not None:
+                for buf in module.buffers():
+                    if buf.is_floating_point():
+                        buf.data = buf.data.to(mixed_precision.buffer_dtype)
+
+        if self.config.init_sync:
+            verify_same_parameters(self.comm, names, params)
+            state = list(params)
+            if self.config.init_sync_buffers:
+                state += [b for _, b in self._named_buffers()]
+            broadcast_tensors(self.comm, state, src=0)
+
+        self.reducer = Reducer(params, names, self.comm, self.config)
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self._join: Join | None = None
+        self._comm_hook_registered = False
+        reduce_dtype = _reduce_dtype(mixed_precision)
+        if reduce_dtype is not None:
+            from .hooks.default import _make_cast_hook
+
+            self.reducer.comm_hook = _make_cast_hook(reduce_dtype)
+
+    # ------------------------------------------------------------------ torch's surface
+    @property
+    def broadcast_buffers(self) -> bool:
+        return self.config.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.config.forward_sync_buffers = bool(value)
+
+    forward_sync_buffers = broadcast_buffers
+
+    @property
+    def find_unused_parameters(self) -> bool:
+        return self.config.find_unused_parameters
+
+    @property
+    def gradient_as_bucket_view(self) -> bool:
+        return self.config.gradient_as_bucket_view
+
+    @property
+    def static_graph(self) -> bool:
+        return self.config.static_graph
+
+    @property
+    def bucket_bytes_cap(self) -> int:
+        return self.config.bucket_bytes_cap
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, names) -> None:
+        """Names (``"layer.weight"``) of parameters and buffers DDP leaves alone (torch's)."""
+        module._ddp_params_and_buffers_to_ignore = list(names)
+
+    def _named_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        return [
+            (n, b) for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore
+        ]
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        reducer = self.reducer
+        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        reducer.prepare_for_forward()
+        if self._join is not None:
+            notify_join(self, sync)
+        if sync and reducer.rebuild_due:
+            reducer.rebuild()
+        if self._will_sync_buffers():
+            self._sync_buffers()
+        if self.device_ids:
+            inputs, kwargs = _to_device((inputs, kwargs), torch.device("cuda", self.device_ids[0]))
+        output = self.module(*inputs, **kwargs)
+        self.require_forward_param_sync = sync
+        reducer.prepare_for_backward(output, sync)
+        return output
+
+    def _will_sync_buffers(self) -> bool:
+        return (
+            self.require_forward_param_sync
+            and self.config.forward_sync_buffers
+            and self.comm.size > 1
+        )
+
+    def _sync_buffers(self, src: int | None = None) -> None:
+        buffers = [b for _, b in self._named_buffers()]
+        if not buffers:
+            return
+        if src is None:
+            src = self._join.buffer_source(self) if self._join is not None else 0
+        broadcast_tensors(self.comm, buffers, src=src)
+
+    # ------------------------------------------------------------------ context managers
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first synchronized iteration after it reduces the
+        accumulated sum. Include the forward in the context, as with torch."""
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """Training with uneven inputs: ranks that run out shadow the others' collectives.
+
+        Args:
+            divide_by_initial_world_size: average over the initial world size (default) or
+                over the ranks still training.
+            enable: ``False`` makes the context a no-op.
+            throw_on_early_termination: raise on every rank as soon as one runs out.
+        """
+        return Join(self, enable, throw_on_early_termination, divide_by_initial_world_size)
+
+    # ------------------------------------------------------------------ comm hooks
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """Registers ``hook(state, bucket) -> Future[Tensor]`` (torch's contract).
+
+        ``bucket`` is a :class:`fastcomm.ddp.GradBucket`; the future's value is the reduced
+        flat buffer (any float dtype: it is cast while unpacking). Call it once, before the
+        first backward.
+
+        Raises:
+            RuntimeError: a hook is already registered, or reduction already started.
+        """
+        if self._comm_hook_registered:
+            raise RuntimeError("register_comm_hook can only be called once")
+        if self.reducer.synced_iterations or self.reducer.expect_hooks:
+            raise RuntimeError("register_comm_hook must be called before the first backward")
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+        self._comm_hook_registered = True
+        self.reducer.comm_hook = hook
+        self.reducer.hook_state = state
+
+    def _set_static_graph(self) -> None:
+        """torch's private switch, kept for scripts that call it before training."""
+        if self.reducer.synced_iterations:
+            raise RuntimeError("_set_static_graph must be called before the first iteration")
+        self.config.static_graph = True
+        self.reducer._recording = True
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        return {
+            "world_size": self.comm.size,
+            "rank": self.comm.rank,
+            "backend_name": self.comm.backend,
+            "bucket_sizes": [b.numel * b.flat.element_size() for b in self.reducer.buckets],
+            "has_rebuilt_buckets": int(self.reducer.rebuilt),
+            "find_unused_parameters": int(self.find_unused_parameters),
+            "static_graph": int(self.static_graph),
+            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
+        }
+
+
+DistributedDataParallel = DDP
+
+
+def _reduced_parameters(module: nn.Module, ignore: set[str]):
+    """(names, params): parameters requiring grad, deduplicated, in registration order."""
+    names, params, seen = [], [], set()
+    for mod_name, mod in module.named_modules():
+        for p_name, p in mod.named_parameters(recurse=False):
+            fqn = f"{mod_name}.{p_name}" if mod_name else p_name
+            if not p.requires_grad or fqn in ignore or id(p) in seen:
+                continue
+            seen.add(id(p))
+            names.append(fqn)
+            params.append(p)
+    return names, params
+
+
+def _device_index(device: int | str | torch.device) -> int:
+    if isinstance(device, int):
+        return device
+    index = torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple):
+        return tuple(_to_device(x, device) for x in obj)
+    if isinstance(obj, list):
+        return [_to_device(x, device) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def _check_mixed_precision(mp: Any) -> None:
+    for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+        value = getattr(mp, name, None)
+        if value is not None and value not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"mixed_precision.{name}={value}; expected float16/bfloat16/float32")
+
+
+def _reduce_dtype(mp: Any) -> torch.dtype | None:
+    if mp is None:
+        return None
+    dtype = getattr(mp, "reduce_dtype", None) or getattr(mp, "param_dtype", None)
+    return None if dtype in (None, torch.float32) else dtype

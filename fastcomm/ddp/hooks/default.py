@@ -1,0 +1,77 @@
+"""Allreduce hooks: plain, fp16 and bf16 compression.
+
+Each follows torch's contract ``hook(state, bucket) -> Future[Tensor]``. ``state`` names the
+group to reduce over: ``None`` (the DDP's own communicator), a fastcomm communicator, or a
+torch ``ProcessGroup``. The compression hooks pack the gradients straight into a half-precision
+buffer with the averaging applied (one fused kernel) and resolve to that buffer; the reducer's
+unpack casts it back into ``.grad`` (one more kernel). torch's hooks take two passes each way
+(``buffer()`` then ``.to(dtype).div_()``; ``copy_`` then unpack).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fastcomm.comm.base import Communicator
+
+from ..bucket import GradBucket
+
+__all__ = ["allreduce_hook", "bf16_compress_hook", "fp16_compress_hook", "resolve_comm"]
+
+_ADAPTED: dict[int, Communicator] = {}
+
+
+def resolve_comm(group: object, bucket: GradBucket) -> Communicator:
+    """The communicator a hook reduces over: `group` if it names one, else the DDP's."""
+    if group is None:
+        return bucket.comm
+    if isinstance(group, Communicator):
+        return group
+    if isinstance(group, dist.ProcessGroup):
+        comm = _ADAPTED.get(id(group))
+        if comm is None or comm.process_group is not group:
+            from fastcomm.comm.torch_pg import TorchPGCommunicator
+
+            comm = _ADAPTED[id(group)] = TorchPGCommunicator(group)
+        return comm
+    raise TypeError(
+        f"hook state must be None, a fastcomm Communicator or a torch ProcessGroup, got "
+        f"{type(group).__name__}"
+    )
+
+
+def average_scale(comm: Communicator, bucket: GradBucket) -> float:
+    """``1 / size`` of `comm`; the DDP's own factor (which ``join`` may change) for its comm."""
+    return bucket.scale() if comm is bucket.comm else 1.0 / comm.size
+
+
+def _reduce_as(dtype: torch.dtype | None, group: object, bucket: GradBucket):
+    comm = resolve_comm(group, bucket)
+    flat = bucket.packed(dtype, average_scale(comm, bucket))
+    return comm.all_reduce(flat, async_op=True).get_future()
+
+
+def allreduce_hook(state: object, bucket: GradBucket) -> torch.futures.Future:
+    """Averages the bucket with one allreduce: what DDP does without a hook."""
+    return _reduce_as(None, state, bucket)
+
+
+def fp16_compress_hook(state: object, bucket: GradBucket) -> torch.futures.Future:
+    """Communicates in float16: averaged while packing, cast back while unpacking."""
+    return _reduce_as(torch.float16, state, bucket)
+
+
+def bf16_compress_hook(state: object, bucket: GradBucket) -> torch.futures.Future:
+    """Communicates in bfloat16: averaged while packing, cast back while unpacking."""
+    return _reduce_as(torch.bfloat16, state, bucket)
+
+
+def _make_cast_hook(dtype: torch.dtype):
+    """The hook a DDP with ``mixed_precision.reduce_dtype`` installs: reduce in `dtype`."""
+
+    def cast_hook(state: object, bucket: GradBucket) -> torch.futures.Future:
+        return _reduce_as(dtype, state, bucket)
+
+    cast_hook.__name__ = f"reduce_in_{str(dtype).removeprefix('torch.')}_hook"
+    return cast_hook

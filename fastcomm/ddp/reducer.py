@@ -1,0 +1,486 @@
+"""The reducer: per-parameter hooks, ready counting, bucket launches, finalize, rebuild.
+
+One iteration, as the reducer sees it:
+
+1. ``prepare_for_backward`` (end of the DDP forward) resets the ready state and, with
+   ``find_unused_parameters``, finds the parameters the outputs' autograd graph does not reach.
+2. Backward: each parameter's post-accumulate-grad hook marks it ready. The first hook queues
+   ``_finalize`` on the autograd engine and marks the unused parameters ready. When bucket
+   ``next`` has every parameter ready, it is packed (averaging folded into the fused pack) and
+   its allreduce -- or the comm hook -- is launched asynchronously; buckets launch strictly in
+   index order, the same order on every rank, so the collectives match.
+3. ``_finalize`` (end of backward) waits for each bucket in order and unpacks the reduced
+   buffer into ``.grad`` (nothing to unpack with ``gradient_as_bucket_view``).
+
+Buckets start in reverse registration order; after the first synchronized iteration they are
+rebuilt once in the order gradients arrived on rank 0 (broadcast, so every rank builds the
+same buckets). A parameter that never got its gradient leaves its bucket unlaunched: the next
+forward raises an error naming it instead of hanging in a collective.
+
+Threads: hooks and ``_finalize`` run on the thread that runs backward; collectives complete
+on the communicator's own thread (Gloo) or stream (NCCL), which is what overlaps them with the
+rest of backward.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from fastcomm.comm.base import Communicator
+from fastcomm.comm.work import Work
+
+from .bucket import Bucket, GradBucket, assign_buckets, pack_bucket, unpack_grads
+from .config import DDPConfig
+
+__all__ = ["Reducer", "find_unused"]
+
+# _ready states of a parameter in the current iteration
+_WAITING, _GOT_GRAD, _UNUSED = 0, 1, 2
+_SKIPPED = object()  # result of a bucket that skip_all_reduce_unused_params did not reduce
+
+
+class Reducer:
+    """Buckets ``params`` and reduces their gradients over ``comm`` during backward.
+
+    Args:
+        params: parameters to reduce (deduplicated, requiring grad), in registration order.
+        names: their qualified names (for error messages and hook state keys).
+        comm: the communicator; every rank holds a reducer over the same parameters.
+        config: the DDP options.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        names: Sequence[str],
+        comm: Communicator,
+        config: DDPConfig,
+    ) -> None:
+        self.params = list(params)
+        self.names = list(names)
+        self.comm = comm
+        self.config = config
+        self.bucket_view = config.gradient_as_bucket_view
+        self.index_of = {id(p): i for i, p in enumerate(self.params)}
+        self.scale = 1.0 / comm.size
+        self.comm_hook: Callable | None = None
+        self.hook_state: Any = None
+        self.buckets: list[Bucket] = []
+        self._build(list(reversed(range(len(self.params)))))
+
+        # rebuild: arrival order recorded during the first synchronized backward
+        self._recording = config.rebuild_buckets
+        self._arrivals: list[int] = []
+        self.rebuild_due = False
+        self.rebuilt = False
+
+        # static graph: what the first iteration learned
+        self.static_learned = False
+        self._static_unused: list[int] = []
+        self._static_global_unused: frozenset[int] = frozenset()
+
+        # per-iteration state
+        self.expect_hooks = False
+        self._started = False
+        self._delay = False
+        self._ready = bytearray(len(self.params))
+        self._pending: list[int] = []
+        self._next = 0
+        self._results: list[Any] = []
+        self._unused_now: list[int] = []
+        self._used_work: Work | None = None
+        self._used_map: torch.Tensor | None = None
+        self._incomplete: list[int] | None = None
+        self.synced_iterations = 0
+
+        ref = weakref.ref(self)
+        self._handles = [
+            p.register_post_accumulate_grad_hook(_make_grad_hook(ref, i))
+            for i, p in enumerate(self.params)
+        ]
+
+    # ------------------------------------------------------------------ buckets
+    def _build(self, order: list[int]) -> None:
+        groups = assign_buckets(self.params, order, self.config.bucket_caps_bytes)
+        old = self.buckets
+        self.buckets = [Bucket(b, idx, self.params, self.names) for b, idx in enumerate(groups)]
+        self._bucket_of = [0] * len(self.params)
+        self._view_of: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
+        for bucket in self.buckets:
+            for i, view in zip(bucket.param_indices, bucket.views, strict=True):
+                self._bucket_of[i] = bucket.index
+                self._view_of[i] = view
+        if self.bucket_view and old:
+            # .grad views of the old buckets move into the new ones (values kept).
+            old_ptrs = {v.data_ptr() for b in old for v in b.views if v.numel()}
+            for i, p in enumerate(self.params):
+                g = p.grad
+                if g is not None and g.numel() and g.data_ptr() in old_ptrs:
+                    self._view_of[i].copy_(g)
+                    p.grad = self._view_of[i]
+
+    def bucket_indices(self) -> list[list[int]]:
+        """Each bucket's parameter indices, in launch order (for tests and logging)."""
+        return [list(b.param_indices) for b in self.buckets]
+
+    def rebuild(self) -> None:
+        """Rebuilds the buckets in rank 0's arrival order (a collective: every rank calls it)."""
+        n = len(self.params)
+        seen = set()
+        order = [i for i in self._arrivals if not (i in seen or seen.add(i))]
+        order += [i for i in reversed(range(n)) if i not in seen]
+        t = torch.tensor(order, dtype=torch.int64, device=self.comm.device)
+        self.comm.broadcast(t, src=0)
+        order = t.tolist()
+        if sorted(order) != list(range(n)):
+            raise RuntimeError(
+                f"rank {self.comm.rank}: the bucket order broadcast by rank 0 is not a "
+                f"permutation of this rank's {n} parameters; do all ranks wrap the same model?"
+            )
+        self._build(order)
+        self._arrivals = []
+        self._recording = False
+        self.rebuild_due = False
+        self.rebuilt = True
+
+    # ------------------------------------------------------------------ iteration
+    def prepare_for_forward(self) -> None:
+        """Raises if the previous iteration left buckets unreduced (unused parameters)."""
+        if self._incomplete is not None:
+            missing, self._incomplete = self._incomplete, None
+            self.expect_hooks = False
+            raise RuntimeError(self._unused_error(missing))
+
+    def prepare_for_backward(self, outputs: Any, sync: bool) -> None:
+        """Arms the hooks for the backward of the forward that just ran.
+
+        Args:
+            outputs: the forward's output (searched for tensors with ``find_unused``).
+            sync: whether this iteration reduces (grad mode on and not in ``no_sync``).
+        """
+        self.expect_hooks = sync
+        if not sync:
+            return
+        n = len(self.params)
+        self._ready = bytearray(n)
+        self._pending = [len(b.params) for b in self.buckets]
+        self._next = 0
+        self._results = [None] * len(self.buckets)
+        self._started = False
+        self._used_work = None
+        self._delay = self.config.static_graph and not self.static_learned
+        if self.config.static_graph:
+            self._unused_now = self._static_unused if self.static_learned else []
+        elif self.config.find_unused_parameters:
+            self._unused_now = find_unused(outputs, self.index_of, n)
+        else:
+            self._unused_now = []
+
+    def _needs_used_map(self) -> bool:
+        cfg = self.config
+        if cfg.skip_all_reduce_unused_params:
+            return False
+        if cfg.static_graph:
+            return not self.static_learned
+        return cfg.find_unused_parameters
+
+    def _on_grad(self, i: int, param: torch.Tensor) -> None:
+        if not self._started:
+            self._start_backward()
+        state = self._ready[i]
+        if state == _GOT_GRAD:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: parameter {self.names[i]!r} received its gradient "
+                "twice in one iteration (a second backward through the same forward, or "
+                "reentrant checkpointing); fastcomm DDP reduces each parameter once per "
+                "iteration"
+            )
+        if self.bucket_view:
+            g = param.grad
+            view = self._view_of[i]
+            if g is not None and g.data_ptr() != view.data_ptr():
+                view.copy_(g)
+                param.grad = view
+        if self._recording:
+            self._arrivals.append(i)
+        self._ready[i] = _GOT_GRAD
+        if state == _UNUSED and self._bucket_of[i] < self._next:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: parameter {self.names[i]!r} received a gradient after "
+                "its bucket was reduced without it (it was marked unused: unreachable from the "
+                "forward's outputs, or unused in the first iteration of a static_graph DDP)"
+            )
+        if state == _WAITING:
+            b = self._bucket_of[i]
+            self._pending[b] -= 1
+            if b == self._next and not self._delay:
+                self._launch_ready()
+
+    def _start_backward(self) -> None:
+        self._started = True
+        torch.autograd.Variable._execution_engine.queue_callback(_make_finalize(weakref.ref(self)))
+        for i in self._unused_now:
+            self._mark_unused(i)
+        if not self._delay:
+            self._launch_ready()
+
+    def _mark_unused(self, i: int) -> None:
+        if self._ready[i] != _WAITING:
+            return
+        if self.bucket_view:
+            p, view = self.params[i], self._view_of[i]
+            g = p.grad
+            if g is None:
+                view.zero_()
+            elif g.data_ptr() != view.data_ptr():
+                view.copy_(g)
+                p.grad = view
+        self._ready[i] = _UNUSED
+        self._pending[self._bucket_of[i]] -= 1
+
+    def _launch_ready(self) -> None:
+        buckets = self.buckets
+        while self._next < len(buckets) and self._pending[self._next] == 0:
+            self._launch(buckets[self._next])
+            self._next += 1
+        if self._next == len(buckets) and self._used_work is None and self._needs_used_map():
+            used = torch.tensor(
+                [1 if s == _GOT_GRAD else 0 for s in self._ready],
+                dtype=torch.int32,
+                device=self.comm.device,
+            )
+            self._used_map = used
+            self._used_work = self.comm.all_reduce(used, async_op=True)
+
+    def _launch(self, bucket: Bucket) -> None:
+        if self.config.skip_all_reduce_unused_params and all(
+            self._ready[i] == _UNUSED for i in bucket.param_indices
+        ):
+            self._results[bucket.index] = _SKIPPED
+            return
+        grads = [p.grad for p in bucket.params]
+        if self.comm_hook is not None:
+            grad_bucket = GradBucket(
+                bucket,
+                grads,
+                is_last=bucket.index == len(self.buckets) - 1,
+                scale=self.scale,
+                bucket_view=self.bucket_view,
+                comm=self.comm,
+            )
+            self._results[bucket.index] = self.comm_hook(self.hook_state, grad_bucket)
+            return
+        flat = bucket.flat
+        if self.bucket_view:
+            if self.scale != 1.0:
+                flat.mul_(self.scale)
+        else:
+            pack_bucket(bucket, grads, flat, scale=self.scale)
+        self._results[bucket.index] = self.comm.all_reduce(flat, async_op=True)
+
+    # ------------------------------------------------------------------ finalize
+    def _finalize(self) -> None:
+        self.expect_hooks = False
+        self._started = False
+        if self._delay or self.config.find_unused_parameters:
+            # Everything not ready got no gradient this iteration: reduce it as unused.
+            for i in range(len(self.params)):
+                self._mark_unused(i)
+            self._launch_ready()
+        if self._next < len(self.buckets):
+            self._incomplete = [i for i, s in enumerate(self._ready) if s == _WAITING]
+            return
+        global_unused: frozenset[int] = self._static_global_unused
+        if self._used_work is not None:
+            self._used_work.wait()
+            used = self._used_map.tolist()
+            global_unused = frozenset(i for i, u in enumerate(used) if u == 0)
+            self._used_work = self._used_map = None
+        if self._delay:
+            self._static_unused = [i for i, s in enumerate(self._ready) if s == _UNUSED]
+            self._static_global_unused = global_unused
+            self.static_learned = True
+        for bucket in self.buckets:
+            self._write_back(bucket, self._wait(bucket), global_unused)
+        self._results = []
+        self._after_synced_iteration()
+
+    def _after_synced_iteration(self) -> None:
+        self.synced_iterations += 1
+        if self.config.static_graph:
+            self.static_learned = True
+        if not self.rebuilt and self.config.rebuild_buckets:
+            self.rebuild_due = True
+            self._recording = False
+
+    def _wait(self, bucket: Bucket) -> torch.Tensor | None:
+        result = self._results[bucket.index]
+        if result is _SKIPPED:
+            return None
+        if isinstance(result, Work):
+            result.wait()
+            return bucket.flat
+        if not isinstance(result, torch._C.Future):
+            raise TypeError(
+                f"comm hook {getattr(self.comm_hook, '__name__', self.comm_hook)!r} returned "
+                f"{type(result).__name__} for bucket {bucket.index}; expected a "
+                "torch.futures.Future whose value is the reduced flat tensor"
+            )
+        value = result.wait()
+        if isinstance(value, (list, tuple)) and len(value) == 1:
+            value = value[0]
+        if not isinstance(value, torch.Tensor) or value.numel() != bucket.numel:
+            got = (
+                f"a tensor of {value.numel()} elements"
+                if isinstance(value, torch.Tensor)
+                else type(value).__name__
+            )
+            raise ValueError(
+                f"comm hook future of bucket {bucket.index} resolved to {got}; expected a flat "
+                f"tensor of the bucket's {bucket.numel} elements"
+            )
+        return value.reshape(-1)
+
+    def _write_back(
+        self, bucket: Bucket, value: torch.Tensor | None, global_unused: frozenset[int]
+    ) -> None:
+        if value is None:
+            return
+        if self.bucket_view:
+            if value.data_ptr() != bucket.flat.data_ptr():
+                bucket.flat.copy_(value)
+            for i, p, view in zip(bucket.param_indices, bucket.params, bucket.views, strict=True):
+                if p.grad is None and i not in global_unused:
+                    p.grad = view
+            return
+        targets: list[torch.Tensor | None] = []
+        for i, p in zip(bucket.param_indices, bucket.params, strict=True):
+            if i in global_unused:
+                targets.append(None)
+                continue
+            g = p.grad
+            if g is None:
+                g = p.grad = torch.empty_like(p)
+            targets.append(g)
+        unpack_grads(value, targets, bucket.offsets, bucket.numel)
+
+    # ------------------------------------------------------------------ join
+    def shadow_backward(self) -> None:
+        """A joined rank's side of one synchronized backward: every bucket's collective with
+        zero gradients (through the comm hook when one is set), in bucket order."""
+        results = []
+        for bucket in self.buckets:
+            if self.comm_hook is not None:
+                grad_bucket = GradBucket(
+                    bucket,
+                    None,
+                    is_last=bucket.index == len(self.buckets) - 1,
+                    scale=self.scale,
+                    bucket_view=self.bucket_view,
+                    comm=self.comm,
+                )
+                results.append(self.comm_hook(self.hook_state, grad_bucket))
+            else:
+                bucket.flat.zero_()
+                results.append(self.comm.all_reduce(bucket.flat, async_op=True))
+        if self._needs_used_map():
+            used = torch.zeros(len(self.params), dtype=torch.int32, device=self.comm.device)
+            results.append(self.comm.all_reduce(used, async_op=True))
+        for r in results:
+            r.wait()
+        self._after_synced_iteration()
+
+    # ------------------------------------------------------------------ errors / lifetime
+    def _unused_error(self, missing: list[int]) -> str:
+        names = [self.names[i] for i in missing]
+        shown = ", ".join(names[:20])
+        if len(names) > 20:
+            shown += f", ... ({len(names) - 20} more)"
+        return (
+            f"fastcomm DDP (rank {self.comm.rank} of {self.comm.size}): the previous iteration "
+            f"did not finish reducing gradients: {len(names)} parameter(s) received no "
+            f"gradient in its backward: {shown}. Their buckets were never reduced. Pass "
+            "find_unused_parameters=True to DDP if some parameters do not take part in the "
+            "loss (or static_graph=True if the same ones never do), or make every output of "
+            "forward contribute to the loss."
+        )
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __del__(self) -> None:
+        self.remove_hooks()
+
+
+def _make_grad_hook(ref: weakref.ref, i: int):
+    def hook(param: torch.Tensor) -> None:
+        reducer = ref()
+        if reducer is not None and reducer.expect_hooks:
+            reducer._on_grad(i, param)
+
+    return hook
+
+
+def _make_finalize(ref: weakref.ref):
+    def finalize() -> None:
+        reducer = ref()
+        if reducer is not None:
+            reducer._finalize()
+
+    return finalize
+
+
+def find_unused(outputs: Any, index_of: dict[int, int], n: int) -> list[int]:
+    """Indices of parameters the autograd graph of `outputs` does not reach.
+
+    Args:
+        outputs: anything holding tensors (nested lists, tuples, dicts, dataclasses).
+        index_of: ``id(param) -> index``.
+        n: number of parameters.
+    """
+    reached = bytearray(n)
+    stack = []
+    for t in _tensors(outputs):
+        if not t.requires_grad:
+            continue
+        if t.grad_fn is None:
+            i = index_of.get(id(t))
+            if i is not None:
+                reached[i] = 1
+        else:
+            stack.append(t.grad_fn)
+    seen = set()
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)
+        if var is not None:
+            i = index_of.get(id(var))
+            if i is not None:
+                reached[i] = 1
+        for nxt, _ in fn.next_functions:
+            if nxt is not None:
+                stack.append(nxt)
+    return [i for i in range(n) if not reached[i]]
+
+
+def _tensors(obj: Any):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors(x)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for name in obj.__dataclass_fields__:
+            yield from _tensors(getattr(obj, name))
