@@ -98,3 +98,26 @@ def test_hooks_accept_a_fastcomm_comm_as_state(comm):
     model(x).sum().backward()
     expected = torch.ones(6, 3).t() @ x  # d(sum)/dW
     torch.testing.assert_close(model.module.weight.grad, expected.to(torch.bfloat16).float())
+
+
+def test_buckets_launch_during_backward(comm):
+    """Overlap: the first bucket is handed to the communicator while backward still has the
+    earlier layers' gradients to compute, and every bucket before the end-of-backward step."""
+    from fastcomm.ddp import hooks
+
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
+    model = DDP(net, comm=comm, bucket_cap_mb=0.0005)  # ~one layer per bucket
+    first_layer = net[0].weight
+    pending_at_launch = []
+
+    def hook(state, bucket):
+        pending_at_launch.append(first_layer.grad is None)
+        return hooks.allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, hook)
+    model(torch.randn(4, 16)).sum().backward()
+    assert len(pending_at_launch) == len(model.reducer.buckets) >= 6
+    # every bucket but the one holding the first layer launched before its gradient existed
+    assert pending_at_launch[:-1] == [True] * (len(pending_at_launch) - 1)
+    assert first_layer.grad is not None
