@@ -1,1 +1,40 @@
-"""Fused bucket kernels (Triton on CUDA, pure-torch reference on CPU)."""
+"""Fused bucket kernels (Triton on CUDA, pure-torch reference on CPU).
+
+- ``pack(tensors, out=None, *, scale=1.0, dtype=None)``: tensors -> one flat buffer, scaled
+  and cast, one launch (per dtype of a mixed list).
+- ``unpack(flat, tensors, *, scale=1.0, accumulate=False)``: the inverse, e.g. with
+  ``scale=1/world`` to average.
+- ``quantize(x, *, dtype=int8|float8_e4m3fn, block=256, error=None, out=None)`` and
+  ``dequantize(q, scales, *, out=None, accumulate=False, block=None)``: block-wise symmetric
+  quantization of flat buffers, with fused error feedback.
+- ``*_reference``: the pure-torch versions (what CPU tensors run; the test oracles).
+- ``kernel_backend(tensor)``: ``"triton"`` or ``"torch"``, what the ops above use for it.
+
+Environment: ``FASTCOMM_KERNELS=triton|torch`` forces an implementation; Triton kernels run
+on CPU tensors in Triton's interpreter when ``FASTCOMM_KERNELS=triton`` and
+``TRITON_INTERPRET=1`` was set before triton was first imported.
+"""
+
+from ._launch import clear_table_cache, kernel_backend
+from ._pack import pack, pack_reference, unpack, unpack_reference
+from ._quantize import (
+    DEFAULT_BLOCK,
+    dequantize,
+    dequantize_reference,
+    quantize,
+    quantize_reference,
+)
+
+__all__ = [
+    "DEFAULT_BLOCK",
+    "clear_table_cache",
+    "dequantize",
+    "dequantize_reference",
+    "kernel_backend",
+    "pack",
+    "pack_reference",
+    "quantize",
+    "quantize_reference",
+    "unpack",
+    "unpack_reference",
+]

@@ -1,0 +1,351 @@
+"""Shared launch helpers for the fused bucket kernels: dispatch, validation, block tables.
+
+Dispatch (`kernel_backend`): CUDA tensors run the compiled Triton kernels, CPU tensors the
+pure-torch references. ``FASTCOMM_KERNELS=triton|torch`` forces one. Forcing ``triton`` on
+CPU tensors runs the kernels in Triton's interpreter (how CI tests them), which needs
+``TRITON_INTERPRET=1``. Without ``FASTCOMM_KERNELS=triton`` CPU tensors keep the fast
+references even in interpreter mode, so a test session that turns it on globally does not
+slow every CPU pack down to interpreter speed.
+
+Interpreter mode is decided when triton is *imported*: ``@triton.jit`` reads
+``TRITON_INTERPRET`` when it decorates, and triton decorates its own standard library
+(``tl.max``...) on import. So the variable must be set before the first ``import triton``
+(or anything importing it); setting it later cannot take effect and `kernel_backend` says so.
+`runnable` re-wraps our kernels to match the mode triton was imported in, so importing
+fastcomm.kernels first does not matter. In interpreter mode CUDA tensors fall back to torch:
+the interpreter copies kernel arguments to the host but cannot follow the raw device
+addresses held in a block table.
+
+Block table (`block_table`): a multi-tensor launch walks the flat buffer in blocks of
+``BLOCK`` elements aligned to each tensor's start (a tensor's last block is partial). For
+block ``b`` the int64 table holds, as rows of a ``[3, n_blocks]`` tensor on the device:
+the address of the block's first element in the tensor (bytes), its element offset in the
+flat buffer, and its element count. One dependent load per block, no per-tensor loop, so a
+bucket of 500 small gradients is one launch of ~500 programs. The kernels turn the int64
+address into a typed pointer (``int_to_ptr``, which the interpreter also supports for CPU
+tensors). When every address (every flat offset) is 16-byte aligned the table says so and
+the kernel passes it on with ``tl.multiple_of``, so the compiler can emit 128-bit accesses.
+Tables are cached by (addresses, sizes, offsets): a DDP packs the same bucket every step.
+A cache miss costs ~100 us of host work and a synchronous upload (the H2D copy waits for the
+current stream), so callers should keep bucket tensors at stable addresses.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import numbers
+import os
+import struct
+import threading
+import types
+from typing import NamedTuple
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    HAS_TRITON = True
+except ImportError:  # e.g. macOS wheels of torch come without triton: torch references only
+    HAS_TRITON = False
+    InterpretedFunction = JITFunction = type(None)
+    # Enough for the kernel modules to define (never run) their @triton.jit functions.
+    triton = types.SimpleNamespace(jit=lambda fn=None, **_: fn if fn else (lambda f: f))
+    tl = types.SimpleNamespace(constexpr=None)
+
+__all__ = ["kernel_backend"]
+
+ENV_BACKEND = "FASTCOMM_KERNELS"
+_BACKENDS = ("triton", "torch")
+
+#: Floating dtypes the pack/unpack/quantize inputs may have.
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+# Bytes of alignment the kernels try to prove for vectorized (128-bit) memory access.
+VEC_BYTES = 16
+
+
+_TL_DTYPES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float64: "float64",
+    torch.int8: "int8",
+    torch.float8_e4m3fn: "float8e4nv",
+}
+
+
+def tl_dtype(dtype: torch.dtype):
+    """The Triton element type of a torch dtype the kernels handle."""
+    return getattr(tl, _TL_DTYPES[dtype])
+
+
+def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """fp64 if any operand is fp64, else fp32: kernels load, compute in this, cast on store."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def fp32_scale(scale) -> float:
+    """`scale` rounded to fp32, as the kernels receive it (Triton passes Python floats as fp32).
+
+    Raises:
+        TypeError: `scale` is not a real number (tensors are refused: reading one would sync).
+        ValueError: `scale` is not finite in fp32.
+    """
+    if isinstance(scale, (bool, torch.Tensor)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number, got {type(scale).__name__} {scale!r}")
+    try:
+        value = _F32.unpack(_F32.pack(float(scale)))[0]
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be finite in fp32, got {scale!r}")
+    return value
+
+
+_F32 = struct.Struct("f")
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def _interpreting() -> bool:
+    """Whether triton was imported in interpreter mode (see module docstring)."""
+    if not HAS_TRITON:
+        return False
+    probe = getattr(tl, "max", None)  # a @triton.jit function of triton's standard library
+    if isinstance(probe, (InterpretedFunction, JITFunction)):
+        return isinstance(probe, InterpretedFunction)
+    return _env_interpret()  # pragma: no cover - other triton versions
+
+
+def _env_interpret() -> bool:
+    """Whether ``TRITON_INTERPRET`` is on in the environment now."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def _triton_unavailable_reason(device: torch.device) -> str | None:
+    """Why the Triton kernels cannot run on `device` now (None when they can)."""
+    if not HAS_TRITON:
+        return "triton is not installed"
+    if _interpreting():
+        if device.type != "cpu":
+            return (
+                f"triton runs in interpreter mode (TRITON_INTERPRET=1), which takes CPU "
+                f"tensors only, got {device} (it cannot follow device addresses in a block table)"
+            )
+        return None
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu" and _env_interpret():
+        return (
+            "TRITON_INTERPRET=1 was set after triton was imported, too late to take effect; "
+            "set it before the first import of triton (or of anything importing it)"
+        )
+    return f"Triton kernels need CUDA tensors (or CPU ones with TRITON_INTERPRET=1), got {device}"
+
+
+def kernel_backend(tensor: torch.Tensor | torch.device | str) -> str:
+    """Which implementation the fused ops use for tensors on this device.
+
+    ``"triton"`` for CUDA tensors (when triton is installed and not in interpreter mode),
+    ``"torch"`` otherwise; ``FASTCOMM_KERNELS=torch`` forces the references everywhere and
+    ``FASTCOMM_KERNELS=triton`` forces the kernels (interpreted for CPU tensors, which needs
+    ``TRITON_INTERPRET=1`` set before triton is imported).
+
+    Args:
+        tensor: a tensor, or the device its operands live on.
+
+    Returns:
+        ``"triton"`` or ``"torch"``.
+
+    Raises:
+        ValueError: ``FASTCOMM_KERNELS`` holds something other than ``triton`` or ``torch``.
+        RuntimeError: ``FASTCOMM_KERNELS=triton`` but Triton cannot run on this device.
+    """
+    device = tensor.device if isinstance(tensor, torch.Tensor) else torch.device(tensor)
+    forced = os.environ.get(ENV_BACKEND, "").strip().lower()
+    if forced not in ("", "auto", *_BACKENDS):
+        raise ValueError(f"{ENV_BACKEND}={forced!r}; expected one of {_BACKENDS} (or unset)")
+    if forced == "torch":
+        return "torch"
+    reason = _triton_unavailable_reason(device)
+    if forced == "triton":
+        if reason is not None:
+            raise RuntimeError(f"{ENV_BACKEND}=triton but {reason}")
+        return "triton"
+    # Auto: only compiled kernels on CUDA; CPU keeps the references even when interpreting.
+    return "triton" if reason is None and device.type == "cuda" else "torch"
+
+
+_runnable_lock = threading.Lock()
+_runnable_cache: dict = {}
+
+
+def runnable(kernel):
+    """`kernel` wrapped for the mode triton was imported in (see module docstring)."""
+    interpret = _interpreting()
+    if isinstance(kernel, InterpretedFunction) == interpret:
+        return kernel
+    key = (kernel.fn, interpret)
+    with _runnable_lock:
+        if key not in _runnable_cache:
+            wrap = InterpretedFunction if interpret else JITFunction
+            _runnable_cache[key] = wrap(kernel.fn)
+        return _runnable_cache[key]
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def check_tensor(name: str, t, *, dtypes=None, device: torch.device | None = None) -> None:
+    """Raise TypeError/ValueError unless `t` is a contiguous tensor of `dtypes` on `device`."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        allowed = ", ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name} has dtype {t.dtype}; allowed: {allowed}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}; expected {device} like the other operands")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} (shape {tuple(t.shape)}, strides {t.stride()}) is not contiguous")
+
+
+def check_out(name: str, out, *, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Raise TypeError/ValueError unless `out` is a contiguous 1-D `dtype` buffer of `numel`."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(out).__name__}")
+    if out.dtype != dtype:
+        raise TypeError(f"{name} has dtype {out.dtype}; expected {dtype}")
+    if out.device != device:
+        raise ValueError(f"{name} is on {out.device}; expected {device} like the inputs")
+    if out.dim() != 1 or out.numel() != numel:
+        raise ValueError(f"{name} has shape {tuple(out.shape)}; expected ({numel},)")
+    if not out.is_contiguous():
+        raise ValueError(f"{name} (stride {out.stride()}) is not contiguous")
+
+
+class TensorList(NamedTuple):
+    """A validated list of tensors and what the launch needs of each."""
+
+    tensors: list[torch.Tensor]
+    device: torch.device | None  # None for an empty list
+    dtypes: list[torch.dtype]
+    ptrs: list[int]
+    numels: list[int]
+    offsets: list[int]  # running sum of numels: where each tensor sits in the flat buffer
+    total: int
+
+
+_FLOAT_SET = frozenset(FLOAT_DTYPES)
+
+
+def scan_tensors(name: str, tensors) -> TensorList:
+    """Validate a list of contiguous floating tensors on one device, in one pass.
+
+    A DDP calls this every step on buckets of hundreds of tensors, so the loop touches each
+    tensor's attributes once and formats messages only on failure.
+
+    Raises:
+        TypeError: `tensors` is not a list/tuple, or holds a non-tensor or non-floating one.
+        ValueError: tensors on different devices, or a non-contiguous one.
+    """
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
+    tensors = list(tensors)
+    dtypes, ptrs, numels = [], [], []
+    device = None
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.dtype not in _FLOAT_SET or not t.is_contiguous():
+            break
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            break
+        dtypes.append(t.dtype)
+        ptrs.append(t.data_ptr())
+        numels.append(t.numel())
+    if len(numels) != len(tensors):  # something failed: say what
+        i = len(numels)
+        check_tensor(f"{name}[{i}]", tensors[i], dtypes=FLOAT_DTYPES, device=device)
+        raise AssertionError("unreachable")  # pragma: no cover
+    offsets = [0, *itertools.accumulate(numels)]
+    return TensorList(tensors, device, dtypes, ptrs, numels, offsets[:-1], offsets[-1])
+
+
+# --------------------------------------------------------------------------- block tables
+
+
+class BlockTable(NamedTuple):
+    """A block table on the device and the alignment its entries share (module docstring)."""
+
+    table: torch.Tensor  # int64 [3, n_blocks]: address (bytes), flat offset, element count
+    n_blocks: int
+    tab_align: int  # bytes every address is a multiple of (16 or 1)
+    flat_vec: int  # elements every flat offset is a multiple of (16 bytes' worth, or 1)
+
+
+_TABLE_CACHE_SIZE = 256
+
+
+def block_table(
+    ptrs: list[int],
+    numels: list[int],
+    flat_offsets: list[int],
+    itemsize: int,
+    flat: torch.Tensor,
+    block: int,
+) -> BlockTable:
+    """The (cached) block table of tensors at `ptrs` placed at `flat_offsets` in `flat`.
+
+    Args:
+        ptrs, numels: addresses and sizes of the (same-dtype) tensors.
+        flat_offsets: where each tensor sits in `flat`, in elements.
+        itemsize: bytes per element of the tensors.
+        flat: the flat buffer (its device and element size matter).
+        block: elements per program.
+    """
+    key = (flat.device, block, itemsize, flat.element_size(), tuple(ptrs), tuple(numels),
+           tuple(flat_offsets))
+    bt = _cached_table(key)
+    if bt.table.is_cuda:
+        # The cached table may have been allocated on another stream; keep its memory from
+        # being reused under this stream's kernel should the cache evict it meanwhile.
+        bt.table.record_stream(torch.cuda.current_stream(bt.table.device))
+    return bt
+
+
+@functools.lru_cache(maxsize=_TABLE_CACHE_SIZE)
+def _cached_table(key) -> BlockTable:
+    device, block, itemsize, flat_itemsize, ptrs, numels, offsets = key
+    addr = torch.tensor(ptrs, dtype=torch.int64)
+    numel = torch.tensor(numels, dtype=torch.int64)
+    offset = torch.tensor(offsets, dtype=torch.int64)
+    n_blk = (numel + block - 1) // block
+    tensor_of = torch.repeat_interleave(torch.arange(len(ptrs)), n_blk)
+    first = torch.cumsum(n_blk, 0) - n_blk
+    start = (torch.arange(tensor_of.numel()) - first[tensor_of]) * block
+    blk_addr = addr[tensor_of] + start * itemsize
+    blk_off = offset[tensor_of] + start
+    blk_count = torch.clamp(numel[tensor_of] - start, max=block)
+
+    # Blocks start at multiples of `block` inside a tensor, so a 16-byte aligned tensor
+    # start and a 16-byte aligned flat offset make every block aligned.
+    nonempty = numel > 0
+    tab_align = VEC_BYTES if bool((addr[nonempty] % VEC_BYTES == 0).all()) else 1
+    flat_vec = max(1, VEC_BYTES // flat_itemsize)
+    if not bool((offset[nonempty] % flat_vec == 0).all()):
+        flat_vec = 1
+    assert (block * itemsize) % VEC_BYTES == 0 and block % flat_vec == 0, block
+    table = torch.stack([blk_addr, blk_off, blk_count])
+    return BlockTable(table.to(device), int(tensor_of.numel()), tab_align, flat_vec)
+
+
+def clear_table_cache() -> None:
+    """Drop cached block tables (and their device memory)."""
+    _cached_table.cache_clear()

@@ -1,0 +1,385 @@
+"""Fused multi-tensor pack and unpack: a bucket of tensors <-> one flat buffer, one launch.
+
+`pack` flattens a list of tensors into one 1-D buffer (optionally scaled and cast); `unpack`
+writes (or adds) slices of a flat buffer back into the tensors (optionally scaled: the fused
+``1/world`` averaging of a DDP reducer). Each is a single kernel launch per source dtype (one
+launch for the usual single-dtype bucket), whatever the number of tensors: the grid walks
+the flat buffer in blocks and each program finds its tensor through a block table (see
+`fastcomm.kernels._launch`).
+
+Numerics: each element is loaded, converted to the compute dtype (fp32, or fp64 when an
+operand is fp64), multiplied by `scale` rounded to fp32, and rounded once to the target
+dtype (round-to-nearest-even; fp64 -> 16-bit goes through fp32, as torch does). Without a
+scale and without a dtype change the data is copied bit for bit. The torch references
+(`pack_reference`, `unpack_reference`) compute the same thing and are what CPU tensors run.
+
+Aliasing: `out`/`flat` must not overlap the tensors; the result is undefined if they do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ._launch import (
+    FLOAT_DTYPES,
+    TensorList,
+    block_table,
+    check_out,
+    check_tensor,
+    compute_dtype,
+    fp32_scale,
+    kernel_backend,
+    runnable,
+    scan_tensors,
+    tl,
+    tl_dtype,
+    triton,
+)
+
+__all__ = ["pack", "unpack", "pack_reference", "unpack_reference"]
+
+#: Elements per program; a tensor's blocks start at its first element.
+BLOCK = 4096
+NUM_WARPS = 4
+
+
+@triton.jit
+def _pack_kernel(
+    table,  # *int64 [3, n_blocks]: source address (bytes), flat offset, element count
+    flat,  # *OUT flat destination buffer
+    scale,  # fp32 factor, used when APPLY_SCALE
+    n_blocks,  # number of blocks: the row stride of `table`
+    SRC: tl.constexpr,  # element type of the source tensors
+    COMPUTE: tl.constexpr,  # fp32, or fp64 when an operand is fp64
+    MID: tl.constexpr,  # type the result passes through before the final cast
+    CAST: tl.constexpr,  # False: same dtype and no scale, a plain copy
+    APPLY_SCALE: tl.constexpr,  # multiply by `scale`
+    SRC_ALIGN: tl.constexpr,  # bytes every source address is a multiple of
+    FLAT_VEC: tl.constexpr,  # elements every flat offset is a multiple of
+    BLOCK: tl.constexpr,  # elements per program
+):
+    pid = tl.program_id(0)
+    src = tl.load(table + pid).to(tl.pointer_type(SRC))
+    flat_off = tl.load(table + n_blocks + pid)
+    count = tl.load(table + 2 * n_blocks + pid)
+    # Alignment promises let the compiler use 128-bit accesses.
+    if SRC_ALIGN > 1:
+        src = tl.multiple_of(src, SRC_ALIGN)
+    if FLAT_VEC > 1:
+        flat_off = tl.multiple_of(flat_off, FLAT_VEC)
+    dst = flat + flat_off
+    offs = tl.arange(0, BLOCK)
+    # Full blocks go unmasked: a mask against an unknown count would defeat vectorization.
+    if count == BLOCK:
+        x = tl.load(src + offs)
+    else:
+        x = tl.load(src + offs, mask=offs < count)
+    if CAST:
+        if APPLY_SCALE:
+            x = x.to(COMPUTE) * scale
+        x = x.to(MID).to(flat.dtype.element_ty)
+    if count == BLOCK:
+        tl.store(dst + offs, x)
+    else:
+        tl.store(dst + offs, x, mask=offs < count)
+
+
+@triton.jit
+def _unpack_kernel(
+    table,  # *int64 [3, n_blocks]: destination address (bytes), flat offset, element count
+    flat,  # *IN flat source buffer
+    scale,  # fp32 factor, used when APPLY_SCALE
+    n_blocks,  # number of blocks: the row stride of `table`
+    DST: tl.constexpr,  # element type of the destination tensors
+    COMPUTE: tl.constexpr,  # fp32, or fp64 when an operand is fp64
+    MID: tl.constexpr,  # type the result passes through before the final cast
+    CAST: tl.constexpr,  # False: same dtype, no scale, no accumulation, a plain copy
+    APPLY_SCALE: tl.constexpr,  # multiply by `scale`
+    ACCUMULATE: tl.constexpr,  # add into the destination instead of overwriting it
+    DST_ALIGN: tl.constexpr,  # bytes every destination address is a multiple of
+    FLAT_VEC: tl.constexpr,  # elements every flat offset is a multiple of
+    BLOCK: tl.constexpr,  # elements per program
+):
+    pid = tl.program_id(0)
+    dst = tl.load(table + pid).to(tl.pointer_type(DST))
+    flat_off = tl.load(table + n_blocks + pid)
+    count = tl.load(table + 2 * n_blocks + pid)
+    if DST_ALIGN > 1:
+        dst = tl.multiple_of(dst, DST_ALIGN)
+    if FLAT_VEC > 1:
+        flat_off = tl.multiple_of(flat_off, FLAT_VEC)
+    src = flat + flat_off
+    offs = tl.arange(0, BLOCK)
+    full = count == BLOCK
+    if full:
+        x = tl.load(src + offs)
+    else:
+        x = tl.load(src + offs, mask=offs < count)
+    if CAST:
+        x = x.to(COMPUTE)
+        if APPLY_SCALE:
+            x = x * scale
+        if ACCUMULATE:
+            if full:
+                acc = tl.load(dst + offs)
+            else:
+                acc = tl.load(dst + offs, mask=offs < count)
+            x = acc.to(COMPUTE) + x
+        x = x.to(MID).to(DST)
+    if full:
+        tl.store(dst + offs, x)
+    else:
+        tl.store(dst + offs, x, mask=offs < count)
+
+
+# --------------------------------------------------------------------------- host side
+
+
+def _mid_dtype(target: torch.dtype) -> torch.dtype:
+    # torch rounds fp64 -> 16-bit through fp32; so do the kernels, to match it bit for bit.
+    return torch.float32 if target in (torch.float16, torch.bfloat16) else target
+
+
+def _groups(scan: TensorList):
+    """(dtype, ptrs, numels, flat offsets) per dtype present: one launch each."""
+    kinds = set(scan.dtypes)
+    if len(kinds) == 1:  # the usual bucket: no per-tensor work
+        return [(scan.dtypes[0], scan.ptrs, scan.numels, scan.offsets)]
+    groups = {}
+    rows = zip(scan.dtypes, scan.ptrs, scan.numels, scan.offsets, strict=True)
+    for dtype, ptr, numel, off in rows:
+        g = groups.setdefault(dtype, ([], [], []))
+        g[0].append(ptr)
+        g[1].append(numel)
+        g[2].append(off)
+    return [(dtype, *g) for dtype, g in groups.items()]
+
+
+def _prepare_pack(tensors, out, scale, dtype):
+    scan = scan_tensors("tensors", tensors)
+    if dtype is None:
+        kinds = set(scan.dtypes)
+        if len(kinds) > 1:
+            names = ", ".join(sorted(str(d) for d in kinds))
+            raise TypeError(f"tensors mix dtypes ({names}); pass dtype= to say what to pack into")
+        if kinds:
+            dtype = kinds.pop()
+        else:
+            dtype = out.dtype if isinstance(out, torch.Tensor) else torch.get_default_dtype()
+    elif dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype={dtype}; allowed: {', '.join(str(d) for d in FLOAT_DTYPES)}")
+    device = scan.device
+    if device is None:
+        device = out.device if isinstance(out, torch.Tensor) else torch.device("cpu")
+    scale = fp32_scale(scale)
+    if out is None:
+        out = torch.empty(scan.total, dtype=dtype, device=device)
+    else:
+        check_out("out", out, numel=scan.total, dtype=dtype, device=device)
+    return scan, out, scale
+
+
+def pack(
+    tensors: Sequence[torch.Tensor],
+    out: torch.Tensor | None = None,
+    *,
+    scale: float = 1.0,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Flatten `tensors` into one 1-D buffer, in list order, scaled and cast, in one launch.
+
+    Args:
+        tensors: contiguous floating tensors (any shapes, including empty) on one device.
+            Mixed dtypes are allowed with an explicit `dtype`; they cost one launch per dtype.
+        out: 1-D contiguous buffer of ``sum(t.numel())`` elements of `dtype` to write into;
+            may be a view into a larger buffer (a bucket). Allocated when None.
+        scale: every element is multiplied by it (rounded to fp32) before the cast.
+        dtype: dtype of the result; default: the inputs' dtype.
+
+    Returns:
+        `out`, or the new buffer.
+
+    Raises:
+        TypeError: a non-tensor or non-floating input, mixed input dtypes without `dtype`,
+            `out` of the wrong dtype, or a non-numeric `scale`.
+        ValueError: inputs or `out` on different devices, non-contiguous, or `out` of the
+            wrong shape.
+    """
+    scan, out, scale = _prepare_pack(tensors, out, scale, dtype)
+    if kernel_backend(out) == "torch":
+        _pack_torch(scan, out, scale)
+        return out
+    if scan.total == 0:
+        return out
+    kernel = runnable(_pack_kernel)
+    for src_dtype, ptrs, numels, offsets in _groups(scan):
+        bt = block_table(ptrs, numels, offsets, src_dtype.itemsize, out, BLOCK)
+        if bt.n_blocks == 0:  # a dtype group of zero-size tensors
+            continue
+        kernel[(bt.n_blocks,)](
+            bt.table,
+            out,
+            scale,
+            bt.n_blocks,
+            SRC=tl_dtype(src_dtype),
+            COMPUTE=tl_dtype(compute_dtype(src_dtype, out.dtype)),
+            MID=tl_dtype(_mid_dtype(out.dtype)),
+            CAST=src_dtype != out.dtype or scale != 1.0,
+            APPLY_SCALE=scale != 1.0,
+            SRC_ALIGN=bt.tab_align,
+            FLAT_VEC=bt.flat_vec,
+            BLOCK=BLOCK,
+            num_warps=NUM_WARPS,
+            enable_fp_fusion=False,
+        )
+    return out
+
+
+def unpack(
+    flat: torch.Tensor,
+    tensors: Sequence[torch.Tensor],
+    *,
+    scale: float = 1.0,
+    accumulate: bool = False,
+) -> None:
+    """Write consecutive slices of `flat` into `tensors`, scaled and cast, in one launch.
+
+    Tensor ``i`` receives ``flat[o_i : o_i + numel_i] * scale`` (``o_i`` the running sum of
+    the previous numels) cast to its own dtype, or that value added to it when
+    `accumulate` (the sum taken in the compute dtype and rounded once).
+
+    Args:
+        flat: contiguous 1-D floating buffer of exactly ``sum(t.numel())`` elements.
+        tensors: contiguous floating tensors on `flat`'s device, updated in place; mixed
+            dtypes cost one launch per dtype.
+        scale: factor (rounded to fp32), e.g. ``1 / world_size`` to average.
+        accumulate: add into `tensors` instead of overwriting them.
+
+    Raises:
+        TypeError: a non-tensor or non-floating operand, or a non-numeric `scale`.
+        ValueError: operands on different devices, non-contiguous, or `flat` of the wrong
+            shape.
+    """
+    scan, flat, scale, accumulate = _prepare_unpack(flat, tensors, scale, accumulate)
+    if kernel_backend(flat) == "torch":
+        _unpack_torch(flat, scan, scale, accumulate)
+        return
+    if scan.total == 0:
+        return
+    kernel = runnable(_unpack_kernel)
+    for dst_dtype, ptrs, numels, offsets in _groups(scan):
+        bt = block_table(ptrs, numels, offsets, dst_dtype.itemsize, flat, BLOCK)
+        if bt.n_blocks == 0:  # a dtype group of zero-size tensors
+            continue
+        kernel[(bt.n_blocks,)](
+            bt.table,
+            flat,
+            scale,
+            bt.n_blocks,
+            DST=tl_dtype(dst_dtype),
+            COMPUTE=tl_dtype(compute_dtype(dst_dtype, flat.dtype)),
+            MID=tl_dtype(_mid_dtype(dst_dtype)),
+            CAST=dst_dtype != flat.dtype or scale != 1.0 or accumulate,
+            APPLY_SCALE=scale != 1.0,
+            ACCUMULATE=accumulate,
+            DST_ALIGN=bt.tab_align,
+            FLAT_VEC=bt.flat_vec,
+            BLOCK=BLOCK,
+            num_warps=NUM_WARPS,
+            enable_fp_fusion=False,
+        )
+
+
+def _prepare_unpack(flat, tensors, scale, accumulate):
+    check_tensor("flat", flat, dtypes=FLOAT_DTYPES)
+    scan = scan_tensors("tensors", tensors)
+    if scan.device is not None and scan.device != flat.device:
+        raise ValueError(f"tensors[0] is on {scan.device}; expected {flat.device} like flat")
+    if flat.dim() != 1 or flat.numel() != scan.total:
+        raise ValueError(
+            f"flat has shape {tuple(flat.shape)}; expected ({scan.total},), the tensors' total"
+        )
+    if not isinstance(accumulate, bool):
+        raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
+    return scan, flat, fp32_scale(scale), accumulate
+
+
+# --------------------------------------------------------------------------- references
+
+
+def pack_reference(
+    tensors: Sequence[torch.Tensor],
+    out: torch.Tensor | None = None,
+    *,
+    scale: float = 1.0,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Pure-torch `pack` (what CPU tensors run, and the test oracle); same arguments."""
+    scan, out, scale = _prepare_pack(tensors, out, scale, dtype)
+    _pack_torch(scan, out, scale)
+    return out
+
+
+def unpack_reference(
+    flat: torch.Tensor,
+    tensors: Sequence[torch.Tensor],
+    *,
+    scale: float = 1.0,
+    accumulate: bool = False,
+) -> None:
+    """Pure-torch `unpack` (what CPU tensors run, and the test oracle); same arguments."""
+    scan, flat, scale, accumulate = _prepare_unpack(flat, tensors, scale, accumulate)
+    _unpack_torch(flat, scan, scale, accumulate)
+
+
+def _views(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Slices of `flat` shaped like `tensors`, back to back (one C++ loop, not 500 slicings)."""
+    return list(torch._utils._unflatten_dense_tensors(flat, tensors))
+
+
+def _pack_torch(scan: TensorList, out: torch.Tensor, scale: float) -> None:
+    if not scan.tensors:
+        return
+    if set(scan.dtypes) == {out.dtype} and (
+        scale == 1.0 or out.dtype in (torch.float32, torch.float64)
+    ):
+        # One cat (and one multiply) for the whole bucket: x * scale rounds once either way
+        # in fp32/fp64.
+        torch.cat([t.view(-1) for t in scan.tensors], out=out)
+        if scale != 1.0:
+            out.mul_(scale)
+        return
+    mid = _mid_dtype(out.dtype)
+    for v, t in zip(_views(out, scan.tensors), scan.tensors, strict=True):
+        if t.dtype != out.dtype or scale != 1.0:
+            t = t.to(compute_dtype(t.dtype, out.dtype))
+            if scale != 1.0:
+                t = t * scale
+            t = t.to(mid)
+        v.copy_(t)
+
+
+def _unpack_torch(flat, scan: TensorList, scale: float, accumulate: bool) -> None:
+    if not scan.tensors:
+        return
+    tensors, views = scan.tensors, _views(flat, scan.tensors)
+    same = set(scan.dtypes) == {flat.dtype}
+    if same and (flat.dtype in (torch.float32, torch.float64) or (scale == 1.0 and not accumulate)):
+        # One multiply, then one foreach op: every element still rounds once.
+        if scale != 1.0:
+            views = _views(flat * scale, tensors)
+        if accumulate:
+            torch._foreach_add_(tensors, views)
+        else:
+            torch._foreach_copy_(tensors, views)
+        return
+    for t, v in zip(tensors, views, strict=True):
+        compute = compute_dtype(t.dtype, flat.dtype)
+        y = v.to(compute)
+        if scale != 1.0:
+            y = y * scale
+        if accumulate:
+            y = t.to(compute) + y
+        t.copy_(y.to(_mid_dtype(t.dtype)))

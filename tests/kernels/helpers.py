@@ -1,0 +1,40 @@
+"""Shared markers and comparison helpers for the kernel tests."""
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - triton is a Linux dependency
+    HAS_TRITON = False
+
+#: Marks for tests that need a GPU: the `gpu` marker, and a clean skip without CUDA.
+needs_cuda = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of a 16-bit float tensor as int32 (adjacent floats differ by 1)."""
+    return t.view(torch.int16).to(torch.int32)
+
+
+def assert_equal_or_1ulp(actual: torch.Tensor, expected: torch.Tensor, one_ulp: bool) -> None:
+    """Exact equality, or within 1 ulp of bf16 where the interpreter truncates fp32 -> bf16.
+
+    Triton's interpreter converts fp32 to bf16 by dropping mantissa bits (round toward
+    zero) instead of rounding to nearest even as GPUs and torch do, so a value that needed
+    rounding lands on the neighbouring bf16 (toward zero) at most: 1 ulp.
+    """
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    actual, expected = actual.cpu(), expected.cpu()
+    if one_ulp and actual.dtype == torch.bfloat16:
+        if actual.numel():
+            assert int((bits(actual) - bits(expected)).abs().max()) <= 1
+        # Toward zero: never larger in magnitude than the correctly rounded value.
+        assert bool((actual.float().abs() <= expected.float().abs()).all())
+    else:
+        torch.testing.assert_close(actual, expected, atol=0, rtol=0, equal_nan=True)
