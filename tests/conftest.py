@@ -4,7 +4,8 @@ import os
 import pytest
 
 # The Triton interpreter runs @triton.jit kernels on CPU tensors; it must be on before triton
-# decorates any kernel, so it is set here, before any test module imports fastcomm.kernels.
+# is first imported (triton binds tl.max and friends at import time), so it is set here,
+# before any test module imports triton or fastcomm.kernels.
 try:
     import torch
 
