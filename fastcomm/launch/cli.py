@@ -1,10 +1,392 @@
-"""Command-line entry point of ``fastcomm-run``."""
+"""Command line of ``fastcomm-run`` / ``python -m fastcomm.launch`` (torchrun's flags).
+
+Every flag has torchrun's spellings (``--nproc-per-node`` and ``--nproc_per_node``) and reads
+its default from the ``PET_<NAME>`` environment variable as torchrun does (``PET_NNODES``,
+``PET_NPROC_PER_NODE``, ``PET_STANDALONE=1``, ...). The command line is fully validated before
+anything starts: a bad flag, ``--nnodes 3:2``, a missing script... print a usage error and exit
+with status 2.
+
+Flags torchrun has but fastcomm-run does not implement (``--start-method``, ``--logs-specs``,
+``--event-log-handler``, ``--numa-binding``, ``--duplicate-*-filters``) are accepted and ignored
+with a warning, so existing command lines keep working; ``--run-path`` runs the script the
+ordinary way (in a fresh interpreter).
+"""
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
+import uuid
+
+from .config import (
+    LaunchConfig,
+    conf_bool,
+    conf_float,
+    parse_endpoint,
+    parse_nnodes,
+    parse_rdzv_conf,
+    parse_std,
+)
+
+__all__ = ["main", "get_parser", "parse_config"]
+
+PROG = "fastcomm-run"
+
+
+class _Env(argparse.Action):
+    """A valued flag whose default comes from ``PET_<DEST>`` (torch's ``argparse_util.env``)."""
+
+    def __init__(self, dest, default=None, required=False, **kwargs) -> None:
+        default = os.environ.get(f"PET_{dest.upper()}", default)
+        if default:
+            required = False
+        super().__init__(dest=dest, default=default, required=required, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+
+
+class _CheckEnv(argparse.Action):
+    """A boolean flag that ``PET_<DEST>=1`` turns on (torch's ``argparse_util.check_env``)."""
+
+    def __init__(self, dest, default=False, **kwargs) -> None:
+        raw = os.environ.get(f"PET_{dest.upper()}", "1" if default else "0")
+        try:
+            default = bool(int(raw))
+        except ValueError:
+            default = raw.strip().lower() in ("true", "yes", "on")
+        super().__init__(dest=dest, const=True, default=default, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, True)
+
+
+def _opt(parser, *names, **kwargs):
+    parser.add_argument(*names, action=_Env, **kwargs)
+
+
+def get_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="fastcomm's elastic launcher: torchrun-compatible, recovers from worker "
+        "failures (one agent per node, rendezvous through a TCP store).",
+    )
+    _opt(p, "--nnodes", default="1:1", help="number of nodes, or MIN:MAX (elastic)")
+    _opt(
+        p,
+        "--nproc-per-node",
+        "--nproc_per_node",
+        default="1",
+        help="workers per node: an int, or cpu, gpu, xpu, auto",
+    )
+    _opt(p, "--rdzv-backend", "--rdzv_backend", default="static", help="static or c10d")
+    _opt(
+        p,
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        default="",
+        help="host:port of the rendezvous store (served by the agent on that host)",
+    )
+    _opt(p, "--rdzv-id", "--rdzv_id", default="none", help="job id (TORCHELASTIC_RUN_ID)")
+    _opt(
+        p,
+        "--rdzv-conf",
+        "--rdzv_conf",
+        default="",
+        help="k=v,... (join_timeout, last_call_timeout, close_timeout, read_timeout, "
+        "is_host, keep_alive_interval, keep_alive_max_attempt)",
+    )
+    p.add_argument(
+        "--standalone",
+        action=_CheckEnv,
+        help="single node: serve the rendezvous store on a free port",
+    )
+    _opt(
+        p,
+        "--max-restarts",
+        "--max_restarts",
+        type=int,
+        default=0,
+        help="failure restarts of the worker group before giving up",
+    )
+    _opt(
+        p,
+        "--monitor-interval",
+        "--monitor_interval",
+        type=float,
+        default=0.1,
+        help="seconds between checks of the workers",
+    )
+    _opt(
+        p,
+        "--start-method",
+        "--start_method",
+        default="spawn",
+        choices=["spawn", "fork", "forkserver"],
+        help="ignored: workers are always new processes",
+    )
+    _opt(p, "--event-log-handler", "--event_log_handler", default="null", help="ignored")
+    _opt(p, "--role", default="default", help="ROLE_NAME of the workers")
+    p.add_argument(
+        "-m", "--module", action=_CheckEnv, help="run the script as a module (python -m)"
+    )
+    p.add_argument(
+        "--no-python",
+        "--no_python",
+        action=_CheckEnv,
+        help="execute the script directly, not through python",
+    )
+    p.add_argument(
+        "--run-path",
+        "--run_path",
+        action=_CheckEnv,
+        help="accepted for compatibility; the script runs as with plain python",
+    )
+    _opt(
+        p,
+        "--log-dir",
+        "--log_dir",
+        default=None,
+        help="base directory of logs and error files (<run_id>_<random>/attempt_<round>/"
+        "<local_rank>/{stdout,stderr}.log, error.json)",
+    )
+    _opt(
+        p,
+        "-r",
+        "--redirects",
+        default="0",
+        help="streams to files only: 0 none, 1 stdout, 2 stderr, 3 both, or 0:3,1:1,...",
+    )
+    _opt(p, "-t", "--tee", default="0", help="streams to files and the console (same syntax)")
+    _opt(
+        p,
+        "--local-ranks-filter",
+        "--local_ranks_filter",
+        default="",
+        help="local ranks whose output is shown on the console (e.g. 0,1)",
+    )
+    _opt(p, "--duplicate-stdout-filters", "--duplicate_stdout_filters", default="", help="ignored")
+    _opt(p, "--duplicate-stderr-filters", "--duplicate_stderr_filters", default="", help="ignored")
+    _opt(
+        p,
+        "--node-rank",
+        "--node_rank",
+        type=int,
+        default=0,
+        help="this node's rank (static backend)",
+    )
+    _opt(
+        p,
+        "--master-addr",
+        "--master_addr",
+        default="127.0.0.1",
+        help="address of node 0 (static backend without --rdzv-endpoint)",
+    )
+    _opt(
+        p,
+        "--master-port",
+        "--master_port",
+        type=int,
+        default=None,
+        help="rendezvous port on node 0 (static backend; default 29500)",
+    )
+    _opt(
+        p,
+        "--local-addr",
+        "--local_addr",
+        default=None,
+        help="address other nodes reach this node at (default: its FQDN)",
+    )
+    p.add_argument("--logs-specs", "--logs_specs", default=None, help="ignored")
+    p.add_argument("--numa-binding", "--numa_binding", default=None, help="ignored")
+    _opt(
+        p,
+        "--signals-to-handle",
+        "--signals_to_handle",
+        default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        help="signals the launcher forwards to the workers",
+    )
+    _opt(
+        p,
+        "--shutdown-timeout",
+        "--shutdown_timeout",
+        type=int,
+        default=None,
+        help="seconds between the stop signal and SIGKILL (default "
+        "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30)",
+    )
+    p.add_argument(
+        "--virtual-local-rank",
+        "--virtual_local_rank",
+        action=_CheckEnv,
+        help="LOCAL_RANK=0, CUDA_VISIBLE_DEVICES narrowed to the worker's device",
+    )
+    p.add_argument("training_script", help="the script (or module, or program) to run")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    return p
+
+
+def _nproc(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        pass
+    if value == "cpu":
+        return (
+            len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else (os.cpu_count() or 1)
+        )
+    import torch  # only for device counts
+
+    if value == "gpu":
+        if not torch.cuda.is_available():
+            raise ValueError("--nproc-per-node gpu: CUDA is not available")
+        return torch.cuda.device_count()
+    if value == "xpu":
+        if not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+            raise ValueError("--nproc-per-node xpu: XPU is not available")
+        return torch.xpu.device_count()
+    if value == "auto":
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
+        return _nproc("cpu")
+    raise ValueError(f"--nproc-per-node must be an int, cpu, gpu, xpu or auto, got {value!r}")
+
+
+def _warn(message: str) -> None:
+    print(f"[{PROG}] warning: {message}", file=sys.stderr, flush=True)
+
+
+def parse_config(args: argparse.Namespace) -> LaunchConfig:
+    """Turns parsed flags into a ``LaunchConfig`` (``ValueError`` on an invalid combination)."""
+    min_nodes, max_nodes = parse_nnodes(args.nnodes)
+    conf = parse_rdzv_conf(args.rdzv_conf)
+    backend = args.rdzv_backend
+    endpoint = args.rdzv_endpoint
+    run_id = args.rdzv_id
+    if backend not in ("static", "c10d"):
+        raise ValueError(f"--rdzv-backend must be static or c10d, got {backend!r}")
+    if args.standalone:
+        if max_nodes > 1:
+            raise ValueError(
+                f"--standalone runs a single node; it contradicts --nnodes {args.nnodes}"
+            )
+        backend, endpoint, run_id = "c10d", "localhost:0", str(uuid.uuid4())
+    elif backend == "static" and not endpoint and args.master_port is None and max_nodes == 1:
+        backend, endpoint, run_id = "c10d", "localhost:0", str(uuid.uuid4())
+    elif backend == "c10d" and not endpoint:
+        if max_nodes > 1:
+            raise ValueError("--rdzv-backend c10d with several nodes needs --rdzv-endpoint")
+        endpoint = "localhost:0"
+    master_port = 29500 if args.master_port is None else args.master_port
+    if backend == "static" and not endpoint:
+        endpoint = f"{args.master_addr}:{master_port}"
+    host, port = parse_endpoint(endpoint, default_port=29400 if backend == "c10d" else None)
+    if backend != "static" and args.node_rank != 0:
+        _warn("--node-rank is only used by the static backend; ignored")
+    for key in conf:
+        if key not in (
+            "join_timeout",
+            "last_call_timeout",
+            "close_timeout",
+            "read_timeout",
+            "timeout",
+            "is_host",
+            "keep_alive_interval",
+            "keep_alive_max_attempt",
+            "rank",
+        ):
+            _warn(f"--rdzv-conf key {key!r} is not used by fastcomm-run")
+    for flag, value, default in (
+        ("--start-method", args.start_method, "spawn"),
+        ("--event-log-handler", args.event_log_handler, "null"),
+        ("--logs-specs", args.logs_specs, None),
+        ("--numa-binding", args.numa_binding, None),
+        ("--duplicate-stdout-filters", args.duplicate_stdout_filters, ""),
+        ("--duplicate-stderr-filters", args.duplicate_stderr_filters, ""),
+    ):
+        if value != default:
+            _warn(f"{flag} is not supported by fastcomm-run; ignored")
+    ranks_filter = None
+    if args.local_ranks_filter:
+        try:
+            ranks_filter = {int(r) for r in args.local_ranks_filter.split(",")}
+        except ValueError:
+            raise ValueError(
+                "--local-ranks-filter must be a comma-separated list of ints, "
+                f"got {args.local_ranks_filter!r}"
+            ) from None
+    shutdown = args.shutdown_timeout
+    if shutdown is None:
+        shutdown = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+    signals = tuple(s.strip() for s in args.signals_to_handle.split(",") if s.strip())
+    script = args.training_script
+    if args.no_python and args.module:
+        raise ValueError("Don't use both the '--no-python' flag and the '--module' flag")
+    if not args.module and not args.no_python and not os.path.isfile(script):
+        raise ValueError(f"training script {script!r} does not exist")
+    keep_alive = conf.get("keep_alive_max_attempt", "3")
+    try:
+        keep_alive_max_attempt = int(keep_alive)
+    except ValueError:
+        raise ValueError(f"keep_alive_max_attempt must be an int, got {keep_alive!r}") from None
+    join_timeout = conf_float(conf, "join_timeout", conf_float(conf, "timeout", 600.0))
+    return LaunchConfig(
+        entrypoint=script,
+        args=list(args.training_script_args),
+        module=args.module,
+        no_python=args.no_python,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=_nproc(args.nproc_per_node),
+        node_rank=args.node_rank,
+        rdzv_backend=backend,
+        rdzv_host=host,
+        rdzv_port=port,
+        run_id=run_id,
+        rdzv_conf=conf,
+        is_host=conf_bool(conf, "is_host"),
+        join_timeout=join_timeout,
+        last_call_timeout=conf_float(conf, "last_call_timeout", 30.0),
+        close_timeout=conf_float(conf, "close_timeout", 30.0),
+        read_timeout=conf_float(conf, "read_timeout", 60.0),
+        keep_alive_interval=conf_float(conf, "keep_alive_interval", 5.0),
+        keep_alive_max_attempt=keep_alive_max_attempt,
+        max_restarts=args.max_restarts,
+        monitor_interval=args.monitor_interval,
+        shutdown_timeout=float(shutdown),
+        role=args.role,
+        master_addr=host if backend == "static" else None,
+        local_addr=args.local_addr,
+        log_dir=args.log_dir,
+        redirects=parse_std(args.redirects),
+        tee=parse_std(args.tee),
+        local_ranks_filter=ranks_filter,
+        line_prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or None,
+        signals_to_handle=signals,
+        virtual_local_rank=args.virtual_local_rank,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("usage: fastcomm-run [options] script [args...]", file=sys.stderr)
-    return 2
+    """Parses ``argv`` (default ``sys.argv[1:]``), runs the job; returns the exit status.
+
+    2: usage error (nothing was started); 0: every worker succeeded; 1: the job failed (the
+    root cause is printed); 128+N: stopped by signal N.
+    """
+    parser = get_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2)
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        config = parse_config(args)
+    except ValueError as exc:
+        parser.print_usage(sys.stderr)
+        print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    from .agent import launch
+
+    return launch(config)

@@ -1,0 +1,168 @@
+"""Worker-side wrapper the agent starts every worker through (standard library only).
+
+The agent runs ``python -u <this file> [--module] -- TARGET ARGS...``; this wrapper
+
+* makes ``sys.argv``/``sys.path[0]`` what ``python TARGET ARGS`` (or ``python -m``) would give,
+  then runs the target with ``runpy`` as ``__main__``;
+* records an uncaught exception to ``$TORCHELASTIC_ERROR_FILE`` in torch's ``@record`` format
+  (unless the script already wrote one, e.g. with torch's own ``@record``), prints the
+  traceback as Python would (without this wrapper's frames) and exits with status 1 -- so the
+  script does not have to opt in;
+* watches the agent: a daemon thread polls the parent pid, and when the agent is gone (even
+  SIGKILLed) it SIGKILLs the worker's whole process group (the worker and its children).
+
+With ``--exec`` (``--no-python`` workers) it sets ``PR_SET_PDEATHSIG=SIGKILL`` (Linux) and
+``exec``s the program: the program itself dies with the agent, but nothing records its errors
+and children it starts are not covered.
+
+It is run by path, not as ``-m fastcomm.launch._bootstrap``, so the worker does not import
+the fastcomm package (nor torch) before the user's code does.
+"""
+
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if sys.path and sys.path[0] and os.path.abspath(sys.path[0]) == _HERE:
+    del sys.path[0]  # fastcomm/launch/ must not shadow the user's top-level modules
+
+import json  # noqa: E402
+import signal  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+
+AGENT_PID_ENV = "FASTCOMM_LAUNCH_AGENT_PID"
+_POLL_S = 0.2
+
+
+def _set_pdeathsig(sig: int) -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except Exception:  # pragma: no cover - best effort
+        pass
+
+
+def _kill_own_group() -> None:
+    try:
+        if os.getpgrp() == os.getpid():  # the agent made us a session/group leader
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+    finally:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _watch(agent_pid: int) -> None:
+    while True:
+        time.sleep(_POLL_S)
+        if os.getppid() != agent_pid:
+            try:
+                sys.stderr.write("[fastcomm-run] the agent is gone; worker exiting\n")
+                sys.stderr.flush()
+            except Exception:
+                pass
+            _kill_own_group()
+
+
+def _check_agent(agent_pid: int | None) -> None:
+    if agent_pid is not None and os.getppid() != agent_pid:
+        sys.stderr.write("[fastcomm-run] the agent exited before this worker started\n")
+        sys.exit(1)
+
+
+def _trim(tb):
+    """Drops this wrapper's and runpy's frames from the front of a traceback."""
+    here = os.path.abspath(__file__)
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if os.path.abspath(name) == here or "runpy" in os.path.basename(name):
+            tb = tb.tb_next
+            continue
+        break
+    return tb
+
+
+def _record(exc: BaseException, tb) -> None:
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):  # the script recorded it itself (torch @record)
+        return
+    now = time.time()
+    data = {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(type(exc), exc, tb)),
+                "timestamp": str(int(now)),
+                "fastcomm_time": repr(now),
+            },
+        }
+    }
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump(data, fh)
+        os.replace(tmp, path)
+    except OSError as err:
+        sys.stderr.write(f"[fastcomm-run] could not write the error file {path}: {err}\n")
+
+
+def _run_python(module: bool, target: str, args: list) -> None:
+    import runpy
+
+    sys.argv = [target, *args]
+    if not getattr(sys.flags, "safe_path", False):  # python -P / PYTHONSAFEPATH
+        sys.path.insert(0, os.getcwd() if module else os.path.dirname(os.path.realpath(target)))
+    if module:
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(target, run_name="__main__")
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    try:
+        split = argv.index("--")
+    except ValueError:
+        sys.stderr.write("usage: _bootstrap.py [--module|--exec] -- TARGET [ARGS...]\n")
+        sys.exit(2)
+    opts, target, args = argv[:split], argv[split + 1], argv[split + 2 :]
+    pid_text = os.environ.pop(AGENT_PID_ENV, "")
+    agent_pid = int(pid_text) if pid_text.isdigit() else None
+    if "--exec" in opts:
+        _set_pdeathsig(signal.SIGKILL)
+        _check_agent(agent_pid)
+        try:
+            os.execvp(target, [target, *args])
+        except OSError as err:
+            sys.stderr.write(f"[fastcomm-run] cannot execute {target!r}: {err}\n")
+            sys.exit(127)
+    _check_agent(agent_pid)
+    if agent_pid is not None:
+        threading.Thread(
+            target=_watch, args=(agent_pid,), name="fastcomm-agent-watch", daemon=True
+        ).start()
+    try:
+        _run_python("--module" in opts, target, args)
+    except SystemExit:
+        raise
+    except Exception as exc:  # what torch's @record records
+        tb = _trim(exc.__traceback__)
+        exc.__traceback__ = tb  # the default hook prints the exception's own traceback
+        sys.excepthook(type(exc), exc, tb)
+        try:
+            sys.stderr.flush()
+        except Exception:
+            pass
+        # Last: the agent treats the file's appearance as this worker's failure (and may stop
+        # it while the interpreter tears down).
+        _record(exc, tb)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

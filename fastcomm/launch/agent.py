@@ -1,0 +1,515 @@
+"""The per-node agent: rendezvous, start the local workers, monitor them, restart, report.
+
+Round loop of one agent::
+
+    join round r -> start workers (env as torchrun's) -> monitor until the round ends:
+      * a local worker exits non-zero   -> end r with "failure" (the first end proposed wins)
+      * every agent's workers succeeded -> end r with "success"
+      * a node waits and there is room  -> end r with "membership" (not a failure restart)
+      * a peer agent stops heartbeating -> end r with "failure" (node lost)
+    -> stop the workers -> success: exit 0; failure with restarts left, or membership: join r+1;
+       failure with restarts spent: print the root cause (all nodes' failures), exit 1.
+
+Each round's workers meet in a fresh ``TCPStore`` on a new port served by the agent of
+GROUP_RANK 0 (``TORCHELASTIC_USE_AGENT_STORE=True``: every worker is a client). torchrun 2.13
+reuses one store for all rounds, so restarted workers read the failed round's keys (e.g. Gloo's
+peer addresses) and fail with ``connectFullMesh ... Connection refused`` or hang.
+
+SIGINT/SIGTERM/... (``--signals-to-handle``) are forwarded at once to every worker's process
+group; the agent then waits ``--shutdown-timeout`` s, SIGKILLs what is left and exits with
+128+signal. Workers watch the agent and kill themselves (and their children) if it dies.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+
+from .config import LaunchConfig, std_for
+from .errors import Failure, LaunchError, exit_description, format_report, read_error_file
+from .rendezvous import (
+    FINISHED_FAILED,
+    FINISHED_OK,
+    Interrupted,
+    NodeInfo,
+    Rendezvous,
+    RoundInfo,
+    default_host,
+    new_agent_id,
+    open_store,
+)
+from .workers import BOOTSTRAP, WorkerGroup, WorkerSpec, line_prefix
+
+__all__ = ["launch", "Agent"]
+
+_VERBOSE = os.environ.get("LOGLEVEL", "").upper() in ("INFO", "DEBUG") or bool(
+    os.environ.get("FASTCOMM_LAUNCH_VERBOSE")
+)
+
+
+def launch(config: LaunchConfig) -> int:
+    """Runs this node's share of the job described by ``config``; returns the exit status."""
+    return Agent(config).run()
+
+
+class Agent:
+    def __init__(self, config: LaunchConfig) -> None:
+        self.config = config
+        self.host = default_host()
+        self.group: WorkerGroup | None = None
+        self.rdzv: Rendezvous | None = None
+        self.is_host = False
+        self.group_rank: int | None = None
+        self._signum: int | None = None
+        self._old_handlers: dict[int, object] = {}
+        self._base_dir: str | None = None
+        self._run_dir: str | None = None
+        self._round: RoundInfo | None = None
+        self._env: dict[str, str] = {}
+        self._keep_dir = False
+
+    # ------------------------------------------------------------------ logging
+    def log(self, message: str, *, always: bool = True) -> None:
+        if not always and not _VERBOSE:
+            return
+        node = f" node {self.group_rank}" if self.group_rank is not None else ""
+        try:
+            print(f"[fastcomm-run{node}] {message}", file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass
+
+    def info(self, message: str) -> None:
+        self.log(message, always=False)
+
+    # ------------------------------------------------------------------ signals
+    def _on_signal(self, signum, frame) -> None:
+        first = self._signum is None
+        self._signum = signum
+        if self.group is not None:
+            # Forward at once; a second signal escalates to SIGKILL.
+            self.group.signal_all(signum if first else signal.SIGKILL)
+
+    def check_stop(self) -> None:
+        if self._signum is not None:
+            raise Interrupted(self._signum)
+
+    def _install_signals(self) -> None:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for name in self.config.signals_to_handle:
+            signum = getattr(signal, name)
+            try:
+                self._old_handlers[signum] = signal.signal(signum, self._on_signal)
+            except (OSError, ValueError):
+                pass
+
+    def _restore_signals(self) -> None:
+        for signum, handler in self._old_handlers.items():
+            try:
+                signal.signal(signum, handler)
+            except (OSError, ValueError, TypeError):
+                pass
+        self._old_handlers.clear()
+
+    # ------------------------------------------------------------------ main
+    def run(self) -> int:
+        self._install_signals()
+        try:
+            return self._run()
+        except Interrupted as exc:
+            name = signal.Signals(exc.signum).name
+            self.log(f"received {name}; stopping the workers")
+            self._stop_workers(exc.signum, again=False)
+            self._tell_peers(
+                f"the agent of node {self.group_rank} ({self.host}) was stopped by {name}"
+            )
+            return 128 + exc.signum
+        except LaunchError as exc:
+            self.log(f"error: {exc}")
+            self._stop_workers()
+            self._tell_peers(f"the agent of node {self.group_rank} ({self.host}) failed: {exc}")
+            return 1
+        except RuntimeError as exc:  # the store went away (e.g. its host agent died)
+            self.log(f"error: lost the rendezvous store ({type(exc).__name__}: {exc})")
+            self._stop_workers()
+            return 1
+        finally:
+            self._stop_workers()
+            self._restore_signals()
+            self._cleanup_dirs()
+
+    def _stop_workers(self, sig: int = signal.SIGTERM, *, again: bool = True) -> None:
+        if self.group is not None:
+            self.group.stop(sig, self.config.shutdown_timeout, again=again)
+            self.group = None
+        if self.rdzv is not None:
+            self.rdzv.release_worker_store()
+
+    def _tell_peers(self, message: str) -> None:
+        """Ends the running round as a failure of this node, so the other agents restart
+        without it (or give up) instead of waiting for its heartbeat to time out."""
+        info = self._round
+        if info is None or self.rdzv is None or info.group_world_size < 2:
+            return
+        node = info.nodes[info.group_rank]
+        lost = Failure(
+            rank=-1,
+            local_rank=-1,
+            group_rank=info.group_rank,
+            host=self.host,
+            pid=os.getpid(),
+            exitcode=1,
+            timestamp=time.time(),
+            round=info.round,
+            role=node.role,
+            message=message,
+        )
+        try:
+            info.store.set(f"failures/{info.group_rank}", _pickle([]))
+            self.rdzv.end_round(info.round, "failure", [lost])
+            if self.is_host:  # give the others a moment to read it before the store goes
+                self.rdzv.exit_barrier(info, True, timeout=min(5.0, self.config.close_timeout))
+        except Exception:
+            pass
+
+    def _run(self) -> int:
+        cfg = self.config
+        # The workers' base environment: ours, plus what torchrun adds to its own.
+        self._env = dict(os.environ)
+        if cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+            self.info("setting OMP_NUM_THREADS=1 for each worker (set it to override)")
+            self._env["OMP_NUM_THREADS"] = "1"
+        self._env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(cfg.signals_to_handle)
+        store, self.is_host = open_store(cfg, self.check_stop)
+        role = "served here" if self.is_host else "client"
+        self.info(f"rendezvous store {store.address} ({role})")
+        node = NodeInfo(
+            agent_id=new_agent_id(),
+            host=self.host,
+            addr=cfg.local_addr or self.host,
+            nproc=cfg.nproc_per_node,
+            role=cfg.role,
+            pid=os.getpid(),
+            node_rank=cfg.node_rank if cfg.rdzv_backend == "static" else None,
+        )
+        self.rdzv = rdzv = Rendezvous(store, cfg, node, self.check_stop, self.info)
+        info = rdzv.next_round()
+        while True:
+            if info == FINISHED_OK:
+                self.log("the job finished before this node was admitted")
+                return 0
+            if info == FINISHED_FAILED:
+                self.log("the job failed before this node was admitted")
+                return 1
+            assert isinstance(info, RoundInfo)
+            self.group_rank = info.group_rank
+            self._round = info
+            kind, payload, local = self._run_round(info)
+            self._round = None
+            if kind == "success":
+                rdzv.exit_barrier(info, self.is_host)
+                return 0
+            restarts = info.restart_count
+            if kind == "failure":
+                if restarts >= cfg.max_restarts:
+                    return self._give_up(info, local)
+                self._announce_restart(info, payload, restarts + 1)
+                restarts += 1
+            else:
+                self.log(
+                    f"a new node is waiting; restarting the workers to admit it "
+                    f"(round {info.round + 1}, not counted as a restart)"
+                )
+            info = rdzv.next_round(from_round=info.round + 1, prev_group_rank=info.group_rank)
+
+    # ------------------------------------------------------------------ one round
+    def _worker_specs(self, info: RoundInfo) -> list[WorkerSpec]:
+        cfg = self.config
+        attempt = os.path.join(self._attempt_root(), f"attempt_{info.round}")
+        role_base, role_world = info.role_ranks(cfg.role)
+        if cfg.no_python:
+            base_cmd = [cfg.python, BOOTSTRAP, "--exec", "--", cfg.entrypoint]
+        else:
+            mode = ["--module"] if cfg.module else []
+            base_cmd = [cfg.python, "-u", BOOTSTRAP, *mode, "--", cfg.entrypoint]
+        specs = []
+        for local_rank in range(cfg.nproc_per_node):
+            rank = info.rank_offset + local_rank
+            log_dir = os.path.join(attempt, str(local_rank))
+            error_file = os.path.join(log_dir, "error.json")
+            env = dict(self._env)
+            env.update(
+                RANK=str(rank),
+                GROUP_RANK=str(info.group_rank),
+                ROLE_RANK=str(role_base + local_rank),
+                ROLE_NAME=cfg.role,
+                LOCAL_WORLD_SIZE=str(cfg.nproc_per_node),
+                WORLD_SIZE=str(info.world_size),
+                GROUP_WORLD_SIZE=str(info.group_world_size),
+                ROLE_WORLD_SIZE=str(role_world),
+                MASTER_ADDR=info.master_addr,
+                MASTER_PORT=str(info.master_port),
+                TORCHELASTIC_RESTART_COUNT=str(info.restart_count),
+                TORCHELASTIC_MAX_RESTARTS=str(cfg.max_restarts),
+                TORCHELASTIC_RUN_ID=cfg.run_id,
+                TORCHELASTIC_USE_AGENT_STORE="True",
+                TORCH_NCCL_ASYNC_ERROR_HANDLING=os.environ.get(
+                    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"
+                ),
+                TORCHELASTIC_ERROR_FILE=error_file,
+                LOCAL_RANK=str(local_rank),
+            )
+            if cfg.virtual_local_rank:
+                env["LOCAL_RANK"] = "0"
+                visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+                devices = visible.split(",") if visible else None
+                if devices is not None and local_rank >= len(devices):
+                    raise LaunchError(
+                        f"local rank {local_rank} exceeds CUDA_VISIBLE_DEVICES={visible}"
+                    )
+                env["CUDA_VISIBLE_DEVICES"] = (
+                    devices[local_rank].strip() if devices else str(local_rank)
+                )
+            shown = cfg.local_ranks_filter is None or local_rank in cfg.local_ranks_filter
+            specs.append(
+                WorkerSpec(
+                    local_rank=local_rank,
+                    rank=rank,
+                    cmd=[*base_cmd, *cfg.args],
+                    env=env,
+                    log_dir=log_dir,
+                    error_file=error_file,
+                    console_prefix=(
+                        line_prefix(cfg.line_prefix_template, rank, local_rank, cfg.role)
+                        if shown
+                        else None
+                    ),
+                    redirect=std_for(cfg.redirects, local_rank),
+                    tee=std_for(cfg.tee, local_rank),
+                )
+            )
+        return specs
+
+    def _failure(self, info: RoundInfo, worker) -> Failure:
+        message, trace, stamp = read_error_file(worker.spec.error_file)
+        precise = _precise_time(worker.spec.error_file)
+        return Failure(
+            rank=worker.spec.rank,
+            local_rank=worker.spec.local_rank,
+            group_rank=info.group_rank,
+            host=self.host,
+            pid=worker.proc.pid,
+            exitcode=1 if worker.exitcode is None else worker.exitcode,  # None: exiting
+            timestamp=precise or stamp or worker.exited_at or time.time(),
+            round=info.round,
+            role=self.config.role,
+            error_file=worker.spec.error_file if message else None,
+            message=message,
+            traceback=trace,
+        )
+
+    def _run_round(self, info: RoundInfo) -> tuple[str, object, list[Failure]]:
+        """Runs the workers of one round; returns ``(end kind, end payload, local failures)``."""
+        cfg, rdzv = self.config, self.rdzv
+        rs = info.store
+        self.group = WorkerGroup(self._worker_specs(info))
+        self.check_stop()
+        self.group.start()
+        self.info(
+            f"round {info.round}: started local ranks "
+            f"{info.rank_offset}..{info.rank_offset + cfg.nproc_per_node - 1} "
+            f"(pids {self.group.pids})"
+        )
+        failures: list[Failure] = []
+        reported_done = False
+        beat_every = cfg.keep_alive_interval
+        next_beat = 0.0
+        peers = [g for g in range(info.group_world_size) if g != info.group_rank]
+        seen: dict[int, tuple[int, float]] = {}
+        end = None
+        while end is None:
+            self.check_stop()
+            for worker in self.group.poll():
+                # A worker that recorded an uncaught exception is failing even while its
+                # interpreter is still tearing down (which can take long, or hang, with a
+                # process group still alive): no need to wait for its exit.
+                failing = worker.exitcode not in (None, 0) or (
+                    worker.exitcode is None and os.path.exists(worker.spec.error_file)
+                )
+                if failing and all(f.local_rank != worker.spec.local_rank for f in failures):
+                    failures.append(self._failure(info, worker))
+            if failures:
+                rs.set(f"failures/{info.group_rank}", _pickle(failures))
+                end = rdzv.end_round(info.round, "failure", failures)
+                break
+            if not reported_done and all(w.exitcode == 0 for w in self.group.workers):
+                reported_done = True
+                if rs.add("done", 1) >= info.group_world_size:
+                    end = rdzv.end_round(info.round, "success")
+                    break
+            end = rdzv.end_of(info.round)
+            if end is not None:
+                break
+            if (
+                info.group_world_size < cfg.max_nodes
+                and rdzv.waiting(info.round) > 0
+                and rs.add("done", 0) == 0
+            ):
+                end = rdzv.end_round(info.round, "membership")
+                break
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + beat_every
+                rs.add(f"hb/{info.group_rank}", 1)
+                lost = self._check_peers(info, peers, seen, now)
+                if lost is not None:
+                    end = rdzv.end_round(info.round, "failure", [lost])
+                    break
+            time.sleep(cfg.monitor_interval)
+        kind, payload = end
+        stop_time = time.time()
+        if kind != "success":  # published before the (maybe slow) stop, for joining nodes
+            rdzv.set_next_restarts(info.round, info.restart_count + (kind == "failure"))
+        workers = self.group.workers
+        self._stop_workers()
+        if kind == "failure":
+            # Workers that died on their own before the stop, or recorded an exception.
+            for worker in workers:
+                if worker.exitcode in (None, 0) or any(
+                    f.local_rank == worker.spec.local_rank for f in failures
+                ):
+                    continue
+                failure = self._failure(info, worker)
+                if failure.message or (worker.exited_at or stop_time) < stop_time:
+                    failures.append(failure)
+            rs.set(f"failures/{info.group_rank}", _pickle(failures))
+        return kind, payload, failures
+
+    def _check_peers(self, info, peers, seen, now) -> Failure | None:
+        limit = self.config.keep_alive_interval * self.config.keep_alive_max_attempt
+        for g in peers:
+            count = info.store.add(f"hb/{g}", 0)
+            last = seen.get(g)
+            if last is None or last[0] != count:
+                seen[g] = (count, now)
+            elif now - last[1] > limit:
+                node = info.nodes[g]
+                return Failure(
+                    rank=-1,
+                    local_rank=-1,
+                    group_rank=g,
+                    host=node.host,
+                    pid=node.pid,
+                    exitcode=1,
+                    timestamp=time.time(),
+                    round=info.round,
+                    role=node.role,
+                    message=f"no heartbeat from the agent of node {g} for {now - last[1]:.0f} s",
+                )
+        return None
+
+    # ------------------------------------------------------------------ outcome
+    def _announce_restart(self, info: RoundInfo, payload, next_restart: int) -> None:
+        from .errors import root_cause
+
+        cause = root_cause(list(payload or []))
+        what = "a failure"
+        if cause is not None:
+            if cause.rank >= 0:
+                what = (
+                    f"rank {cause.rank} (local_rank {cause.local_rank}, host {cause.host}) "
+                    f"failed with {exit_description(cause.exitcode)}"
+                )
+                if cause.message:
+                    what += f": {cause.message}"
+            else:
+                what = f"node {cause.group_rank} ({cause.host}) was lost: {cause.message}"
+        self.log(
+            f"round {info.round}: {what}; restarting the workers "
+            f"(restart {next_restart} of {self.config.max_restarts})"
+        )
+
+    def _give_up(self, info: RoundInfo, local: list[Failure]) -> int:
+        """Restarts are spent: gathers every node's failures, prints the report, exits 1."""
+        rs = info.store
+        end = self.rdzv.end_of(info.round)
+        lost = [f for f in (end[1] or []) if f.rank < 0] if end and end[0] == "failure" else []
+        gone = {f.group_rank for f in lost}
+        keys = [f"failures/{g}" for g in range(info.group_world_size) if g not in gone]
+        deadline = time.monotonic() + min(30.0, self.config.shutdown_timeout + 5.0)
+        while not rs.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        failures: list[Failure] = list(lost)
+        for key in keys:
+            if rs.check([key]):
+                failures.extend(_unpickle(rs.get(key)))
+        if not failures:
+            failures = local
+        self._keep_dir = True
+        print(
+            format_report(
+                self.config.entrypoint,
+                failures,
+                restarts=info.restart_count,
+                max_restarts=self.config.max_restarts,
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
+        self.rdzv.exit_barrier(info, self.is_host)
+        return 1
+
+    # ------------------------------------------------------------------ dirs
+    def _attempt_root(self) -> str:
+        if self._run_dir is None:
+            cfg = self.config
+            if cfg.log_dir:
+                os.makedirs(cfg.log_dir, exist_ok=True)
+                self._run_dir = tempfile.mkdtemp(prefix=f"{cfg.run_id}_", dir=cfg.log_dir)
+                self.log(f"logs and error files under {self._run_dir}", always=False)
+            else:
+                self._base_dir = tempfile.mkdtemp(prefix="fastcomm_launch_")
+                self._run_dir = self._base_dir
+                if _any_std(cfg.redirects) or _any_std(cfg.tee):
+                    self.log(f"worker logs under {self._run_dir} (no --log-dir given)")
+                    self._base_dir = None  # keep the logs
+        return self._run_dir
+
+    def _cleanup_dirs(self) -> None:
+        """Removes the temporary directory of error files -- unless a failure report named
+        them."""
+        if self._base_dir is not None and not self._keep_dir:
+            shutil.rmtree(self._base_dir, ignore_errors=True)
+        self._base_dir = None
+
+
+def _any_std(spec) -> bool:
+    return any(spec.values()) if isinstance(spec, dict) else bool(spec)
+
+
+def _precise_time(path: str) -> float | None:
+    import json
+
+    try:
+        with open(path) as fh:
+            return float(json.load(fh)["message"]["extraInfo"]["fastcomm_time"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _pickle(obj) -> bytes:
+    import pickle
+
+    return pickle.dumps(obj)
+
+
+def _unpickle(data: bytes):
+    import pickle
+
+    return pickle.loads(data)

@@ -1,0 +1,287 @@
+"""The launcher's configuration (``LaunchConfig``) and the parsers of torchrun's flag syntaxes.
+
+Everything here is plain Python (no torch import), so the command line is validated, and a
+usage error reported, before anything starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+
+__all__ = [
+    "LaunchConfig",
+    "parse_nnodes",
+    "parse_endpoint",
+    "parse_rdzv_conf",
+    "parse_std",
+    "std_for",
+    "RDZV_CONF_KEYS",
+]
+
+# Std values of --redirects / --tee, as torch's ``Std``: which streams go to a file.
+STD_NONE, STD_OUT, STD_ERR, STD_ALL = 0, 1, 2, 3
+
+#: ``--rdzv-conf`` keys fastcomm-run understands (others are accepted with a warning, as torch's
+#: handlers ignore keys they do not know).
+RDZV_CONF_KEYS = {
+    "join_timeout": "seconds an agent waits for a round to gather enough nodes (600)",
+    "last_call_timeout": "seconds a round stays open for more nodes once MIN joined (30)",
+    "close_timeout": "seconds the store host waits for the others at exit (30)",
+    "read_timeout": "seconds one store operation may take (60)",
+    "timeout": "alias of join_timeout (static backend spelling)",
+    "is_host": "whether this agent serves the rendezvous store (auto)",
+    "keep_alive_interval": "seconds between agent heartbeats (5)",
+    "keep_alive_max_attempt": "missed heartbeats before a node is declared lost (3)",
+}
+
+_TRUE = {"1", "true", "t", "yes", "y", "on"}
+_FALSE = {"0", "false", "f", "no", "n", "off"}
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """``"N"`` or ``"MIN:MAX"`` -> ``(min_nodes, max_nodes)``; raises ``ValueError``."""
+    parts = str(value).strip().split(":")
+    try:
+        if len(parts) == 1:
+            low = high = int(parts[0])
+        elif len(parts) == 2:
+            low, high = int(parts[0]), int(parts[1])
+        else:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--nnodes must be N or MIN:MAX, got {value!r}") from None
+    if low < 1:
+        raise ValueError(f"--nnodes: the minimum number of nodes must be >= 1, got {value!r}")
+    if low > high:
+        raise ValueError(f"--nnodes: MIN must be <= MAX, got {value!r} ({low} > {high})")
+    return low, high
+
+
+def parse_endpoint(value: str, default_port: int | None = None) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` for IPv6; the port may be left out if ``default_port``)."""
+    text = str(value).strip()
+    match = re.fullmatch(r"\[([^\]]+)\](?::(\d+))?|([^:\[\]]+)(?::(\d+))?", text)
+    if not match:
+        raise ValueError(f"rendezvous endpoint must be host:port, got {value!r}")
+    host = match.group(1) or match.group(3)
+    port_text = match.group(2) or match.group(4)
+    if port_text is None:
+        if default_port is None:
+            raise ValueError(f"rendezvous endpoint {value!r} has no port (use host:port)")
+        port = default_port
+    else:
+        port = int(port_text)
+    if not 0 <= port < 65536:
+        raise ValueError(f"rendezvous endpoint port must be in [0, 65535], got {port}")
+    return host, port
+
+
+def parse_rdzv_conf(value: str) -> dict[str, str]:
+    """``"k1=v1,k2=v2"`` -> dict (torch's syntax: every key needs a non-empty value)."""
+    conf: dict[str, str] = {}
+    text = (value or "").strip()
+    if not text:
+        return conf
+    for item in text.split(","):
+        key, sep, val = item.partition("=")
+        key, val = key.strip(), val.strip()
+        if not key or not sep or not val:
+            raise ValueError(
+                f"--rdzv-conf must be <key1>=<value1>,...,<keyN>=<valueN>, got {value!r}"
+            )
+        conf[key] = val
+    return conf
+
+
+def parse_std(value: str) -> int | dict[int, int]:
+    """torchrun's ``--redirects``/``--tee`` syntax: ``0..3`` or ``LOCAL_RANK:V,...``."""
+    text = str(value).strip()
+    if re.fullmatch(r"[0-3]", text):
+        return int(text)
+    if re.fullmatch(r"\d+:[0-3](,\d+:[0-3])*", text):
+        return {int(k): int(v) for k, v in (m.split(":") for m in text.split(","))}
+    raise ValueError(
+        f"{value!r} is neither 0-3 (0 none, 1 stdout, 2 stderr, 3 both) nor a mapping "
+        "LOCAL_RANK:VALUE,... (e.g. 0:3,1:1)"
+    )
+
+
+def std_for(spec: int | dict[int, int], local_rank: int) -> int:
+    """The Std value ``spec`` gives ``local_rank``."""
+    if isinstance(spec, dict):
+        return spec.get(local_rank, STD_NONE)
+    return spec
+
+
+def conf_float(conf: dict[str, str], key: str, default: float) -> float:
+    if key not in conf:
+        return default
+    try:
+        value = float(conf[key])
+    except ValueError:
+        raise ValueError(f"--rdzv-conf {key} must be a number, got {conf[key]!r}") from None
+    if value <= 0:
+        raise ValueError(f"--rdzv-conf {key} must be positive, got {conf[key]!r}")
+    return value
+
+
+def conf_bool(conf: dict[str, str], key: str) -> bool | None:
+    if key not in conf:
+        return None
+    text = conf[key].lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(f"--rdzv-conf {key} must be a boolean, got {conf[key]!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class LaunchConfig:
+    """Everything one agent needs to run its node's share of a job.
+
+    Built by :func:`fastcomm.launch.cli.parse_config` from the command line; construct it
+    directly to launch from Python (``fastcomm.launch.agent.launch(config)``). Validation runs
+    in ``__post_init__`` and raises ``ValueError`` with a message fit for a usage error.
+    """
+
+    entrypoint: str
+    """The script (a path), the module (``module=True``) or the program (``no_python=True``)."""
+    args: list[str] = field(default_factory=list)
+    """Arguments of the entrypoint, passed through unchanged."""
+    module: bool = False
+    """Run ``entrypoint`` as ``python -m entrypoint``."""
+    no_python: bool = False
+    """Execute ``entrypoint`` directly instead of through ``python`` (no traceback recording)."""
+    python: str = ""
+    """Interpreter of the workers (default: ``$PYTHON_EXEC`` or this interpreter)."""
+    min_nodes: int = 1
+    """Nodes a round needs before it can start."""
+    max_nodes: int = 1
+    """Nodes a round admits at most (``MIN:MAX`` elastic when larger than ``min_nodes``)."""
+    nproc_per_node: int = 1
+    """Workers this agent starts (LOCAL_WORLD_SIZE)."""
+    node_rank: int = 0
+    """This node's GROUP_RANK with the static backend (ignored by c10d, which assigns it)."""
+    rdzv_backend: str = "c10d"
+    """``static`` (fixed node set, ranks from ``node_rank``) or ``c10d`` (store-based rounds)."""
+    rdzv_host: str = "127.0.0.1"
+    """Host of the rendezvous store."""
+    rdzv_port: int = 0
+    """Port of the rendezvous store (``0``: standalone, a free port chosen by this agent)."""
+    run_id: str = "none"
+    """Job id (TORCHELASTIC_RUN_ID); namespaces the job's keys in the rendezvous store."""
+    rdzv_conf: dict[str, str] = field(default_factory=dict)
+    """``--rdzv-conf`` settings (see ``RDZV_CONF_KEYS``)."""
+    is_host: bool | None = None
+    """Serve the rendezvous store (``None``: when the endpoint is a local address)."""
+    join_timeout: float = 600.0
+    """Seconds to wait for a round to gather ``min_nodes`` (and for the store to be reachable)."""
+    last_call_timeout: float = 30.0
+    """Once ``min_nodes`` joined, seconds a round stays open for more (elastic ``MIN:MAX``)."""
+    close_timeout: float = 30.0
+    """Seconds the store host waits for the other agents to read the outcome at the end."""
+    read_timeout: float = 60.0
+    """Seconds one blocking store operation may take."""
+    keep_alive_interval: float = 5.0
+    """Seconds between heartbeats of an agent in a running round."""
+    keep_alive_max_attempt: int = 3
+    """Heartbeats missed before the other agents declare a node lost (a failure)."""
+    max_restarts: int = 0
+    """Failure restarts allowed (admitting a new node is not counted)."""
+    monitor_interval: float = 0.1
+    """Seconds between checks of the workers and of the store."""
+    shutdown_timeout: float = 30.0
+    """Seconds stopped workers get between the stop signal and SIGKILL."""
+    role: str = "default"
+    """ROLE_NAME of the workers."""
+    master_addr: str | None = None
+    """MASTER_ADDR for the workers (static backend); default: the address of GROUP_RANK 0."""
+    local_addr: str | None = None
+    """Address other nodes reach this one at (default: this host's FQDN)."""
+    log_dir: str | None = None
+    """Base directory of per-round logs and error files (default: a temporary directory)."""
+    redirects: int | dict[int, int] = STD_NONE
+    """Streams written only to files: 0 none, 1 stdout, 2 stderr, 3 both (or per local rank)."""
+    tee: int | dict[int, int] = STD_NONE
+    """Streams written both to files and (prefixed) to the console (same syntax)."""
+    local_ranks_filter: set[int] | None = None
+    """Local ranks whose output reaches the console (``None``: all)."""
+    line_prefix_template: str | None = None
+    """Console line prefix (``$rank``, ``$local_rank``, ``$role_name``); default ``[rank N]: ``."""
+    signals_to_handle: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    """Signals the agent catches and forwards to every worker."""
+    virtual_local_rank: bool = False
+    """LOCAL_RANK=0 and CUDA_VISIBLE_DEVICES narrowed to the worker's own device."""
+
+    def __post_init__(self) -> None:
+        if not self.entrypoint:
+            raise ValueError("the training script (or module/program) is missing")
+        if self.module and self.no_python:
+            raise ValueError("Don't use both the '--no-python' flag and the '--module' flag")
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise ValueError(
+                f"nodes: need 1 <= MIN <= MAX, got MIN={self.min_nodes} MAX={self.max_nodes}"
+            )
+        if self.nproc_per_node < 1:
+            raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
+        if self.rdzv_backend not in ("static", "c10d"):
+            raise ValueError(f"--rdzv-backend must be static or c10d, got {self.rdzv_backend!r}")
+        if self.rdzv_backend == "static":
+            if self.min_nodes != self.max_nodes:
+                raise ValueError(
+                    "the static rendezvous backend needs a fixed --nnodes N "
+                    "(use --rdzv-backend c10d for MIN:MAX)"
+                )
+            if not 0 <= self.node_rank < self.max_nodes:
+                raise ValueError(
+                    f"--node-rank must be in [0, {self.max_nodes}), got {self.node_rank}"
+                )
+            if self.rdzv_port == 0 and self.max_nodes > 1:
+                raise ValueError("the static backend with several nodes needs a fixed port")
+        if self.rdzv_port == 0 and self.max_nodes > 1:
+            raise ValueError(
+                "a job of several nodes needs --rdzv-endpoint host:port (port 0 is standalone)"
+            )
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        for name in (
+            "monitor_interval",
+            "join_timeout",
+            "last_call_timeout",
+            "close_timeout",
+            "read_timeout",
+            "keep_alive_interval",
+            "shutdown_timeout",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.keep_alive_max_attempt < 1:
+            raise ValueError("keep_alive_max_attempt must be >= 1")
+        if not self.role:
+            raise ValueError("--role must be non-empty")
+        for spec in (self.redirects, self.tee):
+            values = spec.values() if isinstance(spec, dict) else [spec]
+            if any(v not in (0, 1, 2, 3) for v in values):
+                raise ValueError(f"--redirects/--tee values must be 0-3, got {spec!r}")
+        import signal as _signal
+
+        for name in self.signals_to_handle:
+            if not isinstance(getattr(_signal, name, None), _signal.Signals):
+                raise ValueError(f"--signals-to-handle: unknown signal {name!r}")
+            if name in ("SIGKILL", "SIGSTOP"):
+                raise ValueError(f"--signals-to-handle: {name} cannot be caught")
+        if not self.python:
+            self.python = os.environ.get("PYTHON_EXEC", sys.executable)
+
+    def replace(self, **changes) -> LaunchConfig:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def standalone(self) -> bool:
+        """The store is this agent's own, on a free port (single node)."""
+        return self.rdzv_port == 0

@@ -1,0 +1,218 @@
+"""Worker processes of one agent: start, watch, stop, and their output.
+
+Each worker runs in its own session (so it is the leader of its process group): stopping a
+worker signals the whole group, which takes down whatever the worker started too. Python
+workers go through ``_bootstrap.py`` (error file, parent watchdog); ``--no-python`` ones through
+its ``--exec`` mode (``PR_SET_PDEATHSIG``).
+
+Output: by default every line a worker writes reaches the agent's stdout/stderr prefixed with
+``[rank N]: `` (``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` overrides it, with ``$rank``,
+``$local_rank`` and ``$role_name``). ``--redirects`` sends a stream only to
+``<attempt dir>/<local_rank>/{stdout,stderr}.log``; ``--tee`` to both.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from string import Template
+from typing import BinaryIO
+
+from .config import STD_ERR, STD_OUT
+
+__all__ = ["WorkerSpec", "WorkerGroup", "BOOTSTRAP"]
+
+BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap.py")
+AGENT_PID_ENV = "FASTCOMM_LAUNCH_AGENT_PID"
+
+_CONSOLE_LOCK = threading.Lock()
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    """How to start one worker."""
+
+    local_rank: int
+    rank: int
+    cmd: list[str]
+    env: dict[str, str]
+    log_dir: str
+    """``attempt_<round>/<local_rank>`` directory (error file, redirected output)."""
+    error_file: str
+    console_prefix: bytes | None
+    """Prefix of console lines; ``None``: not shown on the console (--local-ranks-filter)."""
+    redirect: int = 0
+    tee: int = 0
+
+
+@dataclass(slots=True)
+class _Worker:
+    spec: WorkerSpec
+    proc: subprocess.Popen
+    threads: list[threading.Thread] = field(default_factory=list)
+    files: list[BinaryIO] = field(default_factory=list)
+    exitcode: int | None = None
+    exited_at: float | None = None
+
+
+def line_prefix(template: str | None, rank: int, local_rank: int, role: str) -> bytes:
+    if template is None:
+        return f"[rank {rank}]: ".encode()
+    text = Template(template).safe_substitute(rank=rank, local_rank=local_rank, role_name=role)
+    return text.encode()
+
+
+def _pump(src: BinaryIO, prefix: bytes | None, console: BinaryIO | None, copy: BinaryIO | None):
+    try:
+        for line in iter(src.readline, b""):
+            if copy is not None:
+                copy.write(line)
+                copy.flush()
+            if console is not None and prefix is not None:
+                if not line.endswith(b"\n"):
+                    line += b"\n"
+                with _CONSOLE_LOCK:
+                    try:
+                        console.write(prefix + line)
+                        console.flush()
+                    except (OSError, ValueError):
+                        console = None
+    except (OSError, ValueError):
+        pass
+    finally:
+        try:
+            src.close()
+        except OSError:
+            pass
+
+
+def _console(stream) -> BinaryIO | None:
+    try:
+        return stream.buffer
+    except AttributeError:
+        return None
+
+
+class WorkerGroup:
+    """The workers this agent runs in one round."""
+
+    def __init__(self, specs: list[WorkerSpec]) -> None:
+        self.specs = specs
+        self.workers: list[_Worker] = []
+        self._signalled: set[int] = set()
+
+    def start(self) -> None:
+        env_pid = str(os.getpid())
+        for spec in self.specs:
+            os.makedirs(spec.log_dir, exist_ok=True)
+            env = dict(spec.env)
+            env[AGENT_PID_ENV] = env_pid
+            plan = []  # (Popen kwarg, Std bit, console stream, file name)
+            files: list[BinaryIO] = []
+            kwargs = {}
+            for name, bit, stream in (
+                ("stdout", STD_OUT, sys.stdout),
+                ("stderr", STD_ERR, sys.stderr),
+            ):
+                to_file = bool((spec.redirect | spec.tee) & bit)
+                to_console = not (spec.redirect & bit) and spec.console_prefix is not None
+                fh = open(os.path.join(spec.log_dir, f"{name}.log"), "wb") if to_file else None
+                if fh is not None:
+                    files.append(fh)
+                if to_console:
+                    kwargs[name] = subprocess.PIPE
+                    plan.append((name, _console(stream), fh))
+                elif fh is not None:
+                    kwargs[name] = fh
+                else:
+                    kwargs[name] = subprocess.DEVNULL
+            proc = subprocess.Popen(
+                spec.cmd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                **kwargs,
+            )
+            worker = _Worker(spec, proc, files=files)
+            for name, console, fh in plan:
+                thread = threading.Thread(
+                    target=_pump,
+                    args=(getattr(proc, name), spec.console_prefix, console, fh),
+                    name=f"fastcomm-run-{name}-{spec.local_rank}",
+                    daemon=True,
+                )
+                thread.start()
+                worker.threads.append(thread)
+            self.workers.append(worker)
+
+    def poll(self) -> list[_Worker]:
+        """Updates and returns the workers (``exitcode`` set once exited)."""
+        for worker in self.workers:
+            if worker.exitcode is None:
+                code = worker.proc.poll()
+                if code is not None:
+                    worker.exitcode = code
+                    worker.exited_at = time.time()
+        return self.workers
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self.workers]
+
+    def signal_all(self, sig: int) -> None:
+        """Sends ``sig`` to the process group of every worker still running."""
+        for worker in self.workers:
+            if worker.exitcode is None and worker.proc.poll() is None:
+                self._signalled.add(worker.proc.pid)
+                _killpg(worker.proc.pid, sig)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0, *, again: bool = True):
+        """Signals the running workers (``again=False``: only those not signalled yet),
+        SIGKILLs those left after ``timeout`` s, then kills anything left in their process
+        groups and closes their output."""
+        self.poll()
+        running = [w for w in self.workers if w.exitcode is None]
+        for worker in running:
+            if again or worker.proc.pid not in self._signalled:
+                _killpg(worker.proc.pid, sig)
+        deadline = time.monotonic() + timeout
+        while running and time.monotonic() < deadline:
+            time.sleep(0.02)
+            running = [w for w in self.workers if w.proc.poll() is None]
+        for worker in running:
+            _killpg(worker.proc.pid, signal.SIGKILL)
+        self.close()
+
+    def close(self) -> None:
+        """Reaps every worker, SIGKILLs leftovers of their process groups, joins the output."""
+        for worker in self.workers:
+            if worker.proc.poll() is None:
+                _killpg(worker.proc.pid, signal.SIGKILL)
+            try:
+                worker.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # pragma: no cover - unkillable (D state)
+                pass
+            _killpg(worker.proc.pid, signal.SIGKILL)  # descendants left in the group
+        self.poll()
+        for worker in self.workers:
+            for thread in worker.threads:
+                thread.join(timeout=5)
+            for fh in worker.files:
+                try:
+                    fh.close()
+                except OSError:
+                    pass
+            worker.threads.clear()
+            worker.files.clear()
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

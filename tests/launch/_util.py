@@ -1,0 +1,149 @@
+"""Helpers of the launcher tests: run ``python -m fastcomm.launch`` as a real process on
+127.0.0.1, write worker scripts into ``tmp_path``, check processes are gone."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCH = [sys.executable, "-m", "fastcomm.launch"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without launcher variables, with fastcomm importable."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PET_", "TORCHELASTIC_", "FASTCOMM_LAUNCH"))
+        and k
+        not in (
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "LOCAL_WORLD_SIZE",
+            "GROUP_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "OMP_NUM_THREADS",
+            "ROLE_RANK",
+            "ROLE_NAME",
+            "ROLE_WORLD_SIZE",
+            "GROUP_WORLD_SIZE",
+            "LOGLEVEL",
+        )
+    }
+    path = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + path if path else "")
+    env.update(extra)
+    return env
+
+
+def start(
+    args: list[str], cwd: Path, env: dict[str, str] | None = None, cmd: list[str] | None = None
+) -> subprocess.Popen:
+    return subprocess.Popen(
+        [*(cmd or LAUNCH), *map(str, args)],
+        cwd=cwd,
+        env=env or clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 60) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"launcher timed out\nstdout:\n{out}\nstderr:\n{err}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run(
+    args: list[str],
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    timeout: float = 60,
+    cmd: list[str] | None = None,
+) -> subprocess.CompletedProcess:
+    return finish(start(args, cwd, env, cmd), timeout)
+
+
+def script(directory: Path, name: str, body: str) -> Path:
+    path = directory / name
+    path.write_text(textwrap.dedent(body).lstrip())
+    return path
+
+
+def free_port() -> int:
+    """A port that was free a moment ago (the race with other processes is accepted)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, left unreaped by a non-reaping init, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def wait_gone(pids: list[int], timeout: float = 5.0) -> list[int]:
+    """Waits for ``pids`` to exit; returns those still alive after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    left = [p for p in pids if alive(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [p for p in left if alive(p)]
+    return left
+
+
+def wait_files(
+    directory: Path,
+    pattern: str,
+    count: int,
+    timeout: float = 30.0,
+    proc: subprocess.Popen | None = None,
+) -> list[Path]:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = sorted(directory.glob(pattern))
+        if len(found) >= count:
+            return found
+        if proc is not None and proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"launcher exited {proc.returncode} early\n{out}\n{err}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"only {len(found)} of {count} {pattern} in {directory}")
+        time.sleep(0.05)
+
+
+def kill_all(pids: list[int]) -> None:
+    """Test cleanup: SIGKILL the given pids that are still alive (best effort)."""
+    import signal
+
+    for pid in pids:
+        if alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass

@@ -1,0 +1,223 @@
+"""Command line: torchrun's flag spellings, PET_* defaults, usage errors before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from fastcomm.launch import agent as agent_mod
+from fastcomm.launch.cli import get_parser, main, parse_config
+from fastcomm.launch.config import LaunchConfig, parse_endpoint, parse_nnodes, parse_std
+
+from ._util import run, script
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Fails the test if the agent would start."""
+    calls = []
+
+    def fake_launch(config):
+        calls.append(config)
+        raise AssertionError("the agent must not start on a usage error")
+
+    monkeypatch.setattr(agent_mod, "launch", fake_launch)
+    return calls
+
+
+@pytest.fixture
+def marker_script(tmp_path):
+    marker = tmp_path / "started"
+    path = script(tmp_path, "train.py", f"open({str(marker)!r}, 'w').close()\n")
+    return path, marker
+
+
+def config_of(argv, monkeypatch=None) -> LaunchConfig:
+    return parse_config(get_parser().parse_args(argv))
+
+
+BAD = [
+    pytest.param(["--bogus-flag"], "unrecognized arguments", id="unknown-flag"),
+    pytest.param(["--nnodes", "3:2"], "MIN must be <= MAX", id="nnodes-3:2"),
+    pytest.param(["--nnodes", "0"], "must be >= 1", id="nnodes-0"),
+    pytest.param(["--nnodes", "a:b"], "N or MIN:MAX", id="nnodes-garbage"),
+    pytest.param(["--nproc-per-node", "0"], "--nproc-per-node must be >= 1", id="nproc-0"),
+    pytest.param(["--nproc-per-node", "many"], "--nproc-per-node must be", id="nproc-word"),
+    pytest.param(["--max-restarts", "-1"], "--max-restarts must be >= 0", id="restarts-neg"),
+    pytest.param(["--monitor-interval", "0"], "monitor_interval must be positive", id="monitor-0"),
+    pytest.param(["--rdzv-backend", "etcd"], "static or c10d", id="backend"),
+    pytest.param(
+        ["--rdzv-backend", "c10d", "--nnodes", "2"], "needs --rdzv-endpoint", id="c10d-no-endpoint"
+    ),
+    pytest.param(
+        ["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:p", "--nnodes", "2"],
+        "host:port",
+        id="endpoint-garbage",
+    ),
+    pytest.param(
+        ["--nnodes", "1:2", "--master-port", "29511"], "fixed --nnodes", id="static-elastic"
+    ),
+    pytest.param(
+        ["--nnodes", "2", "--node-rank", "2", "--master-port", "29511"],
+        "--node-rank must be in",
+        id="node-rank-range",
+    ),
+    pytest.param(["--standalone", "--nnodes", "2"], "single node", id="standalone-nnodes"),
+    pytest.param(["--rdzv-conf", "join_timeout"], "<key1>=<value1>", id="rdzv-conf"),
+    pytest.param(["--rdzv-conf", "join_timeout=soon"], "must be a number", id="rdzv-conf-val"),
+    pytest.param(["--redirects", "4"], "neither 0-3", id="redirects"),
+    pytest.param(["--tee", "0:5"], "neither 0-3", id="tee"),
+    pytest.param(["--local-ranks-filter", "x"], "comma-separated", id="ranks-filter"),
+    pytest.param(["--signals-to-handle", "SIGNOPE"], "unknown signal", id="signals"),
+    pytest.param(["--start-method", "thread"], "invalid choice", id="start-method"),
+]
+
+
+@pytest.mark.parametrize(("flags", "message"), BAD)
+def test_bad_flags_are_usage_errors(flags, message, marker_script, no_launch, capsys):
+    path, marker = marker_script
+    assert main([*flags, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "usage: fastcomm-run" in err and message in err
+    assert not no_launch and not marker.exists()
+
+
+def test_missing_script_is_a_usage_error(no_launch, capsys, tmp_path):
+    assert main(["--nproc-per-node", "2"]) == 2
+    assert "the following arguments are required: training_script" in capsys.readouterr().err
+    assert main([str(tmp_path / "nope.py")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["--no-python", "-m", "pkg"]) == 2
+    assert "--no-python" in capsys.readouterr().err
+    assert not no_launch
+
+
+def test_help_exits_zero(no_launch, capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in (
+        "--nnodes",
+        "--nproc-per-node",
+        "--rdzv-endpoint",
+        "--max-restarts",
+        "--standalone",
+        "--redirects",
+        "--tee",
+        "--log-dir",
+        "--no-python",
+    ):
+        assert flag in out
+
+
+def test_usage_error_from_the_command_line(tmp_path):
+    """`python -m fastcomm.launch` exits 2 with a usage message and starts nothing."""
+    marker = tmp_path / "started"
+    path = script(tmp_path, "train.py", f"open({str(marker)!r}, 'w').close()\n")
+    result = run(["--nnodes", "3:2", path], tmp_path, timeout=30)
+    assert result.returncode == 2, result.stderr
+    assert "usage: fastcomm-run" in result.stderr and "MIN must be <= MAX" in result.stderr
+    assert not marker.exists()
+
+
+def test_both_spellings_and_defaults(marker_script):
+    path, _ = marker_script
+    a = config_of(
+        [
+            "--nproc-per-node",
+            "3",
+            "--max-restarts",
+            "2",
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            "127.0.0.1:29400",
+            "--nnodes",
+            "1:4",
+            "--rdzv-conf",
+            "last_call_timeout=2,join_timeout=9",
+            str(path),
+            "--lr",
+            "1",
+        ]
+    )
+    b = config_of(
+        [
+            "--nproc_per_node",
+            "3",
+            "--max_restarts",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "127.0.0.1:29400",
+            "--nnodes",
+            "1:4",
+            "--rdzv_conf",
+            "last_call_timeout=2,join_timeout=9",
+            str(path),
+            "--lr",
+            "1",
+        ]
+    )
+    assert a == b
+    assert (a.nproc_per_node, a.max_restarts, a.min_nodes, a.max_nodes) == (3, 2, 1, 4)
+    assert (a.rdzv_host, a.rdzv_port, a.last_call_timeout, a.join_timeout) == (
+        "127.0.0.1",
+        29400,
+        2.0,
+        9.0,
+    )
+    assert a.args == ["--lr", "1"] and a.entrypoint == str(path)
+    # A single node without an endpoint is standalone, as torchrun: a free port, a uuid run id.
+    c = config_of([str(path)])
+    assert c.standalone and c.rdzv_backend == "c10d" and len(c.run_id) == 36
+    # static with a master port: the endpoint is master_addr:master_port, run id "none".
+    d = config_of(["--master-port", "29555", str(path)])
+    assert (d.rdzv_backend, d.rdzv_host, d.rdzv_port, d.run_id) == (
+        "static",
+        "127.0.0.1",
+        29555,
+        "none",
+    )
+
+
+def test_pet_environment_defaults(monkeypatch, marker_script):
+    path, _ = marker_script
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "4")
+    monkeypatch.setenv("PET_NNODES", "2")
+    monkeypatch.setenv("PET_NODE_RANK", "1")
+    monkeypatch.setenv("PET_MASTER_PORT", "29512")
+    monkeypatch.setenv("PET_MAX_RESTARTS", "5")
+    monkeypatch.setenv("PET_ROLE", "trainer")
+    monkeypatch.setenv("PET_STANDALONE", "0")
+    cfg = config_of([str(path)])
+    assert (cfg.nproc_per_node, cfg.max_nodes, cfg.node_rank, cfg.rdzv_port) == (4, 2, 1, 29512)
+    assert (cfg.max_restarts, cfg.role) == (5, "trainer")
+    # The command line wins over PET_*.
+    assert config_of(["--nproc-per-node", "2", str(path)]).nproc_per_node == 2
+    monkeypatch.setenv("PET_NNODES", "1")
+    monkeypatch.delenv("PET_MASTER_PORT")
+    monkeypatch.setenv("PET_NODE_RANK", "0")
+    monkeypatch.setenv("PET_STANDALONE", "1")
+    assert config_of([str(path)]).standalone
+
+
+def test_module_and_no_python(tmp_path):
+    cfg = config_of(["-m", "pkg.train", "--epochs", "3"])
+    assert cfg.module and cfg.entrypoint == "pkg.train" and cfg.args == ["--epochs", "3"]
+    cfg = config_of(["--no-python", "echo", "hi"])
+    assert cfg.no_python and cfg.entrypoint == "echo" and cfg.args == ["hi"]
+
+
+def test_parsers():
+    assert parse_nnodes("2") == (2, 2) and parse_nnodes("1:4") == (1, 4)
+    assert parse_endpoint("node0:29400") == ("node0", 29400)
+    assert parse_endpoint("[::1]:5") == ("::1", 5)
+    assert parse_endpoint("node0", default_port=29400) == ("node0", 29400)
+    assert parse_std("3") == 3 and parse_std("0:3,1:1") == {0: 3, 1: 1}
+    for bad in ("node0:99999", "a:b:c"):
+        with pytest.raises(ValueError):
+            parse_endpoint(bad)
+    with pytest.raises(ValueError, match="MIN <= MAX"):
+        LaunchConfig(entrypoint="x.py", min_nodes=3, max_nodes=2)

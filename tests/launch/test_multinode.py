@@ -1,0 +1,192 @@
+"""Several agents ("nodes") on 127.0.0.1: a world of 4, a failure on one node restarting both,
+and an elastic MIN:MAX job admitting a late node."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ._util import clean_env, finish, free_port, kill_all, script, start, wait_files, wait_gone
+
+RECORD = """
+    import json, os, sys, time
+    out = sys.argv[1]
+    env = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK",
+           "GROUP_WORLD_SIZE", "LOCAL_WORLD_SIZE", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT",
+           "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID")}
+    name = "ws%s_rank%s_try%s.json" % (env["WORLD_SIZE"], env["RANK"],
+                                       env["TORCHELASTIC_RESTART_COUNT"])
+    with open(os.path.join(out, name), "w") as fh:
+        json.dump(env, fh)
+"""
+
+
+def _flags(port, nnodes, nproc, *extra):
+    return [
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        nproc,
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "job42",
+        "--monitor-interval",
+        "0.05",
+        *extra,
+    ]
+
+
+def _records(directory, pattern="*.json"):
+    return [json.loads(p.read_text()) for p in sorted(directory.glob(pattern))]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["c10d", "static"])
+def test_two_agents_form_a_world_of_four(tmp_path, backend):
+    path = script(tmp_path, "record.py", RECORD)
+    port = free_port()
+    if backend == "c10d":
+        flags = [_flags(port, "2", "2"), _flags(port, "2", "2")]
+    else:  # torchrun's classic multi-node spelling; node 1 starts first and waits for node 0
+        flags = [
+            [
+                "--nnodes",
+                "2",
+                "--nproc_per_node",
+                "2",
+                "--node_rank",
+                str(n),
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(port),
+            ]
+            for n in (1, 0)
+        ]
+    agents = [start([*f, path, tmp_path], tmp_path) for f in flags]
+    results = [finish(a, timeout=50) for a in agents]
+    for r in results:
+        assert r.returncode == 0, r.stderr
+    recs = _records(tmp_path)
+    assert sorted(int(r["RANK"]) for r in recs) == [0, 1, 2, 3]
+    for r in recs:
+        assert (r["WORLD_SIZE"], r["GROUP_WORLD_SIZE"], r["LOCAL_WORLD_SIZE"]) == ("4", "2", "2")
+        assert int(r["GROUP_RANK"]) == int(r["RANK"]) // 2
+        assert int(r["LOCAL_RANK"]) == int(r["RANK"]) % 2 and r["ROLE_RANK"] == r["RANK"]
+        assert r["TORCHELASTIC_RUN_ID"] == ("job42" if backend == "c10d" else "none")
+    # one worker store for the whole world, served by the agent of group rank 0
+    assert len({(r["MASTER_ADDR"], r["MASTER_PORT"]) for r in recs}) == 1
+
+
+@pytest.mark.timeout(60)
+def test_failure_on_one_node_restarts_every_node(tmp_path):
+    path = script(
+        tmp_path,
+        "fail_once.py",
+        RECORD
+        + """
+    if env["RANK"] == "3" and env["TORCHELASTIC_RESTART_COUNT"] == "0":
+        sys.exit(3)
+    if env["TORCHELASTIC_RESTART_COUNT"] == "0":
+        time.sleep(30)  # stands for a collective that never completes
+""",
+    )
+    port = free_port()
+    agents = [
+        start([*_flags(port, "2", "2", "--max-restarts", "1"), path, tmp_path], tmp_path)
+        for _ in range(2)
+    ]
+    results = [finish(a, timeout=50) for a in agents]
+    for r in results:
+        assert r.returncode == 0, r.stderr
+    second = _records(tmp_path, "*_try1.json")
+    assert sorted(int(r["RANK"]) for r in second) == [0, 1, 2, 3]
+    first_ports = {r["MASTER_PORT"] for r in _records(tmp_path, "*_try0.json")}
+    assert first_ports.isdisjoint({r["MASTER_PORT"] for r in second})  # a fresh store
+    both = results[0].stderr + results[1].stderr
+    assert "rank 3 (local_rank 1" in both and "exit code 3" in both
+
+
+@pytest.mark.timeout(60)
+def test_elastic_job_admits_a_late_node(tmp_path):
+    path = script(
+        tmp_path,
+        "elastic.py",
+        RECORD
+        + """
+    if env["WORLD_SIZE"] == "1":
+        time.sleep(30)  # runs until the late node is admitted (the agent restarts it)
+""",
+    )
+    port = free_port()
+    flags = _flags(port, "1:2", "1", "--rdzv-conf", "last_call_timeout=0.5")
+    first = start([*flags, path, tmp_path], tmp_path)
+    wait_files(tmp_path, "ws1_*.json", 1, proc=first)  # the job runs on one node
+    late = start([*flags, path, tmp_path], tmp_path)
+    results = [finish(first, timeout=50), finish(late, timeout=50)]
+    for r in results:
+        assert r.returncode == 0, r.stderr
+    [alone] = _records(tmp_path, "ws1_*.json")
+    assert (alone["RANK"], alone["GROUP_WORLD_SIZE"]) == ("0", "1")
+    both = _records(tmp_path, "ws2_*.json")
+    assert sorted(r["RANK"] for r in both) == ["0", "1"]
+    assert {r["GROUP_WORLD_SIZE"] for r in both} == {"2"}
+    # admitting a node is not a failure restart
+    assert {r["TORCHELASTIC_RESTART_COUNT"] for r in both} == {"0"}
+    assert "not counted as a restart" in results[0].stderr
+
+
+@pytest.mark.timeout(60)
+def test_job_goes_on_without_a_killed_node(tmp_path):
+    """A node's agent is SIGKILLed: its workers exit (they watch their agent), the other agent
+    declares the node lost when its heartbeats stop, and the elastic job restarts without it."""
+    path = script(
+        tmp_path,
+        "hang.py",
+        RECORD
+        + """
+    with open(os.path.join(out, "pid_%s_%s" % (env["RANK"], env["WORLD_SIZE"])), "w") as fh:
+        fh.write(str(os.getpid()))
+    if env["WORLD_SIZE"] == "2":
+        time.sleep(30)  # stands for a collective stuck on the lost peer
+""",
+    )
+    port = free_port()
+    conf = "last_call_timeout=30,keep_alive_interval=0.25,keep_alive_max_attempt=4"
+    survivor = start(
+        [
+            *_flags(port, "1:2", "1", "--max-restarts", "1", "--rdzv-conf", conf + ",is_host=1"),
+            path,
+            tmp_path,
+        ],
+        tmp_path,
+    )
+    victim = start(
+        [
+            *_flags(port, "1:2", "1", "--max-restarts", "1", "--rdzv-conf", conf + ",is_host=0"),
+            path,
+            tmp_path,
+        ],
+        tmp_path,
+        env=clean_env(TMPDIR=str(tmp_path)),
+    )
+    pids = []
+    try:
+        files = wait_files(tmp_path, "pid_*_2", 2, proc=survivor)
+        pids = [int(f.read_text()) for f in files]
+        victim.kill()
+        finish(victim, timeout=10)
+        result = finish(survivor, timeout=40)
+        assert result.returncode == 0, result.stderr
+        assert "was lost: no heartbeat" in result.stderr
+        [alone] = _records(tmp_path, "ws1_*.json")
+        assert (alone["RANK"], alone["TORCHELASTIC_RESTART_COUNT"]) == ("0", "1")
+        assert wait_gone(pids, timeout=5) == []
+    finally:
+        kill_all(pids)
+        if victim.poll() is None:
+            victim.kill()
