@@ -14,6 +14,7 @@ Output: by default every line a worker writes reaches the agent's stdout/stderr 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -68,20 +69,29 @@ def line_prefix(template: str | None, rank: int, local_rank: int, role: str) -> 
 
 
 def _pump(src: BinaryIO, prefix: bytes | None, console: BinaryIO | None, copy: BinaryIO | None):
+    """Copies a worker's output to its log file and, prefixed, to the console.
+
+    Pieces end at ``\n`` or at ``\r``: a progress bar that redraws its line with ``\r``
+    (tqdm) keeps redrawing in place, each redraw prefixed, instead of growing one endless line.
+    """
+    pending = b""
     try:
-        for line in iter(src.readline, b""):
+        while True:
+            chunk = src.read1(1 << 16) if hasattr(src, "read1") else src.readline()
+            if not chunk:
+                break
             if copy is not None:
-                copy.write(line)
+                copy.write(chunk)
                 copy.flush()
-            if console is not None and prefix is not None:
-                if not line.endswith(b"\n"):
-                    line += b"\n"
-                with _CONSOLE_LOCK:
-                    try:
-                        console.write(prefix + line)
-                        console.flush()
-                    except (OSError, ValueError):
-                        console = None
+            if console is None or prefix is None:
+                continue
+            pending += chunk
+            cut = max(pending.rfind(b"\n"), pending.rfind(b"\r")) + 1
+            if cut:
+                console = _emit(console, prefix, pending[:cut])
+                pending = pending[cut:]
+        if pending and console is not None and prefix is not None:
+            _emit(console, prefix, pending + b"\n")
     except (OSError, ValueError):
         pass
     finally:
@@ -89,6 +99,23 @@ def _pump(src: BinaryIO, prefix: bytes | None, console: BinaryIO | None, copy: B
             src.close()
         except OSError:
             pass
+
+
+def _emit(console: BinaryIO, prefix: bytes, text: bytes) -> BinaryIO | None:
+    """Writes complete pieces of ``text``, each with ``prefix``; ``None`` once console is gone."""
+    out = []
+    for piece in _PIECES.findall(text):
+        out.append(prefix + piece)
+    with _CONSOLE_LOCK:
+        try:
+            console.write(b"".join(out))
+            console.flush()
+        except (OSError, ValueError):
+            return None
+    return console
+
+
+_PIECES = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)")
 
 
 def _console(stream) -> BinaryIO | None:

@@ -84,3 +84,18 @@ def test_line_prefix_template_ranks_filter_and_no_python(tmp_path, capfd, monkey
     captured = capfd.readouterr()
     assert code == 0, captured.err
     assert captured.out.splitlines() == ["<w1> hello 1 of 2"]
+
+
+def test_carriage_returns_redraw_in_place_with_prefix(tmp_path):
+    import io
+
+    from fastcomm.launch.workers import _pump
+
+    src = io.BufferedReader(io.BytesIO(b"bar 10%\rbar 50%\rbar 100%\ndone\nno newline"))
+    console, copy = io.BytesIO(), io.BytesIO()
+    _pump(src, b"[rank 0]: ", console, copy)
+    assert console.getvalue() == (
+        b"[rank 0]: bar 10%\r[rank 0]: bar 50%\r[rank 0]: bar 100%\n"
+        b"[rank 0]: done\n[rank 0]: no newline\n"
+    )
+    assert copy.getvalue() == b"bar 10%\rbar 50%\rbar 100%\ndone\nno newline"
