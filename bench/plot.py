@@ -1,0 +1,198 @@
+"""Turns pytest-benchmark JSON from ``bench/`` into PNG charts.
+
+    python bench/plot.py bench/results/cpu-2026-11-22.json [--out bench/results]
+
+Charts, each written when the JSON holds its benchmarks:
+
+- ``collectives_busbw.png``: bus bandwidth against message size, one panel per op, one line
+  per provider (the ``"collectives"`` rows of ``bench/test_collectives.py``, MPICH included);
+- ``ddp_step.png``: training-step time per provider and the speedup over torch DDP
+  (``bench/test_ddp.py``);
+- ``kernels.png``: pack/unpack/quantize GB/s per provider and bucket, against the one-buffer
+  copy bandwidth (``bench/test_kernels.py``);
+- ``compression.png``: bytes on the wire per step and break-even link bandwidth per hook
+  (``bench/test_compression.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def load(paths: list[Path]) -> tuple[list[dict], list[dict], dict]:
+    """All benchmarks, all collectives rows, and the machine info of the first file."""
+    benchmarks, collectives, machine = [], [], {}
+    for path in paths:
+        data = json.loads(path.read_text())
+        benchmarks += data.get("benchmarks", [])
+        collectives += data.get("collectives", [])
+        machine = machine or data.get("machine_info", {})
+    return benchmarks, collectives, machine
+
+
+def _size_label(nbytes: float) -> str:
+    for unit, div in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= div:
+            return f"{nbytes / div:g} {unit}"
+    return f"{nbytes:g} B"
+
+
+def plot_collectives(rows: list[dict], out: Path, title: str) -> Path | None:
+    if not rows:
+        return None
+    ops = sorted({r["op"] for r in rows})
+    fig, axes = plt.subplots(1, len(ops), figsize=(4.2 * len(ops), 3.6), squeeze=False)
+    for ax, op in zip(axes[0], ops, strict=True):
+        lines = defaultdict(list)
+        for r in rows:
+            if r["op"] == op:
+                lines[r["provider"]].append((r["bytes"], r["busbw"]))
+        for provider, points in sorted(lines.items()):
+            points.sort()
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=provider)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ticks = sorted({p for pts in lines.values() for p, _ in pts})
+        ax.set_xticks(ticks[:: max(1, len(ticks) // 5)])
+        ax.set_xticklabels([_size_label(t) for t in ticks[:: max(1, len(ticks) // 5)]])
+        ax.set_title(op)
+        ax.set_xlabel("message size")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("bus bandwidth (GB/s)")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path = out / "collectives_busbw.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _bench(benchmarks: list[dict], prefix: str) -> list[dict]:
+    return [b for b in benchmarks if b["name"].startswith(prefix) and b.get("stats")]
+
+
+def plot_ddp(benchmarks: list[dict], out: Path, title: str) -> Path | None:
+    rows = _bench(benchmarks, "test_ddp_train_step")
+    if not rows:
+        return None
+    medians = {}
+    for b in rows:
+        info = b.get("extra_info", {})
+        ms = info.get("rank_median_step_ms") or b["stats"]["median"] * 1e3
+        medians[info.get("provider") or b["param"]] = ms
+    names = sorted(medians, key=lambda n: (n != "torch", n))
+    base = medians.get("torch")
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    bars = ax.bar(names, [medians[n] for n in names], color=["#888"] + ["#2a7"] * (len(names) - 1))
+    for bar, name in zip(bars, names, strict=True):
+        label = f"{medians[name]:.1f} ms"
+        if base and name != "torch":
+            label += f"\n{base / medians[name]:.2f}x torch"
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("median training step (ms)")
+    ax.set_ylim(0, max(medians.values()) * 1.3)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    path = out / "ddp_step.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_kernels(benchmarks: list[dict], out: Path, title: str) -> Path | None:
+    rows = [b for b in benchmarks if b["name"].startswith(("test_pack", "test_unpack",
+                                                          "test_quantize", "test_dequantize"))]
+    rows = [b for b in rows if b.get("extra_info", {}).get("gbps")]
+    if not rows:
+        return None
+    copy = [b["extra_info"]["gbps"] for b in benchmarks
+            if b["name"].startswith("test_copy_bandwidth") and b.get("extra_info", {}).get("gbps")]
+    groups = defaultdict(dict)
+    for b in rows:
+        op = b["name"].split("[")[0].removeprefix("test_")
+        params = b.get("params") or {}
+        groups[f"{op}\n{params.get('case', '')}"][params.get("provider", "?")] = \
+            b["extra_info"]["gbps"]
+    labels = list(groups)
+    providers = sorted({p for g in groups.values() for p in g}, key=lambda p: (p != "fastcomm", p))
+    width = 0.8 / len(providers)
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(labels)), 3.8))
+    for i, provider in enumerate(providers):
+        xs = [j + i * width for j in range(len(labels))]
+        ax.bar(xs, [groups[lab].get(provider, 0) for lab in labels], width, label=provider)
+    if copy:
+        ax.axhline(copy[0], color="k", linestyle="--", linewidth=1, label="one-buffer copy_")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))])
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel("GB/s (bytes read + written)")
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    path = out / "kernels.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_compression(benchmarks: list[dict], out: Path, title: str) -> Path | None:
+    rows = [b for b in benchmarks if b["name"].startswith("test_codec_time")
+            and "break_even_gbps_vs_fp32_n2" in b.get("extra_info", {})]
+    if not rows:
+        return None
+    hooks, values = [], []
+    for b in rows:
+        value = b["extra_info"]["break_even_gbps_vs_fp32_n2"]
+        if isinstance(value, (int, float)):
+            hooks.append(b["extra_info"].get("hook", b["name"]))
+            values.append(value)
+    if not hooks:
+        return None
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    ax.bar(hooks, values, color="#57a")
+    ax.set_yscale("log")
+    ax.set_ylabel("pays off below this link bandwidth (GB/s)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    path = out / "compression.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("json", nargs="+", type=Path, help="pytest-benchmark JSON files")
+    parser.add_argument("--out", type=Path, default=None, help="folder (default: the JSON's)")
+    args = parser.parse_args(argv)
+    benchmarks, collectives, machine = load(args.json)
+    out = args.out or args.json[0].parent
+    out.mkdir(parents=True, exist_ok=True)
+    cpu = machine.get("cpu", {}).get("brand_raw", machine.get("processor", "?"))
+    title = f"{machine.get('node', '?')}: {cpu}"
+    written = [
+        plot_collectives(collectives, out, title),
+        plot_ddp(benchmarks, out, title),
+        plot_kernels(benchmarks, out, title),
+        plot_compression(benchmarks, out, title),
+    ]
+    for path in written:
+        if path is not None:
+            print(path)
+    if not any(written):
+        print("no benchmarks in the given files that bench/plot.py knows how to chart")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
