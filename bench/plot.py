@@ -60,9 +60,10 @@ def plot_collectives(rows: list[dict], out: Path, title: str) -> Path | None:
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=provider)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ticks = sorted({p for pts in lines.values() for p, _ in pts})
-        ax.set_xticks(ticks[:: max(1, len(ticks) // 5)])
-        ax.set_xticklabels([_size_label(t) for t in ticks[:: max(1, len(ticks) // 5)]])
+        sizes = sorted({p for pts in lines.values() for p, _ in pts})
+        ticks = [s for s in sizes if s & (s - 1) == 0 and (s.bit_length() - 1) % 4 == 0] or sizes
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([_size_label(t) for t in ticks], fontsize=8)
         ax.set_title(op)
         ax.set_xlabel("message size")
         ax.grid(True, which="both", alpha=0.3)
