@@ -40,3 +40,55 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"{r['test']:<{width}}  {r['gbps']:9.2f} GB/s  {r['seconds'] * 1e6:10.1f} us  {extra}"
         )
+
+
+# ---------------------------------------------------------------------- collectives
+# (bench/test_collectives.py) rows {op, provider, bytes, world, us, algbw, busbw}: a busbw table
+# at the end and a "collectives" list in --benchmark-json (charted by bench/plot.py).
+_COLLECTIVES: list[dict] = []
+
+
+@pytest.fixture(scope="session")
+def collectives_report():
+    return _COLLECTIVES
+
+
+def pytest_configure(config):
+    import os
+
+    # under fastcomm-run every rank runs pytest; only rank 0 writes results
+    if int(os.environ.get("RANK", "0") or 0) != 0:
+        for name in ("benchmark_json", "benchmark_save", "benchmark_autosave"):
+            value = getattr(config.option, name, None)
+            if hasattr(value, "close"):
+                value.close()
+            if hasattr(config.option, name):
+                setattr(config.option, name, None)
+    config.pluginmanager.register(_CollectivesTable(), "fastcomm-collectives-table")
+
+
+def pytest_benchmark_update_json(config, benchmarks, output_json):
+    if _COLLECTIVES:
+        output_json["collectives"] = list(_COLLECTIVES)
+
+
+class _CollectivesTable:
+    def pytest_terminal_summary(self, terminalreporter):
+        if not _COLLECTIVES:
+            return
+        providers = list(dict.fromkeys(r["provider"] for r in _COLLECTIVES))
+        cells = {(r["op"], r["bytes"], r["provider"]): r for r in _COLLECTIVES}
+        keys = sorted({(r["op"], r["bytes"]) for r in _COLLECTIVES},
+                      key=lambda k: (["all_reduce", "all_gather", "reduce_scatter",
+                                      "broadcast"].index(k[0]), k[1]))
+        world = _COLLECTIVES[0]["world"]
+        terminalreporter.section(f"collectives, {world} ranks: median us / busbw GB/s")
+        header = f"{'op':<15}{'size':>9}" + "".join(f"{p:>24}" for p in providers)
+        terminalreporter.write_line(header)
+        for op, nbytes in keys:
+            size = f"{nbytes >> 20}MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10}KiB"
+            line = f"{op:<15}{size:>9}"
+            for p in providers:
+                r = cells.get((op, nbytes, p))
+                line += f"{r['us']:>13.1f} /{r['busbw']:>7.2f}  " if r else f"{'-':>24}"
+            terminalreporter.write_line(line)

@@ -1,4 +1,4 @@
-"""Host-side store and communicators (Gloo, NCCL)."""
+"""Host-side store and communicators (Gloo, NCCL, shared memory, hierarchical)."""
 
 from .base import Communicator
 from .errors import (
@@ -9,6 +9,8 @@ from .errors import (
     StoreTimeoutError,
 )
 from .gloo import GlooCommunicator
+from .hier import HierCommunicator
+from .shm import ShmCommunicator, ShmOptions
 from .store import Store
 from .torch_pg import TorchPGCommunicator as TorchPGCommunicator
 from .types import SUPPORTED_DTYPES, ReduceOp
@@ -22,8 +24,11 @@ __all__ = [
     "CommTimeoutError",
     "FastcommError",
     "GlooCommunicator",
+    "HierCommunicator",
     "ReduceOp",
     "SUPPORTED_DTYPES",
+    "ShmCommunicator",
+    "ShmOptions",
     "Store",
     "StoreTimeoutError",
     "Work",

@@ -5,6 +5,15 @@
 serves it (``TORCHELASTIC_USE_AGENT_STORE=True``, torch's convention). When
 ``torch.distributed`` is already initialized, its store is reused under the prefix
 ``fastcomm/`` instead of binding ``MASTER_PORT`` a second time.
+
+Backend selection (``backend=None``), in order:
+
+1. ``FASTCOMM_BACKEND`` when set (``gloo`` forces Gloo, e.g. for ``fastcomm.ddp.DDP`` on CPU).
+2. ``nccl`` when CUDA and CuPy's NCCL are available.
+3. Otherwise the ranks exchange their host identity through the store (``FASTCOMM_HOST_ID``, or
+   hostname + boot id): ``shm`` when all are on one host, ``hier`` when they span hosts and some
+   host has more than one rank (shared memory inside hosts, Gloo between them), else ``gloo``.
+   Where shared memory is unavailable (no Linux ``/dev/shm``) it is ``gloo``.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from .store import Store, as_timedelta
 
 __all__ = ["init", "get_world", "shutdown", "new_communicator", "is_initialized", "BACKENDS"]
 
-BACKENDS = ("gloo", "nccl")
+BACKENDS = ("gloo", "nccl", "shm", "hier")
 
 _WORLD: Communicator | None = None
 _WORLD_STORE: Store | None = None
@@ -49,7 +58,33 @@ def nccl_available() -> bool:
 
 
 def default_backend() -> str:
-    return "nccl" if nccl_available() else "gloo"
+    """The backend ``init()`` picks before looking at hosts: ``FASTCOMM_BACKEND``, else NCCL when
+    available, else ``shm`` (narrowed by :func:`choose_cpu_backend` once the hosts are known)."""
+    forced = os.environ.get("FASTCOMM_BACKEND", "").strip().lower()
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(
+                f"FASTCOMM_BACKEND={forced!r} is not a backend; allowed: {', '.join(BACKENDS)}"
+            )
+        return forced
+    if nccl_available():
+        return "nccl"
+    from .shm import shm_available
+
+    return "shm" if shm_available() else "gloo"
+
+
+def choose_cpu_backend(hosts: list[str]) -> str:
+    """``shm`` for one host, ``hier`` for several hosts with a shared one, else ``gloo``.
+
+    Args:
+        hosts: every rank's host identity, in rank order.
+    """
+    if len(set(hosts)) == 1:
+        return "shm"
+    if len(hosts) > len(set(hosts)):
+        return "hier"
+    return "gloo"
 
 
 def new_communicator(
@@ -74,6 +109,14 @@ def new_communicator(
         from .nccl import NcclCommunicator
 
         return NcclCommunicator(store, rank, size, timeout, device=device)
+    if backend == "shm":
+        from .shm import ShmCommunicator
+
+        return ShmCommunicator(store, rank, size, timeout)
+    if backend == "hier":
+        from .hier import HierCommunicator
+
+        return HierCommunicator(store, rank, size, timeout)
     raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)} or None")
 
 
@@ -89,8 +132,9 @@ def init(
     """Creates the world communicator (once per process) and returns it.
 
     Args:
-        backend: ``"nccl"``, ``"gloo"`` or ``None`` (NCCL when CUDA and CuPy are there, else
-            Gloo).
+        backend: ``"nccl"``, ``"gloo"``, ``"shm"``, ``"hier"`` or ``None`` (NCCL when CUDA and
+            CuPy are there, else ``shm``/``hier``/``gloo`` by host layout; see the module
+            docstring).
         timeout: limit for rendezvous and for every collective.
         rank: overrides ``RANK`` (default 0 when unset and ``world_size`` is 1).
         world_size: overrides ``WORLD_SIZE`` (default 1).
@@ -112,6 +156,8 @@ def init(
     rank = _env_int("RANK", 0 if world_size == 1 else None) if rank is None else rank
     if not 0 <= rank < world_size:
         raise ValueError(f"RANK={rank} out of range for WORLD_SIZE={world_size}")
+    # only an automatic choice of shm is narrowed by host layout; an explicit or forced one is kept
+    auto = backend is None and not os.environ.get("FASTCOMM_BACKEND", "").strip()
     if backend is None:
         backend = default_backend()
     if backend not in BACKENDS:
@@ -142,6 +188,11 @@ def init(
         _WORLD_STORE = base
         _INIT_COUNT += 1
         store = base.prefixed(f"fastcomm/world{_INIT_COUNT}", rank=rank)
+    if auto and backend == "shm" and world_size > 1:
+        from ._shm_segment import host_id
+
+        hosts = store.all_gather_object("init/hosts", rank, world_size, host_id(), timeout)
+        backend = choose_cpu_backend(hosts)
     _WORLD = new_communicator(
         backend, store=store, rank=rank, size=world_size, timeout=timeout, device=device
     )

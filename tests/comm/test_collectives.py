@@ -14,7 +14,7 @@ from fastcomm import ReduceOp
 from fastcomm.comm import SUPPORTED_DTYPES
 from tests.harness import RankPool, rank_comm
 
-BACKENDS = ["gloo"]
+BACKENDS = ["gloo", "shm"]
 SHAPES = [(0,), (1,), (7,), (3, 5), (1031,)]
 OPS = list(ReduceOp)
 
@@ -112,7 +112,9 @@ def check_barrier_orders_store_writes(backend):
 
     comm = rank_comm(backend)
     store = rank_store().prefixed(f"barrier-{backend}-{comm.size}")
-    store.set(f"arrived/{comm.rank}", b"1")
+    # add() waits for the server's reply (set() does not), so the key is stored before the
+    # barrier starts
+    store.add(f"arrived/{comm.rank}", 1)
     comm.barrier()
     # after the barrier every rank's key must already be there: no waiting allowed
     return [store.check([f"arrived/{r}"]) for r in range(comm.size)]

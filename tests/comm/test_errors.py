@@ -11,7 +11,7 @@ import torch
 from fastcomm import CommClosedError, CommTimeoutError, FastcommError
 from tests.harness import RankPool, fresh_comm, rank_comm
 
-BACKENDS = ["gloo"]
+BACKENDS = ["gloo", "shm"]
 
 
 def _raises(fn, exc_type, *needles):

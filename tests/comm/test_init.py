@@ -17,7 +17,8 @@ def check_init_from_env():
     else:
         raise AssertionError("get_world() before init() must raise")
     comm = fastcomm.init(timeout=30)
-    assert fastcomm.get_world() is comm and comm.backend == "gloo"
+    # one host, CPU tensors: the shared-memory communicator (FASTCOMM_BACKEND=gloo forces Gloo)
+    assert fastcomm.get_world() is comm and comm.backend == "shm"
     try:
         fastcomm.init()
     except RuntimeError as exc:

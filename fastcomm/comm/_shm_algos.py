@@ -1,0 +1,394 @@
+"""Collective schedules over a segment of per-rank slots: the algorithm, apart from transport.
+
+A schedule only slices typed views, moves data with ``copy_`` and :func:`reduce_into`, and
+sequences the steps with :class:`~._shm_sync.Sync`. The same schedules serve a GPU path over
+peer-mapped device buffers (CUDA IPC) if ``reduce_into`` is swapped for a Triton reduction.
+
+Rounds and buffer reuse: each round uses one half of the data area, alternating, and writes only
+the writer's own slot. Every rank publishes the same number of times per round, so all ranks
+agree on every ``seq`` value. A rank finishes its reads of round ``t`` before its first publish in
+round ``t + 1``; hence, before writing half ``h`` in round ``t + 2``, it is enough that every peer
+reached the first publish of round ``t + 1`` (:meth:`Schedules._enter`). The next call therefore
+never waits for the slowest reader of the last one, and most calls pay no extra wait at all.
+
+Reductions run in rank order (``x0 + x1 + ...``) from the same bytes on every rank that computes
+a given element (or on one rank only, which then distributes it), so every rank ends with
+bit-identical results.
+
+All-reduce: up to ``one_shot_max`` bytes, one shot (each rank copies its tensor into its slot,
+then reduces all slots into its output: one publish per ``slot_bytes`` chunk). Larger: per chunk,
+reduce-scatter then all-gather inside the segment (each rank copies in the slices the others
+reduce, reduces its own slice -- read in place from its tensor -- into its part of the half's
+shared result slot, then every rank copies the whole result out in one copy: two publishes), so a
+tensor of any size streams through the fixed segment. ``reduce`` (to a root) is the same with
+only the root copying out. Other ops, one publish per chunk: ``broadcast`` (the root copies in,
+the others copy out), ``all_gather``/``all_to_all`` (everyone copies in, then one strided copy
+brings every rank's rows out), ``reduce_scatter`` (everyone copies in the rows the others
+reduce, then reduces its own). Every view of the segment a round needs is cached by (half,
+dtype, size), so a repeated call slices nothing. Send/recv stream through two mailbox slots per
+ordered pair of ranks, counted by the pair's ``sent``/``acked`` words.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ._shm_segment import Layout
+from ._shm_sync import Sync
+from .errors import FastcommError
+from .types import SUPPORTED_DTYPES, ReduceOp
+
+__all__ = ["Schedules", "reduce_into"]
+
+_BINARY = {
+    ReduceOp.SUM: torch.add,
+    ReduceOp.AVG: torch.add,
+    ReduceOp.PRODUCT: torch.mul,
+    ReduceOp.MAX: torch.maximum,
+    ReduceOp.MIN: torch.minimum,
+}
+_OPCODES = {
+    name: i + 1
+    for i, name in enumerate(
+        ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "barrier",
+         "reduce"]
+    )
+}
+_DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(SUPPORTED_DTYPES)}
+_OP_CODES = {op: i + 1 for i, op in enumerate(ReduceOp)}
+_MBOX_HEADER = 64  # first bytes of a mailbox slot: the message's total byte count
+
+
+def reduce_into(out: torch.Tensor, terms: list[torch.Tensor], op: ReduceOp) -> None:
+    """``out = terms[0] (op) terms[1] (op) ...`` in order, without allocating.
+
+    ``out`` may alias ``terms[0]`` or ``terms[1]`` but no later term. ``AVG`` sums (the caller
+    divides).
+    """
+    if len(terms) == 1:
+        if out.data_ptr() != terms[0].data_ptr():
+            out.copy_(terms[0])
+        return
+    fn = _BINARY[op]
+    fn(terms[0], terms[1], out=out)
+    for term in terms[2:]:
+        fn(out, term, out=out)
+
+
+def divide_(tensor: torch.Tensor, size: int) -> None:
+    """In-place ``tensor / size``; integers truncate toward zero (NCCL's ncclAvg)."""
+    if tensor.is_floating_point():
+        tensor.div_(size)
+    else:
+        tensor.div_(size, rounding_mode="trunc")
+
+
+def describe(code: int) -> str:
+    names = {v: k for k, v in _OPCODES.items()}
+    dtypes = {v: str(k).removeprefix("torch.") for k, v in _DTYPE_CODES.items()}
+    return (
+        f"{names.get(code >> 56, '?')}({dtypes.get((code >> 48) & 0xFF, '-')}, "
+        f"{code & ((1 << 40) - 1)} elements, arg {(code >> 40) & 0xFF})"
+    )
+
+
+class Schedules:
+    """Runs collectives for one rank over the slots of a segment.
+
+    Args:
+        sync: this rank's flags.
+        layout: the segment's layout.
+        u8: the whole segment as a flat ``uint8`` tensor.
+        one_shot_max: largest all-reduce (bytes) done in one shot.
+    """
+
+    def __init__(self, sync: Sync, layout: Layout, u8: torch.Tensor, one_shot_max: int) -> None:
+        self.sync = sync
+        self.layout = layout
+        self.rank = sync.rank
+        self.size = layout.size
+        self.one_shot_max = one_shot_max
+        self._u8 = u8
+        self._typed: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+        self._views: dict[tuple, list] = {}  # cached slot views, by (half, dtype, shape...)
+        self._round = 0
+        self._prev_first = 0  # seq of the first publish of the previous round
+        self._sent = [0] * self.size  # chunks sent to / received from each peer
+        self._received = [0] * self.size
+
+    # ------------------------------------------------------------------ plumbing
+    def slots(self, half: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Typed views of every rank's slot in ``half``, then (index ``size``) its result slot."""
+        typed = self._typed.get(dtype)
+        if typed is None:
+            nbytes = self.layout.slot_bytes
+            typed = [
+                [
+                    self._u8[self.layout.slot(h, r) : self.layout.slot(h, r) + nbytes].view(dtype)
+                    for r in range(self.size + 1)
+                ]
+                for h in range(2)
+            ]
+            self._typed[dtype] = typed
+        return typed[half]
+
+    def _enter(self, op: str, start: float, code: int) -> int:
+        """Starts a round: waits until its half is free, records the call; returns the half."""
+        half = self._round & 1
+        self._round += 1
+        self.sync.wait_all(self._prev_first, op, start)
+        self.sync.words[self.sync.desc_idx[self.rank][half]] = code
+        return half
+
+    def _first_publish(self) -> None:
+        self._prev_first = self.sync.publish()
+
+    def _check(self, half: int, code: int, peers: list[int] | None = None) -> None:
+        words = self.sync.words
+        for p in self.sync.peers if peers is None else peers:
+            theirs = words[self.sync.desc_idx[p][half]]
+            if theirs != code:
+                raise FastcommError(
+                    f"rank {self.rank}: collective mismatch: this rank called {describe(code)} "
+                    f"but rank {p} called {describe(theirs)}; every rank must issue the same "
+                    f"collectives in the same order with the same sizes"
+                )
+
+    @staticmethod
+    def code(op: str, tensor: torch.Tensor | None, arg: int = 0) -> int:
+        if tensor is None:
+            return _OPCODES[op] << 56
+        return (
+            (_OPCODES[op] << 56)
+            | (_DTYPE_CODES[tensor.dtype] << 48)
+            | (arg << 40)
+            | (tensor.numel() & ((1 << 40) - 1))
+        )
+
+    def _chunks(self, total: int, chunk: int):
+        for start in range(0, total, chunk):
+            yield start, min(chunk, total - start)
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, root: int | None = None) -> None:
+        """Reduces ``tensor`` in place on every rank (or, with ``root``, into root's only)."""
+        name = "all_reduce" if root is None else "reduce"
+        start = time.monotonic()
+        code = self.code(name, tensor, _OP_CODES[op] if root is None else root)
+        if tensor.numel() * tensor.element_size() <= self.one_shot_max:
+            self._one_shot(tensor, op, name, start, code, root)
+        else:
+            self._two_step(tensor.view(-1), op, name, start, code, root)
+
+    def _one_shot(self, tensor, op, name, start, code, root) -> None:
+        if tensor.numel() * tensor.element_size() > self.layout.slot_bytes:
+            pieces = tensor.view(-1).split(self.layout.slot_bytes // tensor.element_size())
+        else:
+            pieces = (tensor,)
+        for i, piece in enumerate(pieces):
+            half = self._enter(name, start, code)
+            key = (half, piece.dtype, piece.shape)
+            views = self._views.get(key)
+            if views is None:  # slot views shaped like the piece: no per-call view or flatten
+                numel = piece.numel()
+                slots = self.slots(half, piece.dtype)[: self.size]
+                views = [s[:numel].view(piece.shape) for s in slots]
+                self._remember(key, views)
+            views[self.rank].copy_(piece)
+            self._first_publish()
+            if root is not None and root != self.rank:
+                continue
+            self.sync.wait_all(self.sync.seq, name, start)
+            if i == 0:
+                self._check(half, code)
+            reduce_into(piece, views, op)
+            if op is ReduceOp.AVG:
+                divide_(piece, self.size)
+
+    def _bounds(self, count: int, esize: int) -> list[int]:
+        """Split points of ``count`` elements into ``size`` slices, on 64-byte boundaries (no
+        two ranks write one cache line of the result slot)."""
+        align = max(1, 64 // esize)
+        n = self.size
+        return [0] + [(p * count // n) // align * align for p in range(1, n)] + [count]
+
+    def _grid(self, half: int, dtype: torch.dtype, count: int, esize: int):
+        """Cached views for one two-step round of ``count`` elements: ``grid[q][p]`` is slice
+        ``p`` of slot ``q``, ``result`` the first ``count`` elements of the result slot."""
+        key = (half, dtype, count, "grid")
+        entry = self._views.get(key)
+        if entry is None:
+            bounds = self._bounds(count, esize)
+            sizes = [bounds[p + 1] - bounds[p] for p in range(self.size)]
+            slots = self.slots(half, dtype)
+            entry = ([s[:count].split(sizes) for s in slots], slots[self.size][:count])
+            self._remember(key, entry)
+        return entry
+
+    def _two_step(self, flat, op, name, start, code, root) -> None:
+        n, rank, sync = self.size, self.rank, self.sync
+        esize = flat.element_size()
+        counts = [count for _, count in self._chunks(flat.numel(), self.layout.slot_bytes // esize)]
+        piece_sizes = []
+        for count in counts:
+            bounds = self._bounds(count, esize)
+            piece_sizes += [bounds[p + 1] - bounds[p] for p in range(n)]
+        pieces = flat.split(piece_sizes)  # every round's slices of the tensor, in one call
+        chunks = flat.split(counts)
+        peers = sync.peers
+        for i, count in enumerate(counts):
+            half = self._enter(name, start, code)
+            grid, result = self._grid(half, flat.dtype, count, esize)
+            mine, own = grid[rank], pieces[i * n : (i + 1) * n]
+            for p in peers:  # copy in the slices the peers reduce; ours is read in place
+                mine[p].copy_(own[p])
+            self._first_publish()
+            sync.wait_all(sync.seq, name, start)
+            if i == 0:
+                self._check(half, code)
+            out = grid[n][rank]  # our slice of the shared result slot
+            reduce_into(out, [own[rank] if q == rank else grid[q][rank] for q in range(n)], op)
+            if op is ReduceOp.AVG:
+                divide_(out, n)
+            sync.publish()
+            if root is not None and root != rank:
+                continue
+            sync.wait_all(sync.seq, name, start)
+            chunks[i].copy_(result)  # every rank's reduced slice, in one copy
+
+    def broadcast(self, flat: torch.Tensor, src: int) -> None:
+        start = time.monotonic()
+        code = self.code("broadcast", flat, src)
+        chunk_max = self.layout.slot_bytes // flat.element_size()
+        for offset, count in self._chunks(flat.numel(), chunk_max):
+            half = self._enter("broadcast", start, code)
+            view = self.slots(half, flat.dtype)[src][:count]
+            if self.rank == src:
+                view.copy_(flat[offset : offset + count])
+                self._first_publish()
+                continue
+            self.sync.wait_all(self.sync.seq + 1, "broadcast", start, [src])
+            if offset == 0:
+                self._check(half, code, [src])
+            flat[offset : offset + count].copy_(view)
+            self._first_publish()
+
+    def _block(self, half: int, dtype: torch.dtype, rows: int, count: int) -> torch.Tensor:
+        """Every rank's slot in ``half`` as one ``(size, rows, count)`` view (slot ``q`` holding
+        ``rows`` rows of ``count`` elements), cached: one op then moves all ranks' rows."""
+        key = (half, dtype, rows, count, "block")
+        block = self._views.get(key)
+        if block is None:
+            first = self.slots(half, dtype)[0]
+            stride = self.layout.slot_bytes // first.element_size()
+            block = first.as_strided((self.size, rows, count), (stride, count, 1))
+            self._remember(key, block)
+        return block
+
+    def _remember(self, key: tuple, views) -> None:
+        """Caches views of the segment; bounded, since every new size adds an entry."""
+        if len(self._views) >= 512:
+            self._views.clear()
+        self._views[key] = views
+
+    def all_gather(self, out: torch.Tensor, flat: torch.Tensor) -> None:
+        start = time.monotonic()
+        n, rank, m = self.size, self.rank, flat.numel()
+        code = self.code("all_gather", flat)
+        out2d = out.view(n, m)
+        for offset, count in self._chunks(m, self.layout.slot_bytes // flat.element_size()):
+            half = self._enter("all_gather", start, code)
+            block = self._block(half, flat.dtype, 1, count)
+            whole = count == m  # one round: no slicing at all
+            block[rank, 0].copy_(flat if whole else flat[offset : offset + count])
+            self._first_publish()
+            self.sync.wait_all(self.sync.seq, "all_gather", start)
+            if offset == 0:
+                self._check(half, code)
+            (out2d if whole else out2d[:, offset : offset + count]).copy_(block[:, 0])
+
+    def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, op: ReduceOp) -> None:
+        start = time.monotonic()
+        n, rank, m = self.size, self.rank, out.numel()
+        code = self.code("reduce_scatter", out, _OP_CODES[op])
+        in2d = flat.view(n, m)
+        for offset, count in self._chunks(m, self.layout.slot_bytes // flat.element_size() // n):
+            half = self._enter("reduce_scatter", start, code)
+            block = self._block(half, flat.dtype, n, count)  # [source rank, destination rank]
+            part = in2d if count == m else in2d[:, offset : offset + count]
+            for p in self.sync.peers:
+                block[rank, p].copy_(part[p])
+            self._first_publish()
+            self.sync.wait_all(self.sync.seq, "reduce_scatter", start)
+            if offset == 0:
+                self._check(half, code)
+            target = out if count == m else out[offset : offset + count]
+            reduce_into(target, [part[q] if q == rank else block[q, rank] for q in range(n)], op)
+            if op is ReduceOp.AVG:
+                divide_(target, n)
+
+    def all_to_all(self, out: torch.Tensor, flat: torch.Tensor) -> None:
+        start = time.monotonic()
+        n, rank = self.size, self.rank
+        m = flat.numel() // n
+        code = self.code("all_to_all", flat)
+        in2d, out2d = flat.view(n, m), out.view(n, m)
+        for offset, count in self._chunks(m, self.layout.slot_bytes // flat.element_size() // n):
+            half = self._enter("all_to_all", start, code)
+            block = self._block(half, flat.dtype, n, count)  # [source rank, destination rank]
+            whole = count == m
+            block[rank].copy_(in2d if whole else in2d[:, offset : offset + count])
+            self._first_publish()
+            self.sync.wait_all(self.sync.seq, "all_to_all", start)
+            if offset == 0:
+                self._check(half, code)
+            # in place (out is flat) is safe: this chunk of the input was copied in above
+            (out2d if whole else out2d[:, offset : offset + count]).copy_(block[:, rank])
+
+    def barrier(self) -> None:
+        start = time.monotonic()
+        code = self.code("barrier", None)
+        half = self._enter("barrier", start, code)
+        self._first_publish()
+        self.sync.wait_all(self.sync.seq, "barrier", start)
+        self._check(half, code)
+
+    # ------------------------------------------------------------------ point to point
+    def _mailbox(self, src: int, dst: int, k: int) -> torch.Tensor:
+        offset = self.layout.mailbox(src, dst, k)
+        return self._u8[offset : offset + self.layout.mbox_bytes]
+
+    def send(self, data: torch.Tensor, dst: int) -> None:
+        """Streams ``data`` (bytes) through the two mailbox slots of (this rank, ``dst``)."""
+        start, sync, layout = time.monotonic(), self.sync, self.layout
+        room = layout.mbox_bytes - _MBOX_HEADER
+        acked_idx = layout.acked(dst, self.rank) // 8
+        for offset, count in self._chunks(data.numel(), room):
+            k = self._sent[dst]
+            if k >= 2:  # slot k % 2 is free once the receiver took chunk k - 2
+                sync.wait_word(acked_idx, k - 1, dst, "send", start)
+            box = self._mailbox(self.rank, dst, k & 1)
+            box[:8].view(torch.int64)[0] = data.numel()
+            box[_MBOX_HEADER : _MBOX_HEADER + count].copy_(data[offset : offset + count])
+            self._sent[dst] = k + 1
+            sync.set_word(layout.sent(self.rank, dst) // 8, k + 1)
+
+    def recv(self, data: torch.Tensor, src: int) -> None:
+        start, sync, layout = time.monotonic(), self.sync, self.layout
+        room = layout.mbox_bytes - _MBOX_HEADER
+        sent_idx = layout.sent(src, self.rank) // 8
+        for offset, count in self._chunks(data.numel(), room):
+            k = self._received[src]
+            sync.wait_word(sent_idx, k + 1, src, "recv", start)
+            box = self._mailbox(src, self.rank, k & 1)
+            total = int(box[:8].view(torch.int64)[0])
+            if total != data.numel():
+                raise FastcommError(
+                    f"rank {self.rank}: recv from rank {src} expected {data.numel()} bytes but "
+                    f"rank {src} sent {total}"
+                )
+            data[offset : offset + count].copy_(box[_MBOX_HEADER : _MBOX_HEADER + count])
+            self._received[src] = k + 1
+            sync.set_word(layout.acked(self.rank, src) // 8, k + 1)

@@ -1,0 +1,306 @@
+"""The shared-memory segment of one ``shm`` communicator: layout, setup, cleanup, liveness.
+
+Layout (byte offsets; every region starts on its own 128-byte line so that no two writers share
+a cache line, and the adjacent-line prefetcher does not pair them either)::
+
+    header    magic, size, slot_bytes, mbox_bytes                      written once by rank 0
+    control   one block per rank, written by that rank alone:
+                seq          collective progress counter (futex word: its low 32 bits)
+                misc         waiting_on, state, pid, start time, call descriptors [2]
+                message      why the rank aborted (UTF-8), written before state = ABORTED
+                sent[d]      chunks this rank has put in its mailbox to rank d
+                acked[s]     chunks this rank has taken from rank s's mailbox to it
+    data      2 halves x (size + 1) slots x slot_bytes: slot (h, r) is written by rank r only;
+              slot (h, size) holds reduced results, each rank writing its own 64-byte-aligned
+              slice of it (so one copy brings a whole chunk's result out)
+    mailbox   per ordered pair (s, d): 2 x mbox_bytes, written by s, read by d
+
+Lifetime invariant: the file ``/dev/shm/fastcomm-<creator pid>-<token>-<n>`` exists only between
+rank 0 creating it and every rank having mapped it (a store barrier); rank 0 then unlinks it, so
+nothing is left behind whatever happens to the processes afterwards (``close()``, interpreter exit,
+an exception, SIGKILL). A creator killed inside that window leaves a file whose creator pid is
+dead: every later segment creation on the host sweeps such files (:func:`sweep_stale`).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from itertools import count
+
+from .errors import FastcommError
+from .store import Store
+
+__all__ = ["Layout", "Segment", "host_id", "pid_start_time", "process_alive", "sweep_stale"]
+
+SHM_DIR = "/dev/shm"
+PREFIX = "fastcomm-"
+MAGIC = int.from_bytes(b"FCSHM001", "little")
+LINE = 128  # two 64-byte lines: the adjacent-line prefetcher moves lines in pairs
+PAGE = 4096
+MESSAGE_BYTES = 256
+
+# rank states (control block word STATE)
+ALIVE, CLOSED, ABORTED = 0, 1, 2
+
+_names = count()
+
+
+def host_id() -> str:
+    """This host's identity: ``FASTCOMM_HOST_ID`` if set, else hostname + kernel boot id.
+
+    The boot id tells apart two machines (or containers on different machines) with the same
+    hostname; ranks with equal identities are assumed to share ``/dev/shm``.
+    """
+    override = os.environ.get("FASTCOMM_HOST_ID")
+    if override:
+        return override
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def shm_supported() -> bool:
+    """Whether this platform has POSIX shared memory under ``/dev/shm`` (Linux)."""
+    return os.name == "posix" and os.path.isdir(SHM_DIR) and os.path.isdir("/proc/self")
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Byte offsets of every region for ``size`` ranks (see the module docstring)."""
+
+    size: int
+    slot_bytes: int
+    mbox_bytes: int
+
+    @property
+    def ctrl_stride(self) -> int:
+        return _round_up(4 * LINE + 2 * self.size * LINE, PAGE)
+
+    def ctrl(self, rank: int) -> int:
+        return PAGE + rank * self.ctrl_stride
+
+    def seq(self, rank: int) -> int:
+        return self.ctrl(rank)
+
+    def misc(self, rank: int, word: int) -> int:
+        """Word ``word`` of the misc line: 0 waiting_on, 1 state, 2 pid, 3 start, 4/5 desc."""
+        return self.ctrl(rank) + LINE + 8 * word
+
+    def message(self, rank: int) -> int:
+        return self.ctrl(rank) + 2 * LINE
+
+    def sent(self, rank: int, dst: int) -> int:
+        return self.ctrl(rank) + 4 * LINE + dst * LINE
+
+    def acked(self, rank: int, src: int) -> int:
+        return self.ctrl(rank) + 4 * LINE + (self.size + src) * LINE
+
+    @property
+    def data(self) -> int:
+        return PAGE + self.size * self.ctrl_stride
+
+    def slot(self, half: int, rank: int) -> int:
+        """Slot ``rank`` of ``half``; ``rank == size`` is the half's shared result slot."""
+        return self.data + (half * (self.size + 1) + rank) * self.slot_bytes
+
+    @property
+    def mailboxes(self) -> int:
+        return self.data + 2 * (self.size + 1) * self.slot_bytes
+
+    def mailbox(self, src: int, dst: int, k: int) -> int:
+        pair = src * (self.size - 1) + (dst if dst < src else dst - 1)
+        return self.mailboxes + (2 * pair + k) * self.mbox_bytes
+
+    @property
+    def total(self) -> int:
+        return self.mailboxes + 2 * self.size * (self.size - 1) * self.mbox_bytes
+
+
+def pid_start_time(pid: int) -> int | None:
+    """The start time (clock ticks since boot) of ``pid``, or ``None`` if it is gone or a zombie.
+
+    A zombie has exited but is not reaped yet; ``os.kill(pid, 0)`` would still succeed on it.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = text[text.rfind(b")") + 2 :].split()
+    if not fields or fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])  # field 22 of stat(5), counted after "pid (comm)"
+
+
+def process_alive(pid: int, start_time: int | None = None) -> bool:
+    """Whether ``pid`` runs (and, given ``start_time``, is the same process, not a reused pid)."""
+    now = pid_start_time(pid)
+    return now is not None and (start_time is None or now == start_time)
+
+
+def sweep_stale() -> list[str]:
+    """Unlinks fastcomm segments whose creating process is gone; returns their names."""
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(PREFIX):
+            continue
+        try:
+            pid = int(name[len(PREFIX) :].split("-", 1)[0])
+        except ValueError:
+            continue
+        if process_alive(pid):
+            continue
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed.append(name)
+        except OSError:
+            pass  # another process swept it first
+    return removed
+
+
+class Segment:
+    """A mapped segment; build with :meth:`setup` on every rank of a communicator.
+
+    Attributes:
+        name: the file name it had under ``/dev/shm`` (unlinked once every rank mapped it).
+        layout: region offsets.
+        mm: the shared mapping.
+    """
+
+    def __init__(self, name: str, layout: Layout, mm: mmap.mmap) -> None:
+        self.name = name
+        self.layout = layout
+        self.mm = mm
+
+    @classmethod
+    def setup(
+        cls,
+        store: Store,
+        rank: int,
+        size: int,
+        slot_bytes: int,
+        mbox_bytes: int,
+        timeout: timedelta,
+    ) -> Segment:
+        """Rank 0 creates the segment and publishes its name; every rank maps it; rank 0 unlinks
+        it once all have mapped it (or on any failure).
+
+        Raises:
+            FastcommError: the segment could not be created, opened or verified.
+            StoreTimeoutError: a rank did not map it within ``timeout``.
+        """
+        layout = Layout(size, slot_bytes, mbox_bytes)
+        path = None
+        try:
+            if rank == 0:
+                sweep_stale()
+                name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}-{next(_names)}"
+                path = os.path.join(SHM_DIR, name)
+                mm = _create(path, layout)
+                store.set("shm/name", name)
+            else:
+                name = store.get("shm/name", timeout).decode()
+                mm = _attach(os.path.join(SHM_DIR, name), layout, rank)
+            seg = cls(name, layout, mm)
+            seg._put(layout.misc(rank, 2), os.getpid())
+            seg._put(layout.misc(rank, 3), pid_start_time(os.getpid()) or 0)
+            store.set(f"shm/mapped/{rank}", b"1")
+            store.wait([f"shm/mapped/{r}" for r in range(size)], timeout, op="shm setup")
+        finally:
+            if path is not None:
+                _unlink(path)
+        return seg
+
+    def _put(self, offset: int, value: int) -> None:
+        struct.pack_into("<Q", self.mm, offset, value)
+
+    def _get(self, offset: int) -> int:
+        return struct.unpack_from("<Q", self.mm, offset)[0]
+
+    def peer_identity(self, rank: int) -> tuple[int, int]:
+        """``(pid, start_time)`` that ``rank`` recorded at setup."""
+        return self._get(self.layout.misc(rank, 2)), self._get(self.layout.misc(rank, 3))
+
+    def close(self) -> None:
+        """Unmaps the segment (the caller has dropped every view of it first)."""
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a view is still exported; the mapping goes when the last one does
+
+
+def _create(path: str, layout: Layout) -> mmap.mmap:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        raise FastcommError(f"cannot create shared-memory segment {path}: {exc}") from exc
+    try:
+        os.ftruncate(fd, layout.total)
+        mm = mmap.mmap(fd, layout.total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as exc:
+        raise FastcommError(
+            f"cannot size shared-memory segment {path} to {layout.total} bytes "
+            f"(is /dev/shm large enough?): {exc}"
+        ) from exc
+    finally:
+        os.close(fd)
+    struct.pack_into(
+        "<5Q", mm, 0, MAGIC, layout.size, layout.slot_bytes, layout.mbox_bytes, layout.total
+    )
+    return mm
+
+
+def _attach(path: str, layout: Layout, rank: int) -> mmap.mmap:
+    deadline = time.monotonic() + 5.0
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR)
+            break
+        except FileNotFoundError as exc:
+            if time.monotonic() > deadline:
+                raise FastcommError(
+                    f"rank {rank}: shared-memory segment {path} does not exist: is every rank "
+                    f"of this shm communicator on the same host (same /dev/shm)? ({exc})"
+                ) from exc
+            time.sleep(0.01)
+    try:
+        actual = os.fstat(fd).st_size
+        if actual != layout.total:
+            raise FastcommError(
+                f"rank {rank}: segment {path} has {actual} bytes, expected {layout.total}: "
+                f"ranks disagree on the shm slot size"
+            )
+        mm = mmap.mmap(fd, layout.total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    header = struct.unpack_from("<5Q", mm, 0)
+    expected = (MAGIC, layout.size, layout.slot_bytes, layout.mbox_bytes, layout.total)
+    if header != expected:
+        mm.close()
+        raise FastcommError(f"rank {rank}: segment {path} header {header} != {expected}")
+    return mm
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,279 @@
+"""Flags, waits and fences of the ``shm`` communicator.
+
+Every rank owns its progress words in the segment and is their only writer (no locks, no atomic
+read-modify-write): ``seq`` advances by one at every publish of a collective, identically on all
+ranks, so "rank p reached step s" is ``seq[p] >= s``. Point-to-point transfers use the per-pair
+``sent``/``acked`` counters instead, which only the two ranks involved advance.
+
+Waiting never burns a core for long: a waiter reads the word in a tight loop for ``spin_us``
+(0 when there are more ranks than cores), then polls it between ``sched_yield()`` calls for
+``yield_us`` (the core goes to any other runnable thread, e.g. this rank's backward pass, and the
+GIL is released), then announces itself in its ``waiting_on`` word and
+sleeps in ``futex(FUTEX_WAIT)`` on the word it waits for, in slices of ``SLICE_S`` so that it can
+check the deadline, the peer's state word (closed/aborted) and, every ``LIVENESS_S``, whether the
+peer's process still exists. A publisher wakes the word's sleepers only when a peer announced
+itself, so the fast path costs no system call. The announcement and the flag are read by the other
+side without a store-load fence (x86 may reorder a store before a later load); a wakeup missed in
+that window costs at most one slice, never correctness, since every sleep is bounded. Sleeping is
+the last resort because a futex wakeup costs tens of microseconds (more in a VM, where the idle
+vCPU must be woken by an IPI), and a sleeping rank arrives late at the next call, which would make
+its peer sleep in turn: the yield phase keeps two ranks in step without holding a core.
+
+Memory ordering: data is written with ordinary stores (torch copies), then the flag. On x86-64
+(TSO) stores become visible in program order and loads are not reordered with loads, so a reader
+that sees the flag sees the data; ``fence()`` is a no-op there. On other architectures (Arm,
+POWER, RISC-V) a full fence is needed after the data stores and after the flag load: Python has
+no fence instruction, so ``fence()`` calls ``membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)``, which
+the kernel brackets with ``smp_mb()`` on the calling CPU (a few microseconds). Without that
+system call the communicator refuses to start (``fence_supported``). ``FASTCOMM_SHM_FENCE=1``
+forces the fences on x86 too (how that path is exercised here). Aligned 8-byte loads and stores
+through a ``memoryview`` are single instructions, hence never torn.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import time
+from os import sched_yield
+
+from ._shm_segment import ABORTED, CLOSED, MESSAGE_BYTES, Segment, process_alive
+from .errors import CommAbortedError, CommClosedError, CommTimeoutError
+
+__all__ = ["Sync", "fence_supported"]
+
+SLICE_S = 0.002
+LIVENESS_S = 0.05
+_MASK32 = 0xFFFFFFFF
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_MEMBARRIER_PRIVATE_EXPEDITED, _MEMBARRIER_REGISTER = 8, 16
+_SYSCALLS = {  # machine: (futex, membarrier)
+    "x86_64": (202, 324),
+    "aarch64": (98, 283),
+    "arm64": (98, 283),
+    "riscv64": (98, 283),
+    "ppc64le": (221, 365),
+    "s390x": (238, 356),
+}
+_MACHINE = platform.machine().lower()
+_TSO = _MACHINE in ("x86_64", "amd64")
+try:
+    _syscall = ctypes.CDLL(None, use_errno=True).syscall
+except (OSError, AttributeError, TypeError):  # no libc with syscall(): shm is unavailable
+    _syscall = None
+_FENCE_READY = False
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_SLICE = _Timespec(0, int(SLICE_S * 1e9))
+
+
+def fences_needed() -> bool:
+    """Whether flag stores need explicit fences: not on x86 unless ``FASTCOMM_SHM_FENCE=1``."""
+    return not _TSO or os.environ.get("FASTCOMM_SHM_FENCE", "").strip() not in ("", "0")
+
+
+def fence_supported() -> bool:
+    """Whether this machine can order the segment's stores (TSO, or ``membarrier`` works)."""
+    global _FENCE_READY
+    if _MACHINE not in _SYSCALLS or _syscall is None:
+        return False
+    if not fences_needed() or _FENCE_READY:
+        return True
+    _FENCE_READY = _syscall(_SYSCALLS[_MACHINE][1], _MEMBARRIER_REGISTER, 0, 0) == 0
+    return _FENCE_READY
+
+
+def fence() -> None:
+    """Full memory barrier: ``membarrier`` brackets the call with ``smp_mb()`` on this CPU."""
+    _syscall(_SYSCALLS[_MACHINE][1], _MEMBARRIER_PRIVATE_EXPEDITED, 0, 0)
+
+
+class Sync:
+    """This rank's view of every rank's control words.
+
+    Args:
+        seg: the mapped segment.
+        rank: this rank.
+        timeout_s: seconds any one operation may wait in total.
+        spin_us: microseconds to poll in a tight loop.
+        yield_us: microseconds to poll with ``sched_yield`` after that, before sleeping.
+    """
+
+    def __init__(
+        self, seg: Segment, rank: int, timeout_s: float, spin_us: float, yield_us: float
+    ) -> None:
+        layout = seg.layout
+        self.rank = rank
+        self.size = layout.size
+        self.timeout_s = timeout_s
+        self.spin_ns = int(spin_us * 1000)
+        self.yield_ns = int(yield_us * 1000)
+        self.words = memoryview(seg.mm).cast("Q")
+        anchor = ctypes.c_char.from_buffer(seg.mm)
+        self._base = ctypes.addressof(anchor)
+        del anchor  # the memoryview keeps the mapping pinned; one export is enough
+        self._seg = seg
+        self.seq_idx = [layout.seq(r) // 8 for r in range(self.size)]
+        self.wait_idx = [layout.misc(r, 0) // 8 for r in range(self.size)]
+        self.state_idx = [layout.misc(r, 1) // 8 for r in range(self.size)]
+        self.desc_idx = [(layout.misc(r, 4) // 8, layout.misc(r, 5) // 8) for r in range(self.size)]
+        self.peers = [r for r in range(self.size) if r != rank]
+        self._identity = {p: seg.peer_identity(p) for p in self.peers}
+        self._futex = _SYSCALLS[_MACHINE][0]
+        self.fenced = fences_needed() and fence_supported()
+        self.seq = self.words[self.seq_idx[rank]]  # this rank's last published value
+
+    def release(self) -> None:
+        """Drops the export of the mapping (before ``Segment.close``)."""
+        self.words.release()
+
+    # ------------------------------------------------------------------ publishing
+    def publish(self) -> int:
+        """Advances this rank's ``seq`` by one (after its data stores) and wakes sleepers."""
+        if self.fenced:
+            fence()
+        words = self.words
+        self.seq = value = self.seq + 1
+        idx = self.seq_idx[self.rank]
+        words[idx] = value
+        me = self.rank + 1
+        for p in self.peers:
+            if words[self.wait_idx[p]] == me:
+                self._wake(idx)
+                break
+        return value
+
+    def set_word(self, idx: int, value: int) -> None:
+        """Stores ``value`` in one of this rank's own words and always wakes its sleepers."""
+        if self.fenced:
+            fence()
+        self.words[idx] = value
+        self._wake(idx)
+
+    def _wake(self, idx: int) -> None:
+        _syscall(self._futex, ctypes.c_void_p(self._base + 8 * idx), _FUTEX_WAKE, 0x7FFFFFFF, None,
+                 None, 0)
+
+    def mark(self, state: int, message: str = "") -> None:
+        """Records that this rank closed or aborted, and wakes everyone sleeping on its words."""
+        data = message.encode("utf-8", "replace")[: MESSAGE_BYTES - 1] + b"\0"
+        offset = self._seg.layout.message(self.rank)
+        self._seg.mm[offset : offset + len(data)] = data
+        if self.fenced:
+            fence()
+        self.words[self.state_idx[self.rank]] = state
+        layout = self._seg.layout
+        for idx in [self.seq_idx[self.rank]] + [
+            layout.sent(self.rank, p) // 8 for p in self.peers
+        ] + [layout.acked(self.rank, p) // 8 for p in self.peers]:
+            self._wake(idx)
+
+    # ------------------------------------------------------------------ waiting
+    def wait_all(self, target: int, op: str, start: float, peers: list[int] | None = None) -> None:
+        """Waits until every rank in ``peers`` (default: all others) has ``seq >= target``."""
+        words = self.words
+        for p in self.peers if peers is None else peers:
+            idx = self.seq_idx[p]
+            if words[idx] < target:
+                self.wait_word(idx, target, p, op, start, announce=True, group=peers)
+        if self.fenced:
+            fence()
+
+    def wait_word(
+        self,
+        idx: int,
+        target: int,
+        peer: int,
+        op: str,
+        start: float,
+        *,
+        announce: bool = False,
+        group: list[int] | None = None,
+    ) -> None:
+        """Waits until word ``idx`` (owned by ``peer``) reaches ``target``.
+
+        Raises:
+            CommTimeoutError: the operation's timeout passed; names the ranks not arrived.
+            CommAbortedError: ``peer`` aborted, closed its communicator or its process died.
+        """
+        words = self.words
+        now_ns = time.perf_counter_ns
+        if self.spin_ns:
+            end = now_ns() + self.spin_ns
+            while True:
+                for _ in range(32):
+                    if words[idx] >= target:
+                        return
+                if now_ns() > end:
+                    break
+        if self.yield_ns:
+            end = now_ns() + self.yield_ns
+            while now_ns() < end:
+                sched_yield()  # releases the GIL and the core to anything runnable
+                if words[idx] >= target:
+                    return
+        deadline = start + self.timeout_s
+        next_liveness = time.monotonic() + LIVENESS_S
+        addr = ctypes.c_void_p(self._base + 8 * idx)
+        if announce:
+            words[self.wait_idx[self.rank]] = peer + 1
+        try:
+            while True:
+                value = words[idx]
+                if value >= target:
+                    return
+                if words[self.state_idx[peer]]:
+                    raise self._peer_gone(peer, op, start)
+                if words[self.state_idx[self.rank]]:
+                    raise CommClosedError(
+                        f"rank {self.rank}: {op} interrupted: this communicator was closed"
+                    )
+                now = time.monotonic()
+                if now > deadline:
+                    raise self._timeout(idx, target, peer, op, start, group)
+                if now > next_liveness:
+                    pid, start_time = self._identity[peer]
+                    if not process_alive(pid, start_time):
+                        if words[idx] >= target:
+                            return
+                        raise CommAbortedError(
+                            f"rank {self.rank}: {op} failed after {now - start:.1f} s: rank "
+                            f"{peer} (pid {pid}) exited without joining it"
+                        )
+                    next_liveness = now + LIVENESS_S
+                _syscall(self._futex, addr, _FUTEX_WAIT, value & _MASK32, ctypes.byref(_SLICE),
+                         None, 0)
+        finally:
+            if announce:
+                words[self.wait_idx[self.rank]] = 0
+
+    def _peer_gone(self, peer: int, op: str, start: float) -> CommAbortedError:
+        state = self.words[self.state_idx[peer]]
+        elapsed = time.monotonic() - start
+        if state == ABORTED:
+            offset = self._seg.layout.message(peer)
+            raw = bytes(self._seg.mm[offset : offset + MESSAGE_BYTES]).split(b"\0", 1)[0]
+            why = f"rank {peer} aborted: {raw.decode('utf-8', 'replace')}"
+        elif state == CLOSED:
+            why = f"rank {peer} closed the communicator without joining it"
+        else:
+            why = f"rank {peer} is in state {state}"
+        return CommAbortedError(f"rank {self.rank}: {op} failed after {elapsed:.1f} s: {why}")
+
+    def _timeout(
+        self, idx: int, target: int, peer: int, op: str, start: float, group: list[int] | None
+    ) -> CommTimeoutError:
+        if idx == self.seq_idx[peer]:
+            group = self.peers if group is None else group
+            missing = [p for p in group if self.words[self.seq_idx[p]] < target]
+        else:
+            missing = [peer]
+        return CommTimeoutError(
+            f"rank {self.rank}: {op} timed out after {time.monotonic() - start:.1f} s (timeout "
+            f"{self.timeout_s:.1f} s): rank(s) {missing} never arrived"
+        )

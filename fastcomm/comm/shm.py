@@ -1,0 +1,371 @@
+"""``shm`` communicator: collectives between the ranks of one host through shared memory.
+
+Ranks copy into, reduce out of and copy from one POSIX shared-memory segment per communicator
+(layout in ``_shm_segment``, flags and waits in ``_shm_sync``, algorithms in ``_shm_algos``)
+instead of sending bytes over TCP. Python only sequences the steps; torch ops move the data.
+
+Invariants:
+- CPU tensors go through the segment; anything else (CUDA tensors) goes to a Gloo communicator
+  built beside it on the same store (``fallback=True``, the default), so every call that works on
+  the Gloo communicator works here.
+- Collectives run in issue order on one lane: synchronous calls on the caller's thread when no
+  asynchronous work is pending, otherwise (and ``async_op=True`` calls always) on the lane's
+  thread. Sends to and receives from each peer have lanes of their own, so a blocked send never
+  stalls a collective (as with Gloo). One thread issues a communicator's calls.
+- A failed operation (timeout, peer gone, mismatch) marks this rank ABORTED in the segment, so
+  peers waiting on it raise at once naming it; every later call raises ``CommAbortedError``.
+- Nothing of the segment outlives setup in ``/dev/shm`` (see ``_shm_segment``). At interpreter
+  exit every open communicator is closed (peers then fail fast instead of by timeout); a child
+  made by ``fork()`` never touches its parent's communicators.
+
+Threads: torch's intra-op threads compete with the other ranks for the same cores; run one rank
+per core with ``OMP_NUM_THREADS=1`` (torchrun and ``fastcomm-run`` set it for multi-rank jobs).
+The communicator never changes ``torch.set_num_threads`` itself.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import time
+import weakref
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+
+from ._shm_algos import Schedules
+from ._shm_lane import Lane
+from ._shm_segment import ABORTED, CLOSED, Segment, host_id, shm_supported
+from ._shm_sync import Sync, fence_supported
+from .base import Communicator
+from .errors import CommAbortedError, CommClosedError, FastcommError
+from .store import Store
+from .types import ReduceOp
+from .work import Work, wrap_error
+
+__all__ = ["ShmCommunicator", "ShmOptions", "shm_available"]
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    value = os.environ.get(name, "")
+    return int(value) if value.strip() else default
+
+
+def _env_float(name: str, default: float | None) -> float | None:
+    value = os.environ.get(name, "")
+    return float(value) if value.strip() else default
+
+
+def shm_available() -> bool:
+    """Whether this platform supports the ``shm`` communicator (Linux ``/dev/shm``, fences)."""
+    return shm_supported() and fence_supported()
+
+
+@dataclass(kw_only=True, slots=True)
+class ShmOptions:
+    """Tuning of a :class:`ShmCommunicator` (every rank must pass the same values)."""
+
+    slot_bytes: int = field(default_factory=lambda: _env_int("FASTCOMM_SHM_SLOT_BYTES", 1 << 20))
+    """Bytes of each rank's slot in each of the two halves: the chunk a round moves. Multiple of
+    4096; default 1 MiB (``FASTCOMM_SHM_SLOT_BYTES``): large enough that per-round Python costs
+    stay small, small enough that a chunk is still in cache when the peers read it."""
+
+    one_shot_max: int | None = field(
+        default_factory=lambda: _env_int("FASTCOMM_SHM_ONE_SHOT_BYTES", None)
+    )
+    """Largest all-reduce, in bytes, done in one shot instead of reduce-scatter + all-gather
+    (``FASTCOMM_SHM_ONE_SHOT_BYTES``). ``None`` (default): ``512 KiB / size``, i.e. 256 KiB on
+    2 ranks, the crossover measured there (one shot reads every peer's copy, so the crossover
+    falls as ranks are added)."""
+
+    spin_us: float | None = field(default_factory=lambda: _env_float("FASTCOMM_SHM_SPIN_US", None))
+    """Microseconds a waiting rank polls in a tight loop (``FASTCOMM_SHM_SPIN_US``). ``None``
+    (default): 20 when the ranks fit on the cores this process may use, else 0 (polling would
+    only delay the rank being waited for)."""
+
+    yield_us: float = field(default_factory=lambda: _env_float("FASTCOMM_SHM_YIELD_US", 1000.0))
+    """Microseconds a waiting rank then polls between ``sched_yield()`` calls (which hand the
+    core to any runnable thread) before it sleeps on a futex; default 1000
+    (``FASTCOMM_SHM_YIELD_US``)."""
+
+    mbox_bytes: int | None = None
+    """Bytes of each mailbox slot of send/recv (two per ordered pair of ranks). ``None``: 256 KiB,
+    less for many ranks."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.slot_bytes, int) or self.slot_bytes < 4096 or self.slot_bytes % 4096:
+            raise ValueError(
+                f"slot_bytes must be a positive multiple of 4096, got {self.slot_bytes!r}"
+            )
+        if self.one_shot_max is not None and (
+            not isinstance(self.one_shot_max, int) or self.one_shot_max < 0
+        ):
+            raise ValueError(
+                f"one_shot_max must be an int >= 0 or None, got {self.one_shot_max!r}"
+            )
+        if self.spin_us is not None and not 0 <= self.spin_us <= 1e6:
+            raise ValueError(f"spin_us must be in [0, 1e6] or None, got {self.spin_us!r}")
+        if not 0 <= self.yield_us <= 1e7:
+            raise ValueError(f"yield_us must be in [0, 1e7], got {self.yield_us!r}")
+        if self.mbox_bytes is not None and (self.mbox_bytes < 4096 or self.mbox_bytes % 4096):
+            raise ValueError(
+                f"mbox_bytes must be a positive multiple of 4096 or None, got {self.mbox_bytes!r}"
+            )
+
+
+class ShmCommunicator(Communicator):
+    """Collectives through a shared-memory segment, for ranks on one host.
+
+    Args:
+        store: a store namespace private to this communicator.
+        rank: this process's rank.
+        size: number of ranks (all on this host).
+        timeout: limit for setup and for every operation.
+        options: tuning (:class:`ShmOptions`); the same on every rank.
+        fallback: build a Gloo communicator beside it for non-CPU tensors.
+
+    Raises:
+        FastcommError: the platform lacks ``/dev/shm``, the ranks are on different hosts, or the
+            segment could not be set up.
+    """
+
+    backend = "shm"
+
+    def __init__(
+        self,
+        store: Store,
+        rank: int,
+        size: int,
+        timeout: float | timedelta | None = None,
+        *,
+        options: ShmOptions | None = None,
+        fallback: bool = True,
+    ) -> None:
+        super().__init__(store, rank, size, timeout)
+        if not shm_available():
+            raise FastcommError("the shm communicator needs Linux /dev/shm and memory fences")
+        self.options = options or ShmOptions()
+        hosts = store.all_gather_object("shm/hosts", rank, size, host_id(), self.timeout)
+        if len(set(hosts)) > 1:
+            raise FastcommError(
+                f"rank {rank}: the shm communicator needs every rank on one host, got hosts "
+                f"{dict(enumerate(hosts))}; use the 'hier' or 'gloo' backend"
+            )
+        opts = self.options
+        spin = opts.spin_us
+        if spin is None:
+            spin = 20.0 if size <= len(os.sched_getaffinity(0)) else 0.0
+        mbox = opts.mbox_bytes or max(16 << 10, min(256 << 10, (64 << 20) // (2 * size * size)))
+        mbox -= mbox % 4096
+        self._seg = Segment.setup(store, rank, size, opts.slot_bytes, mbox, self.timeout)
+        self._sync = Sync(self._seg, rank, self.timeout.total_seconds(), spin, opts.yield_us)
+        u8 = torch.frombuffer(self._seg.mm, dtype=torch.uint8)
+        one_shot = opts.one_shot_max if opts.one_shot_max is not None else (512 << 10) // size
+        self._algo = Schedules(self._sync, self._seg.layout, u8, one_shot)
+        self._lane = Lane(f"fastcomm-shm-r{rank}")
+        self._p2p: dict[tuple[str, int], Lane] = {}
+        self._broken: BaseException | None = None
+        self._fallback = None
+        if fallback:
+            from .gloo import GlooCommunicator
+
+            self._fallback = GlooCommunicator(
+                store.prefixed("fallback"), rank, size, self.timeout
+            )
+        self._pid = os.getpid()
+        _LIVE.add(self)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def segment_name(self) -> str:
+        """The segment's name under ``/dev/shm`` while it was being set up."""
+        return self._seg.name
+
+    @property
+    def fallback(self) -> Communicator | None:
+        """The Gloo communicator that takes non-CPU tensors (``None`` without one)."""
+        return self._fallback
+
+    @property
+    def process_group(self):
+        """The fallback's ``ProcessGroupGloo``, for code written against torch's API (as on the
+        Gloo communicator). Calls through it bypass shared memory.
+
+        Raises:
+            AttributeError: built with ``fallback=False``.
+        """
+        if self._fallback is None:
+            raise AttributeError("this shm communicator has no Gloo fallback (fallback=False)")
+        return self._fallback.process_group
+
+    def _device_ok(self, device: torch.device) -> bool:
+        return device.type == "cpu" or (self._fallback is not None and device.type == "cuda")
+
+    def _new_child(self, store: Store, rank: int, size: int, timeout: timedelta):
+        return ShmCommunicator(
+            store, rank, size, timeout, options=self.options, fallback=self._fallback is not None
+        )
+
+    # ------------------------------------------------------------------ execution
+    def _task(self, op: str, output, fn, lane: Lane | None = None):
+        return (op, output, fn, self._lane if lane is None else lane)
+
+    def _p2p_lane(self, kind: str, peer: int) -> Lane:
+        lane = self._p2p.get((kind, peer))
+        if lane is None:
+            lane = self._p2p[(kind, peer)] = Lane(f"fastcomm-shm-r{self.rank}-{kind}{peer}")
+        return lane
+
+    def _finish(self, task, async_op: bool) -> Work | None:
+        if isinstance(task, Work):  # fallback or zero-size: already a Work
+            return super()._finish(task, async_op)
+        op, output, fn, lane = task
+        if not async_op and lane.busy == 0:
+            self._execute(op, fn, time.monotonic())
+            return None
+        work = Work(op, self.rank, output)
+        lane.submit(work, lambda: self._execute(op, fn, work.start))
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def _execute(self, op: str, fn, start: float) -> None:
+        if self._broken is not None:
+            raise CommAbortedError(
+                f"rank {self.rank}: {op} refused: this shm communicator failed earlier "
+                f"({self._broken})"
+            )
+        if self._closed:
+            raise CommClosedError(f"{self._where()}: {op} was pending when close() was called")
+        try:
+            fn()
+        except BaseException as exc:
+            error = wrap_error(op, self.rank, start, exc) if isinstance(exc, Exception) else exc
+            self._broken = error
+            self._sync.mark(ABORTED, f"{op} failed: {type(exc).__name__}: {exc}")
+            if error is exc:
+                raise
+            raise error from exc
+
+    # ------------------------------------------------------------------ collectives
+    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp):
+        if tensor.device.type != "cpu":
+            return self._fallback._impl_all_reduce(tensor, op)
+        if tensor.numel() == 0:
+            return self._done("all_reduce", tensor)
+        return ("all_reduce", tensor, lambda: self._algo.all_reduce(tensor, op), self._lane)
+
+    def reduce(
+        self,
+        tensor: torch.Tensor,
+        root: int,
+        op: ReduceOp | str = ReduceOp.SUM,
+        async_op: bool = False,
+    ) -> Work | None:
+        """Reduces ``tensor`` of every rank into ``tensor`` of rank ``root`` (others unchanged).
+
+        Raises:
+            TypeError, ValueError: as for ``all_reduce``; ``root`` out of range.
+        """
+        self._check_open("reduce")
+        self._check_tensor(tensor, "reduce")
+        self._check_peer(root, "reduce", "root")
+        op = ReduceOp.coerce(op)
+        if tensor.device.type != "cpu":
+            raise ValueError(f"reduce: tensor is on {tensor.device}; shm reduce takes CPU tensors")
+        self.stats.record("reduce", tensor)
+        if tensor.numel() == 0:
+            return self._finish(self._done("reduce", tensor), async_op)
+        task = self._task("reduce", tensor, lambda: self._algo.all_reduce(tensor, op, root))
+        return self._finish(task, async_op)
+
+    def _impl_broadcast(self, tensor: torch.Tensor, src: int):
+        if tensor.device.type != "cpu":
+            return self._fallback._impl_broadcast(tensor, src)
+        if tensor.numel() == 0:
+            return self._done("broadcast", tensor)
+        flat = tensor.view(-1)
+        return self._task("broadcast", tensor, lambda: self._algo.broadcast(flat, src))
+
+    def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor):
+        if input.device.type != "cpu":
+            return self._fallback._impl_all_gather(output, input)
+        if input.numel() == 0:
+            return self._done("all_gather", output)
+        out, flat = output.view(-1), input.view(-1)
+        return self._task("all_gather", output, lambda: self._algo.all_gather(out, flat))
+
+    def _impl_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp):
+        if input.device.type != "cpu":
+            return self._fallback._impl_reduce_scatter(output, input, op)
+        if output.numel() == 0:
+            return self._done("reduce_scatter", output)
+        out, flat = output.view(-1), input.view(-1)
+        return self._task(
+            "reduce_scatter", output, lambda: self._algo.reduce_scatter(out, flat, op)
+        )
+
+    def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor):
+        if input.device.type != "cpu":
+            return self._fallback._impl_all_to_all(output, input)
+        if input.numel() == 0:
+            return self._done("all_to_all", output)
+        out, flat = output.view(-1), input.view(-1)
+        return self._task("all_to_all", output, lambda: self._algo.all_to_all(out, flat))
+
+    def _impl_send(self, tensor: torch.Tensor, dst: int):
+        if tensor.device.type != "cpu":
+            return self._fallback._impl_send(tensor, dst)
+        if tensor.numel() == 0:
+            return self._done("send", tensor)
+        data = tensor.view(-1).view(torch.uint8)
+        lane = self._p2p_lane("send", dst)
+        return self._task("send", tensor, lambda: self._algo.send(data, dst), lane)
+
+    def _impl_recv(self, tensor: torch.Tensor, src: int):
+        if tensor.device.type != "cpu":
+            return self._fallback._impl_recv(tensor, src)
+        if tensor.numel() == 0:
+            return self._done("recv", tensor)
+        data = tensor.view(-1).view(torch.uint8)
+        lane = self._p2p_lane("recv", src)
+        return self._task("recv", tensor, lambda: self._algo.recv(data, src), lane)
+
+    def _impl_barrier(self):
+        return self._task("barrier", None, self._algo.barrier)
+
+    # ------------------------------------------------------------------ lifetime
+    def _impl_close(self) -> None:
+        _LIVE.discard(self)
+        if os.getpid() != self._pid:
+            return  # a forked child: the mapping and the rank's state belong to the parent
+        if self._broken is None:
+            self._sync.mark(CLOSED, "closed")
+        lanes = [self._lane, *self._p2p.values()]
+        stopped = all([lane.close(timeout=5.0) for lane in lanes])
+        if self._fallback is not None:
+            self._fallback.close()
+        if stopped:  # no thread can touch the mapping any more: unmap it now
+            self._algo = None
+            self._sync.release()
+            self._seg.close()
+
+
+@atexit.register
+def _close_all() -> None:
+    """Marks this process's communicators closed at exit, so peers fail fast, not by timeout."""
+    for comm in list(_LIVE):
+        if comm._pid != os.getpid():
+            continue  # inherited through fork(): the parent still uses it
+        try:
+            comm.close()
+        except Exception:  # exiting anyway; never mask the interpreter's own exit status
+            pass
+

@@ -1,0 +1,135 @@
+"""The hierarchical communicator and ``init()``'s backend choice, on simulated hosts.
+
+Each rank sets ``FASTCOMM_HOST_ID`` before it builds a communicator, so 4 ranks on this machine
+look like 2 hosts (interleaved: ranks 0, 2 on host a; 1, 3 on host b) and 3 ranks like a host of
+2 and a lone rank. The generic checks of ``test_collectives.py`` then run on ``hier``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import fastcomm
+from fastcomm import ReduceOp
+from fastcomm.comm import HierCommunicator
+from tests.comm import test_collectives as generic
+from tests.harness import STATE, RankPool, rank_comm
+
+LAYOUTS = {4: ["a", "b", "a", "b"], 3: ["a", "a", "b"]}
+
+
+def set_host(host: str) -> None:
+    os.environ["FASTCOMM_HOST_ID"] = host
+    torch.set_num_threads(1)
+    STATE.pop("comm/hier", None)  # rebuilt with the new host identity
+
+
+def check_topology():
+    comm = rank_comm("hier")
+    assert isinstance(comm, HierCommunicator)
+    return (
+        comm.hosts,
+        comm.local_rank,
+        comm.is_leader,
+        comm.intra.size if comm.intra is not None else None,
+        comm.leaders is not None,
+    )
+
+
+def check_large_all_reduce(dtype):
+    """Through both levels: two-step shm chunks inside hosts, Gloo across leaders."""
+    comm = rank_comm("hier")
+    numel = 300_001  # > the 1 MiB shm slot for 4-byte types
+    inputs = [generic.make_input(r, (numel,), dtype, 5) for r in range(comm.size)]
+    for op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX):
+        t = inputs[comm.rank].clone()
+        comm.all_reduce(t, op=op)
+        assert torch.equal(t, generic.reduce_reference(inputs, op)), op
+
+
+def check_init_choice(hosts, forced):
+    host = hosts[int(os.environ["RANK"])]
+    saved = {k: os.environ.get(k) for k in ("FASTCOMM_HOST_ID", "FASTCOMM_BACKEND")}
+    os.environ["FASTCOMM_HOST_ID"] = host
+    if forced:
+        os.environ["FASTCOMM_BACKEND"] = forced
+    try:
+        comm = fastcomm.init(timeout=30)
+        t = torch.tensor([comm.rank + 1.0])
+        comm.all_reduce(t)
+        backend = comm.backend
+        fastcomm.shutdown()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return backend, t.item()
+
+
+@pytest.fixture(scope="module", params=[4, 3], ids=lambda n: f"world{n}")
+def pool(request):
+    with RankPool(request.param, timeout=90) as p:
+        p.run(set_host, per_rank=[(h,) for h in LAYOUTS[request.param]])
+        yield p
+
+
+def test_topology(pool):
+    results = pool.run(check_topology)
+    layout = LAYOUTS[pool.world_size]
+    hosts = [sorted(set(layout), key=layout.index).index(h) for h in layout]
+    for rank, (seen_hosts, local_rank, leader, intra_size, has_leaders) in enumerate(results):
+        mates = [r for r in range(pool.world_size) if hosts[r] == hosts[rank]]
+        assert seen_hosts == hosts
+        assert local_rank == mates.index(rank) and leader == (local_rank == 0)
+        assert intra_size == (len(mates) if len(mates) > 1 else None)
+        assert has_leaders == leader
+
+
+@pytest.mark.parametrize("op", list(ReduceOp), ids=lambda o: o.name)
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.int32, torch.uint8], ids=str
+)
+def test_all_reduce(pool, dtype, op):
+    pool.run(generic.check_all_reduce, "hier", dtype, op)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64], ids=str)
+def test_large_all_reduce(pool, dtype):
+    pool.run(check_large_all_reduce, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int8], ids=str)
+def test_other_ops(pool, dtype):
+    pool.run(generic.check_broadcast, "hier", dtype)  # every src: own host first, then others
+    pool.run(generic.check_all_gather, "hier", dtype)
+    pool.run(generic.check_reduce_scatter, "hier", dtype, ReduceOp.SUM)
+    pool.run(generic.check_all_to_all, "hier", dtype)
+    pool.run(generic.check_send_recv_ring, "hier", dtype)
+
+
+def test_barrier_async_split(pool):
+    assert all(all(seen) for seen in pool.run(generic.check_barrier_orders_store_writes, "hier"))
+    pool.run(generic.check_async_in_order, "hier")
+    pool.run(generic.check_async_every_op, "hier")
+    assert pool.run(generic.check_split, "hier") == [True] * pool.world_size
+
+
+@pytest.mark.parametrize(
+    "layout, forced, expected",
+    [
+        (lambda n: ["x"] * n, None, "shm"),
+        (lambda n: ["x", "y"] * (n // 2) + ["x"] * (n % 2), None, "hier"),
+        (lambda n: [f"h{r}" for r in range(n)], None, "gloo"),
+        (lambda n: ["x"] * n, "gloo", "gloo"),
+    ],
+    ids=["one-host", "two-hosts", "one-rank-per-host", "forced-gloo"],
+)
+def test_init_picks_backend_by_host_layout(pool, layout, forced, expected):
+    n = pool.world_size
+    results = pool.run(check_init_choice, layout(n), forced)
+    assert results == [(expected, float(sum(range(1, n + 1))))] * n

@@ -1,0 +1,313 @@
+"""The shm communicator on 2, 3 and 4 real ranks: every op x dtype x size against torch.
+
+A tiny segment (4 KiB slots and mailboxes) makes the edge cases cheap: one element, sizes not
+divisible by the world size, both sides of the one-shot/two-step crossover, and tensors larger
+than the whole segment (which stream through it chunk by chunk). Inputs are small integers, so
+sums, products and extrema are exact in every dtype: comparisons use ``atol=0``. The generic
+collectives/errors suites (``test_collectives.py``, ``test_errors.py``) also run on ``shm``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fastcomm import ReduceOp
+from fastcomm.comm import SUPPORTED_DTYPES, ShmCommunicator, ShmOptions
+from tests.comm.test_collectives import make_input, reduce_reference
+from tests.harness import STATE, RankPool, rank_store
+
+SMALL = dict(slot_bytes=4096, one_shot_max=1024, mbox_bytes=4096)
+
+
+def small_comm(timeout: float = 30.0) -> ShmCommunicator:
+    """A cached shm communicator with a 4 KiB-slot segment over all ranks of the pool."""
+    comm = STATE.get("shm-small")
+    if comm is None or comm.closed:
+        # one torch thread per rank: 4 ranks x 2 OpenMP threads spinning on 2 cores crawl
+        torch.set_num_threads(1)
+        STATE["gen"] = STATE.get("gen", 0) + 1
+        rank = int(os.environ["RANK"])
+        comm = STATE["shm-small"] = ShmCommunicator(
+            rank_store().prefixed(f"shm-small-{STATE['gen']}", rank=rank),
+            rank,
+            int(os.environ["WORLD_SIZE"]),
+            timeout,
+            options=ShmOptions(**SMALL),
+        )
+    return comm
+
+
+def exact(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Bit-exact equality (``torch.testing`` would import sympy: seconds per rank)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, (actual, expected)
+    if not torch.equal(actual, expected):
+        bad = (actual != expected).nonzero()[:5].flatten().tolist()
+        raise AssertionError(f"mismatch at {bad}: got {actual.flatten()[:8]}, "
+                             f"expected {expected.flatten()[:8]}")
+
+
+def sizes(comm: ShmCommunicator, dtype: torch.dtype) -> list[int]:
+    """1 element, a prime, just past the one-shot limit, and more than the whole segment."""
+    esize = torch.empty(0, dtype=dtype).element_size()
+    total = comm._seg.layout.total
+    return [1, 7, SMALL["one_shot_max"] // esize + 3, total // esize + 13]
+
+
+# ------------------------------------------------------------------ checks (run on every rank)
+def check_every_op(dtype):
+    comm = small_comm()
+    n, rank = comm.size, comm.rank
+    all_ops = list(ReduceOp)
+    for salt, numel in enumerate(sizes(comm, dtype)):
+        inputs = [make_input(r, (numel,), dtype, salt) for r in range(n)]
+        ops, srcs = all_ops, range(n)
+        if numel * inputs[0].element_size() > comm._seg.layout.total:
+            # larger than the segment: SUM, AVG and one more op per dtype (all ops across the
+            # dtypes), one source, to keep the many-chunk streaming cheap
+            extra = all_ops[2 + SUPPORTED_DTYPES.index(dtype) % 3]
+            ops, srcs = [ReduceOp.SUM, ReduceOp.AVG, extra], [SUPPORTED_DTYPES.index(dtype) % n]
+        for op in ops:
+            t = inputs[rank].clone()
+            comm.all_reduce(t, op=op)
+            exact(t, reduce_reference(inputs, op))
+            root = (salt + all_ops.index(op)) % n
+            t = inputs[rank].clone()
+            comm.reduce(t, root, op=op)
+            exact(t, reduce_reference(inputs, op) if rank == root else inputs[rank])
+        for src in srcs:
+            t = make_input(rank, (numel,), dtype, salt)
+            comm.broadcast(t, src=src)
+            exact(t, inputs[src])
+        out = torch.full((n, numel), 9, dtype=dtype)
+        comm.all_gather(out, inputs[rank])
+        exact(out, torch.stack(inputs))
+        stacked = [make_input(r, (n, numel), dtype, salt) for r in range(n)]
+        for op in ops:
+            out = torch.full((numel,), 9, dtype=dtype)
+            comm.reduce_scatter(out, stacked[rank], op=op)
+            exact(out, reduce_reference(stacked, op)[rank])
+        out = torch.full((n, numel), 9, dtype=dtype)
+        comm.all_to_all(out, stacked[rank])
+        exact(out, torch.stack([stacked[r][rank] for r in range(n)]))
+        right, left = (rank + 1) % n, (rank - 1) % n
+        got = torch.empty(numel, dtype=dtype)
+        send = comm.send(inputs[rank], right, async_op=True)
+        comm.recv(got, left)
+        send.wait(timeout=30)
+        exact(got, inputs[left])
+    comm.barrier()
+    return comm._sync.seq
+
+
+def check_results_identical_across_ranks():
+    """Float sums round; every rank must still hold the very same bits (rank-order reduction)."""
+    comm = small_comm()
+    gen = torch.Generator().manual_seed(comm.rank)
+    out = []
+    for numel in (5, 300, 5000):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            t = torch.randn(numel, generator=gen).to(dtype)
+            comm.all_reduce(t, op=ReduceOp.AVG)
+            out.append(t.view(torch.uint8).clone() if dtype != torch.float32 else t.clone())
+    return out
+
+
+def check_async_many_in_flight():
+    comm = small_comm()
+    n, rank = comm.size, comm.rank
+    done: list[int] = []
+    tensors, works = [], []
+    for i in range(40):
+        numel = [1, 100, 3000, 20000][i % 4]
+        tensors.append(torch.full((numel,), float(rank + i)))
+        works.append(comm.all_reduce(tensors[-1], async_op=True))
+        works[-1].get_future().add_done_callback(lambda _f, i=i: done.append(i))
+    gathered = torch.empty(n, 3)
+    last = comm.all_gather(gathered, torch.full((3,), float(rank)), async_op=True)
+    sync_t = torch.ones(5)
+    comm.all_reduce(sync_t)  # queued behind the 41 pending works, yet returns in order
+    exact(sync_t, torch.full((5,), float(n)))
+    last.wait(timeout=30)
+    for i, (t, w) in enumerate(zip(tensors, works, strict=True)):
+        assert w.wait(timeout=30) and w.get_future().value() is t
+        exact(t, torch.full_like(t, float(sum(range(n)) + n * i)))
+    exact(gathered, torch.arange(float(n)).repeat_interleave(3).view(n, 3))
+    assert done == sorted(done) and len(done) == 40, done
+
+
+def check_bad_input_writes_nothing():
+    comm = small_comm()
+    before = comm._sync.seq
+    for call, exc in [
+        (lambda: comm.reduce(torch.ones(2), root=comm.size), ValueError),
+        (lambda: comm.reduce(torch.ones(2), root=0, op="mean"), ValueError),
+        (lambda: comm.all_reduce(torch.ones(2, dtype=torch.complex64)), TypeError),
+        (lambda: comm.all_gather(torch.empty(3), torch.ones(2)), ValueError),
+        (lambda: comm.all_reduce(torch.ones(4, 4).t()), ValueError),
+    ]:
+        with pytest.raises(exc) as info:
+            call()
+        assert comm._sync.seq == before, f"seq moved after {info.value}"
+    t = torch.ones(3)
+    comm.all_reduce(t)  # still in step with the peers
+    exact(t, torch.full((3,), float(comm.size)))
+    return str(info.value)
+
+
+def check_mismatch_detected(name):
+    from tests.harness import fresh_comm
+
+    comm = fresh_comm("shm", name, timeout=20.0)
+    t = torch.ones(10 if comm.rank == 0 else 20)
+    try:
+        comm.all_reduce(t)
+    except Exception as exc:  # noqa: BLE001 - the message is what is checked
+        message = str(exc)
+    else:
+        raise AssertionError("mismatched all_reduce sizes were not detected")
+    comm.close()
+    return message
+
+
+def check_fenced_path(name):
+    """The weak-memory-order path (``membarrier`` fences), forced on this x86 machine."""
+    from tests.harness import fresh_comm
+
+    os.environ["FASTCOMM_SHM_FENCE"] = "1"
+    try:
+        comm = fresh_comm("shm", name)
+    finally:
+        del os.environ["FASTCOMM_SHM_FENCE"]
+    inputs = [make_input(r, (300_001,), torch.float32, 3) for r in range(comm.size)]
+    t = inputs[comm.rank].clone()
+    comm.all_reduce(t)  # two-step: both publishes and waits fenced
+    exact(t, reduce_reference(inputs, ReduceOp.SUM))
+    small = torch.ones(3)
+    comm.all_reduce(small)
+    exact(small, torch.full((3,), float(comm.size)))
+    fenced = comm._sync.fenced
+    comm.close()
+    return fenced
+
+
+def check_p2p_never_blocks_collectives(name):
+    """Sends larger than the mailboxes, in both directions at once and around a collective:
+    each peer and direction has its own lane, as Gloo's transport has."""
+    from tests.harness import fresh_comm
+
+    comm = fresh_comm("shm", name)
+    rank, n = comm.rank, comm.size
+    peer = rank ^ 1
+    numel = 1_000_003  # 4 MB: many 256 KiB mailbox chunks
+    if peer < n:
+        got = torch.empty(numel)
+        work = comm.send(torch.full((numel,), float(rank)), peer, async_op=True)
+        comm.recv(got, peer)  # both ranks send first: only lanes per direction avoid deadlock
+        work.wait(timeout=30)
+        exact(got, torch.full((numel,), float(peer)))
+    if rank == 0:
+        work = comm.send(torch.arange(numel, dtype=torch.float32), 1, async_op=True)
+        t = torch.ones(4)
+        comm.all_reduce(t)  # rank 1 reaches it before its recv: the send must not block it
+        work.wait(timeout=30)
+    elif rank == 1:
+        t = torch.ones(4)
+        comm.all_reduce(t)
+        got = torch.empty(numel)
+        comm.recv(got, 0)
+        exact(got, torch.arange(numel, dtype=torch.float32))
+    else:
+        t = torch.ones(4)
+        comm.all_reduce(t)
+    exact(t, torch.full((4,), float(n)))
+    comm.close()
+
+
+def check_ddp_uses_shm_world():
+    """``fastcomm.init()`` picks shm on one host, and ``fastcomm.ddp.DDP`` reduces over it."""
+    import fastcomm
+    from fastcomm.ddp import DDP
+
+    torch.set_num_threads(1)
+    comm = fastcomm.init(timeout=30)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        reference = [p.detach().clone() for p in model.parameters()]
+        ddp = DDP(model)
+        xs = [torch.randn(5, 8, generator=torch.Generator().manual_seed(r))
+              for r in range(comm.size)]
+        ddp(xs[comm.rank]).square().sum().backward()
+        # expected: the mean over ranks of each rank's local gradient
+        local = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        with torch.no_grad():
+            for p, r in zip(local.parameters(), reference, strict=True):
+                p.copy_(r)
+        for x in xs:
+            local(x).square().sum().backward()
+        for p, q in zip(model.parameters(), local.parameters(), strict=True):
+            # float sums in another order: equal to rounding
+            assert torch.allclose(p.grad, q.grad / comm.size, rtol=1e-5, atol=1e-6)
+        return comm.backend, ddp.comm.backend
+    finally:
+        fastcomm.shutdown()
+
+
+# ------------------------------------------------------------------ pytest side
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"world{n}")
+def pool(request):
+    with RankPool(request.param, timeout=90) as p:
+        yield p
+
+
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=str)
+def test_every_op_dtype_size(pool, dtype):
+    seqs = pool.run(check_every_op, dtype)
+    assert len(set(seqs)) == 1 and seqs[0] > 0, seqs  # every rank published the same steps
+
+
+def test_float_results_bit_identical_on_every_rank(pool):
+    results = pool.run(check_results_identical_across_ranks)
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_async_ops_complete_in_issue_order(pool):
+    pool.run(check_async_many_in_flight)
+
+
+def test_bad_input_rejected_before_anything_is_written(pool):
+    for message in pool.run(check_bad_input_writes_nothing):
+        assert "contiguous" in message
+
+
+def test_mismatched_collectives_raise(pool, unique_name):
+    for message in pool.run(check_mismatch_detected, unique_name):
+        assert "collective mismatch" in message and "all_reduce" in message, message
+
+
+def test_options_are_validated():
+    with pytest.raises(ValueError, match="slot_bytes.*4096.*1000"):
+        ShmOptions(slot_bytes=1000)
+    with pytest.raises(ValueError, match="one_shot_max"):
+        ShmOptions(one_shot_max=-1)
+    with pytest.raises(ValueError, match="spin_us"):
+        ShmOptions(spin_us=-5.0)
+    with pytest.raises(ValueError, match="mbox_bytes"):
+        ShmOptions(mbox_bytes=100)
+
+
+def test_fenced_path_for_weakly_ordered_machines(pool, unique_name):
+    assert pool.run(check_fenced_path, unique_name) == [True] * pool.world_size
+
+
+def test_send_recv_lanes_never_deadlock(pool, unique_name):
+    pool.run(check_p2p_never_blocks_collectives, unique_name)
+
+
+def test_init_picks_shm_and_ddp_reduces_over_it(pool):
+    assert pool.run(check_ddp_uses_shm_world) == [("shm", "shm")] * pool.world_size
