@@ -2,12 +2,14 @@
 
 Model: a stack of ``Linear(1024, 1024) + ReLU`` layers, ~10.5M parameters (42 MB of fp32
 gradients: a 1 MiB first bucket, a 25 MiB one and the rest after the rebuild), batch 64,
-SGD. Ranks: 2 CPU processes over Gloo (one intra-op thread each: this machine has 2 cores);
-on a GPU, one rank over NCCL. Both models live in the same rank processes; every timed
-round of one provider is preceded (untimed, in ``setup``) by a step of the other, so the two
-alternate and see the same machine. A round's time is one training step as seen from the
-parent (``pool.run`` round trip included, ~1 ms); ``extra_info`` also holds the median of the
-ranks' own step times and, on the second provider, the fastcomm/torch ratio.
+SGD. Providers: ``fastcomm-shm`` and ``fastcomm-gloo`` (fastcomm DDP on the shared-memory and
+the Gloo communicator) and ``torch`` (torch DDP on its Gloo group), 2 CPU ranks with one
+intra-op thread each (this machine has 2 cores); on a GPU, one rank, ``fastcomm-nccl`` against
+torch over NCCL. All models live in the same rank processes; every timed round of one provider
+is preceded (untimed, in ``setup``) by a step of the provider before it, so they alternate and
+see the same machine. A round's time is one training step as seen from the parent
+(``pool.run`` round trip included, ~1 ms); ``extra_info`` also holds the median of the ranks'
+own step times and, on ``torch``, each fastcomm provider's ratio to it.
 
 Quick mode (``--benchmark-disable`` or ``FASTCOMM_BENCH_QUICK=1``): 4 layers of 256, a few
 steps -- a smoke test that finishes in seconds.
@@ -54,10 +56,18 @@ def setup_models(width: int, depth: int, batch: int, gpu: bool) -> int:
         layers = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())]
         return nn.Sequential(*layers).to(device)
 
-    models = {
-        "fastcomm": DDP(build(), comm=comm) if gpu else DDP(build()),
-        "torch": nn.parallel.DistributedDataParallel(build(), device_ids=[0] if gpu else None),
-    }
+    if gpu:
+        models = {"fastcomm-nccl": DDP(build(), comm=comm)}
+    else:
+        from tests.harness import rank_comm
+
+        models = {
+            "fastcomm-shm": DDP(build(), comm=rank_comm("shm")),
+            "fastcomm-gloo": DDP(build(), comm=rank_comm("gloo")),
+        }
+    models["torch"] = nn.parallel.DistributedDataParallel(
+        build(), device_ids=[0] if gpu else None
+    )
     gen = torch.Generator().manual_seed(int(os.environ["RANK"]))
     STATE["bench"] = {
         "models": models,
@@ -113,10 +123,15 @@ def ranks(request):
         pool.run(teardown_models)
 
 
-@pytest.mark.parametrize("provider", ["fastcomm", "torch"])
+PROVIDERS = ["fastcomm-nccl", "torch"] if ON_GPU else ["fastcomm-shm", "fastcomm-gloo", "torch"]
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
 def test_ddp_train_step(benchmark, ranks, provider):
     pool, params, quick = ranks
-    other = "torch" if provider == "fastcomm" else "fastcomm"
+    # every timed round follows an untimed step of the provider before it, so the providers
+    # alternate and see the same machine
+    other = PROVIDERS[PROVIDERS.index(provider) - 1]
     rounds = 3 if quick else 30
 
     def step():
@@ -138,12 +153,14 @@ def test_ddp_train_step(benchmark, ranks, provider):
         device="cuda" if ON_GPU else "cpu",
         rank_median_step_ms=round(1e3 * median, 3),
     )
-    if len(_MEDIANS) == 2:
-        ratio = _MEDIANS["fastcomm"] / _MEDIANS["torch"]
-        benchmark.extra_info["ratio_fastcomm_over_torch"] = round(ratio, 4)
-        print(
-            f"\nDDP step ({params / 1e6:.1f}M params, {pool.world_size} ranks, "
-            f"{'cuda' if ON_GPU else 'cpu'}): fastcomm {1e3 * _MEDIANS['fastcomm']:.1f} ms, "
-            f"torch {1e3 * _MEDIANS['torch']:.1f} ms, ratio {ratio:.3f}"
-        )
+    if provider == "torch":
+        device = "cuda" if ON_GPU else "cpu"
+        for name in PROVIDERS[:-1]:
+            ratio = _MEDIANS[name] / median
+            benchmark.extra_info[f"ratio_{name}_over_torch"] = round(ratio, 4)
+            print(
+                f"\nDDP step ({params / 1e6:.1f}M params, {pool.world_size} ranks, {device}): "
+                f"{name} {1e3 * _MEDIANS[name]:.1f} ms, torch {1e3 * median:.1f} ms, "
+                f"ratio {ratio:.3f}"
+            )
     assert median > 0
