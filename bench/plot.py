@@ -160,6 +160,7 @@ def plot_compression(benchmarks: list[dict], out: Path, title: str) -> Path | No
         return None
     fig, ax = plt.subplots(figsize=(5.5, 3.4))
     ax.bar(hooks, values, color="#57a")
+    ax.tick_params(axis="x", labelrotation=25)
     ax.set_yscale("log")
     ax.set_ylabel("pays off below this link bandwidth (GB/s)")
     ax.set_title(title, fontsize=9)
