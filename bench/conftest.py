@@ -70,6 +70,10 @@ def pytest_configure(config):
 def pytest_benchmark_update_json(config, benchmarks, output_json):
     if _COLLECTIVES:
         output_json["collectives"] = list(_COLLECTIVES)
+    # Every round's raw time (hundreds of thousands for the fast kernels) would make a results
+    # file of tens of MB; the summary statistics are what the tables and charts read.
+    for bench in output_json.get("benchmarks", []):
+        bench.get("stats", {}).pop("data", None)
 
 
 class _CollectivesTable:
