@@ -3,7 +3,7 @@
 No global ``torch.distributed`` state is touched: the process group is private to this object,
 so a program may hold several (``split``) beside an ``init_process_group`` of its own.
 
-Gloo's native handles are completed on a per-communicator thread (``CompletionThread``), in
+Gloo's native handles are completed on a per-communicator thread (a ``Lane``), in
 issue order, which also applies what Gloo lacks (``AVG`` is a ``SUM`` followed by a division)
 before the ``Work``'s future resolves.
 """
@@ -21,7 +21,7 @@ from .base import Communicator
 from .errors import FastcommError
 from .store import Store
 from .types import ReduceOp
-from .work import CompletionThread, Work, wrap_error
+from .work import Lane, Work, wrap_error
 
 __all__ = ["GlooCommunicator"]
 
@@ -75,7 +75,7 @@ class GlooCommunicator(Communicator):
                 f"rank {rank}: Gloo could not connect {size} ranks through the store at "
                 f"{store.address} after {time.monotonic() - start:.1f} s: {exc}"
             ) from exc
-        self._completions = CompletionThread(f"fastcomm-gloo-r{rank}")
+        self._completions = Lane(f"fastcomm-gloo-r{rank}")
         self._tag = 0
 
     @property
@@ -109,9 +109,12 @@ class GlooCommunicator(Communicator):
         timeout = self.timeout
 
         def finish() -> None:
-            handle.wait(timeout)
-            if post is not None:
-                post()
+            try:
+                handle.wait(timeout)
+                if post is not None:
+                    post()
+            except BaseException as exc:
+                raise wrap_error(op, self.rank, work.start, exc) from exc
 
         self._completions.submit(work, finish)
         return work
@@ -180,7 +183,7 @@ class GlooCommunicator(Communicator):
         return self._submit("barrier", None, lambda: self._pg.barrier(dist.BarrierOptions()))
 
     def _impl_close(self) -> None:
-        self._completions.close()
+        self._completions.close(timeout=5.0)
         try:
             self._pg.shutdown()
         except RuntimeError:

@@ -24,14 +24,13 @@ from datetime import timedelta
 
 import torch
 
-from ._shm_lane import Lane
 from ._shm_segment import host_id
 from .base import Communicator
 from .gloo import GlooCommunicator, divide_
 from .shm import ShmCommunicator
 from .store import Store
 from .types import ReduceOp
-from .work import Work, wrap_error
+from .work import Lane, Work, wrap_error
 
 __all__ = ["HierCommunicator"]
 

@@ -35,14 +35,13 @@ from datetime import timedelta
 import torch
 
 from ._shm_algos import Schedules
-from ._shm_lane import Lane
 from ._shm_segment import ABORTED, CLOSED, Segment, host_id, shm_supported
 from ._shm_sync import Sync, fence_supported
 from .base import Communicator
 from .errors import CommAbortedError, CommClosedError, FastcommError
 from .store import Store
 from .types import ReduceOp
-from .work import Work, wrap_error
+from .work import Lane, Work, wrap_error
 
 __all__ = ["ShmCommunicator", "ShmOptions", "shm_available"]
 

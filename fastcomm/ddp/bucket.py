@@ -109,8 +109,10 @@ def pack_bucket(bucket: Bucket, grads: Sequence[torch.Tensor | None], out, *, sc
     ``None`` gradients (parameters that got none) contribute zeros. The common case, every
     gradient present and contiguous, is exactly one ``kernels.pack`` launch.
     """
-    if all(g is not None and g.is_contiguous() for g in grads):
+    try:  # kernels.pack validates every gradient before it writes: no second pass here
         return kernels.pack(grads, out, scale=scale, dtype=out.dtype)
+    except (TypeError, ValueError):
+        pass  # a None or non-contiguous gradient: pack the runs between them
     run: list[torch.Tensor] = []
     run_start = 0
     for g, p, off in zip(grads, bucket.params, bucket.offsets, strict=True):
@@ -139,9 +141,11 @@ def unpack_grads(
     and contiguous, is one ``kernels.unpack`` launch. Non-contiguous targets (channels-last
     gradients) are filled through a contiguous copy.
     """
-    if all(t is not None and t.is_contiguous() for t in targets):
+    try:  # kernels.unpack validates every target before it writes: no second pass here
         kernels.unpack(flat, targets, scale=scale)
         return
+    except (TypeError, ValueError):
+        pass  # a None or non-contiguous target: unpack the runs between them
     run: list[torch.Tensor] = []
     fixups: list[tuple[torch.Tensor, torch.Tensor]] = []
     run_start = 0
