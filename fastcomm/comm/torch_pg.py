@@ -5,10 +5,11 @@ hooks) run on a group a training script already made with ``torch.distributed``:
 go straight to the group's backend (``pg.allreduce`` and friends, with group-local ranks), so
 they share its connections, streams and ordering with any other use of the same group.
 
-Futures: a :class:`Work` from this adapter resolves to the output tensor (fastcomm's contract;
-torch's own futures resolve to a list). ``AVG`` on a backend without it (Gloo) is a ``SUM``
-followed by a division, done before the future resolves. On NCCL the future is torch's
-CUDA-aware future, so ``wait()`` orders the caller's stream after the collective.
+The collectives are ``ProcessGroupCommunicator``'s (``_pg.py``), shared with the Gloo
+communicator: a :class:`Work` resolves to the output tensor (fastcomm's contract; torch's own
+futures resolve to a list), and ``AVG`` on a backend without it (Gloo) is a ``SUM`` followed
+by a division, done before the future resolves. On a CUDA (NCCL) group the future is torch's
+CUDA-aware future instead, so ``wait()`` orders the caller's stream after the collective.
 
 Sub-communicators (``split``) are fastcomm communicators (Gloo on CPU, NCCL on CUDA) built on
 the group's store under a private prefix; the group itself is never split.
@@ -23,24 +24,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .base import Communicator
+from ._pg import ProcessGroupCommunicator
 from .errors import FastcommError
 from .store import Store
-from .types import ReduceOp
 from .work import Work, wrap_error
 
 __all__ = ["TorchPGCommunicator"]
 
 _ADAPTERS: dict[str, itertools.count] = {}
-
-_TORCH_OPS = {
-    ReduceOp.SUM: dist.ReduceOp.SUM,
-    ReduceOp.AVG: dist.ReduceOp.AVG,
-    ReduceOp.MAX: dist.ReduceOp.MAX,
-    ReduceOp.MIN: dist.ReduceOp.MIN,
-    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
-}
-
 
 class _TorchWork(Work):
     """A fastcomm ``Work`` over a torch ``Work`` (completion is torch's, not a thread's)."""
@@ -98,7 +89,7 @@ def _backend_name(pg: dist.ProcessGroup) -> str:
         return "unknown"
 
 
-class TorchPGCommunicator(Communicator):
+class TorchPGCommunicator(ProcessGroupCommunicator):
     """Collectives on a torch ``ProcessGroup`` (the default group when ``None``).
 
     Args:
@@ -136,7 +127,7 @@ class TorchPGCommunicator(Communicator):
         else:
             self._device = torch.device("cpu")
         # Gloo (and MPI) lack AVG; NCCL has it natively.
-        self._native_avg = "nccl" in self.pg_backend
+        self.native_avg = "nccl" in self.pg_backend
 
     @property
     def device(self) -> torch.device:
@@ -153,90 +144,17 @@ class TorchPGCommunicator(Communicator):
             f"backend={self.pg_backend}, device={self.device})"
         )
 
-    # ------------------------------------------------------------------ plumbing
     def _issue(self, op, output, issue, post=None) -> Work:
+        if self._device.type != "cuda":
+            return super()._issue(op, output, issue, post)
+        # CUDA groups keep torch's stream-aware future: waiting orders the caller's stream
+        # after the collective instead of blocking a host thread.
         start = time.monotonic()
         try:
             torch_work = issue()
         except RuntimeError as exc:
             raise wrap_error(op, self.rank, start, exc) from exc
         return _TorchWork(op, self.rank, output, torch_work, post)
-
-    def _divide_post(self, tensor: torch.Tensor):
-        from .gloo import divide_
-
-        return lambda: divide_(tensor, self.size)
-
-    # ------------------------------------------------------------------ collectives
-    def _impl_all_reduce(self, tensor, op):
-        if tensor.numel() == 0:
-            return self._done("all_reduce", tensor)
-        opts = dist.AllreduceOptions()
-        emulate_avg = op is ReduceOp.AVG and not self._native_avg
-        opts.reduceOp = dist.ReduceOp.SUM if emulate_avg else _TORCH_OPS[op]
-        post = self._divide_post(tensor) if emulate_avg else None
-        return self._issue(
-            "all_reduce", tensor, lambda: self.process_group.allreduce([tensor], opts), post
-        )
-
-    def _impl_broadcast(self, tensor, src):
-        if tensor.numel() == 0:
-            return self._done("broadcast", tensor)
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        return self._issue(
-            "broadcast", tensor, lambda: self.process_group.broadcast([tensor], opts)
-        )
-
-    def _impl_all_gather(self, output, input):
-        if input.numel() == 0:
-            return self._done("all_gather", output)
-        out_flat, in_flat = output.view(-1), input.view(-1)
-        return self._issue(
-            "all_gather", output, lambda: self.process_group._allgather_base(out_flat, in_flat)
-        )
-
-    def _impl_reduce_scatter(self, output, input, op):
-        if output.numel() == 0:
-            return self._done("reduce_scatter", output)
-        opts = dist.ReduceScatterOptions()
-        emulate_avg = op is ReduceOp.AVG and not self._native_avg
-        opts.reduceOp = dist.ReduceOp.SUM if emulate_avg else _TORCH_OPS[op]
-        out_flat, in_flat = output.view(-1), input.view(-1)
-        post = self._divide_post(output) if emulate_avg else None
-        return self._issue(
-            "reduce_scatter",
-            output,
-            lambda: self.process_group._reduce_scatter_base(out_flat, in_flat, opts),
-            post,
-        )
-
-    def _impl_all_to_all(self, output, input):
-        if input.numel() == 0:
-            return self._done("all_to_all", output)
-        out_flat, in_flat = output.view(-1), input.view(-1)
-        return self._issue(
-            "all_to_all",
-            output,
-            lambda: self.process_group.alltoall_base(
-                out_flat, in_flat, [], [], dist.AllToAllOptions()
-            ),
-        )
-
-    def _impl_send(self, tensor, dst):
-        if tensor.numel() == 0:
-            return self._done("send", tensor)
-        return self._issue("send", tensor, lambda: self.process_group.send([tensor], dst, 0))
-
-    def _impl_recv(self, tensor, src):
-        if tensor.numel() == 0:
-            return self._done("recv", tensor)
-        return self._issue("recv", tensor, lambda: self.process_group.recv([tensor], src, 0))
-
-    def _impl_barrier(self):
-        return self._issue(
-            "barrier", None, lambda: self.process_group.barrier(dist.BarrierOptions())
-        )
 
     # ------------------------------------------------------------------ objects / split
     def all_gather_object(self, obj, timeout=None) -> list:

@@ -278,3 +278,31 @@ def test_stats_count_payload_bytes(pool, backend, unique_name):
     for calls, nbytes, total in pool.run(check_stats_count_payload_bytes, backend, unique_name):
         assert calls == {"all_reduce": 2, "all_gather": 1}
         assert nbytes == {"all_reduce": 50, "all_gather": 24} and total == 74
+
+
+def check_torch_process_group_adapter(op):
+    """TorchPGCommunicator runs the same collectives on torch's own Gloo group."""
+    import torch.distributed as dist
+
+    from fastcomm.comm.torch_pg import TorchPGCommunicator
+    from tests.harness import STATE
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    if "torch_pg" not in STATE:
+        STATE["torch_pg"] = TorchPGCommunicator()
+    comm = STATE["torch_pg"]
+    n = comm.size
+    inputs = [make_input(r, (n * 3,), torch.float32) for r in range(n)]
+    reduced = inputs[comm.rank].clone()
+    comm.all_reduce(reduced, op=op)
+    exact(reduced, reduce_reference(inputs, op))
+    # Gloo's reduce_scatter handle has no future: completion must not depend on one
+    scattered = torch.empty(3)
+    comm.reduce_scatter(scattered, inputs[comm.rank].clone(), op=op)
+    exact(scattered, reduce_reference(inputs, op)[3 * comm.rank : 3 * comm.rank + 3])
+
+
+@pytest.mark.parametrize("op", OPS, ids=lambda o: o.name)
+def test_torch_process_group_adapter(pool, op):
+    pool.run(check_torch_process_group_adapter, op)
