@@ -8,6 +8,9 @@
   ``dequantize(q, scales, *, out=None, accumulate=False, block=None)``: block-wise symmetric
   quantization of flat buffers, with fused error feedback.
 - ``*_reference``: the pure-torch versions (what CPU tensors run; the test oracles).
+- ``peer_reduce(srcs, dsts, *, op, scale)``: reduce peers' buffers (mapped into this process)
+  elementwise and write the result into one or more buffers, one launch: the data step of
+  the kernel collectives.
 - ``kernel_backend(tensor)``: ``"triton"`` or ``"torch"``, what the ops above use for it.
 
 Environment: ``FASTCOMM_KERNELS=triton|torch`` forces an implementation; Triton kernels run
@@ -17,6 +20,7 @@ on CPU tensors in Triton's interpreter when ``FASTCOMM_KERNELS=triton`` and
 
 from ._launch import clear_table_cache, kernel_backend
 from ._pack import pack, pack_reference, unpack, unpack_reference
+from ._peer_reduce import PEER_REDUCE_OPS, peer_reduce, peer_reduce_reference
 from ._quantize import (
     DEFAULT_BLOCK,
     dequantize,
@@ -33,6 +37,9 @@ __all__ = [
     "kernel_backend",
     "pack",
     "pack_reference",
+    "PEER_REDUCE_OPS",
+    "peer_reduce",
+    "peer_reduce_reference",
     "quantize",
     "quantize_reference",
     "unpack",

@@ -1,0 +1,213 @@
+"""Reduction straight out of peers' buffers: the data kernel of the kernel collectives.
+
+`peer_reduce(srcs, dsts, op=..., scale=...)` reads every buffer of `srcs` elementwise, reduces
+them (sum, max or min; ``avg`` is a sum times ``1 / len(srcs)``), applies `scale`, and writes
+the result to *every* buffer of `dsts`, in one launch. The buffers are typically views of
+other ranks' memory mapped into this process: POSIX shared memory on CPU, CUDA IPC handles on
+GPU. Each rank passes the addresses at which *it* mapped its peers' slots, so the kernel
+receives them as a table of int64 addresses and turns each into a typed pointer, the way the
+pack kernel follows its block table.
+
+The schedules of an allreduce are one call each (synchronization between the ranks, the flags
+saying a slot is written or read, is the transport's job, not this kernel's):
+
+- one-shot (small messages): ``srcs`` = every rank's whole slot, ``dsts`` = this rank's output.
+- two-shot (large messages): rank ``r`` reduces chunk ``r`` of every rank's slot and pushes it
+  into chunk ``r`` of every rank's result slot (``dsts`` = those views), so reduce-scatter and
+  all-gather are one kernel and every rank then holds the whole result.
+
+Numerics: every operand is loaded, converted to fp32 (fp64 for fp64 buffers), combined in the
+order of `srcs`, multiplied by `scale` rounded to fp32, and rounded once to the buffers' dtype.
+Every rank passes its peers in rank order, so every rank computes bit-identical results. The
+torch reference (`peer_reduce_reference`) computes the same thing and is what CPU tensors run
+(unless ``FASTCOMM_KERNELS=triton``; see `fastcomm.kernels._launch`). NaN propagates through
+max and min as in ``torch.maximum``.
+
+Aliasing: a buffer of `dsts` may be one of `srcs` only when every program reads its elements
+before writing them, which holds (each program reads and writes the same element range), so
+an in-place reduction into a rank's own slot is allowed.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from ._launch import (
+    check_tensor,
+    compute_dtype,
+    fp32_scale,
+    kernel_backend,
+    runnable,
+    tl,
+    tl_dtype,
+    triton,
+)
+
+__all__ = ["PEER_REDUCE_OPS", "peer_reduce", "peer_reduce_reference"]
+
+#: Operations `peer_reduce` accepts.
+PEER_REDUCE_OPS = ("sum", "avg", "max", "min")
+#: dtypes the peer buffers may have.
+PEER_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+#: Most buffers on either side of one launch (the kernel unrolls its loops over them).
+MAX_PEERS = 16
+
+BLOCK = 2048
+NUM_WARPS = 4
+
+_OP_CODE = {"sum": 0, "avg": 0, "max": 1, "min": 2}
+
+
+@triton.jit
+def _peer_reduce_kernel(
+    src_table,  # *int64 [N_SRC]: address (bytes) of each source buffer
+    dst_table,  # *int64 [N_DST]: address (bytes) of each destination buffer
+    numel,  # elements per buffer
+    scale,  # fp32 factor, used when APPLY_SCALE
+    N_SRC: tl.constexpr,  # number of source buffers
+    N_DST: tl.constexpr,  # number of destination buffers
+    DTYPE: tl.constexpr,  # element type of every buffer
+    COMPUTE: tl.constexpr,  # fp32, or fp64 for fp64 buffers
+    OP: tl.constexpr,  # 0 sum, 1 max, 2 min
+    APPLY_SCALE: tl.constexpr,  # multiply the result by `scale`
+    BLOCK: tl.constexpr,  # elements per program
+):
+    # int64 offsets: a workspace may pass 2**31 elements.
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    first = tl.load(src_table).to(tl.pointer_type(DTYPE))
+    acc = tl.load(first + offs, mask=mask, other=0).to(COMPUTE)
+    for r in tl.static_range(1, N_SRC):
+        src = tl.load(src_table + r).to(tl.pointer_type(DTYPE))
+        x = tl.load(src + offs, mask=mask, other=0).to(COMPUTE)
+        if OP == 0:
+            acc = acc + x
+        elif OP == 1:
+            acc = tl.maximum(acc, x, propagate_nan=tl.PropagateNan.ALL)
+        else:
+            acc = tl.minimum(acc, x, propagate_nan=tl.PropagateNan.ALL)
+    if APPLY_SCALE:
+        acc = acc * scale
+    out = acc.to(DTYPE)
+    for d in tl.static_range(N_DST):
+        dst = tl.load(dst_table + d).to(tl.pointer_type(DTYPE))
+        tl.store(dst + offs, out, mask=mask)
+
+
+def _check(srcs, dsts, op: str, scale) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
+    """Validates the operands; returns them as lists and the effective fp32 scale."""
+    if op not in PEER_REDUCE_OPS:
+        raise ValueError(f"op={op!r} is not supported; allowed: {', '.join(PEER_REDUCE_OPS)}")
+    lists = []
+    for name, tensors in (("srcs", srcs), ("dsts", dsts)):
+        if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
+            raise TypeError(
+                f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}"
+            )
+        if not 1 <= len(tensors) <= MAX_PEERS:
+            raise ValueError(f"{name} has {len(tensors)} buffers; allowed: 1..{MAX_PEERS}")
+        lists.append(list(tensors))
+    srcs, dsts = lists
+    first = srcs[0]
+    check_tensor("srcs[0]", first, dtypes=PEER_DTYPES)
+    for name, tensors in (("srcs", srcs), ("dsts", dsts)):
+        for i, t in enumerate(tensors):
+            check_tensor(f"{name}[{i}]", t, dtypes=(first.dtype,), device=first.device)
+            if t.numel() != first.numel():
+                raise ValueError(
+                    f"{name}[{i}] has {t.numel()} elements; every buffer must have "
+                    f"srcs[0]'s {first.numel()}"
+                )
+    if op in ("max", "min") and scale != 1.0:
+        raise ValueError(f"scale={scale!r} applies to sum and avg only; {op} takes scale=1.0")
+    scale = fp32_scale(scale)
+    if op == "avg":
+        scale = fp32_scale(scale / len(srcs))
+    return srcs, dsts, scale
+
+
+def peer_reduce(
+    srcs: Sequence[torch.Tensor],
+    dsts: Sequence[torch.Tensor],
+    *,
+    op: str = "sum",
+    scale: float = 1.0,
+) -> None:
+    """Reduces `srcs` elementwise and writes the result into every buffer of `dsts`.
+
+    Args:
+        srcs: 1 to 16 contiguous buffers of one floating dtype, device and size (peers'
+            slots mapped into this process, in rank order).
+        dsts: 1 to 16 buffers like them to receive the result.
+        op: ``"sum"``, ``"avg"`` (sum times ``1 / len(srcs)``), ``"max"`` or ``"min"``.
+        scale: factor applied to a sum or average (rounded to fp32).
+
+    Raises:
+        TypeError: not lists of tensors, or a dtype other than fp32/fp16/bf16/fp64 or one
+            that differs from ``srcs[0]``'s.
+        ValueError: unknown op, a scale with max/min, buffers of different sizes or devices,
+            non-contiguous buffers, or more than 16 on a side.
+    """
+    srcs, dsts, scale = _check(srcs, dsts, op, scale)
+    numel = srcs[0].numel()
+    if numel == 0:
+        return
+    if kernel_backend(srcs[0]) == "torch":
+        _reduce_torch(srcs, dsts, op, scale)
+        return
+    dtype, device = srcs[0].dtype, srcs[0].device
+    src_table = _address_table(tuple(t.data_ptr() for t in srcs), device)
+    dst_table = _address_table(tuple(t.data_ptr() for t in dsts), device)
+    grid = (triton.cdiv(numel, BLOCK),)
+    runnable(_peer_reduce_kernel)[grid](
+        src_table,
+        dst_table,
+        numel,
+        scale,
+        N_SRC=len(srcs),
+        N_DST=len(dsts),
+        DTYPE=tl_dtype(dtype),
+        COMPUTE=tl_dtype(compute_dtype(dtype)),
+        OP=_OP_CODE[op],
+        APPLY_SCALE=scale != 1.0,
+        BLOCK=BLOCK,
+        num_warps=NUM_WARPS,
+    )
+
+
+def peer_reduce_reference(
+    srcs: Sequence[torch.Tensor],
+    dsts: Sequence[torch.Tensor],
+    *,
+    op: str = "sum",
+    scale: float = 1.0,
+) -> None:
+    """The pure-torch `peer_reduce` (same arguments, same numerics)."""
+    srcs, dsts, scale = _check(srcs, dsts, op, scale)
+    if srcs[0].numel():
+        _reduce_torch(srcs, dsts, op, scale)
+
+
+def _reduce_torch(srcs: list[torch.Tensor], dsts: list[torch.Tensor], op: str, scale: float):
+    acc = srcs[0].to(compute_dtype(srcs[0].dtype), copy=True)
+    for x in srcs[1:]:
+        if op in ("sum", "avg"):
+            acc.add_(x)
+        elif op == "max":
+            torch.maximum(acc, x, out=acc)
+        else:
+            torch.minimum(acc, x, out=acc)
+    if scale != 1.0:
+        acc.mul_(scale)
+    out = acc.to(srcs[0].dtype)
+    for d in dsts:
+        d.copy_(out.view(d.shape))
+
+
+@functools.lru_cache(maxsize=256)
+def _address_table(ptrs: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    # A transport maps its peers once, so the same tables come back every call.
+    return torch.tensor(ptrs, dtype=torch.int64).to(device)
