@@ -5,9 +5,10 @@ Ranks copy into, reduce out of and copy from one POSIX shared-memory segment per
 instead of sending bytes over TCP. Python only sequences the steps; torch ops move the data.
 
 Invariants:
-- CPU tensors go through the segment; anything else (CUDA tensors) goes to a Gloo communicator
-  built beside it on the same store (``fallback=True``, the default), so every call that works on
-  the Gloo communicator works here.
+- CPU tensors go through the segment; CUDA tensors go to a Gloo communicator built beside it on
+  the same store (``fallback=True``, the default), so every call that works on the Gloo
+  communicator works here. :meth:`ShmCommunicator.route` is that decision, and says it once in
+  the log (logger ``fastcomm``) the first time a CUDA tensor takes the fallback.
 - Collectives run in issue order on one lane: synchronous calls on the caller's thread when no
   asynchronous work is pending, otherwise (and ``async_op=True`` calls always) on the lane's
   thread. Sends to and receives from each peer have lanes of their own, so a blocked send never
@@ -26,6 +27,7 @@ The communicator never changes ``torch.set_num_threads`` itself.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import time
 import weakref
@@ -46,6 +48,7 @@ from .work import Lane, Work, wrap_error
 __all__ = ["ShmCommunicator", "ShmOptions", "shm_available"]
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
+logger = logging.getLogger("fastcomm")
 
 
 def _env_int(name: str, default: int | None) -> int | None:
@@ -168,6 +171,7 @@ class ShmCommunicator(Communicator):
         self._p2p: dict[tuple[str, int], Lane] = {}
         self._broken: BaseException | None = None
         self._fallback = None
+        self._told_route = False
         if fallback:
             from .gloo import GlooCommunicator
 
@@ -205,6 +209,30 @@ class ShmCommunicator(Communicator):
 
     def _device_ok(self, device: torch.device) -> bool:
         return device.type == "cpu" or (self._fallback is not None and device.type == "cuda")
+
+    def route(self, device: torch.device | str) -> Communicator:
+        """The communicator that moves tensors on ``device``: this one (shared memory) for CPU
+        tensors, the Gloo fallback for CUDA tensors (Gloo stages them through host memory).
+
+        Raises:
+            ValueError: no communicator here moves tensors on ``device``.
+        """
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self
+        if device.type == "cuda" and self._fallback is not None:
+            if not self._told_route:
+                self._told_route = True
+                logger.info(
+                    "%s: %s tensors go through its Gloo fallback, CPU tensors through shared "
+                    "memory", self._where(), device.type,
+                )
+            return self._fallback
+        fallback = "" if self._fallback is not None else " (built with fallback=False)"
+        raise ValueError(
+            f"{self._where()}: no route for tensors on {device}{fallback}; it moves CPU tensors "
+            "through shared memory and CUDA tensors through its Gloo fallback"
+        )
 
     def _new_child(self, store: Store, rank: int, size: int, timeout: timedelta):
         return ShmCommunicator(
@@ -256,7 +284,7 @@ class ShmCommunicator(Communicator):
     # ------------------------------------------------------------------ collectives
     def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp):
         if tensor.device.type != "cpu":
-            return self._fallback._impl_all_reduce(tensor, op)
+            return self.route(tensor.device)._impl_all_reduce(tensor, op)
         if tensor.numel() == 0:
             return self._done("all_reduce", tensor)
         return ("all_reduce", tensor, lambda: self._algo.all_reduce(tensor, op), self._lane)
@@ -287,7 +315,7 @@ class ShmCommunicator(Communicator):
 
     def _impl_broadcast(self, tensor: torch.Tensor, src: int):
         if tensor.device.type != "cpu":
-            return self._fallback._impl_broadcast(tensor, src)
+            return self.route(tensor.device)._impl_broadcast(tensor, src)
         if tensor.numel() == 0:
             return self._done("broadcast", tensor)
         flat = tensor.view(-1)
@@ -295,7 +323,7 @@ class ShmCommunicator(Communicator):
 
     def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor):
         if input.device.type != "cpu":
-            return self._fallback._impl_all_gather(output, input)
+            return self.route(input.device)._impl_all_gather(output, input)
         if input.numel() == 0:
             return self._done("all_gather", output)
         out, flat = output.view(-1), input.view(-1)
@@ -303,7 +331,7 @@ class ShmCommunicator(Communicator):
 
     def _impl_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp):
         if input.device.type != "cpu":
-            return self._fallback._impl_reduce_scatter(output, input, op)
+            return self.route(input.device)._impl_reduce_scatter(output, input, op)
         if output.numel() == 0:
             return self._done("reduce_scatter", output)
         out, flat = output.view(-1), input.view(-1)
@@ -313,7 +341,7 @@ class ShmCommunicator(Communicator):
 
     def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor):
         if input.device.type != "cpu":
-            return self._fallback._impl_all_to_all(output, input)
+            return self.route(input.device)._impl_all_to_all(output, input)
         if input.numel() == 0:
             return self._done("all_to_all", output)
         out, flat = output.view(-1), input.view(-1)
@@ -321,7 +349,7 @@ class ShmCommunicator(Communicator):
 
     def _impl_send(self, tensor: torch.Tensor, dst: int):
         if tensor.device.type != "cpu":
-            return self._fallback._impl_send(tensor, dst)
+            return self.route(tensor.device)._impl_send(tensor, dst)
         if tensor.numel() == 0:
             return self._done("send", tensor)
         data = tensor.view(-1).view(torch.uint8)
@@ -330,7 +358,7 @@ class ShmCommunicator(Communicator):
 
     def _impl_recv(self, tensor: torch.Tensor, src: int):
         if tensor.device.type != "cpu":
-            return self._fallback._impl_recv(tensor, src)
+            return self.route(tensor.device)._impl_recv(tensor, src)
         if tensor.numel() == 0:
             return self._done("recv", tensor)
         data = tensor.view(-1).view(torch.uint8)

@@ -290,6 +290,36 @@ def test_mismatched_collectives_raise(pool, unique_name):
         assert "collective mismatch" in message and "all_reduce" in message, message
 
 
+def test_route_sends_cuda_tensors_to_the_gloo_fallback_and_says_so(caplog):
+    """The per-device decision, on any machine (the CUDA collectives themselves are in
+    test_errors' GPU test)."""
+    from fastcomm.comm import HierCommunicator, Store
+
+    store = Store(is_server=True, timeout=30, rank=0)
+    shm = ShmCommunicator(store.prefixed("shm"), 0, 1, 30)
+    bare = ShmCommunicator(store.prefixed("bare"), 0, 1, 30, fallback=False)
+    hier = HierCommunicator(store.prefixed("hier"), 0, 1, 30)
+    try:
+        with caplog.at_level("INFO", logger="fastcomm"):
+            assert shm.route("cpu") is shm and hier.route(torch.device("cpu")) is hier
+            assert shm.route("cuda") is shm.fallback and shm.fallback.backend == "gloo"
+            assert shm.route("cuda:0") is shm.fallback  # said once per communicator
+            assert hier.route("cuda") is hier.world and hier.world.backend == "gloo"
+        said = [r.getMessage() for r in caplog.records if r.name == "fastcomm"]
+        assert len(said) == 2, said
+        assert "cuda tensors go through its Gloo fallback" in said[0], said
+        assert "cuda tensors go through its flat Gloo communicator" in said[1], said
+        with pytest.raises(ValueError, match="fallback=False"):
+            bare.route("cuda")
+        with pytest.raises(ValueError, match="no route for tensors on meta"):
+            shm.route("meta")
+        with pytest.raises(ValueError, match="no route for tensors on meta"):
+            hier.route("meta")
+    finally:
+        for comm in (shm, bare, hier):
+            comm.close()
+
+
 def test_options_are_validated():
     with pytest.raises(ValueError, match="slot_bytes.*4096.*1000"):
         ShmOptions(slot_bytes=1000)

@@ -80,10 +80,13 @@ def check_rank_killed_mid_collective(name):
 def short_op_timeout(comm, seconds: float) -> None:
     """Shortens the timeout of ``comm``'s later operations only: setup ran under the generous
     one, so a busy machine cannot fire it before the peers have even connected."""
-    comm.timeout = timedelta(seconds=seconds)
-    comm._sync.timeout_s = seconds
-    if comm.fallback is not None:
-        comm.fallback.timeout = comm.timeout
+    comm.timeout = timedelta(seconds=seconds)  # Gloo reads it at every issue
+    sync = getattr(comm, "_sync", None)  # shm copied it into its waits at setup
+    if sync is not None:
+        sync.timeout_s = seconds
+    fallback = getattr(comm, "fallback", None)
+    if fallback is not None:
+        fallback.timeout = comm.timeout
 
 
 def check_missing_rank_is_named(name):
