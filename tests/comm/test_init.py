@@ -190,3 +190,23 @@ def test_explicit_nccl_without_a_gpu_for_this_rank_is_a_clear_error(monkeypatch)
     with pytest.raises(RuntimeError, match="rank 0 .*CUDA device 0"):
         fastcomm.init(backend="nccl")
     assert not fastcomm.is_initialized()
+
+
+@pytest.mark.parametrize(
+    "devices, version, expected",
+    [
+        (2, (2, 28, 9), {}),  # a GPU per rank
+        (1, (2, 30, 0), "shared"),  # both on GPU 0, as NCCL 2.30 allows
+        (1, (2, 28, 9), None),  # NCCL 2.28 refuses: the test skips, naming why
+        (0, None, None),
+    ],
+)
+def test_gpu_tests_decide_how_many_nccl_ranks_fit(monkeypatch, devices, version, expected):
+    from tests.comm.gpu_layout import SHARED_GPU_ENV, nccl_ranks_env
+
+    monkeypatch.setattr(world, "cuda_device_count", lambda: devices)
+    monkeypatch.setattr(world, "detected_nccl_version", lambda: version)
+    env, reason = nccl_ranks_env(2)
+    assert env == (SHARED_GPU_ENV if expected == "shared" else expected), (env, reason)
+    if env is None:
+        assert "2 NCCL ranks cannot run here" in reason, reason

@@ -259,7 +259,9 @@ def check_ddp_uses_shm_world():
 # ------------------------------------------------------------------ pytest side
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"world{n}")
 def pool(request):
-    with RankPool(request.param, timeout=90) as p:
+    # CPU tensors only; GPUs hidden so that init() picks shm on any machine, as checked below
+    # (NCCL selection is tested in test_init.py with faked devices)
+    with RankPool(request.param, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=90) as p:
         yield p
 
 
