@@ -160,7 +160,7 @@ def nccl_available() -> bool:
     return cupy_nccl() is not None
 
 
-def default_backend(world_size: int = 1) -> str:
+def default_backend(world_size: int = 1, *, cpu_tensors: bool = False) -> str:
     """The backend ``init()`` picks before looking at hosts: ``FASTCOMM_BACKEND``, else NCCL when
     every local rank can use a GPU (:func:`nccl_fit`), else ``shm`` (narrowed by
     :func:`choose_cpu_backend` once the hosts are known). Says why in the log when CUDA devices
@@ -175,6 +175,8 @@ def default_backend(world_size: int = 1) -> str:
     from .shm import shm_available
 
     cpu = "shm" if shm_available() else "gloo"
+    if cpu_tensors:  # the caller trains on CPU: NCCL could not move its tensors
+        return cpu
     fit = nccl_fit(*_local_layout(world_size))
     if fit.ok:
         logger.info("fastcomm.init: backend nccl (%s)", fit.reason)
@@ -271,8 +273,9 @@ def init(
         rank: overrides ``RANK`` (default 0 when unset and ``world_size`` is 1).
         world_size: overrides ``WORLD_SIZE`` (default 1).
         store: an existing store namespace to build on, instead of the environment's.
-        device: CUDA device for NCCL (default ``LOCAL_RANK``, or ``LOCAL_RANK % devices`` where
-            ranks share GPUs).
+        device: where this rank's tensors live. A CUDA device (or index) is NCCL's device
+            (default ``LOCAL_RANK``, or ``LOCAL_RANK % devices`` where ranks share GPUs);
+            ``"cpu"`` keeps ``backend=None`` off NCCL even where every rank has a GPU.
 
     Returns:
         The communicator, also returned later by :func:`get_world`.
@@ -293,10 +296,15 @@ def init(
         raise ValueError(f"RANK={rank} out of range for WORLD_SIZE={world_size}")
     # only an automatic choice of shm is narrowed by host layout; an explicit or forced one is kept
     auto = backend is None and not os.environ.get("FASTCOMM_BACKEND", "").strip()
+    cpu_tensors = device is not None and not isinstance(device, int) and (
+        torch.device(device).type == "cpu"
+    )
     if backend is None:
-        backend = default_backend(world_size)
+        backend = default_backend(world_size, cpu_tensors=cpu_tensors)
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)} or None")
+    if backend == "nccl" and cpu_tensors:
+        raise ValueError(f"rank {rank}: backend='nccl' moves CUDA tensors, got device={device!r}")
     if backend == "nccl":
         device = _check_nccl_device(rank, world_size, device)
 

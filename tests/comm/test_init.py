@@ -160,6 +160,15 @@ def test_a_gpu_per_rank_picks_nccl(monkeypatch):
     assert world.default_backend(2) == "nccl"
 
 
+def test_cpu_tensors_keep_auto_selection_off_nccl(monkeypatch):
+    _fake_gpus(monkeypatch, 2, (2, 28, 9), local_rank=1, local_world=2)
+    assert world.default_backend(2, cpu_tensors=True) in ("shm", "gloo")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ValueError, match="rank 1: backend='nccl' moves CUDA tensors"):
+        fastcomm.init(backend="nccl", device="cpu")
+
+
 def test_shared_gpu_picks_nccl_only_where_nccl_allows_it(monkeypatch):
     _fake_gpus(monkeypatch, 1, (2, 30, 0), local_rank=1, local_world=2, multi="1")
     assert world.default_backend(2) == "nccl"
