@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from ._shm_algos import Schedules
 from ._shm_segment import ABORTED, CLOSED, Segment, host_id, shm_supported
@@ -306,12 +307,30 @@ class ShmCommunicator(Communicator):
         self._check_peer(root, "reduce", "root")
         op = ReduceOp.coerce(op)
         if tensor.device.type != "cpu":
-            raise ValueError(f"reduce: tensor is on {tensor.device}; shm reduce takes CPU tensors")
+            self.stats.record("reduce", tensor)
+            return self._finish(self._reduce_elsewhere(tensor, root, op), async_op)
         self.stats.record("reduce", tensor)
         if tensor.numel() == 0:
             return self._finish(self._done("reduce", tensor), async_op)
         task = self._task("reduce", tensor, lambda: self._algo.all_reduce(tensor, op, root))
         return self._finish(task, async_op)
+
+    def _reduce_elsewhere(self, tensor: torch.Tensor, root: int, op: ReduceOp) -> Work:
+        """``reduce`` of a CUDA tensor on the communicator :meth:`route` names: an all-reduce
+        of a copy, written back on ``root`` only (so the other ranks' tensors stay unchanged)."""
+        gloo = self.route(tensor.device)
+        scratch = tensor.clone()
+        opts = dist.AllreduceOptions()
+        opts.reduceOp, divide = gloo._reduce_op(op, scratch)
+
+        def keep_on_root() -> None:
+            if divide is not None:
+                divide()
+            if self.rank == root:
+                tensor.copy_(scratch)
+
+        pg = gloo.process_group
+        return gloo._issue("reduce", tensor, lambda: pg.allreduce([scratch], opts), keep_on_root)
 
     def _impl_broadcast(self, tensor: torch.Tensor, src: int):
         if tensor.device.type != "cpu":

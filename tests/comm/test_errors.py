@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from fastcomm import CommClosedError, CommTimeoutError, FastcommError
+from fastcomm import CommClosedError, CommTimeoutError, FastcommError, ReduceOp
 from tests.comm.test_shm_faults import short_op_timeout
 from tests.harness import RankPool, fresh_comm, rank_comm
 
@@ -151,6 +151,11 @@ def check_cuda_tensors_go_through_gloo(backend):
     assert torch.all(t == (n + 1) / 2).item()
     assert out[:, 0].tolist() == [float(r) for r in range(n)]
     assert b.tolist() == [float(n - 1)] * 5
+    if backend == "shm":  # reduce: the root gets the sum, the others keep their tensor
+        r = torch.full((4,), comm.rank + 1.0, device="cuda")
+        comm.reduce(r, root=0)
+        expected = n * (n + 1) / 2 if comm.rank == 0 else comm.rank + 1.0
+        assert r.tolist() == [expected] * 4, r
     # CPU tensors still take shared memory, in step with the CUDA calls
     c = torch.ones(3)
     comm.all_reduce(c)
@@ -161,3 +166,21 @@ def check_cuda_tensors_go_through_gloo(backend):
 @pytest.mark.parametrize("backend", ["shm", "hier"])
 def test_cuda_tensors_on_shm_and_hier_go_through_gloo(pool, backend):
     pool.run(check_cuda_tensors_go_through_gloo, backend)
+
+
+def check_reduce_through_the_fallback(name):
+    """shm's reduce of tensors it hands to Gloo (CUDA ones on a GPU machine), run here on CPU
+    tensors by routing them the same way: the root gets the result, the others keep theirs."""
+    comm = fresh_comm("shm", name)
+    comm.route = lambda device: comm.fallback
+    n = comm.size
+    for op, on_root in (("sum", n * (n + 1) / 2), ("avg", (n + 1) / 2), ("max", float(n))):
+        t = torch.full((5,), comm.rank + 1.0)
+        comm._reduce_elsewhere(t, 1, ReduceOp.coerce(op)).wait()
+        expected = on_root if comm.rank == 1 else comm.rank + 1.0
+        assert t.tolist() == [expected] * 5, (op, t)
+    comm.close()
+
+
+def test_shm_reduce_through_the_fallback_keeps_the_result_on_root(pool, unique_name):
+    pool.run(check_reduce_through_the_fallback, unique_name)
