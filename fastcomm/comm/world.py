@@ -18,9 +18,10 @@ Backend selection (``backend=None``), in order:
    host has more than one rank (shared memory inside hosts, Gloo between them), else ``gloo``.
    Where shared memory is unavailable (no Linux ``/dev/shm``) it is ``gloo``.
 
-When CUDA devices are present but NCCL is not picked, ``init`` logs one warning saying which
-backend it took and why (logger ``fastcomm``). The device count and the NCCL version are read
-in one function each, :func:`cuda_device_count` and :func:`detected_nccl_version`.
+When CUDA devices are present and the choice is automatic, ``init`` logs one line saying which
+backend it took and why (logger ``fastcomm``; a warning when it is not NCCL). The device count
+and the NCCL version are read in one function each, :func:`cuda_device_count` and
+:func:`detected_nccl_version`.
 """
 
 from __future__ import annotations
@@ -163,29 +164,44 @@ def nccl_available() -> bool:
 def default_backend(world_size: int = 1, *, cpu_tensors: bool = False) -> str:
     """The backend ``init()`` picks before looking at hosts: ``FASTCOMM_BACKEND``, else NCCL when
     every local rank can use a GPU (:func:`nccl_fit`), else ``shm`` (narrowed by
-    :func:`choose_cpu_backend` once the hosts are known). Says why in the log when CUDA devices
-    are present but NCCL is not taken."""
+    :func:`choose_cpu_backend` once the hosts are known).
+
+    Args:
+        world_size: ranks in the job (``LOCAL_WORLD_SIZE`` when that is unset).
+        cpu_tensors: the caller's tensors live on CPU, so NCCL is never the choice.
+    """
+    return _pick_backend(world_size, cpu_tensors)[0]
+
+
+def _pick_backend(world_size: int, cpu_tensors: bool) -> tuple[str, NcclFit | None]:
+    """:func:`default_backend`, with the :class:`NcclFit` that decided it (``None`` when NCCL
+    was not considered)."""
     forced = os.environ.get("FASTCOMM_BACKEND", "").strip().lower()
     if forced:
         if forced not in BACKENDS:
             raise ValueError(
                 f"FASTCOMM_BACKEND={forced!r} is not a backend; allowed: {', '.join(BACKENDS)}"
             )
-        return forced
+        return forced, None
     from .shm import shm_available
 
     cpu = "shm" if shm_available() else "gloo"
     if cpu_tensors:  # the caller trains on CPU: NCCL could not move its tensors
-        return cpu
+        return cpu, None
     fit = nccl_fit(*_local_layout(world_size))
-    if fit.ok:
+    return ("nccl" if fit.ok else cpu), fit
+
+
+def _say_choice(backend: str, fit: NcclFit | None) -> None:
+    """One log line on the automatic choice where GPUs are present: which backend, and why."""
+    if fit is None or fit.device_count == 0:
+        return  # no GPU: nothing surprising to explain
+    if backend == "nccl":
         logger.info("fastcomm.init: backend nccl (%s)", fit.reason)
-        return "nccl"
-    if fit.device_count > 0:
+    else:
         logger.warning(
-            "fastcomm.init: backend %s on CPU tensors, not nccl: %s", cpu, fit.reason
+            "fastcomm.init: backend %s on CPU tensors, not nccl: %s", backend, fit.reason
         )
-    return cpu
 
 
 def _check_nccl_device(rank: int, world_size: int, device) -> int | torch.device:
@@ -299,8 +315,9 @@ def init(
     cpu_tensors = device is not None and not isinstance(device, int) and (
         torch.device(device).type == "cpu"
     )
+    fit = None
     if backend is None:
-        backend = default_backend(world_size, cpu_tensors=cpu_tensors)
+        backend, fit = _pick_backend(world_size, cpu_tensors)
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)} or None")
     if backend == "nccl" and cpu_tensors:
@@ -336,6 +353,7 @@ def init(
 
         hosts = store.all_gather_object("init/hosts", rank, world_size, host_id(), timeout)
         backend = choose_cpu_backend(hosts)
+    _say_choice(backend, fit)
     _WORLD = new_communicator(
         backend, store=store, rank=rank, size=world_size, timeout=timeout, device=device
     )

@@ -146,13 +146,20 @@ def _fake_gpus(monkeypatch, devices, version, *, local_rank, local_world, multi=
 
 def test_two_ranks_on_one_gpu_pick_a_cpu_backend_and_say_why(monkeypatch, caplog):
     _fake_gpus(monkeypatch, 1, (2, 28, 9), local_rank=1, local_world=2)
+    assert world.default_backend(2) in ("shm", "gloo")
+    # through init(): rank 0 of this host, whose peer on LOCAL_RANK 1 would have no GPU
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
     with caplog.at_level("WARNING", logger="fastcomm"):
-        backend = world.default_backend(2)
-    assert backend in ("shm", "gloo")
-    lines = [r.getMessage() for r in caplog.records if r.name == "fastcomm"]
-    assert len(lines) == 1, lines
-    assert f"backend {backend}" in lines[0] and "not nccl" in lines[0]
-    assert "2 local rank(s) on 1 CUDA device(s)" in lines[0] and "2.28.9" in lines[0]
+        comm = fastcomm.init(timeout=10)
+    try:
+        lines = [r.getMessage() for r in caplog.records if r.name == "fastcomm"]
+        assert len(lines) == 1, lines
+        assert f"backend {comm.backend} on CPU tensors, not nccl" in lines[0], lines
+        assert "2 local rank(s) on 1 CUDA device(s)" in lines[0] and "2.28.9" in lines[0]
+    finally:
+        fastcomm.shutdown()
 
 
 def test_a_gpu_per_rank_picks_nccl(monkeypatch):
@@ -176,10 +183,14 @@ def test_shared_gpu_picks_nccl_only_where_nccl_allows_it(monkeypatch):
 
 
 def test_no_gpu_picks_a_cpu_backend_quietly(monkeypatch, caplog):
-    _fake_gpus(monkeypatch, 0, None, local_rank=0, local_world=2)
+    _fake_gpus(monkeypatch, 0, None, local_rank=0, local_world=1)
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
     with caplog.at_level("INFO", logger="fastcomm"):
-        assert world.default_backend(2) in ("shm", "gloo")
-    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+        comm = fastcomm.init(timeout=10)
+    fastcomm.shutdown()
+    assert comm.backend in ("shm", "gloo")
+    assert not [r for r in caplog.records if r.name == "fastcomm"]
 
 
 def test_explicit_nccl_without_a_gpu_for_this_rank_is_a_clear_error(monkeypatch):
