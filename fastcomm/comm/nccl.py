@@ -163,6 +163,14 @@ class NcclCommunicator(Communicator):
         if device is None:
             device = torch.cuda.current_device()
         self._device = torch.device("cuda", device if isinstance(device, int) else device.index)
+        present = torch.cuda.device_count()
+        if self._device.index is not None and not 0 <= self._device.index < present:
+            # checked before the unique id is exchanged: CUDA would only say "invalid device
+            # ordinal" from inside NCCL's setup
+            raise RuntimeError(
+                f"rank {rank}: the nccl backend was given CUDA device {self._device.index}, but "
+                f"this process sees {present} CUDA device(s) (0..{present - 1})"
+            )
         if _nccl_comm is None:
             uid = store.broadcast_object(
                 "nccl_unique_id",
