@@ -1,10 +1,14 @@
 """Data-parallel training of a small MLP classifier with fastcomm's DDP.
 
     fastcomm-run --nproc-per-node 2 examples/train.py [--hook none|fp16|bf16|int8|powersgd]
+                                                      [--device cpu|cuda] [--steps N]
 
 Every rank generates the same synthetic data set from a fixed seed (inputs from a Gaussian,
 labels from a fixed random "teacher" network, so the task is learnable) and trains on its own
-shard. CPU ranks by default; with CUDA each rank takes the GPU of its LOCAL_RANK and NCCL.
+shard. ``--device`` defaults to ``cuda`` when every local rank has a GPU of its own (rank
+LOCAL_RANK takes GPU LOCAL_RANK; fastcomm then picks NCCL), else ``cpu`` (e.g. 2 ranks on a
+1-GPU machine). ``--device cuda`` with fewer GPUs than ranks shares them (GPU LOCAL_RANK modulo
+their number); fastcomm then moves the CUDA tensors through Gloo unless NCCL allows sharing.
 Rank 0 shows a progress bar and prints a summary: final loss, steps/s, and the payload bytes
 this rank handed to the communicator per step.
 """
@@ -19,6 +23,7 @@ import torch
 from torch import nn
 
 import fastcomm
+from fastcomm.comm.world import cuda_device_count
 from fastcomm.ddp import DDP, hooks
 
 
@@ -33,6 +38,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default=None, help="gloo, shm, nccl (default: fastcomm picks)")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="where to train (default: cuda when every local rank has its own GPU, else cpu)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -79,13 +90,27 @@ def progress(iterable, enabled: bool, total: int):
     return tqdm(iterable, total=total, desc="train", unit="step", dynamic_ncols=True)
 
 
+def pick_device(requested: str | None) -> torch.device:
+    """``requested``, or cuda when every local rank has a GPU of its own, else cpu."""
+    gpus = cuda_device_count()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if requested is None:
+        requested = "cuda" if gpus and local_rank < gpus and local_world <= gpus else "cpu"
+    if requested == "cpu":
+        return torch.device("cpu")
+    if gpus == 0:
+        raise SystemExit(f"--device cuda: rank {os.environ.get('RANK', 0)} sees no CUDA device")
+    return torch.device("cuda", local_rank % gpus)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else None
-    comm = fastcomm.init(backend=args.backend)
+    device = pick_device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    comm = fastcomm.init(backend=args.backend, device=device)
     rank, world = comm.rank, comm.size
-    device = device or torch.device("cpu")
 
     x, y = make_data(args, samples=args.batch_size * world * 50)
     x_shard, y_shard = x[rank::world].to(device), y[rank::world].to(device)
@@ -120,7 +145,8 @@ def main(argv=None) -> None:
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
         print(
-            f"hook={args.hook} ranks={world} backend={comm.backend} params={params:,}\n"
+            f"hook={args.hook} ranks={world} device={device.type} backend={comm.backend} "
+            f"params={params:,}\n"
             f"final loss {full:.4f}  accuracy {accuracy:.3f}  "
             f"{args.steps / elapsed:.1f} steps/s  "
             f"{sent / args.steps / 1e6:.3f} MB communicated per step (rank 0)",

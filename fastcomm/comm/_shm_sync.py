@@ -228,6 +228,14 @@ class Sync:
                 if value >= target:
                     return
                 if words[self.state_idx[peer]]:
+                    # The peer may have published this step and then closed between the read
+                    # of the word above and this one (a waiter preempted on a busy machine): a
+                    # step it joined counts, only a step it never reached fails. Its state is
+                    # written after its last publish, so re-reading the word now decides.
+                    if self.fenced:
+                        fence()
+                    if words[idx] >= target:
+                        return
                     raise self._peer_gone(peer, op, start)
                 if words[self.state_idx[self.rank]]:
                     raise CommClosedError(

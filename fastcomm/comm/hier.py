@@ -8,7 +8,7 @@ ranks are ordered by global rank and the first is the host's leader.
 - ``leaders``: a :class:`GlooCommunicator` over the leaders (``None`` elsewhere, or on one host).
 - ``world``: a :class:`GlooCommunicator` over every rank, for what has no hierarchical schedule
   here (``all_gather``, ``reduce_scatter``, ``all_to_all``, ``send``/``recv``) and for CUDA
-  tensors.
+  tensors (:meth:`HierCommunicator.route` decides, and says so once in the log).
 
 ``all_reduce`` = reduce to the leader in the host, all-reduce across leaders, broadcast in the
 host (``AVG`` sums and the leader divides once, so integers truncate as elsewhere).
@@ -19,6 +19,7 @@ lane (as ``shm``'s do); ``world`` calls are ordered by Gloo itself.
 
 from __future__ import annotations
 
+import logging
 import time
 from datetime import timedelta
 
@@ -33,6 +34,8 @@ from .types import ReduceOp
 from .work import Lane, Work, wrap_error
 
 __all__ = ["HierCommunicator"]
+
+logger = logging.getLogger("fastcomm")
 
 
 class HierCommunicator(Communicator):
@@ -87,6 +90,7 @@ class HierCommunicator(Communicator):
             )
         self.world = GlooCommunicator(store.prefixed("hier/world"), rank, size, self.timeout)
         self._lane = Lane(f"fastcomm-hier-r{rank}")
+        self._told_route = False
 
     @property
     def device(self) -> torch.device:
@@ -94,6 +98,30 @@ class HierCommunicator(Communicator):
 
     def _device_ok(self, device: torch.device) -> bool:
         return device.type in ("cpu", "cuda")
+
+    def route(self, device: torch.device | str) -> Communicator:
+        """The communicator that moves tensors on ``device``: this one (shared memory inside
+        hosts, Gloo across leaders) for CPU tensors, ``world`` (Gloo over every rank, staging
+        through host memory) for CUDA tensors.
+
+        Raises:
+            ValueError: a device other than CPU or CUDA.
+        """
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self
+        if device.type == "cuda":
+            if not self._told_route:
+                self._told_route = True
+                logger.info(
+                    "%s: %s tensors go through its flat Gloo communicator, CPU tensors through "
+                    "shared memory and the host leaders", self._where(), device.type,
+                )
+            return self.world
+        raise ValueError(
+            f"{self._where()}: no route for tensors on {device}; it moves CPU tensors "
+            "hierarchically and CUDA tensors through Gloo"
+        )
 
     def _new_child(self, store: Store, rank: int, size: int, timeout: timedelta):
         return HierCommunicator(store, rank, size, timeout)
@@ -156,14 +184,14 @@ class HierCommunicator(Communicator):
 
     def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp):
         if tensor.device.type != "cpu":
-            return self.world._impl_all_reduce(tensor, op)
+            return self.route(tensor.device)._impl_all_reduce(tensor, op)
         if tensor.numel() == 0:
             return self._done("all_reduce", tensor)
         return ("all_reduce", tensor, lambda: self._all_reduce(tensor, op))
 
     def _impl_broadcast(self, tensor: torch.Tensor, src: int):
         if tensor.device.type != "cpu":
-            return self.world._impl_broadcast(tensor, src)
+            return self.route(tensor.device)._impl_broadcast(tensor, src)
         if tensor.numel() == 0:
             return self._done("broadcast", tensor)
         return ("broadcast", tensor, lambda: self._broadcast(tensor, src))

@@ -33,7 +33,7 @@ from .store import Store
 from .types import ReduceOp
 from .work import Work
 
-__all__ = ["NcclCommunicator", "cupy_nccl"]
+__all__ = ["NcclCommunicator", "cupy_nccl", "decode_nccl_version", "nccl_version"]
 
 
 def cupy_nccl():
@@ -45,6 +45,32 @@ def cupy_nccl():
     except Exception:  # ImportError, or CUDA runtime errors on import
         return None
     return nccl if hasattr(nccl, "NcclCommunicator") else None
+
+
+def decode_nccl_version(code: int) -> tuple[int, int, int]:
+    """``(major, minor, patch)`` of ``ncclGetVersion``'s integer.
+
+    NCCL encodes ``major*10000 + minor*100 + patch`` since 2.9 and ``major*1000 + minor*100 +
+    patch`` before (``NCCL_VERSION_CODE``).
+    """
+    if code >= 20900:
+        return code // 10000, code % 10000 // 100, code % 100
+    return code // 1000, code % 1000 // 100, code % 100
+
+
+def nccl_version() -> tuple[int, int, int] | None:
+    """The version of the libnccl that CuPy loaded (the one fastcomm's NCCL backend calls),
+    read from the library itself with ``ncclGetVersion``; ``None`` when it cannot be loaded.
+
+    torch may bundle a different NCCL than CuPy loads, so torch's number is not used.
+    """
+    nccl = cupy_nccl()
+    if nccl is None:
+        return None
+    try:
+        return decode_nccl_version(int(nccl.get_version()))
+    except Exception:  # a libnccl without ncclGetVersion, or a CUDA error while loading it
+        return None
 
 
 def nccl_dtype(nccl, dtype: torch.dtype) -> int:
@@ -137,6 +163,14 @@ class NcclCommunicator(Communicator):
         if device is None:
             device = torch.cuda.current_device()
         self._device = torch.device("cuda", device if isinstance(device, int) else device.index)
+        present = torch.cuda.device_count()
+        if self._device.index is not None and not 0 <= self._device.index < present:
+            # checked before the unique id is exchanged: CUDA would only say "invalid device
+            # ordinal" from inside NCCL's setup
+            raise RuntimeError(
+                f"rank {rank}: the nccl backend was given CUDA device {self._device.index}, but "
+                f"this process sees {present} CUDA device(s) (0..{present - 1})"
+            )
         if _nccl_comm is None:
             uid = store.broadcast_object(
                 "nccl_unique_id",

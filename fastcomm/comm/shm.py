@@ -5,9 +5,10 @@ Ranks copy into, reduce out of and copy from one POSIX shared-memory segment per
 instead of sending bytes over TCP. Python only sequences the steps; torch ops move the data.
 
 Invariants:
-- CPU tensors go through the segment; anything else (CUDA tensors) goes to a Gloo communicator
-  built beside it on the same store (``fallback=True``, the default), so every call that works on
-  the Gloo communicator works here.
+- CPU tensors go through the segment; CUDA tensors go to a Gloo communicator built beside it on
+  the same store (``fallback=True``, the default), so every call that works on the Gloo
+  communicator works here. :meth:`ShmCommunicator.route` is that decision, and says it once in
+  the log (logger ``fastcomm``) the first time a CUDA tensor takes the fallback.
 - Collectives run in issue order on one lane: synchronous calls on the caller's thread when no
   asynchronous work is pending, otherwise (and ``async_op=True`` calls always) on the lane's
   thread. Sends to and receives from each peer have lanes of their own, so a blocked send never
@@ -26,6 +27,7 @@ The communicator never changes ``torch.set_num_threads`` itself.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import time
 import weakref
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from ._shm_algos import Schedules
 from ._shm_segment import ABORTED, CLOSED, Segment, host_id, shm_supported
@@ -46,6 +49,7 @@ from .work import Lane, Work, wrap_error
 __all__ = ["ShmCommunicator", "ShmOptions", "shm_available"]
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
+logger = logging.getLogger("fastcomm")
 
 
 def _env_int(name: str, default: int | None) -> int | None:
@@ -168,6 +172,7 @@ class ShmCommunicator(Communicator):
         self._p2p: dict[tuple[str, int], Lane] = {}
         self._broken: BaseException | None = None
         self._fallback = None
+        self._told_route = False
         if fallback:
             from .gloo import GlooCommunicator
 
@@ -205,6 +210,30 @@ class ShmCommunicator(Communicator):
 
     def _device_ok(self, device: torch.device) -> bool:
         return device.type == "cpu" or (self._fallback is not None and device.type == "cuda")
+
+    def route(self, device: torch.device | str) -> Communicator:
+        """The communicator that moves tensors on ``device``: this one (shared memory) for CPU
+        tensors, the Gloo fallback for CUDA tensors (Gloo stages them through host memory).
+
+        Raises:
+            ValueError: no communicator here moves tensors on ``device``.
+        """
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self
+        if device.type == "cuda" and self._fallback is not None:
+            if not self._told_route:
+                self._told_route = True
+                logger.info(
+                    "%s: %s tensors go through its Gloo fallback, CPU tensors through shared "
+                    "memory", self._where(), device.type,
+                )
+            return self._fallback
+        fallback = "" if self._fallback is not None else " (built with fallback=False)"
+        raise ValueError(
+            f"{self._where()}: no route for tensors on {device}{fallback}; it moves CPU tensors "
+            "through shared memory and CUDA tensors through its Gloo fallback"
+        )
 
     def _new_child(self, store: Store, rank: int, size: int, timeout: timedelta):
         return ShmCommunicator(
@@ -256,7 +285,7 @@ class ShmCommunicator(Communicator):
     # ------------------------------------------------------------------ collectives
     def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp):
         if tensor.device.type != "cpu":
-            return self._fallback._impl_all_reduce(tensor, op)
+            return self.route(tensor.device)._impl_all_reduce(tensor, op)
         if tensor.numel() == 0:
             return self._done("all_reduce", tensor)
         return ("all_reduce", tensor, lambda: self._algo.all_reduce(tensor, op), self._lane)
@@ -278,16 +307,34 @@ class ShmCommunicator(Communicator):
         self._check_peer(root, "reduce", "root")
         op = ReduceOp.coerce(op)
         if tensor.device.type != "cpu":
-            raise ValueError(f"reduce: tensor is on {tensor.device}; shm reduce takes CPU tensors")
+            self.stats.record("reduce", tensor)
+            return self._finish(self._reduce_elsewhere(tensor, root, op), async_op)
         self.stats.record("reduce", tensor)
         if tensor.numel() == 0:
             return self._finish(self._done("reduce", tensor), async_op)
         task = self._task("reduce", tensor, lambda: self._algo.all_reduce(tensor, op, root))
         return self._finish(task, async_op)
 
+    def _reduce_elsewhere(self, tensor: torch.Tensor, root: int, op: ReduceOp) -> Work:
+        """``reduce`` of a CUDA tensor on the communicator :meth:`route` names: an all-reduce
+        of a copy, written back on ``root`` only (so the other ranks' tensors stay unchanged)."""
+        gloo = self.route(tensor.device)
+        scratch = tensor.clone()
+        opts = dist.AllreduceOptions()
+        opts.reduceOp, divide = gloo._reduce_op(op, scratch)
+
+        def keep_on_root() -> None:
+            if divide is not None:
+                divide()
+            if self.rank == root:
+                tensor.copy_(scratch)
+
+        pg = gloo.process_group
+        return gloo._issue("reduce", tensor, lambda: pg.allreduce([scratch], opts), keep_on_root)
+
     def _impl_broadcast(self, tensor: torch.Tensor, src: int):
         if tensor.device.type != "cpu":
-            return self._fallback._impl_broadcast(tensor, src)
+            return self.route(tensor.device)._impl_broadcast(tensor, src)
         if tensor.numel() == 0:
             return self._done("broadcast", tensor)
         flat = tensor.view(-1)
@@ -295,7 +342,7 @@ class ShmCommunicator(Communicator):
 
     def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor):
         if input.device.type != "cpu":
-            return self._fallback._impl_all_gather(output, input)
+            return self.route(input.device)._impl_all_gather(output, input)
         if input.numel() == 0:
             return self._done("all_gather", output)
         out, flat = output.view(-1), input.view(-1)
@@ -303,7 +350,7 @@ class ShmCommunicator(Communicator):
 
     def _impl_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp):
         if input.device.type != "cpu":
-            return self._fallback._impl_reduce_scatter(output, input, op)
+            return self.route(input.device)._impl_reduce_scatter(output, input, op)
         if output.numel() == 0:
             return self._done("reduce_scatter", output)
         out, flat = output.view(-1), input.view(-1)
@@ -313,7 +360,7 @@ class ShmCommunicator(Communicator):
 
     def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor):
         if input.device.type != "cpu":
-            return self._fallback._impl_all_to_all(output, input)
+            return self.route(input.device)._impl_all_to_all(output, input)
         if input.numel() == 0:
             return self._done("all_to_all", output)
         out, flat = output.view(-1), input.view(-1)
@@ -321,7 +368,7 @@ class ShmCommunicator(Communicator):
 
     def _impl_send(self, tensor: torch.Tensor, dst: int):
         if tensor.device.type != "cpu":
-            return self._fallback._impl_send(tensor, dst)
+            return self.route(tensor.device)._impl_send(tensor, dst)
         if tensor.numel() == 0:
             return self._done("send", tensor)
         data = tensor.view(-1).view(torch.uint8)
@@ -330,7 +377,7 @@ class ShmCommunicator(Communicator):
 
     def _impl_recv(self, tensor: torch.Tensor, src: int):
         if tensor.device.type != "cpu":
-            return self._fallback._impl_recv(tensor, src)
+            return self.route(tensor.device)._impl_recv(tensor, src)
         if tensor.numel() == 0:
             return self._done("recv", tensor)
         data = tensor.view(-1).view(torch.uint8)

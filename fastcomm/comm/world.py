@@ -9,16 +9,26 @@ serves it (``TORCHELASTIC_USE_AGENT_STORE=True``, torch's convention). When
 Backend selection (``backend=None``), in order:
 
 1. ``FASTCOMM_BACKEND`` when set (``gloo`` forces Gloo, e.g. for ``fastcomm.ddp.DDP`` on CPU).
-2. ``nccl`` when CUDA and CuPy's NCCL are available.
+2. ``nccl`` when CuPy's NCCL loads and every local rank can own a GPU: ``LOCAL_RANK`` <
+   :func:`cuda_device_count` and ``LOCAL_WORLD_SIZE`` <= it. Ranks may also share GPUs where NCCL
+   allows it: version >= 2.30 (:func:`detected_nccl_version`, read from the loaded library) and
+   ``NCCL_MULTI_RANK_GPU_ENABLE=1``; older NCCL refuses two ranks on one device.
 3. Otherwise the ranks exchange their host identity through the store (``FASTCOMM_HOST_ID``, or
    hostname + boot id): ``shm`` when all are on one host, ``hier`` when they span hosts and some
    host has more than one rank (shared memory inside hosts, Gloo between them), else ``gloo``.
    Where shared memory is unavailable (no Linux ``/dev/shm``) it is ``gloo``.
+
+When CUDA devices are present and the choice is automatic, ``init`` logs one line saying which
+backend it took and why (logger ``fastcomm``; a warning when it is not NCCL). The device count
+and the NCCL version are read in one function each, :func:`cuda_device_count` and
+:func:`detected_nccl_version`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -27,9 +37,18 @@ import torch.distributed as dist
 from .base import DEFAULT_TIMEOUT, Communicator
 from .store import Store, as_timedelta
 
-__all__ = ["init", "get_world", "shutdown", "new_communicator", "is_initialized", "BACKENDS"]
+__all__ = [
+    "init", "get_world", "shutdown", "new_communicator", "is_initialized", "BACKENDS",
+    "NcclFit", "nccl_fit", "cuda_device_count", "detected_nccl_version",
+]
 
 BACKENDS = ("gloo", "nccl", "shm", "hier")
+
+SHARED_GPU_MIN_NCCL = (2, 30)
+"""First NCCL release that accepts several ranks of one communicator on one GPU (with
+``NCCL_MULTI_RANK_GPU_ENABLE=1``); earlier ones fail with "Duplicate GPU detected"."""
+
+logger = logging.getLogger("fastcomm")
 
 _WORLD: Communicator | None = None
 _WORLD_STORE: Store | None = None
@@ -48,30 +67,161 @@ def _env_int(name: str, default: int | None) -> int:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def cuda_device_count() -> int:
+    """CUDA devices this process can use (0 without CUDA): the one place ``init`` reads it."""
+    try:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except RuntimeError:  # a broken driver counts as no device
+        return 0
+
+
+def detected_nccl_version() -> tuple[int, int, int] | None:
+    """Version of the libnccl fastcomm's NCCL backend would call (``None``: CuPy's NCCL does not
+    load): the one place ``init`` reads it."""
+    from .nccl import nccl_version
+
+    return nccl_version()
+
+
+@dataclass(frozen=True, slots=True)
+class NcclFit:
+    """Whether NCCL can place this host's ranks on its GPUs, and why (see :func:`nccl_fit`)."""
+
+    ok: bool
+    """NCCL can work: every local rank owns a GPU, or the ranks may share GPUs."""
+    shared: bool
+    """Ranks share GPUs (rank ``LOCAL_RANK`` takes device ``LOCAL_RANK % device_count``)."""
+    device_count: int
+    """CUDA devices present."""
+    reason: str
+    """One sentence for logs and skip reasons."""
+
+
+def _version_str(version: tuple[int, int, int] | None) -> str:
+    return "not loadable" if version is None else ".".join(map(str, version))
+
+
+def nccl_fit(
+    local_rank: int,
+    local_world_size: int,
+    *,
+    device_count: int | None = None,
+    version: tuple[int, int, int] | None = None,
+    env: dict[str, str] | None = None,
+) -> NcclFit:
+    """Whether ``local_world_size`` NCCL ranks fit on this host's GPUs.
+
+    Args:
+        local_rank: this rank's index on its host (its CUDA device when it owns one).
+        local_world_size: ranks on this host.
+        device_count: CUDA devices (default: :func:`cuda_device_count`).
+        version: NCCL version (default: :func:`detected_nccl_version`).
+        env: environment read for ``NCCL_MULTI_RANK_GPU_ENABLE`` (default: ``os.environ``).
+
+    Returns:
+        An :class:`NcclFit`; ``ok`` when each local rank owns a GPU (``local_rank`` <
+        ``device_count`` and ``local_world_size`` <= it) or when NCCL >= 2.30 runs with
+        ``NCCL_MULTI_RANK_GPU_ENABLE=1`` (ranks then share GPUs).
+    """
+    count = cuda_device_count() if device_count is None else device_count
+    if count == 0:
+        return NcclFit(False, False, 0, "no CUDA device is visible")
+    if version is None:
+        version = detected_nccl_version()
+    if version is None:
+        return NcclFit(False, False, count, "CuPy's NCCL bindings (libnccl) do not load")
+    env = os.environ if env is None else env
+    owned = f"{local_world_size} local rank(s) on {count} CUDA device(s)"
+    if local_rank < count and local_world_size <= count:
+        return NcclFit(True, False, count, f"{owned}: each rank owns a GPU")
+    nccl = f"NCCL {_version_str(version)}"
+    if tuple(version[:2]) < SHARED_GPU_MIN_NCCL:
+        why = f"{nccl} refuses ranks sharing a GPU (needs >= 2.30)"
+    elif env.get("NCCL_MULTI_RANK_GPU_ENABLE", "").strip() != "1":
+        why = f"{nccl} shares a GPU between ranks only with NCCL_MULTI_RANK_GPU_ENABLE=1"
+    else:
+        return NcclFit(True, True, count, f"{owned}: ranks share GPUs ({nccl}, "
+                                          "NCCL_MULTI_RANK_GPU_ENABLE=1)")
+    return NcclFit(False, False, count, f"{owned}, and {why}")
+
+
+def _local_layout(world_size: int) -> tuple[int, int]:
+    """``(LOCAL_RANK, LOCAL_WORLD_SIZE)``; a lone process is rank 0 of 1, and without
+    ``LOCAL_WORLD_SIZE`` every rank is assumed to be on this host."""
+    local_rank = _env_int("LOCAL_RANK", 0)
+    return local_rank, _env_int("LOCAL_WORLD_SIZE", max(world_size, local_rank + 1))
+
+
 def nccl_available() -> bool:
     """Whether CUDA is visible and CuPy's NCCL bindings load."""
-    if not torch.cuda.is_available():
+    if cuda_device_count() == 0:
         return False
     from .nccl import cupy_nccl
 
     return cupy_nccl() is not None
 
 
-def default_backend() -> str:
+def default_backend(world_size: int = 1, *, cpu_tensors: bool = False) -> str:
     """The backend ``init()`` picks before looking at hosts: ``FASTCOMM_BACKEND``, else NCCL when
-    available, else ``shm`` (narrowed by :func:`choose_cpu_backend` once the hosts are known)."""
+    every local rank can use a GPU (:func:`nccl_fit`), else ``shm`` (narrowed by
+    :func:`choose_cpu_backend` once the hosts are known).
+
+    Args:
+        world_size: ranks in the job (``LOCAL_WORLD_SIZE`` when that is unset).
+        cpu_tensors: the caller's tensors live on CPU, so NCCL is never the choice.
+    """
+    return _pick_backend(world_size, cpu_tensors)[0]
+
+
+def _pick_backend(world_size: int, cpu_tensors: bool) -> tuple[str, NcclFit | None]:
+    """:func:`default_backend`, with the :class:`NcclFit` that decided it (``None`` when NCCL
+    was not considered)."""
     forced = os.environ.get("FASTCOMM_BACKEND", "").strip().lower()
     if forced:
         if forced not in BACKENDS:
             raise ValueError(
                 f"FASTCOMM_BACKEND={forced!r} is not a backend; allowed: {', '.join(BACKENDS)}"
             )
-        return forced
-    if nccl_available():
-        return "nccl"
+        return forced, None
     from .shm import shm_available
 
-    return "shm" if shm_available() else "gloo"
+    cpu = "shm" if shm_available() else "gloo"
+    if cpu_tensors:  # the caller trains on CPU: NCCL could not move its tensors
+        return cpu, None
+    fit = nccl_fit(*_local_layout(world_size))
+    return ("nccl" if fit.ok else cpu), fit
+
+
+def _say_choice(backend: str, fit: NcclFit | None) -> None:
+    """One log line on the automatic choice where GPUs are present: which backend, and why."""
+    if fit is None or fit.device_count == 0:
+        return  # no GPU: nothing surprising to explain
+    if backend == "nccl":
+        logger.info("fastcomm.init: backend nccl (%s)", fit.reason)
+    else:
+        logger.warning(
+            "fastcomm.init: backend %s on CPU tensors, not nccl: %s", backend, fit.reason
+        )
+
+
+def _check_nccl_device(rank: int, world_size: int, device) -> int | torch.device:
+    """The device an explicit ``backend="nccl"`` will use, or a clear error before any
+    collective when it cannot work."""
+    local_rank, local_world = _local_layout(world_size)
+    fit = nccl_fit(local_rank, local_world)
+    count = fit.device_count
+    if device is None:
+        device = local_rank % count if fit.shared else local_rank
+    index = device if isinstance(device, int) else torch.device(device).index
+    if count == 0 or (index is not None and index >= count) or not fit.ok:
+        asked = "the current device" if index is None else f"CUDA device {index}"
+        raise RuntimeError(
+            f"rank {rank} (LOCAL_RANK={local_rank} of {local_world}): backend='nccl' asked for "
+            f"{asked}, but this process sees {count} CUDA device(s) ({fit.reason}); use "
+            f"backend=None (picks a CPU backend), fewer ranks per node, or NCCL >= 2.30 with "
+            f"NCCL_MULTI_RANK_GPU_ENABLE=1"
+        )
+    return device
 
 
 def choose_cpu_backend(hosts: list[str]) -> str:
@@ -132,14 +282,16 @@ def init(
     """Creates the world communicator (once per process) and returns it.
 
     Args:
-        backend: ``"nccl"``, ``"gloo"``, ``"shm"``, ``"hier"`` or ``None`` (NCCL when CUDA and
-            CuPy are there, else ``shm``/``hier``/``gloo`` by host layout; see the module
-            docstring).
+        backend: ``"nccl"``, ``"gloo"``, ``"shm"``, ``"hier"`` or ``None`` (NCCL when every
+            local rank can use a GPU, else ``shm``/``hier``/``gloo`` by host layout; see the
+            module docstring).
         timeout: limit for rendezvous and for every collective.
         rank: overrides ``RANK`` (default 0 when unset and ``world_size`` is 1).
         world_size: overrides ``WORLD_SIZE`` (default 1).
         store: an existing store namespace to build on, instead of the environment's.
-        device: CUDA device for NCCL (default ``LOCAL_RANK``).
+        device: where this rank's tensors live. A CUDA device (or index) is NCCL's device
+            (default ``LOCAL_RANK``, or ``LOCAL_RANK % devices`` where ranks share GPUs);
+            ``"cpu"`` keeps ``backend=None`` off NCCL even where every rank has a GPU.
 
     Returns:
         The communicator, also returned later by :func:`get_world`.
@@ -147,6 +299,8 @@ def init(
     Raises:
         RuntimeError: ``init`` was already called (call ``shutdown()`` first).
         ValueError: malformed environment or unknown backend.
+        RuntimeError: ``backend="nccl"`` where this rank has no GPU of its own and NCCL does
+            not allow sharing one (names the rank, the device asked for and those present).
     """
     global _WORLD, _WORLD_STORE, _INIT_COUNT
     if _WORLD is not None:
@@ -158,12 +312,18 @@ def init(
         raise ValueError(f"RANK={rank} out of range for WORLD_SIZE={world_size}")
     # only an automatic choice of shm is narrowed by host layout; an explicit or forced one is kept
     auto = backend is None and not os.environ.get("FASTCOMM_BACKEND", "").strip()
+    cpu_tensors = device is not None and not isinstance(device, int) and (
+        torch.device(device).type == "cpu"
+    )
+    fit = None
     if backend is None:
-        backend = default_backend()
+        backend, fit = _pick_backend(world_size, cpu_tensors)
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)} or None")
-    if device is None and backend == "nccl":
-        device = _env_int("LOCAL_RANK", 0)
+    if backend == "nccl" and cpu_tensors:
+        raise ValueError(f"rank {rank}: backend='nccl' moves CUDA tensors, got device={device!r}")
+    if backend == "nccl":
+        device = _check_nccl_device(rank, world_size, device)
 
     if store is None:
         if dist.is_available() and dist.is_initialized():
@@ -193,6 +353,7 @@ def init(
 
         hosts = store.all_gather_object("init/hosts", rank, world_size, host_id(), timeout)
         backend = choose_cpu_backend(hosts)
+    _say_choice(backend, fit)
     _WORLD = new_communicator(
         backend, store=store, rank=rank, size=world_size, timeout=timeout, device=device
     )

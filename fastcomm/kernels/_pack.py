@@ -208,10 +208,10 @@ def pack(
             wrong shape.
     """
     scan, out, scale = _prepare_pack(tensors, out, scale, dtype)
+    if scan.total == 0:  # nothing to move: no kernel, so no device it must run on
+        return out
     if kernel_backend(out) == "torch":
         _pack_torch(scan, out, scale)
-        return out
-    if scan.total == 0:
         return out
     kernel = runnable(_pack_kernel)
     for src_dtype, ptrs, numels, offsets in _groups(scan):
@@ -263,10 +263,10 @@ def unpack(
             shape.
     """
     scan, flat, scale, accumulate = _prepare_unpack(flat, tensors, scale, accumulate)
+    if scan.total == 0:  # nothing to move: no kernel, so no device it must run on
+        return
     if kernel_backend(flat) == "torch":
         _unpack_torch(flat, scan, scale, accumulate)
-        return
-    if scan.total == 0:
         return
     kernel = runnable(_unpack_kernel)
     for dst_dtype, ptrs, numels, offsets in _groups(scan):

@@ -162,11 +162,14 @@ def check_async_every_op(backend):
 
 
 def check_wait_timeout_then_complete(backend):
-    import time
 
     from fastcomm import CommTimeoutError
+    from tests.harness import STATE
 
     comm = rank_comm(backend)
+    # the same count on every rank (each runs the same checks in order): a fresh key per call
+    STATE["wait-timeout"] = STATE.get("wait-timeout", 0) + 1
+    timed_out = f"wait-timeout/{STATE['wait-timeout']}"
     t = torch.ones(8)
     if comm.rank == 0:
         work = comm.all_reduce(t, async_op=True)
@@ -175,11 +178,13 @@ def check_wait_timeout_then_complete(backend):
         except CommTimeoutError as exc:
             message = str(exc)
         else:
-            raise AssertionError("wait(timeout=0.2) returned while a peer was still sleeping")
+            raise AssertionError("wait(timeout=0.2) returned while a peer was still away")
         assert "rank 0" in message and "all_reduce" in message, message
+        comm.store.set(timed_out, "1")
         work.wait(timeout=30)  # the collective itself still finishes
     else:
-        time.sleep(1.0)
+        # away until rank 0's wait has timed out, however late rank 0 got there
+        comm.store.wait([timed_out], timeout=30)
         comm.all_reduce(t)
     exact(t, torch.full((8,), float(comm.size)))
 

@@ -73,7 +73,9 @@ def check_init_choice(hosts, forced):
 
 @pytest.fixture(scope="module", params=[4, 3], ids=lambda n: f"world{n}")
 def pool(request):
-    with RankPool(request.param, timeout=90) as p:
+    # CPU tensors on simulated hosts; GPUs hidden so that init()'s choice checked below is the
+    # CPU one on any machine (NCCL selection is tested in test_init.py with faked devices)
+    with RankPool(request.param, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=90) as p:
         p.run(set_host, per_rank=[(h,) for h in LAYOUTS[request.param]])
         yield p
 

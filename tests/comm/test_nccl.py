@@ -1,7 +1,8 @@
 """NCCL communicator: the dtype/op tables on any machine; real collectives on a GPU only.
 
-GPU tests run at world size 1 and with 2 ranks sharing one GPU (NCCL >= 2.30 with
-``NCCL_MULTI_RANK_GPU_ENABLE=1``, ``NCCL_NVLS_ENABLE=0``).
+GPU tests run at world size 1 and with 2 ranks: on a GPU each where there are two, else sharing
+GPU 0 (NCCL >= 2.30 with ``NCCL_MULTI_RANK_GPU_ENABLE=1``, ``NCCL_NVLS_ENABLE=0``); where NCCL
+refuses that, the 2-rank test skips and says why (``tests/comm/gpu_layout.py``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ def test_every_reduce_op_maps():
     assert len({nccl_op(nccl, op) for op in ReduceOp}) == len(ReduceOp)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the error on a machine without CUDA; this one has it"
+)
 def test_nccl_without_cuda_is_a_clear_error():
     from fastcomm.comm import NcclCommunicator, Store
 
@@ -78,10 +81,10 @@ def check_nccl_collectives():
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [1, 2])
 def test_nccl_collectives_on_gpu(world):
+    from tests.comm.gpu_layout import nccl_ranks_env_or_skip
     from tests.harness import RankPool
 
-    env = {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_NVLS_ENABLE": "0", "CUDA_VISIBLE_DEVICES": "0"}
-    env["FASTCOMM_TEST_DEVICE"] = "0"
+    env = nccl_ranks_env_or_skip(world)
     with RankPool(world, env=env, timeout=120) as pool:
         names = pool.run(check_nccl_collectives)
     assert len(names) == world

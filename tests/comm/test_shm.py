@@ -259,7 +259,9 @@ def check_ddp_uses_shm_world():
 # ------------------------------------------------------------------ pytest side
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"world{n}")
 def pool(request):
-    with RankPool(request.param, timeout=90) as p:
+    # CPU tensors only; GPUs hidden so that init() picks shm on any machine, as checked below
+    # (NCCL selection is tested in test_init.py with faked devices)
+    with RankPool(request.param, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=90) as p:
         yield p
 
 
@@ -288,6 +290,36 @@ def test_bad_input_rejected_before_anything_is_written(pool):
 def test_mismatched_collectives_raise(pool, unique_name):
     for message in pool.run(check_mismatch_detected, unique_name):
         assert "collective mismatch" in message and "all_reduce" in message, message
+
+
+def test_route_sends_cuda_tensors_to_the_gloo_fallback_and_says_so(caplog):
+    """The per-device decision, on any machine (the CUDA collectives themselves are in
+    test_errors' GPU test)."""
+    from fastcomm.comm import HierCommunicator, Store
+
+    store = Store(is_server=True, timeout=30, rank=0)
+    shm = ShmCommunicator(store.prefixed("shm"), 0, 1, 30)
+    bare = ShmCommunicator(store.prefixed("bare"), 0, 1, 30, fallback=False)
+    hier = HierCommunicator(store.prefixed("hier"), 0, 1, 30)
+    try:
+        with caplog.at_level("INFO", logger="fastcomm"):
+            assert shm.route("cpu") is shm and hier.route(torch.device("cpu")) is hier
+            assert shm.route("cuda") is shm.fallback and shm.fallback.backend == "gloo"
+            assert shm.route("cuda:0") is shm.fallback  # said once per communicator
+            assert hier.route("cuda") is hier.world and hier.world.backend == "gloo"
+        said = [r.getMessage() for r in caplog.records if r.name == "fastcomm"]
+        assert len(said) == 2, said
+        assert "cuda tensors go through its Gloo fallback" in said[0], said
+        assert "cuda tensors go through its flat Gloo communicator" in said[1], said
+        with pytest.raises(ValueError, match="fallback=False"):
+            bare.route("cuda")
+        with pytest.raises(ValueError, match="no route for tensors on meta"):
+            shm.route("meta")
+        with pytest.raises(ValueError, match="no route for tensors on meta"):
+            hier.route("meta")
+    finally:
+        for comm in (shm, bare, hier):
+            comm.close()
 
 
 def test_options_are_validated():

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -22,7 +23,8 @@ from fastcomm.comm import CommAbortedError, _shm_algos, _shm_segment
 from fastcomm.comm._shm_segment import SHM_DIR, sweep_stale
 from tests.harness import RankPool, fresh_comm
 
-TIMEOUT = 30.0  # the communicators' timeout; detection must be far quicker
+TIMEOUT = 30.0  # setup and the communicators' timeout; detection must be far quicker
+OP_TIMEOUT = 2.0  # where the timeout is the thing tested, and the missing rank truly absent
 BIG = 3 << 20  # 3 MiB of float32 = 3 rounds through the default 1 MiB slots
 
 
@@ -75,15 +77,84 @@ def check_rank_killed_mid_collective(name):
     return _collect(comm, lambda: comm.all_reduce(torch.ones(BIG // 4)))
 
 
+def short_op_timeout(comm, seconds: float) -> None:
+    """Shortens the timeout of ``comm``'s later operations only: setup ran under the generous
+    one, so a busy machine cannot fire it before the peers have even connected."""
+    comm.timeout = timedelta(seconds=seconds)  # Gloo reads it at every issue
+    sync = getattr(comm, "_sync", None)  # shm copied it into its waits at setup
+    if sync is not None:
+        sync.timeout_s = seconds
+    fallback = getattr(comm, "fallback", None)
+    if fallback is not None:
+        fallback.timeout = comm.timeout
+
+
 def check_missing_rank_is_named(name):
-    comm = fresh_comm("shm", name, timeout=2.0)
-    if comm.rank == comm.size - 1:
-        time.sleep(3.0)  # connected, never joins; closes only after the others timed out
+    comm = fresh_comm("shm", name, timeout=TIMEOUT)
+    absent = comm.size - 1
+    short_op_timeout(comm, OP_TIMEOUT)
+    if comm.rank == absent:
+        # connected, never joins; stays away until every other rank has timed out (a fixed
+        # sleep could end before a rank that started late timed out)
+        comm.store.wait([f"timed-out/{r}" for r in range(absent)], timeout=TIMEOUT)
         comm.close()
         return None
     result = _collect(comm, lambda: comm.all_reduce(torch.ones(4)))
+    comm.store.set(f"timed-out/{comm.rank}", "1")
     comm.close()
     return result
+
+
+def check_close_right_after_a_collective_a_peer_still_waits_in(name):
+    """Rank 0 finishes a broadcast and closes while rank 1, preempted between reading rank 0's
+    progress word and its state word, still waits in it: the step rank 0 joined must count."""
+    from fastcomm.comm.shm import ShmOptions
+
+    # no spinning or yielding: rank 1 goes straight to the loop that reads both words
+    options = ShmOptions(spin_us=0.0, yield_us=0.0)
+    from fastcomm.comm import ShmCommunicator
+    from tests.harness import rank_store
+
+    rank = int(os.environ["RANK"])
+    comm = ShmCommunicator(
+        rank_store().prefixed(name, rank=rank), rank, 2, TIMEOUT, options=options, fallback=False
+    )
+    comm.barrier()
+    t = torch.full((4,), 7.0) if rank == 0 else torch.zeros(4)
+    if rank == 1:
+        sync = comm._sync
+        sync.words = _DelayedStateReads(sync.words, sync.state_idx[0], delay_s=0.5)
+        comm.broadcast(t, src=0)
+        comm.close()
+        return t.tolist()
+    sync = comm._sync
+    deadline = time.monotonic() + TIMEOUT
+    while sync.words[sync.wait_idx[1]] != 1:  # rank 1 announced it waits on rank 0's word
+        assert time.monotonic() < deadline, "rank 1 never waited on rank 0"
+        time.sleep(0.001)
+    time.sleep(0.05)  # rank 1 has read the word (not yet published) and is in its state read
+    comm.broadcast(t, src=0)
+    comm.close()  # at once: rank 1 reads our state word only after this
+    return t.tolist()
+
+
+class _DelayedStateReads:
+    """The segment's words as one rank sees them, each read of one word delayed: the rank is
+    preempted right before it looks at a peer's state (as on a loaded machine)."""
+
+    def __init__(self, words, slow_index: int, delay_s: float) -> None:
+        self._words, self._slow, self._delay = words, slow_index, delay_s
+
+    def __getitem__(self, index):
+        if index == self._slow:
+            time.sleep(self._delay)
+        return self._words[index]
+
+    def __setitem__(self, index, value):
+        self._words[index] = value
+
+    def release(self):
+        self._words.release()
 
 
 def check_peer_closed(name):
@@ -155,7 +226,15 @@ def test_rank_that_never_joins_is_named_in_the_timeout(pool, unique_name):
         assert kind == "CommTimeoutError" and issubclass(CommTimeoutError, TimeoutError)
         assert f"rank {rank}: all_reduce timed out" in message, message
         assert f"[{missing}] never arrived" in message, message
-        assert 1.9 <= elapsed < 6, (elapsed, message)
+        assert OP_TIMEOUT - 0.1 <= elapsed < TIMEOUT / 2, (elapsed, message)
+
+
+def test_close_does_not_fail_a_peer_inside_a_collective_the_closer_joined(pool, unique_name):
+    if pool.world_size != 2:
+        pytest.skip("a two-rank scenario; one world size is enough")
+    assert pool.run(check_close_right_after_a_collective_a_peer_still_waits_in, unique_name) == [
+        [7.0] * 4
+    ] * 2
 
 
 def test_peer_that_closed_is_reported(pool, unique_name):

@@ -186,7 +186,10 @@ def train_classifier(hook_name: str, steps: int = 600) -> float:
 # ---------------------------------------------------------------------- pytest side
 @pytest.fixture(scope="module")
 def pool():
-    with RankPool(2, timeout=120) as p:
+    # CPU ranks: GPUs hidden because torch's own powerSGD_hook calls torch.cuda.synchronize()
+    # on the bucket's device whenever CUDA is available, which raises "Expected a cuda device,
+    # but got: cpu" for CPU gradients (torch DDP alike); its CUDA run is in test_gpu.py
+    with RankPool(2, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120) as p:
         yield p
 
 

@@ -143,6 +143,19 @@ def test_empty_list(device, launches):
     assert launches.count == 0
 
 
+def test_empty_list_needs_no_device_where_triton_is_forced(monkeypatch):
+    """On a CUDA machine ``pack([])`` makes a CPU buffer while ``FASTCOMM_KERNELS=triton``
+    forces compiled kernels, which cannot take CPU tensors; with nothing to move, no kernel
+    (hence no device check) is needed. Simulated here by making Triton refuse CPU tensors."""
+    monkeypatch.setenv("FASTCOMM_KERNELS", "triton")
+    monkeypatch.setattr(_launch, "_triton_unavailable_reason", lambda device: f"no {device}")
+    assert pack([]).numel() == 0
+    assert pack([torch.empty(0)], dtype=BF16).dtype == BF16
+    unpack(torch.empty(0), [])
+    with pytest.raises(RuntimeError, match="FASTCOMM_KERNELS=triton but no cpu"):
+        pack([torch.ones(2)])
+
+
 def test_block_table_is_cached_and_keyed_by_address(device):
     _launch.clear_table_cache()
     a = make([(100,), (BLOCK + 1,)], F32, device)
