@@ -8,6 +8,8 @@
   ``dequantize(q, scales, *, out=None, accumulate=False, block=None)``: block-wise symmetric
   quantization of flat buffers, with fused error feedback.
 - ``*_reference``: the pure-torch versions (what CPU tensors run; the test oracles).
+- ``PackPlan(tensors)``: a bucket's pack/unpack planned once (views, block tables, the
+  implementation); its ``pack``/``unpack`` give the same bits at a fraction of the host cost.
 - ``kernel_backend(tensor)``: ``"triton"`` or ``"torch"``, what the ops above use for it.
 
 Environment: ``FASTCOMM_KERNELS=triton|torch`` forces an implementation; Triton kernels run
@@ -17,6 +19,7 @@ on CPU tensors in Triton's interpreter when ``FASTCOMM_KERNELS=triton`` and
 
 from ._launch import clear_table_cache, kernel_backend
 from ._pack import pack, pack_reference, unpack, unpack_reference
+from ._plan import PackPlan
 from ._quantize import (
     DEFAULT_BLOCK,
     dequantize,
@@ -27,6 +30,7 @@ from ._quantize import (
 
 __all__ = [
     "DEFAULT_BLOCK",
+    "PackPlan",
     "clear_table_cache",
     "dequantize",
     "dequantize_reference",

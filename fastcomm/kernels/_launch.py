@@ -172,15 +172,15 @@ def kernel_backend(tensor: torch.Tensor | torch.device | str) -> str:
     forced = os.environ.get(ENV_BACKEND, "").strip().lower()
     if forced not in ("", "auto", *_BACKENDS):
         raise ValueError(f"{ENV_BACKEND}={forced!r}; expected one of {_BACKENDS} (or unset)")
-    if forced == "torch":
-        return "torch"
+    if forced == "torch" or (forced != "triton" and device.type != "cuda"):
+        return "torch"  # auto on a CPU tensor: the references (no Triton probing per call)
     reason = _triton_unavailable_reason(device)
     if forced == "triton":
         if reason is not None:
             raise RuntimeError(f"{ENV_BACKEND}=triton but {reason}")
         return "triton"
-    # Auto: only compiled kernels on CUDA; CPU keeps the references even when interpreting.
-    return "triton" if reason is None and device.type == "cuda" else "torch"
+    # Auto on CUDA: the compiled kernels unless triton is missing or interpreting.
+    return "triton" if reason is None else "torch"
 
 
 _runnable_lock = threading.Lock()
@@ -312,12 +312,17 @@ def block_table(
     """
     key = (flat.device, block, itemsize, flat.element_size(), tuple(ptrs), tuple(numels),
            tuple(flat_offsets))
-    bt = _cached_table(key)
+    return _cached_table(key)
+
+
+def keep_for_launch(bt: BlockTable) -> None:
+    """Keeps a CUDA table's memory from reuse until the current stream's next kernel is done.
+
+    A table is cached (allocated on whichever stream was current when it was built) and a
+    cache may drop it while a kernel on another stream still reads it.
+    """
     if bt.table.is_cuda:
-        # The cached table may have been allocated on another stream; keep its memory from
-        # being reused under this stream's kernel should the cache evict it meanwhile.
         bt.table.record_stream(torch.cuda.current_stream(bt.table.device))
-    return bt
 
 
 @functools.lru_cache(maxsize=_TABLE_CACHE_SIZE)
