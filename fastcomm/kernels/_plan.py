@@ -12,10 +12,12 @@ tensors' shapes and dtypes, in order, on one device) and keeps:
   ``None`` and reallocated every step may or may not come back at the same addresses);
 - the implementation (`kernel_backend` at plan time: a plan keeps it).
 
-Each call checks that the tensors still match the layout with C-level loops over the list
-(``map`` over tensor methods: no Python frame per tensor); a mismatch raises the same
-TypeError/ValueError as `pack`. Results are bit-identical to `pack`/`unpack` called with the
-same arguments.
+Each call checks the tensors' element counts, dtypes and contiguity with C-level loops over
+the list (``map`` over tensor methods: no Python frame per tensor); a mismatch raises the same
+TypeError/ValueError as `pack`. Shapes are the copies' business: the kernel reads only
+counts, and torch's copies refuse a shape that differs by more than size-1 dimensions (which
+moves the same bytes), reported as a ValueError naming the tensor. Results are bit-identical
+to `pack`/`unpack` called with the same arguments.
 
 Where nothing is cast or scaled, the copy is ``torch.cat`` (all tensors 1-D) or
 ``torch._foreach_copy_`` into the cached views: on CPU these are the fastest copies torch has,
@@ -31,6 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from ._launch import (
+    _FLOAT_SET,
     FLOAT_DTYPES,
     block_table,
     check_out,
@@ -45,6 +48,8 @@ from ._pack import BLOCK, _mid_dtype, launch_pack, launch_unpack
 __all__ = ["PackPlan"]
 
 _SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
+_DTYPE = operator.attrgetter("dtype")
+_NUMEL = torch.Tensor.numel
 _DATA_PTR = torch.Tensor.data_ptr
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 
@@ -95,7 +100,8 @@ class PackPlan:
 
     __slots__ = (
         "layout", "numels", "offsets", "total", "device", "dtypes", "backend",
-        "_flat_1d", "_groups", "_views", "_tables", "_table_ptrs", "_scratch",
+        "_flat_1d", "_groups", "_views", "_tables", "_table_ptrs", "_scratch", "_dtype_list",
+        "_scale", "_on_cuda",
     )
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -108,12 +114,16 @@ class PackPlan:
         self.device = scan.device if scan.device is not None else torch.device("cpu")
         #: Distinct dtypes of the tensors, in first-seen order.
         self.dtypes = list(dict.fromkeys(scan.dtypes))
+        self._dtype_list = scan.dtypes
+        self._on_cuda = self.device.type == "cuda"
+        self._scale = (1.0, 1.0)  # the last (scale given, scale rounded to fp32)
         #: ``"triton"`` or ``"torch"``: the implementation chosen for this device.
         self.backend = kernel_backend(self.device)
         self._flat_1d = all(len(shape) == 1 for shape, _ in self.layout)
         # Indices of each dtype's tensors (one launch / one vectorized copy per dtype).
         self._groups = {d: [i for i, dt in enumerate(scan.dtypes) if dt == d] for d in self.dtypes}
-        self._views: list[tuple[int, torch.dtype, int, list[torch.Tensor]]] = []
+        # (buffer, its address, dtype, length, views), the most recent first.
+        self._views: list[tuple] = []
         self._tables: dict[int, list] = {}  # flat itemsize -> [(dtype, BlockTable)]
         self._table_ptrs: list[int] | None = None
         self._scratch: torch.Tensor | None = None
@@ -128,11 +138,12 @@ class PackPlan:
 
     # ------------------------------------------------------------------ checks
     def matches(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """Whether `tensors` have the planned shapes and dtypes, in order, and are contiguous."""
+        """Whether `tensors` have the planned element counts and dtypes, and are contiguous."""
         try:
             return (
                 isinstance(tensors, (list, tuple))
-                and list(map(_SHAPE_DTYPE, tensors)) == self.layout
+                and list(map(_NUMEL, tensors)) == self.numels
+                and list(map(_DTYPE, tensors)) == self._dtype_list
                 and all(map(_IS_CONTIGUOUS, tensors))
             )
         except (AttributeError, TypeError):  # a non-tensor in the list
@@ -146,14 +157,36 @@ class PackPlan:
             raise ValueError(f"tensors has {len(scan.tensors)} tensors; this plan was made "
                              f"for {len(self.layout)}")
         for i, (t, (shape, dtype)) in enumerate(zip(scan.tensors, self.layout, strict=True)):
-            if t.shape != shape or t.dtype != dtype:
+            if t.numel() != shape.numel() or t.dtype != dtype:
                 raise ValueError(
                     f"tensors[{i}] has shape {tuple(t.shape)} and dtype {t.dtype}; this plan "
                     f"was made for shape {tuple(shape)} and dtype {dtype} (make a new plan)"
                 )
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _explain(self, tensors) -> None:
+        """Raises ValueError naming the first tensor whose shape differs from the plan's."""
+        for i, (t, (shape, _)) in enumerate(zip(tensors, self.layout, strict=True)):
+            if t.shape != shape:
+                raise ValueError(f"tensors[{i}] has shape {tuple(t.shape)}; this plan was made "
+                                 f"for shape {tuple(shape)} (make a new plan)")
+
+    def _fp32_scale(self, scale) -> float:
+        given, rounded = self._scale
+        if type(scale) is float and scale == given:  # the usual: the same scale every step
+            return rounded
+        rounded = fp32_scale(scale)
+        self._scale = (scale, rounded) if type(scale) is float else self._scale
+        return rounded
+
     def _check_flat(self, name: str, flat) -> None:
+        try:  # the usual, checked without building messages or device objects
+            if (flat.is_cuda == self._on_cuda and flat.dtype in _FLOAT_SET and flat.dim() == 1
+                    and flat.numel() == self.total and flat.is_contiguous()
+                    and (not self._on_cuda or flat.get_device() == self.device.index)):
+                return
+        except (AttributeError, TypeError):
+            pass
         check_tensor(name, flat, dtypes=FLOAT_DTYPES)
         # An empty layout has no device of its own: any buffer of length 0 will do.
         device = self.device if self.layout else flat.device
@@ -162,15 +195,18 @@ class PackPlan:
     # ------------------------------------------------------------------ cached state
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of `flat` shaped like the planned tensors (cached per buffer)."""
+        first = self._views[0] if self._views else None
+        if first is not None and first[0] is flat and first[1] == flat.data_ptr():
+            return first[4]  # the buffer of the last call, the same object: no key to build
         key = (flat.data_ptr(), flat.dtype, flat.numel())
         for entry in self._views:
-            if entry[:3] == key:
-                return entry[3]
+            if entry[1:4] == key:
+                return entry[4]
         views = [
             part.view(shape)
             for part, (shape, _) in zip(flat.split(self.numels), self.layout, strict=True)
         ] if self.layout else []
-        self._views.insert(0, (*key, views))
+        self._views.insert(0, (flat, *key, views))
         del self._views[_VIEW_CACHE:]
         return views
 
@@ -226,12 +262,16 @@ class PackPlan:
         """
         self._check(tensors)
         self._check_flat("out", out)
-        scale = fp32_scale(scale)
+        scale = self._fp32_scale(scale)
         if not self.layout:
             return out
         same = self.dtypes == [out.dtype]
         if self.backend == "torch" or self._foreach_on_device(scale, same):
-            self._pack_torch(tensors, out, scale, same)
+            try:
+                self._pack_torch(tensors, out, scale, same)
+            except RuntimeError:
+                self._explain(tensors)  # a shape torch's copies refuse
+                raise
         elif self.total:
             launch_pack(self._block_tables(tensors, out), out, scale)
         return out
@@ -287,13 +327,17 @@ class PackPlan:
         self._check_flat("flat", flat)
         if not isinstance(accumulate, bool):
             raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
-        scale = fp32_scale(scale)
+        scale = self._fp32_scale(scale)
         if not self.layout:
             return
         same = self.dtypes == [flat.dtype]
         plain = not accumulate
         if self.backend == "torch" or (plain and self._foreach_on_device(scale, same)):
-            self._unpack_torch(flat, tensors, scale, accumulate, same)
+            try:
+                self._unpack_torch(flat, tensors, scale, accumulate, same)
+            except RuntimeError:
+                self._explain(tensors)  # a shape torch's copies refuse
+                raise
         elif self.total:
             launch_unpack(self._block_tables(tensors, flat), flat, scale, accumulate)
 

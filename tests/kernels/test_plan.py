@@ -88,6 +88,8 @@ def _bad_calls():
     out = torch.empty(17)
     return [
         ("shape", lambda p: p.pack([good[0], torch.zeros(6)], out), ValueError, "tensors\\[1\\]"),
+        ("reshaped", lambda p: p.pack([good[0].view(4, 3), good[1]], out), ValueError,
+         "shape \\(4, 3\\)"),
         ("dtype", lambda p: p.pack([good[0], good[1].double()], out), ValueError, "float64"),
         ("count", lambda p: p.pack(good[:1], out), ValueError, "made for 2"),
         ("none", lambda p: p.pack([good[0], None], out), TypeError, "tensors\\[1\\]"),
