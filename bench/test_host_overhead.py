@@ -21,13 +21,14 @@ peer to wait for: the time is the host path alone). Cases:
   against ``torch-nccl``); each timed call issues `CUDA_CALLS` operations and synchronizes
   once, so the figure is host-bound time per operation.
 
-A table of medians per call, with each fastcomm provider's ratio to the torch provider of
-the same case, is printed at the end of the module. Quick mode (``--benchmark-disable``, as
-CI runs it) calls every case once: seconds in all.
+Every case runs with one torch thread. A table of medians per call, with each fastcomm
+provider's ratio to the torch provider of the same case, is printed at the end of the module.
+Quick mode (``--benchmark-disable``, as CI runs it) calls every case once: seconds in all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -103,12 +104,22 @@ def buckets():
 
 @pytest.fixture(scope="module", autouse=True)
 def host_table(request):
-    """Prints the medians and the fastcomm/torch ratios when the module is done."""
+    """One torch thread (host cost, not intra-op parallelism, is measured; a multi-threaded
+    ``cat`` of hundreds of tiny inputs only adds thread hand-offs), and the table at the end."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield
+    torch.set_num_threads(threads)
     rows = [r for r in _ROWS if r["us"] is not None]
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
     if not rows or reporter is None:
         return
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        _write_table(reporter, rows)
+
+
+def _write_table(reporter, rows: list[dict]) -> None:
     reporter.write_line("")
     reporter.write_line("host microseconds per call (median), ratio to the torch provider")
     torch_us = {r["case"]: r["us"] for r in rows if r["provider"].startswith("torch")

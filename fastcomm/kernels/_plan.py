@@ -12,9 +12,11 @@ tensors' shapes and dtypes, in order, on one device) and keeps:
   ``None`` and reallocated every step may or may not come back at the same addresses);
 - the implementation (`kernel_backend` at plan time: a plan keeps it).
 
-Each call checks the tensors' element counts, dtypes and contiguity with C-level loops over
-the list (``map`` over tensor methods: no Python frame per tensor); a mismatch raises the same
-TypeError/ValueError as `pack`. Shapes are the copies' business: the kernel reads only
+Each call checks the tensors' element counts and dtypes (and their contiguity, where the
+kernel reads their addresses; torch's copies take any strides, so the torch backend accepts
+strided tensors and packs them correctly) with C-level loops over the list (``map`` over
+tensor methods: no Python frame per tensor); a mismatch raises the same TypeError/ValueError
+as `pack`. Shapes are the copies' business: the kernel reads only
 counts, and torch's copies refuse a shape that differs by more than size-1 dimensions (which
 moves the same bytes), reported as a ValueError naming the tensor. Results are bit-identical
 to `pack`/`unpack` called with the same arguments.
@@ -138,13 +140,14 @@ class PackPlan:
 
     # ------------------------------------------------------------------ checks
     def matches(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """Whether `tensors` have the planned element counts and dtypes, and are contiguous."""
+        """Whether `tensors` have the planned element counts and dtypes (and, where the kernel
+        reads their addresses, are contiguous: torch's copies take any strides)."""
         try:
             return (
                 isinstance(tensors, (list, tuple))
                 and list(map(_NUMEL, tensors)) == self.numels
                 and list(map(_DTYPE, tensors)) == self._dtype_list
-                and all(map(_IS_CONTIGUOUS, tensors))
+                and (self.backend == "torch" or all(map(_IS_CONTIGUOUS, tensors)))
             )
         except (AttributeError, TypeError):  # a non-tensor in the list
             return False
@@ -152,11 +155,33 @@ class PackPlan:
     def _check(self, tensors) -> None:
         if self.matches(tensors):
             return
+        if self.backend == "torch":  # strides are fine there: name a non-tensor or a dtype
+            self._check_loose(tensors)
+            return
         scan = scan_tensors("tensors", tensors)  # raises for non-tensors, strides, devices
         if len(scan.tensors) != len(self.layout):
             raise ValueError(f"tensors has {len(scan.tensors)} tensors; this plan was made "
                              f"for {len(self.layout)}")
         for i, (t, (shape, dtype)) in enumerate(zip(scan.tensors, self.layout, strict=True)):
+            if t.numel() != shape.numel() or t.dtype != dtype:
+                raise ValueError(
+                    f"tensors[{i}] has shape {tuple(t.shape)} and dtype {t.dtype}; this plan "
+                    f"was made for shape {tuple(shape)} and dtype {dtype} (make a new plan)"
+                )
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _check_loose(self, tensors) -> None:
+        """Raises as `_check` for the torch backend, where strided tensors are allowed."""
+        if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
+            raise TypeError(f"tensors must be a list or tuple of tensors, got "
+                            f"{type(tensors).__name__}")
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor) or t.dtype not in _FLOAT_SET:
+                check_tensor(f"tensors[{i}]", t, dtypes=FLOAT_DTYPES)  # raises TypeError
+        if len(tensors) != len(self.layout):
+            raise ValueError(f"tensors has {len(tensors)} tensors; this plan was made "
+                             f"for {len(self.layout)}")
+        for i, (t, (shape, dtype)) in enumerate(zip(tensors, self.layout, strict=True)):
             if t.numel() != shape.numel() or t.dtype != dtype:
                 raise ValueError(
                     f"tensors[{i}] has shape {tuple(t.shape)} and dtype {t.dtype}; this plan "
