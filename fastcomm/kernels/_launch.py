@@ -37,6 +37,7 @@ import functools
 import itertools
 import math
 import numbers
+import operator
 import os
 import struct
 import threading
@@ -246,11 +247,16 @@ class TensorList(NamedTuple):
 _FLOAT_SET = frozenset(FLOAT_DTYPES)
 
 
-def scan_tensors(name: str, tensors) -> TensorList:
-    """Validate a list of contiguous floating tensors on one device, in one pass.
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
 
-    A DDP calls this every step on buckets of hundreds of tensors, so the loop touches each
-    tensor's attributes once and formats messages only on failure.
+
+def scan_tensors(name: str, tensors) -> TensorList:
+    """Validate a list of contiguous floating tensors on one device.
+
+    A DDP calls this every step on buckets of hundreds of tensors, so the checks are C-level
+    loops over the list (``map`` over tensor methods, no Python frame per tensor) and the
+    messages are formatted only on failure, by a second, per-tensor pass.
 
     Raises:
         TypeError: `tensors` is not a list/tuple, or holds a non-tensor or non-floating one.
@@ -259,24 +265,32 @@ def scan_tensors(name: str, tensors) -> TensorList:
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
         raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
     tensors = list(tensors)
-    dtypes, ptrs, numels = [], [], []
-    device = None
-    for t in tensors:
-        if not isinstance(t, torch.Tensor) or t.dtype not in _FLOAT_SET or not t.is_contiguous():
-            break
-        if device is None:
-            device = t.device
-        elif t.device != device:
-            break
-        dtypes.append(t.dtype)
-        ptrs.append(t.data_ptr())
-        numels.append(t.numel())
-    if len(numels) != len(tensors):  # something failed: say what
-        i = len(numels)
-        check_tensor(f"{name}[{i}]", tensors[i], dtypes=FLOAT_DTYPES, device=device)
-        raise AssertionError("unreachable")  # pragma: no cover
+    try:
+        dtypes = list(map(_DTYPE, tensors))
+        devices = set(map(_DEVICE, tensors))
+        ok = (
+            _FLOAT_SET.issuperset(dtypes)
+            and len(devices) <= 1
+            and all(map(torch.Tensor.is_contiguous, tensors))
+        )
+    except (AttributeError, TypeError):  # a non-tensor in the list
+        ok = False
+    if not ok:
+        _explain_scan(name, tensors)
+    numels = list(map(torch.Tensor.numel, tensors))
+    ptrs = list(map(torch.Tensor.data_ptr, tensors))
+    device = devices.pop() if devices else None
     offsets = [0, *itertools.accumulate(numels)]
     return TensorList(tensors, device, dtypes, ptrs, numels, offsets[:-1], offsets[-1])
+
+
+def _explain_scan(name: str, tensors: list) -> None:
+    """Raises the error of the first tensor `scan_tensors` refuses, naming it."""
+    device = None
+    for i, t in enumerate(tensors):
+        check_tensor(f"{name}[{i}]", t, dtypes=FLOAT_DTYPES, device=device)
+        device = t.device
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 # --------------------------------------------------------------------------- block tables
