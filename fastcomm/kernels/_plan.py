@@ -58,28 +58,31 @@ _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 #: Flat buffers whose views a plan keeps (a bucket's own, a hook's scratch, a hook's result).
 _VIEW_CACHE = 3
 
-#: On CUDA, a plain copy of at most this many tensors and this many bytes takes
-#: ``_foreach_copy_`` (host-bound: one launch's host time beats a Triton launch); larger
-#: buckets take the fused kernel, which stays at the copy limit for large tensors.
+#: On CUDA, a copy of at most this many tensors and this many bytes takes
+#: ``_foreach_copy_`` (host-bound: its host time beats a Triton launch's); larger buckets
+#: take the fused kernel, which stays at the copy limit for large tensors.
 FOREACH_MAX_TENSORS = 64
 FOREACH_MAX_BYTES = 64 << 20
+#: ... and a scaled fp32/fp64 copy of at most this many bytes takes ``_foreach_copy_`` and one
+#: ``mul_`` of the flat buffer (the same single rounding as the kernel): a second pass over
+#: the bytes, cheaper than a launch only while the bucket is small.
+FOREACH_SCALED_MAX_BYTES = 1 << 20
 
 
 def foreach_on_device(
-    device: torch.device, n_tensors: int, nbytes: int, same_dtype: bool, scale: float
+    device: torch.device, n_tensors: int, nbytes: int, dtype: torch.dtype | None, scale: float
 ) -> bool:
     """Whether a plan on a kernel device copies with ``_foreach_copy_`` instead of the kernel.
 
-    Only plain copies (no cast, no scale) of small buckets on CUDA: there the host time of
-    a launch dominates and one ``_foreach_copy_`` costs less than a Triton launch.
+    Only small buckets on CUDA, where the host time of a launch dominates: copies without a
+    cast (`dtype` is the one dtype of tensors and buffer; None when a cast happens), scaled
+    only in fp32/fp64 (where ``copy`` then ``mul_`` rounds exactly as the kernel does).
     """
-    return (
-        device.type == "cuda"
-        and same_dtype
-        and scale == 1.0
-        and n_tensors <= FOREACH_MAX_TENSORS
-        and nbytes <= FOREACH_MAX_BYTES
-    )
+    if device.type != "cuda" or dtype is None or n_tensors > FOREACH_MAX_TENSORS:
+        return False
+    if scale == 1.0:
+        return nbytes <= FOREACH_MAX_BYTES
+    return dtype in (torch.float32, torch.float64) and nbytes <= FOREACH_SCALED_MAX_BYTES
 
 
 class PackPlan:
@@ -260,8 +263,11 @@ class PackPlan:
         return tables
 
     def _foreach_on_device(self, scale: float, same_dtype: bool) -> bool:
-        nbytes = self.total * self.dtypes[0].itemsize if same_dtype else 0
-        return foreach_on_device(self.device, len(self.layout), nbytes, same_dtype, scale)
+        if not same_dtype:
+            return False
+        dtype = self.dtypes[0]
+        nbytes = self.total * dtype.itemsize
+        return foreach_on_device(self.device, len(self.layout), nbytes, dtype, scale)
 
     # ------------------------------------------------------------------ pack
     def pack(
@@ -357,7 +363,8 @@ class PackPlan:
             return
         same = self.dtypes == [flat.dtype]
         plain = not accumulate
-        if self.backend == "torch" or (plain and self._foreach_on_device(scale, same)):
+        if self.backend == "torch" or (plain and scale == 1.0
+                                       and self._foreach_on_device(scale, same)):
             try:
                 self._unpack_torch(flat, tensors, scale, accumulate, same)
             except RuntimeError:

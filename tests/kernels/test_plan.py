@@ -141,15 +141,17 @@ def test_empty_plan_takes_empty_buffers():
         plan.pack([torch.zeros(0)], out)
 
 
-def test_foreach_is_only_chosen_for_small_plain_cuda_copies():
+def test_foreach_is_only_chosen_for_small_cuda_copies_that_round_like_the_kernel():
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert plan_mod.foreach_on_device(cuda, 16, 1 << 20, True, 1.0)
-    assert not plan_mod.foreach_on_device(cpu, 16, 1 << 20, True, 1.0)  # CPU: torch backend
-    assert not plan_mod.foreach_on_device(cuda, 16, 1 << 20, False, 1.0)  # a cast: fused
-    assert not plan_mod.foreach_on_device(cuda, 16, 1 << 20, True, 0.5)  # a scale: fused
-    many = plan_mod.FOREACH_MAX_TENSORS + 1
-    assert not plan_mod.foreach_on_device(cuda, many, 1 << 20, True, 1.0)
-    assert not plan_mod.foreach_on_device(cuda, 4, plan_mod.FOREACH_MAX_BYTES + 1, True, 1.0)
+    decide = plan_mod.foreach_on_device
+    assert decide(cuda, 16, 1 << 20, F16, 1.0)
+    assert decide(cuda, 16, 1 << 20, F32, 0.5)  # copy, then one mul_: one rounding in fp32
+    assert not decide(cpu, 16, 1 << 20, F32, 1.0)  # CPU: the torch backend, not this choice
+    assert not decide(cuda, 16, 1 << 20, None, 1.0)  # a cast: fused
+    assert not decide(cuda, 16, 1 << 20, BF16, 0.5)  # a scale in 16 bits: fused
+    assert not decide(cuda, 16, plan_mod.FOREACH_SCALED_MAX_BYTES + 1, F32, 0.5)
+    assert not decide(cuda, plan_mod.FOREACH_MAX_TENSORS + 1, 1 << 20, F32, 1.0)
+    assert not decide(cuda, 4, plan_mod.FOREACH_MAX_BYTES + 1, F32, 1.0)
 
 
 # ---------------------------------------------------------------- kernel path (interpreter / GPU)
@@ -165,7 +167,10 @@ def test_kernel_pack_matches_reference(device, interpreted, launches, bucket, sr
     out = torch.empty(plan.total, dtype=dst, device=device)
     plan.pack(tensors, out, scale=scale)
     assert_equal_or_1ulp(out, expected, interpreted and rounds_to_bf16(src, dst, scale))
-    kernel = not plan_mod.foreach_on_device(device, len(tensors), 0, src == dst, scale)
+    nbytes = plan.total * src.itemsize
+    kernel = not plan_mod.foreach_on_device(
+        device, len(tensors), nbytes, src if src == dst else None, scale
+    )
     assert launches.count == (1 if kernel and plan.total else 0)
 
 
