@@ -9,7 +9,8 @@ peer to wait for: the time is the host path alone). Cases:
   ``fastcomm-plan`` (`fastcomm.kernels.PackPlan`, planned once per bucket as a DDP holds it),
   ``fastcomm`` (`fastcomm.kernels.pack`/``unpack``, unplanned), ``torch-foreach``
   (``torch._foreach_copy_`` into views made once, what torch DDP does) and ``torch-cat``
-  (``torch.cat`` of flattened tensors, pack only).
+  (``torch.cat`` of flattened tensors, pack only). ``pack+average`` folds a 1/4 scale in,
+  against torch DDP's ``_foreach_copy_`` then ``div_``.
 - ``all_reduce`` of 4 KiB fp32 on CPU: ``fastcomm-shm``, ``fastcomm-gloo`` and ``torch-gloo``
   (``dist.all_reduce``), synchronous and ``async_op=True`` + ``wait()``.
 - ``work``: a finished ``Work`` waited on (``fastcomm``) against a resolved
@@ -152,6 +153,33 @@ def test_pack(benchmark, buckets, count, provider):
     benchmark.group = f"pack-{count}"
     benchmark(fn)
     _record(benchmark, f"pack {count} tensors", provider)
+
+
+@pytest.mark.parametrize("provider", ["fastcomm-plan", "fastcomm", "torch-foreach"])
+@pytest.mark.parametrize("count", COUNTS)
+def test_pack_average(benchmark, buckets, count, provider):
+    """Pack with the 1/world averaging folded in (a DDP of 4 ranks), against torch DDP's
+    ``_foreach_copy_`` then ``div_`` of the bucket."""
+    bucket = buckets(count)
+    tensors, flat, views, plan = bucket.tensors, bucket.flat, bucket.views, bucket.plan
+    if provider == "fastcomm-plan":
+        if plan is None:
+            pytest.skip("this fastcomm has no PackPlan")
+
+        def fn():
+            plan.pack(tensors, flat, scale=0.25)
+    elif provider == "fastcomm":
+        def fn():
+            kernels.pack(tensors, flat, scale=0.25)
+    else:
+        def fn():
+            torch._foreach_copy_(views, tensors)
+            flat.div_(4)
+    fn()
+    assert torch.equal(bucket.flat, torch.cat([t.reshape(-1) for t in tensors]) / 4)
+    benchmark.group = f"pack-average-{count}"
+    benchmark(fn)
+    _record(benchmark, f"pack+average {count}", provider)
 
 
 @pytest.mark.parametrize("provider", ["fastcomm-plan", "fastcomm", "torch-foreach"])
