@@ -238,7 +238,10 @@ class PackPlan:
         del self._views[_VIEW_CACHE:]
         return views
 
-    def _block_tables(self, tensors, flat: torch.Tensor) -> list:
+    def block_tables(self, tensors, flat: torch.Tensor) -> list:
+        """``(dtype, BlockTable)`` per dtype of `tensors` placed in `flat` (kept until an
+        address changes): what a kernel walking this bucket launches over, e.g. a fused
+        unpack variant; `tensors` must have passed this plan's checks."""
         ptrs = list(map(_DATA_PTR, tensors))
         if ptrs != self._table_ptrs:  # reallocated tensors: their addresses are in the tables
             scan = scan_tensors("tensors", tensors)
@@ -304,7 +307,7 @@ class PackPlan:
                 self._explain(tensors)  # a shape torch's copies refuse
                 raise
         elif self.total:
-            launch_pack(self._block_tables(tensors, out), out, scale)
+            launch_pack(self.block_tables(tensors, out), out, scale)
         return out
 
     def _pack_torch(self, tensors, out: torch.Tensor, scale: float, same: bool) -> None:
@@ -371,7 +374,7 @@ class PackPlan:
                 self._explain(tensors)  # a shape torch's copies refuse
                 raise
         elif self.total:
-            launch_unpack(self._block_tables(tensors, flat), flat, scale, accumulate)
+            launch_unpack(self.block_tables(tensors, flat), flat, scale, accumulate)
 
     def _unpack_torch(self, flat, tensors, scale: float, accumulate: bool, same: bool) -> None:
         # Mirrors `_pack._unpack_torch` (the reference) element for element.
