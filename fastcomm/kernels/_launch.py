@@ -318,6 +318,10 @@ def block_table(
 ) -> BlockTable:
     """The (cached) block table of tensors at `ptrs` placed at `flat_offsets` in `flat`.
 
+    The table is marked in use by the current stream (`keep_for_launch`): call this right
+    before the launch that reads it; a caller holding a table across launches marks it again
+    before each.
+
     Args:
         ptrs, numels: addresses and sizes of the (same-dtype) tensors.
         flat_offsets: where each tensor sits in `flat`, in elements.
@@ -327,7 +331,9 @@ def block_table(
     """
     key = (flat.device, block, itemsize, flat.element_size(), tuple(ptrs), tuple(numels),
            tuple(flat_offsets))
-    return _cached_table(key)
+    bt = _cached_table(key)
+    keep_for_launch(bt)
+    return bt
 
 
 def keep_for_launch(bt: BlockTable) -> None:

@@ -30,7 +30,6 @@ from ._launch import (
     check_tensor,
     compute_dtype,
     fp32_scale,
-    keep_for_launch,
     kernel_backend,
     runnable,
     scan_tensors,
@@ -232,7 +231,6 @@ def launch_pack(tables, out: torch.Tensor, scale: float) -> None:
     for src_dtype, bt in tables:
         if bt.n_blocks == 0:  # a dtype group of zero-size tensors
             continue
-        keep_for_launch(bt)
         kernel[(bt.n_blocks,)](
             bt.table,
             out,
@@ -291,7 +289,6 @@ def launch_unpack(tables, flat: torch.Tensor, scale: float, accumulate: bool) ->
     for dst_dtype, bt in tables:
         if bt.n_blocks == 0:  # a dtype group of zero-size tensors
             continue
-        keep_for_launch(bt)
         kernel[(bt.n_blocks,)](
             bt.table,
             flat,

@@ -42,6 +42,7 @@ from ._launch import (
     check_tensor,
     compute_dtype,
     fp32_scale,
+    keep_for_launch,
     kernel_backend,
     scan_tensors,
 )
@@ -252,7 +253,10 @@ class PackPlan:
             self._table_ptrs = ptrs
         itemsize = flat.element_size()
         tables = self._tables.get(itemsize)
-        if tables is None:
+        if tables is not None:
+            for _, bt in tables:  # held across calls, maybe made under another stream
+                keep_for_launch(bt)
+        else:
             tables = self._tables[itemsize] = [
                 (
                     dtype,
