@@ -112,7 +112,8 @@ class PackPlan:
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         scan = scan_tensors("tensors", tensors)
-        #: ``(shape, dtype)`` of each tensor, in order: what every call is checked against.
+        #: ``(shape, dtype)`` of each tensor, in order (calls are checked against the counts
+        #: and dtypes; the shapes give the views).
         self.layout = list(map(_SHAPE_DTYPE, scan.tensors))
         self.numels = scan.numels
         self.offsets = scan.offsets
