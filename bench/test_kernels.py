@@ -6,6 +6,7 @@ DDP-sized bucket of mixed sizes). Throughput counts bytes read + written. Provid
 
 - ``fastcomm``: `pack`/`unpack`/`quantize`/`dequantize` (on CPU: the torch reference path,
   which is what CPU tensors get; ``extra_info["backend"]`` says which ran);
+- ``fastcomm-plan``: pack/unpack through a `PackPlan` made once (what a DDP bucket does);
 - ``torch-copy-loop``: one ``copy_`` per tensor (what a naive reducer does);
 - ``torch-cat``: ``torch.cat(..., out=)``; ``torch-foreach``: ``torch._foreach_copy_``;
 - ``torch-flat-copy``: one ``copy_`` of a flat buffer of the same size (the ideal);
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 from fastcomm.kernels import (
+    PackPlan,
     dequantize,
     dequantize_reference,
     kernel_backend,
@@ -85,7 +87,8 @@ def test_copy_bandwidth(benchmark, throughput):
         _COPY["gbps"] = gbps
 
 
-PACK_PROVIDERS = ["fastcomm", "torch-copy-loop", "torch-cat", "torch-foreach", "torch-flat-copy"]
+PACK_PROVIDERS = ["fastcomm", "fastcomm-plan", "torch-copy-loop", "torch-cat", "torch-foreach",
+                  "torch-flat-copy"]
 
 
 @pytest.mark.parametrize("provider", PACK_PROVIDERS)
@@ -96,8 +99,10 @@ def test_pack(benchmark, throughput, case, provider):
     out = torch.empty(sum(numels), device=DEVICE)
     views = list(out.split(numels))
     flat_tensors = [t.view(-1) for t in tensors]
+    plan = PackPlan(tensors)
     fns = {
         "fastcomm": lambda: pack(tensors, out=out),
+        "fastcomm-plan": lambda: plan.pack(tensors, out),
         "torch-copy-loop": lambda: [v.copy_(t) for v, t in zip(views, flat_tensors, strict=True)],
         "torch-cat": lambda: torch.cat(flat_tensors, out=out),
         "torch-foreach": lambda: torch._foreach_copy_(views, flat_tensors),
@@ -114,7 +119,8 @@ def test_pack(benchmark, throughput, case, provider):
     benchmark.extra_info["fraction_of_copy"] = fraction(gbps)
 
 
-UNPACK_PROVIDERS = ["fastcomm", "torch-copy-loop", "torch-foreach", "torch-flat-copy"]
+UNPACK_PROVIDERS = ["fastcomm", "fastcomm-plan", "torch-copy-loop", "torch-foreach",
+                    "torch-flat-copy"]
 
 
 @pytest.mark.parametrize("provider", UNPACK_PROVIDERS)
@@ -125,8 +131,10 @@ def test_unpack(benchmark, throughput, case, provider):
     flat = torch.randn(sum(numels), device=DEVICE)
     views = [v.view(t.shape) for v, t in zip(flat.split(numels), tensors, strict=True)]
     dst = torch.empty_like(flat)
+    plan = PackPlan(tensors)
     fns = {
         "fastcomm": lambda: unpack(flat, tensors),
+        "fastcomm-plan": lambda: plan.unpack(flat, tensors),
         "torch-copy-loop": lambda: [t.copy_(v) for t, v in zip(tensors, views, strict=True)],
         "torch-foreach": lambda: torch._foreach_copy_(tensors, views),
         "torch-flat-copy": lambda: dst.copy_(flat),
@@ -174,7 +182,7 @@ def test_dequantize(benchmark, throughput, case, provider):
 
 
 def _backend(provider):
-    if provider != "fastcomm":
+    if not provider.startswith("fastcomm"):
         return "torch"
     backend = kernel_backend(DEVICE)
     return backend if ON_GPU else f"{backend} (CPU: fastcomm runs its torch reference)"

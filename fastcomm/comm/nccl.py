@@ -4,11 +4,19 @@ Stream and pointer plumbing only; argument checks live in ``Communicator`` and a
 
 Stream invariants:
 - Every collective runs on ``self.stream``, a communication stream of this communicator. Before
-  enqueueing, that stream waits on the caller's current stream (so it reads finished data);
-  tensors are ``record_stream``-ed on it so the caching allocator does not reuse them early.
-- The ``Work``'s future is created with ``devices=[device]`` and resolved while the
-  communication stream is current: a consumer's ``future.wait()`` makes *its* stream wait on the
-  collective, and the host never blocks. ``Work.wait()`` does the same for the current stream.
+  enqueueing, that stream waits on the caller's current stream (so it reads finished data).
+- The communicator keeps each collective's tensors referenced until its CUDA event has
+  completed (the ``NcclWork`` sits in ``_pending`` until the watchdog or a later call sees the
+  event done), so the caching allocator cannot hand their memory out early: no
+  ``record_stream`` (torch's NCCL backend stashes tensors the same way).
+- The ``Work``'s future is made only when asked for (``get_future()``), with
+  ``devices=[device]``, and resolved on a side stream that waits on the collective's event: a
+  consumer's ``future.wait()`` makes *its* stream wait on the collective, and the host never
+  blocks. ``Work.wait()`` does the same for the current stream.
+
+Host cost per call: what does not change (device index, raw stream handle, dtype and op codes,
+the communicator handle, a reusable event for the caller's stream) is looked up once, in
+``__init__``.
 - A watchdog thread polls each pending collective's CUDA event; one that exceeds the timeout
   aborts the NCCL communicator (``ncclCommAbort``) and fails every pending ``Work``.
 
@@ -73,39 +81,81 @@ def nccl_version() -> tuple[int, int, int] | None:
         return None
 
 
-def nccl_dtype(nccl, dtype: torch.dtype) -> int:
-    table = {
-        torch.float16: nccl.NCCL_FLOAT16,
-        torch.bfloat16: nccl.NCCL_BFLOAT16,
-        torch.float32: nccl.NCCL_FLOAT32,
-        torch.float64: nccl.NCCL_FLOAT64,
-        torch.int8: nccl.NCCL_INT8,
-        torch.uint8: nccl.NCCL_UINT8,
-        torch.int32: nccl.NCCL_INT32,
-        torch.int64: nccl.NCCL_INT64,
-    }
-    if dtype not in table:
+#: The NCCL constant (an attribute of CuPy's ``nccl`` module) of each dtype NCCL moves.
+NCCL_DTYPE_NAMES = {
+    torch.float16: "NCCL_FLOAT16",
+    torch.bfloat16: "NCCL_BFLOAT16",
+    torch.float32: "NCCL_FLOAT32",
+    torch.float64: "NCCL_FLOAT64",
+    torch.int8: "NCCL_INT8",
+    torch.uint8: "NCCL_UINT8",
+    torch.int32: "NCCL_INT32",
+    torch.int64: "NCCL_INT64",
+}
+
+#: The NCCL constant of each reduction.
+NCCL_OP_NAMES = {
+    ReduceOp.SUM: "NCCL_SUM",
+    ReduceOp.AVG: "NCCL_AVG",
+    ReduceOp.MAX: "NCCL_MAX",
+    ReduceOp.MIN: "NCCL_MIN",
+    ReduceOp.PRODUCT: "NCCL_PROD",
+}
+
+
+def nccl_tables(nccl) -> tuple[dict[torch.dtype, int], dict[ReduceOp, int]]:
+    """The dtype and op codes of `nccl` (CuPy's module), built once per communicator."""
+    dtypes = {d: getattr(nccl, name) for d, name in NCCL_DTYPE_NAMES.items()}
+    ops = {op: getattr(nccl, name) for op, name in NCCL_OP_NAMES.items()}
+    return dtypes, ops
+
+
+def dtype_code(table: dict[torch.dtype, int], dtype: torch.dtype) -> int:
+    """`dtype`'s code in `table`.
+
+    Raises:
+        TypeError: NCCL does not move `dtype` (the message lists what it moves).
+    """
+    code = table.get(dtype)
+    if code is None:
         allowed = ", ".join(str(d) for d in table)
         raise TypeError(f"NCCL cannot move dtype {dtype}; allowed: {allowed}")
-    return table[dtype]
+    return code
+
+
+def nccl_dtype(nccl, dtype: torch.dtype) -> int:
+    """`dtype`'s NCCL code (raises TypeError for a dtype NCCL does not move)."""
+    return dtype_code(nccl_tables(nccl)[0], dtype)
 
 
 def nccl_op(nccl, op: ReduceOp) -> int:
-    return {
-        ReduceOp.SUM: nccl.NCCL_SUM,
-        ReduceOp.AVG: nccl.NCCL_AVG,
-        ReduceOp.MAX: nccl.NCCL_MAX,
-        ReduceOp.MIN: nccl.NCCL_MIN,
-        ReduceOp.PRODUCT: nccl.NCCL_PROD,
-    }[op]
+    """`op`'s NCCL code."""
+    return nccl_tables(nccl)[1][op]
 
 
 class NcclWork(Work):
-    """A collective enqueued on the communication stream; see the module docstring."""
+    """A collective enqueued on the communication stream; see the module docstring.
 
-    def __init__(self, op, rank, output, device, event):
-        super().__init__(op, rank, output, devices=[device])
+    Done (for the host) once enqueued. Holds the collective's tensors (`keep`) so that the
+    communicator's pending list keeps them alive until `event` has completed.
+    """
+
+    def __init__(self, op, rank, output, device, event, keep, future_stream):
+        super().__init__(op, rank, output, devices=[device], completed=True)
         self.event = event
+        self._keep = keep
+        self._future_stream = future_stream
+
+    def _resolve(self, future: torch.futures.Future) -> None:
+        if self._error is not None:
+            future.set_exception(self._error)
+            return
+        # Completed on a stream that waits on this collective alone, not on the comm stream
+        # (which may already hold later collectives): a consumer waits no longer than needed.
+        stream = self._future_stream
+        stream.wait_event(self.event)
+        with torch.cuda.stream(stream):
+            future.set_result(self.output)
 
     def is_completed(self) -> bool:
         return self._error is not None or self.event.query()
@@ -181,7 +231,12 @@ class NcclCommunicator(Communicator):
             with cupy.cuda.Device(self._device.index):
                 _nccl_comm = nccl.NcclCommunicator(size, uid, rank)
         self._comm = _nccl_comm
+        self._index = self._device.index
+        self._dtypes, self._ops = nccl_tables(nccl)
         self.stream = torch.cuda.Stream(self._device)
+        self._stream_handle = self.stream.cuda_stream
+        self._future_stream = torch.cuda.Stream(self._device)
+        self._caller_ready = torch.cuda.Event()  # re-recorded on the caller's stream per call
         self._pending: deque[NcclWork] = deque()
         self._lock = threading.Lock()
         self._aborted: BaseException | None = None
@@ -202,27 +257,30 @@ class NcclCommunicator(Communicator):
         self,
         op: str,
         output: torch.Tensor | None,
-        tensors: list[torch.Tensor],
+        keep: tuple[torch.Tensor, ...],
         launch: Callable[[int], None],
     ) -> NcclWork:
         if self._aborted is not None:
             raise CommAbortedError(f"rank {self.rank}: {op} on an aborted NCCL communicator: "
                                    f"{self._aborted}")
-        caller = torch.cuda.current_stream(self._device)
-        self.stream.wait_stream(caller)
-        with torch.cuda.stream(self.stream):
+        with self._lock:  # one (wait on the caller, launch, record) sequence at a time
+            ready = self._caller_ready
+            ready.record(torch.cuda.current_stream(self._index))
+            self.stream.wait_event(ready)  # waits on the record made just now
             try:
-                launch(self.stream.cuda_stream)
+                launch(self._stream_handle)
             except self._nccl.NcclError as exc:
                 raise FastcommError(f"rank {self.rank}: {op} failed: {exc}") from exc
-            for t in tensors:
-                t.record_stream(self.stream)
             event = torch.cuda.Event()
             event.record(self.stream)
-            work = NcclWork(op, self.rank, output, self._device, event)
-            work._complete()  # resolved with the comm stream current: stream-ordered future
-        with self._lock:
-            self._pending.append(work)
+            work = NcclWork(op, self.rank, output, self._device, event, keep,
+                            self._future_stream)
+            pending = self._pending
+            # Drop a finished head now and then, so tensors are released between the
+            # watchdog's polls too (one event query per call).
+            if pending and pending[0].event.query():
+                pending.popleft()
+            pending.append(work)
         return work
 
     def _watch(self) -> None:
@@ -255,37 +313,36 @@ class NcclCommunicator(Communicator):
 
     # ------------------------------------------------------------------ collectives
     def _impl_all_reduce(self, tensor, op):
-        n, dt = tensor.numel(), nccl_dtype(self._nccl, tensor.dtype)
-        ptr = tensor.data_ptr()
+        n, ptr, comm = tensor.numel(), tensor.data_ptr(), self._comm
+        dt, red = dtype_code(self._dtypes, tensor.dtype), self._ops[op]
         return self._enqueue(
-            "all_reduce", tensor, [tensor],
-            lambda s: self._comm.allReduce(ptr, ptr, n, dt, nccl_op(self._nccl, op), s),
+            "all_reduce", tensor, (tensor,), lambda s: comm.allReduce(ptr, ptr, n, dt, red, s)
         )
 
     def _impl_broadcast(self, tensor, src):
-        n, dt, ptr = tensor.numel(), nccl_dtype(self._nccl, tensor.dtype), tensor.data_ptr()
+        n, ptr, comm = tensor.numel(), tensor.data_ptr(), self._comm
+        dt = dtype_code(self._dtypes, tensor.dtype)
         return self._enqueue(
-            "broadcast", tensor, [tensor],
-            lambda s: self._comm.broadcast(ptr, ptr, n, dt, src, s),
+            "broadcast", tensor, (tensor,), lambda s: comm.broadcast(ptr, ptr, n, dt, src, s)
         )
 
     def _impl_all_gather(self, output, input):
-        n, dt = input.numel(), nccl_dtype(self._nccl, input.dtype)
+        n, dt = input.numel(), dtype_code(self._dtypes, input.dtype)
         return self._enqueue(
-            "all_gather", output, [output, input],
+            "all_gather", output, (output, input),
             lambda s: self._comm.allGather(input.data_ptr(), output.data_ptr(), n, dt, s),
         )
 
     def _impl_reduce_scatter(self, output, input, op):
-        n, dt = output.numel(), nccl_dtype(self._nccl, input.dtype)
-        red = nccl_op(self._nccl, op)
+        n, dt = output.numel(), dtype_code(self._dtypes, input.dtype)
+        red = self._ops[op]
         return self._enqueue(
-            "reduce_scatter", output, [output, input],
+            "reduce_scatter", output, (output, input),
             lambda s: self._comm.reduceScatter(input.data_ptr(), output.data_ptr(), n, dt, red, s),
         )
 
     def _impl_all_to_all(self, output, input):
-        chunk, dt = input.numel() // self.size, nccl_dtype(self._nccl, input.dtype)
+        chunk, dt = input.numel() // self.size, dtype_code(self._dtypes, input.dtype)
         step = chunk * input.element_size()
 
         def launch(s):
@@ -297,18 +354,18 @@ class NcclCommunicator(Communicator):
             finally:
                 self._nccl.groupEnd()
 
-        return self._enqueue("all_to_all", output, [output, input], launch)
+        return self._enqueue("all_to_all", output, (output, input), launch)
 
     def _impl_send(self, tensor, dst):
-        n, dt = tensor.numel(), nccl_dtype(self._nccl, tensor.dtype)
+        n, dt = tensor.numel(), dtype_code(self._dtypes, tensor.dtype)
         return self._enqueue(
-            "send", tensor, [tensor], lambda s: self._comm.send(tensor.data_ptr(), n, dt, dst, s)
+            "send", tensor, (tensor,), lambda s: self._comm.send(tensor.data_ptr(), n, dt, dst, s)
         )
 
     def _impl_recv(self, tensor, src):
-        n, dt = tensor.numel(), nccl_dtype(self._nccl, tensor.dtype)
+        n, dt = tensor.numel(), dtype_code(self._dtypes, tensor.dtype)
         return self._enqueue(
-            "recv", tensor, [tensor], lambda s: self._comm.recv(tensor.data_ptr(), n, dt, src, s)
+            "recv", tensor, (tensor,), lambda s: self._comm.recv(tensor.data_ptr(), n, dt, src, s)
         )
 
     def _impl_barrier(self):

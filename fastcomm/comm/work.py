@@ -1,14 +1,16 @@
 """Handles of asynchronous operations.
 
 A :class:`Work` is returned by every collective called with ``async_op=True``. Its future's value
-is the operation's output tensor. For CPU work the future completes when the data is in place;
-for CUDA work (NCCL) the future is created with ``devices=[...]`` and completed right after the
-kernel is enqueued on the communication stream, so a consumer's ``wait()``/``value()`` makes its
-current stream wait on that stream and the host never blocks.
+is the operation's output tensor; the future is made only when ``get_future()`` is called. For
+CPU work the future completes when the data is in place; for CUDA work (NCCL) it is created with
+``devices=[...]`` and completed on a stream ordered after the collective, so a consumer's
+``wait()``/``value()`` makes its current stream wait on the collective and the host never
+blocks.
 """
 
 from __future__ import annotations
 
+import _thread
 import threading
 import time
 from collections import deque
@@ -21,15 +23,26 @@ from .errors import CommTimeoutError, FastcommError
 
 __all__ = ["Lane", "Work", "completed_work", "wrap_error"]
 
+# Orders a Work's completion against the lazy creation of its future (held for a few
+# attribute reads: one lock for all works costs less than one per work).
+_FUTURE_LOCK = threading.Lock()
+_allocate_lock = _thread.allocate_lock
+
 
 class Work:
     """One in-flight operation.
+
+    Cheap to make: the ``torch.futures.Future`` is built only when `get_future` is called
+    (most callers only ``wait()``), and a finished operation (`completed_work`) needs no
+    lock at all. The future, when asked for, resolves exactly once with the operation's
+    outcome, whichever of completion and `get_future` comes first.
 
     Args:
         op: the operation's name (``"all_reduce"``), used in error messages.
         rank: the rank that issued it, used in error messages.
         output: the tensor the future resolves to.
         devices: CUDA devices for a stream-aware future, or ``None`` for a CPU future.
+        completed: the operation has already finished (successfully).
     """
 
     def __init__(
@@ -39,30 +52,52 @@ class Work:
         output: torch.Tensor | None,
         *,
         devices: list[torch.device] | None = None,
+        completed: bool = False,
     ) -> None:
         self.op = op
         self.rank = rank
         self.output = output
         self.start = time.monotonic()
-        self._done = threading.Event()
+        self._devices = devices
         self._error: BaseException | None = None
-        self._future: torch.futures.Future = (
-            torch.futures.Future(devices=devices) if devices else torch.futures.Future()
-        )
+        self._future: torch.futures.Future | None = None
+        self._done = completed
+        # Held while pending, released once done: a waiter blocks on it (a bare lock is
+        # several times cheaper to make than a threading.Event).
+        self._latch = None
+        if not completed:
+            self._latch = _allocate_lock()
+            self._latch.acquire()
 
     # -------------------------------------------------------------- producer side
     def _complete(self) -> None:
-        if self._done.is_set():
-            return
-        self._done.set()
-        self._future.set_result(self.output)
+        self._finish(None)
 
     def _fail(self, error: BaseException) -> None:
-        if self._done.is_set():
-            return
-        self._error = error
-        self._done.set()
-        self._future.set_exception(error)
+        self._finish(error)
+
+    def _finish(self, error: BaseException | None) -> None:
+        with _FUTURE_LOCK:
+            if self._done:
+                return
+            self._error = error
+            self._done = True
+            future = self._future
+        if self._latch is not None:
+            self._latch.release()
+        if future is not None:
+            self._resolve(future)
+
+    def _new_future(self) -> torch.futures.Future:
+        devices = self._devices
+        return torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+
+    def _resolve(self, future: torch.futures.Future) -> None:
+        """Completes `future` with the outcome (called once, after the operation is done)."""
+        if self._error is not None:
+            future.set_exception(self._error)
+        else:
+            future.set_result(self.output)
 
     def _elapsed(self) -> float:
         return time.monotonic() - self.start
@@ -70,10 +105,10 @@ class Work:
     # -------------------------------------------------------------- consumer side
     def is_completed(self) -> bool:
         """Whether the operation has finished (successfully or not)."""
-        return self._done.is_set()
+        return self._done
 
     def is_success(self) -> bool:
-        return self._done.is_set() and self._error is None
+        return self._done and self._error is None
 
     def exception(self) -> BaseException | None:
         return self._error
@@ -93,20 +128,31 @@ class Work:
                 itself is left running; the communicator's timeout still applies to it).
             FastcommError: the operation failed.
         """
-        if isinstance(timeout, timedelta):
-            timeout = timeout.total_seconds()
-        if not self._done.wait(timeout):
-            raise CommTimeoutError(
-                f"rank {self.rank}: {self.op} did not complete within {timeout:.3f} s "
-                f"(waited {self._elapsed():.1f} s since it was issued)"
-            )
+        if not self._done:
+            if isinstance(timeout, timedelta):
+                timeout = timeout.total_seconds()
+            latch = self._latch
+            if not latch.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+                raise CommTimeoutError(
+                    f"rank {self.rank}: {self.op} did not complete within {timeout:.3f} s "
+                    f"(waited {self._elapsed():.1f} s since it was issued)"
+                )
+            latch.release()  # let every other waiter through too
         if self._error is not None:
             raise self._error
         return True
 
     def get_future(self) -> torch.futures.Future:
-        """A ``torch.futures.Future`` whose value is the output tensor."""
-        return self._future
+        """A ``torch.futures.Future`` whose value is the output tensor (made on first call)."""
+        with _FUTURE_LOCK:
+            future = self._future
+            if future is not None:
+                return future
+            future = self._future = self._new_future()
+            done = self._done
+        if done:
+            self._resolve(future)
+        return future
 
     def result(self) -> torch.Tensor | None:
         self.wait()
@@ -119,9 +165,7 @@ class Work:
 
 def completed_work(op: str, rank: int, output: torch.Tensor | None) -> Work:
     """A ``Work`` that is already finished (synchronous paths, zero-size tensors)."""
-    work = Work(op, rank, output)
-    work._complete()
-    return work
+    return Work(op, rank, output, completed=True)
 
 
 def wrap_error(op: str, rank: int, start: float, exc: BaseException) -> FastcommError:

@@ -58,7 +58,7 @@ class Bucket:
 
     __slots__ = (
         "index", "param_indices", "params", "names", "offsets", "numel", "dtype", "device",
-        "flat", "views", "scratch",
+        "flat", "views", "scratch", "_plan",
     )
 
     def __init__(self, index: int, param_indices: list[int], params, names) -> None:
@@ -80,6 +80,14 @@ class Bucket:
             for o, p in zip(self.offsets, self.params, strict=True)
         ]
         self.scratch: dict[object, torch.Tensor] = {}
+        self._plan: kernels.PackPlan | None = None
+
+    @property
+    def plan(self) -> kernels.PackPlan:
+        """The pack/unpack plan of this bucket's gradients (built on first use, then reused)."""
+        if self._plan is None:
+            self._plan = kernels.PackPlan(self.views)
+        return self._plan
 
     def scratch_buffer(self, key: object, dtype: torch.dtype, numel: int | None = None):
         """A buffer reused across iterations (hooks' compressed copies); zeros when new."""
@@ -109,8 +117,8 @@ def pack_bucket(bucket: Bucket, grads: Sequence[torch.Tensor | None], out, *, sc
     ``None`` gradients (parameters that got none) contribute zeros. The common case, every
     gradient present and contiguous, is exactly one ``kernels.pack`` launch.
     """
-    try:  # kernels.pack validates every gradient before it writes: no second pass here
-        return kernels.pack(grads, out, scale=scale, dtype=out.dtype)
+    try:  # the plan validates every gradient before it writes: no second pass here
+        return bucket.plan.pack(grads, out, scale=scale)
     except (TypeError, ValueError):
         pass  # a None or non-contiguous gradient: pack the runs between them
     run: list[torch.Tensor] = []
@@ -134,15 +142,20 @@ def unpack_grads(
     numel: int,
     *,
     scale: float = 1.0,
+    plan: kernels.PackPlan | None = None,
 ) -> None:
     """Unpacks `flat` into `targets` (``None``: leave that slice unread) with the fused kernel.
 
     ``offsets[i]`` is target ``i``'s start in `flat`; the common case, every target present
-    and contiguous, is one ``kernels.unpack`` launch. Non-contiguous targets (channels-last
-    gradients) are filled through a contiguous copy.
+    and contiguous, is one ``kernels.unpack`` launch (through `plan`, the bucket's, when
+    given). Non-contiguous targets (channels-last gradients) are filled through a contiguous
+    copy.
     """
-    try:  # kernels.unpack validates every target before it writes: no second pass here
-        kernels.unpack(flat, targets, scale=scale)
+    try:  # unpack validates every target before it writes: no second pass here
+        if plan is not None:
+            plan.unpack(flat, targets, scale=scale)
+        else:
+            kernels.unpack(flat, targets, scale=scale)
         return
     except (TypeError, ValueError):
         pass  # a None or non-contiguous target: unpack the runs between them

@@ -11,6 +11,8 @@
 - ``peer_reduce(srcs, dsts, *, op, scale)``: reduce peers' buffers (mapped into this process)
   elementwise and write the result into one or more buffers, one launch: the data step of
   the kernel collectives.
+- ``PackPlan(tensors)``: a bucket's pack/unpack planned once (views, block tables, the
+  implementation); its ``pack``/``unpack`` give the same bits at a fraction of the host cost.
 - ``kernel_backend(tensor)``: ``"triton"`` or ``"torch"``, what the ops above use for it.
 
 Environment: ``FASTCOMM_KERNELS=triton|torch`` forces an implementation; Triton kernels run
@@ -21,6 +23,7 @@ on CPU tensors in Triton's interpreter when ``FASTCOMM_KERNELS=triton`` and
 from ._launch import clear_table_cache, kernel_backend
 from ._pack import pack, pack_reference, unpack, unpack_reference
 from ._peer_reduce import PEER_REDUCE_OPS, peer_reduce, peer_reduce_reference
+from ._plan import PackPlan
 from ._quantize import (
     DEFAULT_BLOCK,
     dequantize,
@@ -31,6 +34,7 @@ from ._quantize import (
 
 __all__ = [
     "DEFAULT_BLOCK",
+    "PackPlan",
     "clear_table_cache",
     "dequantize",
     "dequantize_reference",

@@ -27,7 +27,8 @@ tensors). When every address (every flat offset) is 16-byte aligned the table sa
 the kernel passes it on with ``tl.multiple_of``, so the compiler can emit 128-bit accesses.
 Tables are cached by (addresses, sizes, offsets): a DDP packs the same bucket every step.
 A cache miss costs ~100 us of host work and a synchronous upload (the H2D copy waits for the
-current stream), so callers should keep bucket tensors at stable addresses.
+current stream), so callers should keep bucket tensors at stable addresses. Building the key
+itself costs ~1 us per tensor; `fastcomm.kernels.PackPlan` holds its tables and skips it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import functools
 import itertools
 import math
 import numbers
+import operator
 import os
 import struct
 import threading
@@ -172,15 +174,15 @@ def kernel_backend(tensor: torch.Tensor | torch.device | str) -> str:
     forced = os.environ.get(ENV_BACKEND, "").strip().lower()
     if forced not in ("", "auto", *_BACKENDS):
         raise ValueError(f"{ENV_BACKEND}={forced!r}; expected one of {_BACKENDS} (or unset)")
-    if forced == "torch":
-        return "torch"
+    if forced == "torch" or (forced != "triton" and device.type != "cuda"):
+        return "torch"  # auto on a CPU tensor: the references (no Triton probing per call)
     reason = _triton_unavailable_reason(device)
     if forced == "triton":
         if reason is not None:
             raise RuntimeError(f"{ENV_BACKEND}=triton but {reason}")
         return "triton"
-    # Auto: only compiled kernels on CUDA; CPU keeps the references even when interpreting.
-    return "triton" if reason is None and device.type == "cuda" else "torch"
+    # Auto on CUDA: the compiled kernels unless triton is missing or interpreting.
+    return "triton" if reason is None else "torch"
 
 
 _runnable_lock = threading.Lock()
@@ -245,11 +247,16 @@ class TensorList(NamedTuple):
 _FLOAT_SET = frozenset(FLOAT_DTYPES)
 
 
-def scan_tensors(name: str, tensors) -> TensorList:
-    """Validate a list of contiguous floating tensors on one device, in one pass.
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
 
-    A DDP calls this every step on buckets of hundreds of tensors, so the loop touches each
-    tensor's attributes once and formats messages only on failure.
+
+def scan_tensors(name: str, tensors) -> TensorList:
+    """Validate a list of contiguous floating tensors on one device.
+
+    A DDP calls this every step on buckets of hundreds of tensors, so the checks are C-level
+    loops over the list (``map`` over tensor methods, no Python frame per tensor) and the
+    messages are formatted only on failure, by a second, per-tensor pass.
 
     Raises:
         TypeError: `tensors` is not a list/tuple, or holds a non-tensor or non-floating one.
@@ -258,24 +265,32 @@ def scan_tensors(name: str, tensors) -> TensorList:
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
         raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
     tensors = list(tensors)
-    dtypes, ptrs, numels = [], [], []
-    device = None
-    for t in tensors:
-        if not isinstance(t, torch.Tensor) or t.dtype not in _FLOAT_SET or not t.is_contiguous():
-            break
-        if device is None:
-            device = t.device
-        elif t.device != device:
-            break
-        dtypes.append(t.dtype)
-        ptrs.append(t.data_ptr())
-        numels.append(t.numel())
-    if len(numels) != len(tensors):  # something failed: say what
-        i = len(numels)
-        check_tensor(f"{name}[{i}]", tensors[i], dtypes=FLOAT_DTYPES, device=device)
-        raise AssertionError("unreachable")  # pragma: no cover
+    try:
+        dtypes = list(map(_DTYPE, tensors))
+        devices = set(map(_DEVICE, tensors))
+        ok = (
+            _FLOAT_SET.issuperset(dtypes)
+            and len(devices) <= 1
+            and all(map(torch.Tensor.is_contiguous, tensors))
+        )
+    except (AttributeError, TypeError):  # a non-tensor in the list
+        ok = False
+    if not ok:
+        _explain_scan(name, tensors)
+    numels = list(map(torch.Tensor.numel, tensors))
+    ptrs = list(map(torch.Tensor.data_ptr, tensors))
+    device = devices.pop() if devices else None
     offsets = [0, *itertools.accumulate(numels)]
     return TensorList(tensors, device, dtypes, ptrs, numels, offsets[:-1], offsets[-1])
+
+
+def _explain_scan(name: str, tensors: list) -> None:
+    """Raises the error of the first tensor `scan_tensors` refuses, naming it."""
+    device = None
+    for i, t in enumerate(tensors):
+        check_tensor(f"{name}[{i}]", t, dtypes=FLOAT_DTYPES, device=device)
+        device = t.device
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 # --------------------------------------------------------------------------- block tables
@@ -303,6 +318,10 @@ def block_table(
 ) -> BlockTable:
     """The (cached) block table of tensors at `ptrs` placed at `flat_offsets` in `flat`.
 
+    The table is marked in use by the current stream (`keep_for_launch`): call this right
+    before the launch that reads it; a caller holding a table across launches marks it again
+    before each.
+
     Args:
         ptrs, numels: addresses and sizes of the (same-dtype) tensors.
         flat_offsets: where each tensor sits in `flat`, in elements.
@@ -313,11 +332,18 @@ def block_table(
     key = (flat.device, block, itemsize, flat.element_size(), tuple(ptrs), tuple(numels),
            tuple(flat_offsets))
     bt = _cached_table(key)
-    if bt.table.is_cuda:
-        # The cached table may have been allocated on another stream; keep its memory from
-        # being reused under this stream's kernel should the cache evict it meanwhile.
-        bt.table.record_stream(torch.cuda.current_stream(bt.table.device))
+    keep_for_launch(bt)
     return bt
+
+
+def keep_for_launch(bt: BlockTable) -> None:
+    """Keeps a CUDA table's memory from reuse until the current stream's next kernel is done.
+
+    A table is cached (allocated on whichever stream was current when it was built) and a
+    cache may drop it while a kernel on another stream still reads it.
+    """
+    if bt.table.is_cuda:
+        bt.table.record_stream(torch.cuda.current_stream(bt.table.device))
 
 
 @functools.lru_cache(maxsize=_TABLE_CACHE_SIZE)

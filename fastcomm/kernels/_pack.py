@@ -213,9 +213,22 @@ def pack(
     if kernel_backend(out) == "torch":
         _pack_torch(scan, out, scale)
         return out
+    launch_pack(_tables(scan, out), out, scale)
+    return out
+
+
+def _tables(scan: TensorList, flat: torch.Tensor) -> list:
+    """(dtype, block table) of each dtype group of `scan` placed in `flat`."""
+    return [
+        (dtype, block_table(ptrs, numels, offsets, dtype.itemsize, flat, BLOCK))
+        for dtype, ptrs, numels, offsets in _groups(scan)
+    ]
+
+
+def launch_pack(tables, out: torch.Tensor, scale: float) -> None:
+    """One `_pack_kernel` launch per (source dtype, block table) of `tables` into `out`."""
     kernel = runnable(_pack_kernel)
-    for src_dtype, ptrs, numels, offsets in _groups(scan):
-        bt = block_table(ptrs, numels, offsets, src_dtype.itemsize, out, BLOCK)
+    for src_dtype, bt in tables:
         if bt.n_blocks == 0:  # a dtype group of zero-size tensors
             continue
         kernel[(bt.n_blocks,)](
@@ -234,7 +247,6 @@ def pack(
             num_warps=NUM_WARPS,
             enable_fp_fusion=False,
         )
-    return out
 
 
 def unpack(
@@ -268,9 +280,13 @@ def unpack(
     if kernel_backend(flat) == "torch":
         _unpack_torch(flat, scan, scale, accumulate)
         return
+    launch_unpack(_tables(scan, flat), flat, scale, accumulate)
+
+
+def launch_unpack(tables, flat: torch.Tensor, scale: float, accumulate: bool) -> None:
+    """One `_unpack_kernel` launch per (destination dtype, block table) of `tables`."""
     kernel = runnable(_unpack_kernel)
-    for dst_dtype, ptrs, numels, offsets in _groups(scan):
-        bt = block_table(ptrs, numels, offsets, dst_dtype.itemsize, flat, BLOCK)
+    for dst_dtype, bt in tables:
         if bt.n_blocks == 0:  # a dtype group of zero-size tensors
             continue
         kernel[(bt.n_blocks,)](

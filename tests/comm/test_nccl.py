@@ -12,7 +12,15 @@ import torch
 
 from fastcomm import ReduceOp
 from fastcomm.comm import SUPPORTED_DTYPES
-from fastcomm.comm.nccl import cupy_nccl, nccl_dtype, nccl_op
+from fastcomm.comm.nccl import (
+    NCCL_DTYPE_NAMES,
+    NCCL_OP_NAMES,
+    cupy_nccl,
+    dtype_code,
+    nccl_dtype,
+    nccl_op,
+    nccl_tables,
+)
 
 nccl = cupy_nccl()
 needs_cupy_nccl = pytest.mark.skipif(nccl is None, reason="CuPy NCCL bindings not loadable")
@@ -36,6 +44,27 @@ def test_unsupported_dtype_is_a_type_error(dtype):
 @needs_cupy_nccl
 def test_every_reduce_op_maps():
     assert len({nccl_op(nccl, op) for op in ReduceOp}) == len(ReduceOp)
+
+
+def test_name_tables_cover_every_supported_dtype_and_op_once():
+    assert set(NCCL_DTYPE_NAMES) == set(SUPPORTED_DTYPES)
+    assert len(set(NCCL_DTYPE_NAMES.values())) == len(NCCL_DTYPE_NAMES)
+    assert set(NCCL_OP_NAMES) == set(ReduceOp)
+    assert len(set(NCCL_OP_NAMES.values())) == len(NCCL_OP_NAMES)
+
+
+def test_dtype_code_looks_up_and_refuses_naming_what_is_allowed():
+    table = {torch.float32: 7, torch.int8: 0}  # ncclFloat32, ncclInt8 in nccl.h
+    assert dtype_code(table, torch.int8) == 0
+    with pytest.raises(TypeError, match=r"complex64; allowed: torch.float32, torch.int8"):
+        dtype_code(table, torch.complex64)
+
+
+@needs_cupy_nccl
+def test_cached_tables_agree_with_the_per_call_lookups():
+    dtypes, ops = nccl_tables(nccl)
+    assert dtypes == {d: nccl_dtype(nccl, d) for d in SUPPORTED_DTYPES}
+    assert ops == {op: nccl_op(nccl, op) for op in ReduceOp}
 
 
 @pytest.mark.skipif(
@@ -70,6 +99,12 @@ def check_nccl_collectives():
     fut = comm.all_reduce(x, op="avg", async_op=True).get_future()
     y = fut.wait() * 2  # stream-ordered: no host sync needed for correctness
     assert torch.allclose(y, torch.full_like(y, 2.0))
+    # Temporaries held only by their works and the communicator (no record_stream), futures
+    # made after later collectives were enqueued.
+    works = [comm.all_reduce(torch.full((4096,), 1.0, device=dev), async_op=True)
+             for _ in range(8)]
+    values = [w.get_future().wait() for w in works]
+    assert all(bool(torch.all(v == n)) for v in values)
     sub = comm.split(0)
     s = torch.ones(3, device=dev)
     sub.all_reduce(s)

@@ -87,12 +87,19 @@ class ErrorFeedback:
         self.errors: dict[str, torch.Tensor] = {}
         self._layouts: dict[int, tuple[tuple[str, ...], torch.Tensor]] = {}
 
-    def flat(self, index: int, names: list[str], numels: list[int], total: int, device):
-        """The flat residual buffer (``total`` elements, zero tail) of bucket ``index``."""
+    def flat(self, index: int, names: list[str], numels, total: int, device):
+        """The flat residual buffer (``total`` elements, zero tail) of bucket ``index``.
+
+        Args:
+            numels: the parameters' element counts, or a callable returning them (called only
+                when the layout is new, so a step of an unchanged bucket loops over nothing).
+        """
         key = tuple(names)
         layout = self._layouts.get(index)
         if layout is not None and layout[0] == key and layout[1].numel() == total:
             return layout[1]
+        if callable(numels):
+            numels = numels()
         flat = torch.zeros(total, dtype=torch.float32, device=device)
         offset = 0
         for name, n in zip(names, numels, strict=True):

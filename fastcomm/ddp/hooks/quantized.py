@@ -15,6 +15,10 @@ Each rank sends ``(W-1)/W`` of its codes in step 2 and the same in step 4: ``2 (
 bytes plus scales, against ``2 (W-1)/W * 4N`` for a ring allreduce of fp32 -- about 4x less.
 Step 4's rounding is not fed back (it is shared by all ranks, and half a code step of the
 summed chunk).
+
+Host cost: every buffer of the pipeline (codes, scales, what is received, the dequantized
+chunks and their sum) is allocated once per bucket and reused each step (`_Buffers`), and
+nothing loops over the bucket's parameters unless its layout changed.
 """
 
 from __future__ import annotations
@@ -31,6 +35,24 @@ __all__ = ["QuantizeState", "fp8_compress_hook", "int8_compress_hook"]
 
 # Code dtypes as they travel: fp8 is not a communicator dtype, its bytes are.
 _WIRE = {torch.int8: torch.int8, torch.float8_e4m3fn: torch.uint8}
+
+
+class _Buffers:
+    """One bucket's preallocated pipeline buffers (`padded` elements over `world` ranks)."""
+
+    __slots__ = ("key", "q", "scales", "recv_q", "recv_s", "parts", "chunk_sum", "q2", "s2")
+
+    def __init__(self, key, padded: int, world: int, block: int, qdtype, device) -> None:
+        self.key = key
+        chunk, n_scales = padded // world, padded // block
+        self.q = torch.empty(padded, dtype=qdtype, device=device)
+        self.scales = torch.empty(n_scales, dtype=torch.float32, device=device)
+        self.recv_q = torch.empty(padded, dtype=qdtype, device=device)
+        self.recv_s = torch.empty(n_scales, dtype=torch.float32, device=device)
+        self.parts = torch.empty(padded, dtype=torch.float32, device=device)
+        self.chunk_sum = torch.empty(chunk, dtype=torch.float32, device=device)
+        self.q2 = torch.empty(chunk, dtype=qdtype, device=device)
+        self.s2 = torch.empty(chunk // block, dtype=torch.float32, device=device)
 
 
 class QuantizeState:
@@ -55,6 +77,15 @@ class QuantizeState:
         self.error_feedback = bool(error_feedback)
         self.feedback = ErrorFeedback()
         self.phases = PhaseComms()
+        self._buffers: dict[int, _Buffers] = {}
+
+    def buffers(self, index: int, padded: int, world: int, qdtype, device) -> _Buffers:
+        """Bucket `index`'s pipeline buffers, made on first use and when its shape changes."""
+        key = (padded, world, self.block, qdtype, device)
+        bufs = self._buffers.get(index)
+        if bufs is None or bufs.key != key:
+            bufs = self._buffers[index] = _Buffers(key, padded, world, self.block, qdtype, device)
+        return bufs
 
     @property
     def errors(self) -> dict[str, torch.Tensor]:
@@ -85,14 +116,15 @@ def _quantized_allreduce(
     device = x.device
     error = None
     if state.error_feedback:
-        params = bucket.parameters()
         error = state.feedback.flat(
-            bucket.index(), bucket.parameter_names(), [p.numel() for p in params], padded, device
+            bucket.index(), bucket.parameter_names(),
+            lambda: [p.numel() for p in bucket.parameters()], padded, device,
         )
-    q, scales = kernels.quantize(x, dtype=qdtype, block=block, error=error)
+    bufs = state.buffers(bucket.index(), padded, world, qdtype, device)
+    q, scales = kernels.quantize(x, dtype=qdtype, block=block, error=error,
+                                 out=(bufs.q, bufs.scales))
     wire = _WIRE[qdtype]
-    recv_q = torch.empty(padded, dtype=qdtype, device=device)
-    recv_s = torch.empty(scales.numel(), dtype=torch.float32, device=device)
+    recv_q, recv_s = bufs.recv_q, bufs.recv_s
     ticket = state.phases.issuer.ticket()
     futures = [
         comm.all_to_all(recv_q.view(wire), q.view(wire), async_op=True).get_future(),
@@ -105,8 +137,10 @@ def _quantized_allreduce(
             for f in done.value():
                 f.value()
             # Sum every rank's copy of my chunk in fp32, re-quantize it.
-            parts = kernels.dequantize(recv_q, recv_s, block=block).view(world, chunk)
-            q2, s2 = kernels.quantize(parts.sum(0), dtype=qdtype, block=block)
+            parts = kernels.dequantize(recv_q, recv_s, block=block, out=bufs.parts)
+            summed = torch.sum(parts.view(world, chunk), 0, out=bufs.chunk_sum)
+            q2, s2 = kernels.quantize(summed, dtype=qdtype, block=block,
+                                      out=(bufs.q2, bufs.s2))
         except BaseException as exc:
             state.phases.issuer.run(ticket, None)  # pass the turn to the next bucket
             result.set_exception(exc)

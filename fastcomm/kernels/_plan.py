@@ -1,0 +1,409 @@
+"""A bucket's pack and unpack planned once: per call, only the checks and the bytes.
+
+A DDP packs and unpacks the same list of tensors every step. `pack`/`unpack` validate every
+tensor in Python, re-derive the block table's key and re-decide the implementation on each
+call (~1 us per tensor, plus ~20 us per call). `PackPlan` does that once for a *layout* (the
+tensors' shapes and dtypes, in order, on one device) and keeps:
+
+- views of each flat buffer it has served, shaped like the tensors (a few buffers, keyed by
+  address, dtype and length: the views hold the storage alive, so an address seen again is
+  the same memory), for ``torch._foreach_copy_`` and ``torch.cat``;
+- the Triton block tables, rebuilt only when a tensor's address changes (gradients set to
+  ``None`` and reallocated every step may or may not come back at the same addresses);
+- the implementation (`kernel_backend` at plan time: a plan keeps it).
+
+Each call checks the tensors' element counts and dtypes (and their contiguity, where the
+kernel reads their addresses; torch's copies take any strides, so the torch backend accepts
+strided tensors and packs them correctly) with C-level loops over the list (``map`` over
+tensor methods: no Python frame per tensor); a mismatch raises the same TypeError/ValueError
+as `pack`. Shapes are the copies' business: the kernel reads only
+counts, and torch's copies refuse a shape that differs by more than size-1 dimensions (which
+moves the same bytes), reported as a ValueError naming the tensor. Results are bit-identical
+to `pack`/`unpack` called with the same arguments.
+
+Where nothing is cast or scaled, the copy is ``torch.cat`` (all tensors 1-D) or
+``torch._foreach_copy_`` into the cached views: on CPU these are the fastest copies torch has,
+and on CUDA a small bucket is bound by host time, where one ``_foreach_copy_`` costs less than
+a Triton launch. Casts and scales on CUDA, and large buckets, take the fused kernel.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+
+from ._launch import (
+    _FLOAT_SET,
+    FLOAT_DTYPES,
+    block_table,
+    check_out,
+    check_tensor,
+    compute_dtype,
+    fp32_scale,
+    keep_for_launch,
+    kernel_backend,
+    scan_tensors,
+)
+from ._pack import BLOCK, _mid_dtype, launch_pack, launch_unpack
+
+__all__ = ["PackPlan"]
+
+_SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
+_DTYPE = operator.attrgetter("dtype")
+_NUMEL = torch.Tensor.numel
+_DATA_PTR = torch.Tensor.data_ptr
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
+
+#: Flat buffers whose views a plan keeps (a bucket's own, a hook's scratch, a hook's result).
+_VIEW_CACHE = 3
+
+#: On CUDA, a copy of at most this many tensors and this many bytes takes
+#: ``_foreach_copy_`` (host-bound: its host time beats a Triton launch's); larger buckets
+#: take the fused kernel, which stays at the copy limit for large tensors.
+FOREACH_MAX_TENSORS = 64
+FOREACH_MAX_BYTES = 64 << 20
+#: ... and a scaled fp32/fp64 copy of at most this many bytes takes ``_foreach_copy_`` and one
+#: ``mul_`` of the flat buffer (the same single rounding as the kernel): a second pass over
+#: the bytes, cheaper than a launch only while the bucket is small.
+FOREACH_SCALED_MAX_BYTES = 1 << 20
+
+
+def foreach_on_device(
+    device: torch.device, n_tensors: int, nbytes: int, dtype: torch.dtype | None, scale: float
+) -> bool:
+    """Whether a plan on a kernel device copies with ``_foreach_copy_`` instead of the kernel.
+
+    Only small buckets on CUDA, where the host time of a launch dominates: copies without a
+    cast (`dtype` is the one dtype of tensors and buffer; None when a cast happens), scaled
+    only in fp32/fp64 (where ``copy`` then ``mul_`` rounds exactly as the kernel does).
+    """
+    if device.type != "cuda" or dtype is None or n_tensors > FOREACH_MAX_TENSORS:
+        return False
+    if scale == 1.0:
+        return nbytes <= FOREACH_MAX_BYTES
+    return dtype in (torch.float32, torch.float64) and nbytes <= FOREACH_SCALED_MAX_BYTES
+
+
+class PackPlan:
+    """Packs a fixed layout of tensors into flat buffers and back, planned once.
+
+    Args:
+        tensors: the bucket's tensors as they will be passed to `pack`/`unpack`: contiguous
+            floating tensors on one device, any shapes (including empty); mixed dtypes allowed.
+
+    Raises:
+        TypeError, ValueError: as `pack` for the same tensors.
+
+    Example::
+
+        plan = PackPlan(grads)
+        plan.pack(grads, bucket_flat, scale=1 / world)
+        ...
+        plan.unpack(bucket_flat, grads)
+    """
+
+    __slots__ = (
+        "layout", "numels", "offsets", "total", "device", "dtypes", "backend",
+        "_flat_1d", "_groups", "_views", "_tables", "_table_ptrs", "_scratch", "_dtype_list",
+        "_scale", "_on_cuda",
+    )
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        scan = scan_tensors("tensors", tensors)
+        #: ``(shape, dtype)`` of each tensor, in order (calls are checked against the counts
+        #: and dtypes; the shapes give the views).
+        self.layout = list(map(_SHAPE_DTYPE, scan.tensors))
+        self.numels = scan.numels
+        self.offsets = scan.offsets
+        self.total = scan.total
+        self.device = scan.device if scan.device is not None else torch.device("cpu")
+        #: Distinct dtypes of the tensors, in first-seen order.
+        self.dtypes = list(dict.fromkeys(scan.dtypes))
+        self._dtype_list = scan.dtypes
+        self._on_cuda = self.device.type == "cuda"
+        self._scale = (1.0, 1.0)  # the last (scale given, scale rounded to fp32)
+        #: ``"triton"`` or ``"torch"``: the implementation chosen for this device.
+        self.backend = kernel_backend(self.device)
+        self._flat_1d = all(len(shape) == 1 for shape, _ in self.layout)
+        # Indices of each dtype's tensors (one launch / one vectorized copy per dtype).
+        self._groups = {d: [i for i, dt in enumerate(scan.dtypes) if dt == d] for d in self.dtypes}
+        # (buffer, its address, dtype, length, views), the most recent first.
+        self._views: list[tuple] = []
+        self._tables: dict[int, list] = {}  # flat itemsize -> [(dtype, BlockTable)]
+        self._table_ptrs: list[int] | None = None
+        self._scratch: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.layout)
+
+    def __repr__(self) -> str:
+        kinds = ", ".join(str(d) for d in self.dtypes)
+        return (f"PackPlan({len(self.layout)} tensors, {self.total} elements of {kinds or '-'}, "
+                f"{self.device}, {self.backend})")
+
+    # ------------------------------------------------------------------ checks
+    def matches(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether `tensors` have the planned element counts and dtypes (and, where the kernel
+        reads their addresses, are contiguous: torch's copies take any strides)."""
+        try:
+            return (
+                isinstance(tensors, (list, tuple))
+                and list(map(_NUMEL, tensors)) == self.numels
+                and list(map(_DTYPE, tensors)) == self._dtype_list
+                and (self.backend == "torch" or all(map(_IS_CONTIGUOUS, tensors)))
+            )
+        except (AttributeError, TypeError):  # a non-tensor in the list
+            return False
+
+    def _check(self, tensors) -> None:
+        if self.matches(tensors):
+            return
+        if self.backend == "torch":  # strides are fine there: name a non-tensor or a dtype
+            self._check_loose(tensors)
+            return
+        scan = scan_tensors("tensors", tensors)  # raises for non-tensors, strides, devices
+        if len(scan.tensors) != len(self.layout):
+            raise ValueError(f"tensors has {len(scan.tensors)} tensors; this plan was made "
+                             f"for {len(self.layout)}")
+        for i, (t, (shape, dtype)) in enumerate(zip(scan.tensors, self.layout, strict=True)):
+            if t.numel() != shape.numel() or t.dtype != dtype:
+                raise ValueError(
+                    f"tensors[{i}] has shape {tuple(t.shape)} and dtype {t.dtype}; this plan "
+                    f"was made for shape {tuple(shape)} and dtype {dtype} (make a new plan)"
+                )
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _check_loose(self, tensors) -> None:
+        """Raises as `_check` for the torch backend, where strided tensors are allowed."""
+        if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
+            raise TypeError(f"tensors must be a list or tuple of tensors, got "
+                            f"{type(tensors).__name__}")
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor) or t.dtype not in _FLOAT_SET:
+                check_tensor(f"tensors[{i}]", t, dtypes=FLOAT_DTYPES)  # raises TypeError
+        if len(tensors) != len(self.layout):
+            raise ValueError(f"tensors has {len(tensors)} tensors; this plan was made "
+                             f"for {len(self.layout)}")
+        for i, (t, (shape, dtype)) in enumerate(zip(tensors, self.layout, strict=True)):
+            if t.numel() != shape.numel() or t.dtype != dtype:
+                raise ValueError(
+                    f"tensors[{i}] has shape {tuple(t.shape)} and dtype {t.dtype}; this plan "
+                    f"was made for shape {tuple(shape)} and dtype {dtype} (make a new plan)"
+                )
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _explain(self, tensors) -> None:
+        """Raises ValueError naming the first tensor whose shape differs from the plan's."""
+        for i, (t, (shape, _)) in enumerate(zip(tensors, self.layout, strict=True)):
+            if t.shape != shape:
+                raise ValueError(f"tensors[{i}] has shape {tuple(t.shape)}; this plan was made "
+                                 f"for shape {tuple(shape)} (make a new plan)")
+
+    def _fp32_scale(self, scale) -> float:
+        given, rounded = self._scale
+        if type(scale) is float and scale == given:  # the usual: the same scale every step
+            return rounded
+        rounded = fp32_scale(scale)
+        self._scale = (scale, rounded) if type(scale) is float else self._scale
+        return rounded
+
+    def _check_flat(self, name: str, flat) -> None:
+        try:  # the usual, checked without building messages or device objects
+            if (flat.is_cuda == self._on_cuda and flat.dtype in _FLOAT_SET and flat.dim() == 1
+                    and flat.numel() == self.total and flat.is_contiguous()
+                    and (not self._on_cuda or flat.get_device() == self.device.index)):
+                return
+        except (AttributeError, TypeError):
+            pass
+        check_tensor(name, flat, dtypes=FLOAT_DTYPES)
+        # An empty layout has no device of its own: any buffer of length 0 will do.
+        device = self.device if self.layout else flat.device
+        check_out(name, flat, numel=self.total, dtype=flat.dtype, device=device)
+
+    # ------------------------------------------------------------------ cached state
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of `flat` shaped like the planned tensors (cached per buffer)."""
+        first = self._views[0] if self._views else None
+        if first is not None and first[0] is flat and first[1] == flat.data_ptr():
+            return first[4]  # the buffer of the last call, the same object: no key to build
+        key = (flat.data_ptr(), flat.dtype, flat.numel())
+        for entry in self._views:
+            if entry[1:4] == key:
+                return entry[4]
+        views = [
+            part.view(shape)
+            for part, (shape, _) in zip(flat.split(self.numels), self.layout, strict=True)
+        ] if self.layout else []
+        self._views.insert(0, (flat, *key, views))
+        del self._views[_VIEW_CACHE:]
+        return views
+
+    def block_tables(self, tensors, flat: torch.Tensor) -> list:
+        """``(dtype, BlockTable)`` per dtype of `tensors` placed in `flat` (kept until an
+        address changes): what a kernel walking this bucket launches over, e.g. a fused
+        unpack variant; `tensors` must have passed this plan's checks."""
+        ptrs = list(map(_DATA_PTR, tensors))
+        if ptrs != self._table_ptrs:  # reallocated tensors: their addresses are in the tables
+            scan = scan_tensors("tensors", tensors)
+            if scan.device != self.device:
+                raise ValueError(f"tensors are on {scan.device}; this plan was made for "
+                                 f"{self.device}")
+            self._tables.clear()
+            self._table_ptrs = ptrs
+        itemsize = flat.element_size()
+        tables = self._tables.get(itemsize)
+        if tables is not None:
+            for _, bt in tables:  # held across calls, maybe made under another stream
+                keep_for_launch(bt)
+        else:
+            tables = self._tables[itemsize] = [
+                (
+                    dtype,
+                    block_table(
+                        [ptrs[i] for i in idx], [self.numels[i] for i in idx],
+                        [self.offsets[i] for i in idx], dtype.itemsize, flat, BLOCK,
+                    ),
+                )
+                for dtype, idx in self._groups.items()
+            ]
+        return tables
+
+    def _foreach_on_device(self, scale: float, same_dtype: bool) -> bool:
+        if not same_dtype:
+            return False
+        dtype = self.dtypes[0]
+        nbytes = self.total * dtype.itemsize
+        return foreach_on_device(self.device, len(self.layout), nbytes, dtype, scale)
+
+    # ------------------------------------------------------------------ pack
+    def pack(
+        self,
+        tensors: Sequence[torch.Tensor],
+        out: torch.Tensor,
+        *,
+        scale: float = 1.0,
+    ) -> torch.Tensor:
+        """`pack(tensors, out, scale=scale, dtype=out.dtype)`, with the planning reused.
+
+        Args:
+            tensors: tensors of the planned layout (any addresses).
+            out: contiguous 1-D floating buffer of the planned total length on the plan's
+                device; its dtype is the packed dtype.
+            scale: every element is multiplied by it (rounded to fp32) before the cast.
+
+        Returns:
+            `out`.
+
+        Raises:
+            TypeError, ValueError: tensors not of the planned layout, or a bad `out`/`scale`.
+        """
+        self._check(tensors)
+        self._check_flat("out", out)
+        scale = self._fp32_scale(scale)
+        if not self.layout:
+            return out
+        same = self.dtypes == [out.dtype]
+        if self.backend == "torch" or self._foreach_on_device(scale, same):
+            try:
+                self._pack_torch(tensors, out, scale, same)
+            except RuntimeError:
+                self._explain(tensors)  # a shape torch's copies refuse
+                raise
+        elif self.total:
+            launch_pack(self.block_tables(tensors, out), out, scale)
+        return out
+
+    def _pack_torch(self, tensors, out: torch.Tensor, scale: float, same: bool) -> None:
+        # Mirrors `_pack._pack_torch` (the reference) element for element.
+        if same and (scale == 1.0 or out.dtype in (torch.float32, torch.float64)):
+            self._copy_in(tensors, out)
+            if scale != 1.0:
+                out.mul_(scale)  # x * scale rounds once in fp32/fp64, as the kernel's
+            return
+        mid = _mid_dtype(out.dtype)
+        if len(self.dtypes) == 1:
+            # One source dtype: gather it flat, then convert the whole buffer at once.
+            src = torch.empty(self.total, dtype=self.dtypes[0], device=out.device)
+            self._copy_in(tensors, src)
+            y = src.to(compute_dtype(src.dtype, out.dtype))
+            if scale != 1.0:
+                y = y * scale
+            out.copy_(y.to(mid))
+            return
+        for v, t in zip(self.views(out), tensors, strict=True):
+            if t.dtype != out.dtype or scale != 1.0:
+                t = t.to(compute_dtype(t.dtype, out.dtype))
+                if scale != 1.0:
+                    t = t * scale
+                t = t.to(mid)
+            v.copy_(t)
+
+    def _copy_in(self, tensors, flat: torch.Tensor) -> None:
+        if self._flat_1d and flat.device.type == "cpu":
+            # 1-D inputs need no views: one cat (the fastest gather on CPU).
+            torch.cat(tensors, out=flat)
+        else:
+            torch._foreach_copy_(self.views(flat), list(tensors))
+
+    # ------------------------------------------------------------------ unpack
+    def unpack(
+        self,
+        flat: torch.Tensor,
+        tensors: Sequence[torch.Tensor],
+        *,
+        scale: float = 1.0,
+        accumulate: bool = False,
+    ) -> None:
+        """`unpack(flat, tensors, scale=scale, accumulate=accumulate)`, planning reused.
+
+        Raises:
+            TypeError, ValueError: tensors not of the planned layout, or a bad `flat`,
+                `scale` or `accumulate`.
+        """
+        self._check(tensors)
+        self._check_flat("flat", flat)
+        if not isinstance(accumulate, bool):
+            raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
+        scale = self._fp32_scale(scale)
+        if not self.layout:
+            return
+        same = self.dtypes == [flat.dtype]
+        plain = not accumulate
+        if self.backend == "torch" or (plain and scale == 1.0
+                                       and self._foreach_on_device(scale, same)):
+            try:
+                self._unpack_torch(flat, tensors, scale, accumulate, same)
+            except RuntimeError:
+                self._explain(tensors)  # a shape torch's copies refuse
+                raise
+        elif self.total:
+            launch_unpack(self.block_tables(tensors, flat), flat, scale, accumulate)
+
+    def _unpack_torch(self, flat, tensors, scale: float, accumulate: bool, same: bool) -> None:
+        # Mirrors `_pack._unpack_torch` (the reference) element for element.
+        tensors = list(tensors)
+        if same and (flat.dtype in (torch.float32, torch.float64)
+                     or (scale == 1.0 and not accumulate)):
+            if scale != 1.0:
+                # Scaled into a scratch buffer of the plan: its views are cached too.
+                scratch = self._scratch
+                if scratch is None or scratch.dtype != flat.dtype:
+                    scratch = self._scratch = torch.empty_like(flat)
+                torch.mul(flat, scale, out=scratch)
+                flat = scratch
+            views = self.views(flat)
+            if accumulate:
+                torch._foreach_add_(tensors, views)
+            else:
+                torch._foreach_copy_(tensors, views)
+            return
+        for t, v in zip(tensors, self.views(flat), strict=True):
+            compute = compute_dtype(t.dtype, flat.dtype)
+            y = v.to(compute)
+            if scale != 1.0:
+                y = y * scale
+            if accumulate:
+                y = t.to(compute) + y
+            t.copy_(y.to(_mid_dtype(t.dtype)))

@@ -1,0 +1,90 @@
+"""Work: lazy futures, waits with timeouts, completion from another thread."""
+
+import threading
+
+import pytest
+import torch
+
+from fastcomm.comm.errors import CommTimeoutError, FastcommError
+from fastcomm.comm.work import Lane, Work, completed_work
+
+
+def test_completed_work_is_done_and_its_future_resolves_on_request():
+    out = torch.ones(3)
+    work = completed_work("all_reduce", 0, out)
+    assert work.is_completed() and work.is_success() and work.wait() is True
+    assert work._future is None  # nothing built until asked for
+    future = work.get_future()
+    assert future.done() and future.value() is out
+    assert work.get_future() is future
+
+
+@pytest.mark.parametrize("future_first", [True, False])
+def test_future_resolves_once_whichever_comes_first(future_first):
+    out = torch.zeros(2)
+    work = Work("broadcast", 1, out)
+    assert not work.is_completed()
+    if future_first:
+        future = work.get_future()
+        assert not future.done()
+        work._complete()
+    else:
+        work._complete()
+        future = work.get_future()
+    assert future.value() is out
+    work._complete()  # a second completion is ignored
+    work._fail(RuntimeError("late"))
+    assert work.is_success() and work.wait()
+
+
+@pytest.mark.parametrize("future_first", [True, False])
+def test_failure_reaches_wait_and_the_future(future_first):
+    work = Work("all_gather", 2, None)
+    error = FastcommError("rank 2: all_gather failed")
+    future = work.get_future() if future_first else None
+    work._fail(error)
+    future = future or work.get_future()
+    with pytest.raises(FastcommError, match="rank 2: all_gather failed"):
+        work.wait()
+    with pytest.raises(RuntimeError, match="all_gather failed"):
+        future.wait()
+    assert work.is_completed() and not work.is_success() and work.exception() is error
+
+
+def test_wait_times_out_naming_rank_and_op():
+    work = Work("reduce_scatter", 3, None)
+    with pytest.raises(CommTimeoutError, match=r"rank 3: reduce_scatter did not complete within"):
+        work.wait(0.05)
+    with pytest.raises(CommTimeoutError):
+        work.wait(-1.0)  # a negative timeout does not block
+    work._complete()
+    assert work.wait(0.0)
+
+
+def test_every_waiter_wakes_when_another_thread_completes():
+    work = Work("all_reduce", 0, torch.ones(1))
+    woke = []
+
+    def waiter():
+        woke.append(work.wait(10.0))
+
+    threads = [threading.Thread(target=waiter) for _ in range(4)]
+    for t in threads:
+        t.start()
+    work._complete()
+    for t in threads:
+        t.join(10.0)
+    assert woke == [True] * 4
+
+
+def test_lazy_future_races_with_completion_resolve_exactly_once():
+    lane = Lane("fastcomm-test-work-lane")
+    try:
+        for i in range(200):
+            work = Work("all_reduce", 0, torch.full((1,), float(i)))
+            lane.submit(work, lambda: None)
+            future = work.get_future()  # may come before or after the lane completes it
+            assert future.wait().item() == i
+            assert work.wait(10.0)
+    finally:
+        assert lane.close(10.0)
