@@ -1,0 +1,73 @@
+"""PyTorch's own DDP tests, run with ``fastcomm.ddp.DDP`` in place of torch's class.
+
+torch ships its distributed test suite (``torch.testing._internal.distributed.distributed_test``,
+class ``DistributedTest._DistTestBase``); torch runs it with ``BACKEND=gloo WORLD_SIZE=2`` through
+``TestDistBackend``, two real rank processes per test. Here the same base runs with
+``torch.nn.parallel.DistributedDataParallel`` replaced by fastcomm's ``DDP`` *before* the suite
+module is imported (it binds the name at import): the rank processes are forked from this one
+and inherit the swap; with ``FASTCOMM_TORCH_SUITE_START=spawn`` they are spawned instead and
+each re-imports this module, which swaps again before importing the suite.
+
+Selected: the tests of the base whose name mentions DDP (``ddp``, ``DDP``,
+``DistributedDataParallel``) or which train through ``no_sync``. Excluded (``EXCLUDED`` below,
+one reason each): tests that read torch internals rather than behaviour. Tests the suite itself
+skips on a CPU machine (CUDA, NCCL, several GPUs) are reported as skipped by pytest.
+
+Run: ``FASTCOMM_TORCH_SUITE=1 PYTHONPATH=$PWD python -m pytest tests/torch_suite``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+
+import torch
+
+os.environ.setdefault("BACKEND", "gloo")
+os.environ.setdefault("WORLD_SIZE", "2")
+os.environ.setdefault("TEMP_DIR", tempfile.gettempdir())
+
+import fastcomm.ddp  # noqa: E402
+
+# The swap: every later `nn.parallel.DistributedDataParallel` (and the suite's own
+# `from torch.nn.parallel import DistributedDataParallel`) resolves to fastcomm's class.
+# FASTCOMM_TORCH_SUITE_DDP=torch keeps torch's class: the same selection as a reference run.
+if os.environ.get("FASTCOMM_TORCH_SUITE_DDP", "fastcomm") != "torch":
+    torch.nn.parallel.DistributedDataParallel = fastcomm.ddp.DDP
+
+import pytest  # noqa: E402
+from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
+    DistributedTest,
+    TestDistBackend,
+)
+
+_SELECT = re.compile(r"ddp|DistributedDataParallel|no_sync", re.IGNORECASE)
+
+# test name -> why it is not run (each reads torch internals, not DDP behaviour)
+EXCLUDED: dict[str, str] = {}
+
+pytestmark = pytest.mark.timeout(400)
+
+
+class TestFastcommDDPWithTorchSuite(TestDistBackend, DistributedTest._DistTestBase):
+    """torch's ``TestDistBackendWithSpawn``, with fastcomm's DDP and forked ranks."""
+
+    def setUp(self):
+        super().setUp()
+        if os.environ.get("FASTCOMM_TORCH_SUITE_START") == "spawn":
+            self._spawn_processes()
+        else:
+            self._start_processes(torch.multiprocessing.get_context("fork").Process)
+
+
+def _prune() -> None:
+    """Removes the tests this module does not run (not DDP, or listed in ``EXCLUDED``)."""
+    for name in dir(DistributedTest._DistTestBase):
+        if not name.startswith("test_"):
+            continue
+        if not _SELECT.search(name) or name in EXCLUDED:
+            setattr(TestFastcommDDPWithTorchSuite, name, None)
+
+
+_prune()
