@@ -26,7 +26,9 @@ from fastcomm.comm.base import Communicator
 
 from .config import DDPConfig, check_param_dtype
 from .join import Join, notify_join
+from .pickling import ddp_getstate, ddp_setstate
 from .reducer import Reducer
+from .sparse import sparse_param_indices
 from .sync import broadcast_tensors, verify_same_parameters
 
 __all__ = ["DDP", "DistributedDataParallel"]
@@ -147,8 +149,13 @@ class DDP(nn.Module):
         )
         self.module = module
         self.dim = dim
-        self.process_group = process_group
         self.comm = resolve_comm(comm, process_group)
+        # torch's attribute is the group reduced over: the default one when none was passed
+        self.process_group = process_group if process_group is not None else _default_group()
+        # how a pickled copy finds its communicator again (see pickling.py)
+        self._comm_given = comm is not None or (
+            process_group is not None and process_group is not _default_group()
+        )
         self.mixed_precision = mixed_precision
 
         ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
@@ -191,7 +198,9 @@ class DDP(nn.Module):
                 state += [b for _, b in self._named_buffers()]
             broadcast_tensors(self.comm, state, src=0)
 
-        self.reducer = Reducer(params, names, self.comm, self.config)
+        self.reducer = Reducer(
+            params, names, self.comm, self.config, sparse_param_indices(module, params)
+        )
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._join: Join | None = None
@@ -328,12 +337,24 @@ class DDP(nn.Module):
         self.config.static_graph = True
         self.reducer._recording = True
 
+    __getstate__ = ddp_getstate
+    __setstate__ = ddp_setstate
+
+    @staticmethod
+    def _get_data_parallel_params(module: nn.Module, named_params: bool = False):
+        """The parameters DDP reduces (requiring grad, not ignored), as torch's helper."""
+        ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        names, params = _reduced_parameters(module, ignore)
+        return list(zip(names, params, strict=True)) if named_params else params
+
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         return {
             "world_size": self.comm.size,
             "rank": self.comm.rank,
             "backend_name": self.comm.backend,
-            "bucket_sizes": [b.numel * b.flat.element_size() for b in self.reducer.buckets],
+            "bucket_sizes": [
+                b.numel * b.params[0].element_size() for b in self.reducer.buckets
+            ],
             "has_rebuilt_buckets": int(self.reducer.rebuilt),
             "find_unused_parameters": int(self.find_unused_parameters),
             "static_graph": int(self.static_graph),
@@ -342,6 +363,12 @@ class DDP(nn.Module):
 
 
 DistributedDataParallel = DDP
+
+
+def _default_group() -> dist.ProcessGroup | None:
+    if dist.is_available() and dist.is_initialized():
+        return dist.distributed_c10d._get_default_group()
+    return None
 
 
 def _reduced_parameters(module: nn.Module, ignore: set[str]):
