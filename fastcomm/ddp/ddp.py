@@ -14,6 +14,8 @@ Torch arguments with no fastcomm meaning are accepted and documented on ``__init
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -24,6 +26,7 @@ from torch import nn
 
 from fastcomm.comm.base import Communicator
 
+from .bucket import GradBucket
 from .config import DDPConfig, check_param_dtype
 from .join import Join, notify_join
 from .pickling import ddp_getstate, ddp_setstate
@@ -250,6 +253,17 @@ class DDP(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        sync = self._pre_forward()
+        if self.device_ids:
+            inputs, kwargs = _to_device((inputs, kwargs), torch.device("cuda", self.device_ids[0]))
+        output = self.module(*inputs, **kwargs)
+        self._post_forward(output, sync)
+        return output
+
+    # Under torch.compile the wrapped module's forward is compiled; the reducer's bookkeeping
+    # and collectives around it run eagerly (graph breaks), like torch DDP's pre/post forward.
+    @torch.compiler.disable
+    def _pre_forward(self) -> bool:
         reducer = self.reducer
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         reducer.prepare_for_forward()
@@ -259,12 +273,12 @@ class DDP(nn.Module):
             reducer.rebuild()
         if self._will_sync_buffers():
             self._sync_buffers()
-        if self.device_ids:
-            inputs, kwargs = _to_device((inputs, kwargs), torch.device("cuda", self.device_ids[0]))
-        output = self.module(*inputs, **kwargs)
+        return sync
+
+    @torch.compiler.disable
+    def _post_forward(self, output: Any, sync: bool) -> None:
         self.require_forward_param_sync = sync
-        reducer.prepare_for_backward(output, sync)
-        return output
+        self.reducer.prepare_for_backward(output, sync)
 
     def _will_sync_buffers(self) -> bool:
         return (
@@ -318,24 +332,45 @@ class DDP(nn.Module):
         first backward.
 
         Raises:
+            TypeError: `hook` is not callable (torch's message).
+            ValueError: `hook`'s annotations are not torch's ``dist.GradBucket`` /
+                ``torch.futures.Future[torch.Tensor]`` (torch's messages).
             RuntimeError: a hook is already registered, or reduction already started.
         """
+        _check_comm_hook(hook)
         if self._comm_hook_registered:
-            raise RuntimeError("register_comm_hook can only be called once")
+            raise RuntimeError(
+                "register_comm_hook or register_builtin_comm_hook can only be called once."
+            )
         if self.reducer.synced_iterations or self.reducer.expect_hooks:
             raise RuntimeError("register_comm_hook must be called before the first backward")
-        if not callable(hook):
-            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
         self._comm_hook_registered = True
         self.reducer.comm_hook = hook
         self.reducer.hook_state = state
 
     def _set_static_graph(self) -> None:
         """torch's private switch, kept for scripts that call it before training."""
+        if self.static_graph:
+            warnings.warn(
+                "You've set static_graph to be True, no need to set it again.", stacklevel=2
+            )
+            return
         if self.reducer.synced_iterations:
-            raise RuntimeError("_set_static_graph must be called before the first iteration")
+            raise RuntimeError(
+                "set_static_graph() should be called before training loop starts and after "
+                "DistributedDataParallel is constructed."
+            )
         self.config.static_graph = True
         self.reducer._recording = True
+        if self.find_unused_parameters:
+            warnings.warn(
+                "You passed find_unused_parameters=true to DistributedDataParallel, "
+                "`_set_static_graph` will detect unused parameters automatically, so you do "
+                "not need to set find_unused_parameters=true, just be sure these unused "
+                "parameters will not change during training loop while calling "
+                "`_set_static_graph`.",
+                stacklevel=2,
+            )
 
     __getstate__ = ddp_getstate
     __setstate__ = ddp_setstate
@@ -383,6 +418,38 @@ def _reduced_parameters(module: nn.Module, ignore: set[str]):
             names.append(fqn)
             params.append(p)
     return names, params
+
+
+def _check_comm_hook(hook: Callable) -> None:
+    """torch's checks of a comm hook, with torch's exception types and messages.
+
+    fastcomm's own ``GradBucket`` and a bare ``torch.futures.Future`` are accepted too, and
+    postponed (string) annotations that name them.
+    """
+    if not callable(hook):
+        raise TypeError("Communication hook must be callable.")
+    try:
+        sig = inspect.signature(hook)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return
+    bucket = sig.parameters.get("bucket")
+    if bucket is not None and not _annotation_ok(
+        bucket.annotation, (dist.GradBucket, GradBucket), "GradBucket"
+    ):
+        raise ValueError("Communication hook: bucket annotation should be dist.GradBucket.")
+    futures = (torch.futures.Future[torch.Tensor], torch.futures.Future)
+    if not _annotation_ok(sig.return_annotation, futures, "Future"):
+        raise ValueError(
+            "Communication hook: return annotation should be torch.futures.Future[torch.Tensor]."
+        )
+
+
+def _annotation_ok(annotation: Any, allowed: tuple, name: str) -> bool:
+    if annotation is inspect.Parameter.empty:
+        return True
+    if isinstance(annotation, str):
+        return name in annotation
+    return any(annotation == a for a in allowed)
 
 
 def _device_index(device: int | str | torch.device) -> int:
