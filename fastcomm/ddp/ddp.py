@@ -93,7 +93,9 @@ class DDP(nn.Module):
 
     Raises:
         RuntimeError: no communicator can be found, or no parameter requires a gradient.
-        ValueError: parameters differ across ranks (raised on every rank), bad options.
+        ValueError: bad options.
+        RuntimeError: parameters differ across ranks (raised on every rank; also a
+            ``ValueError``: ``sync.ParameterMismatchError``).
         TypeError: a parameter dtype that cannot be reduced.
     """
 
