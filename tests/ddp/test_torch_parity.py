@@ -254,6 +254,30 @@ def check_sparse(bucket_view: bool, hook: str, backend: str):
         assert seen_sparse.count(True) == 2 * 4, seen_sparse
 
 
+def check_sparse_no_sync_and_join():
+    """Sparse gradients accumulated under ``no_sync``, then uneven inputs under ``join``."""
+    from fastcomm.ddp import DDP
+
+    init_torch_dist()
+    torch.manual_seed(0)
+    ours = DDP(_Embeddings(), find_unused_parameters=True)
+    torch.manual_seed(0)
+    theirs = nn.parallel.DistributedDataParallel(_Embeddings(), find_unused_parameters=True)
+    data = _sparse_batches(3 + rank())
+    for model in (ours, theirs):
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        with model.no_sync():
+            nn.functional.cross_entropy(model(data[0][0]), data[0][1]).backward()
+        nn.functional.cross_entropy(model(data[1][0]), data[1][1]).backward()
+        opt.step()
+        with model.join():
+            for x, y in data[2:]:
+                opt.zero_grad(set_to_none=True)
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+    assert_same_state(ours, theirs)
+
+
 # ---------------------------------------------------------------------- public surface
 _ATTRS = (
     "device_ids", "output_device", "process_group", "dim", "broadcast_buffers",
@@ -417,6 +441,10 @@ def test_sparse_gradients(pool, bucket_view, hook, backend):
     pool.run(check_sparse, bucket_view, hook, backend)
 
 
+def test_sparse_no_sync_and_join(pool):
+    pool.run(check_sparse_no_sync_and_join)
+
+
 def test_attributes(pool):
     pool.run(check_attributes)
 
@@ -440,3 +468,4 @@ def test_state_dict_keys(pool):
 @pytest.mark.parametrize("bucket_view", [False, True])
 def test_torch_compile(pool, bucket_view):
     pool.run(check_compile, bucket_view)
+
