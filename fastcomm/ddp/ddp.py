@@ -10,6 +10,14 @@ Communicator: ``comm`` if given; else ``process_group`` adapted (`TorchPGCommuni
 ``fastcomm.get_world()`` when ``fastcomm.init()`` ran; else torch's default group, adapted.
 
 Torch arguments with no fastcomm meaning are accepted and documented on ``__init__``.
+
+Beyond the training step, torch's behaviours that user scripts rely on: whole-module pickling
+(``torch.save(ddp_model)``, see ``pickling.py``), ``backward(create_graph=True)`` (the first-order
+gradients are reduced; torch's warning), sparse gradients (``sparse.py``), torch's comm-hook
+argument checks and ``_set_static_graph``. Under ``torch.compile`` the wrapped module's forward
+is compiled and the reducer's work before and after it runs eagerly; the gradient hooks still
+fire, but only once the compiled backward has produced every gradient, so the allreduces no
+longer overlap backward.
 """
 
 from __future__ import annotations

@@ -3,4 +3,5 @@ asked for (``FASTCOMM_TORCH_SUITE=1``, as ``.ci/run`` does in its own pytest inv
 
 import os
 
-collect_ignore = [] if os.environ.get("FASTCOMM_TORCH_SUITE") == "1" else ["test_torch_ddp_suite.py"]
+_WANTED = os.environ.get("FASTCOMM_TORCH_SUITE") == "1"
+collect_ignore = [] if _WANTED else ["test_torch_ddp_suite.py"]
