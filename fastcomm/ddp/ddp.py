@@ -255,6 +255,10 @@ class DDP(nn.Module):
     def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, names) -> None:
         """Names (``"layer.weight"``) of parameters and buffers DDP leaves alone (torch's)."""
         module._ddp_params_and_buffers_to_ignore = list(names)
+        ignored = set(names)
+        for name, tensor in (*module.named_parameters(), *module.named_buffers()):
+            if name in ignored:
+                tensor._ddp_ignored = True  # read by torch's composable APIs, as torch sets it
 
     def _named_buffers(self) -> list[tuple[str, torch.Tensor]]:
         return [
@@ -390,10 +394,10 @@ class DDP(nn.Module):
 
     @staticmethod
     def _get_data_parallel_params(module: nn.Module, named_params: bool = False):
-        """The parameters DDP reduces (requiring grad, not ignored), as torch's helper."""
-        ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        names, params = _reduced_parameters(module, ignore)
-        return list(zip(names, params, strict=True)) if named_params else params
+        """torch's generator of the parameters a DDP of `module` manages (not ignored)."""
+        for name, param in module.named_parameters():
+            if not hasattr(param, "_ddp_ignored"):
+                yield (name, param) if named_params else param
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         return {

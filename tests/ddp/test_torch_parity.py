@@ -296,6 +296,20 @@ def check_attributes():
         for name in _ATTRS:
             assert getattr(ours, name) == getattr(theirs, name), (name, kwargs)
         assert ours.process_group is dist.distributed_c10d._get_default_group()
+    # ignored parameters, as torch's static helpers mark and list them
+    from fastcomm.ddp import DDP
+
+    models = []
+    for cls in (DDP, nn.parallel.DistributedDataParallel):
+        model = build("convbn")
+        cls._set_params_and_buffers_to_ignore_for_model(model, ["conv.bias", "bn.running_mean"])
+        models.append(model)
+        assert model.conv.bias._ddp_ignored and model.bn.running_mean._ddp_ignored
+    names = []  # (torch's named_params=True lists ignored ones too: it tests the tuple)
+    for cls, model in zip((DDP, nn.parallel.DistributedDataParallel), models, strict=True):
+        name_of = {id(p): n for n, p in model.named_parameters()}
+        names.append([name_of[id(p)] for p in cls._get_data_parallel_params(model)])
+    assert names[0] == names[1] and "conv.bias" not in names[0], names
 
 
 def check_set_static_graph():
