@@ -216,7 +216,7 @@ def _sparse_batches(steps: int):
     ]
 
 
-def check_sparse(bucket_view: bool, hook: str, backend: str):
+def check_sparse(bucket_view: bool, hook: str, backend: str, static_graph: bool = False):
     from fastcomm.ddp import DDP
 
     init_torch_dist()
@@ -228,11 +228,10 @@ def check_sparse(bucket_view: bool, hook: str, backend: str):
 
     comm = None if backend == "torch" else rank_comm(backend)
     torch.manual_seed(0)
-    ours = DDP(_Embeddings(), gradient_as_bucket_view=bucket_view, comm=comm)
+    kwargs = {"gradient_as_bucket_view": bucket_view, "static_graph": static_graph}
+    ours = DDP(_Embeddings(), comm=comm, **kwargs)
     torch.manual_seed(0)
-    theirs = nn.parallel.DistributedDataParallel(
-        _Embeddings(), gradient_as_bucket_view=bucket_view
-    )
+    theirs = nn.parallel.DistributedDataParallel(_Embeddings(), **kwargs)
     if hook != "none":
         ours.register_comm_hook(None, recording_hook)
         theirs.register_comm_hook(None, _torch_hook(hook))
@@ -441,18 +440,19 @@ def test_no_sync_ranks_use_different_parameters(pool, bucket_view, hook, accumul
 
 
 @pytest.mark.parametrize(
-    "bucket_view, hook, backend",
+    "bucket_view, hook, backend, static_graph",
     [
-        (False, "none", "torch"),
-        (True, "none", "torch"),
-        (False, "allreduce_hook", "torch"),
-        (True, "allreduce_hook", "torch"),
-        (False, "none", "gloo"),
-        (True, "none", "shm"),
+        (False, "none", "torch", False),
+        (True, "none", "torch", False),
+        (False, "allreduce_hook", "torch", False),
+        (True, "allreduce_hook", "torch", False),
+        (False, "none", "gloo", False),
+        (True, "none", "shm", False),
+        (False, "none", "torch", True),
     ],
 )
-def test_sparse_gradients(pool, bucket_view, hook, backend):
-    pool.run(check_sparse, bucket_view, hook, backend)
+def test_sparse_gradients(pool, bucket_view, hook, backend, static_graph):
+    pool.run(check_sparse, bucket_view, hook, backend, static_graph)
 
 
 def test_sparse_no_sync_and_join(pool):

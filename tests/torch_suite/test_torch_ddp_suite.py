@@ -13,6 +13,10 @@ Selected: the tests of the base whose name mentions DDP (``ddp``, ``DDP``,
 one reason each): tests that read torch internals rather than behaviour. Tests the suite itself
 skips on a CPU machine (CUDA, NCCL, several GPUs) are reported as skipped by pytest.
 
+One test of this module's own, ``test_ddp_class_is_swapped_in_every_rank``, checks in the rank
+processes that the class under test is the swapped one (torch's with
+``FASTCOMM_TORCH_SUITE_DDP=torch``, the reference run).
+
 Run: ``FASTCOMM_TORCH_SUITE=1 PYTHONPATH=$PWD python -m pytest tests/torch_suite``.
 """
 
@@ -37,6 +41,7 @@ if os.environ.get("FASTCOMM_TORCH_SUITE_DDP", "fastcomm") != "torch":
     torch.nn.parallel.DistributedDataParallel = fastcomm.ddp.DDP
 
 import pytest  # noqa: E402
+from torch.testing._internal.distributed import distributed_test  # noqa: E402
 from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
     DistributedTest,
     TestDistBackend,
@@ -62,6 +67,18 @@ class TestFastcommDDPWithTorchSuite(TestDistBackend, DistributedTest._DistTestBa
             self._spawn_processes()
         else:
             self._start_processes(torch.multiprocessing.get_context("fork").Process)
+
+    def test_ddp_class_is_swapped_in_every_rank(self):
+        """Not one of torch's: the ranks' DDP class is the one this run means to test."""
+        expected = (
+            torch.nn.parallel.distributed.DistributedDataParallel
+            if os.environ.get("FASTCOMM_TORCH_SUITE_DDP") == "torch"
+            else fastcomm.ddp.DDP
+        )
+        self.assertIs(torch.nn.parallel.DistributedDataParallel, expected)
+        self.assertIs(distributed_test.DistributedDataParallel, expected)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        self.assertIs(type(model), expected)
 
 
 def _prune() -> None:
