@@ -33,9 +33,18 @@ from tests.ddp.common import (
 from tests.harness import RankPool, rank_comm
 
 
+def _allreduce_then_hook(state, bucket):
+    """torch's suite hook: an allreduce whose future is post-processed by two ``then``."""
+    world = dist.get_world_size()
+    fut = dist.group.WORLD.allreduce([bucket.buffer()]).get_future()
+    return fut.then(lambda f: 2 * f.wait()[0]).then(lambda f: f.wait() / (2 * world))
+
+
 def _torch_hook(name: str):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+    if name == "allreduce_then":
+        return _allreduce_then_hook
     return None if name == "none" else getattr(default_hooks, name)
 
 
@@ -433,7 +442,7 @@ def test_create_graph_gradient_penalty(pool):
 
 
 @pytest.mark.parametrize("accumulation", [2, 3])
-@pytest.mark.parametrize("hook", ["none", "allreduce_hook"])
+@pytest.mark.parametrize("hook", ["none", "allreduce_hook", "allreduce_then"])
 @pytest.mark.parametrize("bucket_view", [False, True])
 def test_no_sync_ranks_use_different_parameters(pool, bucket_view, hook, accumulation):
     pool.run(check_no_sync_unused, bucket_view, hook, accumulation)
