@@ -17,6 +17,13 @@ rebuilt once in the order gradients arrived on rank 0 (broadcast, so every rank 
 same buckets). A parameter that never got its gradient leaves its bucket unlaunched: the next
 forward raises an error naming it instead of hanging in a collective.
 
+Parameters with sparse gradients have buckets of their own, launched after the dense ones
+(``sparse.py``). With ``find_unused_parameters``, a parameter counts as used on a rank if it
+got a gradient this iteration or in a ``no_sync`` backward since the last reduction (torch's
+``local_used_map``): every rank then reduces its accumulated gradient, zeros where it has
+none, so all ranks end with the same gradients. ``backward(create_graph=True)`` reduces the
+gradients' values (detached; torch's warning is raised): no autograd through the allreduce.
+
 Threads: hooks and ``_finalize`` run on the thread that runs backward; collectives complete
 on the communicator's own thread (Gloo) or stream (NCCL), which is what overlaps them with the
 rest of backward.
