@@ -10,6 +10,7 @@ averages; a sparse allreduce sums the same two halved values).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import io
 import warnings
@@ -80,6 +81,12 @@ def check_pickle_roundtrip(bucket_view: bool):
     opts = [(m, torch.optim.SGD(m.parameters(), lr=0.1)) for m in (again, torch_again)]
     _train(opts, "mlp", 2, seed=17 + rank())
     assert_same_state(again, torch_again)
+    # copy.deepcopy goes through the same __getstate__/__setstate__
+    copies = [copy.deepcopy(m) for m in (again, torch_again)]
+    assert copies[0].reducer is not again.reducer
+    opts = [(m, torch.optim.SGD(m.parameters(), lr=0.1)) for m in copies]
+    _train(opts, "mlp", 2, seed=27 + rank())
+    assert_same_state(*copies)
 
 
 def check_pickle_refuses_explicit_comm():
