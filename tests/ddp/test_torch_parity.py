@@ -409,12 +409,15 @@ def check_state_dict_keys():
     assert_same_state(fresh, theirs)
 
 
-def check_compile(bucket_view: bool):
+def check_compile(option: str):
+    """A compiled DDP trains as the eager one (find_unused: the graph walk from the outputs
+    goes through the compiled backward node to the parameters)."""
     from fastcomm.ddp import DDP
 
     init_torch_dist()
-    eager = DDP(build("mlp"), gradient_as_bucket_view=bucket_view)
-    compiled_ddp = DDP(build("mlp"), gradient_as_bucket_view=bucket_view)
+    kwargs = {option: True} if option != "default" else {}
+    eager = DDP(build("mlp"), **kwargs)
+    compiled_ddp = DDP(build("mlp"), **kwargs)
     compiled = torch.compile(compiled_ddp)
     opts = [(m, torch.optim.SGD(m.parameters(), lr=0.1)) for m in (eager, compiled)]
     _train(opts, "mlp", 3)
@@ -495,7 +498,9 @@ def test_state_dict_keys(pool):
     pool.run(check_state_dict_keys)
 
 
-@pytest.mark.parametrize("bucket_view", [False, True])
-def test_torch_compile(pool, bucket_view):
-    pool.run(check_compile, bucket_view)
+@pytest.mark.parametrize(
+    "option", ["default", "gradient_as_bucket_view", "find_unused_parameters"]
+)
+def test_torch_compile(pool, option):
+    pool.run(check_compile, option)
 
