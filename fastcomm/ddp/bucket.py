@@ -60,6 +60,7 @@ class Bucket:
         "index", "param_indices", "params", "names", "offsets", "numel", "dtype", "device",
         "flat", "views", "scratch", "_plan",
     )
+    sparse = False  # see sparse.SparseBucket
 
     def __init__(self, index: int, param_indices: list[int], params, names) -> None:
         self.index = index
@@ -221,6 +222,8 @@ class GradBucket:
         return self._bucket.index
 
     def buffer(self) -> torch.Tensor:
+        if self._buffer is None and self._bucket.sparse:
+            self._buffer = self._sparse_gradient()
         if self._buffer is None:
             flat = self._bucket.flat
             if self._grads is None:
@@ -232,6 +235,8 @@ class GradBucket:
 
     def gradients(self) -> list[torch.Tensor]:
         buf = self.buffer()
+        if buf.is_sparse:
+            return [buf]
         return [
             buf[o : o + p.numel()].view(p.shape)
             for o, p in zip(self._bucket.offsets, self._bucket.params, strict=True)
@@ -245,6 +250,13 @@ class GradBucket:
 
     def set_buffer(self, buffer: torch.Tensor) -> None:
         self._buffer = buffer
+
+    def _sparse_gradient(self) -> torch.Tensor:
+        if self._grads is not None:
+            return self._grads[0]
+        from .sparse import empty_sparse_like  # a joined rank's shadow bucket
+
+        return empty_sparse_like(self._bucket.params[0])
 
     # fastcomm's additions -------------------------------------------------------------
     def scale(self) -> float:
@@ -277,6 +289,11 @@ class GradBucket:
             place); otherwise a scratch buffer of the bucket, reused every iteration.
         """
         bucket = self._bucket
+        if bucket.sparse:
+            raise TypeError(
+                f"bucket {bucket.index} holds the sparse gradient of {bucket.names[0]!r}: "
+                "packed() makes dense buffers; reduce bucket.buffer() (a sparse tensor) instead"
+            )
         dtype = bucket.dtype if dtype is None else dtype
         numel = bucket.numel if numel is None else numel
         if numel < bucket.numel:

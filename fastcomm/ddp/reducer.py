@@ -17,6 +17,13 @@ rebuilt once in the order gradients arrived on rank 0 (broadcast, so every rank 
 same buckets). A parameter that never got its gradient leaves its bucket unlaunched: the next
 forward raises an error naming it instead of hanging in a collective.
 
+Parameters with sparse gradients have buckets of their own, launched after the dense ones
+(``sparse.py``). With ``find_unused_parameters``, a parameter counts as used on a rank if it
+got a gradient this iteration or in a ``no_sync`` backward since the last reduction (torch's
+``local_used_map``): every rank then reduces its accumulated gradient, zeros where it has
+none, so all ranks end with the same gradients. ``backward(create_graph=True)`` reduces the
+gradients' values (detached; torch's warning is raised): no autograd through the allreduce.
+
 Threads: hooks and ``_finalize`` run on the thread that runs backward; collectives complete
 on the communicator's own thread (Gloo) or stream (NCCL), which is what overlaps them with the
 rest of backward.
@@ -24,6 +31,7 @@ rest of backward.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,7 +41,8 @@ import torch
 from fastcomm.comm.base import Communicator
 from fastcomm.comm.work import Work
 
-from .bucket import Bucket, GradBucket, assign_buckets, pack_bucket, unpack_grads
+from . import sparse as _sparse
+from .bucket import Bucket, GradBucket, pack_bucket, unpack_grads
 from .config import DDPConfig
 
 __all__ = ["Reducer", "find_unused"]
@@ -41,6 +50,13 @@ __all__ = ["Reducer", "find_unused"]
 # _ready states of a parameter in the current iteration
 _WAITING, _GOT_GRAD, _UNUSED = 0, 1, 2
 _SKIPPED = object()  # result of a bucket that skip_all_reduce_unused_params did not reduce
+# torch's reducer warns with this text on backward(create_graph=True)
+_CREATE_GRAPH_WARNING = (
+    "Using DistributedDataParallel with create_graph=True  is not well-supported. The "
+    "higher-order gradient will  not be synchronized across ranks, and backpropagation  through "
+    "all_reduce operations will not occur. If you require  DDP to work with higher-order "
+    "gradients for your use case,  please ping https://github.com/pytorch/pytorch/issues/63929"
+)
 
 
 class Reducer:
@@ -51,6 +67,8 @@ class Reducer:
         names: their qualified names (for error messages and hook state keys).
         comm: the communicator; every rank holds a reducer over the same parameters.
         config: the DDP options.
+        sparse: indices of the parameters with sparse gradients (a bucket each, see
+            ``sparse.py``).
     """
 
     def __init__(
@@ -59,8 +77,10 @@ class Reducer:
         names: Sequence[str],
         comm: Communicator,
         config: DDPConfig,
+        sparse: set[int] | frozenset[int] = frozenset(),
     ) -> None:
         self.params = list(params)
+        self.sparse = frozenset(sparse)
         self.names = list(names)
         self.comm = comm
         self.config = config
@@ -96,18 +116,23 @@ class Reducer:
         self._used_map: torch.Tensor | None = None
         self._incomplete: list[int] | None = None
         self.synced_iterations = 0
+        self._create_graph = False
+        # parameters that got a gradient in no_sync backwards since the last reduction: they
+        # count as used (torch's local_used_map), so every rank reduces their accumulated grads
+        self._used_no_sync = bytearray(len(self.params))
 
         ref = weakref.ref(self)
         self._handles = [
-            p.register_post_accumulate_grad_hook(_make_grad_hook(ref, i))
+            p.register_post_accumulate_grad_hook(_make_grad_hook(ref, i, i in self.sparse))
             for i, p in enumerate(self.params)
         ]
 
     # ------------------------------------------------------------------ buckets
     def _build(self, order: list[int]) -> None:
-        groups = assign_buckets(self.params, order, self.config.bucket_caps_bytes)
         old = self.buckets
-        self.buckets = [Bucket(b, idx, self.params, self.names) for b, idx in enumerate(groups)]
+        self.buckets = _sparse.build_buckets(
+            self.params, self.names, order, self.config.bucket_caps_bytes, self.sparse
+        )
         self._bucket_of = [0] * len(self.params)
         self._view_of: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
         for bucket in self.buckets:
@@ -116,10 +141,12 @@ class Reducer:
                 self._view_of[i] = view
         if self.bucket_view and old:
             # .grad views of the old buckets move into the new ones (values kept).
-            old_ptrs = {v.data_ptr() for b in old for v in b.views if v.numel()}
+            old_ptrs = {v.data_ptr() for b in old if not b.sparse for v in b.views if v.numel()}
             for i, p in enumerate(self.params):
                 g = p.grad
-                if g is not None and g.numel() and g.data_ptr() in old_ptrs:
+                if g is None or g.is_sparse or i in self.sparse:
+                    continue
+                if g.numel() and g.data_ptr() in old_ptrs:
                     self._view_of[i].copy_(g)
                     p.grad = self._view_of[i]
 
@@ -203,7 +230,7 @@ class Reducer:
             g = param.grad
             view = self._view_of[i]
             if g is not None and g.data_ptr() != view.data_ptr():
-                view.copy_(g)
+                view.copy_(g.detach() if self._create_graph else g)
                 param.grad = view
         if self._recording:
             self._arrivals.append(i)
@@ -220,8 +247,20 @@ class Reducer:
             if b == self._next and not self._delay:
                 self._launch_ready()
 
+    def _on_sparse_grad(self, i: int, param: torch.Tensor) -> None:
+        # A sparse gradient lives outside the bucket views: no copy into a view.
+        bucket_view, self.bucket_view = self.bucket_view, False
+        try:
+            self._on_grad(i, param)
+        finally:
+            self.bucket_view = bucket_view
+
     def _start_backward(self) -> None:
         self._started = True
+        # The engine runs the hooks in grad mode exactly when backward has create_graph=True.
+        self._create_graph = torch.is_grad_enabled()
+        if self._create_graph:
+            warnings.warn(_CREATE_GRAPH_WARNING, UserWarning, stacklevel=2)
         torch.autograd.Variable._execution_engine.queue_callback(_make_finalize(weakref.ref(self)))
         for i in self._unused_now:
             self._mark_unused(i)
@@ -231,7 +270,7 @@ class Reducer:
     def _mark_unused(self, i: int) -> None:
         if self._ready[i] != _WAITING:
             return
-        if self.bucket_view:
+        if self.bucket_view and i not in self.sparse:
             p, view = self.params[i], self._view_of[i]
             g = p.grad
             if g is None:
@@ -249,7 +288,10 @@ class Reducer:
             self._next += 1
         if self._next == len(buckets) and self._used_work is None and self._needs_used_map():
             used = torch.tensor(
-                [1 if s == _GOT_GRAD else 0 for s in self._ready],
+                [
+                    1 if s == _GOT_GRAD or u else 0
+                    for s, u in zip(self._ready, self._used_no_sync, strict=True)
+                ],
                 dtype=torch.int32,
                 device=self.comm.device,
             )
@@ -262,7 +304,12 @@ class Reducer:
         ):
             self._results[bucket.index] = _SKIPPED
             return
+        if bucket.sparse:
+            self._launch_sparse(bucket)
+            return
         grads = [p.grad for p in bucket.params]
+        if self._create_graph:  # reduce the values; no autograd through the allreduce
+            grads = [None if g is None else g.detach() for g in grads]
         if self.comm_hook is not None:
             grad_bucket = GradBucket(
                 bucket,
@@ -281,6 +328,28 @@ class Reducer:
         else:
             pack_bucket(bucket, grads, flat, scale=self.scale)
         self._results[bucket.index] = self.comm.all_reduce(flat, async_op=True)
+
+    def _launch_sparse(self, bucket) -> None:
+        p = bucket.params[0]
+        g = p.grad
+        if g is None:
+            g = _sparse.empty_sparse_like(p)
+        elif not g.is_sparse:  # dense and sparse uses accumulated into a dense gradient
+            g = g.detach().to_sparse(1)
+        elif self._create_graph:
+            g = g.detach()
+        if self.comm_hook is not None:
+            grad_bucket = GradBucket(
+                bucket,
+                [g],
+                is_last=bucket.index == len(self.buckets) - 1,
+                scale=self.scale,
+                bucket_view=False,
+                comm=self.comm,
+            )
+            self._results[bucket.index] = self.comm_hook(self.hook_state, grad_bucket)
+            return
+        self._results[bucket.index] = _sparse.sparse_all_reduce(self.comm, g, self.scale)
 
     # ------------------------------------------------------------------ finalize
     def _finalize(self) -> None:
@@ -311,6 +380,9 @@ class Reducer:
 
     def _after_synced_iteration(self) -> None:
         self.synced_iterations += 1
+        self._create_graph = False
+        if any(self._used_no_sync):
+            self._used_no_sync = bytearray(len(self.params))
         if self.config.static_graph:
             self.static_learned = True
         if not self.rebuilt and self.config.rebuild_buckets:
@@ -321,6 +393,8 @@ class Reducer:
         result = self._results[bucket.index]
         if result is _SKIPPED:
             return None
+        if bucket.sparse:
+            return _sparse.wait_sparse(result, bucket, self.comm_hook)
         if isinstance(result, Work):
             result.wait()
             return bucket.flat
@@ -350,6 +424,10 @@ class Reducer:
     ) -> None:
         if value is None:
             return
+        if bucket.sparse:
+            if bucket.param_indices[0] not in global_unused:
+                bucket.params[0].grad = value
+            return
         if self.bucket_view:
             if value.data_ptr() != bucket.flat.data_ptr():
                 bucket.flat.copy_(value)
@@ -365,7 +443,7 @@ class Reducer:
             g = p.grad
             if g is None:
                 g = p.grad = torch.empty_like(p)
-            targets.append(g)
+            targets.append(g.detach() if self._create_graph else g)
         unpack_grads(value, targets, bucket.offsets, bucket.numel)
 
     # ------------------------------------------------------------------ join
@@ -374,7 +452,9 @@ class Reducer:
         zero gradients (through the comm hook when one is set), in bucket order."""
         results = []
         for bucket in self.buckets:
-            if self.comm_hook is not None:
+            if bucket.sparse and self.comm_hook is None:
+                results.append(_sparse.shadow_sparse(self.comm, bucket))
+            elif self.comm_hook is not None:
                 grad_bucket = GradBucket(
                     bucket,
                     None,
@@ -418,13 +498,24 @@ class Reducer:
         self.remove_hooks()
 
 
-def _make_grad_hook(ref: weakref.ref, i: int):
+def _make_grad_hook(ref: weakref.ref, i: int, sparse: bool = False):
     def hook(param: torch.Tensor) -> None:
         reducer = ref()
-        if reducer is not None and reducer.expect_hooks:
-            reducer._on_grad(i, param)
+        if reducer is not None:
+            if reducer.expect_hooks:
+                reducer._on_grad(i, param)
+            else:  # a no_sync backward
+                reducer._used_no_sync[i] = 1
 
-    return hook
+    def sparse_hook(param: torch.Tensor) -> None:
+        reducer = ref()
+        if reducer is not None:
+            if reducer.expect_hooks:
+                reducer._on_sparse_grad(i, param)
+            else:
+                reducer._used_no_sync[i] = 1
+
+    return sparse_hook if sparse else hook
 
 
 def _make_finalize(ref: weakref.ref):

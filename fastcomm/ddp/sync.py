@@ -16,7 +16,12 @@ import torch
 from fastcomm import kernels
 from fastcomm.comm.base import Communicator
 
-__all__ = ["broadcast_tensors", "verify_same_parameters"]
+__all__ = ["ParameterMismatchError", "broadcast_tensors", "verify_same_parameters"]
+
+
+class ParameterMismatchError(ValueError, RuntimeError):
+    """Ranks wrap different parameters: a ``RuntimeError`` as torch DDP raises, and a
+    ``ValueError`` as fastcomm always did, so either ``except`` catches it."""
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _ALIGN = 16
@@ -33,7 +38,8 @@ def verify_same_parameters(
     """Checks that every rank has the same number, shapes and dtypes of parameters.
 
     Raises:
-        ValueError: on every rank, with the first mismatch (rank 0 is the reference).
+        ParameterMismatchError: on every rank, with the first mismatch (rank 0 is the
+            reference); a ``RuntimeError`` (torch's type) and a ``ValueError``.
     """
     mine = [_describe(n, p) for n, p in zip(names, params, strict=True)]
     everyone = comm.all_gather_object(mine)
@@ -41,7 +47,7 @@ def verify_same_parameters(
     for rank, theirs in enumerate(everyone[1:], start=1):
         for k, (a, b) in enumerate(zip(ref, theirs, strict=False)):
             if a[1:] != b[1:]:
-                raise ValueError(
+                raise ParameterMismatchError(
                     f"fastcomm DDP: parameters differ across ranks: parameter #{k} is "
                     f"{a[0]!r} with shape {a[1]} and dtype {a[2]} on rank 0 but {b[0]!r} with "
                     f"shape {b[1]} and dtype {b[2]} on rank {rank}; every rank must wrap the "
@@ -50,7 +56,7 @@ def verify_same_parameters(
         if len(ref) != len(theirs):
             k = min(len(ref), len(theirs))
             extra = ref[k] if len(ref) > k else theirs[k]
-            raise ValueError(
+            raise ParameterMismatchError(
                 f"fastcomm DDP: parameters differ across ranks: rank 0 has {len(ref)} "
                 f"parameters but rank {rank} has {len(theirs)}; the first one only one of them "
                 f"has is #{k} {extra[0]!r} (shape {extra[1]}, dtype {extra[2]}); every rank must "

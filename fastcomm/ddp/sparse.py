@@ -1,0 +1,162 @@
+"""Sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``).
+
+torch DDP's rule, kept here: a parameter whose module produces sparse gradients gets a bucket
+of its own, outside the dense flat buffers (and so outside ``gradient_as_bucket_view``), and
+its gradient is allreduced as a sparse COO tensor. Sparse buckets launch after the dense ones
+(same order on every rank): an embedding is usually the first layer, whose gradient arrives
+last, so the dense buckets never wait for it.
+
+Transport: a communicator over a torch ``ProcessGroup`` (Gloo, a torch group adapted) moves
+the sparse tensor itself (``torch.distributed.all_reduce`` supports sparse COO on Gloo). The
+others (shm, hier, NCCL through CuPy) move dense buffers only: the gradient is densified,
+allreduced, and made sparse again (rows that are zero after the reduction are dropped), so
+``.grad`` keeps its sparse layout either way.
+
+A comm hook receives the sparse gradient as ``bucket.buffer()`` (unscaled, as torch's) and its
+future's value becomes ``.grad``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .bucket import Bucket, assign_buckets
+
+__all__ = ["SparseBucket", "build_buckets", "sparse_param_indices"]
+
+
+def sparse_param_indices(module: nn.Module, params: Sequence[torch.Tensor]) -> set[int]:
+    """Indices into `params` of the parameters whose module produces sparse gradients."""
+    index_of = {id(p): i for i, p in enumerate(params)}
+    found: set[int] = set()
+    for mod in module.modules():
+        if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.sparse:
+            for p in mod.parameters(recurse=False):
+                i = index_of.get(id(p))
+                if i is not None:
+                    found.add(i)
+    return found
+
+
+class SparseBucket:
+    """A bucket holding one parameter with a sparse gradient (no flat buffer, no views)."""
+
+    __slots__ = (
+        "index", "param_indices", "params", "names", "offsets", "numel", "dtype", "device",
+        "flat", "views", "scratch", "reduced",
+    )
+    sparse = True
+
+    def __init__(self, index: int, param_index: int, params, names) -> None:
+        p = params[param_index]
+        self.index = index
+        self.param_indices = [param_index]
+        self.params = [p]
+        self.names = [names[param_index]]
+        self.offsets = [0]
+        self.numel = p.numel()
+        self.dtype, self.device = p.dtype, p.device
+        self.flat = None
+        self.views = [None]
+        self.scratch: dict[object, torch.Tensor] = {}
+        self.reduced: torch.Tensor | None = None  # this iteration's allreduce input/output
+
+    def __repr__(self) -> str:
+        return f"SparseBucket({self.index}, {self.names[0]!r}, {self.dtype}, {self.device})"
+
+
+def build_buckets(
+    params: Sequence[torch.Tensor],
+    names: Sequence[str],
+    order: Sequence[int],
+    caps_bytes: Sequence[int],
+    sparse: set[int],
+) -> list[Bucket | SparseBucket]:
+    """Dense buckets of `order` (without the sparse parameters), then one per sparse one."""
+    dense_order = [i for i in order if i not in sparse] if sparse else list(order)
+    groups = assign_buckets(params, dense_order, caps_bytes) if dense_order else []
+    buckets: list[Bucket | SparseBucket] = [
+        Bucket(b, idx, params, names) for b, idx in enumerate(groups)
+    ]
+    for i in order:
+        if i in sparse:
+            buckets.append(SparseBucket(len(buckets), i, params, names))
+    return buckets
+
+
+def empty_sparse_like(p: torch.Tensor) -> torch.Tensor:
+    """A sparse COO zero shaped like `p` (one sparse dim, as an embedding's gradient)."""
+    indices = torch.empty(1, 0, dtype=torch.int64, device=p.device)
+    values = torch.empty(0, *p.shape[1:], dtype=p.dtype, device=p.device)
+    return torch.sparse_coo_tensor(indices, values, p.shape)
+
+
+class _SparseWork:
+    """A sparse allreduce in flight: ``wait()`` gives the reduced sparse tensor."""
+
+    __slots__ = ("_work", "_dense", "_grad", "_comm", "_timeout")
+
+    def __init__(self, work, dense, grad, comm, timeout) -> None:
+        self._work, self._dense, self._grad = work, dense, grad
+        self._comm, self._timeout = comm, timeout
+
+    def wait(self) -> torch.Tensor:
+        if self._dense is not None:  # densified over a dense-only communicator
+            self._work.wait()
+            return self._dense.to_sparse(self._grad.sparse_dim())
+        if not self._work.wait(self._timeout):
+            raise RuntimeError(
+                f"rank {self._comm.rank}: sparse all_reduce did not complete within "
+                f"{self._timeout}"
+            )
+        return self._grad.coalesce()
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self.wait())
+        return fut
+
+
+def sparse_all_reduce(comm, grad: torch.Tensor, scale: float) -> _SparseWork:
+    """Starts the allreduce of the sparse `grad` times `scale` over `comm` (see module doc)."""
+    grad = grad.coalesce() if not grad.is_coalesced() else grad
+    if scale != 1.0:
+        grad = grad * scale
+    pg = getattr(comm, "process_group", None)
+    if pg is not None and "gloo" in getattr(comm, "pg_backend", comm.backend):
+        import torch.distributed as dist
+
+        work = pg.allreduce([grad], dist.AllreduceOptions())  # reduces `grad` in place
+        return _SparseWork(work, None, grad, comm, comm.timeout)
+    dense = grad.to_dense()
+    work = comm.all_reduce(dense, async_op=True)
+    return _SparseWork(work, dense, grad, comm, None)
+
+
+def wait_sparse(result, bucket: SparseBucket, hook) -> torch.Tensor:
+    """The reduced gradient of a sparse bucket: its allreduce's, or its comm hook future's."""
+    if isinstance(result, _SparseWork):
+        return result.wait()
+    if not isinstance(result, torch._C.Future):
+        raise TypeError(
+            f"comm hook {getattr(hook, '__name__', hook)!r} returned {type(result).__name__} "
+            f"for bucket {bucket.index}; expected a torch.futures.Future"
+        )
+    value = result.wait()
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
+    p = bucket.params[0]
+    if not isinstance(value, torch.Tensor) or value.numel() != p.numel():
+        raise ValueError(
+            f"comm hook future of sparse bucket {bucket.index} ({bucket.names[0]!r}) resolved "
+            f"to {type(value).__name__}; expected a tensor shaped {tuple(p.shape)}"
+        )
+    return value if value.is_sparse else value.view(p.shape)
+
+
+def shadow_sparse(comm, bucket: SparseBucket) -> _SparseWork:
+    """A joined rank's side of a sparse bucket's allreduce: a zero gradient."""
+    return sparse_all_reduce(comm, empty_sparse_like(bucket.params[0]), 1.0)
