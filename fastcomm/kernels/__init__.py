@@ -7,6 +7,8 @@
 - ``quantize(x, *, dtype=int8|float8_e4m3fn, block=256, error=None, out=None)`` and
   ``dequantize(q, scales, *, out=None, accumulate=False, block=None)``: block-wise symmetric
   quantization of flat buffers, with fused error feedback.
+- ``unpack_with_stats(flat, tensors, *, scale=1.0, stats=None)``: ``unpack`` that also adds
+  the sum of squares and the non-finite count of the values it wrote into ``stats``.
 - ``*_reference``: the pure-torch versions (what CPU tensors run; the test oracles).
 - ``kernel_backend(tensor)``: ``"triton"`` or ``"torch"``, what the ops above use for it.
 
@@ -24,6 +26,7 @@ from ._quantize import (
     quantize,
     quantize_reference,
 )
+from ._unpack_stats import unpack_with_stats, unpack_with_stats_reference
 
 __all__ = [
     "DEFAULT_BLOCK",
@@ -37,4 +40,6 @@ __all__ = [
     "quantize_reference",
     "unpack",
     "unpack_reference",
+    "unpack_with_stats",
+    "unpack_with_stats_reference",
 ]
