@@ -96,6 +96,7 @@ class Reducer:
         self._used_map: torch.Tensor | None = None
         self._incomplete: list[int] | None = None
         self.synced_iterations = 0
+        self.health = None  # a fastcomm.ddp.health.GradHealth, set by DDP
 
         ref = weakref.ref(self)
         self._handles = [
@@ -293,6 +294,8 @@ class Reducer:
             self._launch_ready()
         if self._next < len(self.buckets):
             self._incomplete = [i for i, s in enumerate(self._ready) if s == _WAITING]
+            if self.health is not None:
+                self.health.readiness.publish()  # the ranks waiting for a bucket read it
             return
         global_unused: frozenset[int] = self._static_global_unused
         if self._used_work is not None:
@@ -304,10 +307,16 @@ class Reducer:
             self._static_unused = [i for i, s in enumerate(self._ready) if s == _UNUSED]
             self._static_global_unused = global_unused
             self.static_learned = True
+        health = self.health
+        if health is not None:
+            health.begin_step()
         for bucket in self.buckets:
-            self._write_back(bucket, self._wait(bucket), global_unused)
+            value = self._wait(bucket) if health is None else health.wait(bucket)
+            self._write_back(bucket, value, global_unused)
         self._results = []
         self._after_synced_iteration()
+        if health is not None:
+            health.end_step()
 
     def _after_synced_iteration(self) -> None:
         self.synced_iterations += 1
@@ -366,6 +375,9 @@ class Reducer:
             if g is None:
                 g = p.grad = torch.empty_like(p)
             targets.append(g)
+        if self.health is not None:
+            self.health.unpack(bucket, value, targets)  # also measures norm and NaN/Inf
+            return
         unpack_grads(value, targets, bucket.offsets, bucket.numel)
 
     # ------------------------------------------------------------------ join
@@ -407,7 +419,7 @@ class Reducer:
             "find_unused_parameters=True to DDP if some parameters do not take part in the "
             "loss (or static_graph=True if the same ones never do), or make every output of "
             "forward contribute to the loss."
-        )
+        ) + (self.health.readiness.explain_incomplete() if self.health is not None else "")
 
     def remove_hooks(self) -> None:
         for h in self._handles:
