@@ -213,9 +213,14 @@ class GradHealth:
                 "is non-finite, so it cannot be clipped. To disable this error and scale the "
                 "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
             )
+        clip_coef = max_norm / (total_norm + 1e-6)  # torch's coefficient, in its dtype
+        if total_norm.device.type == "cpu" and bool(clip_coef >= 1.0):
+            # torch multiplies by the clamped 1.0 anyway (no host sync on CUDA); on the CPU
+            # reading the norm is free and x * 1.0 == x, so the pass is skipped.
+            return total_norm
         if source == "buckets":
             # The flat buffers are the gradients: scale a few large tensors, not every one.
-            clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+            clip_coef = torch.clamp(clip_coef, max=1.0)
             for f in flats:
                 f.mul_(clip_coef.to(f.dtype))
         else:
