@@ -5,7 +5,8 @@ synchronized backward. `GradHealth` makes that unpack `kernels.unpack_with_stats
 bucket also leaves ``[sum of squares, non-finite count]`` in one row of ``stats`` (float32,
 on the gradients' device, never read by the host unless asked). After the allreduce every
 rank holds the same averaged gradients, hence the same rows: the norm and the NaN/Inf verdict
-need no collective.
+need no collective. Where the unpack runs torch ops (CPU) the statistics cannot share its
+pass, so the rows are filled on demand from the gradients the unpack wrote (``eager``).
 
 Validity: the rows describe the gradients as the unpack left them. They are used only when
 the last synchronized backward unpacked every bucket (no ``no_sync`` step since, no skipped
@@ -21,6 +22,7 @@ Hang pinpointing lives in `fastcomm.ddp._readiness`; this class forwards the red
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -41,13 +43,22 @@ class GradHealth:
         reducer: the DDP's reducer (its buckets, parameters and names).
         check_finite: raise ``FloatingPointError`` at the end of a synchronized backward
             whose averaged gradients hold NaN or Inf.
+        eager: measure in the unpack (``unpack_with_stats``) rather than on demand. Default:
+            where the unpack is a Triton kernel (CUDA), whose statistics cost no extra
+            memory traffic. On the CPU the torch unpack cannot fuse them: measuring there
+            costs one norm pass, so it is done only when asked for (``clip_grad_norm_``,
+            ``check_finite``, ``nonfinite_grads``), over the gradients the unpack wrote.
     """
 
-    def __init__(self, reducer, *, check_finite: bool = False) -> None:
+    def __init__(self, reducer, *, check_finite: bool = False, eager: bool | None = None):
         if not isinstance(check_finite, bool):
             raise TypeError(f"check_finite must be a bool, got {type(check_finite).__name__}")
         self.reducer = reducer
         self.check_finite = check_finite
+        if eager is None:
+            eager = kernels.kernel_backend(reducer.buckets[0].device) == "triton"
+        self.eager = eager
+        self._lazy: dict[int, list[torch.Tensor]] = {}  # bucket -> targets not yet measured
         self.stats: torch.Tensor | None = None  # [n_buckets, 2]: sum of squares, non-finite
         self._step = -1  # reducer.synced_iterations the stats belong to
         self._unpacked = 0  # buckets unpacked with stats in that step
@@ -69,16 +80,20 @@ class GradHealth:
         self._unpacked = 0
         self._complete = not self.reducer.bucket_view
         self._written = []
+        self._lazy = {}
         self._step = -1
 
     def unpack(self, bucket, value: torch.Tensor, targets: list[torch.Tensor | None]) -> None:
         """The reducer's unpack of one reduced bucket, measuring what it writes."""
         stats = self.stats[bucket.index]
-        if all(t is not None and t.is_contiguous() for t in targets):
+        if not self.eager:
+            unpack_grads(value, targets, bucket.offsets, bucket.numel)
+            self._lazy[bucket.index] = [t for t in targets if t is not None]
+        elif all(t is not None and t.is_contiguous() for t in targets):
             kernels.unpack_with_stats(value, targets, stats=stats)
         else:  # a gap (unused parameter) or a channels-last gradient: the plain unpack
             unpack_grads(value, targets, bucket.offsets, bucket.numel)
-            self._measure(bucket, targets, stats)
+            self._measure(targets, stats)
         self._unpacked += 1
         for t, p in zip(targets, bucket.params, strict=True):
             if t is None:
@@ -88,16 +103,24 @@ class GradHealth:
                 self._written.append((p, t, t._version))
 
     @staticmethod
-    def _measure(bucket, targets, stats: torch.Tensor) -> None:
+    def _measure(targets, stats: torch.Tensor) -> None:
         present = [t for t in targets if t is not None and t.numel()]
         if not present:
             return
         dtype = kernels._launch.compute_dtype(*{t.dtype for t in present})
-        norms = torch._foreach_norm([t.to(dtype) for t in present])
-        squares = torch.stack([n.to(torch.float32) for n in norms]).square()
+        norms = torch._foreach_norm(present, dtype=dtype)
+        sum_sq = torch.stack(norms).square().sum().to(torch.float32)
+        stats[0] += sum_sq
+        if sum_sq.device.type == "cpu" and math.isfinite(sum_sq):
+            return  # a finite sum of squares proves every value finite (free to read here)
         bad = torch.stack([(~torch.isfinite(t)).sum() for t in present]).sum()
-        stats[0] += squares.sum()
         stats[1] += bad.to(torch.float32)
+
+    def _materialize(self) -> None:
+        """Measures the buckets the unpack left unmeasured (see ``eager``)."""
+        for index, targets in self._lazy.items():
+            self._measure(targets, self.stats[index])
+        self._lazy = {}
 
     def end_step(self) -> None:
         """Called once the reducer counted the synchronized step (after every unpack)."""
@@ -120,6 +143,7 @@ class GradHealth:
         a bucket nothing measured (its parameters are then checked one by one)."""
         reducer = self.reducer
         if self._step == reducer.synced_iterations and self._unpacked == len(reducer.buckets):
+            self._materialize()
             return self.stats[:, 1].tolist()
         if reducer.bucket_view:  # no unpack: the flat buffers are the gradients
             flats = [b.flat for b in reducer.buckets]
@@ -200,6 +224,7 @@ class GradHealth:
                 parameters, max_norm, norm_type, error_if_nonfinite, foreach
             )
         if source == "unpack":
+            self._materialize()
             sum_sq = self.stats[:, 0].sum()
         else:
             flats = [b.flat for b in reducer.buckets]
@@ -229,6 +254,6 @@ class GradHealth:
 
 
 def _sum_sq(flat: torch.Tensor) -> torch.Tensor:
-    values = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
-    return torch.dot(values, values).to(torch.float32)
+    compute = torch.float64 if flat.dtype == torch.float64 else torch.float32
+    return torch.linalg.vector_norm(flat, dtype=compute).square().to(torch.float32)
 

@@ -16,9 +16,9 @@ registers, writes one partial per block into a ``[2, n_blocks]`` buffer and one 
 reduction adds the partials into ``stats``. The sum order differs from torch's, so sums of
 squares agree to fp32 rounding (relative ~1e-6), counts exactly.
 
-CPU tensors run the torch path: the unpack reference, then one dot product over the written
-values; the non-finite count is taken only when the sum of squares is not finite (a finite
-sum of squares proves every value finite).
+CPU tensors run the torch path: the unpack reference, then one norm over the written values;
+the non-finite count is taken only when the sum of squares is not finite (a finite sum of
+squares proves every value finite).
 """
 
 from __future__ import annotations
@@ -192,11 +192,12 @@ def _unpack_stats_torch(flat, scan, scale: float, stats: torch.Tensor, *, lazy_c
         values = flat  # a plain copy: the tensors hold exactly the flat buffer's values
     else:
         values = torch.cat([t.reshape(-1) for t in scan.tensors if t.numel()] or [flat[:0]])
-    values = values.to(compute)
-    sum_sq = torch.dot(values, values)
+    # One vectorized norm (half the time of a dot product here), squared: a few ulps off
+    # the exact sum of squares, as any other summation order is.
+    sum_sq = torch.linalg.vector_norm(values, dtype=compute).square()
     if lazy_count and math.isfinite(sum_sq.item()):
         bad = 0  # a finite sum of squares proves every value finite
     else:
-        bad = values.numel() - int(torch.isfinite(values).sum())
+        bad = values.numel() - int(torch.isfinite(values).sum())  # only on a bad step
     stats[0] += sum_sq.to(torch.float32)
     stats[1] += bad

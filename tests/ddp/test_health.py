@@ -67,7 +67,7 @@ def _compare(ddp: DDP, max_norm: float, source: str, norm_type: float = 2.0):
 
 
 # ---------------------------------------------------------------------- checks (every rank)
-def check_clip_matches_torch(layout: str, bucket_view: bool, hook_name: str):
+def check_clip_matches_torch(layout: str, bucket_view: bool, hook_name: str, eager: bool):
     comm = rank_comm("gloo")
     ddp = DDP(
         build("mlp", sizes=(16, 64, 64, 4)),
@@ -75,6 +75,7 @@ def check_clip_matches_torch(layout: str, bucket_view: bool, hook_name: str):
         gradient_as_bucket_view=bucket_view,
         **LAYOUTS[layout],
     )
+    ddp.reducer.health.eager = eager  # eager: what CUDA does (statistics in the unpack)
     hook, state = _hook_and_state(hook_name, comm)
     if hook is not None:
         ddp.register_comm_hook(state, hook)
@@ -119,9 +120,10 @@ def check_clip_fallbacks():
     return True
 
 
-def check_nonfinite(check_finite: bool):
+def check_nonfinite(check_finite: bool, eager: bool):
     comm = rank_comm("gloo")
     ddp = DDP(build("mlp"), comm=comm, bucket_cap_mb=0.002, check_finite=check_finite)
+    ddp.reducer.health.eager = eager
     target = ddp.module.layers[2].weight
 
     def poison(grad):  # rank 1 only: one NaN in one gradient
@@ -193,27 +195,37 @@ def pool():
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_clip_grad_norm_matches_torch(pool, layout, bucket_view, hook_name):
     (norms0, n_buckets), (norms1, _) = pool.run(
-        check_clip_matches_torch, layout, bucket_view, hook_name
+        check_clip_matches_torch, layout, bucket_view, hook_name, True
     )
     assert norms0 == norms1, "every rank holds the same averaged gradients, the same norm"
     assert n_buckets == {"one": 1, "few": 2, "each": 6}[layout]
     assert all(math.isfinite(n) and n > 0 for n in norms0)
 
 
+@pytest.mark.parametrize("hook_name", ["none", "bf16", "powersgd"])
+@pytest.mark.parametrize("layout", ["one", "each"])
+def test_clip_grad_norm_measured_on_demand(pool, layout, hook_name):
+    """The CPU default: the unpack only records what it wrote; the norm measures that."""
+    (norms0, _), (norms1, _) = pool.run(check_clip_matches_torch, layout, False, hook_name, False)
+    assert norms0 == norms1
+
+
 def test_clip_grad_norm_falls_back_to_torch(pool):
     assert pool.run(check_clip_fallbacks) == [True, True]
 
 
-def test_check_finite_raises_on_every_rank(pool):
-    for error, names, norm_is_nan, clean in pool.run(check_nonfinite, True):
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "on-demand"])
+def test_check_finite_raises_on_every_rank(pool, eager):
+    for error, names, norm_is_nan, clean in pool.run(check_nonfinite, True, eager):
         assert error is not None and names is None
         assert "layers.2.weight" in error and "synchronized step 1" in error
         assert "1 parameter(s)" in error and "layers.0.weight" not in error
         assert norm_is_nan and clean == []
 
 
-def test_nonfinite_grads_names_the_parameter(pool):
-    for error, names, norm_is_nan, clean in pool.run(check_nonfinite, False):
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "on-demand"])
+def test_nonfinite_grads_names_the_parameter(pool, eager):
+    for error, names, norm_is_nan, clean in pool.run(check_nonfinite, False, eager):
         assert error is None and names == ["layers.2.weight"]
         assert norm_is_nan and clean == []
 
