@@ -137,10 +137,10 @@ def unpack_with_stats(
     """
     scan, flat, scale, _ = _prepare_unpack(flat, tensors, scale, False)
     stats = _check_stats(stats, flat.device)
+    if scan.total == 0:  # nothing to write or measure: no backend to choose
+        return stats
     if kernel_backend(flat) == "torch":
         _unpack_stats_torch(flat, scan, scale, stats, lazy_count=True)
-        return stats
-    if scan.total == 0:
         return stats
     kernel = runnable(_unpack_stats_kernel)
     for dst_dtype, ptrs, numels, offsets in _groups(scan):
