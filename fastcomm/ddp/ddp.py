@@ -36,6 +36,7 @@ from fastcomm.comm.base import Communicator
 
 from .bucket import GradBucket
 from .config import DDPConfig, check_param_dtype
+from .health import GradHealth
 from .join import Join, notify_join
 from .pickling import ddp_getstate, ddp_setstate
 from .reducer import Reducer
@@ -98,6 +99,9 @@ class DDP(nn.Module):
         batched_grad_copy: accepted; fastcomm always packs a bucket in one fused kernel.
         forward_sync_buffers: torch's replacement for ``broadcast_buffers``.
         comm: a fastcomm communicator to reduce over.
+        check_finite: raise ``FloatingPointError`` on every rank at the end of a
+            synchronized backward whose averaged gradients hold NaN or Inf, naming the
+            parameters and the step (see `fastcomm.ddp.health`).
 
     Raises:
         RuntimeError: no communicator can be found, or no parameter requires a gradient.
@@ -131,6 +135,7 @@ class DDP(nn.Module):
         forward_sync_buffers: bool | None = None,
         *,
         comm: Communicator | None = None,
+        check_finite: bool = False,
     ) -> None:
         super().__init__()
         if delay_all_reduce_named_params is not None or param_to_hook_all_reduce is not None:
@@ -214,6 +219,7 @@ class DDP(nn.Module):
         self.reducer = Reducer(
             params, names, self.comm, self.config, sparse_param_indices(module, params)
         )
+        self.reducer.health = GradHealth(self.reducer, check_finite=check_finite)
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._join: Join | None = None
@@ -364,6 +370,41 @@ class DDP(nn.Module):
         self._comm_hook_registered = True
         self.reducer.comm_hook = hook
         self.reducer.hook_state = state
+
+    # ------------------------------------------------------------------ training health
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_(self.parameters(), ...)``, mostly for free.
+
+        After a synchronized backward the unpack already summed the squares of every
+        averaged gradient, so the norm is one tiny reduction on the device (no pass over
+        the gradients, no host sync unless the caller reads it). It falls back to torch's
+        computation when those sums do not describe the current gradients (``no_sync``
+        steps, gradients changed in place since, parameters outside DDP with gradients,
+        ``norm_type != 2``); with ``gradient_as_bucket_view`` it reads the bucket buffers.
+
+        Args:
+            max_norm: the largest total norm left unscaled.
+            norm_type: the p of the p-norm (``inf`` allowed, as torch).
+            error_if_nonfinite: raise ``RuntimeError`` when the norm is NaN or Inf.
+            foreach: torch's flag for the scaling kernels.
+
+        Returns:
+            The total norm of the gradients (before clipping), a tensor on their device.
+        """
+        return self.reducer.health.clip_grad_norm_(
+            list(self.module.parameters()), max_norm, norm_type, error_if_nonfinite, foreach
+        )
+
+    def nonfinite_grads(self) -> list[str]:
+        """Qualified names of the parameters whose averaged gradient held NaN or Inf in the
+        last synchronized backward (empty when none did), from the unpack's counters."""
+        return self.reducer.health.nonfinite_names()
 
     def _set_static_graph(self) -> None:
         """torch's private switch, kept for scripts that call it before training."""

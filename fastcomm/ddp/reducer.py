@@ -120,6 +120,7 @@ class Reducer:
         # parameters that got a gradient in no_sync backwards since the last reduction: they
         # count as used (torch's local_used_map), so every rank reduces their accumulated grads
         self._used_no_sync = bytearray(len(self.params))
+        self.health = None  # a fastcomm.ddp.health.GradHealth, set by DDP
 
         ref = weakref.ref(self)
         self._handles = [
@@ -362,6 +363,8 @@ class Reducer:
             self._launch_ready()
         if self._next < len(self.buckets):
             self._incomplete = [i for i, s in enumerate(self._ready) if s == _WAITING]
+            if self.health is not None:
+                self.health.readiness.publish()  # the ranks waiting for a bucket read it
             return
         global_unused: frozenset[int] = self._static_global_unused
         if self._used_work is not None:
@@ -373,10 +376,16 @@ class Reducer:
             self._static_unused = [i for i, s in enumerate(self._ready) if s == _UNUSED]
             self._static_global_unused = global_unused
             self.static_learned = True
+        health = self.health
+        if health is not None:
+            health.begin_step()
         for bucket in self.buckets:
-            self._write_back(bucket, self._wait(bucket), global_unused)
+            value = self._wait(bucket) if health is None else health.wait(bucket)
+            self._write_back(bucket, value, global_unused)
         self._results = []
         self._after_synced_iteration()
+        if health is not None:
+            health.end_step()
 
     def _after_synced_iteration(self) -> None:
         self.synced_iterations += 1
@@ -444,6 +453,9 @@ class Reducer:
             if g is None:
                 g = p.grad = torch.empty_like(p)
             targets.append(g.detach() if self._create_graph else g)
+        if self.health is not None:
+            self.health.unpack(bucket, value, targets)  # also measures norm and NaN/Inf
+            return
         unpack_grads(value, targets, bucket.offsets, bucket.numel)
 
     # ------------------------------------------------------------------ join
@@ -487,7 +499,7 @@ class Reducer:
             "find_unused_parameters=True to DDP if some parameters do not take part in the "
             "loss (or static_graph=True if the same ones never do), or make every output of "
             "forward contribute to the loss."
-        )
+        ) + (self.health.readiness.explain_incomplete() if self.health is not None else "")
 
     def remove_hooks(self) -> None:
         for h in self._handles:

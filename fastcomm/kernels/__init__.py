@@ -7,6 +7,8 @@
 - ``quantize(x, *, dtype=int8|float8_e4m3fn, block=256, error=None, out=None)`` and
   ``dequantize(q, scales, *, out=None, accumulate=False, block=None)``: block-wise symmetric
   quantization of flat buffers, with fused error feedback.
+- ``unpack_with_stats(flat, tensors, *, scale=1.0, stats=None)``: ``unpack`` that also adds
+  the sum of squares and the non-finite count of the values it wrote into ``stats``.
 - ``*_reference``: the pure-torch versions (what CPU tensors run; the test oracles).
 - ``peer_reduce(srcs, dsts, *, op, scale)``: reduce peers' buffers (mapped into this process)
   elementwise and write the result into one or more buffers, one launch: the data step of
@@ -31,6 +33,7 @@ from ._quantize import (
     quantize,
     quantize_reference,
 )
+from ._unpack_stats import unpack_with_stats, unpack_with_stats_reference
 
 __all__ = [
     "DEFAULT_BLOCK",
@@ -48,4 +51,6 @@ __all__ = [
     "quantize_reference",
     "unpack",
     "unpack_reference",
+    "unpack_with_stats",
+    "unpack_with_stats_reference",
 ]

@@ -30,7 +30,7 @@ import tempfile
 import time
 
 from .config import LaunchConfig, std_for
-from .errors import Failure, LaunchError, exit_description, format_report, read_error_file
+from .errors import Failure, LaunchError, format_report, headline, read_error_file
 from .rendezvous import (
     FINISHED_FAILED,
     FINISHED_OK,
@@ -45,6 +45,10 @@ from .rendezvous import (
 from .workers import BOOTSTRAP, WorkerGroup, WorkerSpec, line_prefix
 
 __all__ = ["launch", "Agent"]
+
+#: Seconds a failed round keeps collecting local failures after the first one (peers of a
+#: dead worker fail within a few hundred ms of it) before it ends, unless all have exited.
+FAILURE_GRACE_S = 1.0
 
 _VERBOSE = os.environ.get("LOGLEVEL", "").upper() in ("INFO", "DEBUG") or bool(
     os.environ.get("FASTCOMM_LAUNCH_VERBOSE")
@@ -327,6 +331,7 @@ class Agent:
             f"(pids {self.group.pids})"
         )
         failures: list[Failure] = []
+        grace_until: float | None = None
         reported_done = False
         beat_every = cfg.keep_alive_interval
         next_beat = 0.0
@@ -345,9 +350,17 @@ class Agent:
                 if failing and all(f.local_rank != worker.spec.local_rank for f in failures):
                     failures.append(self._failure(info, worker))
             if failures:
-                rs.set(f"failures/{info.group_rank}", _pickle(failures))
-                end = rdzv.end_round(info.round, "failure", failures)
-                break
+                # The first failure is often a consequence (a peer-loss error recorded
+                # before the dead worker's exit is seen): collect what follows within a
+                # short grace, so the round's failures name the root cause.
+                if grace_until is None:
+                    grace_until = time.monotonic() + FAILURE_GRACE_S
+                if time.monotonic() >= grace_until or all(
+                    w.exitcode is not None for w in self.group.workers
+                ):
+                    rs.set(f"failures/{info.group_rank}", _pickle(failures))
+                    end = rdzv.end_round(info.round, "failure", failures)
+                    break
             if not reported_done and all(w.exitcode == 0 for w in self.group.workers):
                 reported_done = True
                 if rs.add("done", 1) >= info.group_world_size:
@@ -416,20 +429,7 @@ class Agent:
 
     # ------------------------------------------------------------------ outcome
     def _announce_restart(self, info: RoundInfo, payload, next_restart: int) -> None:
-        from .errors import root_cause
-
-        cause = root_cause(list(payload or []))
-        what = "a failure"
-        if cause is not None:
-            if cause.rank >= 0:
-                what = (
-                    f"rank {cause.rank} (local_rank {cause.local_rank}, host {cause.host}) "
-                    f"failed with {exit_description(cause.exitcode)}"
-                )
-                if cause.message:
-                    what += f": {cause.message}"
-            else:
-                what = f"node {cause.group_rank} ({cause.host}) was lost: {cause.message}"
+        what = headline(list(payload or []))
         self.log(
             f"round {info.round}: {what}; restarting the workers "
             f"(restart {next_restart} of {self.config.max_restarts})"

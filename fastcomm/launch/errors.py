@@ -8,6 +8,13 @@ the JSON file named by ``TORCHELASTIC_ERROR_FILE``, in torch's ``@record`` forma
 
 so tools that read torchelastic error files read ours, and a script that already uses torch's
 ``@record`` keeps its own file (the bootstrap does not overwrite it).
+
+Root cause: when one worker dies, its peers fail a moment later with errors that only say a
+peer is gone (``CommAbortedError: ... exited without joining it``, a closed connection), and
+those may be recorded *before* the agent notices the dead worker. So the root cause is not
+simply the earliest failure: a worker killed by a signal (or a lost node) comes first, then
+any failure that is not a peer-loss error, then the peer-loss errors; the earliest of the
+first non-empty class is the cause, and the report lists the others under it.
 """
 
 from __future__ import annotations
@@ -18,7 +25,26 @@ import signal
 import time
 from dataclasses import dataclass
 
-__all__ = ["Failure", "LaunchError", "read_error_file", "format_report", "exit_description"]
+__all__ = [
+    "Failure",
+    "LaunchError",
+    "exit_description",
+    "format_report",
+    "headline",
+    "is_peer_loss",
+    "read_error_file",
+    "root_cause",
+]
+
+#: Text of the errors a worker raises because a *peer* failed: consequences, never the cause.
+PEER_LOSS_PATTERNS = (
+    "CommAbortedError",
+    "CommClosedError",
+    "exited without joining",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+)
 
 
 class LaunchError(RuntimeError):
@@ -129,33 +155,76 @@ def _entry(failure: Failure) -> list[str]:
     return lines
 
 
+def is_peer_loss(failure: Failure) -> bool:
+    """Whether `failure` is a worker's error about a peer that went away (a consequence)."""
+    if failure.rank < 0 or failure.exitcode < 0:
+        return False
+    text = f"{failure.message or ''}\n{failure.traceback or ''}"
+    return any(pattern in text for pattern in PEER_LOSS_PATTERNS)
+
+
+def cause_class(failure: Failure) -> int:
+    """0: killed by a signal or node lost; 1: an error of its own; 2: a peer-loss error."""
+    if failure.rank < 0 or failure.exitcode < 0:
+        return 0
+    return 2 if is_peer_loss(failure) else 1
+
+
 def root_cause(failures: list[Failure]) -> Failure | None:
-    """The first failure in time (the earliest error-file / detection timestamp)."""
+    """The failure the others follow from (see the module docstring): the earliest of the
+    most causal class."""
     if not failures:
         return None
-    return min(failures, key=lambda f: (f.timestamp, f.rank < 0, f.rank))
+    return min(failures, key=lambda f: (cause_class(f), f.timestamp, f.rank < 0, f.rank))
+
+
+def headline(failures: list[Failure]) -> str:
+    """One line naming the root cause and how many failures followed it."""
+    cause = root_cause(failures)
+    if cause is None:
+        return "a failure"
+    if cause.rank < 0:
+        what = f"node {cause.group_rank} ({cause.host}) was lost: {cause.message}"
+    else:
+        how = (
+            f"was killed by {exit_description(cause.exitcode)}"
+            if cause.exitcode < 0
+            else f"failed with {exit_description(cause.exitcode)}"
+        )
+        what = f"rank {cause.rank} (local_rank {cause.local_rank}, host {cause.host}) {how}"
+        if cause.message:
+            what += f": {cause.message}"
+    others = [f for f in failures if f is not cause]
+    if others:
+        ranks = ", ".join(str(f.rank) for f in sorted(others, key=lambda f: f.rank))
+        what += f" (then {len(others)} more: rank(s) {ranks})"
+    return what
 
 
 def format_report(name: str, failures: list[Failure], *, restarts: int, max_restarts: int) -> str:
-    """torchrun-like failure report: the other failures, then the root cause."""
+    """Failure report: a headline, the root cause, then the failures that followed it."""
     bar = "=" * 72
     cause = root_cause(failures)
-    lines = [bar, f"{name} FAILED (restarts used: {restarts} of {max_restarts})", "-" * 72]
-    others = [f for f in failures if f is not cause]
-    if others:
-        lines.append("Failures:")
-        for failure in sorted(others, key=lambda f: (f.rank, f.timestamp)):
-            lines.append(f"[{failure.rank}]:")
-            lines.extend(_entry(failure))
-        lines.append("-" * 72)
-    else:
-        lines.append("Failures:\n  <NO_OTHER_FAILURES>")
-        lines.append("-" * 72)
-    lines.append("Root Cause (first observed failure):")
+    lines = [
+        bar,
+        f"{name} FAILED (restarts used: {restarts} of {max_restarts})",
+        f"Root cause: {headline(failures)}",
+        "-" * 72,
+        "Root Cause (the failure the others follow from):",
+    ]
     if cause is not None:
         lines.append(f"[{cause.rank}]:")
         lines.extend(_entry(cause))
     else:
         lines.append("  <unknown>")
+    lines.append("-" * 72)
+    others = [f for f in failures if f is not cause]
+    if others:
+        lines.append("Followed by (peer-loss errors are consequences of the root cause):")
+        for failure in sorted(others, key=lambda f: (cause_class(f), f.timestamp, f.rank)):
+            lines.append(f"[{failure.rank}]:")
+            lines.extend(_entry(failure))
+    else:
+        lines.append("Followed by:\n  <NO_OTHER_FAILURES>")
     lines.append(bar)
     return "\n".join(lines)

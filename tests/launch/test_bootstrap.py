@@ -135,9 +135,11 @@ def test_report_names_the_first_failure_as_root_cause():
     )
     assert root_cause([late, first]) is first
     report = format_report("train.py", [late, first], restarts=2, max_restarts=2)
-    head, cause = report.split("Root Cause (first observed failure):")
-    assert "train.py FAILED (restarts used: 2 of 2)" in head and "[0]:" in head
-    assert "RuntimeError: closed" in head
+    head, rest = report.split("Root Cause (the failure the others follow from):")
+    cause, after = rest.split("Followed by")
+    assert "train.py FAILED (restarts used: 2 of 2)" in head
+    assert "Root cause: rank 3 (local_rank 1, host n1) was killed by signal 6" in head
+    assert "[0]:" in after and "RuntimeError: closed" in after
     assert "rank      : 3 (local_rank: 1, group_rank: 1" in cause
     assert "host      : n1" in cause and "exitcode  : -6 (pid: 12)  (SIGABRT)" in cause
     assert "Signal 6 (SIGABRT) received by PID 12" in cause
