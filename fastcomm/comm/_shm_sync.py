@@ -123,6 +123,8 @@ class Sync:
         self.state_idx = [layout.misc(r, 1) // 8 for r in range(self.size)]
         self.desc_idx = [(layout.misc(r, 4) // 8, layout.misc(r, 5) // 8) for r in range(self.size)]
         self.peers = [r for r in range(self.size) if r != rank]
+        self.peer_seq_idx = [self.seq_idx[p] for p in self.peers]
+        self.peer_desc_idx = [self.desc_idx[p] for p in self.peers]
         self._identity = {p: seg.peer_identity(p) for p in self.peers}
         self._futex = _SYSCALLS[_MACHINE][0]
         self.fenced = fences_needed() and fence_supported()

@@ -246,14 +246,48 @@ class ShmCommunicator(Communicator):
         try:
             fn()
         except BaseException as exc:
-            error = wrap_error(op, self.rank, start, exc) if isinstance(exc, Exception) else exc
-            self._broken = error
-            self._sync.mark(ABORTED, f"{op} failed: {type(exc).__name__}: {exc}")
-            if error is exc:
-                raise
-            raise error from exc
+            self._abort(op, start, exc)
+
+    def _abort(self, op: str, start: float, exc: BaseException) -> None:
+        """Marks this rank ABORTED (peers then fail fast) and raises ``exc``, wrapped."""
+        error = wrap_error(op, self.rank, start, exc) if isinstance(exc, Exception) else exc
+        self._broken = error
+        self._sync.mark(ABORTED, f"{op} failed: {type(exc).__name__}: {exc}")
+        if error is exc:
+            raise exc
+        raise error from exc
 
     # ------------------------------------------------------------------ collectives
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, async_op: bool = False
+    ) -> Work | None:
+        """Reduces ``tensor`` across ranks, in place (see :meth:`Communicator.all_reduce`).
+
+        A synchronous call on a plain contiguous CPU tensor that fits one slot, with no
+        asynchronous work pending, runs on the caller's thread with no ``Work`` or closure
+        built: below a few KiB, that bookkeeping would otherwise cost as much as moving the
+        bytes. Everything else, including every invalid call, takes the general path.
+        """
+        if (
+            not async_op
+            and type(tensor) is torch.Tensor
+            and tensor.is_cpu
+            and self._lane.busy == 0
+            and not self._closed
+            and self._broken is None
+            and tensor.is_contiguous()
+        ):
+            op = ReduceOp.coerce(op)
+            start = time.monotonic()
+            try:
+                done = self._algo.all_reduce_small(tensor, op, start)
+            except BaseException as exc:
+                self._abort("all_reduce", start, exc)
+            if done:
+                self.stats.record("all_reduce", tensor)
+                return None
+        return super().all_reduce(tensor, op, async_op)
+
     def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp):
         if tensor.device.type != "cpu":
             return self._fallback._impl_all_reduce(tensor, op)
