@@ -33,7 +33,7 @@ import torch
 from fastcomm.comm.base import Communicator
 from fastcomm.comm.work import Work
 
-from .bucket import Bucket, GradBucket, assign_buckets, pack_bucket, unpack_grads
+from .bucket import Bucket, GradBucket, assign_buckets, pack_bucket, unpack_bucket
 from .config import DDPConfig
 
 __all__ = ["Reducer", "find_unused"]
@@ -366,7 +366,7 @@ class Reducer:
             if g is None:
                 g = p.grad = torch.empty_like(p)
             targets.append(g)
-        unpack_grads(value, targets, bucket.offsets, bucket.numel)
+        unpack_bucket(bucket, value, targets)
 
     # ------------------------------------------------------------------ join
     def shadow_backward(self) -> None:
