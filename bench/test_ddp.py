@@ -18,9 +18,10 @@ Three groups of providers, every one a model of its own in the same 2 rank proce
 timed round of a provider is preceded (untimed, in ``setup``) by a step of the provider before
 it in its group, so they alternate and see the same machine. A round's time is one training
 step as seen from the parent (``pool.run`` round trip included, ~1 ms); ``extra_info`` also
-holds the median of the ranks' own step times (a step lasts as long as its slowest rank) and,
-on each group's last provider, the others' ratios to their reference (torch DDP at the same
-bucket cap, and no DDP).
+holds the median of the ranks' own step times (a step lasts as long as its slowest rank), the
+median CPU time a rank's process spends per step (every thread: compute, communication and
+polling; on a shared machine it stays put while wall times swing) and, on each group's last
+provider, the others' ratios to their reference (torch DDP at the same bucket cap, and no DDP).
 
 Quick mode (``--benchmark-disable`` or ``FASTCOMM_BENCH_QUICK=1``): 4 layers of 256, a few
 steps -- a smoke test that finishes in seconds.
@@ -40,6 +41,7 @@ from tests.harness import STATE, RankPool
 ON_GPU = torch.cuda.is_available()
 CAPS = (0.25, 1, 25)  # bucket_cap_mb of the drop-in group
 _MEDIANS: dict[str, float] = {}
+_CPU: dict[str, float] = {}
 
 
 def _quick(config) -> bool:
@@ -99,12 +101,13 @@ def setup_models(width: int, depth: int, batch: int, gpu: bool) -> int:
         "opts": {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()},
         "inputs": {k: inputs["tiny" if k.startswith("tiny") else "mlp"] for k in models},
         "times": {k: [] for k in models},
+        "cpu": {k: [] for k in models},
         "gpu": gpu,
     }
     for name in models:  # warm-up: the first step also rebuilds the buckets
         for _ in range(2):
             train_step(name)
-    for times in STATE["bench"]["times"].values():
+    for times in (*STATE["bench"]["times"].values(), *STATE["bench"]["cpu"].values()):
         times.clear()
     return sum(p.numel() for p in models["torch"].parameters())
 
@@ -112,7 +115,7 @@ def setup_models(width: int, depth: int, batch: int, gpu: bool) -> int:
 def train_step(name: str) -> float:
     b = STATE["bench"]
     model, opt, (x, y) = b["models"][name], b["opts"][name], b["inputs"][name]
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     opt.zero_grad(set_to_none=True)
     torch.nn.functional.mse_loss(model(x), y).backward()
     opt.step()
@@ -120,11 +123,12 @@ def train_step(name: str) -> float:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     b["times"][name].append(elapsed)
+    b["cpu"][name].append(time.process_time() - cpu_start)
     return elapsed
 
 
-def collect_times() -> dict[str, list[float]]:
-    return STATE["bench"]["times"]
+def collect_times() -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    return STATE["bench"]["times"], STATE["bench"]["cpu"]
 
 
 def teardown_models() -> None:
@@ -189,11 +193,13 @@ def _measure(benchmark, ranks, group: list[str], provider: str) -> None:
         pool.run(train_step, other)
 
     benchmark.pedantic(step, setup=alternate, rounds=rounds, iterations=1, warmup_rounds=1)
-    times = pool.run(collect_times)
+    collected = pool.run(collect_times)
     # a step takes as long as its slowest rank
-    per_step = [max(ts) for ts in zip(*(t[provider] for t in times), strict=True)]
+    per_step = [max(ts) for ts in zip(*(t[provider] for t, _ in collected), strict=True)]
     median = statistics.median(per_step)
+    cpu = statistics.median(c for _, cpus in collected for c in cpus[provider])
     _MEDIANS[provider] = median
+    _CPU[provider] = cpu
     device = "cuda" if ON_GPU else "cpu"
     benchmark.extra_info.update(
         provider=provider,
@@ -201,6 +207,7 @@ def _measure(benchmark, ranks, group: list[str], provider: str) -> None:
         ranks=pool.world_size,
         device=device,
         rank_median_step_ms=round(1e3 * median, 3),
+        rank_median_cpu_ms=round(1e3 * cpu, 3),
     )
     if provider != group[-1]:
         assert median > 0
@@ -215,7 +222,8 @@ def _measure(benchmark, ranks, group: list[str], provider: str) -> None:
             print(
                 f"\nDDP step ({device}, {pool.world_size} ranks): {name} "
                 f"{1e3 * _MEDIANS[name]:.2f} ms, {ref} {1e3 * _MEDIANS[ref]:.2f} ms, "
-                f"ratio {ratio:.3f}"
+                f"ratio {ratio:.3f}; CPU per rank {1e3 * _CPU[name]:.2f} ms against "
+                f"{1e3 * _CPU[ref]:.2f} ms"
             )
     assert median > 0
 
