@@ -83,7 +83,8 @@ class ShmOptions:
     spin_us: float | None = field(default_factory=lambda: _env_float("FASTCOMM_SHM_SPIN_US", None))
     """Microseconds a waiting rank polls in a tight loop (``FASTCOMM_SHM_SPIN_US``). ``None``
     (default): 20 when the ranks fit on the cores this process may use, else 0 (polling would
-    only delay the rank being waited for)."""
+    only delay the rank being waited for); and 0 while the host's load average exceeds 1.5x
+    those cores, for the same reason (sampled once a second)."""
 
     yield_us: float = field(default_factory=lambda: _env_float("FASTCOMM_SHM_YIELD_US", 1000.0))
     """Microseconds a waiting rank then polls between ``sched_yield()`` calls (which hand the
@@ -160,7 +161,10 @@ class ShmCommunicator(Communicator):
         mbox = opts.mbox_bytes or max(16 << 10, min(256 << 10, (64 << 20) // (2 * size * size)))
         mbox -= mbox % 4096
         self._seg = Segment.setup(store, rank, size, opts.slot_bytes, mbox, self.timeout)
-        self._sync = Sync(self._seg, rank, self.timeout.total_seconds(), spin, opts.yield_us)
+        self._sync = Sync(
+            self._seg, rank, self.timeout.total_seconds(), spin, opts.yield_us,
+            crowd_check=opts.spin_us is None,
+        )
         u8 = torch.frombuffer(self._seg.mm, dtype=torch.uint8)
         one_shot = opts.one_shot_max if opts.one_shot_max is not None else (512 << 10) // size
         self._algo = Schedules(self._sync, self._seg.layout, u8, one_shot)
