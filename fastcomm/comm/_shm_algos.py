@@ -116,7 +116,7 @@ class Schedules:
         self._u8 = u8
         self._typed: dict[torch.dtype, list[list[torch.Tensor]]] = {}
         self._views: dict[tuple, list] = {}  # cached slot views, by (half, dtype, shape...)
-        self._small: dict[tuple, tuple | None] = {}  # one-slot all-reduce plans, by dtype, shape
+        self._small: dict[tuple, tuple | bool] = {}  # one-slot all-reduce plans, by dtype, shape
         self._round = 0
         self._prev_first = 0  # seq of the first publish of the previous round
         self._sent = [0] * self.size  # chunks sent to / received from each peer
@@ -213,6 +213,9 @@ class Schedules:
             if words[idx] < target:
                 sync.wait_all(target, "all_reduce", start)
                 break
+        else:
+            if sync.fenced:  # the fence after the flag loads, before the slot is rewritten
+                sync.wait_all(target, "all_reduce", start)
         words[sync.desc_idx[self.rank][half]] = code
         views = rank_views[half]
         views[self.rank].copy_(tensor)
