@@ -1,15 +1,27 @@
-"""Training-step time: fastcomm DDP against torch DDP on the same model, same data.
+"""Training-step time: fastcomm DDP against torch DDP and against no DDP at all, same data.
 
-Model: a stack of ``Linear(1024, 1024) + ReLU`` layers, ~10.5M parameters (42 MB of fp32
-gradients: a 1 MiB first bucket, a 25 MiB one and the rest after the rebuild), batch 64,
-SGD. Providers: ``fastcomm-shm`` and ``fastcomm-gloo`` (fastcomm DDP on the shared-memory and
-the Gloo communicator) and ``torch`` (torch DDP on its Gloo group), 2 CPU ranks with one
-intra-op thread each (this machine has 2 cores); on a GPU, one rank, ``fastcomm-nccl`` against
-torch over NCCL. All models live in the same rank processes; every timed round of one provider
-is preceded (untimed, in ``setup``) by a step of the provider before it, so they alternate and
-see the same machine. A round's time is one training step as seen from the parent
-(``pool.run`` round trip included, ~1 ms); ``extra_info`` also holds the median of the ranks'
-own step times and, on ``torch``, each fastcomm provider's ratio to it.
+Three groups of providers, every one a model of its own in the same 2 rank processes:
+
+- ``test_ddp_train_step``: a stack of ``Linear(width, width) + ReLU`` layers (default 10 x
+  1024, ~10.5M parameters, 42 MB of fp32 gradients; ``FASTCOMM_BENCH_DDP_MLP=512x6`` gives
+  the 6.3 MB model of the host-cost measurements), batch 64, SGD. Providers: ``no-comm`` (the
+  same step without DDP: the limit), ``fastcomm-shm`` and ``fastcomm-gloo`` (fastcomm DDP on
+  the shared-memory and the Gloo communicator) and ``torch`` (torch DDP on its Gloo group).
+- ``test_ddp_dropin_step``: the drop-in user, ``fastcomm.ddp.DDP(model,
+  process_group=<torch's Gloo group>, bucket_cap_mb=cap)`` against torch DDP at the same cap,
+  for caps of 0.25, 1 and 25 MiB.
+- ``test_ddp_tiny_params_step``: 200 x ``Linear(16, 16)`` (400 tiny parameters: the
+  per-parameter host cost), fastcomm DDP on shm against torch DDP on Gloo and no DDP.
+
+2 CPU ranks with one intra-op thread each (this machine has 2 cores); on a GPU, one rank,
+``fastcomm-nccl`` against torch over NCCL and no DDP (the other groups are CPU-only). Every
+timed round of a provider is preceded (untimed, in ``setup``) by a step of the provider before
+it in its group, so they alternate and see the same machine. A round's time is one training
+step as seen from the parent (``pool.run`` round trip included, ~1 ms); ``extra_info`` also
+holds the median of the ranks' own step times (a step lasts as long as its slowest rank), the
+median CPU time a rank's process spends per step (every thread: compute, communication and
+polling; on a shared machine it stays put while wall times swing) and, on each group's last
+provider, the others' ratios to their reference (torch DDP at the same bucket cap, and no DDP).
 
 Quick mode (``--benchmark-disable`` or ``FASTCOMM_BENCH_QUICK=1``): 4 layers of 256, a few
 steps -- a smoke test that finishes in seconds.
@@ -27,7 +39,9 @@ import torch
 from tests.harness import STATE, RankPool
 
 ON_GPU = torch.cuda.is_available()
+CAPS = (0.25, 1, 25)  # bucket_cap_mb of the drop-in group
 _MEDIANS: dict[str, float] = {}
+_CPU: dict[str, float] = {}
 
 
 def _quick(config) -> bool:
@@ -45,62 +59,76 @@ def setup_models(width: int, depth: int, batch: int, gpu: bool) -> int:
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group("nccl" if gpu else "gloo")
-    comm = None
-    if gpu:
-        from tests.harness import rank_comm
+    from tests.harness import rank_comm
 
-        comm = rank_comm("nccl")
-
-    def build():
+    def mlp():
         torch.manual_seed(0)
         layers = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())]
         return nn.Sequential(*layers).to(device)
 
-    if gpu:
-        models = {"fastcomm-nccl": DDP(build(), comm=comm)}
-    else:
-        from tests.harness import rank_comm
+    def tiny():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(16, 16) for _ in range(200)])
 
-        models = {
-            "fastcomm-shm": DDP(build(), comm=rank_comm("shm")),
-            "fastcomm-gloo": DDP(build(), comm=rank_comm("gloo")),
-        }
-    models["torch"] = nn.parallel.DistributedDataParallel(
-        build(), device_ids=[0] if gpu else None
-    )
+    def torch_ddp(model, **kwargs):
+        return nn.parallel.DistributedDataParallel(
+            model, device_ids=[0] if gpu else None, **kwargs
+        )
+
+    models = {"no-comm": mlp()}
+    if gpu:
+        models["fastcomm-nccl"] = DDP(mlp(), comm=rank_comm("nccl"))
+    else:
+        models["fastcomm-shm"] = DDP(mlp(), comm=rank_comm("shm"))
+        models["fastcomm-gloo"] = DDP(mlp(), comm=rank_comm("gloo"))
+    models["torch"] = torch_ddp(mlp())
+    if not gpu:
+        for cap in CAPS:
+            models[f"fastcomm-dropin-{cap}"] = DDP(
+                mlp(), process_group=dist.group.WORLD, bucket_cap_mb=cap
+            )
+            models[f"torch-{cap}"] = torch_ddp(mlp(), bucket_cap_mb=cap)
+        models["tiny-no-comm"] = tiny()
+        models["tiny-fastcomm-shm"] = DDP(tiny(), comm=rank_comm("shm"))
+        models["tiny-torch"] = torch_ddp(tiny())
     gen = torch.Generator().manual_seed(int(os.environ["RANK"]))
+    inputs = {
+        "mlp": tuple(torch.randn(batch, width, generator=gen).to(device) for _ in range(2)),
+        "tiny": tuple(torch.randn(batch, 16, generator=gen) for _ in range(2)),
+    }
     STATE["bench"] = {
         "models": models,
         "opts": {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()},
-        "x": torch.randn(batch, width, generator=gen).to(device),
-        "y": torch.randn(batch, width, generator=gen).to(device),
+        "inputs": {k: inputs["tiny" if k.startswith("tiny") else "mlp"] for k in models},
         "times": {k: [] for k in models},
+        "cpu": {k: [] for k in models},
         "gpu": gpu,
     }
     for name in models:  # warm-up: the first step also rebuilds the buckets
         for _ in range(2):
             train_step(name)
-    for times in STATE["bench"]["times"].values():
+    for times in (*STATE["bench"]["times"].values(), *STATE["bench"]["cpu"].values()):
         times.clear()
     return sum(p.numel() for p in models["torch"].parameters())
 
 
 def train_step(name: str) -> float:
     b = STATE["bench"]
-    model, opt = b["models"][name], b["opts"][name]
-    start = time.perf_counter()
+    model, opt, (x, y) = b["models"][name], b["opts"][name], b["inputs"][name]
+    start, cpu_start = time.perf_counter(), time.process_time()
     opt.zero_grad(set_to_none=True)
-    torch.nn.functional.mse_loss(model(b["x"]), b["y"]).backward()
+    torch.nn.functional.mse_loss(model(x), y).backward()
     opt.step()
     if b["gpu"]:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     b["times"][name].append(elapsed)
+    b["cpu"][name].append(time.process_time() - cpu_start)
     return elapsed
 
 
-def collect_times() -> dict[str, list[float]]:
-    return STATE["bench"]["times"]
+def collect_times() -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    return STATE["bench"]["times"], STATE["bench"]["cpu"]
 
 
 def teardown_models() -> None:
@@ -108,10 +136,23 @@ def teardown_models() -> None:
 
 
 # ---------------------------------------------------------------------- pytest side
+def _mlp_shape(quick: bool) -> tuple[int, int]:
+    if quick:
+        return 256, 4
+    spec = os.environ.get("FASTCOMM_BENCH_DDP_MLP", "1024x10")
+    try:
+        width, depth = (int(v) for v in spec.lower().split("x"))
+    except ValueError:
+        raise ValueError(
+            f"FASTCOMM_BENCH_DDP_MLP={spec!r}; expected WIDTHxDEPTH, e.g. 512x6"
+        ) from None
+    return width, depth
+
+
 @pytest.fixture(scope="module")
 def ranks(request):
     quick = _quick(request.config)
-    width, depth = (256, 4) if quick else (1024, 10)
+    width, depth = _mlp_shape(quick)
     if ON_GPU:
         env = {"CUDA_VISIBLE_DEVICES": "0", "FASTCOMM_TEST_DEVICE": "0"}
         pool = RankPool(1, env=env, timeout=300)
@@ -123,15 +164,26 @@ def ranks(request):
         pool.run(teardown_models)
 
 
-PROVIDERS = ["fastcomm-nccl", "torch"] if ON_GPU else ["fastcomm-shm", "fastcomm-gloo", "torch"]
+MAIN = ["no-comm", "fastcomm-nccl", "torch"] if ON_GPU else [
+    "no-comm", "fastcomm-shm", "fastcomm-gloo", "torch"
+]
+DROPIN = [name for cap in CAPS for name in (f"fastcomm-dropin-{cap}", f"torch-{cap}")]
+TINY = ["tiny-no-comm", "tiny-fastcomm-shm", "tiny-torch"]
+# each fastcomm provider's reference: torch DDP with the same bucket cap
+REFERENCE = {
+    **{name: "torch" for name in MAIN if name.startswith("fastcomm")},
+    **{f"fastcomm-dropin-{cap}": f"torch-{cap}" for cap in CAPS},
+    "tiny-fastcomm-shm": "tiny-torch",
+}
+NO_COMM = {name: "no-comm" for name in MAIN if name != "no-comm"}
+NO_COMM.update({name: "tiny-no-comm" for name in TINY if name != "tiny-no-comm"})
 
 
-@pytest.mark.parametrize("provider", PROVIDERS)
-def test_ddp_train_step(benchmark, ranks, provider):
+def _measure(benchmark, ranks, group: list[str], provider: str) -> None:
     pool, params, quick = ranks
     # every timed round follows an untimed step of the provider before it, so the providers
     # alternate and see the same machine
-    other = PROVIDERS[PROVIDERS.index(provider) - 1]
+    other = group[group.index(provider) - 1]
     rounds = 3 if quick else 30
 
     def step():
@@ -141,26 +193,53 @@ def test_ddp_train_step(benchmark, ranks, provider):
         pool.run(train_step, other)
 
     benchmark.pedantic(step, setup=alternate, rounds=rounds, iterations=1, warmup_rounds=1)
-    times = pool.run(collect_times)
+    collected = pool.run(collect_times)
     # a step takes as long as its slowest rank
-    per_step = [max(ts) for ts in zip(*(t[provider] for t in times), strict=True)]
+    per_step = [max(ts) for ts in zip(*(t[provider] for t, _ in collected), strict=True)]
     median = statistics.median(per_step)
+    cpu = statistics.median(c for _, cpus in collected for c in cpus[provider])
     _MEDIANS[provider] = median
+    _CPU[provider] = cpu
+    device = "cuda" if ON_GPU else "cpu"
     benchmark.extra_info.update(
         provider=provider,
         params=params,
         ranks=pool.world_size,
-        device="cuda" if ON_GPU else "cpu",
+        device=device,
         rank_median_step_ms=round(1e3 * median, 3),
+        rank_median_cpu_ms=round(1e3 * cpu, 3),
     )
-    if provider == "torch":
-        device = "cuda" if ON_GPU else "cpu"
-        for name in PROVIDERS[:-1]:
-            ratio = _MEDIANS[name] / median
-            benchmark.extra_info[f"ratio_{name}_over_torch"] = round(ratio, 4)
+    if provider != group[-1]:
+        assert median > 0
+        return
+    # the group's last provider reports every ratio measured in this run
+    for name in group:
+        for label, ref in (("torch", REFERENCE.get(name)), ("no_comm", NO_COMM.get(name))):
+            if ref is None or name not in _MEDIANS or ref not in _MEDIANS:
+                continue
+            ratio = _MEDIANS[name] / _MEDIANS[ref]
+            benchmark.extra_info[f"ratio_{name}_over_{label}"] = round(ratio, 4)
             print(
-                f"\nDDP step ({params / 1e6:.1f}M params, {pool.world_size} ranks, {device}): "
-                f"{name} {1e3 * _MEDIANS[name]:.1f} ms, torch {1e3 * median:.1f} ms, "
-                f"ratio {ratio:.3f}"
+                f"\nDDP step ({device}, {pool.world_size} ranks): {name} "
+                f"{1e3 * _MEDIANS[name]:.2f} ms, {ref} {1e3 * _MEDIANS[ref]:.2f} ms, "
+                f"ratio {ratio:.3f}; CPU per rank {1e3 * _CPU[name]:.2f} ms against "
+                f"{1e3 * _CPU[ref]:.2f} ms"
             )
     assert median > 0
+
+
+@pytest.mark.parametrize("provider", MAIN)
+def test_ddp_train_step(benchmark, ranks, provider):
+    _measure(benchmark, ranks, MAIN, provider)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the drop-in group is torch's Gloo group on CPU")
+@pytest.mark.parametrize("provider", DROPIN)
+def test_ddp_dropin_step(benchmark, ranks, provider):
+    _measure(benchmark, ranks, DROPIN, provider)
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU ranks: shm against torch DDP on Gloo")
+@pytest.mark.parametrize("provider", TINY)
+def test_ddp_tiny_params_step(benchmark, ranks, provider):
+    _measure(benchmark, ranks, TINY, provider)

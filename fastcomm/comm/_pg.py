@@ -2,21 +2,27 @@
 (a ``ProcessGroupGloo`` fastcomm builds on its own store) and ``TorchPGCommunicator`` (a group a
 script made with ``torch.distributed``).
 
-Completion: each native handle is waited on by the communicator's ``Lane`` thread, in issue
-order, which also applies what the backend lacks (``AVG`` as ``SUM`` then a division) before
-the ``Work`` resolves. The lane works for every handle, including Gloo's ``reduce_scatter``,
-whose handle has no future. Subclasses may override ``_issue`` (CUDA groups do, to keep torch's
-stream-aware futures).
+Completion: a :class:`Work` over a native handle is finished by whoever first needs it done,
+on that thread: ``wait()`` waits on the handle and then applies what the backend lacks
+(``AVG`` as ``SUM`` then a division), once; ``get_future()`` chains the same onto the handle's
+own future (run on the backend's thread). No thread of ours sits between the backend and the
+caller, so a DDP bucket costs no thread hand-off. A handle without a future (Gloo's
+``reduce_scatter``) is waited on by the communicator's ``Lane`` thread when a future is asked
+for. Subclasses may override ``_issue`` (CUDA groups do, to keep torch's stream-aware futures).
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from .base import Communicator
+from .store import as_timedelta
 from .types import ReduceOp
 from .work import Lane, Work, wrap_error
 
@@ -37,6 +43,95 @@ def divide_(tensor: torch.Tensor, size: int) -> None:
         tensor.div_(size)
     else:
         tensor.div_(size, rounding_mode="trunc")
+
+
+class _HandleWork(Work):
+    """A ``Work`` over a native handle, finished on the thread that first needs it done.
+
+    ``Work.__init__`` is not called: its ``Event`` and torch ``Future`` would be built on every
+    call for nothing; the future is made only by ``get_future()``.
+    """
+
+    def __init__(self, comm: ProcessGroupCommunicator, op, output, handle, post) -> None:
+        self.op = op
+        self.rank = comm.rank
+        self.output = output
+        self.start = time.monotonic()
+        self._comm = comm
+        self._handle = handle
+        self._post = post
+        self._lock = threading.Lock()  # post runs once, from wait() or the future's callback
+        self._finished = False
+        self._error: BaseException | None = None
+        self._future: torch.futures.Future | None = None
+
+    def _finish(self, exc: BaseException | None = None) -> None:
+        with self._lock:
+            if self._finished:
+                return
+            try:
+                if exc is not None:
+                    raise exc
+                if self._post is not None:
+                    self._post()
+            except BaseException as error:  # kept for every later wait() and exception()
+                self._error = wrap_error(self.op, self.rank, self.start, error)
+            self._finished = True
+
+    def wait(self, timeout: float | timedelta | None = None) -> bool:
+        if not self._finished:
+            limit = self._comm.timeout if timeout is None else as_timedelta(timeout, None)
+            try:
+                self._handle.wait(limit)
+            except RuntimeError as exc:
+                if timeout is not None and not self._handle.is_completed():
+                    # the caller's own limit: the operation is left running, as Work.wait
+                    raise wrap_error(self.op, self.rank, self.start, exc) from exc
+                self._finish(exc)
+            else:
+                self._finish()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        if not self._finished and self._handle.is_completed():
+            try:
+                self.wait()
+            except BaseException:  # noqa: BLE001 - reported by exception()
+                pass
+        return self._finished
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error if self.is_completed() else None
+
+    def get_future(self) -> torch.futures.Future:
+        if self._future is None:
+            try:
+                native = self._handle.get_future()
+            except (RuntimeError, NotImplementedError, AttributeError):
+                native = None
+            if native is None:
+                proxy = Work(self.op, self.rank, self.output)
+                self._comm._completions.submit(proxy, self.wait)
+                self._future = proxy.get_future()
+            else:
+                self._future = native.then(self._resolve)
+        return self._future
+
+    def _resolve(self, native: torch.futures.Future):
+        try:
+            native.value()
+        except BaseException as exc:  # the collective failed: the chained future fails too
+            self._finish(exc)
+        else:
+            self._finish()
+        if self._error is not None:
+            raise self._error
+        return self.output
 
 
 class ProcessGroupCommunicator(Communicator):
@@ -60,23 +155,11 @@ class ProcessGroupCommunicator(Communicator):
         issue: Callable[[], object],
         post: Callable[[], None] | None = None,
     ) -> Work:
-        work = Work(op, self.rank, output)
         try:
             handle = issue()
         except RuntimeError as exc:
-            raise wrap_error(op, self.rank, work.start, exc) from exc
-        timeout = self.timeout
-
-        def finish() -> None:
-            try:
-                handle.wait(timeout)
-                if post is not None:
-                    post()
-            except BaseException as exc:
-                raise wrap_error(op, self.rank, work.start, exc) from exc
-
-        self._completions.submit(work, finish)
-        return work
+            raise wrap_error(op, self.rank, time.monotonic(), exc) from exc
+        return _HandleWork(self, op, output, handle, post)
 
     def _reduce_op(self, op: ReduceOp, tensor: torch.Tensor):
         """torch's op for ``op`` and the post-processing it needs (``AVG`` emulation)."""

@@ -58,6 +58,9 @@ _OPCODES = {
 }
 _DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(SUPPORTED_DTYPES)}
 _OP_CODES = {op: i + 1 for i, op in enumerate(ReduceOp)}
+# by the member's name: an Enum member hashes through a Python-level __hash__ (~0.3 us), a str
+# through its cached hash; the small-message path looks these up on every call
+_OP_ARGS = {op._name_: (_OP_CODES[op], _BINARY[op]) for op in ReduceOp}
 _MBOX_HEADER = 64  # first bytes of a mailbox slot: the message's total byte count
 
 
@@ -113,6 +116,7 @@ class Schedules:
         self._u8 = u8
         self._typed: dict[torch.dtype, list[list[torch.Tensor]]] = {}
         self._views: dict[tuple, list] = {}  # cached slot views, by (half, dtype, shape...)
+        self._small: dict[tuple, tuple | bool] = {}  # one-slot all-reduce plans, by dtype, shape
         self._round = 0
         self._prev_first = 0  # seq of the first publish of the previous round
         self._sent = [0] * self.size  # chunks sent to / received from each peer
@@ -181,6 +185,81 @@ class Schedules:
             self._one_shot(tensor, op, name, start, code, root)
         else:
             self._two_step(tensor.view(-1), op, name, start, code, root)
+
+    def all_reduce_small(self, tensor: torch.Tensor, op: ReduceOp, start: float) -> bool:
+        """The one-shot all-reduce of a tensor that fits one slot, with the fewest Python steps.
+
+        Same rounds, flags and results as :meth:`all_reduce` (the two may be mixed freely); only
+        the per-call work differs: the slot views and the call's descriptor are planned once per
+        (dtype, shape), and the common waits (a peer already there) cost one word read each.
+
+        Returns:
+            ``False``, having done nothing, when ``tensor`` does not qualify (more than
+            ``one_shot_max`` bytes or one slot).
+        """
+        plan = self._small.get((tensor.dtype, tensor.shape))
+        if plan is None:
+            plan = self._plan_small(tensor)
+        if not plan:
+            return False
+        code_base, rank_views = plan
+        sync, words = self.sync, self.sync.words
+        op_code, fn = _OP_ARGS[op._name_]
+        code = code_base | (op_code << 40)
+        half = self._round & 1
+        self._round += 1
+        target = self._prev_first
+        for idx in sync.peer_seq_idx:
+            if words[idx] < target:
+                sync.wait_all(target, "all_reduce", start)
+                break
+        else:
+            if sync.fenced:  # the fence after the flag loads, before the slot is rewritten
+                sync.wait_all(target, "all_reduce", start)
+        words[sync.desc_idx[self.rank][half]] = code
+        views = rank_views[half]
+        views[self.rank].copy_(tensor)
+        self._prev_first = target = sync.publish()
+        for idx in sync.peer_seq_idx:
+            if words[idx] < target:
+                sync.wait_all(target, "all_reduce", start)
+                break
+        else:
+            if sync.fenced:
+                sync.wait_all(target, "all_reduce", start)  # the fence after the flag loads
+        for desc in sync.peer_desc_idx:
+            if words[desc[half]] != code:
+                self._check(half, code)
+        if len(views) == 2:
+            fn(views[0], views[1], out=tensor)
+        else:
+            reduce_into(tensor, views, op)
+        if op is ReduceOp.AVG:
+            divide_(tensor, self.size)
+        return True
+
+    def _plan_small(self, tensor: torch.Tensor) -> tuple | bool:
+        """``(descriptor without the op, slot views per half)`` for a one-slot all-reduce of
+        tensors like ``tensor``, or ``False`` when they are too large for one."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if len(self._small) >= 512:
+            self._small.clear()
+        if (
+            tensor.dtype not in _DTYPE_CODES
+            or not 0 < nbytes <= min(self.one_shot_max, self.layout.slot_bytes)
+        ):
+            plan = False
+        else:
+            numel = tensor.numel()
+            plan = (
+                self.code("all_reduce", tensor),
+                [
+                    [s[:numel].view(tensor.shape) for s in self.slots(h, tensor.dtype)[: self.size]]
+                    for h in range(2)
+                ],
+            )
+        self._small[(tensor.dtype, tensor.shape)] = plan
+        return plan
 
     def _one_shot(self, tensor, op, name, start, code, root) -> None:
         if tensor.numel() * tensor.element_size() > self.layout.slot_bytes:

@@ -87,7 +87,8 @@ class ShmOptions:
     spin_us: float | None = field(default_factory=lambda: _env_float("FASTCOMM_SHM_SPIN_US", None))
     """Microseconds a waiting rank polls in a tight loop (``FASTCOMM_SHM_SPIN_US``). ``None``
     (default): 20 when the ranks fit on the cores this process may use, else 0 (polling would
-    only delay the rank being waited for)."""
+    only delay the rank being waited for); and 0 while the host's load average exceeds 1.5x
+    those cores, for the same reason (sampled once a second)."""
 
     yield_us: float = field(default_factory=lambda: _env_float("FASTCOMM_SHM_YIELD_US", 1000.0))
     """Microseconds a waiting rank then polls between ``sched_yield()`` calls (which hand the
@@ -164,7 +165,10 @@ class ShmCommunicator(Communicator):
         mbox = opts.mbox_bytes or max(16 << 10, min(256 << 10, (64 << 20) // (2 * size * size)))
         mbox -= mbox % 4096
         self._seg = Segment.setup(store, rank, size, opts.slot_bytes, mbox, self.timeout)
-        self._sync = Sync(self._seg, rank, self.timeout.total_seconds(), spin, opts.yield_us)
+        self._sync = Sync(
+            self._seg, rank, self.timeout.total_seconds(), spin, opts.yield_us,
+            crowd_check=opts.spin_us is None,
+        )
         u8 = torch.frombuffer(self._seg.mm, dtype=torch.uint8)
         one_shot = opts.one_shot_max if opts.one_shot_max is not None else (512 << 10) // size
         self._algo = Schedules(self._sync, self._seg.layout, u8, one_shot)
@@ -275,14 +279,48 @@ class ShmCommunicator(Communicator):
         try:
             fn()
         except BaseException as exc:
-            error = wrap_error(op, self.rank, start, exc) if isinstance(exc, Exception) else exc
-            self._broken = error
-            self._sync.mark(ABORTED, f"{op} failed: {type(exc).__name__}: {exc}")
-            if error is exc:
-                raise
-            raise error from exc
+            self._abort(op, start, exc)
+
+    def _abort(self, op: str, start: float, exc: BaseException) -> None:
+        """Marks this rank ABORTED (peers then fail fast) and raises ``exc``, wrapped."""
+        error = wrap_error(op, self.rank, start, exc) if isinstance(exc, Exception) else exc
+        self._broken = error
+        self._sync.mark(ABORTED, f"{op} failed: {type(exc).__name__}: {exc}")
+        if error is exc:
+            raise exc
+        raise error from exc
 
     # ------------------------------------------------------------------ collectives
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, async_op: bool = False
+    ) -> Work | None:
+        """Reduces ``tensor`` across ranks, in place (see :meth:`Communicator.all_reduce`).
+
+        A synchronous call on a plain contiguous CPU tensor that fits one slot, with no
+        asynchronous work pending, runs on the caller's thread with no ``Work`` or closure
+        built: below a few KiB, that bookkeeping would otherwise cost as much as moving the
+        bytes. Everything else, including every invalid call, takes the general path.
+        """
+        if (
+            not async_op
+            and type(tensor) is torch.Tensor
+            and tensor.is_cpu
+            and self._lane.busy == 0
+            and not self._closed
+            and self._broken is None
+            and tensor.is_contiguous()
+        ):
+            op = ReduceOp.coerce(op)
+            start = time.monotonic()
+            try:
+                done = self._algo.all_reduce_small(tensor, op, start)
+            except BaseException as exc:
+                self._abort("all_reduce", start, exc)
+            if done:
+                self.stats.record("all_reduce", tensor)
+                return None
+        return super().all_reduce(tensor, op, async_op)
+
     def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp):
         if tensor.device.type != "cpu":
             return self.route(tensor.device)._impl_all_reduce(tensor, op)

@@ -18,7 +18,9 @@ the group's store under a private prefix; the group itself is never split.
 from __future__ import annotations
 
 import itertools
+import os
 import time
+import weakref
 from datetime import timedelta
 
 import torch
@@ -29,9 +31,12 @@ from .errors import FastcommError
 from .store import Store
 from .work import Work, wrap_error
 
-__all__ = ["TorchPGCommunicator"]
+__all__ = ["TorchPGCommunicator", "local_shm_communicator"]
 
 _ADAPTERS: dict[str, itertools.count] = {}
+# group -> its shm communicator (None: the group's ranks are not all on this host), one per
+# group for every DDP of the process; an entry goes when its group is garbage collected
+_LOCAL_SHM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 class _TorchWork(Work):
     """A fastcomm ``Work`` over a torch ``Work`` (completion is torch's, not a thread's)."""
@@ -191,3 +196,53 @@ def _group_store(pg: dist.ProcessGroup, rank: int, timeout) -> Store:
         _root=base,
         prefix=prefix,
     )
+
+
+def local_shm_communicator(
+    process_group: dist.ProcessGroup | None = None, timeout: float | timedelta | None = None
+):
+    """A shared-memory communicator over the ranks of a torch group that all run on this host.
+
+    A collective call (every member calls it, in the same order as the group's other
+    collectives): the members exchange their host identity through the group's store, and when
+    they share one host they set up a :class:`~fastcomm.comm.shm.ShmCommunicator` on that
+    store (CPU tensors only, no Gloo fallback). The result is cached per group, so every DDP
+    of the process shares one segment. It is closed when the group is destroyed (and garbage
+    collected) or at interpreter exit; its segment never stays in ``/dev/shm`` (it is unlinked
+    once every rank has mapped it).
+
+    Args:
+        process_group: the group; ``None`` means ``torch.distributed``'s default group.
+        timeout: limit for setup and for every operation (default: fastcomm's default).
+
+    Returns:
+        The communicator, or ``None`` when the members span hosts, this platform has no
+        ``/dev/shm``, or ``FASTCOMM_BACKEND`` names another backend.
+    """
+    from .shm import ShmCommunicator, shm_available
+
+    forced = os.environ.get("FASTCOMM_BACKEND", "").strip().lower()
+    if forced and forced != "shm":
+        return None
+    if process_group is None:
+        process_group = dist.distributed_c10d._get_default_group()
+    if process_group in _LOCAL_SHM:
+        comm = _LOCAL_SHM[process_group]
+        if comm is None or not comm.closed:
+            return comm
+    # every rank answers the same, so every rank takes the same branch below
+    if not shm_available():
+        return None
+    from ._shm_segment import host_id
+
+    rank, size = process_group.rank(), process_group.size()
+    store = _group_store(process_group, rank, timeout)
+    hosts = store.all_gather_object("shm/hosts", rank, size, host_id(), store.timeout)
+    comm = None
+    if len(set(hosts)) == 1:
+        comm = ShmCommunicator(
+            store.prefixed("shm", rank=rank), rank, size, timeout, fallback=False
+        )
+        weakref.finalize(process_group, comm.close)
+    _LOCAL_SHM[process_group] = comm
+    return comm

@@ -19,8 +19,18 @@ from collections.abc import Sequence
 import torch
 
 from fastcomm import kernels
+from fastcomm.kernels._launch import fp32_scale
 
-__all__ = ["Bucket", "GradBucket", "assign_buckets", "pack_bucket", "unpack_grads"]
+__all__ = ["Bucket", "GradBucket", "assign_buckets", "pack_bucket", "unpack_bucket", "unpack_grads"]
+
+# CPU buckets of these dtypes pack and unpack through the bucket's own views with torch ops: the
+# kernels' torch reference does the same arithmetic (x * scale rounds once in fp32/fp64) but
+# first re-validates every tensor and re-slices the flat buffer, ~1 us per tensor per step.
+_CPU_VIEW_DTYPES = (torch.float32, torch.float64)
+# up to this many tensors, one multiply per tensor straight into its view (one pass over the
+# bytes); beyond, one foreach copy then one multiply of the whole bucket (two passes, but two
+# calls instead of hundreds)
+_MUL_INTO_VIEWS_MAX = 32
 
 
 def assign_buckets(
@@ -116,8 +126,15 @@ def pack_bucket(bucket: Bucket, grads: Sequence[torch.Tensor | None], out, *, sc
     """Packs a bucket's `grads` into `out` (a flat buffer of its size) with the fused kernel.
 
     ``None`` gradients (parameters that got none) contribute zeros. The common case, every
-    gradient present and contiguous, is exactly one ``kernels.pack`` launch.
+    gradient present and contiguous, is exactly one ``kernels.pack`` launch (on CPU, for
+    fp32/fp64 buckets, torch ops through the bucket's views).
     """
+    if out is bucket.flat and out.dtype in _CPU_VIEW_DTYPES and out.device.type == "cpu":
+        try:
+            _pack_cpu_views(bucket, grads, fp32_scale(scale))
+            return out
+        except (TypeError, RuntimeError):
+            pass  # a None or sparse gradient: the general path below rewrites all of `out`
     try:  # the plan validates every gradient before it writes: no second pass here
         return bucket.plan.pack(grads, out, scale=scale)
     except (TypeError, ValueError):
@@ -134,6 +151,42 @@ def pack_bucket(bucket: Bucket, grads: Sequence[torch.Tensor | None], out, *, sc
             run.append(g if g.is_contiguous() else g.contiguous())
     _flush_pack(run, out, run_start, bucket.numel, scale)
     return out
+
+
+def _pack_cpu_views(bucket: Bucket, grads: Sequence[torch.Tensor | None], scale: float) -> None:
+    """``bucket.flat = cat(grads) * scale`` through the bucket's views (shaped like the
+    parameters, as the gradients are; any strides); ``TypeError`` on a ``None`` gradient."""
+    views = bucket.views
+    if scale != 1.0 and len(views) <= _MUL_INTO_VIEWS_MAX:
+        for g, view in zip(grads, views, strict=True):
+            torch.mul(g, scale, out=view)
+        return
+    torch._foreach_copy_(views, grads)
+    if scale != 1.0:
+        bucket.flat.mul_(scale)
+
+
+def unpack_bucket(bucket: Bucket, flat: torch.Tensor, targets: Sequence[torch.Tensor | None]):
+    """Unpacks `flat` (the reduced bucket) into `targets` (``None``: leave that slice unread).
+
+    On CPU, when `flat` is the bucket's own buffer (or a flat view of all of it), one foreach
+    copy from the bucket's views (exact, any target strides); otherwise :func:`unpack_grads`.
+    """
+    own = bucket.flat
+    if flat.device.type == "cpu" and (
+        flat is own
+        or (flat.data_ptr() == own.data_ptr() and flat.dtype == own.dtype
+            and flat.numel() == own.numel())
+    ):
+        # not `None in targets`: that compares every tensor with None through Tensor.__eq__
+        if all(t is not None for t in targets):
+            torch._foreach_copy_(list(targets), bucket.views)
+        else:
+            pairs = [(t, v) for t, v in zip(targets, bucket.views, strict=True) if t is not None]
+            if pairs:
+                torch._foreach_copy_([t for t, _ in pairs], [v for _, v in pairs])
+        return
+    unpack_grads(flat, targets, bucket.offsets, bucket.numel, plan=bucket.plan)
 
 
 def unpack_grads(

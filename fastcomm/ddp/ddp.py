@@ -7,7 +7,10 @@ is fastcomm's: buckets packed with the fused kernel (averaging folded in), allre
 from the autograd hooks so they overlap the rest of backward, one unpack per bucket at the end.
 
 Communicator: ``comm`` if given; else ``process_group`` adapted (`TorchPGCommunicator`); else
-``fastcomm.get_world()`` when ``fastcomm.init()`` ran; else torch's default group, adapted.
+``fastcomm.get_world()`` when ``fastcomm.init()`` ran; else, for a CPU module whose default
+group's ranks all run on this host, fastcomm's shared-memory communicator built on that
+group's store (`local_shm_communicator`; ``FASTCOMM_BACKEND=gloo`` or any backend other than
+``shm`` opts out); else torch's default group, adapted.
 
 Torch arguments with no fastcomm meaning are accepted and documented on ``__init__``.
 
@@ -46,8 +49,12 @@ from .sync import broadcast_tensors, verify_same_parameters
 __all__ = ["DDP", "DistributedDataParallel"]
 
 
-def resolve_comm(comm, process_group) -> Communicator:
-    """The communicator a DDP uses (see the module docstring)."""
+def resolve_comm(comm, process_group, module: nn.Module | None = None) -> Communicator:
+    """The communicator a DDP of `module` uses (see the module docstring).
+
+    A collective call when it picks the shared-memory communicator (the ranks exchange their
+    host identity): every rank must call it, as every rank constructs the DDP.
+    """
     if comm is not None:
         if not isinstance(comm, Communicator):
             raise TypeError(f"comm must be a fastcomm Communicator, got {type(comm).__name__}")
@@ -61,6 +68,12 @@ def resolve_comm(comm, process_group) -> Communicator:
     if fastcomm.is_initialized():
         return fastcomm.get_world()
     if dist.is_available() and dist.is_initialized():
+        if module is not None and all(p.device.type == "cpu" for p in module.parameters()):
+            from fastcomm.comm.torch_pg import local_shm_communicator
+
+            shm = local_shm_communicator(None)
+            if shm is not None:
+                return shm
         return TorchPGCommunicator(None)
     raise RuntimeError(
         "fastcomm DDP needs a communicator: call torch.distributed.init_process_group(...) or "
@@ -167,7 +180,7 @@ class DDP(nn.Module):
         )
         self.module = module
         self.dim = dim
-        self.comm = resolve_comm(comm, process_group)
+        self.comm = resolve_comm(comm, process_group, module)
         # torch's attribute is the group reduced over: the default one when none was passed
         self.process_group = process_group if process_group is not None else _default_group()
         # how a pickled copy finds its communicator again (see pickling.py)

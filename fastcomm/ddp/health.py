@@ -29,7 +29,7 @@ import torch
 from fastcomm import kernels
 
 from . import _readiness
-from .bucket import unpack_grads
+from .bucket import unpack_bucket, unpack_grads
 
 __all__ = ["GradHealth"]
 
@@ -87,7 +87,7 @@ class GradHealth:
         """The reducer's unpack of one reduced bucket, measuring what it writes."""
         stats = self.stats[bucket.index]
         if not self.eager:
-            unpack_grads(value, targets, bucket.offsets, bucket.numel, plan=bucket.plan)
+            unpack_bucket(bucket, value, targets)
             self._lazy[bucket.index] = [t for t in targets if t is not None]
         elif all(t is not None and t.is_contiguous() for t in targets):
             kernels.unpack_with_stats(value, targets, stats=stats)

@@ -58,7 +58,7 @@ def ddp_setstate(ddp: DDP, state: dict[str, Any]) -> None:
 
     nn.Module.__setstate__(ddp, state)
     ddp._join = None
-    ddp.comm = resolve_comm(None, None)
+    ddp.comm = resolve_comm(None, None, ddp.module)
     ddp.process_group = _default_group()
     names, params = _reduced_parameters(ddp.module, ddp.parameters_to_ignore)
     ddp.reducer = Reducer(

@@ -42,7 +42,7 @@ from fastcomm.comm.base import Communicator
 from fastcomm.comm.work import Work
 
 from . import sparse as _sparse
-from .bucket import Bucket, GradBucket, pack_bucket, unpack_grads
+from .bucket import Bucket, GradBucket, pack_bucket, unpack_bucket
 from .config import DDPConfig
 
 __all__ = ["Reducer", "find_unused"]
@@ -456,7 +456,7 @@ class Reducer:
         if self.health is not None:
             self.health.unpack(bucket, value, targets)  # also measures norm and NaN/Inf
             return
-        unpack_grads(value, targets, bucket.offsets, bucket.numel)
+        unpack_bucket(bucket, value, targets)
 
     # ------------------------------------------------------------------ join
     def shadow_backward(self) -> None:

@@ -343,3 +343,38 @@ def test_send_recv_lanes_never_deadlock(pool, unique_name):
 
 def test_init_picks_shm_and_ddp_reduces_over_it(pool):
     assert pool.run(check_ddp_uses_shm_world) == [("shm", "shm")] * pool.world_size
+
+
+@pytest.mark.parametrize("spin_us", [None, 7.0], ids=["automatic", "explicit"])
+def test_automatic_spin_stops_while_the_host_is_crowded(monkeypatch, spin_us):
+    """The automatic spin yields at once when the load average says peers wait for a core;
+    a spin set explicitly is kept whatever the load."""
+    from fastcomm.comm import _shm_sync
+    from fastcomm.comm.store import Store
+
+    cores = len(os.sched_getaffinity(0))
+    load = [0.0]
+    monkeypatch.setattr(_shm_sync.os, "getloadavg", lambda: (load[0], 0.0, 0.0))
+    store = Store(is_server=True, timeout=10)
+    comm = ShmCommunicator(store.prefixed("spin", rank=0), 0, 1, 10.0, fallback=False,
+                           options=ShmOptions(spin_us=spin_us))
+    try:
+        sync = comm._sync
+        spin = 20_000 if spin_us is None else 7_000
+        budgets = []
+        for value, sample_due in [(0.5 * cores, True), (2.0 * cores, False),
+                                  (2.0 * cores, True), (1.0 * cores, True)]:
+            load[0] = value
+            if sample_due:
+                sync._crowd_next = 0.0
+            budgets.append(sync.spin_budget_ns())
+        if spin_us is None:
+            # sampled at most once a second: the crowd is seen at the next sample, then gone
+            assert budgets == [spin, spin, 0, spin]
+        else:
+            assert budgets == [spin] * 4
+        t = torch.arange(4.0)
+        comm.all_reduce(t)  # the waits still work with either budget
+        assert torch.equal(t, torch.arange(4.0))
+    finally:
+        comm.close()
