@@ -81,33 +81,73 @@ def _bench(benchmarks: list[dict], prefix: str) -> list[dict]:
     return [b for b in benchmarks if b["name"].startswith(prefix) and b.get("stats")]
 
 
-def plot_ddp(benchmarks: list[dict], out: Path, title: str) -> Path | None:
-    rows = _bench(benchmarks, "test_ddp_train_step")
-    if not rows:
-        return None
+def _ddp_medians(benchmarks: list[dict], test: str) -> dict[str, float]:
     medians = {}
-    for b in rows:
+    for b in _bench(benchmarks, test):
         info = b.get("extra_info", {})
         ms = info.get("rank_median_step_ms") or b["stats"]["median"] * 1e3
         medians[info.get("provider") or b["param"]] = ms
-    names = sorted(medians, key=lambda n: (n != "torch", n))
-    base = medians.get("torch")
-    fig, ax = plt.subplots(figsize=(5.5, 3.4))
-    bars = ax.bar(names, [medians[n] for n in names], color=["#888"] + ["#2a7"] * (len(names) - 1))
+    return medians
+
+
+def _ddp_panel(ax, medians: dict[str, float], names: list[str], base: str, title: str) -> None:
+    """Bars of `names`, each labelled with its time as a multiple of `base`'s."""
+    names = [n for n in names if n in medians]
+    colors = ["#888" if n.startswith("torch") or n.endswith("torch") else
+              "#69c" if n.endswith("no-comm") else "#2a7" for n in names]
+    bars = ax.bar(range(len(names)), [medians[n] for n in names], color=colors)
     for bar, name in zip(bars, names, strict=True):
-        label = f"{medians[name]:.1f} ms"
-        if base and name != "torch":
-            label += f"\n{base / medians[name]:.2f}x torch"
+        label = f"{medians[name]:.1f}"
+        if base in medians and name != base:
+            label += f"\n{medians[name] / medians[base]:.2f}x"
         ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center", va="bottom", fontsize=8)
-    ax.set_ylabel("median training step (ms)")
-    ax.set_ylim(0, max(medians.values()) * 1.3)
-    ax.set_title(title, fontsize=9)
+                    ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(names)), [n.replace("fastcomm-", "fc-") for n in names],
+                  rotation=30, ha="right", fontsize=7)
+    ax.set_ylim(0, max(medians[n] for n in names) * 1.35)
+    ax.set_title(title, fontsize=8)
+
+
+def plot_ddp(benchmarks: list[dict], out: Path, title: str) -> Path | None:
+    """Median step per provider; labels give each time as a multiple of torch DDP's."""
+    main = _ddp_medians(benchmarks, "test_ddp_train_step")
+    if not main:
+        return None
+    dropin = _ddp_medians(benchmarks, "test_ddp_dropin_step")
+    tiny = _ddp_medians(benchmarks, "test_ddp_tiny_params_step")
+    panels = [(main, ["torch", "fastcomm-gloo", "fastcomm-shm", "fastcomm-nccl", "no-comm"],
+               "torch", "MLP: x torch DDP's time")]
+    if dropin:
+        caps = sorted({n.rsplit("-", 1)[1] for n in dropin}, key=float)
+        names = [f"{who}-{cap}" for cap in caps for who in ("torch", "fastcomm-dropin")]
+        panels.append((dropin, names, None, "drop-in on torch's Gloo group, by bucket_cap_mb"))
+    if tiny:
+        panels.append((tiny, ["tiny-torch", "tiny-fastcomm-shm", "tiny-no-comm"], "tiny-torch",
+                       "200 x Linear(16, 16)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.6), squeeze=False)
+    for ax, (medians, names, base, sub) in zip(axes[0], panels, strict=True):
+        if base is None:  # drop-in: each fastcomm bar against torch at the same cap
+            _ddp_pairs(ax, medians, names, sub)
+        else:
+            _ddp_panel(ax, medians, names, base, sub)
+    axes[0][0].set_ylabel("median training step (ms)")
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path = out / "ddp_step.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _ddp_pairs(ax, medians: dict[str, float], names: list[str], title: str) -> None:
+    _ddp_panel(ax, medians, names, "", title)
+    for patch, name in zip(ax.patches, [n for n in names if n in medians], strict=True):
+        if name.startswith("fastcomm-dropin-"):
+            ref = medians.get("torch-" + name.rsplit("-", 1)[1])
+            if ref:
+                ax.annotate(f"{medians[name] / ref:.2f}x",
+                            (patch.get_x() + patch.get_width() / 2, patch.get_height() * 0.5),
+                            ha="center", fontsize=7, color="white")
 
 
 def plot_kernels(benchmarks: list[dict], out: Path, title: str) -> Path | None:
