@@ -3,17 +3,14 @@
 Round loop of one agent::
 
     join round r -> start workers (env as torchrun's) -> monitor until the round ends:
-      * a local worker exits non-zero   -> end r with "failure" (the first end proposed wins)
-      * every agent's workers succeeded -> end r with "success"
-      * a node waits and there is room  -> end r with "membership" (not a failure restart)
-      * a peer agent stops heartbeating -> end r with "failure" (node lost)
-    -> stop the workers -> success: exit 0; failure with restarts left, or membership: join r+1;
-       failure with restarts spent: print the root cause (all nodes' failures), exit 1.
+      * a local worker exits non-zero   -> end r with FAILURE (the first end proposed wins)
+      * every agent's workers succeeded -> end r with SUCCESS
+      * a node waits and there is room  -> end r with MEMBERSHIP (not a failure restart)
+      * a peer agent stops heartbeating -> end r with FAILURE (node lost)
+    -> stop the workers -> SUCCESS: exit 0; FAILURE with restarts left, or MEMBERSHIP: join r+1;
+       FAILURE with restarts spent: print the root cause (all nodes' failures), exit 1.
 
-Each round's workers meet in a fresh ``TCPStore`` on a new port served by the agent of
-GROUP_RANK 0 (``TORCHELASTIC_USE_AGENT_STORE=True``: every worker is a client). torchrun 2.13
-reuses one store for all rounds, so restarted workers read the failed round's keys (e.g. Gloo's
-peer addresses) and fail with ``connectFullMesh ... Connection refused`` or hang.
+Each round's workers meet in the round's own worker store (see ``Rendezvous._complete``).
 
 SIGINT/SIGTERM/... (``--signals-to-handle``) are forwarded at once to every worker's process
 group; the agent then waits ``--shutdown-timeout`` s, SIGKILLs what is left and exits with
@@ -22,21 +19,25 @@ group; the agent then waits ``--shutdown-timeout`` s, SIGKILLs what is left and 
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass, field
 
 from .config import LaunchConfig, std_for
 from .errors import Failure, LaunchError, format_report, headline, read_error_file
 from .rendezvous import (
-    FINISHED_FAILED,
-    FINISHED_OK,
     Interrupted,
+    JobEnded,
     NodeInfo,
     Rendezvous,
+    RoundEnd,
     RoundInfo,
     default_host,
     new_agent_id,
@@ -50,6 +51,9 @@ __all__ = ["launch", "Agent"]
 #: dead worker fail within a few hundred ms of it) before it ends, unless all have exited.
 FAILURE_GRACE_S = 1.0
 
+#: How a round ended and the payload that came with it (the failures, for ``FAILURE``).
+_End = tuple[RoundEnd, object]
+
 _VERBOSE = os.environ.get("LOGLEVEL", "").upper() in ("INFO", "DEBUG") or bool(
     os.environ.get("FASTCOMM_LAUNCH_VERBOSE")
 )
@@ -60,7 +64,33 @@ def launch(config: LaunchConfig) -> int:
     return Agent(config).run()
 
 
+@dataclass(slots=True)
+class _RoundWatch:
+    """What the monitor loop of one round remembers between polls."""
+
+    peers: list[int]
+    """GROUP_RANKs of the other agents, whose heartbeats are watched."""
+    failures: list[Failure] = field(default_factory=list)
+    grace_until: float | None = None
+    """Monotonic time the failure grace ends (set at the first local failure)."""
+    reported_done: bool = False
+    """Whether this agent counted its workers' success in the round's ``done``."""
+    next_beat: float = 0.0
+    seen: dict[int, tuple[int, float]] = field(default_factory=dict)
+    """Per peer: the last heartbeat count read and the monotonic time it changed."""
+
+
 class Agent:
+    """The launcher's agent on one node: one per ``fastcomm-run`` process.
+
+    It joins the job's rendezvous, starts this node's workers with torchrun's environment,
+    watches them and the other agents, and restarts the workers in a new round after a failure
+    (up to ``max_restarts``) or to admit a waiting node. ``run`` returns the exit status.
+
+    Args:
+        config: the parsed command line.
+    """
+
     def __init__(self, config: LaunchConfig) -> None:
         self.config = config
         self.host = default_host()
@@ -78,15 +108,17 @@ class Agent:
 
     # ------------------------------------------------------------------ logging
     def log(self, message: str, *, always: bool = True) -> None:
+        """Prints ``message`` to stderr, prefixed with the node (only verbose if not ``always``)."""
         if not always and not _VERBOSE:
             return
         node = f" node {self.group_rank}" if self.group_rank is not None else ""
         try:
             print(f"[fastcomm-run{node}] {message}", file=sys.stderr, flush=True)
         except (OSError, ValueError):
-            pass
+            pass  # stderr is closed: there is nowhere left to report to
 
     def info(self, message: str) -> None:
+        """Prints ``message`` only when verbose (``LOGLEVEL=INFO``/``DEBUG``)."""
         self.log(message, always=False)
 
     # ------------------------------------------------------------------ signals
@@ -98,31 +130,31 @@ class Agent:
             self.group.signal_all(signum if first else signal.SIGKILL)
 
     def check_stop(self) -> None:
+        """Raises ``Interrupted`` once a handled signal was received."""
         if self._signum is not None:
             raise Interrupted(self._signum)
 
     def _install_signals(self) -> None:
-        import threading
-
         if threading.current_thread() is not threading.main_thread():
             return
         for name in self.config.signals_to_handle:
             signum = getattr(signal, name)
             try:
                 self._old_handlers[signum] = signal.signal(signum, self._on_signal)
-            except (OSError, ValueError):
-                pass
+            except (OSError, ValueError) as exc:
+                self.info(f"cannot handle {name}: {exc}")
 
     def _restore_signals(self) -> None:
         for signum, handler in self._old_handlers.items():
             try:
                 signal.signal(signum, handler)
-            except (OSError, ValueError, TypeError):
-                pass
+            except (OSError, ValueError, TypeError) as exc:
+                self.info(f"cannot restore the handler of signal {signum}: {exc}")
         self._old_handlers.clear()
 
     # ------------------------------------------------------------------ main
     def run(self) -> int:
+        """Runs the job on this node until it ends; returns the launcher's exit status."""
         self._install_signals()
         try:
             return self._run()
@@ -175,12 +207,14 @@ class Agent:
             message=message,
         )
         try:
-            info.store.set(f"failures/{info.group_rank}", _pickle([]))
-            self.rdzv.end_round(info.round, "failure", [lost])
+            info.store.set(f"failures/{info.group_rank}", pickle.dumps([]))
+            self.rdzv.end_round(info.round, RoundEnd.FAILURE, [lost])
             if self.is_host:  # give the others a moment to read it before the store goes
                 self.rdzv.exit_barrier(info, True, timeout=min(5.0, self.config.close_timeout))
-        except Exception:
-            pass
+        except Exception as exc:  # best effort: the peers' heartbeat check covers it
+            self.log(
+                f"could not tell the other nodes that this one stops ({type(exc).__name__}: {exc})"
+            )
 
     def _run(self) -> int:
         cfg = self.config
@@ -205,26 +239,23 @@ class Agent:
         self.rdzv = rdzv = Rendezvous(store, cfg, node, self.check_stop, self.info)
         info = rdzv.next_round()
         while True:
-            if info == FINISHED_OK:
+            if info is JobEnded.OK:
                 self.log("the job finished before this node was admitted")
                 return 0
-            if info == FINISHED_FAILED:
+            if info is JobEnded.FAILED:
                 self.log("the job failed before this node was admitted")
                 return 1
-            assert isinstance(info, RoundInfo)
             self.group_rank = info.group_rank
             self._round = info
             kind, payload, local = self._run_round(info)
             self._round = None
-            if kind == "success":
+            if kind is RoundEnd.SUCCESS:
                 rdzv.exit_barrier(info, self.is_host)
                 return 0
-            restarts = info.restart_count
-            if kind == "failure":
-                if restarts >= cfg.max_restarts:
+            if kind is RoundEnd.FAILURE:
+                if info.restart_count >= cfg.max_restarts:
                     return self._give_up(info, local)
-                self._announce_restart(info, payload, restarts + 1)
-                restarts += 1
+                self._announce_restart(info, payload, info.restart_count + 1)
             else:
                 self.log(
                     f"a new node is waiting; restarting the workers to admit it "
@@ -318,91 +349,115 @@ class Agent:
             traceback=trace,
         )
 
-    def _run_round(self, info: RoundInfo) -> tuple[str, object, list[Failure]]:
+    def _run_round(self, info: RoundInfo) -> tuple[RoundEnd, object, list[Failure]]:
         """Runs the workers of one round; returns ``(end kind, end payload, local failures)``."""
-        cfg, rdzv = self.config, self.rdzv
-        rs = info.store
+        self._start_workers(info)
+        peers = [g for g in range(info.group_world_size) if g != info.group_rank]
+        watch = _RoundWatch(peers=peers)
+        kind, payload = self._monitor(info, watch)
+        self._finish_round(info, kind, watch.failures)
+        return kind, payload, watch.failures
+
+    def _start_workers(self, info: RoundInfo) -> None:
         self.group = WorkerGroup(self._worker_specs(info))
         self.check_stop()
         self.group.start()
         self.info(
             f"round {info.round}: started local ranks "
-            f"{info.rank_offset}..{info.rank_offset + cfg.nproc_per_node - 1} "
+            f"{info.rank_offset}..{info.rank_offset + self.config.nproc_per_node - 1} "
             f"(pids {self.group.pids})"
         )
-        failures: list[Failure] = []
-        grace_until: float | None = None
-        reported_done = False
-        beat_every = cfg.keep_alive_interval
-        next_beat = 0.0
-        peers = [g for g in range(info.group_world_size) if g != info.group_rank]
-        seen: dict[int, tuple[int, float]] = {}
-        end = None
-        while end is None:
+
+    def _monitor(self, info: RoundInfo, watch: _RoundWatch) -> _End:
+        """Polls the workers and the round until it ends; returns the end that won."""
+        while True:
             self.check_stop()
-            for worker in self.group.poll():
-                # A worker that recorded an uncaught exception is failing even while its
-                # interpreter is still tearing down (which can take long, or hang, with a
-                # process group still alive): no need to wait for its exit.
-                failing = worker.exitcode not in (None, 0) or (
-                    worker.exitcode is None and os.path.exists(worker.spec.error_file)
-                )
-                if failing and all(f.local_rank != worker.spec.local_rank for f in failures):
-                    failures.append(self._failure(info, worker))
-            if failures:
-                # The first failure is often a consequence (a peer-loss error recorded
-                # before the dead worker's exit is seen): collect what follows within a
-                # short grace, so the round's failures name the root cause.
-                if grace_until is None:
-                    grace_until = time.monotonic() + FAILURE_GRACE_S
-                if time.monotonic() >= grace_until or all(
-                    w.exitcode is not None for w in self.group.workers
-                ):
-                    rs.set(f"failures/{info.group_rank}", _pickle(failures))
-                    end = rdzv.end_round(info.round, "failure", failures)
-                    break
-            if not reported_done and all(w.exitcode == 0 for w in self.group.workers):
-                reported_done = True
-                if rs.add("done", 1) >= info.group_world_size:
-                    end = rdzv.end_round(info.round, "success")
-                    break
-            end = rdzv.end_of(info.round)
+            self._collect_failures(info, watch)
+            end = (
+                self._end_on_failure(info, watch)
+                or self._end_on_success(info, watch)
+                or self.rdzv.end_of(info.round)
+                or self._end_to_admit(info)
+                or self._beat_and_check_peers(info, watch)
+            )
             if end is not None:
-                break
-            if (
-                info.group_world_size < cfg.max_nodes
-                and rdzv.waiting(info.round) > 0
-                and rs.add("done", 0) == 0
-            ):
-                end = rdzv.end_round(info.round, "membership")
-                break
-            now = time.monotonic()
-            if now >= next_beat:
-                next_beat = now + beat_every
-                rs.add(f"hb/{info.group_rank}", 1)
-                lost = self._check_peers(info, peers, seen, now)
-                if lost is not None:
-                    end = rdzv.end_round(info.round, "failure", [lost])
-                    break
-            time.sleep(cfg.monitor_interval)
-        kind, payload = end
+                return end
+            time.sleep(self.config.monitor_interval)
+
+    def _collect_failures(self, info: RoundInfo, watch: _RoundWatch) -> None:
+        for worker in self.group.poll():
+            # A worker that recorded an uncaught exception is failing even while its
+            # interpreter is still tearing down (which can take long, or hang, with a
+            # process group still alive): no need to wait for its exit.
+            failing = worker.exitcode not in (None, 0) or (
+                worker.exitcode is None and os.path.exists(worker.spec.error_file)
+            )
+            if failing and all(f.local_rank != worker.spec.local_rank for f in watch.failures):
+                watch.failures.append(self._failure(info, worker))
+
+    def _end_on_failure(self, info: RoundInfo, watch: _RoundWatch) -> _End | None:
+        if not watch.failures:
+            return None
+        # The first failure is often a consequence (a peer-loss error recorded before the
+        # dead worker's exit is seen): collect what follows within a short grace, so the
+        # round's failures name the root cause.
+        if watch.grace_until is None:
+            watch.grace_until = time.monotonic() + FAILURE_GRACE_S
+        if time.monotonic() < watch.grace_until and any(
+            w.exitcode is None for w in self.group.workers
+        ):
+            return None
+        info.store.set(f"failures/{info.group_rank}", pickle.dumps(watch.failures))
+        return self.rdzv.end_round(info.round, RoundEnd.FAILURE, watch.failures)
+
+    def _end_on_success(self, info: RoundInfo, watch: _RoundWatch) -> _End | None:
+        if watch.reported_done or any(w.exitcode != 0 for w in self.group.workers):
+            return None
+        watch.reported_done = True
+        if info.store.add("done", 1) < info.group_world_size:
+            return None
+        return self.rdzv.end_round(info.round, RoundEnd.SUCCESS)
+
+    def _end_to_admit(self, info: RoundInfo) -> _End | None:
+        """Ends the round to admit a waiting node, if there is room and no worker finished."""
+        if (
+            info.group_world_size < self.config.max_nodes
+            and self.rdzv.waiting(info.round) > 0
+            and info.store.add("done", 0) == 0
+        ):
+            return self.rdzv.end_round(info.round, RoundEnd.MEMBERSHIP)
+        return None
+
+    def _beat_and_check_peers(self, info: RoundInfo, watch: _RoundWatch) -> _End | None:
+        now = time.monotonic()
+        if now < watch.next_beat:
+            return None
+        watch.next_beat = now + self.config.keep_alive_interval
+        info.store.add(f"hb/{info.group_rank}", 1)
+        lost = self._check_peers(info, watch.peers, watch.seen, now)
+        if lost is None:
+            return None
+        return self.rdzv.end_round(info.round, RoundEnd.FAILURE, [lost])
+
+    def _finish_round(self, info: RoundInfo, kind: RoundEnd, failures: list[Failure]) -> None:
+        """Stops the workers; after a failure, records every local failure for the report."""
         stop_time = time.time()
-        if kind != "success":  # published before the (maybe slow) stop, for joining nodes
-            rdzv.set_next_restarts(info.round, info.restart_count + (kind == "failure"))
+        if kind is not RoundEnd.SUCCESS:  # published before the (maybe slow) stop, for joiners
+            self.rdzv.set_next_restarts(info.round, info.restart_count + (kind is RoundEnd.FAILURE))
         workers = self.group.workers
         self._stop_workers()
-        if kind == "failure":
-            # Workers that died on their own before the stop, or recorded an exception.
-            for worker in workers:
-                if worker.exitcode in (None, 0) or any(
-                    f.local_rank == worker.spec.local_rank for f in failures
-                ):
-                    continue
-                failure = self._failure(info, worker)
-                if failure.message or (worker.exited_at or stop_time) < stop_time:
-                    failures.append(failure)
-            rs.set(f"failures/{info.group_rank}", _pickle(failures))
-        return kind, payload, failures
+        if kind is not RoundEnd.FAILURE:
+            return
+        # Workers that died on their own before the stop, or recorded an exception.
+        for worker in workers:
+            if worker.exitcode in (None, 0) or any(
+                f.local_rank == worker.spec.local_rank for f in failures
+            ):
+                continue
+            failure = self._failure(info, worker)
+            if failure.message or (worker.exited_at or stop_time) < stop_time:
+                failures.append(failure)
+        info.store.set(f"failures/{info.group_rank}", pickle.dumps(failures))
 
     def _check_peers(self, info, peers, seen, now) -> Failure | None:
         limit = self.config.keep_alive_interval * self.config.keep_alive_max_attempt
@@ -439,7 +494,9 @@ class Agent:
         """Restarts are spent: gathers every node's failures, prints the report, exits 1."""
         rs = info.store
         end = self.rdzv.end_of(info.round)
-        lost = [f for f in (end[1] or []) if f.rank < 0] if end and end[0] == "failure" else []
+        lost = []
+        if end is not None and end[0] is RoundEnd.FAILURE:
+            lost = [f for f in (end[1] or []) if f.rank < 0]
         gone = {f.group_rank for f in lost}
         keys = [f"failures/{g}" for g in range(info.group_world_size) if g not in gone]
         deadline = time.monotonic() + min(30.0, self.config.shutdown_timeout + 5.0)
@@ -448,7 +505,7 @@ class Agent:
         failures: list[Failure] = list(lost)
         for key in keys:
             if rs.check([key]):
-                failures.extend(_unpickle(rs.get(key)))
+                failures.extend(pickle.loads(rs.get(key)))
         if not failures:
             failures = local
         self._keep_dir = True
@@ -494,22 +551,8 @@ def _any_std(spec) -> bool:
 
 
 def _precise_time(path: str) -> float | None:
-    import json
-
     try:
         with open(path) as fh:
             return float(json.load(fh)["message"]["extraInfo"]["fastcomm_time"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
-
-def _pickle(obj) -> bytes:
-    import pickle
-
-    return pickle.dumps(obj)
-
-
-def _unpickle(data: bytes):
-    import pickle
-
-    return pickle.loads(data)

@@ -31,6 +31,7 @@ A node that joins while a round runs joins the next round; the running agents se
 
 from __future__ import annotations
 
+import enum
 import os
 import pickle
 import socket
@@ -45,10 +46,33 @@ from fastcomm.comm.store import Store
 from .config import LaunchConfig
 from .errors import LaunchError
 
-__all__ = ["NodeInfo", "RoundInfo", "Rendezvous", "open_store", "is_local_address"]
+__all__ = [
+    "JobEnded",
+    "NodeInfo",
+    "RoundEnd",
+    "RoundInfo",
+    "Rendezvous",
+    "open_store",
+    "is_local_address",
+]
 
-FINISHED_OK = "finished-ok"
-FINISHED_FAILED = "finished-failed"
+
+class RoundEnd(enum.Enum):
+    """How a round ended. The store holds the value (a plain string) in the round's ``end``."""
+
+    SUCCESS = "success"
+    """Every agent's workers exited 0."""
+    FAILURE = "failure"
+    """A worker failed or an agent was lost; the payload lists the failures."""
+    MEMBERSHIP = "membership"
+    """A node waits to be admitted: restart, not counted as a failure."""
+
+
+class JobEnded(enum.Enum):
+    """What ``Rendezvous.next_round`` returns when the job ended while this agent waited."""
+
+    OK = "ok"
+    FAILED = "failed"
 
 
 @dataclass(slots=True)
@@ -83,14 +107,17 @@ class RoundInfo:
 
     @property
     def group_world_size(self) -> int:
+        """Number of nodes admitted to the round (GROUP_WORLD_SIZE)."""
         return len(self.nodes)
 
     @property
     def world_size(self) -> int:
+        """Number of workers of all nodes (WORLD_SIZE)."""
         return sum(n.nproc for n in self.nodes)
 
     @property
     def rank_offset(self) -> int:
+        """RANK of this node's local rank 0."""
         return sum(n.nproc for n in self.nodes[: self.group_rank])
 
     def role_ranks(self, role: str) -> tuple[int, int]:
@@ -169,6 +196,11 @@ def _loads(data: bytes):
     return pickle.loads(data)
 
 
+def _load_end(data: bytes) -> tuple[RoundEnd, object]:
+    kind, payload = _loads(data)
+    return RoundEnd(kind), payload
+
+
 class Rendezvous:
     """Round-based rendezvous of the agents of one job, over the rendezvous store."""
 
@@ -191,6 +223,7 @@ class Rendezvous:
 
     # ------------------------------------------------------------------ helpers
     def round_store(self, r: int) -> Store:
+        """The key namespace of round ``r`` in the rendezvous store."""
         return self.base.prefixed(f"r{r}")
 
     def _sleep(self) -> None:
@@ -208,20 +241,21 @@ class Rendezvous:
             self._sleep()
         return store.get(key)
 
-    def end_of(self, r: int) -> tuple[str, object] | None:
+    def end_of(self, r: int) -> tuple[RoundEnd, object] | None:
         """How round ``r`` ended, or ``None`` while it runs."""
         rs = self.round_store(r)
         if not rs.check(["end"]):
             return None
-        return _loads(rs.get("end"))
+        return _load_end(rs.get("end"))
 
-    def end_round(self, r: int, kind: str, payload=None) -> tuple[str, object]:
+    def end_round(self, r: int, kind: RoundEnd, payload=None) -> tuple[RoundEnd, object]:
         """Proposes the end of round ``r``; returns the end that won (the first one proposed)."""
         rs = self.round_store(r)
-        rs.compare_set("end", b"", _dumps((kind, payload)))
-        return _loads(rs.get("end"))
+        rs.compare_set("end", b"", _dumps((kind.value, payload)))
+        return _load_end(rs.get("end"))
 
     def restarts_of(self, r: int) -> int:
+        """TORCHELASTIC_RESTART_COUNT of round ``r`` (waits up to ``read_timeout`` for it)."""
         return int(self._get(self.round_store(r), "restarts", f"the restart count of round {r}"))
 
     def set_next_restarts(self, r: int, restarts: int) -> None:
@@ -241,12 +275,12 @@ class Rendezvous:
     # ------------------------------------------------------------------ joining
     def next_round(
         self, from_round: int | None = None, prev_group_rank: int | None = None
-    ) -> RoundInfo | str:
+    ) -> RoundInfo | JobEnded:
         """Joins the next round and waits for it to close.
 
         ``from_round``: the round to join when this agent was a member of ``from_round - 1``
         (``None`` for a new agent: the first round that is still open). Returns the
-        ``RoundInfo``, or ``FINISHED_OK``/``FINISHED_FAILED`` when the job ended while this
+        ``RoundInfo``, or a ``JobEnded`` when the job ended while this
         agent waited to be admitted.
         """
         returning = from_round is not None
@@ -262,7 +296,7 @@ class Rendezvous:
             if returning:
                 rs.add("returning", 1)
             outcome = self._wait_closed(r)
-            if isinstance(outcome, str):
+            if isinstance(outcome, JobEnded):
                 rs.add("left", 1)
                 return outcome
             if index < outcome:
@@ -273,7 +307,7 @@ class Rendezvous:
             returning = False
             info.prev_group_rank = None
 
-    def _wait_closed(self, r: int) -> int | str:
+    def _wait_closed(self, r: int) -> int | JobEnded:
         cfg = self.config
         rs = self.round_store(r)
         deadline = time.monotonic() + cfg.join_timeout
@@ -286,13 +320,13 @@ class Rendezvous:
             if not prev_ended:
                 end = self.end_of(r - 1)
                 if end is not None:
-                    if end[0] == "success":
-                        return FINISHED_OK
-                    if end[0] == "failure" and self.restarts_of(r - 1) >= cfg.max_restarts:
-                        return FINISHED_FAILED
+                    if end[0] is RoundEnd.SUCCESS:
+                        return JobEnded.OK
+                    if end[0] is RoundEnd.FAILURE and self.restarts_of(r - 1) >= cfg.max_restarts:
+                        return JobEnded.FAILED
                     prev_ended = True
                     prev_members = int(self.round_store(r - 1).get("closed"))
-                    if end[0] == "failure":  # nodes declared lost will not be back
+                    if end[0] is RoundEnd.FAILURE:  # nodes declared lost will not be back
                         prev_members -= len({f.group_rank for f in end[1] or [] if f.rank < 0})
                     deadline = time.monotonic() + cfg.join_timeout
             if prev_ended:
@@ -340,6 +374,10 @@ class Rendezvous:
         group_rank = order.index(index)
         restarts = self.restarts_of(r)
         if group_rank == 0:
+            # A fresh worker store per round is what makes restarts work: torchrun reuses one
+            # store for every round, so restarted workers read the failed round's keys (e.g.
+            # Gloo's peer addresses) and fail with ``connectFullMesh ... Connection refused``
+            # or hang. Hence MASTER_PORT changes every round.
             addr = cfg.master_addr or ordered[0].addr
             self._worker_store = Store(addr, 0, is_server=True, timeout=cfg.read_timeout)
             rs.set("master", f"{addr}:{self._worker_store.port}")
@@ -383,8 +421,10 @@ class Rendezvous:
 
 
 def default_host() -> str:
+    """This machine's fully qualified host name (how agents name their node)."""
     return socket.getfqdn()
 
 
 def new_agent_id() -> str:
+    """A job-unique id for an agent: host, pid and random bytes."""
     return f"{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
