@@ -124,6 +124,7 @@ def _run_python(module: bool, target: str, args: list) -> None:
 
 
 def main() -> None:
+    """Parses ``[--module|--exec] -- TARGET ARGS...`` and runs the target as described above."""
     argv = sys.argv[1:]
     try:
         split = argv.index("--")

@@ -67,6 +67,7 @@ def _opt(parser, *names, **kwargs):
 
 
 def get_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``fastcomm-run``: torchrun's flags, in both spellings."""
     p = argparse.ArgumentParser(
         prog=PROG,
         description="fastcomm's elastic launcher: torchrun-compatible, recovers from worker "

@@ -118,6 +118,11 @@ def std_for(spec: int | dict[int, int], local_rank: int) -> int:
 
 
 def conf_float(conf: dict[str, str], key: str, default: float) -> float:
+    """The positive number ``conf[key]`` of ``--rdzv-conf``, or ``default`` if absent.
+
+    Raises:
+        ValueError: the value is not a positive number.
+    """
     if key not in conf:
         return default
     try:
@@ -130,6 +135,11 @@ def conf_float(conf: dict[str, str], key: str, default: float) -> float:
 
 
 def conf_bool(conf: dict[str, str], key: str) -> bool | None:
+    """The boolean ``conf[key]`` of ``--rdzv-conf``, or ``None`` if absent.
+
+    Raises:
+        ValueError: the value is not one of the accepted true/false spellings.
+    """
     if key not in conf:
         return None
     text = conf[key].lower()
@@ -279,6 +289,7 @@ class LaunchConfig:
             self.python = os.environ.get("PYTHON_EXEC", sys.executable)
 
     def replace(self, **changes) -> LaunchConfig:
+        """A copy with the given fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
     @property

@@ -75,6 +75,7 @@ class Failure:
 
     @property
     def signal_name(self) -> str | None:
+        """The name of the signal that killed the worker, or ``None`` if it exited."""
         if self.exitcode < 0:
             try:
                 return signal.Signals(-self.exitcode).name

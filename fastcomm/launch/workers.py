@@ -62,6 +62,8 @@ class _Worker:
 
 
 def line_prefix(template: str | None, rank: int, local_rank: int, role: str) -> bytes:
+    """The console prefix of a worker's lines: ``[rank N]: `` or ``template`` filled in
+    (``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``: ``$rank``, ``$local_rank``, ``$role_name``)."""
     if template is None:
         return f"[rank {rank}]: ".encode()
     text = Template(template).safe_substitute(rank=rank, local_rank=local_rank, role_name=role)
@@ -134,6 +136,7 @@ class WorkerGroup:
         self._signalled: set[int] = set()
 
     def start(self) -> None:
+        """Starts every worker, each in its own process group, and its output pumps."""
         env_pid = str(os.getpid())
         for spec in self.specs:
             os.makedirs(spec.log_dir, exist_ok=True)
@@ -189,6 +192,7 @@ class WorkerGroup:
 
     @property
     def pids(self) -> list[int]:
+        """The process ids of the workers, in local rank order."""
         return [w.proc.pid for w in self.workers]
 
     def signal_all(self, sig: int) -> None:
