@@ -64,7 +64,7 @@ def _watch(agent_pid: int) -> None:
                 sys.stderr.write("[fastcomm-run] the agent is gone; worker exiting\n")
                 sys.stderr.flush()
             except Exception:
-                pass
+                pass  # stderr is gone with the agent; exiting is what matters
             _kill_own_group()
 
 
@@ -158,7 +158,7 @@ def main() -> None:
         try:
             sys.stderr.flush()
         except Exception:
-            pass
+            pass  # stderr is closed: nothing left to report to
         # Last: the agent treats the file's appearance as this worker's failure (and may stop
         # it while the interpreter tears down).
         _record(exc, tb)

@@ -232,7 +232,7 @@ def _nproc(value: str) -> int:
     try:
         return int(value)
     except ValueError:
-        pass
+        pass  # not a count: one of the names below
     if value == "cpu":
         return (
             len(os.sched_getaffinity(0))

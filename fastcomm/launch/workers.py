@@ -95,12 +95,12 @@ def _pump(src: BinaryIO, prefix: bytes | None, console: BinaryIO | None, copy: B
         if pending and console is not None and prefix is not None:
             _emit(console, prefix, pending + b"\n")
     except (OSError, ValueError):
-        pass
+        pass  # the console or the log file was closed: the launcher is shutting down
     finally:
         try:
             src.close()
         except OSError:
-            pass
+            pass  # the pipe is done either way
 
 
 def _emit(console: BinaryIO, prefix: bytes, text: bytes) -> BinaryIO | None:
@@ -237,7 +237,7 @@ class WorkerGroup:
                 try:
                     fh.close()
                 except OSError:
-                    pass
+                    pass  # the pump already wrote what it could; nothing to keep open
             worker.threads.clear()
             worker.files.clear()
 
@@ -246,4 +246,4 @@ def _killpg(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
-        pass
+        pass  # the group is gone (or its pid reused by another user's process)
