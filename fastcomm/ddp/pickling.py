@@ -18,6 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from ._setup import default_group, reduce_dtype_of, reduced_parameters, resolve_comm
+from .reducer import Reducer
+from .sparse import sparse_param_indices
+
 if TYPE_CHECKING:
     from .ddp import DDP
 
@@ -52,19 +56,15 @@ def ddp_getstate(ddp: DDP) -> dict[str, Any]:
 
 def ddp_setstate(ddp: DDP, state: dict[str, Any]) -> None:
     """``DDP.__setstate__``: restores the module, then finds a communicator and a reducer."""
-    from .ddp import _default_group, _reduce_dtype, _reduced_parameters, resolve_comm
-    from .reducer import Reducer
-    from .sparse import sparse_param_indices
-
     nn.Module.__setstate__(ddp, state)
     ddp._join = None
     ddp.comm = resolve_comm(None, None, ddp.module)
-    ddp.process_group = _default_group()
-    names, params = _reduced_parameters(ddp.module, ddp.parameters_to_ignore)
+    ddp.process_group = default_group()
+    names, params = reduced_parameters(ddp.module, ddp.parameters_to_ignore)
     ddp.reducer = Reducer(
         params, names, ddp.comm, ddp.config, sparse_param_indices(ddp.module, params)
     )
-    reduce_dtype = _reduce_dtype(ddp.mixed_precision)
+    reduce_dtype = reduce_dtype_of(ddp.mixed_precision)
     if reduce_dtype is not None:
         from .hooks.default import _make_cast_hook
 
