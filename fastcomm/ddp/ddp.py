@@ -201,7 +201,7 @@ class DDP(nn.Module):
             verify_same_parameters(self.comm, names, params)
             state = list(params)
             if self.config.init_sync_buffers:
-                state += [b for _, b in self._named_buffers()]
+                state += self.synced_buffers()
             broadcast_tensors(self.comm, state, src=0)
 
         self.reducer = Reducer(
@@ -210,7 +210,7 @@ class DDP(nn.Module):
         self.reducer.health = GradHealth(self.reducer, check_finite=check_finite)
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
-        self._join: Join | None = None
+        self.active_join: Join | None = None
         self._comm_hook_registered = False
         reduce_dtype = reduce_dtype_of(mixed_precision)
         if reduce_dtype is not None:
@@ -259,9 +259,10 @@ class DDP(nn.Module):
             if name in ignored:
                 tensor._ddp_ignored = True  # read by torch's composable APIs, as torch sets it
 
-    def _named_buffers(self) -> list[tuple[str, torch.Tensor]]:
+    def synced_buffers(self) -> list[torch.Tensor]:
+        """The module's buffers that DDP broadcasts (all but the ignored ones)."""
         return [
-            (n, b) for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore
+            b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore
         ]
 
     # ------------------------------------------------------------------ forward
@@ -285,11 +286,11 @@ class DDP(nn.Module):
         reducer = self.reducer
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         reducer.prepare_for_forward()
-        if self._join is not None:
+        if self.active_join is not None:
             notify_join(self, sync)
         if sync and reducer.rebuild_due:
             reducer.rebuild()
-        if self._will_sync_buffers():
+        if self.will_sync_buffers():
             self._sync_buffers()
         return sync
 
@@ -297,7 +298,8 @@ class DDP(nn.Module):
         self.require_forward_param_sync = sync
         self.reducer.prepare_for_backward(output, sync)
 
-    def _will_sync_buffers(self) -> bool:
+    def will_sync_buffers(self) -> bool:
+        """Whether the next forward broadcasts the buffers (and a joined rank must match it)."""
         return (
             self.require_forward_param_sync
             and self.config.forward_sync_buffers
@@ -305,11 +307,11 @@ class DDP(nn.Module):
         )
 
     def _sync_buffers(self, src: int | None = None) -> None:
-        buffers = [b for _, b in self._named_buffers()]
+        buffers = self.synced_buffers()
         if not buffers:
             return
         if src is None:
-            src = self._join.buffer_source(self) if self._join is not None else 0
+            src = self.active_join.buffer_source(self) if self.active_join is not None else 0
         broadcast_tensors(self.comm, buffers, src=src)
 
     # ------------------------------------------------------------------ context managers

@@ -45,9 +45,9 @@ class Join:
 
     def __enter__(self) -> Join:
         if self.enable:
-            if self.ddp._join is not None:
+            if self.ddp.active_join is not None:
                 raise RuntimeError("DDP.join() contexts cannot be nested")
-            self.ddp._join = self
+            self.ddp.active_join = self
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -58,7 +58,7 @@ class Join:
             if exc_type is None:
                 self._shadow_until_all_joined()
         finally:
-            ddp._join = None
+            ddp.active_join = None
             ddp.reducer.scale = 1.0 / ddp.comm.size
         return False
 
@@ -97,8 +97,8 @@ class Join:
             sync = syncing > 0
             if sync and reducer.rebuild_due:
                 reducer.rebuild()
-            if ddp._will_sync_buffers():
-                buffers = [b for _, b in ddp._named_buffers()]
+            if ddp.will_sync_buffers():
+                buffers = ddp.synced_buffers()
                 if buffers:
                     src = self.buffer_source(ddp, candidate=False)
                     broadcast_tensors(ddp.comm, buffers, src=src)
@@ -109,13 +109,13 @@ class Join:
         src = self.buffer_source(ddp, candidate=is_last_joiner)
         state = list(reducer.params)
         if ddp.config.forward_sync_buffers:
-            state += [b for _, b in ddp._named_buffers()]
+            state += ddp.synced_buffers()
         broadcast_tensors(ddp.comm, state, src=src)
 
 
 def notify_join(ddp: DDP, sync: bool) -> None:
     """A training rank's side of the per-iteration join allreduce (see the module docstring)."""
-    join = ddp._join
+    join = ddp.active_join
     comm = ddp.comm
     t = torch.tensor([1, int(sync)], dtype=torch.int64, device=comm.device)
     work = comm.all_reduce(t, async_op=True)

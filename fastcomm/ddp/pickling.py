@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 __all__ = ["ddp_getstate", "ddp_setstate"]
 
 # what __getstate__ leaves out: rebuilt by __setstate__
-_TRANSIENT = ("comm", "process_group", "reducer", "_join")
+_TRANSIENT = ("comm", "process_group", "reducer", "active_join")
 
 
 def ddp_getstate(ddp: DDP) -> dict[str, Any]:
@@ -45,7 +45,7 @@ def ddp_getstate(ddp: DDP) -> dict[str, Any]:
             "fastcomm.init()) and have not passed process_group or comm to the DDP "
             f"constructor (this DDP reduces over {ddp.comm!r})"
         )
-    if ddp._join is not None:
+    if ddp.active_join is not None:
         raise RuntimeError("a DDP cannot be pickled inside its join() context")
     state = copy.copy(ddp.__dict__)
     for key in _TRANSIENT:
@@ -57,7 +57,7 @@ def ddp_getstate(ddp: DDP) -> dict[str, Any]:
 def ddp_setstate(ddp: DDP, state: dict[str, Any]) -> None:
     """``DDP.__setstate__``: restores the module, then finds a communicator and a reducer."""
     nn.Module.__setstate__(ddp, state)
-    ddp._join = None
+    ddp.active_join = None
     ddp.comm = resolve_comm(None, None, ddp.module)
     ddp.process_group = default_group()
     names, params = reduced_parameters(ddp.module, ddp.parameters_to_ignore)
