@@ -16,16 +16,27 @@ in which case by the number of ranks still training (read from the same allreduc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from .sync import broadcast_tensors
 
-if TYPE_CHECKING:
-    from .ddp import DDP
-
 __all__ = ["Join", "notify_join"]
+
+
+class JoinsDDP(Protocol):
+    """What join needs of a ``fastcomm.ddp.DDP`` (join.py does not import ddp.py)."""
+
+    comm: Any
+    reducer: Any
+    config: Any
+    active_join: Join | None
+    require_forward_param_sync: bool
+
+    def synced_buffers(self) -> list[torch.Tensor]: ...
+
+    def will_sync_buffers(self) -> bool: ...
 
 
 class Join:
@@ -33,7 +44,7 @@ class Join:
 
     def __init__(
         self,
-        ddp: DDP,
+        ddp: JoinsDDP,
         enable: bool = True,
         throw_on_early_termination: bool = False,
         divide_by_initial_world_size: bool = True,
@@ -70,7 +81,7 @@ class Join:
         active, syncing = t.tolist()
         return active, syncing
 
-    def buffer_source(self, ddp: DDP, *, candidate: bool = True) -> int:
+    def buffer_source(self, ddp: JoinsDDP, *, candidate: bool = True) -> int:
         """The highest rank still training: where buffers come from (a collective)."""
         comm = ddp.comm
         t = torch.tensor([comm.rank if candidate else -1], dtype=torch.int64, device=comm.device)
@@ -113,7 +124,7 @@ class Join:
         broadcast_tensors(ddp.comm, state, src=src)
 
 
-def notify_join(ddp: DDP, sync: bool) -> None:
+def notify_join(ddp: JoinsDDP, sync: bool) -> None:
     """A training rank's side of the per-iteration join allreduce (see the module docstring)."""
     join = ddp.active_join
     comm = ddp.comm

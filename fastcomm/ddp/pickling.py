@@ -14,7 +14,7 @@ Like torch, pickling needs a communicator that unpickling can find again: a DDP 
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
@@ -22,16 +22,13 @@ from ._setup import default_group, reduce_dtype_of, reduced_parameters, resolve_
 from .reducer import Reducer
 from .sparse import sparse_param_indices
 
-if TYPE_CHECKING:
-    from .ddp import DDP
-
 __all__ = ["ddp_getstate", "ddp_setstate"]
 
 # what __getstate__ leaves out: rebuilt by __setstate__
 _TRANSIENT = ("comm", "process_group", "reducer", "active_join")
 
 
-def ddp_getstate(ddp: DDP) -> dict[str, Any]:
+def ddp_getstate(ddp: nn.Module) -> dict[str, Any]:
     """``DDP.__getstate__``: the module's state without communicator, group and reducer.
 
     Raises:
@@ -54,7 +51,7 @@ def ddp_getstate(ddp: DDP) -> dict[str, Any]:
     return state
 
 
-def ddp_setstate(ddp: DDP, state: dict[str, Any]) -> None:
+def ddp_setstate(ddp: nn.Module, state: dict[str, Any]) -> None:
     """``DDP.__setstate__``: restores the module, then finds a communicator and a reducer."""
     nn.Module.__setstate__(ddp, state)
     ddp.active_join = None
