@@ -21,7 +21,15 @@ import torch
 from fastcomm import kernels
 from fastcomm.kernels._launch import fp32_scale
 
-__all__ = ["Bucket", "GradBucket", "assign_buckets", "pack_bucket", "unpack_bucket", "unpack_grads"]
+__all__ = [
+    "Bucket",
+    "GradBucket",
+    "assign_buckets",
+    "empty_sparse_like",
+    "pack_bucket",
+    "unpack_bucket",
+    "unpack_grads",
+]
 
 # CPU buckets of these dtypes pack and unpack through the bucket's own views with torch ops: the
 # kernels' torch reference does the same arithmetic (x * scale rounds once in fp32/fp64) but
@@ -272,9 +280,11 @@ class GradBucket:
 
     # torch's contract ---------------------------------------------------------------
     def index(self) -> int:
+        """The bucket's position in the DDP's bucket order."""
         return self._bucket.index
 
     def buffer(self) -> torch.Tensor:
+        """The flat gradient of the bucket (packed on first call), as the hook reduces it."""
         if self._buffer is None and self._bucket.sparse:
             self._buffer = self._sparse_gradient()
         if self._buffer is None:
@@ -287,6 +297,7 @@ class GradBucket:
         return self._buffer
 
     def gradients(self) -> list[torch.Tensor]:
+        """Each parameter's gradient as a view of :meth:`buffer` (the sparse one itself)."""
         buf = self.buffer()
         if buf.is_sparse:
             return [buf]
@@ -296,19 +307,20 @@ class GradBucket:
         ]
 
     def parameters(self) -> list[torch.Tensor]:
+        """The parameters of the bucket, in bucket order."""
         return list(self._bucket.params)
 
     def is_last(self) -> bool:
+        """Whether this is the last bucket of the iteration to be reduced."""
         return self._last
 
     def set_buffer(self, buffer: torch.Tensor) -> None:
+        """Replace the flat gradient the reducer unpacks (torch's contract)."""
         self._buffer = buffer
 
     def _sparse_gradient(self) -> torch.Tensor:
         if self._grads is not None:
             return self._grads[0]
-        from .sparse import empty_sparse_like  # a joined rank's shadow bucket
-
         return empty_sparse_like(self._bucket.params[0])
 
     # fastcomm's additions -------------------------------------------------------------
@@ -317,13 +329,16 @@ class GradBucket:
         return self._scale
 
     def parameter_names(self) -> list[str]:
+        """The qualified names of the bucket's parameters, in bucket order."""
         return list(self._bucket.names)
 
     def numel(self) -> int:
+        """Elements of the bucket's gradients together."""
         return self._bucket.numel
 
     @property
     def dtype(self) -> torch.dtype:
+        """The dtype of the bucket's parameters and flat gradient."""
         return self._bucket.dtype
 
     def packed(
@@ -369,3 +384,13 @@ class GradBucket:
         else:
             pack_bucket(bucket, self._grads, out, scale=scale)
         return full
+
+
+def empty_sparse_like(p: torch.Tensor) -> torch.Tensor:
+    """A sparse COO zero shaped like `p` (one sparse dim, as an embedding's gradient).
+
+    A joined rank's shadow of a sparse bucket contributes this zero to the allreduce.
+    """
+    indices = torch.empty(1, 0, dtype=torch.int64, device=p.device)
+    values = torch.empty(0, *p.shape[1:], dtype=p.dtype, device=p.device)
+    return torch.sparse_coo_tensor(indices, values, p.shape)

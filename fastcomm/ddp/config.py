@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fastcomm.kernels._launch import FLOAT_DTYPES
+
 __all__ = ["DDPConfig", "DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_MB", "MB"]
 
 MB = 1024 * 1024
@@ -125,7 +127,7 @@ def _check_cap(name: str, value: object) -> None:
 
 def check_param_dtype(name: str, param: torch.Tensor) -> None:
     """Raise a TypeError naming `name` if its dtype cannot be bucketed."""
-    if param.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+    if param.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"parameter {name!r} has dtype {param.dtype}; fastcomm DDP reduces float32, "
             "float16, bfloat16 and float64 parameters (exclude others with "

@@ -37,6 +37,13 @@ from torch import nn
 
 from fastcomm.comm.base import Communicator
 
+from ._setup import (
+    check_mixed_precision,
+    default_group,
+    reduce_dtype_of,
+    reduced_parameters,
+    resolve_comm,
+)
 from .bucket import GradBucket
 from .config import DDPConfig, check_param_dtype
 from .health import GradHealth
@@ -47,38 +54,6 @@ from .sparse import sparse_param_indices
 from .sync import broadcast_tensors, verify_same_parameters
 
 __all__ = ["DDP", "DistributedDataParallel"]
-
-
-def resolve_comm(comm, process_group, module: nn.Module | None = None) -> Communicator:
-    """The communicator a DDP of `module` uses (see the module docstring).
-
-    A collective call when it picks the shared-memory communicator (the ranks exchange their
-    host identity): every rank must call it, as every rank constructs the DDP.
-    """
-    if comm is not None:
-        if not isinstance(comm, Communicator):
-            raise TypeError(f"comm must be a fastcomm Communicator, got {type(comm).__name__}")
-        return comm
-    from fastcomm.comm.torch_pg import TorchPGCommunicator
-
-    if process_group is not None:
-        return TorchPGCommunicator(process_group)
-    import fastcomm
-
-    if fastcomm.is_initialized():
-        return fastcomm.get_world()
-    if dist.is_available() and dist.is_initialized():
-        if module is not None and all(p.device.type == "cpu" for p in module.parameters()):
-            from fastcomm.comm.torch_pg import local_shm_communicator
-
-            shm = local_shm_communicator(None)
-            if shm is not None:
-                return shm
-        return TorchPGCommunicator(None)
-    raise RuntimeError(
-        "fastcomm DDP needs a communicator: call torch.distributed.init_process_group(...) or "
-        "fastcomm.init() first, or pass comm= (a fastcomm communicator) or process_group="
-    )
 
 
 class DDP(nn.Module):
@@ -182,16 +157,16 @@ class DDP(nn.Module):
         self.dim = dim
         self.comm = resolve_comm(comm, process_group, module)
         # torch's attribute is the group reduced over: the default one when none was passed
-        self.process_group = process_group if process_group is not None else _default_group()
+        self.process_group = process_group if process_group is not None else default_group()
         # how a pickled copy finds its communicator again (see pickling.py)
         self._comm_given = comm is not None or (
-            process_group is not None and process_group is not _default_group()
+            process_group is not None and process_group is not default_group()
         )
         self.mixed_precision = mixed_precision
 
         ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         self.parameters_to_ignore = ignore
-        names, params = _reduced_parameters(module, ignore)
+        names, params = reduced_parameters(module, ignore)
         if not params:
             raise RuntimeError(
                 "DistributedDataParallel is not needed when a module doesn't have any "
@@ -216,7 +191,7 @@ class DDP(nn.Module):
             self.device_ids = None
             self.output_device = None
         if mixed_precision is not None:
-            _check_mixed_precision(mixed_precision)
+            check_mixed_precision(mixed_precision)
             if getattr(mixed_precision, "buffer_dtype", None) is not None:
                 for buf in module.buffers():
                     if buf.is_floating_point():
@@ -226,7 +201,7 @@ class DDP(nn.Module):
             verify_same_parameters(self.comm, names, params)
             state = list(params)
             if self.config.init_sync_buffers:
-                state += [b for _, b in self._named_buffers()]
+                state += self.synced_buffers()
             broadcast_tensors(self.comm, state, src=0)
 
         self.reducer = Reducer(
@@ -235,9 +210,9 @@ class DDP(nn.Module):
         self.reducer.health = GradHealth(self.reducer, check_finite=check_finite)
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
-        self._join: Join | None = None
+        self.active_join: Join | None = None
         self._comm_hook_registered = False
-        reduce_dtype = _reduce_dtype(mixed_precision)
+        reduce_dtype = reduce_dtype_of(mixed_precision)
         if reduce_dtype is not None:
             from .hooks.default import _make_cast_hook
 
@@ -246,6 +221,7 @@ class DDP(nn.Module):
     # ------------------------------------------------------------------ torch's surface
     @property
     def broadcast_buffers(self) -> bool:
+        """Whether buffers are broadcast from rank 0 before each forward."""
         return self.config.forward_sync_buffers
 
     @broadcast_buffers.setter
@@ -256,18 +232,22 @@ class DDP(nn.Module):
 
     @property
     def find_unused_parameters(self) -> bool:
+        """Whether each iteration looks for parameters without a gradient."""
         return self.config.find_unused_parameters
 
     @property
     def gradient_as_bucket_view(self) -> bool:
+        """Whether ``param.grad`` is a view of its bucket's flat gradient."""
         return self.config.gradient_as_bucket_view
 
     @property
     def static_graph(self) -> bool:
+        """Whether the graph is declared the same every iteration."""
         return self.config.static_graph
 
     @property
     def bucket_bytes_cap(self) -> int:
+        """The largest bucket cap in bytes (see :attr:`DDPConfig.bucket_bytes_cap`)."""
         return self.config.bucket_bytes_cap
 
     @staticmethod
@@ -279,13 +259,15 @@ class DDP(nn.Module):
             if name in ignored:
                 tensor._ddp_ignored = True  # read by torch's composable APIs, as torch sets it
 
-    def _named_buffers(self) -> list[tuple[str, torch.Tensor]]:
+    def synced_buffers(self) -> list[torch.Tensor]:
+        """The module's buffers that DDP broadcasts (all but the ignored ones)."""
         return [
-            (n, b) for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore
+            b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore
         ]
 
     # ------------------------------------------------------------------ forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module between the reducer's pre- and post-forward steps."""
         # Under torch.compile the wrapped module's forward is compiled; the reducer's
         # bookkeeping and collectives around it run eagerly (graph breaks), as torch DDP's
         # pre/post forward do. Eager calls skip the disabling wrapper (~2.5 us a call).
@@ -304,11 +286,11 @@ class DDP(nn.Module):
         reducer = self.reducer
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         reducer.prepare_for_forward()
-        if self._join is not None:
+        if self.active_join is not None:
             notify_join(self, sync)
         if sync and reducer.rebuild_due:
             reducer.rebuild()
-        if self._will_sync_buffers():
+        if self.will_sync_buffers():
             self._sync_buffers()
         return sync
 
@@ -316,7 +298,8 @@ class DDP(nn.Module):
         self.require_forward_param_sync = sync
         self.reducer.prepare_for_backward(output, sync)
 
-    def _will_sync_buffers(self) -> bool:
+    def will_sync_buffers(self) -> bool:
+        """Whether the next forward broadcasts the buffers (and a joined rank must match it)."""
         return (
             self.require_forward_param_sync
             and self.config.forward_sync_buffers
@@ -324,11 +307,11 @@ class DDP(nn.Module):
         )
 
     def _sync_buffers(self, src: int | None = None) -> None:
-        buffers = [b for _, b in self._named_buffers()]
+        buffers = self.synced_buffers()
         if not buffers:
             return
         if src is None:
-            src = self._join.buffer_source(self) if self._join is not None else 0
+            src = self.active_join.buffer_source(self) if self.active_join is not None else 0
         broadcast_tensors(self.comm, buffers, src=src)
 
     # ------------------------------------------------------------------ context managers
@@ -473,26 +456,6 @@ _pre_forward_eagerly = torch.compiler.disable(DDP._pre_forward)
 _post_forward_eagerly = torch.compiler.disable(DDP._post_forward)
 
 
-def _default_group() -> dist.ProcessGroup | None:
-    if dist.is_available() and dist.is_initialized():
-        return dist.distributed_c10d._get_default_group()
-    return None
-
-
-def _reduced_parameters(module: nn.Module, ignore: set[str]):
-    """(names, params): parameters requiring grad, deduplicated, in registration order."""
-    names, params, seen = [], [], set()
-    for mod_name, mod in module.named_modules():
-        for p_name, p in mod.named_parameters(recurse=False):
-            fqn = f"{mod_name}.{p_name}" if mod_name else p_name
-            if not p.requires_grad or fqn in ignore or id(p) in seen:
-                continue
-            seen.add(id(p))
-            names.append(fqn)
-            params.append(p)
-    return names, params
-
-
 def _check_comm_hook(hook: Callable) -> None:
     """torch's checks of a comm hook, with torch's exception types and messages.
 
@@ -542,17 +505,3 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, dict):
         return {k: _to_device(v, device) for k, v in obj.items()}
     return obj
-
-
-def _check_mixed_precision(mp: Any) -> None:
-    for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
-        value = getattr(mp, name, None)
-        if value is not None and value not in (torch.float16, torch.bfloat16, torch.float32):
-            raise ValueError(f"mixed_precision.{name}={value}; expected float16/bfloat16/float32")
-
-
-def _reduce_dtype(mp: Any) -> torch.dtype | None:
-    if mp is None:
-        return None
-    dtype = getattr(mp, "reduce_dtype", None) or getattr(mp, "param_dtype", None)
-    return None if dtype in (None, torch.float32) else dtype

@@ -16,16 +16,27 @@ in which case by the number of ranks still training (read from the same allreduc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from .sync import broadcast_tensors
 
-if TYPE_CHECKING:
-    from .ddp import DDP
-
 __all__ = ["Join", "notify_join"]
+
+
+class JoinsDDP(Protocol):
+    """What join needs of a ``fastcomm.ddp.DDP`` (join.py does not import ddp.py)."""
+
+    comm: Any
+    reducer: Any
+    config: Any
+    active_join: Join | None
+    require_forward_param_sync: bool
+
+    def synced_buffers(self) -> list[torch.Tensor]: ...
+
+    def will_sync_buffers(self) -> bool: ...
 
 
 class Join:
@@ -33,7 +44,7 @@ class Join:
 
     def __init__(
         self,
-        ddp: DDP,
+        ddp: JoinsDDP,
         enable: bool = True,
         throw_on_early_termination: bool = False,
         divide_by_initial_world_size: bool = True,
@@ -45,9 +56,9 @@ class Join:
 
     def __enter__(self) -> Join:
         if self.enable:
-            if self.ddp._join is not None:
+            if self.ddp.active_join is not None:
                 raise RuntimeError("DDP.join() contexts cannot be nested")
-            self.ddp._join = self
+            self.ddp.active_join = self
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -58,7 +69,7 @@ class Join:
             if exc_type is None:
                 self._shadow_until_all_joined()
         finally:
-            ddp._join = None
+            ddp.active_join = None
             ddp.reducer.scale = 1.0 / ddp.comm.size
         return False
 
@@ -70,7 +81,7 @@ class Join:
         active, syncing = t.tolist()
         return active, syncing
 
-    def buffer_source(self, ddp: DDP, *, candidate: bool = True) -> int:
+    def buffer_source(self, ddp: JoinsDDP, *, candidate: bool = True) -> int:
         """The highest rank still training: where buffers come from (a collective)."""
         comm = ddp.comm
         t = torch.tensor([comm.rank if candidate else -1], dtype=torch.int64, device=comm.device)
@@ -97,8 +108,8 @@ class Join:
             sync = syncing > 0
             if sync and reducer.rebuild_due:
                 reducer.rebuild()
-            if ddp._will_sync_buffers():
-                buffers = [b for _, b in ddp._named_buffers()]
+            if ddp.will_sync_buffers():
+                buffers = ddp.synced_buffers()
                 if buffers:
                     src = self.buffer_source(ddp, candidate=False)
                     broadcast_tensors(ddp.comm, buffers, src=src)
@@ -109,13 +120,13 @@ class Join:
         src = self.buffer_source(ddp, candidate=is_last_joiner)
         state = list(reducer.params)
         if ddp.config.forward_sync_buffers:
-            state += [b for _, b in ddp._named_buffers()]
+            state += ddp.synced_buffers()
         broadcast_tensors(ddp.comm, state, src=src)
 
 
-def notify_join(ddp: DDP, sync: bool) -> None:
+def notify_join(ddp: JoinsDDP, sync: bool) -> None:
     """A training rank's side of the per-iteration join allreduce (see the module docstring)."""
-    join = ddp._join
+    join = ddp.active_join
     comm = ddp.comm
     t = torch.tensor([1, int(sync)], dtype=torch.int64, device=comm.device)
     work = comm.all_reduce(t, async_op=True)

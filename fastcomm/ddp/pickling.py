@@ -14,20 +14,21 @@ Like torch, pickling needs a communicator that unpickling can find again: a DDP 
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
-if TYPE_CHECKING:
-    from .ddp import DDP
+from ._setup import default_group, reduce_dtype_of, reduced_parameters, resolve_comm
+from .reducer import Reducer
+from .sparse import sparse_param_indices
 
 __all__ = ["ddp_getstate", "ddp_setstate"]
 
 # what __getstate__ leaves out: rebuilt by __setstate__
-_TRANSIENT = ("comm", "process_group", "reducer", "_join")
+_TRANSIENT = ("comm", "process_group", "reducer", "active_join")
 
 
-def ddp_getstate(ddp: DDP) -> dict[str, Any]:
+def ddp_getstate(ddp: nn.Module) -> dict[str, Any]:
     """``DDP.__getstate__``: the module's state without communicator, group and reducer.
 
     Raises:
@@ -41,7 +42,7 @@ def ddp_getstate(ddp: DDP) -> dict[str, Any]:
             "fastcomm.init()) and have not passed process_group or comm to the DDP "
             f"constructor (this DDP reduces over {ddp.comm!r})"
         )
-    if ddp._join is not None:
+    if ddp.active_join is not None:
         raise RuntimeError("a DDP cannot be pickled inside its join() context")
     state = copy.copy(ddp.__dict__)
     for key in _TRANSIENT:
@@ -50,21 +51,17 @@ def ddp_getstate(ddp: DDP) -> dict[str, Any]:
     return state
 
 
-def ddp_setstate(ddp: DDP, state: dict[str, Any]) -> None:
+def ddp_setstate(ddp: nn.Module, state: dict[str, Any]) -> None:
     """``DDP.__setstate__``: restores the module, then finds a communicator and a reducer."""
-    from .ddp import _default_group, _reduce_dtype, _reduced_parameters, resolve_comm
-    from .reducer import Reducer
-    from .sparse import sparse_param_indices
-
     nn.Module.__setstate__(ddp, state)
-    ddp._join = None
+    ddp.active_join = None
     ddp.comm = resolve_comm(None, None, ddp.module)
-    ddp.process_group = _default_group()
-    names, params = _reduced_parameters(ddp.module, ddp.parameters_to_ignore)
+    ddp.process_group = default_group()
+    names, params = reduced_parameters(ddp.module, ddp.parameters_to_ignore)
     ddp.reducer = Reducer(
         params, names, ddp.comm, ddp.config, sparse_param_indices(ddp.module, params)
     )
-    reduce_dtype = _reduce_dtype(ddp.mixed_precision)
+    reduce_dtype = reduce_dtype_of(ddp.mixed_precision)
     if reduce_dtype is not None:
         from .hooks.default import _make_cast_hook
 

@@ -502,6 +502,7 @@ class Reducer:
         ) + (self.health.readiness.explain_incomplete() if self.health is not None else "")
 
     def remove_hooks(self) -> None:
+        """Detach the reducer's autograd hooks from the parameters."""
         for h in self._handles:
             h.remove()
         self._handles = []

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .bucket import Bucket, assign_buckets
+from .bucket import Bucket, assign_buckets, empty_sparse_like
 
 __all__ = ["SparseBucket", "build_buckets", "sparse_param_indices"]
 
@@ -85,13 +85,6 @@ def build_buckets(
         if i in sparse:
             buckets.append(SparseBucket(len(buckets), i, params, names))
     return buckets
-
-
-def empty_sparse_like(p: torch.Tensor) -> torch.Tensor:
-    """A sparse COO zero shaped like `p` (one sparse dim, as an embedding's gradient)."""
-    indices = torch.empty(1, 0, dtype=torch.int64, device=p.device)
-    values = torch.empty(0, *p.shape[1:], dtype=p.dtype, device=p.device)
-    return torch.sparse_coo_tensor(indices, values, p.shape)
 
 
 class _SparseWork:

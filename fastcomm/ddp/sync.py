@@ -15,6 +15,7 @@ import torch
 
 from fastcomm import kernels
 from fastcomm.comm.base import Communicator
+from fastcomm.kernels._launch import FLOAT_DTYPES
 
 __all__ = ["ParameterMismatchError", "broadcast_tensors", "verify_same_parameters"]
 
@@ -23,7 +24,7 @@ class ParameterMismatchError(ValueError, RuntimeError):
     """Ranks wrap different parameters: a ``RuntimeError`` as torch DDP raises, and a
     ``ValueError`` as fastcomm always did, so either ``except`` catches it."""
 
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
 _ALIGN = 16
 CHUNK_BYTES = 256 * 1024 * 1024
 
@@ -116,7 +117,7 @@ def broadcast_tensors(
         ]
         if comm.rank == src:
             for (dtype, ts, _, _), view in zip(segments, views, strict=True):
-                if dtype in _FLOATS:
+                if dtype in FLOAT_DTYPES:
                     kernels.pack([t.contiguous() for t in ts], view, dtype=dtype)
                 else:
                     torch.cat([t.reshape(-1) for t in ts], out=view)
@@ -124,7 +125,7 @@ def broadcast_tensors(
         if comm.rank == src:
             continue
         for (dtype, ts, _, _), view in zip(segments, views, strict=True):
-            if dtype in _FLOATS and all(t.is_contiguous() for t in ts):
+            if dtype in FLOAT_DTYPES and all(t.is_contiguous() for t in ts):
                 kernels.unpack(view, ts)
                 continue
             offset = 0

@@ -17,12 +17,12 @@ from fastcomm.comm.base import Communicator
 
 from ..bucket import GradBucket
 
-__all__ = ["allreduce_hook", "bf16_compress_hook", "fp16_compress_hook", "resolve_comm"]
+__all__ = ["allreduce_hook", "bf16_compress_hook", "fp16_compress_hook", "hook_comm"]
 
 _ADAPTED: dict[int, Communicator] = {}
 
 
-def resolve_comm(group: object, bucket: GradBucket) -> Communicator:
+def hook_comm(group: object, bucket: GradBucket) -> Communicator:
     """The communicator a hook reduces over: `group` if it names one, else the DDP's."""
     if group is None:
         return bucket.comm
@@ -47,7 +47,7 @@ def average_scale(comm: Communicator, bucket: GradBucket) -> float:
 
 
 def _reduce_as(dtype: torch.dtype | None, group: object, bucket: GradBucket):
-    comm = resolve_comm(group, bucket)
+    comm = hook_comm(group, bucket)
     flat = bucket.packed(dtype, average_scale(comm, bucket))
     return comm.all_reduce(flat, async_op=True).get_future()
 

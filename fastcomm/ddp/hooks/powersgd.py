@@ -25,7 +25,7 @@ from fastcomm import kernels
 
 from ..bucket import GradBucket
 from ._two_phase import ErrorFeedback, PhaseComms, new_future
-from .default import allreduce_hook, average_scale, resolve_comm
+from .default import allreduce_hook, average_scale, hook_comm
 
 __all__ = ["PowerSGDState", "powersgd_hook"]
 
@@ -74,10 +74,12 @@ class PowerSGDState:
         self.phases = PhaseComms()
 
     def maybe_increase_iter(self, bucket: GradBucket) -> None:
+        """Count an iteration when `bucket` is the last of it."""
         if bucket.is_last():
             self.iter += 1
 
     def state_dict(self) -> dict:
+        """The iteration, error feedback and Q matrices, for a checkpoint."""
         return {
             "iter": self.iter,
             "errors": self.feedback.state_dict(),
@@ -85,6 +87,7 @@ class PowerSGDState:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
         self.iter = state["iter"]
         self.feedback.load_state_dict(state["errors"])
         self.q_memory = {k: v.detach().clone() for k, v in state["q"].items()}
@@ -112,7 +115,7 @@ def powersgd_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
     """Averages the bucket through rank-``r`` factors (see the module docstring)."""
     if not isinstance(state, PowerSGDState):
         raise TypeError(f"powersgd_hook needs a PowerSGDState, got {type(state).__name__}")
-    comm, comm2 = state.phases.get(resolve_comm(state.comm, bucket))
+    comm, comm2 = state.phases.get(hook_comm(state.comm, bucket))
     if state.iter < state.start_powerSGD_iter:
         state.maybe_increase_iter(bucket)
         return allreduce_hook(comm, bucket)

@@ -29,7 +29,7 @@ from fastcomm import kernels
 
 from ..bucket import GradBucket
 from ._two_phase import ErrorFeedback, PhaseComms, new_future
-from .default import average_scale, resolve_comm
+from .default import average_scale, hook_comm
 
 __all__ = ["QuantizeState", "fp8_compress_hook", "int8_compress_hook"]
 
@@ -93,9 +93,11 @@ class QuantizeState:
         return self.feedback.errors
 
     def state_dict(self) -> dict:
+        """The block size and error feedback, for a checkpoint."""
         return {"block": self.block, "errors": self.feedback.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
         self.block = state["block"]
         self.feedback.load_state_dict(state["errors"])
 
@@ -108,7 +110,7 @@ def _quantized_allreduce(
             f"{qdtype} compression needs a QuantizeState as hook state, got "
             f"{type(state).__name__}: register_comm_hook(QuantizeState(), hook)"
         )
-    comm, comm2 = state.phases.get(resolve_comm(state.comm, bucket))
+    comm, comm2 = state.phases.get(hook_comm(state.comm, bucket))
     world, block, n = comm.size, state.block, bucket.numel()
     chunk = -(-n // (world * block)) * block
     padded = chunk * world
