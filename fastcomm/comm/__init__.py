@@ -8,11 +8,11 @@ from .errors import (
     FastcommError,
     StoreTimeoutError,
 )
-from .gloo import GlooCommunicator
 from .hier import HierCommunicator
+from .pg.gloo import GlooCommunicator
+from .pg.torch_pg import TorchPGCommunicator as TorchPGCommunicator
 from .shm import ShmCommunicator, ShmOptions
 from .store import Store
-from .torch_pg import TorchPGCommunicator as TorchPGCommunicator
 from .types import SUPPORTED_DTYPES, ReduceOp
 from .work import Work
 from .world import get_world, init, is_initialized, new_communicator, shutdown

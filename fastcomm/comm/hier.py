@@ -25,10 +25,10 @@ from datetime import timedelta
 
 import torch
 
-from ._shm_segment import host_id
 from .base import Communicator
-from .gloo import GlooCommunicator, divide_
+from .pg.gloo import GlooCommunicator, divide_
 from .shm import ShmCommunicator
+from .shm.segment import host_id
 from .store import Store
 from .types import ReduceOp
 from .work import Lane, Work, wrap_error

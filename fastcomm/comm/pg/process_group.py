@@ -21,10 +21,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .base import Communicator
-from .store import as_timedelta
-from .types import ReduceOp
-from .work import Lane, Work, wrap_error
+from ..base import Communicator
+from ..store import as_timedelta
+from ..types import ReduceOp
+from ..work import Lane, Work, wrap_error
 
 __all__ = ["ProcessGroupCommunicator", "divide_"]
 
