@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from ..errors import FastcommError
 from ..store import Store
-from .process_group import ProcessGroupCommunicator, divide_
+from .process_group import ProcessGroupCommunicator
 
-__all__ = ["GlooCommunicator", "divide_"]
+__all__ = ["GlooCommunicator"]
 
 
 class GlooCommunicator(ProcessGroupCommunicator):

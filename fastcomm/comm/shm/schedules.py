@@ -36,7 +36,7 @@ import time
 import torch
 
 from ..errors import FastcommError
-from ..types import SUPPORTED_DTYPES, ReduceOp
+from ..types import SUPPORTED_DTYPES, ReduceOp, divide_
 from .flags import Sync
 from .segment import Layout
 
@@ -78,14 +78,6 @@ def reduce_into(out: torch.Tensor, terms: list[torch.Tensor], op: ReduceOp) -> N
     fn(terms[0], terms[1], out=out)
     for term in terms[2:]:
         fn(out, term, out=out)
-
-
-def divide_(tensor: torch.Tensor, size: int) -> None:
-    """In-place ``tensor / size``; integers truncate toward zero (NCCL's ncclAvg)."""
-    if tensor.is_floating_point():
-        tensor.div_(size)
-    else:
-        tensor.div_(size, rounding_mode="trunc")
 
 
 def describe(code: int) -> str:
