@@ -37,7 +37,7 @@ def pytest_sessionfinish(session, exitstatus):
     """The whole suite must leave no shared-memory segment behind (its exit status says so)."""
     import time
 
-    from fastcomm.comm._shm_segment import PREFIX, SHM_DIR, process_alive
+    from fastcomm.comm.shm.segment import PREFIX, SHM_DIR, process_alive
 
     if not os.path.isdir(SHM_DIR):
         return

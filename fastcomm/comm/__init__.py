@@ -1,21 +1,38 @@
-"""Host-side store and communicators (Gloo, NCCL, shared memory, hierarchical)."""
+"""Host-side store and communicators (Gloo, NCCL, shared memory, hierarchical).
 
-from .base import Communicator
-from .errors import (
-    CommAbortedError,
-    CommClosedError,
-    CommTimeoutError,
-    FastcommError,
-    StoreTimeoutError,
-)
-from .gloo import GlooCommunicator
-from .hier import HierCommunicator
-from .shm import ShmCommunicator, ShmOptions
-from .store import Store
-from .torch_pg import TorchPGCommunicator as TorchPGCommunicator
-from .types import SUPPORTED_DTYPES, ReduceOp
-from .work import Work
-from .world import get_world, init, is_initialized, new_communicator, shutdown
+Names load lazily (PEP 562): ``import fastcomm.comm.store`` must not pull in a backend or
+Triton, because the launcher needs only the store.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Public name -> submodule (relative to this package) that defines it.
+_LAZY: dict[str, str] = {
+    "Communicator": ".base",
+    "CommAbortedError": ".errors",
+    "CommClosedError": ".errors",
+    "CommTimeoutError": ".errors",
+    "FastcommError": ".errors",
+    "StoreTimeoutError": ".errors",
+    "GlooCommunicator": ".pg.gloo",
+    "HierCommunicator": ".hier",
+    "NcclCommunicator": ".nccl",  # CuPy is optional: loads only when asked for
+    "ShmCommunicator": ".shm",
+    "ShmOptions": ".shm",
+    "Store": ".store",
+    "TorchPGCommunicator": ".pg.torch_pg",
+    "ReduceOp": ".types",
+    "SUPPORTED_DTYPES": ".types",
+    "Work": ".work",
+    "get_world": ".world",
+    "init": ".world",
+    "is_initialized": ".world",
+    "new_communicator": ".world",
+    "shutdown": ".world",
+}
 
 __all__ = [
     "Communicator",
@@ -40,9 +57,14 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    if name == "NcclCommunicator":  # imported lazily: CuPy is optional
-        from .nccl import NcclCommunicator
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fastcomm.comm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
 
-        return NcclCommunicator
-    raise AttributeError(f"module 'fastcomm.comm' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

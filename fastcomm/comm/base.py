@@ -13,7 +13,6 @@ sequence that advances identically on every rank for that reason.
 from __future__ import annotations
 
 import abc
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -377,6 +376,3 @@ class Communicator(abc.ABC):
     # utilities for backends
     def _done(self, op: str, output: torch.Tensor | None) -> Work:
         return completed_work(op, self.rank, output)
-
-    def _deadline(self) -> float:
-        return time.monotonic() + self.timeout.total_seconds()

@@ -25,12 +25,12 @@ from datetime import timedelta
 
 import torch
 
-from ._shm_segment import host_id
 from .base import Communicator
-from .gloo import GlooCommunicator, divide_
+from .pg.gloo import GlooCommunicator
 from .shm import ShmCommunicator
+from .shm.segment import host_id
 from .store import Store
-from .types import ReduceOp
+from .types import ReduceOp, divide_
 from .work import Lane, Work, wrap_error
 
 __all__ = ["HierCommunicator"]

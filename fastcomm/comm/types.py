@@ -7,7 +7,7 @@ import enum
 import torch
 import torch.distributed as dist
 
-__all__ = ["ReduceOp", "SUPPORTED_DTYPES"]
+__all__ = ["ReduceOp", "SUPPORTED_DTYPES", "divide_"]
 
 
 class ReduceOp(enum.Enum):
@@ -63,3 +63,11 @@ SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
     torch.int32,
     torch.int64,
 )
+
+
+def divide_(tensor: torch.Tensor, size: int) -> None:
+    """In-place ``tensor / size``; integers truncate toward zero (NCCL's ncclAvg)."""
+    if tensor.is_floating_point():
+        tensor.div_(size)
+    else:
+        tensor.div_(size, rounding_mode="trunc")

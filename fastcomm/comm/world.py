@@ -252,7 +252,7 @@ def new_communicator(
         ValueError: unknown backend.
     """
     if backend == "gloo":
-        from .gloo import GlooCommunicator
+        from .pg.gloo import GlooCommunicator
 
         return GlooCommunicator(store, rank, size, timeout)
     if backend == "nccl":
@@ -349,7 +349,7 @@ def init(
         _INIT_COUNT += 1
         store = base.prefixed(f"fastcomm/world{_INIT_COUNT}", rank=rank)
     if auto and backend == "shm" and world_size > 1:
-        from ._shm_segment import host_id
+        from .shm.segment import host_id
 
         hosts = store.all_gather_object("init/hosts", rank, world_size, host_id(), timeout)
         backend = choose_cpu_backend(hosts)

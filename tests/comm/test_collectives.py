@@ -289,7 +289,7 @@ def check_torch_process_group_adapter(op):
     """TorchPGCommunicator runs the same collectives on torch's own Gloo group."""
     import torch.distributed as dist
 
-    from fastcomm.comm.torch_pg import TorchPGCommunicator
+    from fastcomm.comm.pg.torch_pg import TorchPGCommunicator
     from tests.harness import STATE
 
     if not dist.is_initialized():

@@ -349,7 +349,7 @@ def test_init_picks_shm_and_ddp_reduces_over_it(pool):
 def test_automatic_spin_stops_while_the_host_is_crowded(monkeypatch, spin_us):
     """The automatic spin yields at once when the load average says peers wait for a core;
     a spin set explicitly is kept whatever the load."""
-    from fastcomm.comm import _shm_sync
+    from fastcomm.comm.shm import flags as _shm_sync
     from fastcomm.comm.store import Store
 
     cores = len(os.sched_getaffinity(0))

@@ -19,8 +19,10 @@ import pytest
 import torch
 
 from fastcomm import CommTimeoutError, FastcommError
-from fastcomm.comm import CommAbortedError, _shm_algos, _shm_segment
-from fastcomm.comm._shm_segment import SHM_DIR, sweep_stale
+from fastcomm.comm import CommAbortedError
+from fastcomm.comm.shm import schedules as _shm_algos
+from fastcomm.comm.shm import segment as _shm_segment
+from fastcomm.comm.shm.segment import SHM_DIR, sweep_stale
 from tests.harness import RankPool, fresh_comm
 
 TIMEOUT = 30.0  # setup and the communicators' timeout; detection must be far quicker

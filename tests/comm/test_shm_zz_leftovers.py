@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 
-from fastcomm.comm._shm_segment import PREFIX, SHM_DIR, process_alive
+from fastcomm.comm.shm.segment import PREFIX, SHM_DIR, process_alive
 
 
 def _creator(name: str) -> int:

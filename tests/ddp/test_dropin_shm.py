@@ -32,7 +32,7 @@ def check_default_group_on_one_host_picks_shm(bucket_cap_mb: float):
 
 
 def check_forced_backend_keeps_gloo_adapter(value: str):
-    from fastcomm.comm.torch_pg import TorchPGCommunicator
+    from fastcomm.comm.pg.torch_pg import TorchPGCommunicator
 
     os.environ["FASTCOMM_BACKEND"] = value
     try:
@@ -47,7 +47,7 @@ def check_forced_backend_keeps_gloo_adapter(value: str):
 def check_explicit_arguments_win():
     import torch.distributed as dist
 
-    from fastcomm.comm.torch_pg import TorchPGCommunicator
+    from fastcomm.comm.pg.torch_pg import TorchPGCommunicator
 
     init_torch_dist()
     ours, theirs = train_both("mlp", steps=3, process_group=dist.group.WORLD)
@@ -63,8 +63,8 @@ def check_closed_with_its_group():
     """A group's shm communicator closes when the group is destroyed, and leaves no file."""
     import torch.distributed as dist
 
-    from fastcomm.comm._shm_segment import PREFIX, SHM_DIR
-    from fastcomm.comm.torch_pg import local_shm_communicator
+    from fastcomm.comm.pg.torch_pg import local_shm_communicator
+    from fastcomm.comm.shm.segment import PREFIX, SHM_DIR
 
     init_torch_dist()
     group = dist.new_group([0, 1])

@@ -40,7 +40,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # ---------------------------------------------------------------------- rank side
 def _map_slots(name: str) -> None:
     """Creates this rank's segment, maps every peer's, and unlinks its own once all mapped."""
-    from fastcomm.comm._shm_segment import PREFIX, SHM_DIR
+    from fastcomm.comm.shm.segment import PREFIX, SHM_DIR
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = rank_store()

@@ -23,7 +23,6 @@ BACKEND_PREFIXES = (
 )
 
 
-@pytest.mark.xfail(reason="needs lazy fastcomm.comm imports", strict=False)
 def test_agent_imports_no_backend():
     code = textwrap.dedent(
         f"""

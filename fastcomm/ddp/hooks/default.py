@@ -31,7 +31,7 @@ def hook_comm(group: object, bucket: GradBucket) -> Communicator:
     if isinstance(group, dist.ProcessGroup):
         comm = _ADAPTED.get(id(group))
         if comm is None or comm.process_group is not group:
-            from fastcomm.comm.torch_pg import TorchPGCommunicator
+            from fastcomm.comm.pg.torch_pg import TorchPGCommunicator
 
             comm = _ADAPTED[id(group)] = TorchPGCommunicator(group)
         return comm

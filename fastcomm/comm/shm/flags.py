@@ -42,8 +42,8 @@ import platform
 import time
 from os import sched_yield
 
-from ._shm_segment import ABORTED, CLOSED, MESSAGE_BYTES, Segment, process_alive
-from .errors import CommAbortedError, CommClosedError, CommTimeoutError
+from ..errors import CommAbortedError, CommClosedError, CommTimeoutError
+from .segment import ABORTED, CLOSED, MESSAGE_BYTES, Segment, process_alive
 
 __all__ = ["Sync", "fence_supported"]
 

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from itertools import count
 
-from .errors import FastcommError
-from .store import Store
+from ..errors import FastcommError
+from ..store import Store
 
 __all__ = ["Layout", "Segment", "host_id", "pid_start_time", "process_alive", "sweep_stale"]
 

@@ -2,8 +2,8 @@
 
 No global ``torch.distributed`` state is touched: the process group is private to this object,
 so a program may hold several (``split``) beside an ``init_process_group`` of its own. The
-collectives are ``ProcessGroupCommunicator``'s (``_pg.py``): handles complete in issue order on
-a per-communicator thread, with ``AVG`` applied as ``SUM`` and a division.
+collectives are ``ProcessGroupCommunicator``'s (``process_group.py``): handles complete in
+issue order on a per-communicator thread, with ``AVG`` applied as ``SUM`` and a division.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ._pg import ProcessGroupCommunicator, divide_
-from .errors import FastcommError
-from .store import Store
+from ..errors import FastcommError
+from ..store import Store
+from .process_group import ProcessGroupCommunicator
 
-__all__ = ["GlooCommunicator", "divide_"]
+__all__ = ["GlooCommunicator"]
 
 
 class GlooCommunicator(ProcessGroupCommunicator):

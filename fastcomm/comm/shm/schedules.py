@@ -1,7 +1,7 @@
 """Collective schedules over a segment of per-rank slots: the algorithm, apart from transport.
 
 A schedule only slices typed views, moves data with ``copy_`` and :func:`reduce_into`, and
-sequences the steps with :class:`~._shm_sync.Sync`. The same schedules serve a GPU path over
+sequences the steps with :class:`~.flags.Sync`. The same schedules serve a GPU path over
 peer-mapped device buffers (CUDA IPC) if ``reduce_into`` is swapped for a Triton reduction.
 
 Rounds and buffer reuse: each round uses one half of the data area, alternating, and writes only
@@ -35,10 +35,10 @@ import time
 
 import torch
 
-from ._shm_segment import Layout
-from ._shm_sync import Sync
-from .errors import FastcommError
-from .types import SUPPORTED_DTYPES, ReduceOp
+from ..errors import FastcommError
+from ..types import SUPPORTED_DTYPES, ReduceOp, divide_
+from .flags import Sync
+from .segment import Layout
 
 __all__ = ["Schedules", "reduce_into"]
 
@@ -78,14 +78,6 @@ def reduce_into(out: torch.Tensor, terms: list[torch.Tensor], op: ReduceOp) -> N
     fn(terms[0], terms[1], out=out)
     for term in terms[2:]:
         fn(out, term, out=out)
-
-
-def divide_(tensor: torch.Tensor, size: int) -> None:
-    """In-place ``tensor / size``; integers truncate toward zero (NCCL's ncclAvg)."""
-    if tensor.is_floating_point():
-        tensor.div_(size)
-    else:
-        tensor.div_(size, rounding_mode="trunc")
 
 
 def describe(code: int) -> str:

@@ -1,7 +1,7 @@
 """``shm`` communicator: collectives between the ranks of one host through shared memory.
 
 Ranks copy into, reduce out of and copy from one POSIX shared-memory segment per communicator
-(layout in ``_shm_segment``, flags and waits in ``_shm_sync``, algorithms in ``_shm_algos``)
+(layout in ``segment``, flags and waits in ``flags``, algorithms in ``schedules``)
 instead of sending bytes over TCP. Python only sequences the steps; torch ops move the data.
 
 Invariants:
@@ -15,7 +15,7 @@ Invariants:
   stalls a collective (as with Gloo). One thread issues a communicator's calls.
 - A failed operation (timeout, peer gone, mismatch) marks this rank ABORTED in the segment, so
   peers waiting on it raise at once naming it; every later call raises ``CommAbortedError``.
-- Nothing of the segment outlives setup in ``/dev/shm`` (see ``_shm_segment``). At interpreter
+- Nothing of the segment outlives setup in ``/dev/shm`` (see ``segment``). At interpreter
   exit every open communicator is closed (peers then fail fast instead of by timeout); a child
   made by ``fork()`` never touches its parent's communicators.
 
@@ -37,14 +37,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ._shm_algos import Schedules
-from ._shm_segment import ABORTED, CLOSED, Segment, host_id, shm_supported
-from ._shm_sync import Sync, fence_supported
-from .base import Communicator
-from .errors import CommAbortedError, CommClosedError, FastcommError
-from .store import Store
-from .types import ReduceOp
-from .work import Lane, Work, wrap_error
+from ..base import Communicator
+from ..errors import CommAbortedError, CommClosedError, FastcommError
+from ..store import Store
+from ..types import ReduceOp
+from ..work import Lane, Work, wrap_error
+from .flags import Sync, fence_supported
+from .schedules import Schedules
+from .segment import ABORTED, CLOSED, Segment, host_id, shm_supported
 
 __all__ = ["ShmCommunicator", "ShmOptions", "shm_available"]
 
@@ -178,7 +178,7 @@ class ShmCommunicator(Communicator):
         self._fallback = None
         self._told_route = False
         if fallback:
-            from .gloo import GlooCommunicator
+            from ..pg.gloo import GlooCommunicator
 
             self._fallback = GlooCommunicator(
                 store.prefixed("fallback"), rank, size, self.timeout

@@ -21,12 +21,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .base import Communicator
-from .store import as_timedelta
-from .types import ReduceOp
-from .work import Lane, Work, wrap_error
+from ..base import Communicator
+from ..store import as_timedelta
+from ..types import ReduceOp, divide_
+from ..work import Lane, Work, wrap_error
 
-__all__ = ["ProcessGroupCommunicator", "divide_"]
+__all__ = ["ProcessGroupCommunicator"]
 
 _TORCH_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -35,14 +35,6 @@ _TORCH_OPS = {
     ReduceOp.MIN: dist.ReduceOp.MIN,
     ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
 }
-
-
-def divide_(tensor: torch.Tensor, size: int) -> None:
-    """In-place ``tensor / size``; integers truncate toward zero (NCCL's ncclAvg)."""
-    if tensor.is_floating_point():
-        tensor.div_(size)
-    else:
-        tensor.div_(size, rounding_mode="trunc")
 
 
 class _HandleWork(Work):

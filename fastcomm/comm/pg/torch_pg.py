@@ -5,7 +5,7 @@ hooks) run on a group a training script already made with ``torch.distributed``:
 go straight to the group's backend (``pg.allreduce`` and friends, with group-local ranks), so
 they share its connections, streams and ordering with any other use of the same group.
 
-The collectives are ``ProcessGroupCommunicator``'s (``_pg.py``), shared with the Gloo
+The collectives are ``ProcessGroupCommunicator``'s (``process_group.py``), shared with the Gloo
 communicator: a :class:`Work` resolves to the output tensor (fastcomm's contract; torch's own
 futures resolve to a list), and ``AVG`` on a backend without it (Gloo) is a ``SUM`` followed
 by a division, done before the future resolves. On a CUDA (NCCL) group the future is torch's
@@ -26,10 +26,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ._pg import ProcessGroupCommunicator
-from .errors import FastcommError
-from .store import Store
-from .work import Work, wrap_error
+from ..errors import FastcommError
+from ..store import Store
+from ..work import Work, wrap_error
+from .process_group import ProcessGroupCommunicator
 
 __all__ = ["TorchPGCommunicator", "local_shm_communicator"]
 
@@ -170,7 +170,7 @@ class TorchPGCommunicator(ProcessGroupCommunicator):
         return gathered
 
     def _new_child(self, store: Store, rank: int, size: int, timeout: timedelta):
-        from .world import new_communicator
+        from ..world import new_communicator
 
         if self._device.type == "cuda":
             return new_communicator(
@@ -219,7 +219,7 @@ def local_shm_communicator(
         The communicator, or ``None`` when the members span hosts, this platform has no
         ``/dev/shm``, or ``FASTCOMM_BACKEND`` names another backend.
     """
-    from .shm import ShmCommunicator, shm_available
+    from ..shm import ShmCommunicator, shm_available
 
     forced = os.environ.get("FASTCOMM_BACKEND", "").strip().lower()
     if forced and forced != "shm":
@@ -233,7 +233,7 @@ def local_shm_communicator(
     # every rank answers the same, so every rank takes the same branch below
     if not shm_available():
         return None
-    from ._shm_segment import host_id
+    from ..shm.segment import host_id
 
     rank, size = process_group.rank(), process_group.size()
     store = _group_store(process_group, rank, timeout)
