@@ -26,28 +26,11 @@ __all__ = [
     "shutdown",
 ]
 
-# Public name -> submodule that defines it (all re-exported from fastcomm.comm).
-_LAZY: dict[str, str] = {
-    "CommClosedError": ".comm.errors",
-    "CommTimeoutError": ".comm.errors",
-    "FastcommError": ".comm.errors",
-    "StoreTimeoutError": ".comm.errors",
-    "Communicator": ".comm.base",
-    "ReduceOp": ".comm.types",
-    "Store": ".comm.store",
-    "Work": ".comm.work",
-    "get_world": ".comm.world",
-    "init": ".comm.world",
-    "is_initialized": ".comm.world",
-    "shutdown": ".comm.world",
-}
-
-
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
+    # every public name is re-exported from fastcomm.comm, which loads it lazily itself
+    if name not in __all__:
         raise AttributeError(f"module 'fastcomm' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
+    value = getattr(importlib.import_module(".comm", __name__), name)
     globals()[name] = value  # later lookups skip this function
     return value
 

@@ -64,7 +64,7 @@ class GradHealth:
         self._unpacked = 0  # buckets unpacked with stats in that step
         self._complete = False  # every bucket unpacked, no stray gradient left out
         # (parameter, its grad, the grad's version) as the unpack left them
-        self._written: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self._written: list[tuple[list, list, list[int]]] = []  # (params, targets, versions)
         self.last_norm_source = ""  # "unpack", "buckets" or "torch": for tests and logging
         self.readiness = _readiness.Readiness(reducer)
 
@@ -88,19 +88,21 @@ class GradHealth:
         stats = self.stats[bucket.index]
         if not self.eager:
             unpack_bucket(bucket, value, targets)
-            self._lazy[bucket.index] = [t for t in targets if t is not None]
+            self._lazy[bucket.index] = targets  # _measure skips the None entries
         elif all(t is not None and t.is_contiguous() for t in targets):
             kernels.unpack_with_stats(value, targets, stats=stats)
         else:  # a gap (unused parameter) or a channels-last gradient: the plain unpack
             unpack_grads(value, targets, bucket.offsets, bucket.numel, plan=bucket.plan)
             self._measure(targets, stats)
         self._unpacked += 1
-        for t, p in zip(targets, bucket.params, strict=True):
-            if t is None:
-                if p.grad is not None:  # a stale gradient the unpack did not write
-                    self._complete = False
-            else:
-                self._written.append((p, t, t._version))
+        # one record per bucket on the hot path; clip_grad_norm_ checks it parameter by parameter
+        if any(t is None for t in targets) and any(
+            t is None and p.grad is not None for t, p in zip(targets, bucket.params, strict=True)
+        ):
+            self._complete = False  # a stale gradient the unpack did not write
+        self._written.append(
+            (bucket.params, targets, [t._version for t in targets if t is not None])
+        )
 
     @staticmethod
     def _measure(targets, stats: torch.Tensor) -> None:
@@ -181,10 +183,18 @@ class GradHealth:
         reducer = self.reducer
         if not self._complete or self._step != reducer.synced_iterations:
             return False
-        written = self._written
-        if len(written) != sum(p.grad is not None for p in reducer.params):
+        pairs = [
+            (p, t)
+            for params, targets, _ in self._written
+            for p, t in zip(params, targets, strict=True)
+            if t is not None
+        ]
+        versions = [v for _, _, vs in self._written for v in vs]
+        if len(pairs) != sum(p.grad is not None for p in reducer.params):
             return False
-        return all(p.grad is t and t._version == v for p, t, v in written)
+        return all(
+            p.grad is t and t._version == v for (p, t), v in zip(pairs, versions, strict=True)
+        )
 
     def _views_intact(self) -> bool:
         reducer = self.reducer
