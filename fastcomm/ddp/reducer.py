@@ -124,7 +124,7 @@ class Reducer:
 
         ref = weakref.ref(self)
         self._handles = [
-            p.register_post_accumulate_grad_hook(_make_grad_hook(ref, i, i in self.sparse))
+            p.register_post_accumulate_grad_hook(_make_grad_hook(ref, i))
             for i, p in enumerate(self.params)
         ]
 
@@ -229,8 +229,8 @@ class Reducer:
             )
         if self.bucket_view:
             g = param.grad
-            view = self._view_of[i]
-            if g is not None and g.data_ptr() != view.data_ptr():
+            view = self._view_of[i]  # None for a sparse parameter: its gradient stays its own
+            if view is not None and g is not None and g.data_ptr() != view.data_ptr():
                 view.copy_(g.detach() if self._create_graph else g)
                 param.grad = view
         if self._recording:
@@ -247,14 +247,6 @@ class Reducer:
             self._pending[b] -= 1
             if b == self._next and not self._delay:
                 self._launch_ready()
-
-    def _on_sparse_grad(self, i: int, param: torch.Tensor) -> None:
-        # A sparse gradient lives outside the bucket views: no copy into a view.
-        bucket_view, self.bucket_view = self.bucket_view, False
-        try:
-            self._on_grad(i, param)
-        finally:
-            self.bucket_view = bucket_view
 
     def _start_backward(self) -> None:
         self._started = True
@@ -511,7 +503,7 @@ class Reducer:
         self.remove_hooks()
 
 
-def _make_grad_hook(ref: weakref.ref, i: int, sparse: bool = False):
+def _make_grad_hook(ref: weakref.ref, i: int):
     def hook(param: torch.Tensor) -> None:
         reducer = ref()
         if reducer is not None:
@@ -520,15 +512,7 @@ def _make_grad_hook(ref: weakref.ref, i: int, sparse: bool = False):
             else:  # a no_sync backward
                 reducer._used_no_sync[i] = 1
 
-    def sparse_hook(param: torch.Tensor) -> None:
-        reducer = ref()
-        if reducer is not None:
-            if reducer.expect_hooks:
-                reducer._on_sparse_grad(i, param)
-            else:
-                reducer._used_no_sync[i] = 1
-
-    return sparse_hook if sparse else hook
+    return hook
 
 
 def _make_finalize(ref: weakref.ref):
