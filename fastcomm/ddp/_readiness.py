@@ -68,7 +68,7 @@ class Readiness:
         if self.store is None or self._published_step == step:
             return
         record = {
-            "launched": reducer._next,
+            "launched": reducer.next_bucket,
             "buckets": len(reducer.buckets),
             "missing": [i for i, s in enumerate(reducer._ready) if s == 0],
         }

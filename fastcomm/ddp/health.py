@@ -198,7 +198,7 @@ class GradHealth:
 
     def _views_intact(self) -> bool:
         reducer = self.reducer
-        for p, view in zip(reducer.params, reducer._view_of, strict=True):
+        for p, view in zip(reducer.params, reducer.grad_views, strict=True):
             g = p.grad
             if g is None or g.shape != view.shape or g.data_ptr() != view.data_ptr():
                 return False

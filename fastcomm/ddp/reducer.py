@@ -109,7 +109,7 @@ class Reducer:
         self._delay = False
         self._ready = bytearray(len(self.params))
         self._pending: list[int] = []
-        self._next = 0
+        self.next_bucket = 0  # index of the next bucket to launch, in launch order
         self._results: list[Any] = []
         self._unused_now: list[int] = []
         self._used_work: Work | None = None
@@ -135,11 +135,12 @@ class Reducer:
             self.params, self.names, order, self.config.bucket_caps_bytes, self.sparse
         )
         self._bucket_of = [0] * len(self.params)
-        self._view_of: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
+        # each parameter's view into its bucket (None for a sparse parameter)
+        self.grad_views: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
         for bucket in self.buckets:
             for i, view in zip(bucket.param_indices, bucket.views, strict=True):
                 self._bucket_of[i] = bucket.index
-                self._view_of[i] = view
+                self.grad_views[i] = view
         if self.bucket_view and old:
             # .grad views of the old buckets move into the new ones (values kept).
             old_ptrs = {v.data_ptr() for b in old if not b.sparse for v in b.views if v.numel()}
@@ -148,8 +149,8 @@ class Reducer:
                 if g is None or g.is_sparse or i in self.sparse:
                     continue
                 if g.numel() and g.data_ptr() in old_ptrs:
-                    self._view_of[i].copy_(g)
-                    p.grad = self._view_of[i]
+                    self.grad_views[i].copy_(g)
+                    p.grad = self.grad_views[i]
 
     def bucket_indices(self) -> list[list[int]]:
         """Each bucket's parameter indices, in launch order (for tests and logging)."""
@@ -196,7 +197,7 @@ class Reducer:
         n = len(self.params)
         self._ready = bytearray(n)
         self._pending = [len(b.params) for b in self.buckets]
-        self._next = 0
+        self.next_bucket = 0  # index of the next bucket to launch, in launch order
         self._results = [None] * len(self.buckets)
         self._started = False
         self._used_work = None
@@ -229,14 +230,14 @@ class Reducer:
             )
         if self.bucket_view:
             g = param.grad
-            view = self._view_of[i]  # None for a sparse parameter: its gradient stays its own
+            view = self.grad_views[i]  # None for a sparse parameter: its gradient stays its own
             if view is not None and g is not None and g.data_ptr() != view.data_ptr():
                 view.copy_(g.detach() if self._create_graph else g)
                 param.grad = view
         if self._recording:
             self._arrivals.append(i)
         self._ready[i] = _GOT_GRAD
-        if state == _UNUSED and self._bucket_of[i] < self._next:
+        if state == _UNUSED and self._bucket_of[i] < self.next_bucket:
             raise RuntimeError(
                 f"rank {self.comm.rank}: parameter {self.names[i]!r} received a gradient after "
                 "its bucket was reduced without it (it was marked unused: unreachable from the "
@@ -245,7 +246,7 @@ class Reducer:
         if state == _WAITING:
             b = self._bucket_of[i]
             self._pending[b] -= 1
-            if b == self._next and not self._delay:
+            if b == self.next_bucket and not self._delay:
                 self._launch_ready()
 
     def _start_backward(self) -> None:
@@ -264,7 +265,7 @@ class Reducer:
         if self._ready[i] != _WAITING:
             return
         if self.bucket_view and i not in self.sparse:
-            p, view = self.params[i], self._view_of[i]
+            p, view = self.params[i], self.grad_views[i]
             g = p.grad
             if g is None:
                 view.zero_()
@@ -276,10 +277,10 @@ class Reducer:
 
     def _launch_ready(self) -> None:
         buckets = self.buckets
-        while self._next < len(buckets) and self._pending[self._next] == 0:
-            self._launch(buckets[self._next])
-            self._next += 1
-        if self._next == len(buckets) and self._used_work is None and self._needs_used_map():
+        while self.next_bucket < len(buckets) and self._pending[self.next_bucket] == 0:
+            self._launch(buckets[self.next_bucket])
+            self.next_bucket += 1
+        if self.next_bucket == len(buckets) and self._used_work is None and self._needs_used_map():
             used = torch.tensor(
                 [
                     1 if s == _GOT_GRAD or u else 0
@@ -353,7 +354,7 @@ class Reducer:
             for i in range(len(self.params)):
                 self._mark_unused(i)
             self._launch_ready()
-        if self._next < len(self.buckets):
+        if self.next_bucket < len(self.buckets):
             self._incomplete = [i for i, s in enumerate(self._ready) if s == _WAITING]
             if self.health is not None:
                 self.health.readiness.publish()  # the ranks waiting for a bucket read it

@@ -492,7 +492,7 @@ class Agent:
 
     def _give_up(self, info: RoundInfo, local: list[Failure]) -> int:
         """Restarts are spent: gathers every node's failures, prints the report, exits 1."""
-        rs = info.store
+        round_store = info.store
         end = self.rdzv.end_of(info.round)
         lost = []
         if end is not None and end[0] is RoundEnd.FAILURE:
@@ -500,12 +500,12 @@ class Agent:
         gone = {f.group_rank for f in lost}
         keys = [f"failures/{g}" for g in range(info.group_world_size) if g not in gone]
         deadline = time.monotonic() + min(30.0, self.config.shutdown_timeout + 5.0)
-        while not rs.check(keys) and time.monotonic() < deadline:
+        while not round_store.check(keys) and time.monotonic() < deadline:
             time.sleep(0.05)
         failures: list[Failure] = list(lost)
         for key in keys:
-            if rs.check([key]):
-                failures.extend(pickle.loads(rs.get(key)))
+            if round_store.check([key]):
+                failures.extend(pickle.loads(round_store.get(key)))
         if not failures:
             failures = local
         self._keep_dir = True

@@ -243,16 +243,16 @@ class Rendezvous:
 
     def end_of(self, r: int) -> tuple[RoundEnd, object] | None:
         """How round ``r`` ended, or ``None`` while it runs."""
-        rs = self.round_store(r)
-        if not rs.check(["end"]):
+        round_store = self.round_store(r)
+        if not round_store.check(["end"]):
             return None
-        return _load_end(rs.get("end"))
+        return _load_end(round_store.get("end"))
 
     def end_round(self, r: int, kind: RoundEnd, payload=None) -> tuple[RoundEnd, object]:
         """Proposes the end of round ``r``; returns the end that won (the first one proposed)."""
-        rs = self.round_store(r)
-        rs.compare_set("end", b"", _dumps((kind.value, payload)))
-        return _load_end(rs.get("end"))
+        round_store = self.round_store(r)
+        round_store.compare_set("end", b"", _dumps((kind.value, payload)))
+        return _load_end(round_store.get("end"))
 
     def restarts_of(self, r: int) -> int:
         """TORCHELASTIC_RESTART_COUNT of round ``r`` (waits up to ``read_timeout`` for it)."""
@@ -290,14 +290,14 @@ class Rendezvous:
         info = NodeInfo(**{k: getattr(self.node, k) for k in NodeInfo.__slots__})
         info.prev_group_rank = prev_group_rank if returning else None
         while True:
-            rs = self.round_store(r)
-            index = rs.add("join", 1) - 1
-            rs.set(f"node/{index}", _dumps(info))
+            round_store = self.round_store(r)
+            index = round_store.add("join", 1) - 1
+            round_store.set(f"node/{index}", _dumps(info))
             if returning:
-                rs.add("returning", 1)
+                round_store.add("returning", 1)
             outcome = self._wait_closed(r)
             if isinstance(outcome, JobEnded):
-                rs.add("left", 1)
+                round_store.add("left", 1)
                 return outcome
             if index < outcome:
                 return self._complete(r, outcome, index)
@@ -309,14 +309,14 @@ class Rendezvous:
 
     def _wait_closed(self, r: int) -> int | JobEnded:
         cfg = self.config
-        rs = self.round_store(r)
+        round_store = self.round_store(r)
         deadline = time.monotonic() + cfg.join_timeout
         prev_ended = r == 0
         prev_members = None
         last_call_from = None
         while True:
-            if rs.check(["closed"]):
-                return int(rs.get("closed"))
+            if round_store.check(["closed"]):
+                return int(round_store.get("closed"))
             if not prev_ended:
                 end = self.end_of(r - 1)
                 if end is not None:
@@ -331,8 +331,8 @@ class Rendezvous:
                     deadline = time.monotonic() + cfg.join_timeout
             if prev_ended:
                 # "returning" before "join": every agent counted returning is in ``count``
-                returning = rs.add("returning", 0) if prev_members is not None else 0
-                count = rs.add("join", 0)
+                returning = round_store.add("returning", 0) if prev_members is not None else 0
+                count = round_store.add("join", 0)
                 now = time.monotonic()
                 target = None
                 if count >= cfg.max_nodes:
@@ -349,14 +349,17 @@ class Rendezvous:
                         f"(join_timeout): {count} of at least {cfg.min_nodes} nodes joined"
                     )
                 if target is not None:
-                    rs.compare_set("closed", b"", str(target))
+                    round_store.compare_set("closed", b"", str(target))
                     continue
             self._sleep()
 
     def _complete(self, r: int, count: int, index: int) -> RoundInfo:
         cfg = self.config
-        rs = self.round_store(r)
-        nodes = [_loads(self._get(rs, f"node/{i}", f"node {i} of round {r}")) for i in range(count)]
+        round_store = self.round_store(r)
+        nodes = [
+            _loads(self._get(round_store, f"node/{i}", f"node {i} of round {r}"))
+            for i in range(count)
+        ]
         order = list(range(count))
         if cfg.rdzv_backend == "static":
             ranks = [n.node_rank for n in nodes]
@@ -380,8 +383,8 @@ class Rendezvous:
             # or hang. Hence MASTER_PORT changes every round.
             addr = cfg.master_addr or ordered[0].addr
             self._worker_store = Store(addr, 0, is_server=True, timeout=cfg.read_timeout)
-            rs.set("master", f"{addr}:{self._worker_store.port}")
-        master = self._get(rs, "master", f"the worker store address of round {r}").decode()
+            round_store.set("master", f"{addr}:{self._worker_store.port}")
+        master = self._get(round_store, "master", f"the worker store address of round {r}").decode()
         addr, _, port = master.rpartition(":")
         self._log(
             f"round {r}: {count} node(s), group rank {group_rank}, world size "
@@ -394,7 +397,7 @@ class Rendezvous:
             restart_count=restarts,
             master_addr=addr,
             master_port=int(port),
-            store=rs,
+            store=round_store,
         )
 
     def release_worker_store(self) -> None:
@@ -406,14 +409,14 @@ class Rendezvous:
         """Counts this agent out; the store host waits (``close_timeout``) for the others and
         for agents that waited to be admitted, so none loses the store before it read the
         outcome."""
-        rs = info.store
-        rs.add("exited", 1)
+        round_store = info.store
+        round_store.add("exited", 1)
         if not is_host:
             return
         nxt = self.round_store(info.round + 1)
         deadline = time.monotonic() + (self.config.close_timeout if timeout is None else timeout)
         while time.monotonic() < deadline:
-            if rs.add("exited", 0) >= info.group_world_size and (
+            if round_store.add("exited", 0) >= info.group_world_size and (
                 nxt.add("join", 0) <= nxt.add("left", 0)
             ):
                 return

@@ -99,7 +99,7 @@ def check_every_op(dtype):
         send.wait(timeout=30)
         exact(got, inputs[left])
     comm.barrier()
-    return comm._sync.seq
+    return comm._flags.seq
 
 
 def check_results_identical_across_ranks():
@@ -140,7 +140,7 @@ def check_async_many_in_flight():
 
 def check_bad_input_writes_nothing():
     comm = small_comm()
-    before = comm._sync.seq
+    before = comm._flags.seq
     for call, exc in [
         (lambda: comm.reduce(torch.ones(2), root=comm.size), ValueError),
         (lambda: comm.reduce(torch.ones(2), root=0, op="mean"), ValueError),
@@ -150,7 +150,7 @@ def check_bad_input_writes_nothing():
     ]:
         with pytest.raises(exc) as info:
             call()
-        assert comm._sync.seq == before, f"seq moved after {info.value}"
+        assert comm._flags.seq == before, f"seq moved after {info.value}"
     t = torch.ones(3)
     comm.all_reduce(t)  # still in step with the peers
     exact(t, torch.full((3,), float(comm.size)))
@@ -188,7 +188,7 @@ def check_fenced_path(name):
     small = torch.ones(3)
     comm.all_reduce(small)
     exact(small, torch.full((3,), float(comm.size)))
-    fenced = comm._sync.fenced
+    fenced = comm._flags.fenced
     comm.close()
     return fenced
 
@@ -359,7 +359,7 @@ def test_automatic_spin_stops_while_the_host_is_crowded(monkeypatch, spin_us):
     comm = ShmCommunicator(store.prefixed("spin", rank=0), 0, 1, 10.0, fallback=False,
                            options=ShmOptions(spin_us=spin_us))
     try:
-        sync = comm._sync
+        sync = comm._flags
         spin = 20_000 if spin_us is None else 7_000
         budgets = []
         for value, sample_due in [(0.5 * cores, True), (2.0 * cores, False),

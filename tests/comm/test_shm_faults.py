@@ -83,7 +83,7 @@ def short_op_timeout(comm, seconds: float) -> None:
     """Shortens the timeout of ``comm``'s later operations only: setup ran under the generous
     one, so a busy machine cannot fire it before the peers have even connected."""
     comm.timeout = timedelta(seconds=seconds)  # Gloo reads it at every issue
-    sync = getattr(comm, "_sync", None)  # shm copied it into its waits at setup
+    sync = getattr(comm, "_flags", None)  # shm copied it into its waits at setup
     if sync is not None:
         sync.timeout_s = seconds
     fallback = getattr(comm, "fallback", None)
@@ -124,12 +124,12 @@ def check_close_right_after_a_collective_a_peer_still_waits_in(name):
     comm.barrier()
     t = torch.full((4,), 7.0) if rank == 0 else torch.zeros(4)
     if rank == 1:
-        sync = comm._sync
+        sync = comm._flags
         sync.words = _DelayedStateReads(sync.words, sync.state_idx[0], delay_s=0.5)
         comm.broadcast(t, src=0)
         comm.close()
         return t.tolist()
-    sync = comm._sync
+    sync = comm._flags
     deadline = time.monotonic() + TIMEOUT
     while sync.words[sync.wait_idx[1]] != 1:  # rank 1 announced it waits on rank 0's word
         assert time.monotonic() < deadline, "rank 1 never waited on rank 0"

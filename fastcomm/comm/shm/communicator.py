@@ -42,8 +42,8 @@ from ..errors import CommAbortedError, CommClosedError, FastcommError
 from ..store import Store
 from ..types import ReduceOp
 from ..work import Lane, Work, wrap_error
-from .flags import Sync, fence_supported
-from .schedules import Schedules
+from .flags import PeerFlags, fence_supported
+from .schedules import SegmentSchedules
 from .segment import ABORTED, CLOSED, Segment, host_id, shm_supported
 
 __all__ = ["ShmCommunicator", "ShmOptions", "shm_available"]
@@ -165,13 +165,13 @@ class ShmCommunicator(Communicator):
         mbox = opts.mbox_bytes or max(16 << 10, min(256 << 10, (64 << 20) // (2 * size * size)))
         mbox -= mbox % 4096
         self._seg = Segment.setup(store, rank, size, opts.slot_bytes, mbox, self.timeout)
-        self._sync = Sync(
+        self._flags = PeerFlags(
             self._seg, rank, self.timeout.total_seconds(), spin, opts.yield_us,
             crowd_check=opts.spin_us is None,
         )
         u8 = torch.frombuffer(self._seg.mm, dtype=torch.uint8)
         one_shot = opts.one_shot_max if opts.one_shot_max is not None else (512 << 10) // size
-        self._algo = Schedules(self._sync, self._seg.layout, u8, one_shot)
+        self._schedules = SegmentSchedules(self._flags, self._seg.layout, u8, one_shot)
         self._lane = Lane(f"fastcomm-shm-r{rank}")
         self._p2p: dict[tuple[str, int], Lane] = {}
         self._broken: BaseException | None = None
@@ -285,7 +285,7 @@ class ShmCommunicator(Communicator):
         """Marks this rank ABORTED (peers then fail fast) and raises ``exc``, wrapped."""
         error = wrap_error(op, self.rank, start, exc) if isinstance(exc, Exception) else exc
         self._broken = error
-        self._sync.mark(ABORTED, f"{op} failed: {type(exc).__name__}: {exc}")
+        self._flags.mark(ABORTED, f"{op} failed: {type(exc).__name__}: {exc}")
         if error is exc:
             raise exc
         raise error from exc
@@ -313,7 +313,7 @@ class ShmCommunicator(Communicator):
             op = ReduceOp.coerce(op)
             start = time.monotonic()
             try:
-                done = self._algo.all_reduce_small(tensor, op, start)
+                done = self._schedules.all_reduce_small(tensor, op, start)
             except BaseException as exc:
                 self._abort("all_reduce", start, exc)
             if done:
@@ -326,7 +326,7 @@ class ShmCommunicator(Communicator):
             return self.route(tensor.device)._impl_all_reduce(tensor, op)
         if tensor.numel() == 0:
             return self._done("all_reduce", tensor)
-        return ("all_reduce", tensor, lambda: self._algo.all_reduce(tensor, op), self._lane)
+        return ("all_reduce", tensor, lambda: self._schedules.all_reduce(tensor, op), self._lane)
 
     def reduce(
         self,
@@ -350,7 +350,7 @@ class ShmCommunicator(Communicator):
         self.stats.record("reduce", tensor)
         if tensor.numel() == 0:
             return self._finish(self._done("reduce", tensor), async_op)
-        task = self._task("reduce", tensor, lambda: self._algo.all_reduce(tensor, op, root))
+        task = self._task("reduce", tensor, lambda: self._schedules.all_reduce(tensor, op, root))
         return self._finish(task, async_op)
 
     def _reduce_elsewhere(self, tensor: torch.Tensor, root: int, op: ReduceOp) -> Work:
@@ -376,7 +376,7 @@ class ShmCommunicator(Communicator):
         if tensor.numel() == 0:
             return self._done("broadcast", tensor)
         flat = tensor.view(-1)
-        return self._task("broadcast", tensor, lambda: self._algo.broadcast(flat, src))
+        return self._task("broadcast", tensor, lambda: self._schedules.broadcast(flat, src))
 
     def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor):
         if input.device.type != "cpu":
@@ -384,7 +384,7 @@ class ShmCommunicator(Communicator):
         if input.numel() == 0:
             return self._done("all_gather", output)
         out, flat = output.view(-1), input.view(-1)
-        return self._task("all_gather", output, lambda: self._algo.all_gather(out, flat))
+        return self._task("all_gather", output, lambda: self._schedules.all_gather(out, flat))
 
     def _impl_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp):
         if input.device.type != "cpu":
@@ -393,7 +393,7 @@ class ShmCommunicator(Communicator):
             return self._done("reduce_scatter", output)
         out, flat = output.view(-1), input.view(-1)
         return self._task(
-            "reduce_scatter", output, lambda: self._algo.reduce_scatter(out, flat, op)
+            "reduce_scatter", output, lambda: self._schedules.reduce_scatter(out, flat, op)
         )
 
     def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor):
@@ -402,7 +402,7 @@ class ShmCommunicator(Communicator):
         if input.numel() == 0:
             return self._done("all_to_all", output)
         out, flat = output.view(-1), input.view(-1)
-        return self._task("all_to_all", output, lambda: self._algo.all_to_all(out, flat))
+        return self._task("all_to_all", output, lambda: self._schedules.all_to_all(out, flat))
 
     def _impl_send(self, tensor: torch.Tensor, dst: int):
         if tensor.device.type != "cpu":
@@ -411,7 +411,7 @@ class ShmCommunicator(Communicator):
             return self._done("send", tensor)
         data = tensor.view(-1).view(torch.uint8)
         lane = self._p2p_lane("send", dst)
-        return self._task("send", tensor, lambda: self._algo.send(data, dst), lane)
+        return self._task("send", tensor, lambda: self._schedules.send(data, dst), lane)
 
     def _impl_recv(self, tensor: torch.Tensor, src: int):
         if tensor.device.type != "cpu":
@@ -420,10 +420,10 @@ class ShmCommunicator(Communicator):
             return self._done("recv", tensor)
         data = tensor.view(-1).view(torch.uint8)
         lane = self._p2p_lane("recv", src)
-        return self._task("recv", tensor, lambda: self._algo.recv(data, src), lane)
+        return self._task("recv", tensor, lambda: self._schedules.recv(data, src), lane)
 
     def _impl_barrier(self):
-        return self._task("barrier", None, self._algo.barrier)
+        return self._task("barrier", None, self._schedules.barrier)
 
     # ------------------------------------------------------------------ lifetime
     def _impl_close(self) -> None:
@@ -431,14 +431,14 @@ class ShmCommunicator(Communicator):
         if os.getpid() != self._pid:
             return  # a forked child: the mapping and the rank's state belong to the parent
         if self._broken is None:
-            self._sync.mark(CLOSED, "closed")
+            self._flags.mark(CLOSED, "closed")
         lanes = [self._lane, *self._p2p.values()]
         stopped = all([lane.close(timeout=5.0) for lane in lanes])
         if self._fallback is not None:
             self._fallback.close()
         if stopped:  # no thread can touch the mapping any more: unmap it now
-            self._algo = None
-            self._sync.release()
+            self._schedules = None
+            self._flags.release()
             self._seg.close()
 
 

@@ -45,7 +45,7 @@ from os import sched_yield
 from ..errors import CommAbortedError, CommClosedError, CommTimeoutError
 from .segment import ABORTED, CLOSED, MESSAGE_BYTES, Segment, process_alive
 
-__all__ = ["Sync", "fence_supported"]
+__all__ = ["PeerFlags", "fence_supported"]
 
 SLICE_S = 0.002
 CROWD_SAMPLE_S = 1.0  # how often the automatic spin looks at the load average
@@ -99,7 +99,7 @@ def fence() -> None:
     _syscall(_SYSCALLS[_MACHINE][1], _MEMBARRIER_PRIVATE_EXPEDITED, 0, 0)
 
 
-class Sync:
+class PeerFlags:
     """This rank's view of every rank's control words.
 
     Args:

@@ -1,15 +1,16 @@
 """Collective schedules over a segment of per-rank slots: the algorithm, apart from transport.
 
 A schedule only slices typed views, moves data with ``copy_`` and :func:`reduce_into`, and
-sequences the steps with :class:`~.flags.Sync`. The same schedules serve a GPU path over
+sequences the steps with :class:`~.flags.PeerFlags`. The same schedules serve a GPU path over
 peer-mapped device buffers (CUDA IPC) if ``reduce_into`` is swapped for a Triton reduction.
 
 Rounds and buffer reuse: each round uses one half of the data area, alternating, and writes only
 the writer's own slot. Every rank publishes the same number of times per round, so all ranks
 agree on every ``seq`` value. A rank finishes its reads of round ``t`` before its first publish in
 round ``t + 1``; hence, before writing half ``h`` in round ``t + 2``, it is enough that every peer
-reached the first publish of round ``t + 1`` (:meth:`Schedules._enter`). The next call therefore
-never waits for the slowest reader of the last one, and most calls pay no extra wait at all.
+reached the first publish of round ``t + 1`` (:meth:`SegmentSchedules._enter`). The next
+call therefore never waits for the slowest reader of the last one, and most calls pay no extra
+wait at all.
 
 Reductions run in rank order (``x0 + x1 + ...``) from the same bytes on every rank that computes
 a given element (or on one rank only, which then distributes it), so every rank ends with
@@ -37,10 +38,10 @@ import torch
 
 from ..errors import FastcommError
 from ..types import SUPPORTED_DTYPES, ReduceOp, divide_
-from .flags import Sync
+from .flags import PeerFlags
 from .segment import Layout
 
-__all__ = ["Schedules", "reduce_into"]
+__all__ = ["SegmentSchedules", "reduce_into"]
 
 _BINARY = {
     ReduceOp.SUM: torch.add,
@@ -89,20 +90,22 @@ def describe(code: int) -> str:
     )
 
 
-class Schedules:
+class SegmentSchedules:
     """Runs collectives for one rank over the slots of a segment.
 
     Args:
-        sync: this rank's flags.
+        flags: this rank's flags.
         layout: the segment's layout.
         u8: the whole segment as a flat ``uint8`` tensor.
         one_shot_max: largest all-reduce (bytes) done in one shot.
     """
 
-    def __init__(self, sync: Sync, layout: Layout, u8: torch.Tensor, one_shot_max: int) -> None:
-        self.sync = sync
+    def __init__(
+        self, flags: PeerFlags, layout: Layout, u8: torch.Tensor, one_shot_max: int
+    ) -> None:
+        self.flags = flags
         self.layout = layout
-        self.rank = sync.rank
+        self.rank = flags.rank
         self.size = layout.size
         self.one_shot_max = one_shot_max
         self._u8 = u8
@@ -134,17 +137,17 @@ class Schedules:
         """Starts a round: waits until its half is free, records the call; returns the half."""
         half = self._round & 1
         self._round += 1
-        self.sync.wait_all(self._prev_first, op, start)
-        self.sync.words[self.sync.desc_idx[self.rank][half]] = code
+        self.flags.wait_all(self._prev_first, op, start)
+        self.flags.words[self.flags.desc_idx[self.rank][half]] = code
         return half
 
     def _first_publish(self) -> None:
-        self._prev_first = self.sync.publish()
+        self._prev_first = self.flags.publish()
 
     def _check(self, half: int, code: int, peers: list[int] | None = None) -> None:
-        words = self.sync.words
-        for p in self.sync.peers if peers is None else peers:
-            theirs = words[self.sync.desc_idx[p][half]]
+        words = self.flags.words
+        for p in self.flags.peers if peers is None else peers:
+            theirs = words[self.flags.desc_idx[p][half]]
             if theirs != code:
                 raise FastcommError(
                     f"rank {self.rank}: collective mismatch: this rank called {describe(code)} "
@@ -195,31 +198,31 @@ class Schedules:
         if not plan:
             return False
         code_base, rank_views = plan
-        sync, words = self.sync, self.sync.words
+        flags, words = self.flags, self.flags.words
         op_code, fn = _OP_ARGS[op._name_]
         code = code_base | (op_code << 40)
         half = self._round & 1
         self._round += 1
         target = self._prev_first
-        for idx in sync.peer_seq_idx:
+        for idx in flags.peer_seq_idx:
             if words[idx] < target:
-                sync.wait_all(target, "all_reduce", start)
+                flags.wait_all(target, "all_reduce", start)
                 break
         else:
-            if sync.fenced:  # the fence after the flag loads, before the slot is rewritten
-                sync.wait_all(target, "all_reduce", start)
-        words[sync.desc_idx[self.rank][half]] = code
+            if flags.fenced:  # the fence after the flag loads, before the slot is rewritten
+                flags.wait_all(target, "all_reduce", start)
+        words[flags.desc_idx[self.rank][half]] = code
         views = rank_views[half]
         views[self.rank].copy_(tensor)
-        self._prev_first = target = sync.publish()
-        for idx in sync.peer_seq_idx:
+        self._prev_first = target = flags.publish()
+        for idx in flags.peer_seq_idx:
             if words[idx] < target:
-                sync.wait_all(target, "all_reduce", start)
+                flags.wait_all(target, "all_reduce", start)
                 break
         else:
-            if sync.fenced:
-                sync.wait_all(target, "all_reduce", start)  # the fence after the flag loads
-        for desc in sync.peer_desc_idx:
+            if flags.fenced:
+                flags.wait_all(target, "all_reduce", start)  # the fence after the flag loads
+        for desc in flags.peer_desc_idx:
             if words[desc[half]] != code:
                 self._check(half, code)
         if len(views) == 2:
@@ -271,7 +274,7 @@ class Schedules:
             self._first_publish()
             if root is not None and root != self.rank:
                 continue
-            self.sync.wait_all(self.sync.seq, name, start)
+            self.flags.wait_all(self.flags.seq, name, start)
             if i == 0:
                 self._check(half, code)
             reduce_into(piece, views, op)
@@ -299,7 +302,7 @@ class Schedules:
         return entry
 
     def _two_step(self, flat, op, name, start, code, root) -> None:
-        n, rank, sync = self.size, self.rank, self.sync
+        n, rank, flags = self.size, self.rank, self.flags
         esize = flat.element_size()
         counts = [count for _, count in self._chunks(flat.numel(), self.layout.slot_bytes // esize)]
         piece_sizes = []
@@ -308,7 +311,7 @@ class Schedules:
             piece_sizes += [bounds[p + 1] - bounds[p] for p in range(n)]
         pieces = flat.split(piece_sizes)  # every round's slices of the tensor, in one call
         chunks = flat.split(counts)
-        peers = sync.peers
+        peers = flags.peers
         for i, count in enumerate(counts):
             half = self._enter(name, start, code)
             grid, result = self._grid(half, flat.dtype, count, esize)
@@ -316,17 +319,17 @@ class Schedules:
             for p in peers:  # copy in the slices the peers reduce; ours is read in place
                 mine[p].copy_(own[p])
             self._first_publish()
-            sync.wait_all(sync.seq, name, start)
+            flags.wait_all(flags.seq, name, start)
             if i == 0:
                 self._check(half, code)
             out = grid[n][rank]  # our slice of the shared result slot
             reduce_into(out, [own[rank] if q == rank else grid[q][rank] for q in range(n)], op)
             if op is ReduceOp.AVG:
                 divide_(out, n)
-            sync.publish()
+            flags.publish()
             if root is not None and root != rank:
                 continue
-            sync.wait_all(sync.seq, name, start)
+            flags.wait_all(flags.seq, name, start)
             chunks[i].copy_(result)  # every rank's reduced slice, in one copy
 
     def broadcast(self, flat: torch.Tensor, src: int) -> None:
@@ -340,7 +343,7 @@ class Schedules:
                 view.copy_(flat[offset : offset + count])
                 self._first_publish()
                 continue
-            self.sync.wait_all(self.sync.seq + 1, "broadcast", start, [src])
+            self.flags.wait_all(self.flags.seq + 1, "broadcast", start, [src])
             if offset == 0:
                 self._check(half, code, [src])
             flat[offset : offset + count].copy_(view)
@@ -375,7 +378,7 @@ class Schedules:
             whole = count == m  # one round: no slicing at all
             block[rank, 0].copy_(flat if whole else flat[offset : offset + count])
             self._first_publish()
-            self.sync.wait_all(self.sync.seq, "all_gather", start)
+            self.flags.wait_all(self.flags.seq, "all_gather", start)
             if offset == 0:
                 self._check(half, code)
             (out2d if whole else out2d[:, offset : offset + count]).copy_(block[:, 0])
@@ -389,10 +392,10 @@ class Schedules:
             half = self._enter("reduce_scatter", start, code)
             block = self._block(half, flat.dtype, n, count)  # [source rank, destination rank]
             part = in2d if count == m else in2d[:, offset : offset + count]
-            for p in self.sync.peers:
+            for p in self.flags.peers:
                 block[rank, p].copy_(part[p])
             self._first_publish()
-            self.sync.wait_all(self.sync.seq, "reduce_scatter", start)
+            self.flags.wait_all(self.flags.seq, "reduce_scatter", start)
             if offset == 0:
                 self._check(half, code)
             target = out if count == m else out[offset : offset + count]
@@ -412,7 +415,7 @@ class Schedules:
             whole = count == m
             block[rank].copy_(in2d if whole else in2d[:, offset : offset + count])
             self._first_publish()
-            self.sync.wait_all(self.sync.seq, "all_to_all", start)
+            self.flags.wait_all(self.flags.seq, "all_to_all", start)
             if offset == 0:
                 self._check(half, code)
             # in place (out is flat) is safe: this chunk of the input was copied in above
@@ -423,7 +426,7 @@ class Schedules:
         code = self.code("barrier", None)
         half = self._enter("barrier", start, code)
         self._first_publish()
-        self.sync.wait_all(self.sync.seq, "barrier", start)
+        self.flags.wait_all(self.flags.seq, "barrier", start)
         self._check(half, code)
 
     # ------------------------------------------------------------------ point to point
@@ -433,26 +436,26 @@ class Schedules:
 
     def send(self, data: torch.Tensor, dst: int) -> None:
         """Streams ``data`` (bytes) through the two mailbox slots of (this rank, ``dst``)."""
-        start, sync, layout = time.monotonic(), self.sync, self.layout
+        start, flags, layout = time.monotonic(), self.flags, self.layout
         room = layout.mbox_bytes - _MBOX_HEADER
         acked_idx = layout.acked(dst, self.rank) // 8
         for offset, count in self._chunks(data.numel(), room):
             k = self._sent[dst]
             if k >= 2:  # slot k % 2 is free once the receiver took chunk k - 2
-                sync.wait_word(acked_idx, k - 1, dst, "send", start)
+                flags.wait_word(acked_idx, k - 1, dst, "send", start)
             box = self._mailbox(self.rank, dst, k & 1)
             box[:8].view(torch.int64)[0] = data.numel()
             box[_MBOX_HEADER : _MBOX_HEADER + count].copy_(data[offset : offset + count])
             self._sent[dst] = k + 1
-            sync.set_word(layout.sent(self.rank, dst) // 8, k + 1)
+            flags.set_word(layout.sent(self.rank, dst) // 8, k + 1)
 
     def recv(self, data: torch.Tensor, src: int) -> None:
-        start, sync, layout = time.monotonic(), self.sync, self.layout
+        start, flags, layout = time.monotonic(), self.flags, self.layout
         room = layout.mbox_bytes - _MBOX_HEADER
         sent_idx = layout.sent(src, self.rank) // 8
         for offset, count in self._chunks(data.numel(), room):
             k = self._received[src]
-            sync.wait_word(sent_idx, k + 1, src, "recv", start)
+            flags.wait_word(sent_idx, k + 1, src, "recv", start)
             box = self._mailbox(src, self.rank, k & 1)
             total = int(box[:8].view(torch.int64)[0])
             if total != data.numel():
@@ -462,4 +465,4 @@ class Schedules:
                 )
             data[offset : offset + count].copy_(box[_MBOX_HEADER : _MBOX_HEADER + count])
             self._received[src] = k + 1
-            sync.set_word(layout.acked(self.rank, src) // 8, k + 1)
+            flags.set_word(layout.acked(self.rank, src) // 8, k + 1)
