@@ -104,10 +104,12 @@ def _pump(src: BinaryIO, prefix: bytes | None, console: BinaryIO | None, copy: B
 
 
 def _emit(console: BinaryIO, prefix: bytes, text: bytes) -> BinaryIO | None:
-    """Writes complete pieces of ``text``, each with ``prefix``; ``None`` once console is gone."""
-    out = []
-    for piece in _PIECES.findall(text):
-        out.append(prefix + piece)
+    """Writes complete pieces of ``text``, each with ``prefix``; ``None`` once console is gone.
+
+    A bare ``\r`` (a progress bar returning to the line start before it draws) gets no prefix:
+    the redraw that follows carries it, so the line shows the prefix once.
+    """
+    out = [piece if piece == b"\r" else prefix + piece for piece in _PIECES.findall(text)]
     with _CONSOLE_LOCK:
         try:
             console.write(b"".join(out))

@@ -91,11 +91,13 @@ def test_carriage_returns_redraw_in_place_with_prefix(tmp_path):
 
     from fastcomm.launch.workers import _pump
 
-    src = io.BufferedReader(io.BytesIO(b"bar 10%\rbar 50%\rbar 100%\ndone\nno newline"))
+    # tqdm starts with a bare \r: it must not leave a prefix of its own ("[rank 0]: [rank 0]: ")
+    raw = b"\rbar 10%\rbar 50%\rbar 100%\ndone\nno newline"
+    src = io.BufferedReader(io.BytesIO(raw))
     console, copy = io.BytesIO(), io.BytesIO()
     _pump(src, b"[rank 0]: ", console, copy)
     assert console.getvalue() == (
-        b"[rank 0]: bar 10%\r[rank 0]: bar 50%\r[rank 0]: bar 100%\n"
+        b"\r[rank 0]: bar 10%\r[rank 0]: bar 50%\r[rank 0]: bar 100%\n"
         b"[rank 0]: done\n[rank 0]: no newline\n"
     )
-    assert copy.getvalue() == b"bar 10%\rbar 50%\rbar 100%\ndone\nno newline"
+    assert copy.getvalue() == raw
