@@ -182,7 +182,8 @@ class _ShmOps:
                     epoch=epoch, control=self.control, max_spins=self.max_spins)
 
     def reduce(self, step):
-        ipc_cuda.reduce_step(step, self.bases, self.rank, self.dtype, self.op)
+        own = self.bases[self.rank : self.rank + 1]
+        ipc_cuda.reduce_step(step, self.bases, own, self.dtype, self.op)
 
 
 def _twin_open(name: str) -> None:

@@ -30,6 +30,9 @@ stream; the `Work` returned makes the caller's stream wait on the collective (``
 like the NCCL communicator's. One stream for every call keeps the rounds of consecutive calls
 in order whatever stream the caller is on (the buffer alternation relies on it).
 
+Setup: after mapping, the ranks meet once at a barrier through the flags (it checks the
+mappings and compiles the signal kernel before the first collective).
+
 Timeouts: a barrier spins at most ``max_spins`` times (`max_spins_for` the timeout) and reads a
 stop word the host may set; a watchdog thread polls the pending collectives' events and, past
 the timeout, sets the stop word, so a rank that never arrives makes the others fail with
@@ -52,7 +55,7 @@ import torch
 
 from ...kernels._peer_reduce import MAX_PEERS, peer_reduce_table
 from ...kernels._peer_signal import CONTROL_WORDS, missing_ranks, peer_signal
-from ..errors import CommAbortedError, CommTimeoutError
+from ..errors import CommAbortedError, CommTimeoutError, FastcommError
 from ..nccl import NcclWork
 from ..store import Store, as_timedelta
 from ..types import ReduceOp
@@ -280,9 +283,11 @@ def run_steps(steps: list, ops: StepOps, tensor_addr: int, own_base: int) -> Non
             ops.copy(tensor_addr + step.tensor_byte, own_base + step.ws_byte, step.nbytes)
 
 
-def reduce_step(step: Reduce, bases: torch.Tensor, rank: int, dtype: torch.dtype, op: str):
-    """Launches `step`'s `peer_reduce_table` over the workspace table `bases` (rank order)."""
-    dst = bases if step.to_all else bases[rank : rank + 1]
+def reduce_step(step: Reduce, bases: torch.Tensor, own: torch.Tensor, dtype: torch.dtype,
+                op: str) -> None:
+    """Launches `step`'s `peer_reduce_table` over the workspace table `bases` (rank order;
+    `own` is this rank's entry, a one-element view of it)."""
+    dst = bases if step.to_all else own
     peer_reduce_table(
         bases, dst, numel=step.numel, dtype=dtype, src_offset=step.src_byte,
         dst_offset=step.dst_byte, op=op,
@@ -408,6 +413,31 @@ class CudaIpcTransport:
             target=self._watch, name=f"fastcomm-ipc-cuda-watchdog-r{rank}", daemon=True
         )
         self._watchdog.start()
+        self._first_barrier()
+
+    def _first_barrier(self) -> None:
+        """One barrier through the mapped flags before the first collective.
+
+        It proves every mapping works end to end and compiles the signal kernel here, not in
+        the first collective while the peers already spin.
+        """
+        start = time.monotonic()
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            self._ops.barrier(self._clock.next_epoch())
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        limit = self.timeout.total_seconds()
+        while not done.query():
+            if time.monotonic() - start > limit:
+                self._timed_out = ("setup barrier", time.monotonic() - start)
+                self._control[0] = 1
+                break
+            time.sleep(0.001)
+        done.synchronize()
+        error = self.failure()
+        if error is not None:
+            self.close()
+            raise error
 
     def _open(self, peer: int, handle: bytes, bus_id: str) -> int:
         if peer == self.rank:
@@ -435,17 +465,27 @@ class CudaIpcTransport:
         """
         op = check_all_reduce(tensor, op, self.device)
         self._raise_if_unusable("all_reduce")
-        steps = all_reduce_steps(
-            tensor.numel(), tensor.element_size(), self.rank, self.size, self.layout,
-            self.options.two_shot_bytes, self._clock,
-        )
         with self._lock, torch.cuda.device(self.device):
+            # planned under the lock: the epochs and buffers must follow the enqueue order
+            steps = all_reduce_steps(
+                tensor.numel(), tensor.element_size(), self.rank, self.size, self.layout,
+                self.options.two_shot_bytes, self._clock,
+            )
             ready = self._caller_ready
             ready.record(torch.cuda.current_stream(self.device))
             self.stream.wait_event(ready)
             self._ops.dtype, self._ops.op = tensor.dtype, op.value
-            with torch.cuda.stream(self.stream):
-                run_steps(steps, self._ops, tensor.data_ptr(), self._base)
+            try:
+                with torch.cuda.stream(self.stream):
+                    run_steps(steps, self._ops, tensor.data_ptr(), self._base)
+            except BaseException as exc:
+                # part of the steps are enqueued: this rank's epochs no longer match its peers'
+                self._failure = FastcommError(
+                    f"rank {self.rank}: all_reduce failed while enqueueing its steps "
+                    f"(the CUDA IPC transport is aborted): {exc!r}"
+                )
+                self._control[0] = 1
+                raise self._failure from exc
             event = torch.cuda.Event()
             event.record(self.stream)
             work = _IpcWork("all_reduce", self.rank, tensor, self.device, event, (tensor,),
@@ -544,7 +584,7 @@ class CudaIpcTransport:
 class _CudaOps:
     """`StepOps` on the transport's stream (the current stream while steps run)."""
 
-    __slots__ = ("t", "dtype", "op", "_memcpy", "_stream")
+    __slots__ = ("t", "dtype", "op", "_memcpy", "_stream", "_own")
 
     def __init__(self, transport: CudaIpcTransport) -> None:
         self.t = transport
@@ -552,6 +592,7 @@ class _CudaOps:
         self.op = "sum"
         self._memcpy = transport._rt.memcpyAsync
         self._stream = transport.stream.cuda_stream
+        self._own = transport._bases[transport.rank : transport.rank + 1]
 
     def copy(self, dst_addr: int, src_addr: int, nbytes: int) -> None:
         self._memcpy(dst_addr, src_addr, nbytes, 3, self._stream)  # 3: device to device
@@ -562,7 +603,7 @@ class _CudaOps:
                     control=t._control, max_spins=t._max_spins)
 
     def reduce(self, step: Reduce) -> None:
-        reduce_step(step, self.t._bases, self.t.rank, self.dtype, self.op)
+        reduce_step(step, self.t._bases, self._own, self.dtype, self.op)
 
 
 class _IpcWork(NcclWork):
