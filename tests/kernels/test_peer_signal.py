@@ -243,3 +243,79 @@ def test_rank_that_never_arrives_is_reported_by_the_others(pool):
         assert result[0] == [pool.world_size - 1], f"rank {rank}: {result}"
     epochs = {r[1] for r in results[:-1]}
     assert len(epochs) == 1
+
+
+# ---------------------------------------------------------------------- compiled for sm_90
+# The interpreter ignores memory-ordering semantics and accepts code the compiler may reject,
+# so the kernels are also compiled to PTX for an sm_90 GPU (Triton bundles ptxas), in a
+# subprocess: a process whose triton was imported in interpreter mode cannot compile.
+_PROBE = r"""
+import inspect, os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fastcomm.kernels import _peer_reduce, _peer_signal
+
+def compile_ptx(kernel, types, constexprs, num_warps):
+    names = list(inspect.signature(kernel.fn).parameters)
+    src = ASTSource(
+        fn=kernel,
+        signature={n: "constexpr" if n in constexprs else types[n] for n in names},
+        constexprs={(names.index(k),): v for k, v in constexprs.items()},
+    )
+    options = {"num_warps": num_warps, "enable_fp_fusion": False}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+out = sys.argv[1]
+types = dict(base_table="*i64", flags_offset="i32", control_addr="i64", rank="i32",
+             epoch="i64", max_spins="i64")
+for n in (2, 5):
+    ptx = compile_ptx(_peer_signal._peer_signal_kernel, types,
+                      dict(N_RANKS=n, BLOCK_R=triton.next_power_of_2(n), STOP_EVERY=64), 1)
+    open(os.path.join(out, f"signal-{n}.ptx"), "w").write(ptx)
+types = dict(src_table="*i64", dst_table="*i64", src_offset="i64", dst_offset="i64",
+             numel="i32", scale="fp32")
+for name in ("float32", "float16", "bfloat16"):
+    dtype = getattr(tl, name)
+    ptx = compile_ptx(_peer_reduce._peer_reduce_kernel, types,
+                      dict(N_SRC=2, N_DST=2, DTYPE=dtype, COMPUTE=tl.float32, OP=0,
+                           APPLY_SCALE=True, BLOCK=_peer_reduce.BLOCK), 4)
+    open(os.path.join(out, f"reduce-{name}.ptx"), "w").write(ptx)
+"""
+
+
+@pytest.fixture(scope="module")
+def ptx(tmp_path_factory):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path_factory.mktemp("signal-ptx")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    run = subprocess.run([sys.executable, "-c", _PROBE, str(out)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    if run.returncode and "ptxas" in run.stderr:  # pragma: no cover - no CUDA backend
+        pytest.skip(f"cannot compile for CUDA here: {run.stderr[-500:]}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return {p.stem: p.read_text() for p in out.glob("*.ptx")}
+
+
+@pytest.mark.parametrize("n_ranks", [2, 5])
+def test_signal_compiles_with_system_scope_release_and_acquire(ptx, n_ranks):
+    import re
+
+    text = ptx[f"signal-{n_ranks}"]
+    # the announcement publishes the data written before it to other processes and GPUs
+    assert re.search(r"atom\.global\.sys\.release\.exch\.b64", text), text[-2000:]
+    # the wait orders the reads after it (the next kernels) after the peers' announcements
+    assert re.search(r"atom\.global\.sys\.acquire\.add\.u64", text)
+    # the host's stop word is re-read from memory, never cached in a register
+    assert len(re.findall(r"ld\.volatile\.global\.b64", text)) >= 3
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "float16", "bfloat16"])
+def test_reduce_with_offsets_compiles(ptx, dtype_name):
+    assert "ld.global" in ptx[f"reduce-{dtype_name}"]
