@@ -445,3 +445,45 @@ def test_gpu_transports_leave_no_memory_behind(gpu_pool, unique_name):
     for before, after in gpu_pool.run(gpu_leak_check, unique_name):
         # three 32 MiB workspaces per rank were made and freed; allow allocator noise
         assert before - after < 8 << 20, (before, after)
+
+
+# ---------------------------------------------------------------------- the data step alone
+@pytest.mark.parametrize("to_all", [False, True])
+def test_reduce_step_reads_and_writes_at_the_offsets(monkeypatch, to_all):
+    monkeypatch.setenv("FASTCOMM_KERNELS", "triton")
+    # three "workspaces" of 64 floats; reduce elements [8, 13) of each into [40, 45)
+    spaces = [torch.arange(64, dtype=torch.float32) * (r + 1) for r in range(3)]
+    bases = torch.tensor([s.data_ptr() for s in spaces], dtype=torch.int64)
+    before = [s.clone() for s in spaces]
+    ipc_cuda.reduce_step(Reduce(8 * 4, 40 * 4, 5, to_all), bases, bases[1:2], torch.float32,
+                         "avg")
+    want = torch.arange(8, 13, dtype=torch.float32) * 2  # (1 + 2 + 3) / 3
+    for r, s in enumerate(spaces):
+        written = to_all or r == 1
+        assert torch.equal(s[40:45], want if written else before[r][40:45])
+        s[40:45] = before[r][40:45]
+        assert torch.equal(s, before[r])  # nothing else touched
+
+
+def test_reduce_table_arguments_are_checked(monkeypatch):
+    from fastcomm.kernels import peer_reduce_table
+
+    monkeypatch.setenv("FASTCOMM_KERNELS", "triton")
+    table = torch.zeros(2, dtype=torch.int64)
+    kw = dict(numel=4, dtype=torch.float16)
+    with pytest.raises(ValueError, match="src_offset=3 must be a non-negative multiple"):
+        peer_reduce_table(table, table, src_offset=3, **kw)
+    with pytest.raises(TypeError, match="dtype torch.int32 is not supported"):
+        peer_reduce_table(table, table, numel=4, dtype=torch.int32)
+    with pytest.raises(TypeError, match="dst_table has dtype torch.int32"):
+        peer_reduce_table(table, table.int(), **kw)
+    with pytest.raises(ValueError, match="src_table has 17 entries"):
+        peer_reduce_table(torch.zeros(17, dtype=torch.int64), table, **kw)
+    with pytest.raises(ValueError, match="op='prod'"):
+        peer_reduce_table(table, table, op="prod", **kw)
+    with pytest.raises(ValueError, match="max takes scale=1.0"):
+        peer_reduce_table(table, table, op="max", scale=2.0, **kw)
+    peer_reduce_table(table, table, numel=0, dtype=torch.float32)  # nothing to follow
+    monkeypatch.setenv("FASTCOMM_KERNELS", "torch")
+    with pytest.raises(RuntimeError, match="no torch path"):
+        peer_reduce_table(table, table, **kw)
