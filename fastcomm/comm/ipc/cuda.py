@@ -42,6 +42,7 @@ refuses further collectives.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import threading
@@ -400,6 +401,8 @@ class CudaIpcTransport:
         if attrs.devicePointer != self._control.data_ptr():
             self._release()
             raise RuntimeError("pinned host memory is not mapped at its host address (no UVA)")
+        # the same words through ctypes: a read costs tens of ns (Work.wait reads them)
+        self._words = (ctypes.c_int64 * CONTROL_WORDS).from_address(self._control.data_ptr())
         self._max_spins = max_spins_for(self.timeout.total_seconds(),
                                         self.options.spins_per_second)
         self._clock = EpochClock()
@@ -430,7 +433,7 @@ class CudaIpcTransport:
         while not done.query():
             if time.monotonic() - start > limit:
                 self._timed_out = ("setup barrier", time.monotonic() - start)
-                self._control[0] = 1
+                self._words[0] = 1
                 break
             time.sleep(0.001)
         done.synchronize()
@@ -442,8 +445,14 @@ class CudaIpcTransport:
     def _open(self, peer: int, handle: bytes, bus_id: str) -> int:
         if peer == self.rank:
             return self._base
-        there = self._rt.deviceGetByPCIBusId(bus_id)
         here = self.device.index
+        try:
+            there = self._rt.deviceGetByPCIBusId(bus_id)
+        except Exception as exc:  # CUDARuntimeError: not among this process's visible devices
+            raise RuntimeError(
+                f"rank {self.rank}: rank {peer}'s GPU {bus_id} is not visible to this process "
+                f"(CUDA_VISIBLE_DEVICES?): the CUDA IPC transport maps every peer's memory"
+            ) from exc
         if there != here and not torch.cuda.can_device_access_peer(here, there):
             raise RuntimeError(
                 f"rank {self.rank}: rank {peer}'s GPU {bus_id} (device {there} here) cannot be "
@@ -484,7 +493,7 @@ class CudaIpcTransport:
                     f"rank {self.rank}: all_reduce failed while enqueueing its steps "
                     f"(the CUDA IPC transport is aborted): {exc!r}"
                 )
-                self._control[0] = 1
+                self._words[0] = 1
                 raise self._failure from exc
             event = torch.cuda.Event()
             event.record(self.stream)
@@ -507,14 +516,14 @@ class CudaIpcTransport:
 
     def failure(self) -> BaseException | None:
         """The error that aborted the transport, if any (reads the barrier's report)."""
-        if self._failure is None and (self._control[1].item() or self._control[0].item()):
+        words = self._words
+        if self._failure is None and (words[1] or words[0]):
             op, elapsed = self._timed_out or ("all_reduce", None)
             head = self._pending[0] if self._pending else None
             if elapsed is None:
                 elapsed = head._elapsed() if head is not None else 0.0
             message = timeout_message(self.rank, op, elapsed, self.timeout.total_seconds(),
-                                      int(self._control[1].item()),
-                                      int(self._control[2].item()))
+                                      words[1], words[2])
             self._failure = CommTimeoutError(message)
         return self._failure
 
@@ -526,12 +535,12 @@ class CudaIpcTransport:
                 while self._pending and self._pending[0].event.query():
                     self._pending.popleft()
                 stuck = self._pending[0] if self._pending else None
-            if self._control[1].item():  # a barrier ran out of spins
+            if self._words[1]:  # a barrier ran out of spins
                 self._fail_pending()
                 return
             if stuck is not None and stuck._elapsed() > limit:
                 self._timed_out = (stuck.op, stuck._elapsed())
-                self._control[0] = 1  # every spinning or later barrier gives up
+                self._words[0] = 1  # every spinning or later barrier gives up
                 deadline = time.monotonic() + 5.0
                 while not stuck.event.query() and time.monotonic() < deadline:
                     time.sleep(0.001)  # the spinning barrier reports which ranks were missing
