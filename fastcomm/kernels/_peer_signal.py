@@ -83,7 +83,7 @@ def _peer_signal_kernel(
         seen = tl.atomic_add(own + peers, zero, mask=mask, sem="acquire", scope="sys")
         missing = mask & (seen < epoch)
         n_missing = tl.sum(missing.to(tl.int32))
-        spins = 0
+        spins = tl.full([], 0, tl.int64)  # int64: a long timeout passes 2**31 spins
         while (n_missing > 0) & (spins < max_spins) & (stop == 0):
             seen = tl.atomic_add(own + peers, zero, mask=mask, sem="acquire", scope="sys")
             missing = mask & (seen < epoch)
