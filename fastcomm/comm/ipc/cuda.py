@@ -30,6 +30,11 @@ stream; the `Work` returned makes the caller's stream wait on the collective (``
 like the NCCL communicator's. One stream for every call keeps the rounds of consecutive calls
 in order whatever stream the caller is on (the buffer alternation relies on it).
 
+Ranks sharing a GPU: without MPS the GPU time-slices between the processes' contexts, so a
+barrier kernel spinning in one process holds its SM until the slice passes and the other
+process's kernels can run; it completes, but a barrier may then cost a time slice. Under MPS
+the processes' kernels run concurrently and a barrier costs a few flag round trips.
+
 Setup: after mapping, the ranks meet once at a barrier through the flags (it checks the
 mappings and compiles the signal kernel before the first collective).
 
