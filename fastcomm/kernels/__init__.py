@@ -12,7 +12,11 @@
 - ``*_reference``: the pure-torch versions (what CPU tensors run; the test oracles).
 - ``peer_reduce(srcs, dsts, *, op, scale)``: reduce peers' buffers (mapped into this process)
   elementwise and write the result into one or more buffers, one launch: the data step of
-  the kernel collectives.
+  the kernel collectives. ``peer_reduce_table(src_table, dst_table, *, numel, dtype, ...)``:
+  the same over address tables a transport keeps, with byte offsets per round.
+- ``peer_signal(base_table, *, flags_offset, rank, epoch, control, max_spins)``: a barrier
+  through flags in the peers' memory, bounded and reporting the ranks that never arrived
+  (``peer_signal_reference`` runs the protocol over tensors; ``missing_ranks`` decodes it).
 - ``PackPlan(tensors)``: a bucket's pack/unpack planned once (views, block tables, the
   implementation); its ``pack``/``unpack`` give the same bits at a fraction of the host cost.
 - ``kernel_backend(tensor)``: ``"triton"`` or ``"torch"``, what the ops above use for it.
@@ -24,7 +28,13 @@ on CPU tensors in Triton's interpreter when ``FASTCOMM_KERNELS=triton`` and
 
 from ._launch import clear_table_cache, kernel_backend
 from ._pack import pack, pack_reference, unpack, unpack_reference
-from ._peer_reduce import PEER_REDUCE_OPS, peer_reduce, peer_reduce_reference
+from ._peer_reduce import (
+    PEER_REDUCE_OPS,
+    peer_reduce,
+    peer_reduce_reference,
+    peer_reduce_table,
+)
+from ._peer_signal import missing_ranks, peer_signal, peer_signal_reference
 from ._plan import PackPlan
 from ._quantize import (
     DEFAULT_BLOCK,
@@ -47,6 +57,10 @@ __all__ = [
     "PEER_REDUCE_OPS",
     "peer_reduce",
     "peer_reduce_reference",
+    "peer_reduce_table",
+    "peer_signal",
+    "peer_signal_reference",
+    "missing_ranks",
     "quantize",
     "quantize_reference",
     "unpack",

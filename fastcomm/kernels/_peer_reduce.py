@@ -16,6 +16,10 @@ saying a slot is written or read, is the transport's job, not this kernel's):
   into chunk ``r`` of every rank's result slot (``dsts`` = those views), so reduce-scatter and
   all-gather are one kernel and every rank then holds the whole result.
 
+A transport that maps its peers once keeps the address tables itself and calls
+`peer_reduce_table`, passing the round's byte offsets into the mapped areas instead of
+tensors: no table is built or uploaded per call.
+
 Numerics: every operand is loaded, converted to fp32 (fp64 for fp64 buffers), combined in the
 order of `srcs`, multiplied by `scale` rounded to fp32, and rounded once to the buffers' dtype.
 Every rank passes its peers in rank order, so every rank computes bit-identical results. The
@@ -46,7 +50,7 @@ from ._launch import (
     triton,
 )
 
-__all__ = ["PEER_REDUCE_OPS", "peer_reduce", "peer_reduce_reference"]
+__all__ = ["PEER_REDUCE_OPS", "peer_reduce", "peer_reduce_reference", "peer_reduce_table"]
 
 #: Operations `peer_reduce` accepts.
 PEER_REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -65,6 +69,8 @@ _OP_CODE = {"sum": 0, "avg": 0, "max": 1, "min": 2}
 def _peer_reduce_kernel(
     src_table,  # *int64 [N_SRC]: address (bytes) of each source buffer
     dst_table,  # *int64 [N_DST]: address (bytes) of each destination buffer
+    src_offset,  # bytes added to every source address
+    dst_offset,  # bytes added to every destination address
     numel,  # elements per buffer
     scale,  # fp32 factor, used when APPLY_SCALE
     N_SRC: tl.constexpr,  # number of source buffers
@@ -78,10 +84,10 @@ def _peer_reduce_kernel(
     # int64 offsets: a workspace may pass 2**31 elements.
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
-    first = tl.load(src_table).to(tl.pointer_type(DTYPE))
+    first = (tl.load(src_table) + src_offset).to(tl.pointer_type(DTYPE))
     acc = tl.load(first + offs, mask=mask, other=0).to(COMPUTE)
     for r in tl.static_range(1, N_SRC):
-        src = tl.load(src_table + r).to(tl.pointer_type(DTYPE))
+        src = (tl.load(src_table + r) + src_offset).to(tl.pointer_type(DTYPE))
         x = tl.load(src + offs, mask=mask, other=0).to(COMPUTE)
         if OP == 0:
             acc = acc + x
@@ -93,7 +99,7 @@ def _peer_reduce_kernel(
         acc = acc * scale
     out = acc.to(DTYPE)
     for d in tl.static_range(N_DST):
-        dst = tl.load(dst_table + d).to(tl.pointer_type(DTYPE))
+        dst = (tl.load(dst_table + d) + dst_offset).to(tl.pointer_type(DTYPE))
         tl.store(dst + offs, out, mask=mask)
 
 
@@ -161,14 +167,87 @@ def peer_reduce(
     dtype, device = srcs[0].dtype, srcs[0].device
     src_table = _address_table(tuple(t.data_ptr() for t in srcs), device)
     dst_table = _address_table(tuple(t.data_ptr() for t in dsts), device)
+    _launch(src_table, dst_table, 0, 0, numel, dtype, op, scale)
+
+
+def peer_reduce_table(
+    src_table: torch.Tensor,
+    dst_table: torch.Tensor,
+    *,
+    numel: int,
+    dtype: torch.dtype,
+    src_offset: int = 0,
+    dst_offset: int = 0,
+    op: str = "sum",
+    scale: float = 1.0,
+) -> None:
+    """`peer_reduce` over address tables the caller keeps (a transport's mapped workspaces).
+
+    Reduces ``numel`` elements at ``src_table[i] + src_offset`` (bytes) over every ``i`` and
+    writes the result at ``dst_table[j] + dst_offset`` for every ``j``: one table per set of
+    mappings, uploaded once, and the round's position passed as offsets, so a chunked
+    collective launches without building or uploading a table per call. No torch path: the
+    addresses are followed by the kernel (on CPU only in Triton's interpreter).
+
+    Args:
+        src_table: int64 ``[n_src]`` addresses on the device the kernel runs on.
+        dst_table: int64 ``[n_dst]`` addresses on the same device.
+        numel: elements to reduce.
+        dtype: element type behind every address (fp32/fp16/bf16/fp64).
+        src_offset: bytes added to every source address (a multiple of the element size).
+        dst_offset: bytes added to every destination address (likewise).
+        op: ``"sum"``, ``"avg"`` (sum times ``1 / n_src``), ``"max"`` or ``"min"``.
+        scale: factor applied to a sum or average (rounded to fp32).
+
+    Raises:
+        TypeError: tables that are not int64 tensors, or an unsupported dtype.
+        ValueError: unknown op, a scale with max/min, offsets or sizes out of range, tables on
+            different devices or with more than 16 entries.
+        RuntimeError: the kernels cannot run on the tables' device.
+    """
+    if op not in PEER_REDUCE_OPS:
+        raise ValueError(f"op={op!r} is not supported; allowed: {', '.join(PEER_REDUCE_OPS)}")
+    if dtype not in PEER_DTYPES:
+        allowed = ", ".join(str(d) for d in PEER_DTYPES)
+        raise TypeError(f"dtype {dtype} is not supported; allowed: {allowed}")
+    for name, table in (("src_table", src_table), ("dst_table", dst_table)):
+        check_tensor(name, table, dtypes=(torch.int64,), device=src_table.device)
+        if not 1 <= table.numel() <= MAX_PEERS:
+            raise ValueError(f"{name} has {table.numel()} entries; allowed: 1..{MAX_PEERS}")
+    itemsize = dtype.itemsize
+    for name, value in (("src_offset", src_offset), ("dst_offset", dst_offset)):
+        if value < 0 or value % itemsize:
+            raise ValueError(
+                f"{name}={value} must be a non-negative multiple of {dtype}'s {itemsize} bytes"
+            )
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    if op in ("max", "min") and scale != 1.0:
+        raise ValueError(f"scale={scale!r} applies to sum and avg only; {op} takes scale=1.0")
+    scale = fp32_scale(scale)
+    if op == "avg":
+        scale = fp32_scale(scale / src_table.numel())
+    if numel == 0:
+        return
+    if kernel_backend(src_table) != "triton":
+        raise RuntimeError(
+            "peer_reduce_table follows raw addresses and has no torch path: it needs CUDA "
+            "tables, or FASTCOMM_KERNELS=triton with TRITON_INTERPRET=1 for CPU ones"
+        )
+    _launch(src_table, dst_table, src_offset, dst_offset, numel, dtype, op, scale)
+
+
+def _launch(src_table, dst_table, src_offset, dst_offset, numel, dtype, op, scale) -> None:
     grid = (triton.cdiv(numel, BLOCK),)
     runnable(_peer_reduce_kernel)[grid](
         src_table,
         dst_table,
+        src_offset,
+        dst_offset,
         numel,
         scale,
-        N_SRC=len(srcs),
-        N_DST=len(dsts),
+        N_SRC=src_table.numel(),
+        N_DST=dst_table.numel(),
         DTYPE=tl_dtype(dtype),
         COMPUTE=tl_dtype(compute_dtype(dtype)),
         OP=_OP_CODE[op],
