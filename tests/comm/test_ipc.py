@@ -1,0 +1,249 @@
+"""The ipc communicator on CPU: the shm schedules with the ``peer_reduce`` kernel as reduction.
+
+2, 3 and 4 real ranks run the kernel in Triton's interpreter (``FASTCOMM_KERNELS=triton`` in
+their environment), reading each other's slots at the addresses where each process mapped the
+shared segment. 4 KiB slots make every size class cheap: 1 element, 7 (not divisible by any
+world size here), a two-step all-reduce of one round, and a tensor of three and a bit slots,
+which streams through the workspace in four rounds of reduce-scatter + all-gather.
+
+References: the kernel accumulates in fp32 and rounds once, so the oracle is
+``peer_reduce_reference`` over every rank's input (the same seeded tensors on every rank),
+compared bit for bit. One exception, computed the same way rather than with a tolerance: the
+interpreter converts fp32 to bf16 by truncating the low 16 bits, so bf16 sums and averages are
+checked against the fp32 reference truncated likewise (max and min never round). ``PRODUCT``
+and integer dtypes are no kernel case: they take the torch reduction of the shm schedules and
+are checked against it. Every rank must also hold the very same bits.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+
+import pytest
+import torch
+
+from fastcomm import CommTimeoutError, ReduceOp
+from fastcomm.comm.shm.segment import PREFIX, SHM_DIR
+from tests.comm.test_collectives import make_input, reduce_reference
+from tests.harness import STATE, RankPool, fresh_comm, rank_store
+
+pytestmark = [
+    pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs POSIX shared memory"),
+    pytest.mark.timeout(300),
+]
+
+SMALL = dict(slot_bytes=4096, one_shot_max=1024, mbox_bytes=4096)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KERNEL_OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MAX: "max",
+              ReduceOp.MIN: "min"}
+OP_TIMEOUT = 2.0  # where the timeout is the thing tested
+
+
+# ------------------------------------------------------------------ rank side
+def ipc_comm():
+    """A cached ipc communicator with 4 KiB slots over all ranks of the pool."""
+    from fastcomm.comm import IpcCommunicator, ShmOptions
+
+    comm = STATE.get("ipc-small")
+    if comm is None or comm.closed:
+        torch.set_num_threads(1)  # 4 ranks on 2 cores: no intra-op threads competing
+        STATE["gen"] = STATE.get("gen", 0) + 1
+        rank = int(os.environ["RANK"])
+        comm = STATE["ipc-small"] = IpcCommunicator(
+            rank_store().prefixed(f"ipc-small-{STATE['gen']}", rank=rank),
+            rank,
+            int(os.environ["WORLD_SIZE"]),
+            30.0,
+            options=ShmOptions(**SMALL),
+        )
+    return comm
+
+
+def sizes(dtype: torch.dtype) -> list[int]:
+    """1, 7, a one-round two-step all-reduce, and one of four rounds through the slots."""
+    esize = torch.empty(0, dtype=dtype).element_size()
+    return [1, 7, SMALL["one_shot_max"] // esize + 3, 3 * SMALL["slot_bytes"] // esize + 5]
+
+
+def kernel_reference(inputs: list[torch.Tensor], name: str) -> torch.Tensor:
+    """What ``peer_reduce`` computes from ``inputs`` in this process's kernel mode."""
+    from fastcomm.kernels import kernel_backend, peer_reduce_reference
+
+    dtype = inputs[0].dtype
+    acc = torch.empty(inputs[0].shape)  # fp32: the kernel's accumulator, before the cast
+    peer_reduce_reference([x.float() for x in inputs], [acc], op=name)
+    if dtype == torch.bfloat16 and kernel_backend(acc) == "triton":
+        acc = (acc.view(torch.int32) & -65536).view(torch.float32)  # the interpreter truncates
+    return acc.to(dtype)
+
+
+def random_inputs(world: int, numel: int, dtype: torch.dtype, salt: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * salt + numel)
+    return [torch.randn(numel, generator=gen).to(dtype) for _ in range(world)]
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def check_all_reduce(dtype_name: str):
+    """Every op and size class of one dtype; returns each result's bits (for the cross-rank
+    comparison) after checking it against its reference here."""
+    comm = ipc_comm()
+    dtype, rank, n = DTYPES[dtype_name], comm.rank, comm.size
+    results = []
+    for salt, numel in enumerate(sizes(dtype)):
+        inputs = random_inputs(n, numel, dtype, salt)
+        for op in ReduceOp:
+            t = inputs[rank].clone()
+            comm.all_reduce(t, op=op)
+            if op in KERNEL_OPS:
+                want = kernel_reference(inputs, KERNEL_OPS[op])
+            else:  # PRODUCT: the torch reduction, in the dtype, in rank order
+                want = functools.reduce(torch.mul, inputs)
+            what = f"all_reduce {op.name} of {numel} x {dtype_name} on rank {rank} of {n}"
+            assert torch.equal(t, want), (
+                f"{what}: {(t != want).sum().item()} elements differ, first "
+                f"{(t != want).nonzero()[:3].flatten().tolist()}"
+            )
+            results.append((what.split(" on ")[0], _bits(t)))
+    return results
+
+
+def check_other_reductions():
+    """``reduce`` to a root and ``reduce_scatter`` (both through the kernel), and an integer
+    all-reduce (the torch reduction)."""
+    comm = ipc_comm()
+    rank, n = comm.rank, comm.size
+    for numel in (5, 1500):  # one shot and two rounds of two-step
+        inputs = random_inputs(n, numel, torch.float16, 7)
+        for root in {0, n - 1}:
+            t = inputs[rank].clone()
+            comm.reduce(t, root, op=ReduceOp.AVG)
+            want = kernel_reference(inputs, "avg") if rank == root else inputs[rank]
+            assert torch.equal(t, want), f"reduce AVG of {numel} to {root} on rank {rank}"
+        stacked = [x.repeat(n).view(n, numel) * (r + 1) for r, x in enumerate(inputs)]
+        out = torch.full((numel,), 9, dtype=torch.float16)
+        comm.reduce_scatter(out, stacked[rank], op=ReduceOp.AVG)
+        want = kernel_reference([s[rank] for s in stacked], "avg")
+        assert torch.equal(out, want), f"reduce_scatter AVG of {numel} on rank {rank}"
+    for op in (ReduceOp.SUM, ReduceOp.AVG):
+        ints = [make_input(r, (1500,), torch.int32, 3) for r in range(n)]
+        t = ints[rank].clone()
+        comm.all_reduce(t, op=op)
+        assert torch.equal(t, reduce_reference(ints, op)), f"int32 {op.name} on rank {rank}"
+    from fastcomm.kernels import kernel_backend
+
+    return kernel_backend(torch.device("cpu"))
+
+
+def check_rank_never_arrives(name: str):
+    """Every rank but the last calls all_reduce; the last builds the communicator and sleeps."""
+    comm = fresh_comm("ipc", name, timeout=OP_TIMEOUT)
+    absent = comm.size - 1
+    if comm.rank == absent:
+        time.sleep(OP_TIMEOUT + 2.0)  # alive, never arriving, until the others gave up
+        comm.close()
+        return None
+    start = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(600), op=ReduceOp.AVG)  # two-step: the kernel path
+    except CommTimeoutError as exc:
+        elapsed, message = time.monotonic() - start, str(exc)
+    else:
+        raise AssertionError(f"rank {comm.rank}: all_reduce returned without rank {absent}")
+    comm.close()
+    return elapsed, message
+
+
+def check_cuda_transport_unavailable_falls_back(name: str):
+    """Without CUDA (and CuPy) the transport cannot be built on any rank: every rank agrees,
+    logs one line, and CUDA all-reduces would take Gloo."""
+    comm = fresh_comm("ipc", name)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("fastcomm")
+    logger.addHandler(handler)
+    try:
+        transport = comm._cuda_route(torch.device("cuda", 0))
+        again = comm._cuda_route(torch.device("cuda", 0))  # decided once: no second log line
+    finally:
+        logger.removeHandler(handler)
+    t = torch.full((3,), float(comm.rank))
+    comm.all_reduce(t)  # the CPU path still in step after the two store rounds
+    comm.close()
+    lines = [r.getMessage() for r in records]
+    return transport, again, lines, t.tolist()
+
+
+def check_init_ipc():
+    import fastcomm
+
+    comm = fastcomm.init("ipc", timeout=30)
+    try:
+        t = torch.full((5,), float(comm.rank))
+        comm.all_reduce(t, op="avg")
+        return comm.backend, type(comm).__name__, t.tolist()
+    finally:
+        fastcomm.shutdown()
+
+
+# ------------------------------------------------------------------ tests
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"world{n}")
+def pool(request):
+    with RankPool(request.param, env={"FASTCOMM_KERNELS": "triton"}, timeout=120) as p:
+        yield p
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_all_reduce_every_op_and_size_bit_identical_across_ranks(pool, dtype_name):
+    per_rank = pool.run(check_all_reduce, dtype_name)
+    assert len(per_rank[0]) == 4 * len(ReduceOp)
+    for k, (what, bits) in enumerate(per_rank[0]):
+        for rank, results in enumerate(per_rank[1:], 1):
+            assert results[k] == (what, bits), f"{what}: rank {rank} differs from rank 0"
+
+
+def test_reduce_reduce_scatter_and_torch_fallback_cases(pool):
+    # the kernel path really ran: the ranks were in Triton's interpreter mode
+    assert pool.run(check_other_reductions) == ["triton"] * pool.world_size
+
+
+def test_a_rank_that_never_arrives_makes_the_others_raise_naming_it(pool, unique_name):
+    results = pool.run(check_rank_never_arrives, unique_name, timeout=60)
+    absent = pool.world_size - 1
+    assert results[absent] is None
+    for rank, (elapsed, message) in enumerate(results[:absent]):
+        assert OP_TIMEOUT <= elapsed < OP_TIMEOUT + 1.5, (rank, elapsed, message)
+        assert f"rank(s) [{absent}] never arrived" in message, message
+        assert message.startswith(f"rank {rank}: all_reduce"), message
+
+
+def test_cuda_transport_failure_means_gloo_with_one_log_line(pool, unique_name):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present: the transport may well build (tests/comm/test_ipc_cuda)")
+    for transport, again, lines, total in pool.run(
+        check_cuda_transport_unavailable_falls_back, unique_name
+    ):
+        assert transport is None and again is None
+        assert len(lines) == 1 and "the CUDA IPC transport is unavailable" in lines[0], lines
+        assert "Gloo fallback" in lines[0], lines
+        assert total == [float(sum(range(pool.world_size)))] * 3
+
+
+def test_init_ipc(pool):
+    n = pool.world_size
+    for backend, cls, values in pool.run(check_init_ipc):
+        assert (backend, cls) == ("ipc", "IpcCommunicator")
+        assert values == [sum(range(n)) / n] * 5
+
+
+def test_nothing_left_in_dev_shm(pool):
+    pids = set(pool.pids)
+    left = [n for n in os.listdir(SHM_DIR)
+            if n.startswith(PREFIX) and int(n[len(PREFIX):].split("-", 1)[0]) in pids]
+    assert not left, f"segments of this module's ranks left in {SHM_DIR}: {left}"
