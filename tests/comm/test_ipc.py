@@ -135,9 +135,7 @@ def check_other_reductions():
         t = ints[rank].clone()
         comm.all_reduce(t, op=op)
         assert torch.equal(t, reduce_reference(ints, op)), f"int32 {op.name} on rank {rank}"
-    from fastcomm.kernels import kernel_backend
-
-    return kernel_backend(torch.device("cpu"))
+    return comm._schedules.reduce.__name__
 
 
 def check_rank_never_arrives(name: str):
@@ -193,6 +191,31 @@ def check_init_ipc():
 
 
 # ------------------------------------------------------------------ tests
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_reference_reduce_matches_the_kernel_reference_bit_for_bit(monkeypatch, dtype):
+    """Without ``FASTCOMM_KERNELS=triton`` the reduction skips ``peer_reduce``'s checks but must
+    compute exactly what ``peer_reduce_reference`` does (the ranks above run the kernel)."""
+    from fastcomm.comm.ipc import cpu_reduction, reference_reduce
+    from fastcomm.kernels import peer_reduce_reference
+
+    monkeypatch.setenv("FASTCOMM_KERNELS", "torch")
+    kernel_reduce = cpu_reduction()
+    assert kernel_reduce is reference_reduce
+    gen = torch.Generator().manual_seed(5)
+    for n in (1, 2, 3, 5):
+        terms = [torch.randn(777, generator=gen).to(dtype) for _ in range(n)]
+        terms[0][:3] = torch.tensor([float("nan"), float("inf"), -0.0])
+        for op, name in KERNEL_OPS.items():
+            want = torch.empty_like(terms[0])
+            peer_reduce_reference(terms, [want], op=name)
+            out = torch.full_like(terms[0], 7.0)
+            kernel_reduce(out, terms, op)
+            assert _bits(out) == _bits(want), (dtype, n, name)
+            aliased = [terms[0].clone(), *terms[1:]]  # out may be terms[0], as schedules allow
+            kernel_reduce(aliased[0], aliased, op)
+            assert _bits(aliased[0]) == _bits(want), (dtype, n, name, "aliased")
+
+
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"world{n}")
 def pool(request):
     with RankPool(request.param, env={"FASTCOMM_KERNELS": "triton"}, timeout=120) as p:
@@ -209,8 +232,8 @@ def test_all_reduce_every_op_and_size_bit_identical_across_ranks(pool, dtype_nam
 
 
 def test_reduce_reduce_scatter_and_torch_fallback_cases(pool):
-    # the kernel path really ran: the ranks were in Triton's interpreter mode
-    assert pool.run(check_other_reductions) == ["triton"] * pool.world_size
+    # the ranks reduced by peer_reduce launches (FASTCOMM_KERNELS=triton: the interpreter)
+    assert pool.run(check_other_reductions) == ["kernel_reduce"] * pool.world_size
 
 
 def test_a_rank_that_never_arrives_makes_the_others_raise_naming_it(pool, unique_name):

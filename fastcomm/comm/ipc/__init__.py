@@ -5,6 +5,6 @@ CUDA tensors: ``all_reduce`` through the CUDA IPC transport (``cuda``, imported 
 everything else through Gloo.
 """
 
-from .communicator import IpcCommunicator, kernel_reduce
+from .communicator import IpcCommunicator, cpu_reduction, kernel_reduce, reference_reduce
 
-__all__ = ["IpcCommunicator", "kernel_reduce"]
+__all__ = ["IpcCommunicator", "cpu_reduction", "kernel_reduce", "reference_reduce"]

@@ -3,9 +3,10 @@
 The shm communicator's segment, flags and schedules, with one change on CPU tensors: every
 reduction is the Triton kernel :func:`fastcomm.kernels.peer_reduce`, reading the peers' slots
 at the addresses where this process mapped the segment (:func:`kernel_reduce`). As everywhere in
-``fastcomm.kernels``, CPU tensors run the kernel's torch reference unless
-``FASTCOMM_KERNELS=triton`` (then Triton's interpreter, with ``TRITON_INTERPRET=1``: how the
-tests run it). Either way the numerics are the kernel's: fp32 accumulation for fp16/bf16 and
+``fastcomm.kernels``, CPU tensors run the kernel's torch reference (:func:`reference_reduce`)
+unless ``FASTCOMM_KERNELS=triton`` (then Triton's interpreter, with ``TRITON_INTERPRET=1``: how
+the tests run it); the communicator reads that when it is built. Either way the numerics are the
+kernel's: fp32 accumulation for fp16/bf16 and
 one rounding at the end, ``AVG`` scaled by ``1 / size`` in the same pass. ``PRODUCT``, integer
 dtypes and more than 16 ranks are not kernel cases and take the shm schedules' torch reduction.
 
@@ -24,24 +25,30 @@ from datetime import timedelta
 
 import torch
 
-from ...kernels._launch import kernel_backend
+from ...kernels._launch import fp32_scale, kernel_backend
 from ...kernels._peer_reduce import MAX_PEERS, PEER_DTYPES, peer_reduce
 from ..shm.communicator import ShmCommunicator, ShmOptions
-from ..shm.schedules import torch_reduce
+from ..shm.schedules import Reduction, torch_reduce
 from ..store import Store
 from ..types import ReduceOp
 from ..work import Work
 
-__all__ = ["IpcCommunicator", "kernel_reduce"]
+__all__ = ["IpcCommunicator", "cpu_reduction", "kernel_reduce", "reference_reduce"]
 
 logger = logging.getLogger("fastcomm")
 
-_KERNEL_OPS = {
-    ReduceOp.SUM: "sum",
-    ReduceOp.AVG: "avg",
-    ReduceOp.MAX: "max",
-    ReduceOp.MIN: "min",
-}
+# by the member's name: an Enum member hashes through a Python-level __hash__
+_KERNEL_OPS = {"SUM": "sum", "AVG": "avg", "MAX": "max", "MIN": "min"}
+
+
+def _kernel_op(out: torch.Tensor, terms: list[torch.Tensor], op: ReduceOp) -> str | None:
+    """``peer_reduce``'s name for ``op`` when the kernel covers the case, else ``None``
+    (``PRODUCT``, non-float dtypes, more than ``MAX_PEERS`` terms): decided from the op, the
+    dtype and the world size only, so every rank decides alike."""
+    name = _KERNEL_OPS.get(op._name_)
+    if name is None or out.dtype not in PEER_DTYPES or len(terms) > MAX_PEERS:
+        return None
+    return name
 
 
 def kernel_reduce(out: torch.Tensor, terms: list[torch.Tensor], op: ReduceOp) -> None:
@@ -49,15 +56,62 @@ def kernel_reduce(out: torch.Tensor, terms: list[torch.Tensor], op: ReduceOp) ->
 
     ``srcs`` are ``terms`` in rank order (views of the slots in this process's mapping, and
     this rank's own tensor where a schedule reads it in place), ``dsts`` is ``[out]``. Cases
-    the kernel does not cover (``PRODUCT``, non-float dtypes, more than ``MAX_PEERS`` terms)
-    take :func:`~fastcomm.comm.shm.schedules.torch_reduce`; every rank decides alike, from
-    the op, the dtype and the world size only.
+    the kernel does not cover take :func:`~fastcomm.comm.shm.schedules.torch_reduce`.
     """
-    name = _KERNEL_OPS.get(op)
-    if name is None or out.dtype not in PEER_DTYPES or len(terms) > MAX_PEERS:
+    name = _kernel_op(out, terms, op)
+    if name is None:
+        torch_reduce(out, terms, op)
+    else:
+        peer_reduce(terms, (out,), op=name)
+
+
+def reference_reduce(out: torch.Tensor, terms: list[torch.Tensor], op: ReduceOp) -> None:
+    """:func:`kernel_reduce` computed as ``peer_reduce_reference`` computes it, bit for bit,
+    without its argument checks (which would double the cost of a 4 KiB all-reduce): accumulate
+    in fp32 (fp64 for fp64) in order, scale an average by ``1 / len(terms)`` rounded to fp32,
+    round once into ``out``. fp32/fp64 accumulate in ``out`` itself (it may alias ``terms[0]``
+    or ``terms[1]``, as the schedules allow)."""
+    name = _kernel_op(out, terms, op)
+    if name is None:
         torch_reduce(out, terms, op)
         return
-    peer_reduce(terms, (out,), op=name)
+    wide = out.dtype in (torch.float32, torch.float64)
+    acc = out if wide else terms[0].to(torch.float32)
+    rest = terms[1:]
+    if name in ("sum", "avg"):
+        if wide and rest:
+            torch.add(terms[0], rest[0], out=acc)
+            rest = rest[1:]
+        elif wide:
+            acc.copy_(terms[0])
+        for term in rest:
+            acc.add_(term)
+        if name == "avg" and len(terms) > 1:
+            acc.mul_(fp32_scale(1.0 / len(terms)))
+    else:
+        fn = torch.maximum if name == "max" else torch.minimum
+        if wide:
+            if rest:
+                fn(terms[0], rest[0], out=acc)
+                rest = rest[1:]
+            else:
+                acc.copy_(terms[0])
+        for term in rest:
+            fn(acc, term, out=acc)
+    if not wide:
+        out.copy_(acc)
+
+
+def cpu_reduction() -> Reduction:
+    """The reduction of an ipc communicator on CPU tensors: :func:`kernel_reduce` where
+    ``fastcomm.kernels`` runs Triton for CPU tensors (``FASTCOMM_KERNELS=triton``: the
+    interpreter), else :func:`reference_reduce`. Read once, when a communicator is built (the
+    per-call check would cost as much as a 4 KiB reduction).
+
+    Raises:
+        RuntimeError, ValueError: ``FASTCOMM_KERNELS`` asks for what cannot run here.
+    """
+    return kernel_reduce if kernel_backend(torch.device("cpu")) == "triton" else reference_reduce
 
 
 class IpcCommunicator(ShmCommunicator):
@@ -92,9 +146,9 @@ class IpcCommunicator(ShmCommunicator):
         options: ShmOptions | None = None,
         fallback: bool = True,
     ) -> None:
-        kernel_backend(torch.device("cpu"))  # a misconfigured FASTCOMM_KERNELS raises here
+        reduce = cpu_reduction()  # before any setup: a misconfigured FASTCOMM_KERNELS raises
         super().__init__(
-            store, rank, size, timeout, options=options, fallback=fallback, reduce=kernel_reduce
+            store, rank, size, timeout, options=options, fallback=fallback, reduce=reduce
         )
         self._cuda = None  # the CUDA transport, once built
         self._cuda_device: torch.device | None = None
