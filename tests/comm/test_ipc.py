@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import time
 
@@ -178,6 +179,23 @@ def check_cuda_transport_unavailable_falls_back(name: str):
     return transport, again, lines, t.tolist()
 
 
+def check_cuda_routes(name: str):
+    """Every rank on GPU 0: the kernel ops through the CUDA transport, the rest through Gloo."""
+    comm = fresh_comm("ipc", name)
+    device, n, rank = torch.device("cuda", 0), comm.size, comm.rank
+    got = {}
+    for op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX, ReduceOp.PRODUCT):
+        for numel in (3, 300_001):  # one-shot and two-shot in the transport
+            t = torch.full((numel,), float(rank + 1), device=device)
+            comm.all_reduce(t, op=op)
+            got[(op.name, numel)] = t.unique().tolist()
+    t = torch.full((10,), float(rank), device=device)
+    comm.broadcast(t, src=n - 1)
+    built = comm.cuda_transport is not None
+    comm.close()
+    return built, got, t.tolist()
+
+
 def check_init_ipc():
     import fastcomm
 
@@ -256,6 +274,18 @@ def test_cuda_transport_failure_means_gloo_with_one_log_line(pool, unique_name):
         assert len(lines) == 1 and "the CUDA IPC transport is unavailable" in lines[0], lines
         assert "Gloo fallback" in lines[0], lines
         assert total == [float(sum(range(pool.world_size)))] * 3
+
+
+@pytest.mark.gpu
+def test_cuda_all_reduce_takes_the_transport_and_the_rest_gloo(pool, unique_name):
+    n = pool.world_size
+    want = {"SUM": n * (n + 1) / 2, "AVG": (n + 1) / 2, "MAX": float(n),
+            "PRODUCT": float(math.factorial(n))}
+    for built, got, broadcast in pool.run(check_cuda_routes, unique_name):
+        assert built, "the CUDA IPC transport was not built"
+        for (op, numel), values in got.items():
+            assert values == [want[op]], (op, numel, values)
+        assert broadcast == [float(n - 1)] * 10
 
 
 def test_init_ipc(pool):

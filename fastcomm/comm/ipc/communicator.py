@@ -2,20 +2,21 @@
 
 The shm communicator's segment, flags and schedules, with one change on CPU tensors: every
 reduction is the Triton kernel :func:`fastcomm.kernels.peer_reduce`, reading the peers' slots
-at the addresses where this process mapped the segment (:func:`kernel_reduce`). As everywhere in
-``fastcomm.kernels``, CPU tensors run the kernel's torch reference (:func:`reference_reduce`)
+at the addresses where this process mapped the segment (:func:`kernel_reduce`). As everywhere
+in ``fastcomm.kernels``, CPU tensors run the kernel's torch reference (:func:`reference_reduce`)
 unless ``FASTCOMM_KERNELS=triton`` (then Triton's interpreter, with ``TRITON_INTERPRET=1``: how
-the tests run it); the communicator reads that when it is built. Either way the numerics are the
-kernel's: fp32 accumulation for fp16/bf16 and
-one rounding at the end, ``AVG`` scaled by ``1 / size`` in the same pass. ``PRODUCT``, integer
-dtypes and more than 16 ranks are not kernel cases and take the shm schedules' torch reduction.
+the tests run it); the communicator reads that when it is built. Either way the numerics are
+the kernel's: fp32 accumulation for fp16/bf16 and one rounding at the end, ``AVG`` scaled by
+``1 / size`` in the same pass. ``PRODUCT``, integer dtypes and more than 16 ranks are not
+kernel cases and take the shm schedules' torch reduction.
 
-CUDA tensors: ``all_reduce`` goes to ``fastcomm.comm.ipc.cuda.CudaIpcTransport`` (a symmetric
-workspace per rank in GPU memory, mapped by the peers through CUDA IPC, reduced by the same
-kernel family), built on the first CUDA ``all_reduce``; it is imported only then, so a machine
-without CUDA never imports CuPy. When it cannot be built on some rank, every rank logs one line
-and takes the Gloo fallback instead (the ranks agree through the store, so none waits on a
-transport its peers lack). Every other CUDA op goes to the Gloo fallback, as on ``shm``.
+CUDA tensors: ``all_reduce`` (sum/avg/max/min of fp32/fp16/bf16) goes to
+``fastcomm.comm.ipc.cuda.CudaIpcTransport`` (a workspace per rank in GPU memory, mapped by the
+peers through CUDA IPC, reduced by the same kernel family), built on the first such call and
+imported only then, so a machine without CUDA never imports CuPy. Where it cannot be built on
+some rank, every rank logs one line and takes the Gloo fallback instead (the ranks agree
+through the store, so none waits on a transport its peers lack). Every other CUDA op goes to
+the Gloo fallback, as on ``shm``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ __all__ = ["IpcCommunicator", "cpu_reduction", "kernel_reduce", "reference_reduc
 
 logger = logging.getLogger("fastcomm")
 
+#: dtypes the CUDA transport reduces (others, and PRODUCT, take Gloo on every rank alike)
+_CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # by the member's name: an Enum member hashes through a Python-level __hash__
 _KERNEL_OPS = {"SUM": "sum", "AVG": "avg", "MAX": "max", "MIN": "min"}
 
@@ -208,7 +211,10 @@ class IpcCommunicator(ShmCommunicator):
         if not failed:
             return transport
         if transport is not None:
-            transport.close()
+            try:
+                transport.close()
+            except Exception:  # noqa: BLE001 - the warning below says why it is not used
+                pass
         logger.warning(
             "%s: the CUDA IPC transport is unavailable (%s); CUDA all_reduce goes through "
             "the Gloo fallback", self._where(),
@@ -217,10 +223,17 @@ class IpcCommunicator(ShmCommunicator):
         return None
 
     def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp):
-        if tensor.device.type == "cuda" and tensor.numel():
+        if (
+            tensor.device.type == "cuda"
+            and tensor.numel()
+            and tensor.dtype in _CUDA_DTYPES
+            and op._name_ in _KERNEL_OPS
+        ):
             transport = self._cuda_route(tensor.device)
             if transport is not None:
-                transport.all_reduce(tensor, op)  # enqueued on the current stream
+                work = transport.all_reduce(tensor, op)  # enqueued in the caller's stream order
+                if work is not None:
+                    return work
                 # done in stream order: a future's consumer syncs with the current stream
                 return Work("all_reduce", self.rank, tensor, devices=[tensor.device],
                             completed=True)
