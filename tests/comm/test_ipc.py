@@ -209,6 +209,28 @@ def check_init_ipc():
 
 
 # ------------------------------------------------------------------ tests
+@pytest.mark.parametrize(
+    "devices, local_world, version, multi, expected",
+    [
+        (1, 2, (2, 28, 9), "", "ipc"),  # NCCL < 2.30 refuses two ranks on one GPU
+        (2, 4, (2, 30, 0), "", "ipc"),  # 2.30 would share, but only when enabled
+        (1, 2, None, "", "ipc"),  # no libnccl: the transport needs CuPy only
+        (1, 2, (2, 30, 0), "1", None),  # NCCL shares the GPU itself
+        (2, 2, (2, 28, 9), "", None),  # a GPU per rank: NCCL
+        (2, 2, None, "", None),  # a GPU per rank, no NCCL: nothing is shared, so shm
+        (0, 2, (2, 28, 9), "", None),  # no GPU: CPU selection as before
+    ],
+)
+def test_ipc_is_chosen_exactly_where_ranks_share_a_gpu_nccl_cannot_share(
+    devices, local_world, version, multi, expected
+):
+    from fastcomm.comm.world import nccl_fit, shared_gpu_backend
+
+    env = {"NCCL_MULTI_RANK_GPU_ENABLE": multi}
+    fit = nccl_fit(local_world - 1, local_world, device_count=devices, version=version, env=env)
+    assert shared_gpu_backend(fit, local_world) == expected, fit
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_reference_reduce_matches_the_kernel_reference_bit_for_bit(monkeypatch, dtype):
     """Without ``FASTCOMM_KERNELS=triton`` the reduction skips ``peer_reduce``'s checks but must
