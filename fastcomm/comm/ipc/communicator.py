@@ -22,6 +22,7 @@ the Gloo fallback, as on ``shm``.
 from __future__ import annotations
 
 import logging
+import os
 from datetime import timedelta
 
 import torch
@@ -120,6 +121,8 @@ def cpu_reduction() -> Reduction:
 class IpcCommunicator(ShmCommunicator):
     """Kernel collectives for ranks on one node (see the module docstring).
 
+    :meth:`route` (inherited) names where every op but a CUDA ``all_reduce`` goes.
+
     Args:
         store: a store namespace private to this communicator.
         rank: this process's rank.
@@ -128,8 +131,6 @@ class IpcCommunicator(ShmCommunicator):
         options: tuning of the shared-memory segment (:class:`ShmOptions`).
         fallback: build a Gloo communicator beside it for CUDA tensors (all ops but
             ``all_reduce``, and ``all_reduce`` too where the CUDA transport cannot be built).
-
-    :meth:`route` (inherited) names where every op but a CUDA ``all_reduce`` goes.
 
     Raises:
         FastcommError: as for :class:`ShmCommunicator`.
@@ -241,7 +242,7 @@ class IpcCommunicator(ShmCommunicator):
 
     # ------------------------------------------------------------------ lifetime
     def _impl_close(self) -> None:
-        if self._cuda is not None:
+        if self._cuda is not None and os.getpid() == self._pid:  # not a fork()ed child's
             self._cuda.close()
             self._cuda = None
         super()._impl_close()
