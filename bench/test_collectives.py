@@ -26,7 +26,8 @@ each rank knows how many collectives to issue. Two ways to run:
 
 CUDA (``test_all_reduce_cuda``, skipped without CUDA): ``all_reduce`` of fp32 CUDA tensors,
 4 KiB to 64 MiB, ``fastcomm-ipc`` (its CUDA IPC transport) beside ``torch-gloo`` (the only
-thing that runs where ranks share a GPU and NCCL refuses them); rank ``r`` uses device
+thing that runs where ranks share a GPU and NCCL refuses them) and ``fastcomm-nccl`` where
+NCCL can run the job (``nccl_fit``; skipped otherwise); rank ``r`` uses device
 ``r % device_count``, and each timed call ends with ``torch.cuda.synchronize()``. Rows carry
 the provider as ``<provider>@cuda``.
 
@@ -60,7 +61,7 @@ SIZES = [4 * KIB, 256 * KIB] if QUICK else [
 ]
 OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
 PROVIDERS = ["fastcomm-shm", "fastcomm-ipc", "fastcomm-gloo", "torch-gloo"]
-CUDA_PROVIDERS = ["fastcomm-ipc", "torch-gloo"]
+CUDA_PROVIDERS = ["fastcomm-ipc", "torch-gloo", "fastcomm-nccl"]
 HAS_CUDA = torch.cuda.is_available()
 TIMEOUT = 300.0
 LAUNCHED = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
@@ -103,6 +104,13 @@ class Rank:
                 self.comms[provider] = ShmCommunicator(ns, self.rank, self.size, TIMEOUT)
             elif provider == "fastcomm-ipc":
                 self.comms[provider] = IpcCommunicator(ns, self.rank, self.size, TIMEOUT)
+            elif provider == "fastcomm-nccl":
+                from fastcomm.comm.nccl import NcclCommunicator
+
+                device = self.rank % torch.cuda.device_count()
+                self.comms[provider] = NcclCommunicator(
+                    ns, self.rank, self.size, TIMEOUT, device=device
+                )
             elif provider == "fastcomm-gloo":
                 self.comms[provider] = GlooCommunicator(ns, self.rank, self.size, TIMEOUT)
             else:
@@ -290,6 +298,12 @@ def test_collective(benchmark, world, collectives_report, op, nbytes, provider):
 @pytest.mark.parametrize("provider", CUDA_PROVIDERS)
 @pytest.mark.parametrize("nbytes", SIZES, ids=size_id)
 def test_all_reduce_cuda(benchmark, world, collectives_report, nbytes, provider):
+    if provider == "fastcomm-nccl":
+        from fastcomm.comm.world import nccl_fit
+
+        fit = nccl_fit(0, WORLD)  # every rank skips alike: the helpers only mirror what runs
+        if not fit.ok:
+            pytest.skip(f"NCCL cannot run this job: {fit.reason}")
     benchmark.group = f"all_reduce cuda {size_id(nbytes)}"
     run_timed(benchmark, world, collectives_report, provider, "all_reduce", nbytes, "cuda")
 
