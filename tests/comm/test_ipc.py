@@ -139,6 +139,29 @@ def check_other_reductions():
     return comm._schedules.reduce.__name__
 
 
+def check_other_collectives():
+    """The ops ipc inherits from shm unchanged, once each through the 4 KiB slots."""
+    comm = ipc_comm()
+    rank, n = comm.rank, comm.size
+    t = torch.full((1500,), float(rank), dtype=torch.bfloat16)
+    comm.broadcast(t, src=n - 1)
+    assert torch.equal(t, torch.full_like(t, n - 1))
+    out = torch.empty(n, 1500)
+    comm.all_gather(out, torch.full((1500,), float(rank)))
+    assert torch.equal(out, torch.arange(float(n)).repeat_interleave(1500).view(n, 1500))
+    send = torch.arange(float(n)) + 10 * rank
+    got = torch.empty(n)
+    comm.all_to_all(got, send)
+    assert torch.equal(got, torch.arange(float(n)) * 10 + rank)
+    right, left = (rank + 1) % n, (rank - 1) % n
+    work = comm.send(torch.full((5000,), float(rank)), right, async_op=True)
+    received = torch.empty(5000)
+    comm.recv(received, left)
+    work.wait(timeout=30)
+    assert torch.equal(received, torch.full((5000,), float(left)))
+    comm.barrier()
+
+
 def check_rank_never_arrives(name: str):
     """Every rank but the last calls all_reduce; the last builds the communicator and sleeps."""
     comm = fresh_comm("ipc", name, timeout=OP_TIMEOUT)
@@ -274,6 +297,10 @@ def test_all_reduce_every_op_and_size_bit_identical_across_ranks(pool, dtype_nam
 def test_reduce_reduce_scatter_and_torch_fallback_cases(pool):
     # the ranks reduced by peer_reduce launches (FASTCOMM_KERNELS=triton: the interpreter)
     assert pool.run(check_other_reductions) == ["kernel_reduce"] * pool.world_size
+
+
+def test_the_collectives_inherited_from_shm(pool):
+    pool.run(check_other_collectives)
 
 
 def test_a_rank_that_never_arrives_makes_the_others_raise_naming_it(pool, unique_name):
