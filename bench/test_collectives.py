@@ -1,4 +1,4 @@
-"""Collective latency and bus bandwidth: fastcomm-shm, fastcomm-gloo and torch-gloo side by side.
+"""Collective latency and bus bandwidth: fastcomm-shm/ipc/gloo and torch-gloo side by side.
 
 Ops ``all_reduce``, ``all_gather``, ``reduce_scatter`` and ``broadcast`` on fp32 CPU tensors,
 4 KiB to 64 MiB. ``nbytes`` is the whole buffer, as nccl-tests counts it (the all-gather output,
@@ -7,6 +7,9 @@ the reduce-scatter input). Bandwidths as nccl-tests defines them, from the media
 (all-gather, reduce-scatter), ``* 1`` (broadcast). Providers:
 
 - ``fastcomm-shm``: :class:`fastcomm.comm.ShmCommunicator` (shared memory);
+- ``fastcomm-ipc``: :class:`fastcomm.comm.IpcCommunicator` (the same segment and schedules,
+  reductions by the ``peer_reduce`` kernel: on CPU its torch reference, or Triton's interpreter
+  under ``FASTCOMM_KERNELS=triton``, far too slow to time);
 - ``fastcomm-gloo``: :class:`fastcomm.comm.GlooCommunicator`;
 - ``torch-gloo``: ``torch.distributed`` with its Gloo process group (``dist.all_reduce``...);
 - ``mpich`` (outside reference, when ``mpi4py`` is installed: ``pip install fastcomm[mpi]``):
@@ -20,6 +23,13 @@ each rank knows how many collectives to issue. Two ways to run:
   pytest process; only rank 0 writes ``--benchmark-json`` (``bench/conftest.py``).
 - ``pytest bench/test_collectives.py``: this process is rank 0 and starts ``N - 1`` helper
   ranks (``FASTCOMM_BENCH_WORLD``, default 2) that mirror each timed test.
+
+CUDA (``test_all_reduce_cuda``, skipped without CUDA): ``all_reduce`` of fp32 CUDA tensors,
+4 KiB to 64 MiB, ``fastcomm-ipc`` (its CUDA IPC transport) beside ``torch-gloo`` (the only
+thing that runs where ranks share a GPU and NCCL refuses them) and ``fastcomm-nccl`` where
+NCCL can run the job (``nccl_fit``; skipped otherwise); rank ``r`` uses device
+``r % device_count``, and each timed call ends with ``torch.cuda.synchronize()``. Rows carry
+the provider as ``<provider>@cuda``.
 
 Each rank uses ``cores // N`` torch threads (1 on this 2-core machine), for every provider.
 Quick mode (``--benchmark-disable`` or ``FASTCOMM_BENCH_QUICK=1``): 4 KiB and 256 KiB only, for
@@ -42,7 +52,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fastcomm.comm import GlooCommunicator, ShmCommunicator, Store
+from fastcomm.comm import GlooCommunicator, IpcCommunicator, ShmCommunicator, Store
 
 QUICK = bool(os.environ.get("FASTCOMM_BENCH_QUICK")) or "--benchmark-disable" in sys.argv
 KIB, MIB = 1 << 10, 1 << 20
@@ -50,7 +60,9 @@ SIZES = [4 * KIB, 256 * KIB] if QUICK else [
     4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 25 * MIB, 64 * MIB
 ]
 OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
-PROVIDERS = ["fastcomm-shm", "fastcomm-gloo", "torch-gloo"]
+PROVIDERS = ["fastcomm-shm", "fastcomm-ipc", "fastcomm-gloo", "torch-gloo"]
+CUDA_PROVIDERS = ["fastcomm-ipc", "torch-gloo", "fastcomm-nccl"]
+HAS_CUDA = torch.cuda.is_available()
 TIMEOUT = 300.0
 LAUNCHED = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
 WORLD = int(os.environ["WORLD_SIZE"]) if LAUNCHED else int(
@@ -70,7 +82,8 @@ def rounds_for(provider: str, nbytes: int) -> tuple[int, int]:
     """(rounds, warmup) for ~0.3 s per test, the same on every rank (no timing-based choice)."""
     if QUICK:
         return 3, 1
-    latency, bandwidth = (30e-6, 4e9) if provider == "fastcomm-shm" else (1e-3, 1e9)
+    fast = provider in ("fastcomm-shm", "fastcomm-ipc")
+    latency, bandwidth = (30e-6, 4e9) if fast else (1e-3, 1e9)
     estimate = latency + nbytes / bandwidth
     return max(5, min(300, int(0.3 / estimate))), 3
 
@@ -89,6 +102,15 @@ class Rank:
             ns = self.store.prefixed(f"bench/{provider}", rank=self.rank)
             if provider == "fastcomm-shm":
                 self.comms[provider] = ShmCommunicator(ns, self.rank, self.size, TIMEOUT)
+            elif provider == "fastcomm-ipc":
+                self.comms[provider] = IpcCommunicator(ns, self.rank, self.size, TIMEOUT)
+            elif provider == "fastcomm-nccl":
+                from fastcomm.comm.nccl import NcclCommunicator
+
+                device = self.rank % torch.cuda.device_count()
+                self.comms[provider] = NcclCommunicator(
+                    ns, self.rank, self.size, TIMEOUT, device=device
+                )
             elif provider == "fastcomm-gloo":
                 self.comms[provider] = GlooCommunicator(ns, self.rank, self.size, TIMEOUT)
             else:
@@ -98,10 +120,20 @@ class Rank:
                 self.comms[provider] = dist
         return self.comms[provider]
 
-    def step(self, provider: str, op: str, nbytes: int):
+    def step(self, provider: str, op: str, nbytes: int, device: str = "cpu"):
         """The timed call of one test (tensors allocated here, outside it)."""
         comm, n = self.comm(provider), self.size
         numel = nbytes // 4 // n * n
+        if device == "cuda":
+            cuda = torch.device("cuda", self.rank % torch.cuda.device_count())
+            torch.cuda.set_device(cuda)
+            big = torch.full((numel,), float(self.rank + 1), device=cuda)
+
+            def all_reduce_cuda() -> None:  # timed to completion on the device
+                (dist if comm is dist else comm).all_reduce(big)
+                torch.cuda.synchronize(cuda)
+
+            return all_reduce_cuda
         big = torch.full((numel,), float(self.rank + 1))
         part = torch.full((numel // n,), float(self.rank + 1))
         if comm is dist:  # torch 2.13 names (older: all_gather_into_tensor, ..._tensor)
@@ -129,7 +161,9 @@ class Rank:
         self.comms.clear()
 
 
-def helper_run(size: int, provider: str, op: str, nbytes: int, calls: int) -> int:
+def helper_run(
+    size: int, provider: str, op: str, nbytes: int, calls: int, device: str = "cpu"
+) -> int:
     """A helper rank's mirror of one timed test (plain-pytest mode): ``calls`` collectives."""
     from tests.harness import STATE
 
@@ -140,7 +174,7 @@ def helper_run(size: int, provider: str, op: str, nbytes: int, calls: int) -> in
                       timeout=TIMEOUT, rank=global_rank)
         rank = STATE["bench-rank"] = Rank(store, global_rank, size)
     rank.comm(provider)
-    fn = rank.step(provider, op, nbytes) if calls else None
+    fn = rank.step(provider, op, nbytes, device) if calls else None
     for _ in range(calls):
         fn()
     return calls
@@ -198,9 +232,11 @@ class World:
             store, rank = self.pool.store, 0
         self.me = Rank(store, rank, WORLD)
 
-    def mirror(self, provider: str, op: str, nbytes: int, calls: int) -> Mirror:
+    def mirror(
+        self, provider: str, op: str, nbytes: int, calls: int, device: str = "cpu"
+    ) -> Mirror:
         """Has the helper ranks issue the same ``calls`` collectives, in the background."""
-        return Mirror(self.pool, provider, op, nbytes, calls)
+        return Mirror(self.pool, provider, op, nbytes, calls, device)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -225,28 +261,51 @@ def world():
     w.close()
 
 
-@pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.parametrize("nbytes", SIZES, ids=size_id)
-@pytest.mark.parametrize("op", OPS)
-def test_collective(benchmark, world, collectives_report, op, nbytes, provider):
-    benchmark.group = f"{op} {size_id(nbytes)}"
+def run_timed(benchmark, world, report, provider: str, op: str, nbytes: int, device: str):
+    """Times one (provider, op, size, device) with the helper ranks mirroring every call, and
+    reports its row."""
     rounds, warmup = rounds_for(provider, nbytes)
     if world.pool is not None and provider not in world.me.comms:
         setup = world.mirror(provider, op, nbytes, 0)  # helpers build theirs alongside
         world.me.comm(provider)
         setup.join()
-    fn = world.me.step(provider, op, nbytes)
-    helpers = world.mirror(provider, op, nbytes, expected_calls(benchmark, rounds, warmup))
+    fn = world.me.step(provider, op, nbytes, device)
+    calls = expected_calls(benchmark, rounds, warmup)
+    helpers = world.mirror(provider, op, nbytes, calls, device)
     benchmark.pedantic(fn, rounds=rounds, warmup_rounds=warmup, iterations=1)
     helpers.join()
     if benchmark.stats is None:  # quick mode: nothing timed
         return
     seconds = benchmark.stats.stats.median
     algbw = nbytes / seconds / 1e9
-    row = dict(op=op, provider=provider, bytes=nbytes, world=WORLD, us=round(seconds * 1e6, 1),
+    name = provider if device == "cpu" else f"{provider}@{device}"
+    row = dict(op=op, provider=name, bytes=nbytes, world=WORLD, us=round(seconds * 1e6, 1),
                algbw=algbw, busbw=algbw * bus_factor(op, WORLD))
     benchmark.extra_info.update(row)
-    collectives_report.append(row)
+    report.append(row)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("nbytes", SIZES, ids=size_id)
+@pytest.mark.parametrize("op", OPS)
+def test_collective(benchmark, world, collectives_report, op, nbytes, provider):
+    benchmark.group = f"{op} {size_id(nbytes)}"
+    run_timed(benchmark, world, collectives_report, provider, op, nbytes, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("provider", CUDA_PROVIDERS)
+@pytest.mark.parametrize("nbytes", SIZES, ids=size_id)
+def test_all_reduce_cuda(benchmark, world, collectives_report, nbytes, provider):
+    if provider == "fastcomm-nccl":
+        from fastcomm.comm.world import nccl_fit
+
+        fit = nccl_fit(0, WORLD)  # every rank skips alike: the helpers only mirror what runs
+        if not fit.ok:
+            pytest.skip(f"NCCL cannot run this job: {fit.reason}")
+    benchmark.group = f"all_reduce cuda {size_id(nbytes)}"
+    run_timed(benchmark, world, collectives_report, provider, "all_reduce", nbytes, "cuda")
 
 
 def _mpiexec() -> str | None:

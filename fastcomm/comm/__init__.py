@@ -20,6 +20,7 @@ _LAZY: dict[str, str] = {
     "GlooCommunicator": ".pg.gloo",
     "HierCommunicator": ".hier",
     "NcclCommunicator": ".nccl",  # CuPy is optional: loads only when asked for
+    "IpcCommunicator": ".ipc",
     "ShmCommunicator": ".shm",
     "ShmOptions": ".shm",
     "Store": ".store",

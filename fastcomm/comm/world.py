@@ -13,10 +13,13 @@ Backend selection (``backend=None``), in order:
    :func:`cuda_device_count` and ``LOCAL_WORLD_SIZE`` <= it. Ranks may also share GPUs where NCCL
    allows it: version >= 2.30 (:func:`detected_nccl_version`, read from the loaded library) and
    ``NCCL_MULTI_RANK_GPU_ENABLE=1``; older NCCL refuses two ranks on one device.
-3. Otherwise the ranks exchange their host identity through the store (``FASTCOMM_HOST_ID``, or
+3. ``ipc`` when CUDA devices are present but NCCL cannot run the job because the local ranks
+   outnumber the GPUs (they share one): :func:`shared_gpu_backend`.
+4. Otherwise the ranks exchange their host identity through the store (``FASTCOMM_HOST_ID``, or
    hostname + boot id): ``shm`` when all are on one host, ``hier`` when they span hosts and some
    host has more than one rank (shared memory inside hosts, Gloo between them), else ``gloo``.
-   Where shared memory is unavailable (no Linux ``/dev/shm``) it is ``gloo``.
+   Where shared memory is unavailable (no Linux ``/dev/shm``) it is ``gloo``. An automatic
+   ``ipc`` is narrowed the same way (it needs one host).
 
 When CUDA devices are present and the choice is automatic, ``init`` logs one line saying which
 backend it took and why (logger ``fastcomm``; a warning when it is not NCCL). The device count
@@ -42,7 +45,7 @@ __all__ = [
     "NcclFit", "nccl_fit", "cuda_device_count", "detected_nccl_version",
 ]
 
-BACKENDS = ("gloo", "nccl", "shm", "hier")
+BACKENDS = ("gloo", "nccl", "shm", "hier", "ipc")
 
 SHARED_GPU_MIN_NCCL = (2, 30)
 """First NCCL release that accepts several ranks of one communicator on one GPU (with
@@ -163,14 +166,30 @@ def nccl_available() -> bool:
 
 def default_backend(world_size: int = 1, *, cpu_tensors: bool = False) -> str:
     """The backend ``init()`` picks before looking at hosts: ``FASTCOMM_BACKEND``, else NCCL when
-    every local rank can use a GPU (:func:`nccl_fit`), else ``shm`` (narrowed by
-    :func:`choose_cpu_backend` once the hosts are known).
+    every local rank can use a GPU (:func:`nccl_fit`), else ``ipc`` where ranks share GPUs
+    NCCL cannot share (:func:`shared_gpu_backend`), else ``shm`` (``ipc`` and ``shm`` narrowed
+    by :func:`choose_cpu_backend` once the hosts are known).
 
     Args:
         world_size: ranks in the job (``LOCAL_WORLD_SIZE`` when that is unset).
         cpu_tensors: the caller's tensors live on CPU, so NCCL is never the choice.
     """
     return _pick_backend(world_size, cpu_tensors)[0]
+
+
+def shared_gpu_backend(fit: NcclFit, local_world_size: int) -> str | None:
+    """``"ipc"`` where NCCL cannot run the job because ranks share a GPU, else ``None``.
+
+    Why: measured on one H100 with two processes sharing it (torch 2.11, NCCL 2.28.9), NCCL
+    refuses the job ("Duplicate GPU detected") and Gloo, which stages through host memory,
+    takes 561 us for a 4 KiB all-reduce and 18 ms for 25 MiB, while a kernel reading the peer's
+    buffer through CUDA IPC sums 25 MiB in 28 us. The ``ipc`` backend's CUDA ``all_reduce`` is
+    such a kernel (its end-to-end latency has not been measured yet); its other CUDA ops take
+    the same Gloo. Where NCCL can run it stays the choice: no crossover with NCCL is measured.
+    """
+    if fit.ok or fit.device_count == 0 or local_world_size <= fit.device_count:
+        return None
+    return "ipc"
 
 
 def _pick_backend(world_size: int, cpu_tensors: bool) -> tuple[str, NcclFit | None]:
@@ -188,8 +207,12 @@ def _pick_backend(world_size: int, cpu_tensors: bool) -> tuple[str, NcclFit | No
     cpu = "shm" if shm_available() else "gloo"
     if cpu_tensors:  # the caller trains on CPU: NCCL could not move its tensors
         return cpu, None
-    fit = nccl_fit(*_local_layout(world_size))
-    return ("nccl" if fit.ok else cpu), fit
+    local_rank, local_world = _local_layout(world_size)
+    fit = nccl_fit(local_rank, local_world)
+    if fit.ok:
+        return "nccl", fit
+    shared = shared_gpu_backend(fit, local_world) if cpu == "shm" else None
+    return shared or cpu, fit
 
 
 def _say_choice(backend: str, fit: NcclFit | None) -> None:
@@ -198,6 +221,11 @@ def _say_choice(backend: str, fit: NcclFit | None) -> None:
         return  # no GPU: nothing surprising to explain
     if backend == "nccl":
         logger.info("fastcomm.init: backend nccl (%s)", fit.reason)
+    elif backend == "ipc":
+        logger.warning(
+            "fastcomm.init: backend ipc (CUDA all_reduce by kernels over CUDA IPC, other CUDA "
+            "ops through Gloo), not nccl: %s", fit.reason,
+        )
     else:
         logger.warning(
             "fastcomm.init: backend %s on CPU tensors, not nccl: %s", backend, fit.reason
@@ -267,6 +295,10 @@ def new_communicator(
         from .hier import HierCommunicator
 
         return HierCommunicator(store, rank, size, timeout)
+    if backend == "ipc":
+        from .ipc import IpcCommunicator
+
+        return IpcCommunicator(store, rank, size, timeout)
     raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)} or None")
 
 
@@ -282,9 +314,9 @@ def init(
     """Creates the world communicator (once per process) and returns it.
 
     Args:
-        backend: ``"nccl"``, ``"gloo"``, ``"shm"``, ``"hier"`` or ``None`` (NCCL when every
-            local rank can use a GPU, else ``shm``/``hier``/``gloo`` by host layout; see the
-            module docstring).
+        backend: ``"nccl"``, ``"gloo"``, ``"shm"``, ``"hier"``, ``"ipc"`` or ``None`` (NCCL
+            when every local rank can use a GPU, ``ipc`` when ranks share GPUs NCCL cannot
+            share, else ``shm``/``hier``/``gloo`` by host layout; see the module docstring).
         timeout: limit for rendezvous and for every collective.
         rank: overrides ``RANK`` (default 0 when unset and ``world_size`` is 1).
         world_size: overrides ``WORLD_SIZE`` (default 1).
@@ -348,11 +380,12 @@ def init(
         _WORLD_STORE = base
         _INIT_COUNT += 1
         store = base.prefixed(f"fastcomm/world{_INIT_COUNT}", rank=rank)
-    if auto and backend == "shm" and world_size > 1:
+    if auto and backend in ("shm", "ipc") and world_size > 1:
         from .shm.segment import host_id
 
         hosts = store.all_gather_object("init/hosts", rank, world_size, host_id(), timeout)
-        backend = choose_cpu_backend(hosts)
+        layout = choose_cpu_backend(hosts)
+        backend = layout if layout != "shm" else backend  # ipc, like shm, needs one host
     _say_choice(backend, fit)
     _WORLD = new_communicator(
         backend, store=store, rank=rank, size=world_size, timeout=timeout, device=device

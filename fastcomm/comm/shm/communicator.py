@@ -43,7 +43,7 @@ from ..store import Store
 from ..types import ReduceOp
 from ..work import Lane, Work, wrap_error
 from .flags import PeerFlags, fence_supported
-from .schedules import SegmentSchedules
+from .schedules import Reduction, SegmentSchedules
 from .segment import ABORTED, CLOSED, Segment, host_id, shm_supported
 
 __all__ = ["ShmCommunicator", "ShmOptions", "shm_available"]
@@ -130,6 +130,8 @@ class ShmCommunicator(Communicator):
         timeout: limit for setup and for every operation.
         options: tuning (:class:`ShmOptions`); the same on every rank.
         fallback: build a Gloo communicator beside it for non-CPU tensors.
+        reduce: the schedules' reduction (:data:`~.schedules.Reduction`; default torch ops in
+            the tensors' dtype); the same kind on every rank.
 
     Raises:
         FastcommError: the platform lacks ``/dev/shm``, the ranks are on different hosts, or the
@@ -147,6 +149,7 @@ class ShmCommunicator(Communicator):
         *,
         options: ShmOptions | None = None,
         fallback: bool = True,
+        reduce: Reduction | None = None,
     ) -> None:
         super().__init__(store, rank, size, timeout)
         if not shm_available():
@@ -171,7 +174,7 @@ class ShmCommunicator(Communicator):
         )
         u8 = torch.frombuffer(self._seg.mm, dtype=torch.uint8)
         one_shot = opts.one_shot_max if opts.one_shot_max is not None else (512 << 10) // size
-        self._schedules = SegmentSchedules(self._flags, self._seg.layout, u8, one_shot)
+        self._schedules = SegmentSchedules(self._flags, self._seg.layout, u8, one_shot, reduce)
         self._lane = Lane(f"fastcomm-shm-r{rank}")
         self._p2p: dict[tuple[str, int], Lane] = {}
         self._broken: BaseException | None = None

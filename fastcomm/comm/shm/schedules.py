@@ -1,8 +1,14 @@
 """Collective schedules over a segment of per-rank slots: the algorithm, apart from transport.
 
-A schedule only slices typed views, moves data with ``copy_`` and :func:`reduce_into`, and
-sequences the steps with :class:`~.flags.PeerFlags`. The same schedules serve a GPU path over
-peer-mapped device buffers (CUDA IPC) if ``reduce_into`` is swapped for a Triton reduction.
+A schedule only slices typed views, moves data with ``copy_``, combines terms with its
+*reduction*, and sequences the steps with :class:`~.flags.PeerFlags`. The reduction is a
+parameter, ``reduce(out, terms, op)``, which writes ``terms[0] (op) terms[1] (op) ...`` into
+``out`` (``AVG`` included: divided by ``len(terms)``). The default, :func:`torch_reduce`,
+runs torch ops in the buffers' dtype; the ``ipc`` backend passes one that calls the Triton
+kernel ``fastcomm.kernels.peer_reduce`` over the addresses at which this process mapped the
+slots (fp32 accumulation, the 1/size of ``AVG`` folded into the same pass). Both reduce in rank
+order, so either gives every rank the same bits, but the two do not round alike: all ranks of
+a communicator must use the same one.
 
 Rounds and buffer reuse: each round uses one half of the data area, alternating, and writes only
 the writer's own slot. Every rank publishes the same number of times per round, so all ranks
@@ -33,6 +39,7 @@ ordered pair of ranks, counted by the pair's ``sent``/``acked`` words.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -41,7 +48,7 @@ from ..types import SUPPORTED_DTYPES, ReduceOp, divide_
 from .flags import PeerFlags
 from .segment import Layout
 
-__all__ = ["SegmentSchedules", "reduce_into"]
+__all__ = ["Reduction", "SegmentSchedules", "reduce_into", "torch_reduce"]
 
 _BINARY = {
     ReduceOp.SUM: torch.add,
@@ -81,6 +88,18 @@ def reduce_into(out: torch.Tensor, terms: list[torch.Tensor], op: ReduceOp) -> N
         fn(out, term, out=out)
 
 
+#: ``reduce(out, terms, op)``: ``out = terms[0] (op) terms[1] (op) ...`` in rank order, ``AVG``
+#: divided by ``len(terms)``. ``out`` may alias ``terms[0]`` or ``terms[1]`` but no later term.
+Reduction = Callable[[torch.Tensor, list[torch.Tensor], ReduceOp], None]
+
+
+def torch_reduce(out: torch.Tensor, terms: list[torch.Tensor], op: ReduceOp) -> None:
+    """The default :data:`Reduction`: :func:`reduce_into`, then ``AVG``'s division."""
+    reduce_into(out, terms, op)  # a module-level lookup per call: tests may wrap reduce_into
+    if op is ReduceOp.AVG:
+        divide_(out, len(terms))
+
+
 def describe(code: int) -> str:
     names = {v: k for k, v in _OPCODES.items()}
     dtypes = {v: str(k).removeprefix("torch.") for k, v in _DTYPE_CODES.items()}
@@ -98,12 +117,22 @@ class SegmentSchedules:
         layout: the segment's layout.
         u8: the whole segment as a flat ``uint8`` tensor.
         one_shot_max: largest all-reduce (bytes) done in one shot.
+        reduce: the :data:`Reduction` every reducing schedule calls (default
+            :func:`torch_reduce`); the same kind on every rank.
     """
 
     def __init__(
-        self, flags: PeerFlags, layout: Layout, u8: torch.Tensor, one_shot_max: int
+        self,
+        flags: PeerFlags,
+        layout: Layout,
+        u8: torch.Tensor,
+        one_shot_max: int,
+        reduce: Reduction | None = None,
     ) -> None:
         self.flags = flags
+        self.reduce = torch_reduce if reduce is None else reduce
+        # the small-message path inlines the default's two-rank case (one torch call)
+        self._inline_torch = reduce is None
         self.layout = layout
         self.rank = flags.rank
         self.size = layout.size
@@ -225,6 +254,9 @@ class SegmentSchedules:
         for desc in flags.peer_desc_idx:
             if words[desc[half]] != code:
                 self._check(half, code)
+        if not self._inline_torch:
+            self.reduce(tensor, views, op)
+            return True
         if len(views) == 2:
             fn(views[0], views[1], out=tensor)
         else:
@@ -277,9 +309,7 @@ class SegmentSchedules:
             self.flags.wait_all(self.flags.seq, name, start)
             if i == 0:
                 self._check(half, code)
-            reduce_into(piece, views, op)
-            if op is ReduceOp.AVG:
-                divide_(piece, self.size)
+            self.reduce(piece, views, op)
 
     def _bounds(self, count: int, esize: int) -> list[int]:
         """Split points of ``count`` elements into ``size`` slices, on 64-byte boundaries (no
@@ -323,9 +353,7 @@ class SegmentSchedules:
             if i == 0:
                 self._check(half, code)
             out = grid[n][rank]  # our slice of the shared result slot
-            reduce_into(out, [own[rank] if q == rank else grid[q][rank] for q in range(n)], op)
-            if op is ReduceOp.AVG:
-                divide_(out, n)
+            self.reduce(out, [own[rank] if q == rank else grid[q][rank] for q in range(n)], op)
             flags.publish()
             if root is not None and root != rank:
                 continue
@@ -399,9 +427,7 @@ class SegmentSchedules:
             if offset == 0:
                 self._check(half, code)
             target = out if count == m else out[offset : offset + count]
-            reduce_into(target, [part[q] if q == rank else block[q, rank] for q in range(n)], op)
-            if op is ReduceOp.AVG:
-                divide_(target, n)
+            self.reduce(target, [part[q] if q == rank else block[q, rank] for q in range(n)], op)
 
     def all_to_all(self, out: torch.Tensor, flat: torch.Tensor) -> None:
         start = time.monotonic()

@@ -1,0 +1,248 @@
+"""``ipc`` communicator: kernel collectives between the ranks of one node.
+
+The shm communicator's segment, flags and schedules, with one change on CPU tensors: every
+reduction is the Triton kernel :func:`fastcomm.kernels.peer_reduce`, reading the peers' slots
+at the addresses where this process mapped the segment (:func:`kernel_reduce`). As everywhere
+in ``fastcomm.kernels``, CPU tensors run the kernel's torch reference (:func:`reference_reduce`)
+unless ``FASTCOMM_KERNELS=triton`` (then Triton's interpreter, with ``TRITON_INTERPRET=1``: how
+the tests run it); the communicator reads that when it is built. Either way the numerics are
+the kernel's: fp32 accumulation for fp16/bf16 and one rounding at the end, ``AVG`` scaled by
+``1 / size`` in the same pass. ``PRODUCT``, integer dtypes and more than 16 ranks are not
+kernel cases and take the shm schedules' torch reduction.
+
+CUDA tensors: ``all_reduce`` (sum/avg/max/min of fp32/fp16/bf16) goes to
+``fastcomm.comm.ipc.cuda.CudaIpcTransport`` (a workspace per rank in GPU memory, mapped by the
+peers through CUDA IPC, reduced by the same kernel family), built on the first such call and
+imported only then, so a machine without CUDA never imports CuPy. Where it cannot be built on
+some rank, every rank logs one line and takes the Gloo fallback instead (the ranks agree
+through the store, so none waits on a transport its peers lack). Every other CUDA op goes to
+the Gloo fallback, as on ``shm``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import torch
+
+from ...kernels._launch import fp32_scale, kernel_backend
+from ...kernels._peer_reduce import MAX_PEERS, PEER_DTYPES, peer_reduce
+from ..shm.communicator import ShmCommunicator, ShmOptions
+from ..shm.schedules import Reduction, torch_reduce
+from ..store import Store
+from ..types import ReduceOp
+from ..work import Work
+
+__all__ = ["IpcCommunicator", "cpu_reduction", "kernel_reduce", "reference_reduce"]
+
+logger = logging.getLogger("fastcomm")
+
+#: dtypes the CUDA transport reduces (others, and PRODUCT, take Gloo on every rank alike)
+_CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# by the member's name: an Enum member hashes through a Python-level __hash__
+_KERNEL_OPS = {"SUM": "sum", "AVG": "avg", "MAX": "max", "MIN": "min"}
+
+
+def _kernel_op(out: torch.Tensor, terms: list[torch.Tensor], op: ReduceOp) -> str | None:
+    """``peer_reduce``'s name for ``op`` when the kernel covers the case, else ``None``
+    (``PRODUCT``, non-float dtypes, more than ``MAX_PEERS`` terms): decided from the op, the
+    dtype and the world size only, so every rank decides alike."""
+    name = _KERNEL_OPS.get(op._name_)
+    if name is None or out.dtype not in PEER_DTYPES or len(terms) > MAX_PEERS:
+        return None
+    return name
+
+
+def kernel_reduce(out: torch.Tensor, terms: list[torch.Tensor], op: ReduceOp) -> None:
+    """The schedules' reduction as one :func:`~fastcomm.kernels.peer_reduce` launch.
+
+    ``srcs`` are ``terms`` in rank order (views of the slots in this process's mapping, and
+    this rank's own tensor where a schedule reads it in place), ``dsts`` is ``[out]``. Cases
+    the kernel does not cover take :func:`~fastcomm.comm.shm.schedules.torch_reduce`.
+    """
+    name = _kernel_op(out, terms, op)
+    if name is None:
+        torch_reduce(out, terms, op)
+    else:
+        peer_reduce(terms, (out,), op=name)
+
+
+def reference_reduce(out: torch.Tensor, terms: list[torch.Tensor], op: ReduceOp) -> None:
+    """:func:`kernel_reduce` computed as ``peer_reduce_reference`` computes it, bit for bit,
+    without its argument checks (which would double the cost of a 4 KiB all-reduce): accumulate
+    in fp32 (fp64 for fp64) in order, scale an average by ``1 / len(terms)`` rounded to fp32,
+    round once into ``out``. fp32/fp64 accumulate in ``out`` itself (it may alias ``terms[0]``
+    or ``terms[1]``, as the schedules allow)."""
+    name = _kernel_op(out, terms, op)
+    if name is None:
+        torch_reduce(out, terms, op)
+        return
+    wide = out.dtype in (torch.float32, torch.float64)
+    acc = out if wide else terms[0].to(torch.float32)
+    rest = terms[1:]
+    if name in ("sum", "avg"):
+        if wide and rest:
+            torch.add(terms[0], rest[0], out=acc)
+            rest = rest[1:]
+        elif wide:
+            acc.copy_(terms[0])
+        for term in rest:
+            acc.add_(term)
+        if name == "avg" and len(terms) > 1:
+            acc.mul_(fp32_scale(1.0 / len(terms)))
+    else:
+        fn = torch.maximum if name == "max" else torch.minimum
+        if wide:
+            if rest:
+                fn(terms[0], rest[0], out=acc)
+                rest = rest[1:]
+            else:
+                acc.copy_(terms[0])
+        for term in rest:
+            fn(acc, term, out=acc)
+    if not wide:
+        out.copy_(acc)
+
+
+def cpu_reduction() -> Reduction:
+    """The reduction of an ipc communicator on CPU tensors: :func:`kernel_reduce` where
+    ``fastcomm.kernels`` runs Triton for CPU tensors (``FASTCOMM_KERNELS=triton``: the
+    interpreter), else :func:`reference_reduce`. Read once, when a communicator is built (the
+    per-call check would cost as much as a 4 KiB reduction).
+
+    Raises:
+        RuntimeError, ValueError: ``FASTCOMM_KERNELS`` asks for what cannot run here.
+    """
+    return kernel_reduce if kernel_backend(torch.device("cpu")) == "triton" else reference_reduce
+
+
+class IpcCommunicator(ShmCommunicator):
+    """Kernel collectives for ranks on one node (see the module docstring).
+
+    :meth:`route` (inherited) names where every op but a CUDA ``all_reduce`` goes.
+
+    Args:
+        store: a store namespace private to this communicator.
+        rank: this process's rank.
+        size: number of ranks (all on this node).
+        timeout: limit for setup and for every operation.
+        options: tuning of the shared-memory segment (:class:`ShmOptions`).
+        fallback: build a Gloo communicator beside it for CUDA tensors (all ops but
+            ``all_reduce``, and ``all_reduce`` too where the CUDA transport cannot be built).
+
+    Raises:
+        FastcommError: as for :class:`ShmCommunicator`.
+        RuntimeError: ``FASTCOMM_KERNELS=triton`` but Triton cannot run on CPU tensors here
+            (checked now rather than in the first collective).
+    """
+
+    backend = "ipc"
+
+    def __init__(
+        self,
+        store: Store,
+        rank: int,
+        size: int,
+        timeout: float | timedelta | None = None,
+        *,
+        options: ShmOptions | None = None,
+        fallback: bool = True,
+    ) -> None:
+        reduce = cpu_reduction()  # before any setup: a misconfigured FASTCOMM_KERNELS raises
+        super().__init__(
+            store, rank, size, timeout, options=options, fallback=fallback, reduce=reduce
+        )
+        self._cuda = None  # the CUDA transport, once built
+        self._cuda_device: torch.device | None = None
+        self._cuda_tried = False
+
+    @property
+    def cuda_transport(self):
+        """The CUDA IPC transport of ``all_reduce`` (``None`` before the first CUDA
+        ``all_reduce`` or where it could not be built)."""
+        return self._cuda
+
+    def _new_child(self, store: Store, rank: int, size: int, timeout: timedelta):
+        return IpcCommunicator(
+            store, rank, size, timeout, options=self.options, fallback=self._fallback is not None
+        )
+
+    # ------------------------------------------------------------------ CUDA all_reduce
+    def _cuda_route(self, device: torch.device):
+        """The CUDA transport for ``device``, built on first use (``None``: use Gloo)."""
+        if not self._cuda_tried:
+            self._cuda_tried = True
+            self._cuda = self._build_cuda(device)
+            self._cuda_device = device
+        if self._cuda is not None and device != self._cuda_device:
+            raise ValueError(
+                f"{self._where()}: its CUDA transport lives on {self._cuda_device}, got a tensor "
+                f"on {device}; keep every CUDA tensor of this communicator on one device"
+            )
+        return self._cuda
+
+    def _build_cuda(self, device: torch.device):
+        """Builds the transport where every rank can; otherwise logs why and returns ``None``.
+
+        Two store rounds, once per communicator: first whether the module imports on every
+        rank (so no rank enters the transport's setup exchange while a peer never will), then
+        whether every rank built it (so all ranks take the same route).
+        """
+        timeout = self.timeout
+        why = None
+        try:
+            from .cuda import CudaIpcTransport  # CuPy loads only here
+        except Exception as exc:  # noqa: BLE001 - any import failure means "use Gloo"
+            why = f"import failed: {type(exc).__name__}: {exc}"
+        whys = self.store.all_gather_object("ipc/cuda-import", self.rank, self.size, why, timeout)
+        transport = None
+        if not any(whys):
+            try:
+                transport = CudaIpcTransport(
+                    self.store.prefixed("ipc-cuda"), self.rank, self.size, timeout, device
+                )
+            except Exception as exc:  # noqa: BLE001 - reported below, then Gloo
+                why = f"setup failed: {type(exc).__name__}: {exc}"
+            whys = self.store.all_gather_object(
+                "ipc/cuda-built", self.rank, self.size, why, timeout
+            )
+        failed = {r: w for r, w in enumerate(whys) if w}
+        if not failed:
+            return transport
+        if transport is not None:
+            try:
+                transport.close()
+            except Exception:  # noqa: BLE001 - the warning below says why it is not used
+                pass
+        logger.warning(
+            "%s: the CUDA IPC transport is unavailable (%s); CUDA all_reduce goes through "
+            "the Gloo fallback", self._where(),
+            "; ".join(f"rank {r}: {w}" for r, w in sorted(failed.items())),
+        )
+        return None
+
+    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp):
+        if (
+            tensor.device.type == "cuda"
+            and tensor.numel()
+            and tensor.dtype in _CUDA_DTYPES
+            and op._name_ in _KERNEL_OPS
+        ):
+            transport = self._cuda_route(tensor.device)
+            if transport is not None:
+                work = transport.all_reduce(tensor, op)  # enqueued in the caller's stream order
+                if work is not None:
+                    return work
+                # done in stream order: a future's consumer syncs with the current stream
+                return Work("all_reduce", self.rank, tensor, devices=[tensor.device],
+                            completed=True)
+        return super()._impl_all_reduce(tensor, op)
+
+    # ------------------------------------------------------------------ lifetime
+    def _impl_close(self) -> None:
+        if self._cuda is not None and os.getpid() == self._pid:  # not a fork()ed child's
+            self._cuda.close()
+            self._cuda = None
+        super()._impl_close()
