@@ -94,6 +94,18 @@ class GradHealth:
         else:  # a gap (unused parameter) or a channels-last gradient: the plain unpack
             unpack_grads(value, targets, bucket.offsets, bucket.numel, plan=bucket.plan)
             self._measure(targets, stats)
+        self._record(bucket, targets)
+
+    def written(self, bucket, targets: list[torch.Tensor | None]) -> None:
+        """The reducer wrote `bucket`'s averaged gradients into `targets` without an unpack
+        (reduced in place, see ``in_place.py``): measured like an unpack's."""
+        if self.eager:
+            self._measure(targets, self.stats[bucket.index])
+        else:
+            self._lazy[bucket.index] = targets
+        self._record(bucket, targets)
+
+    def _record(self, bucket, targets: list[torch.Tensor | None]) -> None:
         self._unpacked += 1
         # one record per bucket on the hot path; clip_grad_norm_ checks it parameter by parameter
         if any(t is None for t in targets) and any(

@@ -40,10 +40,12 @@ import torch
 
 from fastcomm.comm.base import Communicator
 from fastcomm.comm.work import Work
+from fastcomm.kernels._launch import fp32_scale
 
 from . import sparse as _sparse
 from .bucket import Bucket, GradBucket, pack_bucket, unpack_bucket
 from .config import DDPConfig
+from .in_place import InPlaceReduction, in_place_plan, launch_in_place, write_back
 
 __all__ = ["Reducer", "find_unused"]
 
@@ -141,6 +143,11 @@ class Reducer:
             for i, view in zip(bucket.param_indices, bucket.views, strict=True):
                 self._bucket_of[i] = bucket.index
                 self.grad_views[i] = view
+        # buckets whose large gradients are reduced in place (see in_place.py); with
+        # gradient_as_bucket_view there is no pack or unpack to save
+        self._in_place = [
+            None if self.bucket_view else in_place_plan(b, self.comm) for b in self.buckets
+        ]
         if self.bucket_view and old:
             # .grad views of the old buckets move into the new ones (values kept).
             old_ptrs = {v.data_ptr() for b in old if not b.sparse for v in b.views if v.numel()}
@@ -315,6 +322,12 @@ class Reducer:
             )
             self._results[bucket.index] = self.comm_hook(self.hook_state, grad_bucket)
             return
+        plan = self._in_place[bucket.index]
+        if plan is not None:
+            self._results[bucket.index] = launch_in_place(
+                bucket, plan, grads, fp32_scale(self.scale), self.comm, self._create_graph
+            )
+            return
         flat = bucket.flat
         if self.bucket_view:
             if self.scale != 1.0:
@@ -400,6 +413,9 @@ class Reducer:
         if isinstance(result, Work):
             result.wait()
             return bucket.flat
+        if isinstance(result, InPlaceReduction):
+            result.wait()
+            return result
         if not isinstance(result, torch._C.Future):
             raise TypeError(
                 f"comm hook {getattr(self.comm_hook, '__name__', self.comm_hook)!r} returned "
@@ -422,7 +438,10 @@ class Reducer:
         return value.reshape(-1)
 
     def _write_back(
-        self, bucket: Bucket, value: torch.Tensor | None, global_unused: frozenset[int]
+        self,
+        bucket: Bucket,
+        value: torch.Tensor | InPlaceReduction | None,
+        global_unused: frozenset[int],
     ) -> None:
         if value is None:
             return
@@ -446,6 +465,11 @@ class Reducer:
             if g is None:
                 g = p.grad = torch.empty_like(p)
             targets.append(g.detach() if self._create_graph else g)
+        if isinstance(value, InPlaceReduction):
+            write_back(value, targets)  # only what was not reduced in place
+            if self.health is not None:
+                self.health.written(bucket, targets)
+            return
         if self.health is not None:
             self.health.unpack(bucket, value, targets)  # also measures norm and NaN/Inf
             return
@@ -469,6 +493,9 @@ class Reducer:
                     comm=self.comm,
                 )
                 results.append(self.comm_hook(self.hook_state, grad_bucket))
+            elif self._in_place[bucket.index] is not None:
+                plan = self._in_place[bucket.index]
+                results.append(launch_in_place(bucket, plan, None, 1.0, self.comm, False))
             else:
                 bucket.flat.zero_()
                 results.append(self.comm.all_reduce(bucket.flat, async_op=True))
