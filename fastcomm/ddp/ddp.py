@@ -415,7 +415,7 @@ class DDP(nn.Module):
                 "DistributedDataParallel is constructed."
             )
         self.config.static_graph = True
-        self.reducer._recording = True
+        self.reducer.adopt_static_graph()
         if self.find_unused_parameters:
             warnings.warn(
                 "You passed find_unused_parameters=true to DistributedDataParallel, "

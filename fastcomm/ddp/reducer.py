@@ -183,6 +183,18 @@ class Reducer:
         self.rebuild_due = False
         self.rebuilt = True
 
+    def adopt_static_graph(self) -> None:
+        """Takes ``config.static_graph`` turned on after construction (torch's
+        ``_set_static_graph``, before the first backward): the first synchronized backward
+        records its arrival order for the rebuild, as it does when the flag is given upfront."""
+        if not self.config.static_graph or self.synced_iterations:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: adopt_static_graph needs config.static_graph set and "
+                f"no synchronized iteration yet (got static_graph={self.config.static_graph}, "
+                f"{self.synced_iterations} iteration(s))"
+            )
+        self._recording = True
+
     # ------------------------------------------------------------------ iteration
     def prepare_for_forward(self) -> None:
         """Raises if the previous iteration left buckets unreduced (unused parameters)."""
