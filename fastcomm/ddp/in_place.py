@@ -37,6 +37,9 @@ __all__ = ["IN_PLACE_MIN_BYTES", "InPlacePlan", "InPlaceReduction", "in_place_pl
 
 # A collective costs tens of microseconds of sequencing; one pass over a MiB, a few hundred.
 IN_PLACE_MIN_BYTES = 1 << 20
+# dtypes whose CPU pack is the same torch multiply as the in-place scaling (fp16/bf16 packs go
+# through the kernels' fp32 arithmetic, which may round twice where the multiply rounds once)
+_SAME_SCALING_DTYPES = (torch.float32, torch.float64)
 
 
 def layout_free(comm) -> bool:
@@ -67,8 +70,14 @@ class InPlacePlan:
 
 
 def in_place_plan(bucket: Bucket, comm) -> InPlacePlan | None:
-    """The plan of `bucket` on `comm`, or ``None`` when it is packed as a whole."""
-    if bucket.sparse or bucket.device.type != "cpu" or not layout_free(comm):
+    """The plan of `bucket` on `comm`, or ``None`` when it is packed as a whole (sparse, CUDA,
+    fp16/bf16, a layout-dependent reduction, or no gradient of ``IN_PLACE_MIN_BYTES``)."""
+    if (
+        bucket.sparse
+        or bucket.device.type != "cpu"
+        or bucket.dtype not in _SAME_SCALING_DTYPES
+        or not layout_free(comm)
+    ):
         return None
     esize = bucket.flat.element_size()
     large = [

@@ -77,6 +77,9 @@ def check_plan_follows_layout_independence():
 
         assert in_place.in_place_plan(bucket, ThreeRanks()) is None
         assert in_place.in_place_plan(bucket, ThreeShmRanks()) is not None
+        half_params = list(build("mlp").half().parameters())
+        half_bucket = Bucket(1, list(range(len(half_params))), half_params, names)
+        assert in_place.in_place_plan(half_bucket, gloo) is None, "fp16 packs with the kernels"
         in_place.IN_PLACE_MIN_BYTES = 1 << 40
         assert in_place.in_place_plan(bucket, gloo) is None, "no large gradient: packed"
     finally:
