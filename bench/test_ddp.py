@@ -221,6 +221,10 @@ def _report_interleaved(benchmark, pool, group: list[str], rounds: int, device: 
     for name in group:
         _MEDIANS[name] = slowest_rank_median([t[name] for t, _ in collected])
         _CPU[name] = statistics.median(c for _, cpus in collected for c in cpus[name])
+    # read by bench/plot.py in preference to the per-provider medians
+    benchmark.extra_info["interleaved_median_step_ms"] = {
+        name: round(1e3 * _MEDIANS[name], 3) for name in group
+    }
     for name in group:
         for label, ref in (("torch", REFERENCE.get(name)), ("no_comm", NO_COMM.get(name))):
             if ref is None or ref not in _MEDIANS:
