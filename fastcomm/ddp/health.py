@@ -6,7 +6,9 @@ bucket also leaves ``[sum of squares, non-finite count]`` in one row of ``stats`
 on the gradients' device, never read by the host unless asked). After the allreduce every
 rank holds the same averaged gradients, hence the same rows: the norm and the NaN/Inf verdict
 need no collective. Where the unpack runs torch ops (CPU) the statistics cannot share its
-pass, so the rows are filled on demand from the gradients the unpack wrote (``eager``).
+pass, so the rows are filled on demand from the gradients the unpack wrote (``eager``). A CPU
+bucket whose large gradients were reduced in place (``in_place.py``) has a shorter unpack (its
+small gradients only); its row is filled on demand the same way, over all its gradients.
 
 Validity: the rows describe the gradients as the unpack left them. They are used only when
 the last synchronized backward unpacked every bucket (no ``no_sync`` step since, no skipped
