@@ -12,6 +12,9 @@ One iteration, as the reducer sees it:
 3. ``_finalize`` (end of backward) waits for each bucket in order and unpacks the reduced
    buffer into ``.grad`` (nothing to unpack with ``gradient_as_bucket_view``).
 
+A CPU bucket with gradients of a MiB or more reduces those in place instead of packing them,
+where that gives the same results (``in_place.py``): its unpack copies only the small ones.
+
 Buckets start in reverse registration order; after the first synchronized iteration they are
 rebuilt once in the order gradients arrived on rank 0 (broadcast, so every rank builds the
 same buckets). A parameter that never got its gradient leaves its bucket unlaunched: the next
