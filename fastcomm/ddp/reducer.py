@@ -383,7 +383,7 @@ class Reducer:
                 self._mark_unused(i)
             self._launch_ready()
         if self.next_bucket < len(self.buckets):
-            self._incomplete = [i for i, s in enumerate(self._ready) if s == _WAITING]
+            self._incomplete = self.missing_gradients()
             if self.health is not None:
                 self.health.readiness.publish()  # the ranks waiting for a bucket read it
             return
@@ -401,7 +401,7 @@ class Reducer:
         if health is not None:
             health.begin_step()
         for bucket in self.buckets:
-            value = self._wait(bucket) if health is None else health.wait(bucket)
+            value = self.wait_bucket(bucket) if health is None else health.wait(bucket)
             self._write_back(bucket, value, global_unused)
         self._results = []
         self._after_synced_iteration()
@@ -419,7 +419,13 @@ class Reducer:
             self.rebuild_due = True
             self._recording = False
 
-    def _wait(self, bucket: Bucket) -> torch.Tensor | None:
+    def missing_gradients(self) -> list[int]:
+        """Indices of the parameters still waiting for their gradient in this iteration."""
+        return [i for i, s in enumerate(self._ready) if s == _WAITING]
+
+    def wait_bucket(self, bucket: Bucket) -> torch.Tensor | InPlaceReduction | None:
+        """Waits for `bucket`'s reduction of this iteration; its reduced value (``None``:
+        skipped as unused)."""
         result = self._results[bucket.index]
         if result is _SKIPPED:
             return None
