@@ -87,15 +87,14 @@ class GradHealth:
 
     def unpack(self, bucket, value: torch.Tensor, targets: list[torch.Tensor | None]) -> None:
         """The reducer's unpack of one reduced bucket, measuring what it writes."""
-        stats = self.stats[bucket.index]
         if not self.eager:
             unpack_bucket(bucket, value, targets)
             self._lazy[bucket.index] = targets  # _measure skips the None entries
         elif all(t is not None and t.is_contiguous() for t in targets):
-            kernels.unpack_with_stats(value, targets, stats=stats)
+            kernels.unpack_with_stats(value, targets, stats=self.stats[bucket.index])
         else:  # a gap (unused parameter) or a channels-last gradient: the plain unpack
             unpack_grads(value, targets, bucket.offsets, bucket.numel, plan=bucket.plan)
-            self._measure(targets, stats)
+            self._measure(targets, self.stats[bucket.index])
         self._record(bucket, targets)
 
     def written(self, bucket, targets: list[torch.Tensor | None]) -> None:
