@@ -13,15 +13,17 @@ Three groups of providers, every one a model of its own in the same 2 rank proce
 - ``test_ddp_tiny_params_step``: 200 x ``Linear(16, 16)`` (400 tiny parameters: the
   per-parameter host cost), fastcomm DDP on shm against torch DDP on Gloo and no DDP.
 
-2 CPU ranks with one intra-op thread each (this machine has 2 cores); on a GPU, one rank,
-``fastcomm-nccl`` against torch over NCCL and no DDP (the other groups are CPU-only). Every
-timed round of a provider is preceded (untimed, in ``setup``) by a step of the provider before
-it in its group, so they alternate and see the same machine. A round's time is one training
-step as seen from the parent (``pool.run`` round trip included, ~1 ms); ``extra_info`` also
-holds the median of the ranks' own step times (a step lasts as long as its slowest rank), the
-median CPU time a rank's process spends per step (every thread: compute, communication and
-polling; on a shared machine it stays put while wall times swing) and, on each group's last
-provider, the others' ratios to their reference (torch DDP at the same bucket cap, and no DDP).
+2 CPU ranks with one intra-op thread each; on a GPU, one rank, ``fastcomm-nccl`` against torch
+over NCCL and no DDP (the other groups are CPU-only); model, data and pool in ``_ddp_common``.
+Every timed round of a provider is preceded (untimed, in ``setup``) by a step of the provider
+before it in its group. A round's time is one training step as seen from the parent
+(``pool.run`` round trip included, ~1 ms); ``extra_info`` also holds the median of the ranks'
+own step times (a step lasts as long as its slowest rank) and the median CPU time a rank's
+process spends per step (every thread: compute, communication and polling; on a shared machine
+it stays put while wall times swing). The ratios (to torch DDP at the same bucket cap, and to
+no DDP) come from a separate run on the group's last provider in which every round steps each
+provider once, a barrier before each step: the per-provider rounds are minutes apart on a long
+run, the interleaved steps seconds apart.
 
 Quick mode (``--benchmark-disable`` or ``FASTCOMM_BENCH_QUICK=1``): 4 layers of 256, a few
 steps -- a smoke test that finishes in seconds.
@@ -29,23 +31,28 @@ steps -- a smoke test that finishes in seconds.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
 import pytest
 import torch
+from _ddp_common import (
+    BATCH,
+    ON_GPU,
+    build_mlp,
+    init_rank,
+    mlp_shape,
+    quick,
+    rank_batch,
+    rank_pool,
+    slowest_rank_median,
+)
 
-from tests.harness import STATE, RankPool
+from tests.harness import STATE
 
-ON_GPU = torch.cuda.is_available()
 CAPS = (0.25, 1, 25)  # bucket_cap_mb of the drop-in group
 _MEDIANS: dict[str, float] = {}
 _CPU: dict[str, float] = {}
-
-
-def _quick(config) -> bool:
-    return bool(os.environ.get("FASTCOMM_BENCH_QUICK")) or config.getoption("benchmark_disable")
 
 
 # ---------------------------------------------------------------------- rank side
@@ -54,17 +61,12 @@ def setup_models(width: int, depth: int, batch: int, gpu: bool) -> int:
     from torch import nn
 
     from fastcomm.ddp import DDP
-
-    torch.set_num_threads(1)
-    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if gpu else "gloo")
     from tests.harness import rank_comm
 
+    device = init_rank(gpu)
+
     def mlp():
-        torch.manual_seed(0)
-        layers = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())]
-        return nn.Sequential(*layers).to(device)
+        return build_mlp(width, depth, device)
 
     def tiny():
         torch.manual_seed(0)
@@ -91,11 +93,7 @@ def setup_models(width: int, depth: int, batch: int, gpu: bool) -> int:
         models["tiny-no-comm"] = tiny()
         models["tiny-fastcomm-shm"] = DDP(tiny(), comm=rank_comm("shm"))
         models["tiny-torch"] = torch_ddp(tiny())
-    gen = torch.Generator().manual_seed(int(os.environ["RANK"]))
-    inputs = {
-        "mlp": tuple(torch.randn(batch, width, generator=gen).to(device) for _ in range(2)),
-        "tiny": tuple(torch.randn(batch, 16, generator=gen) for _ in range(2)),
-    }
+    inputs = {"mlp": rank_batch(batch, width, device), "tiny": rank_batch(batch, 16, device)}
     STATE["bench"] = {
         "models": models,
         "opts": {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()},
@@ -107,9 +105,13 @@ def setup_models(width: int, depth: int, batch: int, gpu: bool) -> int:
     for name in models:  # warm-up: the first step also rebuilds the buckets
         for _ in range(2):
             train_step(name)
+    _clear_times()
+    return sum(p.numel() for p in models["torch"].parameters())
+
+
+def _clear_times() -> None:
     for times in (*STATE["bench"]["times"].values(), *STATE["bench"]["cpu"].values()):
         times.clear()
-    return sum(p.numel() for p in models["torch"].parameters())
 
 
 def train_step(name: str) -> float:
@@ -131,36 +133,34 @@ def collect_times() -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     return STATE["bench"]["times"], STATE["bench"]["cpu"]
 
 
+def interleaved_steps(group: list[str], rounds: int):
+    """`rounds` rounds of one step of every provider of `group` in turn, each step started by
+    a barrier (both ranks start together); the (times, CPU times) of those steps alone."""
+    import torch.distributed as dist
+
+    _clear_times()
+    for _ in range(rounds):
+        for name in group:
+            dist.barrier()
+            train_step(name)
+    times, cpu = collect_times()
+    result = {k: list(times[k]) for k in group}, {k: list(cpu[k]) for k in group}
+    _clear_times()
+    return result
+
+
 def teardown_models() -> None:
     STATE.pop("bench", None)
 
 
 # ---------------------------------------------------------------------- pytest side
-def _mlp_shape(quick: bool) -> tuple[int, int]:
-    if quick:
-        return 256, 4
-    spec = os.environ.get("FASTCOMM_BENCH_DDP_MLP", "1024x10")
-    try:
-        width, depth = (int(v) for v in spec.lower().split("x"))
-    except ValueError:
-        raise ValueError(
-            f"FASTCOMM_BENCH_DDP_MLP={spec!r}; expected WIDTHxDEPTH, e.g. 512x6"
-        ) from None
-    return width, depth
-
-
 @pytest.fixture(scope="module")
 def ranks(request):
-    quick = _quick(request.config)
-    width, depth = _mlp_shape(quick)
-    if ON_GPU:
-        env = {"CUDA_VISIBLE_DEVICES": "0", "FASTCOMM_TEST_DEVICE": "0"}
-        pool = RankPool(1, env=env, timeout=300)
-    else:
-        pool = RankPool(2, env={"TRITON_INTERPRET": "0"}, timeout=300)
-    with pool:
-        params = pool.run(setup_models, width, depth, 64, ON_GPU)[0]
-        yield pool, params, quick
+    quick_mode = quick(request.config)
+    width, depth = mlp_shape(quick_mode)
+    with rank_pool() as pool:
+        params = pool.run(setup_models, width, depth, BATCH, ON_GPU)[0]
+        yield pool, params, quick_mode
         pool.run(teardown_models)
 
 
@@ -180,11 +180,10 @@ NO_COMM.update({name: "tiny-no-comm" for name in TINY if name != "tiny-no-comm"}
 
 
 def _measure(benchmark, ranks, group: list[str], provider: str) -> None:
-    pool, params, quick = ranks
-    # every timed round follows an untimed step of the provider before it, so the providers
-    # alternate and see the same machine
+    pool, params, quick_mode = ranks
+    # every timed round follows an untimed step of the provider before it
     other = group[group.index(provider) - 1]
-    rounds = 3 if quick else 30
+    rounds = 3 if quick_mode else 30
 
     def step():
         return max(pool.run(train_step, provider))
@@ -194,12 +193,9 @@ def _measure(benchmark, ranks, group: list[str], provider: str) -> None:
 
     benchmark.pedantic(step, setup=alternate, rounds=rounds, iterations=1, warmup_rounds=1)
     collected = pool.run(collect_times)
-    # a step takes as long as its slowest rank
-    per_step = [max(ts) for ts in zip(*(t[provider] for t, _ in collected), strict=True)]
-    median = statistics.median(per_step)
+    pool.run(_clear_times)
+    median = slowest_rank_median([t[provider] for t, _ in collected])
     cpu = statistics.median(c for _, cpus in collected for c in cpus[provider])
-    _MEDIANS[provider] = median
-    _CPU[provider] = cpu
     device = "cuda" if ON_GPU else "cpu"
     benchmark.extra_info.update(
         provider=provider,
@@ -209,23 +205,40 @@ def _measure(benchmark, ranks, group: list[str], provider: str) -> None:
         rank_median_step_ms=round(1e3 * median, 3),
         rank_median_cpu_ms=round(1e3 * cpu, 3),
     )
-    if provider != group[-1]:
-        assert median > 0
-        return
-    # the group's last provider reports every ratio measured in this run
+    assert median > 0
+    if provider == group[-1]:
+        _report_interleaved(benchmark, pool, group, 2 if quick_mode else 15, device)
+
+
+def _report_interleaved(benchmark, pool, group: list[str], rounds: int, device: str) -> None:
+    """The group's ratios, from steps of all its providers interleaved round by round.
+
+    The per-provider rounds above run one provider after another, minutes apart on a long
+    run; on a shared machine the load changes in between. Here every round steps each
+    provider once, so each ratio compares steps taken seconds apart.
+    """
+    collected = pool.run(interleaved_steps, group, rounds)
+    for name in group:
+        _MEDIANS[name] = slowest_rank_median([t[name] for t, _ in collected])
+        _CPU[name] = statistics.median(c for _, cpus in collected for c in cpus[name])
+    # read by bench/plot.py in preference to the per-provider medians
+    benchmark.extra_info["interleaved_median_step_ms"] = {
+        name: round(1e3 * _MEDIANS[name], 3) for name in group
+    }
     for name in group:
         for label, ref in (("torch", REFERENCE.get(name)), ("no_comm", NO_COMM.get(name))):
-            if ref is None or name not in _MEDIANS or ref not in _MEDIANS:
+            if ref is None or ref not in _MEDIANS:
                 continue
             ratio = _MEDIANS[name] / _MEDIANS[ref]
+            cpu_ratio = _CPU[name] / _CPU[ref]
             benchmark.extra_info[f"ratio_{name}_over_{label}"] = round(ratio, 4)
+            benchmark.extra_info[f"cpu_ratio_{name}_over_{label}"] = round(cpu_ratio, 4)
             print(
-                f"\nDDP step ({device}, {pool.world_size} ranks): {name} "
-                f"{1e3 * _MEDIANS[name]:.2f} ms, {ref} {1e3 * _MEDIANS[ref]:.2f} ms, "
+                f"\nDDP step ({device}, {pool.world_size} ranks, {rounds} interleaved rounds): "
+                f"{name} {1e3 * _MEDIANS[name]:.2f} ms, {ref} {1e3 * _MEDIANS[ref]:.2f} ms, "
                 f"ratio {ratio:.3f}; CPU per rank {1e3 * _CPU[name]:.2f} ms against "
-                f"{1e3 * _CPU[ref]:.2f} ms"
+                f"{1e3 * _CPU[ref]:.2f} ms (ratio {cpu_ratio:.3f})"
             )
-    assert median > 0
 
 
 @pytest.mark.parametrize("provider", MAIN)

@@ -1,7 +1,8 @@
 """Training-step time with gradient clipping: what the norm adds to a DDP step.
 
-A sibling of ``bench/test_ddp.py`` (same model, data, rank pool and alternation): a stack of
-``Linear(1024, 1024) + ReLU`` layers, ~10.5M parameters, batch 64, SGD. Four providers:
+A sibling of ``bench/test_ddp.py`` (same model, data and rank pool, from ``_ddp_common``): a
+stack of ``Linear(1024, 1024) + ReLU`` layers, ~10.5M parameters, batch 64, SGD (the shape
+follows ``FASTCOMM_BENCH_DDP_MLP`` too). Four providers:
 
 - ``fastcomm`` / ``fastcomm-clip``: fastcomm DDP (shm on CPU, NCCL on a GPU) without and with
   ``model.clip_grad_norm_(1.0)`` after backward, which takes the norm from the sums of
@@ -25,56 +26,52 @@ steps -- a smoke test that finishes in seconds.
 
 from __future__ import annotations
 
-import os
-import statistics
 import time
 
 import pytest
 import torch
+from _ddp_common import (
+    BATCH,
+    ON_GPU,
+    build_mlp,
+    init_rank,
+    mlp_shape,
+    quick,
+    rank_batch,
+    rank_pool,
+    slowest_rank_median,
+)
 
-from tests.harness import STATE, RankPool
+from tests.harness import STATE
 
-ON_GPU = torch.cuda.is_available()
 PROVIDERS = ["fastcomm", "fastcomm-clip", "torch", "torch-clip"]
 MAX_NORM = 1.0
 _MEDIANS: dict[str, float] = {}
 
 
-def _quick(config) -> bool:
-    return bool(os.environ.get("FASTCOMM_BENCH_QUICK")) or config.getoption("benchmark_disable")
-
-
 # ---------------------------------------------------------------------- rank side
 def setup_models(width: int, depth: int, batch: int, gpu: bool) -> int:
-    import torch.distributed as dist
     from torch import nn
 
     from fastcomm.ddp import DDP
     from tests.harness import rank_comm
 
-    torch.set_num_threads(1)
-    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if gpu else "gloo")
+    device = init_rank(gpu)
     comm = rank_comm("nccl" if gpu else "shm")
-
-    def build():
-        torch.manual_seed(0)
-        layers = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())]
-        return nn.Sequential(*layers).to(device)
-
-    ours = DDP(build(), comm=comm)
-    theirs = nn.parallel.DistributedDataParallel(build(), device_ids=[0] if gpu else None)
+    ours = DDP(build_mlp(width, depth, device), comm=comm)
+    theirs = nn.parallel.DistributedDataParallel(
+        build_mlp(width, depth, device), device_ids=[0] if gpu else None
+    )
     models = {"fastcomm": ours, "fastcomm-clip": ours, "torch": theirs, "torch-clip": theirs}
-    gen = torch.Generator().manual_seed(int(os.environ["RANK"]))
+    x, y = rank_batch(batch, width, device)
     STATE["health_bench"] = {
         "models": models,
         "opts": {
             "fastcomm": torch.optim.SGD(ours.parameters(), lr=1e-3),
             "torch": torch.optim.SGD(theirs.parameters(), lr=1e-3),
         },
-        "x": torch.randn(batch, width, generator=gen).to(device),
-        "y": torch.randn(batch, width, generator=gen).to(device),
+        "x": x,
+        "y": y,
         "times": {k: [] for k in PROVIDERS},
         "clip_times": {k: [] for k in PROVIDERS if k.endswith("-clip")},
         "sources": [],
@@ -126,16 +123,11 @@ def teardown_models() -> None:
 # ---------------------------------------------------------------------- pytest side
 @pytest.fixture(scope="module")
 def ranks(request):
-    quick = _quick(request.config)
-    width, depth = (256, 4) if quick else (1024, 10)
-    if ON_GPU:
-        env = {"CUDA_VISIBLE_DEVICES": "0", "FASTCOMM_TEST_DEVICE": "0"}
-        pool = RankPool(1, env=env, timeout=300)
-    else:
-        pool = RankPool(2, env={"TRITON_INTERPRET": "0"}, timeout=300)
-    with pool:
-        params = pool.run(setup_models, width, depth, 64, ON_GPU)[0]
-        yield pool, params, quick
+    quick_mode = quick(request.config)
+    width, depth = mlp_shape(quick_mode)
+    with rank_pool() as pool:
+        params = pool.run(setup_models, width, depth, BATCH, ON_GPU)[0]
+        yield pool, params, quick_mode
         pool.run(teardown_models)
 
 
@@ -153,8 +145,7 @@ def test_clipped_train_step(benchmark, ranks, provider):
 
     benchmark.pedantic(step, setup=alternate, rounds=rounds, iterations=1, warmup_rounds=1)
     results = pool.run(collect)
-    per_step = [max(ts) for ts in zip(*(r[0][provider] for r in results), strict=True)]
-    median = statistics.median(per_step)
+    median = slowest_rank_median([r[0][provider] for r in results])
     _MEDIANS[provider] = median
     device = "cuda" if ON_GPU else "cpu"
     benchmark.extra_info.update(
@@ -170,9 +161,7 @@ def test_clipped_train_step(benchmark, ranks, provider):
     if provider.endswith("-clip"):
         base = _MEDIANS[provider.removesuffix("-clip")]
         # the clip call alone, timed on the ranks: far less exposed to machine noise
-        clip = statistics.median(
-            max(ts) for ts in zip(*(r[2][provider] for r in results), strict=True)
-        )
+        clip = slowest_rank_median([r[2][provider] for r in results])
         benchmark.extra_info["ratio_clip_over_unclipped"] = round(median / base, 4)
         benchmark.extra_info["rank_median_clip_call_ms"] = round(1e3 * clip, 3)
         print(

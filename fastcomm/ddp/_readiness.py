@@ -70,7 +70,7 @@ class Readiness:
         record = {
             "launched": reducer.next_bucket,
             "buckets": len(reducer.buckets),
-            "missing": [i for i, s in enumerate(reducer._ready) if s == 0],
+            "missing": reducer.missing_gradients(),
         }
         self.store.set(self._key(step, reducer.comm.rank), json.dumps(record))
         self._published_step = step
@@ -131,9 +131,9 @@ class Readiness:
         return "\n".join(lines)
 
     def wait(self, bucket):
-        """``reducer._wait(bucket)``; a timeout is re-raised with the ranks' readiness."""
+        """``reducer.wait_bucket(bucket)``; a timeout is re-raised with the ranks' readiness."""
         try:
-            return self.reducer._wait(bucket)
+            return self.reducer.wait_bucket(bucket)
         except Exception as exc:
             if self.store is None or not _is_timeout(exc):
                 raise

@@ -4,7 +4,8 @@ Swap the class and keep the script: the constructor takes torch's arguments in t
 (plus ``comm=``, keyword only), ``.module``, ``state_dict()`` (keys prefixed ``module.``),
 ``no_sync()``, ``join()`` and ``register_comm_hook`` behave as torch's. The gradient reduction
 is fastcomm's: buckets packed with the fused kernel (averaging folded in), allreduces launched
-from the autograd hooks so they overlap the rest of backward, one unpack per bucket at the end.
+from the autograd hooks so they overlap the rest of backward, one unpack per bucket at the end
+(on CPU, gradients of a MiB or more are reduced in place instead, see ``in_place.py``).
 
 Communicator: ``comm`` if given; else ``process_group`` adapted (`TorchPGCommunicator`); else
 ``fastcomm.get_world()`` when ``fastcomm.init()`` ran; else, for a CPU module whose default
@@ -415,7 +416,7 @@ class DDP(nn.Module):
                 "DistributedDataParallel is constructed."
             )
         self.config.static_graph = True
-        self.reducer._recording = True
+        self.reducer.adopt_static_graph()
         if self.find_unused_parameters:
             warnings.warn(
                 "You passed find_unused_parameters=true to DistributedDataParallel, "

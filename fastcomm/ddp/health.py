@@ -6,7 +6,9 @@ bucket also leaves ``[sum of squares, non-finite count]`` in one row of ``stats`
 on the gradients' device, never read by the host unless asked). After the allreduce every
 rank holds the same averaged gradients, hence the same rows: the norm and the NaN/Inf verdict
 need no collective. Where the unpack runs torch ops (CPU) the statistics cannot share its
-pass, so the rows are filled on demand from the gradients the unpack wrote (``eager``).
+pass, so the rows are filled on demand from the gradients the unpack wrote (``eager``). A CPU
+bucket whose large gradients were reduced in place (``in_place.py``) has a shorter unpack (its
+small gradients only); its row is filled on demand the same way, over all its gradients.
 
 Validity: the rows describe the gradients as the unpack left them. They are used only when
 the last synchronized backward unpacked every bucket (no ``no_sync`` step since, no skipped
@@ -85,15 +87,26 @@ class GradHealth:
 
     def unpack(self, bucket, value: torch.Tensor, targets: list[torch.Tensor | None]) -> None:
         """The reducer's unpack of one reduced bucket, measuring what it writes."""
-        stats = self.stats[bucket.index]
         if not self.eager:
             unpack_bucket(bucket, value, targets)
             self._lazy[bucket.index] = targets  # _measure skips the None entries
         elif all(t is not None and t.is_contiguous() for t in targets):
-            kernels.unpack_with_stats(value, targets, stats=stats)
+            kernels.unpack_with_stats(value, targets, stats=self.stats[bucket.index])
         else:  # a gap (unused parameter) or a channels-last gradient: the plain unpack
             unpack_grads(value, targets, bucket.offsets, bucket.numel, plan=bucket.plan)
-            self._measure(targets, stats)
+            self._measure(targets, self.stats[bucket.index])
+        self._record(bucket, targets)
+
+    def written(self, bucket, targets: list[torch.Tensor | None]) -> None:
+        """The reducer wrote `bucket`'s averaged gradients into `targets` without an unpack
+        (reduced in place, see ``in_place.py``): measured like an unpack's."""
+        if self.eager:
+            self._measure(targets, self.stats[bucket.index])
+        else:
+            self._lazy[bucket.index] = targets
+        self._record(bucket, targets)
+
+    def _record(self, bucket, targets: list[torch.Tensor | None]) -> None:
         self._unpacked += 1
         # one record per bucket on the hot path; clip_grad_norm_ checks it parameter by parameter
         if any(t is None for t in targets) and any(

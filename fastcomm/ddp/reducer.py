@@ -12,6 +12,9 @@ One iteration, as the reducer sees it:
 3. ``_finalize`` (end of backward) waits for each bucket in order and unpacks the reduced
    buffer into ``.grad`` (nothing to unpack with ``gradient_as_bucket_view``).
 
+A CPU bucket with gradients of a MiB or more reduces those in place instead of packing them,
+where that gives the same results (``in_place.py``): its unpack copies only the small ones.
+
 Buckets start in reverse registration order; after the first synchronized iteration they are
 rebuilt once in the order gradients arrived on rank 0 (broadcast, so every rank builds the
 same buckets). A parameter that never got its gradient leaves its bucket unlaunched: the next
@@ -42,8 +45,9 @@ from fastcomm.comm.base import Communicator
 from fastcomm.comm.work import Work
 
 from . import sparse as _sparse
-from .bucket import Bucket, GradBucket, pack_bucket, unpack_bucket
+from .bucket import Bucket, GradBucket, fp32_scale_cached, pack_bucket, unpack_bucket
 from .config import DDPConfig
+from .in_place import InPlaceReduction, in_place_plan, launch_in_place, write_back
 
 __all__ = ["Reducer", "find_unused"]
 
@@ -141,6 +145,11 @@ class Reducer:
             for i, view in zip(bucket.param_indices, bucket.views, strict=True):
                 self._bucket_of[i] = bucket.index
                 self.grad_views[i] = view
+        # buckets whose large gradients are reduced in place (see in_place.py); with
+        # gradient_as_bucket_view there is no pack or unpack to save
+        self._in_place = [
+            None if self.bucket_view else in_place_plan(b, self.comm) for b in self.buckets
+        ]
         if self.bucket_view and old:
             # .grad views of the old buckets move into the new ones (values kept).
             old_ptrs = {v.data_ptr() for b in old if not b.sparse for v in b.views if v.numel()}
@@ -175,6 +184,18 @@ class Reducer:
         self._recording = False
         self.rebuild_due = False
         self.rebuilt = True
+
+    def adopt_static_graph(self) -> None:
+        """Takes ``config.static_graph`` turned on after construction (torch's
+        ``_set_static_graph``, before the first backward): the first synchronized backward
+        records its arrival order for the rebuild, as it does when the flag is given upfront."""
+        if not self.config.static_graph or self.synced_iterations:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: adopt_static_graph needs config.static_graph set and "
+                f"no synchronized iteration yet (got static_graph={self.config.static_graph}, "
+                f"{self.synced_iterations} iteration(s))"
+            )
+        self._recording = True
 
     # ------------------------------------------------------------------ iteration
     def prepare_for_forward(self) -> None:
@@ -315,6 +336,12 @@ class Reducer:
             )
             self._results[bucket.index] = self.comm_hook(self.hook_state, grad_bucket)
             return
+        plan = self._in_place[bucket.index]
+        if plan is not None:
+            self._results[bucket.index] = launch_in_place(
+                bucket, plan, grads, fp32_scale_cached(self.scale), self.comm, self._create_graph
+            )
+            return
         flat = bucket.flat
         if self.bucket_view:
             if self.scale != 1.0:
@@ -355,7 +382,7 @@ class Reducer:
                 self._mark_unused(i)
             self._launch_ready()
         if self.next_bucket < len(self.buckets):
-            self._incomplete = [i for i, s in enumerate(self._ready) if s == _WAITING]
+            self._incomplete = self.missing_gradients()
             if self.health is not None:
                 self.health.readiness.publish()  # the ranks waiting for a bucket read it
             return
@@ -373,7 +400,7 @@ class Reducer:
         if health is not None:
             health.begin_step()
         for bucket in self.buckets:
-            value = self._wait(bucket) if health is None else health.wait(bucket)
+            value = self.wait_bucket(bucket) if health is None else health.wait(bucket)
             self._write_back(bucket, value, global_unused)
         self._results = []
         self._after_synced_iteration()
@@ -391,7 +418,13 @@ class Reducer:
             self.rebuild_due = True
             self._recording = False
 
-    def _wait(self, bucket: Bucket) -> torch.Tensor | None:
+    def missing_gradients(self) -> list[int]:
+        """Indices of the parameters still waiting for their gradient in this iteration."""
+        return [i for i, s in enumerate(self._ready) if s == _WAITING]
+
+    def wait_bucket(self, bucket: Bucket) -> torch.Tensor | InPlaceReduction | None:
+        """Waits for `bucket`'s reduction of this iteration; its reduced value (``None``:
+        skipped as unused)."""
         result = self._results[bucket.index]
         if result is _SKIPPED:
             return None
@@ -400,6 +433,9 @@ class Reducer:
         if isinstance(result, Work):
             result.wait()
             return bucket.flat
+        if isinstance(result, InPlaceReduction):
+            result.wait()
+            return result
         if not isinstance(result, torch._C.Future):
             raise TypeError(
                 f"comm hook {getattr(self.comm_hook, '__name__', self.comm_hook)!r} returned "
@@ -422,7 +458,10 @@ class Reducer:
         return value.reshape(-1)
 
     def _write_back(
-        self, bucket: Bucket, value: torch.Tensor | None, global_unused: frozenset[int]
+        self,
+        bucket: Bucket,
+        value: torch.Tensor | InPlaceReduction | None,
+        global_unused: frozenset[int],
     ) -> None:
         if value is None:
             return
@@ -446,6 +485,11 @@ class Reducer:
             if g is None:
                 g = p.grad = torch.empty_like(p)
             targets.append(g.detach() if self._create_graph else g)
+        if isinstance(value, InPlaceReduction):
+            write_back(value, targets)  # only what was not reduced in place
+            if self.health is not None:
+                self.health.written(bucket, targets)
+            return
         if self.health is not None:
             self.health.unpack(bucket, value, targets)  # also measures norm and NaN/Inf
             return
@@ -469,6 +513,9 @@ class Reducer:
                     comm=self.comm,
                 )
                 results.append(self.comm_hook(self.hook_state, grad_bucket))
+            elif self._in_place[bucket.index] is not None:
+                plan = self._in_place[bucket.index]
+                results.append(launch_in_place(bucket, plan, None, 1.0, self.comm, False))
             else:
                 bucket.flat.zero_()
                 results.append(self.comm.all_reduce(bucket.flat, async_op=True))

@@ -1,0 +1,176 @@
+"""Large gradients reduced where autograd left them: no pack, no unpack.
+
+The default reduction of a bucket costs two passes over its gradients besides the collective:
+the pack into the bucket's flat buffer (averaging folded in) and the unpack back into ``.grad``.
+For a gradient of ``IN_PLACE_MIN_BYTES`` or more, a collective of its own costs less than the
+unpack's pass, so a CPU bucket that holds such gradients reduces each of them in place (scaled
+in place first, as the pack would: one pass) and packs only its small gradients, into a staging
+buffer of their own reduced by one collective. The unpack then copies only the small ones.
+
+Same results: every element is still ``sum over ranks of (grad * scale)`` with the same scale
+and the same reduction order, because the in-place path is taken only where the reduced value
+of an element does not depend on where it sits in the buffer: two ranks (one addition, which
+commutes), or the shm communicator at any size (it sums the ranks' terms in rank order whatever
+the layout). Gloo at three or more ranks sums in an order that depends on the element's place in
+the ring's chunks, so there the bucket is packed as torch DDP packs it, keeping its results
+bit-identical to torch's.
+
+Same collectives on every rank: which ones a bucket issues depends only on its parameters'
+sizes, never on this rank's gradients. A gradient that cannot be reduced in place here (none
+this iteration, non-contiguous, another dtype, part of a ``create_graph`` graph) is staged in its
+bucket view instead and copied back after the collective.
+
+A gradient being reduced in place holds partial values until the end of backward: code that
+reads ``.grad`` from a hook of its own during backward sees them (as with
+``gradient_as_bucket_view``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .bucket import Bucket
+
+__all__ = ["IN_PLACE_MIN_BYTES", "InPlacePlan", "InPlaceReduction", "in_place_plan"]
+
+# A collective costs tens of microseconds of sequencing; one pass over a MiB, a few hundred.
+IN_PLACE_MIN_BYTES = 1 << 20
+# dtypes whose CPU pack is the same torch multiply as the in-place scaling (fp16/bf16 packs go
+# through the kernels' fp32 arithmetic, which may round twice where the multiply rounds once)
+_SAME_SCALING_DTYPES = (torch.float32, torch.float64)
+
+
+def layout_free(comm) -> bool:
+    """Whether `comm`'s all-reduce gives every element the same value wherever it sits."""
+    return comm.size == 2 or getattr(comm, "backend", "") == "shm"
+
+
+class InPlacePlan:
+    """Which of a bucket's gradients are reduced in place, and the staging of the others.
+
+    Args:
+        bucket: a dense CPU bucket.
+        large: positions in the bucket of the gradients reduced in place.
+    """
+
+    __slots__ = ("large", "small", "staging", "staging_views")
+
+    def __init__(self, bucket: Bucket, large: list[int]) -> None:
+        self.large = large
+        chosen = set(large)
+        self.small = [k for k in range(len(bucket.params)) if k not in chosen]
+        sizes = [bucket.params[k].numel() for k in self.small]
+        self.staging = torch.zeros(sum(sizes), dtype=bucket.dtype, device=bucket.device)
+        self.staging_views = [
+            view.view(bucket.params[k].shape)
+            for k, view in zip(self.small, self.staging.split(sizes), strict=True)
+        ]
+
+
+def in_place_plan(bucket: Bucket, comm) -> InPlacePlan | None:
+    """The plan of `bucket` on `comm`, or ``None`` when it is packed as a whole (sparse, CUDA,
+    fp16/bf16, a layout-dependent reduction, or no gradient of ``IN_PLACE_MIN_BYTES``)."""
+    if (
+        bucket.sparse
+        or bucket.device.type != "cpu"
+        or bucket.dtype not in _SAME_SCALING_DTYPES
+        or not layout_free(comm)
+    ):
+        return None
+    esize = bucket.flat.element_size()
+    large = [
+        k for k, p in enumerate(bucket.params) if p.numel() * esize >= IN_PLACE_MIN_BYTES
+    ]
+    return InPlacePlan(bucket, large) if large else None
+
+
+class InPlaceReduction:
+    """One bucket's in-flight collectives and where each reduced gradient must end up.
+
+    Attributes:
+        works: the collectives, in issue order.
+        reduced: per bucket position, the tensor holding its reduced gradient (the gradient
+            itself, its bucket view, or its staging view).
+    """
+
+    __slots__ = ("works", "reduced")
+
+    def __init__(self, works: list, reduced: list[torch.Tensor]) -> None:
+        self.works = works
+        self.reduced = reduced
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+def launch_in_place(
+    bucket: Bucket,
+    plan: InPlacePlan,
+    grads: Sequence[torch.Tensor | None],
+    scale: float,
+    comm,
+    create_graph: bool,
+) -> InPlaceReduction:
+    """Scales and reduces `bucket`'s large gradients in place and its small ones staged.
+
+    ``grads`` is ``None`` for a joined rank's shadow of the bucket (zeros everywhere).
+    """
+    views = bucket.views
+    reduced: list[torch.Tensor] = [None] * len(views)  # type: ignore[list-item]
+    works = []
+    for k in plan.large:
+        g = None if grads is None else grads[k]
+        view = views[k]
+        if g is None:
+            target = view.zero_()
+        elif create_graph or not _reducible_in_place(g, view):
+            target = view
+            torch.mul(g.detach(), scale, out=target)
+        else:
+            target = g
+            if scale != 1.0:
+                target.mul_(scale)
+        reduced[k] = target
+        works.append(comm.all_reduce(target, async_op=True))
+    if plan.small:
+        staged = plan.staging_views
+        if grads is None:
+            plan.staging.zero_()
+        else:
+            for k, view in zip(plan.small, staged, strict=True):
+                g = grads[k]
+                if g is None:
+                    view.zero_()
+                else:
+                    torch.mul(g.detach() if create_graph else g, scale, out=view)
+        for k, view in zip(plan.small, staged, strict=True):
+            reduced[k] = view
+        works.append(comm.all_reduce(plan.staging, async_op=True))
+    return InPlaceReduction(works, reduced)
+
+
+def _reducible_in_place(g: torch.Tensor, view: torch.Tensor) -> bool:
+    return (
+        type(g) is torch.Tensor
+        and not g.is_sparse
+        and g.dtype == view.dtype
+        and g.device == view.device
+        and g.is_contiguous()
+        and g.shape == view.shape
+    )
+
+
+def write_back(
+    reduction: InPlaceReduction, targets: Sequence[torch.Tensor | None]
+) -> None:
+    """Copies every reduced gradient not already in its target (``None``: leave it)."""
+    dst, src = [], []
+    for target, value in zip(targets, reduction.reduced, strict=True):
+        if target is not None and target is not value:
+            dst.append(target)
+            src.append(value)
+    if dst:
+        torch._foreach_copy_(dst, src)

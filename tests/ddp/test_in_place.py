@@ -1,0 +1,169 @@
+"""Large gradients reduced in place (``fastcomm/ddp/in_place.py``): torch DDP's results, bit for
+bit, over the Gloo group and over shm.
+
+The checks of ``test_ddp.py`` and ``test_torch_parity.py`` run again with the size above which a
+gradient is reduced in place lowered to 512 bytes, so the small test models mix both kinds
+(e.g. the MLP's weights in place, its biases staged): plain steps, many buckets, unused
+parameters (a ``None`` gradient is staged in its bucket view), ``no_sync``, tied weights,
+uneven inputs under ``join`` (the joined rank's shadow collectives must match the others'),
+``create_graph`` and the gradient norm from the write-back. Each check also counts the buckets
+reduced in place, so a run in which the path was not taken fails. Parameters are compared with
+``atol=0`` (see ``tests/ddp/common.py`` for why).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.ddp import test_ddp as base
+from tests.ddp import test_dropin_shm as dropin
+from tests.ddp import test_torch_parity as parity
+from tests.ddp.common import build
+from tests.harness import RankPool, rank_comm
+
+SMALL_THRESHOLD = 512  # bytes: the test models' weights are above it, their biases below
+
+
+# ---------------------------------------------------------------------- checks (every rank)
+def run_in_place(check_name: str, module: str, *args, threshold: int = SMALL_THRESHOLD):
+    """Runs `check_name` of `module` with the lowered threshold; returns the in-place launches."""
+    from fastcomm.ddp import in_place, reducer
+
+    checks = {"base": base, "parity": parity, "dropin": dropin}[module]
+    launches = []
+    real_launch = reducer.launch_in_place
+
+    def counting_launch(bucket, plan, grads, *rest):
+        launches.append(grads is None)
+        return real_launch(bucket, plan, grads, *rest)
+
+    saved = in_place.IN_PLACE_MIN_BYTES
+    in_place.IN_PLACE_MIN_BYTES = threshold
+    reducer.launch_in_place = counting_launch
+    try:
+        getattr(checks, check_name)(*args)
+    finally:
+        in_place.IN_PLACE_MIN_BYTES = saved
+        reducer.launch_in_place = real_launch
+    return len(launches), sum(launches)  # (launches, of which a joined rank's shadows)
+
+
+def check_plan_follows_layout_independence():
+    """In place where the reduced value cannot depend on the layout, packed elsewhere."""
+    from fastcomm.ddp import in_place
+    from fastcomm.ddp.bucket import Bucket
+
+    model = build("mlp")
+    params = list(model.parameters())
+    names = [str(i) for i in range(len(params))]
+    bucket = Bucket(0, list(range(len(params))), params, names)
+    saved = in_place.IN_PLACE_MIN_BYTES
+    in_place.IN_PLACE_MIN_BYTES = SMALL_THRESHOLD
+    try:
+        gloo = rank_comm("gloo")
+        plan = in_place.in_place_plan(bucket, gloo)
+        assert plan is not None and gloo.size == 2
+        large = [params[k].numel() * 4 >= SMALL_THRESHOLD for k in range(len(params))]
+        assert plan.large == [k for k, is_large in enumerate(large) if is_large]
+        assert plan.small == [k for k, is_large in enumerate(large) if not is_large]
+        assert plan.staging.numel() == sum(params[k].numel() for k in plan.small)
+
+        class ThreeRanks:  # Gloo's ring order depends on the layout from three ranks on
+            size, backend = 3, "gloo"
+
+        class ThreeShmRanks:  # shm sums in rank order whatever the layout
+            size, backend = 3, "shm"
+
+        assert in_place.in_place_plan(bucket, ThreeRanks()) is None
+        assert in_place.in_place_plan(bucket, ThreeShmRanks()) is not None
+        half_params = list(build("mlp").half().parameters())
+        half_bucket = Bucket(1, list(range(len(half_params))), half_params, names)
+        assert in_place.in_place_plan(half_bucket, gloo) is None, "fp16 packs with the kernels"
+        in_place.IN_PLACE_MIN_BYTES = 1 << 40
+        assert in_place.in_place_plan(bucket, gloo) is None, "no large gradient: packed"
+    finally:
+        in_place.IN_PLACE_MIN_BYTES = saved
+    return True
+
+
+def check_norm_from_write_back():
+    """``clip_grad_norm_`` takes the norm from what the write-back left, as from an unpack."""
+    from fastcomm.ddp import DDP, in_place
+    from tests.ddp.common import batches, loss_of
+
+    saved = in_place.IN_PLACE_MIN_BYTES
+    in_place.IN_PLACE_MIN_BYTES = SMALL_THRESHOLD
+    try:
+        ddp = DDP(build("mlp", sizes=(16, 64, 64, 4)), comm=rank_comm("shm"))
+    finally:
+        in_place.IN_PLACE_MIN_BYTES = saved
+    assert any(plan is not None for plan in ddp.reducer._in_place)
+    (x, y), = batches("mlp", 1)
+    loss_of("mlp", ddp(x), y).backward()
+    grads = [p.grad.clone() for p in ddp.parameters()]
+    norm = ddp.clip_grad_norm_(1e-3)
+    assert ddp.reducer.health.last_norm_source == "unpack"
+    expected = torch.nn.utils.get_total_norm(grads)
+    torch.testing.assert_close(norm, expected, rtol=1e-5, atol=0)
+    return float(norm)
+
+
+# ---------------------------------------------------------------------- tests (parent)
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(2, timeout=90) as p:
+        yield p
+
+
+BASE_CHECKS = [
+    ("check_plain_mlp",),
+    ("check_many_small_buckets",),
+    ("check_conv_batchnorm",),
+    ("check_unused_parameters", False),
+    ("check_unused_parameters", True),
+    ("check_no_sync",),
+    ("check_tied_weights",),
+    ("check_fastcomm_comm",),
+]
+
+
+@pytest.mark.parametrize("check", BASE_CHECKS, ids=lambda c: "-".join(map(str, c)))
+def test_torch_results_with_in_place_buckets(pool, check):
+    launches = pool.run(run_in_place, check[0], "base", *check[1:])
+    assert all(n > 0 for n, _ in launches), launches
+
+
+@pytest.mark.parametrize("divide_by_initial", [True, False])
+def test_join_shadows_in_place_buckets(pool, divide_by_initial):
+    launches = pool.run(run_in_place, "check_join_uneven", "base", divide_by_initial)
+    # rank 0 runs out of data first: its shadow steps issue the in-place collectives too
+    assert launches[0][1] > 0 and launches[1][1] == 0, launches
+
+
+@pytest.mark.parametrize("bucket_view", [False])
+def test_create_graph_stages_every_gradient(pool, bucket_view):
+    launches = pool.run(run_in_place, "check_create_graph", "parity", bucket_view)
+    assert all(n > 0 for n, _ in launches), launches
+
+
+def test_no_sync_unused_on_one_rank(pool):
+    # Linear(1, 1) layers: 4-byte gradients, all reduced in place at a 4-byte threshold
+    launches = pool.run(
+        run_in_place, "check_no_sync_unused", "parity", False, "none", 2, threshold=4
+    )
+    assert all(n > 0 for n, _ in launches), launches
+
+
+def test_torch_group_and_gloo_communicator(pool):
+    launches = pool.run(run_in_place, "check_explicit_arguments_win", "dropin")
+    assert all(n > 0 for n, _ in launches), launches
+
+
+def test_plan_follows_layout_independence(pool):
+    assert pool.run(check_plan_follows_layout_independence) == [True, True]
+
+
+def test_norm_from_write_back(pool):
+    norms = pool.run(check_norm_from_write_back)
+    assert norms[0] == norms[1] > 0
