@@ -3,7 +3,9 @@
 ``Communicator`` validates arguments (type, device, dtype, contiguity, sizes, ranks, closed
 state) *before* anything is sent, so a bad call raises the same clear error on every backend and
 never leaves a peer waiting on half a collective. Backends implement the ``_impl_*`` methods,
-which may assume validated arguments and return a :class:`Work`.
+which receive validated, non-empty tensors on a device they move and return the
+:class:`~fastcomm.comm.work.Task` that moves the data; ``Communicator`` runs every task the same
+way (``_run``), in issue order.
 
 Collective ordering: like NCCL and Gloo, every rank must issue the same collectives in the same
 order. Store-based helpers (``split``, object exchange) number their keys with a per-communicator
@@ -13,7 +15,7 @@ sequence that advances identically on every rank for that reason.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -23,7 +25,7 @@ import torch
 from .errors import CommClosedError
 from .store import Store, as_timedelta
 from .types import SUPPORTED_DTYPES, ReduceOp
-from .work import Work, completed_work
+from .work import OrderedExecutor, Task, Work, completed_work, wrap_error
 
 __all__ = ["Communicator", "CommStats", "DEFAULT_TIMEOUT"]
 
@@ -90,6 +92,7 @@ class Communicator(abc.ABC):
         self._closed = False
         self._seq = 0
         self.stats = CommStats()
+        self._executor = OrderedExecutor(f"fastcomm-{self.backend}-r{rank}", rank, self._run_task)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -157,33 +160,60 @@ class Communicator(abc.ABC):
         return peer
 
     # ------------------------------------------------------------------ collectives
+    # Every collective is the same preamble: check the arguments (before anything is sent, so a
+    # bad call never leaves a peer waiting), count it, answer an empty tensor at once (every
+    # rank has the same sizes, so every rank skips together), pick the communicator that moves
+    # tensors on that device (`route`), and run the task its backend builds (`_run`).
     def all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, async_op: bool = False
     ) -> Work | None:
         """Reduces ``tensor`` across ranks, in place.
 
+        Args:
+            tensor: the contiguous tensor to reduce, the same shape and dtype on every rank.
+            op: the reduction (a :class:`ReduceOp`, its name, or torch's ``dist.ReduceOp``).
+            async_op: return a :class:`Work` at once instead of waiting.
+
+        Returns:
+            The ``Work`` when ``async_op`` is true, else ``None`` once the result is in place.
+
         Raises:
-            TypeError: not a tensor, or an unsupported dtype (``AVG`` needs a number type).
+            TypeError: not a tensor, or an unsupported dtype.
             ValueError: wrong device, non-contiguous, unknown op.
         """
         self._check_open("all_reduce")
         self._check_tensor(tensor, "all_reduce")
         op = ReduceOp.coerce(op)
         self.stats.record("all_reduce", tensor)
-        return self._finish(self._impl_all_reduce(tensor, op), async_op)
+        if not tensor.numel():
+            return self._nothing_to_move("all_reduce", tensor, async_op)
+        return self._run(self.route(tensor.device)._impl_all_reduce(tensor, op), async_op)
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
-        """Copies ``tensor`` of rank ``src`` into ``tensor`` of every rank."""
+    def broadcast(
+        self, tensor: torch.Tensor, src: int = 0, async_op: bool = False
+    ) -> Work | None:
+        """Copies ``tensor`` of rank ``src`` into ``tensor`` of every rank.
+
+        Raises:
+            TypeError, ValueError: as for :meth:`all_reduce`; ``src`` out of range.
+        """
         self._check_open("broadcast")
         self._check_tensor(tensor, "broadcast")
         self._check_peer(src, "broadcast", "src")
         self.stats.record("broadcast", tensor)
-        return self._finish(self._impl_broadcast(tensor, src), async_op)
+        if not tensor.numel():
+            return self._nothing_to_move("broadcast", tensor, async_op)
+        return self._run(self.route(tensor.device)._impl_broadcast(tensor, src), async_op)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+    ) -> Work | None:
         """Writes every rank's ``input`` into ``output`` in rank order.
 
         ``output`` has ``size * input.numel()`` elements (any shape, e.g. ``(size, *shape)``).
+
+        Raises:
+            TypeError, ValueError: as for :meth:`all_reduce`; mismatched dtypes, devices or sizes.
         """
         self._check_open("all_gather")
         self._check_pair(output, input, "all_gather")
@@ -193,7 +223,9 @@ class Communicator(abc.ABC):
                 f"input.numel() = {self.size} * {input.numel()} = {self.size * input.numel()}"
             )
         self.stats.record("all_gather", input)
-        return self._finish(self._impl_all_gather(output, input), async_op)
+        if not input.numel():
+            return self._nothing_to_move("all_gather", output, async_op)
+        return self._run(self.route(input.device)._impl_all_gather(output, input), async_op)
 
     def reduce_scatter(
         self,
@@ -201,10 +233,13 @@ class Communicator(abc.ABC):
         input: torch.Tensor,
         op: ReduceOp | str = ReduceOp.SUM,
         async_op: bool = False,
-    ):
+    ) -> Work | None:
         """Reduces ``input`` across ranks and leaves slice ``rank`` of the result in ``output``.
 
         ``input`` has ``size * output.numel()`` elements.
+
+        Raises:
+            TypeError, ValueError: as for :meth:`all_gather`; unknown op.
         """
         self._check_open("reduce_scatter")
         self._check_pair(output, input, "reduce_scatter")
@@ -215,11 +250,20 @@ class Communicator(abc.ABC):
                 f"output.numel() = {self.size} * {output.numel()} = {self.size * output.numel()}"
             )
         self.stats.record("reduce_scatter", input)
-        return self._finish(self._impl_reduce_scatter(output, input, op), async_op)
+        if not output.numel():
+            return self._nothing_to_move("reduce_scatter", output, async_op)
+        task = self.route(input.device)._impl_reduce_scatter(output, input, op)
+        return self._run(task, async_op)
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+    ) -> Work | None:
         """Sends slice ``j`` of ``input`` to rank ``j``; slice ``i`` of ``output`` comes from
-        rank ``i`` (equal splits of the flattened tensors)."""
+        rank ``i`` (equal splits of the flattened tensors).
+
+        Raises:
+            TypeError, ValueError: as for :meth:`all_gather`.
+        """
         self._check_open("all_to_all")
         self._check_pair(output, input, "all_to_all")
         if output.numel() != input.numel() or input.numel() % self.size:
@@ -228,39 +272,87 @@ class Communicator(abc.ABC):
                 f"must have the same number of elements, divisible by size {self.size}"
             )
         self.stats.record("all_to_all", input)
-        return self._finish(self._impl_all_to_all(output, input), async_op)
+        if not input.numel():
+            return self._nothing_to_move("all_to_all", output, async_op)
+        return self._run(self.route(input.device)._impl_all_to_all(output, input), async_op)
 
-    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False):
-        """Sends ``tensor`` to rank ``dst`` (which must call ``recv`` with ``src`` = us)."""
+    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> Work | None:
+        """Sends ``tensor`` to rank ``dst`` (which must call ``recv`` with ``src`` = us).
+
+        Raises:
+            TypeError, ValueError: as for :meth:`all_reduce`; ``dst`` out of range or this rank.
+        """
         self._check_open("send")
         self._check_tensor(tensor, "send")
         self._check_peer(dst, "send", "dst")
         if dst == self.rank:
             raise ValueError(f"send: dst={dst} is this rank; a rank cannot send to itself")
         self.stats.record("send", tensor)
-        return self._finish(self._impl_send(tensor, dst), async_op)
+        if not tensor.numel():
+            return self._nothing_to_move("send", tensor, async_op)
+        return self._run(self.route(tensor.device)._impl_send(tensor, dst), async_op)
 
-    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False):
-        """Receives into ``tensor`` from rank ``src``."""
+    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Work | None:
+        """Receives into ``tensor`` from rank ``src``.
+
+        Raises:
+            TypeError, ValueError: as for :meth:`all_reduce`; ``src`` out of range or this rank.
+        """
         self._check_open("recv")
         self._check_tensor(tensor, "recv")
         self._check_peer(src, "recv", "src")
         if src == self.rank:
             raise ValueError(f"recv: src={src} is this rank; a rank cannot receive from itself")
         self.stats.record("recv", None)
-        return self._finish(self._impl_recv(tensor, src), async_op)
+        if not tensor.numel():
+            return self._nothing_to_move("recv", tensor, async_op)
+        return self._run(self.route(tensor.device)._impl_recv(tensor, src), async_op)
 
-    def barrier(self, async_op: bool = False):
+    def barrier(self, async_op: bool = False) -> Work | None:
         """Returns once every rank has entered the barrier."""
         self._check_open("barrier")
         self.stats.record("barrier", None)
-        return self._finish(self._impl_barrier(), async_op)
+        return self._run(self._impl_barrier(), async_op)
 
-    def _finish(self, work: Work, async_op: bool) -> Work | None:
-        if async_op:
+    # ------------------------------------------------------------------ execution
+    def route(self, device: torch.device | str) -> Communicator:
+        """The communicator that moves tensors on ``device``: this one, unless a backend hands
+        some devices to a fallback (``shm`` and ``hier`` send CUDA tensors to Gloo)."""
+        return self
+
+    def _run(self, task: Task, async_op: bool) -> Work | None:
+        """Runs ``task`` in issue order: the one way every backend's operations execute.
+
+        A task with an executor runs there (on the caller's thread when nothing is pending and
+        the caller waits); one without is issued now, and its backend completes the ``Work``.
+        """
+        executor = task.executor
+        work = task.run() if executor is None else executor.run(task, async_op)
+        if async_op or work is None:
             return work
         work.wait()
         return None
+
+    def _run_task(self, task: Task, start: float) -> None:
+        """Runs one task for an :class:`OrderedExecutor` (``start``: when it was issued); its
+        error comes out naming the rank, the operation and the elapsed time."""
+        try:
+            task.run()
+        except Exception as exc:
+            error = wrap_error(task.op, self.rank, start, exc)
+            if error is exc:
+                raise
+            raise error from exc
+
+    def _task(self, op: str, output: torch.Tensor | None, run: Callable[[], None]) -> Task:
+        """A task for this communicator's executor (backends whose ``run`` blocks)."""
+        return Task(op, output, run, self._executor)
+
+    def _nothing_to_move(
+        self, op: str, output: torch.Tensor | None, async_op: bool
+    ) -> Work | None:
+        """The outcome of an operation on empty tensors: done, with nothing sent."""
+        return completed_work(op, self.rank, output) if async_op else None
 
     # ------------------------------------------------------------------ store helpers
     def _next_name(self, what: str) -> str:
@@ -344,35 +436,34 @@ class Communicator(abc.ABC):
         yield
 
     # ------------------------------------------------------------------ backend hooks
+    # Called only with validated, non-empty tensors on a device this backend moves (`route`);
+    # each returns the :class:`Task` that moves the data, and `_run` runs it.
     @abc.abstractmethod
-    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work: ...
+    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Task: ...
 
     @abc.abstractmethod
-    def _impl_broadcast(self, tensor: torch.Tensor, src: int) -> Work: ...
+    def _impl_broadcast(self, tensor: torch.Tensor, src: int) -> Task: ...
 
     @abc.abstractmethod
-    def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work: ...
+    def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Task: ...
 
     @abc.abstractmethod
     def _impl_reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp
-    ) -> Work: ...
+    ) -> Task: ...
 
     @abc.abstractmethod
-    def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Work: ...
+    def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Task: ...
 
     @abc.abstractmethod
-    def _impl_send(self, tensor: torch.Tensor, dst: int) -> Work: ...
+    def _impl_send(self, tensor: torch.Tensor, dst: int) -> Task: ...
 
     @abc.abstractmethod
-    def _impl_recv(self, tensor: torch.Tensor, src: int) -> Work: ...
+    def _impl_recv(self, tensor: torch.Tensor, src: int) -> Task: ...
 
     @abc.abstractmethod
-    def _impl_barrier(self) -> Work: ...
+    def _impl_barrier(self) -> Task: ...
 
-    def _impl_close(self) -> None:  # noqa: B027 - backends without resources keep it empty
-        return None
-
-    # utilities for backends
-    def _done(self, op: str, output: torch.Tensor | None) -> Work:
-        return completed_work(op, self.rank, output)
+    def _impl_close(self) -> None:
+        """Releases the backend's resources (called once, by :meth:`close`)."""
+        self._executor.close(timeout=5.0)

@@ -13,14 +13,13 @@ ranks are ordered by global rank and the first is the host's leader.
 ``all_reduce`` = reduce to the leader in the host, all-reduce across leaders, broadcast in the
 host (``AVG`` sums and the leader divides once, so integers truncate as elsewhere).
 ``broadcast`` = in the source's host to its leader, across leaders, then in every other host.
-``barrier`` = in host, across leaders, in host. Hierarchical calls run in issue order on one
-lane (as ``shm``'s do); ``world`` calls are ordered by Gloo itself.
+``barrier`` = in host, across leaders, in host. Hierarchical calls run in issue order on the
+communicator's executor (as ``shm``'s do); ``world`` calls are ordered by Gloo itself.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from datetime import timedelta
 
 import torch
@@ -31,7 +30,7 @@ from .shm import ShmCommunicator
 from .shm.segment import host_id
 from .store import Store
 from .types import ReduceOp, divide_
-from .work import Lane, Work, wrap_error
+from .work import Task
 
 __all__ = ["HierCommunicator"]
 
@@ -89,7 +88,6 @@ class HierCommunicator(Communicator):
                 self.timeout,
             )
         self.world = GlooCommunicator(store.prefixed("hier/world"), rank, size, self.timeout)
-        self._lane = Lane(f"fastcomm-hier-r{rank}")
         self._told_route = False
 
     @property
@@ -126,32 +124,6 @@ class HierCommunicator(Communicator):
     def _new_child(self, store: Store, rank: int, size: int, timeout: timedelta):
         return HierCommunicator(store, rank, size, timeout)
 
-    # ------------------------------------------------------------------ execution
-    def _finish(self, task, async_op: bool) -> Work | None:
-        if isinstance(task, Work):
-            return super()._finish(task, async_op)
-        op, output, fn = task
-        if not async_op and self._lane.busy == 0:
-            start = time.monotonic()
-            try:
-                fn()
-            except Exception as exc:
-                raise wrap_error(op, self.rank, start, exc) from exc
-            return None
-        work = Work(op, self.rank, output)
-
-        def run() -> None:
-            try:
-                fn()
-            except Exception as exc:
-                raise wrap_error(op, self.rank, work.start, exc) from exc
-
-        self._lane.submit(work, run)
-        if async_op:
-            return work
-        work.wait()
-        return None
-
     # ------------------------------------------------------------------ hierarchical ops
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
         inner = ReduceOp.SUM if op is ReduceOp.AVG else op
@@ -182,42 +154,36 @@ class HierCommunicator(Communicator):
         if self.intra is not None:
             self.intra.barrier()
 
-    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp):
-        if tensor.device.type != "cpu":
-            return self.route(tensor.device)._impl_all_reduce(tensor, op)
-        if tensor.numel() == 0:
-            return self._done("all_reduce", tensor)
-        return ("all_reduce", tensor, lambda: self._all_reduce(tensor, op))
+    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Task:
+        return self._task("all_reduce", tensor, lambda: self._all_reduce(tensor, op))
 
-    def _impl_broadcast(self, tensor: torch.Tensor, src: int):
-        if tensor.device.type != "cpu":
-            return self.route(tensor.device)._impl_broadcast(tensor, src)
-        if tensor.numel() == 0:
-            return self._done("broadcast", tensor)
-        return ("broadcast", tensor, lambda: self._broadcast(tensor, src))
+    def _impl_broadcast(self, tensor: torch.Tensor, src: int) -> Task:
+        return self._task("broadcast", tensor, lambda: self._broadcast(tensor, src))
 
-    def _impl_barrier(self):
-        return ("barrier", None, self._barrier)
+    def _impl_barrier(self) -> Task:
+        return self._task("barrier", None, self._barrier)
 
     # ------------------------------------------------------------------ flat ops (Gloo)
-    def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+    def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Task:
         return self.world._impl_all_gather(output, input)
 
-    def _impl_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp):
+    def _impl_reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp
+    ) -> Task:
         return self.world._impl_reduce_scatter(output, input, op)
 
-    def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+    def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Task:
         return self.world._impl_all_to_all(output, input)
 
-    def _impl_send(self, tensor: torch.Tensor, dst: int) -> Work:
+    def _impl_send(self, tensor: torch.Tensor, dst: int) -> Task:
         return self.world._impl_send(tensor, dst)
 
-    def _impl_recv(self, tensor: torch.Tensor, src: int) -> Work:
+    def _impl_recv(self, tensor: torch.Tensor, src: int) -> Task:
         return self.world._impl_recv(tensor, src)
 
     # ------------------------------------------------------------------ lifetime
     def _impl_close(self) -> None:
-        self._lane.close(timeout=5.0)
+        super()._impl_close()
         for comm in (self.intra, self.leaders, self.world):
             if comm is not None:
                 comm.close()
