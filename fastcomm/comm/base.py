@@ -23,13 +23,11 @@ from typing import Any
 import torch
 
 from .errors import CommClosedError
-from .store import Store, as_timedelta
+from .store import DEFAULT_TIMEOUT, Store, as_timedelta
 from .types import SUPPORTED_DTYPES, ReduceOp
 from .work import OrderedExecutor, Task, Work, completed_work, wrap_error
 
-__all__ = ["Communicator", "CommStats", "DEFAULT_TIMEOUT"]
-
-DEFAULT_TIMEOUT = timedelta(minutes=10)
+__all__ = ["Communicator", "CommStats"]
 
 
 class CommStats:
@@ -69,7 +67,8 @@ class Communicator(abc.ABC):
         store: a store namespace private to this communicator (the same on every member).
         rank: this process's rank in ``[0, size)``.
         size: number of ranks.
-        timeout: how long any collective may take before it raises (seconds or timedelta).
+        timeout: how long any collective may take before it raises (seconds or timedelta;
+            default :data:`~fastcomm.comm.store.DEFAULT_TIMEOUT`).
     """
 
     backend: str = "base"

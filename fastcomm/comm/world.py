@@ -34,8 +34,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .base import DEFAULT_TIMEOUT, Communicator
-from .store import Store, as_timedelta
+from .base import Communicator
+from .store import DEFAULT_TIMEOUT, Store
 
 __all__ = [
     "init", "get_world", "shutdown", "new_communicator", "is_initialized", "BACKENDS",
@@ -305,7 +305,6 @@ def init(
     global _WORLD, _WORLD_STORE, _INIT_COUNT
     if _WORLD is not None:
         raise RuntimeError("fastcomm.init() was already called; call fastcomm.shutdown() first")
-    timeout = as_timedelta(timeout, DEFAULT_TIMEOUT)
     world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
     rank = _env_int("RANK", 0 if world_size == 1 else None) if rank is None else rank
     if not 0 <= rank < world_size:
