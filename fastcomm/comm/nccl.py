@@ -50,7 +50,7 @@ def cupy_nccl():
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            from cupy.cuda import nccl
+            from cupy.cuda import nccl  # optional dependency: CPU-only installs never load it
     except Exception:  # ImportError, or CUDA runtime errors on import
         return None
     return nccl if hasattr(nccl, "NcclCommunicator") else None
@@ -208,7 +208,7 @@ class NcclCommunicator(Communicator):
                 "the nccl backend needs CUDA and CuPy with libnccl "
                 "(pip install 'fastcomm[cuda12]'); use backend='gloo' on CPU"
             )
-        import cupy
+        import cupy  # optional (the cuda extra): loaded only where an NCCL communicator is built
 
         self._nccl = nccl
         if device is None:
@@ -403,7 +403,7 @@ class NcclCommunicator(Communicator):
         native = getattr(self._comm, "commSplit", None)
         if native is None:
             return super()._split_child(color, name, new_rank, new_size, parent_ranks, timeout)
-        import cupy
+        import cupy  # optional, as in __init__
 
         with cupy.cuda.Device(self._device.index):
             child = native(-1 if color is None else color, new_rank if color is not None else 0)

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from ..base import Communicator
 from ..errors import CommAbortedError, CommClosedError, FastcommError
+from ..pg.gloo import GlooCommunicator
 from ..store import Store
 from ..types import ReduceOp
 from ..work import OrderedExecutor, Task, Work, wrap_error
@@ -177,8 +178,6 @@ class ShmCommunicator(Communicator):
         self._fallback = None
         self._told_route = False
         if fallback:
-            from ..pg.gloo import GlooCommunicator
-
             self._fallback = GlooCommunicator(
                 store.prefixed("fallback"), rank, size, self.timeout
             )
