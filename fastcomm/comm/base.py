@@ -354,7 +354,20 @@ class Communicator(abc.ABC):
         return completed_work(op, self.rank, output) if async_op else None
 
     # ------------------------------------------------------------------ store helpers
-    def _next_name(self, what: str) -> str:
+    def next_key(self, what: str) -> str:
+        """A store key prefix unique to this use, the same on every rank: ``"<what>/<n>"``.
+
+        A collective call in effect: ``n`` counts this communicator's calls, so every rank must
+        call it in the same order (as it issues collectives). Store helpers (``split``, object
+        exchange) and callers that keep their own keys in :attr:`store` use it, so two uses never
+        read each other's values.
+
+        Args:
+            what: names the use (``"split"``), for readable keys.
+
+        Returns:
+            The prefix, e.g. ``"split/3"``.
+        """
         self._seq += 1
         return f"{what}/{self._seq}"
 
@@ -362,7 +375,7 @@ class Communicator(abc.ABC):
         """Gathers a small picklable object from every rank through the store."""
         self._check_open("all_gather_object")
         return self.store.all_gather_object(
-            self._next_name("objects"), self.rank, self.size, obj, timeout or self.timeout
+            self.next_key("objects"), self.rank, self.size, obj, timeout or self.timeout
         )
 
     def split(
@@ -389,7 +402,7 @@ class Communicator(abc.ABC):
             color = None
         key = self.rank if key is None else key
         new_timeout = as_timedelta(timeout, self.timeout)
-        name = self._next_name("split")
+        name = self.next_key("split")
         entries = self.store.all_gather_object(
             name, self.rank, self.size, (color, key, self.rank), self.timeout
         )
