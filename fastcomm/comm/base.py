@@ -15,6 +15,7 @@ sequence that advances identically on every rank for that reason.
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -28,6 +29,8 @@ from .types import SUPPORTED_DTYPES, ReduceOp
 from .work import OrderedExecutor, Task, Work, completed_work, wrap_error
 
 __all__ = ["Communicator", "CommStats"]
+
+logger = logging.getLogger("fastcomm")
 
 
 class CommStats:
@@ -44,15 +47,18 @@ class CommStats:
         self.bytes: dict[str, int] = {}
 
     def record(self, op: str, tensor: torch.Tensor | None) -> None:
+        """Counts one call of ``op`` and the bytes of ``tensor`` (``None``: no payload)."""
         self.calls[op] = self.calls.get(op, 0) + 1
         if tensor is not None:
             self.bytes[op] = self.bytes.get(op, 0) + tensor.numel() * tensor.element_size()
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of every operation together."""
         return sum(self.bytes.values())
 
     def reset(self) -> None:
+        """Forgets every count."""
         self.calls.clear()
         self.bytes.clear()
 
@@ -90,6 +96,7 @@ class Communicator(abc.ABC):
         self.timeout = as_timedelta(timeout, DEFAULT_TIMEOUT)
         self._closed = False
         self._seq = 0
+        self._told_route = False
         self.stats = CommStats()
         self._executor = OrderedExecutor(f"fastcomm-{self.backend}-r{rank}", rank, self._run_task)
 
@@ -101,6 +108,7 @@ class Communicator(abc.ABC):
 
     @property
     def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
         return self._closed
 
     def __repr__(self) -> str:
@@ -158,11 +166,17 @@ class Communicator(abc.ABC):
             raise ValueError(f"{op}: {name}={peer!r} out of range; allowed: 0..{self.size - 1}")
         return peer
 
+    def _check_other_peer(self, peer: object, op: str, name: str, verb: str) -> int:
+        self._check_peer(peer, op, name)
+        if peer == self.rank:
+            raise ValueError(f"{op}: {name}={peer} is this rank; a rank cannot {verb} itself")
+        return peer
+
     # ------------------------------------------------------------------ collectives
     # Every collective is the same preamble: check the arguments (before anything is sent, so a
-    # bad call never leaves a peer waiting), count it, answer an empty tensor at once (every
-    # rank has the same sizes, so every rank skips together), pick the communicator that moves
-    # tensors on that device (`route`), and run the task its backend builds (`_run`).
+    # bad call never leaves a peer waiting), count it, then `_submit`: answer an empty tensor at
+    # once (every rank has the same sizes, so every rank skips together), pick the communicator
+    # that moves tensors on that device (`route`), and run the task its backend builds (`_run`).
     def all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, async_op: bool = False
     ) -> Work | None:
@@ -184,9 +198,7 @@ class Communicator(abc.ABC):
         self._check_tensor(tensor, "all_reduce")
         op = ReduceOp.coerce(op)
         self.stats.record("all_reduce", tensor)
-        if not tensor.numel():
-            return self._nothing_to_move("all_reduce", tensor, async_op)
-        return self._run(self.route(tensor.device)._impl_all_reduce(tensor, op), async_op)
+        return self._submit("all_reduce", tensor, async_op, "_impl_all_reduce", tensor, op)
 
     def broadcast(
         self, tensor: torch.Tensor, src: int = 0, async_op: bool = False
@@ -200,9 +212,7 @@ class Communicator(abc.ABC):
         self._check_tensor(tensor, "broadcast")
         self._check_peer(src, "broadcast", "src")
         self.stats.record("broadcast", tensor)
-        if not tensor.numel():
-            return self._nothing_to_move("broadcast", tensor, async_op)
-        return self._run(self.route(tensor.device)._impl_broadcast(tensor, src), async_op)
+        return self._submit("broadcast", tensor, async_op, "_impl_broadcast", tensor, src)
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
@@ -222,9 +232,7 @@ class Communicator(abc.ABC):
                 f"input.numel() = {self.size} * {input.numel()} = {self.size * input.numel()}"
             )
         self.stats.record("all_gather", input)
-        if not input.numel():
-            return self._nothing_to_move("all_gather", output, async_op)
-        return self._run(self.route(input.device)._impl_all_gather(output, input), async_op)
+        return self._submit("all_gather", input, async_op, "_impl_all_gather", output, input)
 
     def reduce_scatter(
         self,
@@ -249,10 +257,9 @@ class Communicator(abc.ABC):
                 f"output.numel() = {self.size} * {output.numel()} = {self.size * output.numel()}"
             )
         self.stats.record("reduce_scatter", input)
-        if not output.numel():
-            return self._nothing_to_move("reduce_scatter", output, async_op)
-        task = self.route(input.device)._impl_reduce_scatter(output, input, op)
-        return self._run(task, async_op)
+        return self._submit(
+            "reduce_scatter", input, async_op, "_impl_reduce_scatter", output, input, op
+        )
 
     def all_to_all(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
@@ -271,9 +278,7 @@ class Communicator(abc.ABC):
                 f"must have the same number of elements, divisible by size {self.size}"
             )
         self.stats.record("all_to_all", input)
-        if not input.numel():
-            return self._nothing_to_move("all_to_all", output, async_op)
-        return self._run(self.route(input.device)._impl_all_to_all(output, input), async_op)
+        return self._submit("all_to_all", input, async_op, "_impl_all_to_all", output, input)
 
     def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> Work | None:
         """Sends ``tensor`` to rank ``dst`` (which must call ``recv`` with ``src`` = us).
@@ -283,29 +288,26 @@ class Communicator(abc.ABC):
         """
         self._check_open("send")
         self._check_tensor(tensor, "send")
-        self._check_peer(dst, "send", "dst")
-        if dst == self.rank:
-            raise ValueError(f"send: dst={dst} is this rank; a rank cannot send to itself")
+        self._check_other_peer(dst, "send", "dst", "send to")
         self.stats.record("send", tensor)
-        if not tensor.numel():
-            return self._nothing_to_move("send", tensor, async_op)
-        return self._run(self.route(tensor.device)._impl_send(tensor, dst), async_op)
+        return self._submit("send", tensor, async_op, "_impl_send", tensor, dst)
 
     def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Work | None:
         """Receives into ``tensor`` from rank ``src``.
+
+        Args:
+            tensor: where the data lands; the sender's tensor has as many bytes.
+            src: the sending rank (not this one).
+            async_op: return a :class:`Work` at once instead of waiting.
 
         Raises:
             TypeError, ValueError: as for :meth:`all_reduce`; ``src`` out of range or this rank.
         """
         self._check_open("recv")
         self._check_tensor(tensor, "recv")
-        self._check_peer(src, "recv", "src")
-        if src == self.rank:
-            raise ValueError(f"recv: src={src} is this rank; a rank cannot receive from itself")
+        self._check_other_peer(src, "recv", "src", "receive from")
         self.stats.record("recv", None)
-        if not tensor.numel():
-            return self._nothing_to_move("recv", tensor, async_op)
-        return self._run(self.route(tensor.device)._impl_recv(tensor, src), async_op)
+        return self._submit("recv", tensor, async_op, "_impl_recv", tensor, src)
 
     def barrier(self, async_op: bool = False) -> Work | None:
         """Returns once every rank has entered the barrier."""
@@ -314,10 +316,29 @@ class Communicator(abc.ABC):
         return self._run(self._impl_barrier(), async_op)
 
     # ------------------------------------------------------------------ execution
+    def _submit(
+        self, op: str, data: torch.Tensor, async_op: bool, impl: str, *args: Any
+    ) -> Work | None:
+        """The end of every collective's preamble: an empty ``data`` (the tensor whose size
+        says what moves) is done at once; otherwise backend hook ``impl`` of the communicator
+        that moves ``data``'s device builds the task, called with ``args`` (the output first),
+        and :meth:`_run` runs it."""
+        if not data.numel():
+            return self._nothing_to_move(op, args[0], async_op)
+        return self._run(getattr(self.route(data.device), impl)(*args), async_op)
+
     def route(self, device: torch.device | str) -> Communicator:
         """The communicator that moves tensors on ``device``: this one, unless a backend hands
         some devices to a fallback (``shm`` and ``hier`` send CUDA tensors to Gloo)."""
         return self
+
+    def _hand_off(self, device: torch.device, target: Communicator, how: str) -> Communicator:
+        """``target``, for tensors on ``device`` that this backend hands to it; says ``how`` the
+        tensors travel in the log (logger ``fastcomm``) the first time only."""
+        if not self._told_route:
+            self._told_route = True
+            logger.info("%s: %s tensors go through %s", self._where(), device.type, how)
+        return target
 
     def _run(self, task: Task, async_op: bool) -> Work | None:
         """Runs ``task`` in issue order: the one way every backend's operations execute.

@@ -19,7 +19,6 @@ communicator's executor (as ``shm``'s do); ``world`` calls are ordered by Gloo i
 
 from __future__ import annotations
 
-import logging
 from datetime import timedelta
 
 import torch
@@ -34,15 +33,14 @@ from .work import Task
 
 __all__ = ["HierCommunicator"]
 
-logger = logging.getLogger("fastcomm")
-
 
 class HierCommunicator(Communicator):
     """Hierarchical collectives for jobs that span hosts.
 
     Args:
-        store: a store namespace private to this communicator.
-        rank: this process's rank.
+        store: a store namespace private to this communicator; the host communicators, the
+            leaders' and ``world`` take namespaces under it.
+        rank: this process's rank among ``size`` ranks on any number of hosts.
         size: number of ranks.
         timeout: limit for setup and for every operation.
 
@@ -88,10 +86,10 @@ class HierCommunicator(Communicator):
                 self.timeout,
             )
         self.world = GlooCommunicator(store.prefixed("hier/world"), rank, size, self.timeout)
-        self._told_route = False
 
     @property
     def device(self) -> torch.device:
+        """CPU: the tensors this communicator moves itself (CUDA ones take ``world``)."""
         return torch.device("cpu")
 
     def _device_ok(self, device: torch.device) -> bool:
@@ -105,17 +103,16 @@ class HierCommunicator(Communicator):
         Raises:
             ValueError: a device other than CPU or CUDA.
         """
-        device = torch.device(device)
+        if not isinstance(device, torch.device):
+            device = torch.device(device)
         if device.type == "cpu":
             return self
         if device.type == "cuda":
-            if not self._told_route:
-                self._told_route = True
-                logger.info(
-                    "%s: %s tensors go through its flat Gloo communicator, CPU tensors through "
-                    "shared memory and the host leaders", self._where(), device.type,
-                )
-            return self.world
+            how = (
+                "its flat Gloo communicator, CPU tensors through shared memory and the host "
+                "leaders"
+            )
+            return self._hand_off(device, self.world, how)
         raise ValueError(
             f"{self._where()}: no route for tensors on {device}; it moves CPU tensors "
             "hierarchically and CUDA tensors through Gloo"

@@ -159,9 +159,15 @@ class NcclWork(Work):
             future.set_result(self.output)
 
     def is_completed(self) -> bool:
+        """Whether the collective has finished on the device (or failed)."""
         return self._error is not None or self.event.query()
 
     def wait(self, timeout: float | timedelta | None = None) -> bool:
+        """Makes the current CUDA stream wait on the collective (the host does not block).
+
+        Raises:
+            FastcommError: the collective failed or the communicator was aborted.
+        """
         if self._error is not None:
             raise self._error
         torch.cuda.current_stream().wait_event(self.event)
@@ -248,6 +254,7 @@ class NcclCommunicator(Communicator):
 
     @property
     def device(self) -> torch.device:
+        """This rank's CUDA device."""
         return self._device
 
     def _device_ok(self, device: torch.device) -> bool:

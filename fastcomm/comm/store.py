@@ -117,14 +117,17 @@ class Store:
     # ------------------------------------------------------------------ identity
     @property
     def host(self) -> str:
+        """The server's address (``"?"`` when torch does not say)."""
         return getattr(_unwrap(self._root), "host", "?")
 
     @property
     def port(self) -> int:
+        """The server's TCP port (``-1`` when torch does not say)."""
         return getattr(_unwrap(self._root), "port", -1)
 
     @property
     def address(self) -> str:
+        """``host:port``, as error messages name the store."""
         return f"{self.host}:{self.port}"
 
     @property
@@ -164,6 +167,7 @@ class Store:
         )
 
     def set(self, key: str, value: bytes | str) -> None:
+        """Sets ``key`` to ``value`` (a ``str`` is stored UTF-8 encoded)."""
         self._store.set(key, _to_bytes(value))
 
     def get(self, key: str, timeout: float | timedelta | None = None) -> bytes:
@@ -203,9 +207,11 @@ class Store:
         return self._store.compare_set(key, _to_bytes(expected), _to_bytes(desired))
 
     def delete(self, key: str) -> bool:
+        """Deletes ``key``; returns whether it was set."""
         return bool(self._store.delete_key(key))
 
     def num_keys(self) -> int:
+        """Keys in the whole store (every namespace: torch counts them at the server)."""
         return int(self._store.num_keys())
 
     # ------------------------------------------------------------------ helpers

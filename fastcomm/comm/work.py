@@ -109,9 +109,11 @@ class Work:
         return self._done
 
     def is_success(self) -> bool:
+        """Whether the operation has finished without an error."""
         return self._done and self._error is None
 
     def exception(self) -> BaseException | None:
+        """The operation's error, or ``None`` (pending or successful)."""
         return self._error
 
     def wait(self, timeout: float | timedelta | None = None) -> bool:
@@ -156,6 +158,7 @@ class Work:
         return future
 
     def result(self) -> torch.Tensor | None:
+        """Waits (as :meth:`wait`) and returns the output tensor."""
         self.wait()
         return self.output
 

@@ -366,6 +366,7 @@ def get_world() -> Communicator:
 
 
 def is_initialized() -> bool:
+    """Whether :func:`init` has made the world communicator (and no :func:`shutdown` since)."""
     return _WORLD is not None
 
 

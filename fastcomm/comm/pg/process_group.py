@@ -156,15 +156,10 @@ class ProcessGroupCommunicator(Communicator):
             return dist.ReduceOp.SUM, (lambda: divide_(tensor, self.size))
         return _TORCH_OPS[op], None
 
-    def _issue_task(
-        self,
-        op: str,
-        output: torch.Tensor | None,
-        issue: Callable[[], object],
-        post: Callable[[], None] | None = None,
-    ) -> Task:
+    def _issue_task(self, op: str, output: torch.Tensor | None, issue, post=None) -> Task:
         """A task that issues the native collective (``issue`` returns torch's handle) and
-        returns the ``Work`` that completes it; ``post`` runs once the handle is done."""
+        returns the ``Work`` that completes it; ``post`` runs once the handle is done (see
+        :meth:`_issue`)."""
         return Task(op, output, partial(self._issue, op, output, issue, post))
 
     # ------------------------------------------------------------------ collectives
@@ -181,11 +176,8 @@ class ProcessGroupCommunicator(Communicator):
         return self._issue_task("broadcast", tensor, lambda: pg.broadcast([tensor], opts))
 
     def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Task:
-        out_flat, in_flat = output.view(-1), input.view(-1)
-        pg = self.process_group
-        return self._issue_task(
-            "all_gather", output, lambda: pg._allgather_base(out_flat, in_flat)
-        )
+        out_flat, in_flat, pg = output.view(-1), input.view(-1), self.process_group
+        return self._issue_task("all_gather", output, lambda: pg._allgather_base(out_flat, in_flat))
 
     def _impl_reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp
@@ -199,13 +191,10 @@ class ProcessGroupCommunicator(Communicator):
         )
 
     def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Task:
-        out_flat, in_flat = output.view(-1), input.view(-1)
-        pg = self.process_group
-        return self._issue_task(
-            "all_to_all",
-            output,
-            lambda: pg.alltoall_base(out_flat, in_flat, [], [], dist.AllToAllOptions()),
-        )
+        out_flat, in_flat, pg = output.view(-1), input.view(-1), self.process_group
+        opts = dist.AllToAllOptions()
+        issue = lambda: pg.alltoall_base(out_flat, in_flat, [], [], opts)  # noqa: E731
+        return self._issue_task("all_to_all", output, issue)
 
     def _impl_send(self, tensor: torch.Tensor, dst: int) -> Task:
         pg = self.process_group

@@ -134,6 +134,7 @@ class TorchPGCommunicator(ProcessGroupCommunicator):
 
     @property
     def device(self) -> torch.device:
+        """The group's device: this rank's CUDA device for an NCCL group, else CPU."""
         return self._device
 
     def _device_ok(self, device: torch.device) -> bool:

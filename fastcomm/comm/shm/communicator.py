@@ -27,7 +27,6 @@ The communicator never changes ``torch.set_num_threads`` itself.
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 import time
 import weakref
@@ -50,7 +49,6 @@ from .segment import ABORTED, CLOSED, Segment, host_id, shm_supported
 __all__ = ["ShmCommunicator", "ShmOptions", "shm_available"]
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
-logger = logging.getLogger("fastcomm")
 
 
 def _env_int(name: str, default: int | None) -> int | None:
@@ -176,7 +174,6 @@ class ShmCommunicator(Communicator):
         self._p2p: dict[tuple[str, int], OrderedExecutor] = {}
         self._broken: BaseException | None = None
         self._fallback = None
-        self._told_route = False
         if fallback:
             self._fallback = GlooCommunicator(
                 store.prefixed("fallback"), rank, size, self.timeout
@@ -186,6 +183,7 @@ class ShmCommunicator(Communicator):
 
     @property
     def device(self) -> torch.device:
+        """CPU: the tensors this communicator moves itself (CUDA ones take its fallback)."""
         return torch.device("cpu")
 
     @property
@@ -220,17 +218,13 @@ class ShmCommunicator(Communicator):
         Raises:
             ValueError: no communicator here moves tensors on ``device``.
         """
-        device = torch.device(device)
+        if not isinstance(device, torch.device):
+            device = torch.device(device)
         if device.type == "cpu":
             return self
         if device.type == "cuda" and self._fallback is not None:
-            if not self._told_route:
-                self._told_route = True
-                logger.info(
-                    "%s: %s tensors go through its Gloo fallback, CPU tensors through shared "
-                    "memory", self._where(), device.type,
-                )
-            return self._fallback
+            how = "its Gloo fallback, CPU tensors through shared memory"
+            return self._hand_off(device, self._fallback, how)
         fallback = "" if self._fallback is not None else " (built with fallback=False)"
         raise ValueError(
             f"{self._where()}: no route for tensors on {device}{fallback}; it moves CPU tensors "
