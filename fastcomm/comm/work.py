@@ -1,4 +1,10 @@
-"""Handles of asynchronous operations.
+"""How an operation runs: the task a backend builds, the executor that orders it, its handle.
+
+Every collective becomes a :class:`Task` (built by the backend's ``_impl_*`` hook) that
+``Communicator._run`` runs, the one way every backend's operations execute. A task whose ``run``
+blocks until the data is in place (shm, hier) goes to the communicator's
+:class:`OrderedExecutor`, which keeps issue order; a task that only issues the operation (a torch
+``ProcessGroup``, NCCL on a CUDA stream) runs at once and returns the backend's own ``Work``.
 
 A :class:`Work` is returned by every collective called with ``async_op=True``. Its future's value
 is the operation's output tensor; the future is made only when ``get_future()`` is called. For
