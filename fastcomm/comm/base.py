@@ -325,11 +325,17 @@ class Communicator(abc.ABC):
         and :meth:`_run` runs it."""
         if not data.numel():
             return self._nothing_to_move(op, args[0], async_op)
-        return self._run(getattr(self.route(data.device), impl)(*args), async_op)
+        return self._run(getattr(self.route(data.device, op), impl)(*args), async_op)
 
-    def route(self, device: torch.device | str) -> Communicator:
+    def route(self, device: torch.device | str, op: str | None = None) -> Communicator:
         """The communicator that moves tensors on ``device``: this one, unless a backend hands
-        some devices to a fallback (``shm`` and ``hier`` send CUDA tensors to Gloo)."""
+        some devices to a fallback (``shm`` and ``hier`` send CUDA tensors to Gloo).
+
+        Args:
+            device: where the tensors live.
+            op: the operation (``"all_reduce"``), for a backend that routes some operations
+                of a device differently from the others; ``None``: any operation.
+        """
         return self
 
     def _hand_off(self, device: torch.device, target: Communicator, how: str) -> Communicator:

@@ -95,7 +95,7 @@ class HierCommunicator(Communicator):
     def _device_ok(self, device: torch.device) -> bool:
         return device.type in ("cpu", "cuda")
 
-    def route(self, device: torch.device | str) -> Communicator:
+    def route(self, device: torch.device | str, op: str | None = None) -> Communicator:
         """The communicator that moves tensors on ``device``: this one (shared memory inside
         hosts, Gloo across leaders) for CPU tensors, ``world`` (Gloo over every rank, staging
         through host memory) for CUDA tensors.

@@ -211,7 +211,7 @@ class ShmCommunicator(Communicator):
     def _device_ok(self, device: torch.device) -> bool:
         return device.type == "cpu" or (self._fallback is not None and device.type == "cuda")
 
-    def route(self, device: torch.device | str) -> Communicator:
+    def route(self, device: torch.device | str, op: str | None = None) -> Communicator:
         """The communicator that moves tensors on ``device``: this one (shared memory) for CPU
         tensors, the Gloo fallback for CUDA tensors (Gloo stages them through host memory).
 
@@ -328,7 +328,7 @@ class ShmCommunicator(Communicator):
         self.stats.record("reduce", tensor)
         if not tensor.numel():
             return self._nothing_to_move("reduce", tensor, async_op)
-        target = self.route(tensor.device)
+        target = self.route(tensor.device, "reduce")
         if target is self:
             task = self._task(
                 "reduce", tensor, lambda: self._schedules.all_reduce(tensor, op, root)
