@@ -166,11 +166,13 @@ class Communicator(abc.ABC):
             raise ValueError(f"{op}: {name}={peer!r} out of range; allowed: 0..{self.size - 1}")
         return peer
 
-    def _check_other_peer(self, peer: object, op: str, name: str, verb: str) -> int:
+    def _check_p2p(self, tensor: object, peer: object, op: str, name: str, verb: str) -> None:
+        """The checks of ``send``/``recv``: open, a valid tensor, a peer that is another rank."""
+        self._check_open(op)
+        self._check_tensor(tensor, op)
         self._check_peer(peer, op, name)
         if peer == self.rank:
             raise ValueError(f"{op}: {name}={peer} is this rank; a rank cannot {verb} itself")
-        return peer
 
     # ------------------------------------------------------------------ collectives
     # Every collective is the same preamble: check the arguments (before anything is sent, so a
@@ -286,9 +288,7 @@ class Communicator(abc.ABC):
         Raises:
             TypeError, ValueError: as for :meth:`all_reduce`; ``dst`` out of range or this rank.
         """
-        self._check_open("send")
-        self._check_tensor(tensor, "send")
-        self._check_other_peer(dst, "send", "dst", "send to")
+        self._check_p2p(tensor, dst, "send", "dst", "send to")
         self.stats.record("send", tensor)
         return self._submit("send", tensor, async_op, "_impl_send", tensor, dst)
 
@@ -303,9 +303,7 @@ class Communicator(abc.ABC):
         Raises:
             TypeError, ValueError: as for :meth:`all_reduce`; ``src`` out of range or this rank.
         """
-        self._check_open("recv")
-        self._check_tensor(tensor, "recv")
-        self._check_other_peer(src, "recv", "src", "receive from")
+        self._check_p2p(tensor, src, "recv", "src", "receive from")
         self.stats.record("recv", None)
         return self._submit("recv", tensor, async_op, "_impl_recv", tensor, src)
 
