@@ -3,7 +3,9 @@
 ``Communicator`` validates arguments (type, device, dtype, contiguity, sizes, ranks, closed
 state) *before* anything is sent, so a bad call raises the same clear error on every backend and
 never leaves a peer waiting on half a collective. Backends implement the ``_impl_*`` methods,
-which may assume validated arguments and return a :class:`Work`.
+which receive validated, non-empty tensors on a device they move and return the
+:class:`~fastcomm.comm.work.Task` that moves the data; ``Communicator`` runs every task the same
+way (``_run``), in issue order.
 
 Collective ordering: like NCCL and Gloo, every rank must issue the same collectives in the same
 order. Store-based helpers (``split``, object exchange) number their keys with a per-communicator
@@ -13,7 +15,8 @@ sequence that advances identically on every rank for that reason.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -21,13 +24,13 @@ from typing import Any
 import torch
 
 from .errors import CommClosedError
-from .store import Store, as_timedelta
+from .store import DEFAULT_TIMEOUT, Store, as_timedelta
 from .types import SUPPORTED_DTYPES, ReduceOp
-from .work import Work, completed_work
+from .work import OrderedExecutor, Task, Work, completed_work, wrap_error
 
-__all__ = ["Communicator", "CommStats", "DEFAULT_TIMEOUT"]
+__all__ = ["Communicator", "CommStats"]
 
-DEFAULT_TIMEOUT = timedelta(minutes=10)
+logger = logging.getLogger("fastcomm")
 
 
 class CommStats:
@@ -44,15 +47,18 @@ class CommStats:
         self.bytes: dict[str, int] = {}
 
     def record(self, op: str, tensor: torch.Tensor | None) -> None:
+        """Counts one call of ``op`` and the bytes of ``tensor`` (``None``: no payload)."""
         self.calls[op] = self.calls.get(op, 0) + 1
         if tensor is not None:
             self.bytes[op] = self.bytes.get(op, 0) + tensor.numel() * tensor.element_size()
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of every operation together."""
         return sum(self.bytes.values())
 
     def reset(self) -> None:
+        """Forgets every count."""
         self.calls.clear()
         self.bytes.clear()
 
@@ -67,7 +73,8 @@ class Communicator(abc.ABC):
         store: a store namespace private to this communicator (the same on every member).
         rank: this process's rank in ``[0, size)``.
         size: number of ranks.
-        timeout: how long any collective may take before it raises (seconds or timedelta).
+        timeout: how long any collective may take before it raises (seconds or timedelta;
+            default :data:`~fastcomm.comm.store.DEFAULT_TIMEOUT`).
     """
 
     backend: str = "base"
@@ -89,7 +96,9 @@ class Communicator(abc.ABC):
         self.timeout = as_timedelta(timeout, DEFAULT_TIMEOUT)
         self._closed = False
         self._seq = 0
+        self._told_route = False
         self.stats = CommStats()
+        self._executor = OrderedExecutor(f"fastcomm-{self.backend}-r{rank}", rank, self._run_task)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -99,6 +108,7 @@ class Communicator(abc.ABC):
 
     @property
     def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
         return self._closed
 
     def __repr__(self) -> str:
@@ -156,34 +166,65 @@ class Communicator(abc.ABC):
             raise ValueError(f"{op}: {name}={peer!r} out of range; allowed: 0..{self.size - 1}")
         return peer
 
+    def _check_p2p(self, tensor: object, peer: object, op: str, name: str, verb: str) -> None:
+        """The checks of ``send``/``recv``: open, a valid tensor, a peer that is another rank."""
+        self._check_open(op)
+        self._check_tensor(tensor, op)
+        self._check_peer(peer, op, name)
+        if peer == self.rank:
+            raise ValueError(f"{op}: {name}={peer} is this rank; a rank cannot {verb} itself")
+
     # ------------------------------------------------------------------ collectives
+    # Every collective is the same preamble: check the arguments (before anything is sent, so a
+    # bad call never leaves a peer waiting), count it, then `_submit`: answer an empty tensor at
+    # once (every rank has the same sizes, so every rank skips together), pick the communicator
+    # that moves tensors on that device (`route`), and run the task its backend builds (`_run`).
     def all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, async_op: bool = False
     ) -> Work | None:
         """Reduces ``tensor`` across ranks, in place.
 
+        Args:
+            tensor: the contiguous tensor to reduce, the same shape and dtype on every rank.
+            op: the reduction (a :class:`ReduceOp`, its name, or torch's ``dist.ReduceOp``).
+            async_op: return a :class:`Work` at once instead of waiting.
+
+        Returns:
+            The ``Work`` when ``async_op`` is true, else ``None`` once the result is in place.
+
         Raises:
-            TypeError: not a tensor, or an unsupported dtype (``AVG`` needs a number type).
+            TypeError: not a tensor, or an unsupported dtype.
             ValueError: wrong device, non-contiguous, unknown op.
         """
         self._check_open("all_reduce")
         self._check_tensor(tensor, "all_reduce")
         op = ReduceOp.coerce(op)
         self.stats.record("all_reduce", tensor)
-        return self._finish(self._impl_all_reduce(tensor, op), async_op)
+        return self._submit("all_reduce", tensor, async_op, "_impl_all_reduce", tensor, op)
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
-        """Copies ``tensor`` of rank ``src`` into ``tensor`` of every rank."""
+    def broadcast(
+        self, tensor: torch.Tensor, src: int = 0, async_op: bool = False
+    ) -> Work | None:
+        """Copies ``tensor`` of rank ``src`` into ``tensor`` of every rank.
+
+        Raises:
+            TypeError, ValueError: as for :meth:`all_reduce`; ``src`` out of range.
+        """
         self._check_open("broadcast")
         self._check_tensor(tensor, "broadcast")
         self._check_peer(src, "broadcast", "src")
         self.stats.record("broadcast", tensor)
-        return self._finish(self._impl_broadcast(tensor, src), async_op)
+        return self._submit("broadcast", tensor, async_op, "_impl_broadcast", tensor, src)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+    ) -> Work | None:
         """Writes every rank's ``input`` into ``output`` in rank order.
 
         ``output`` has ``size * input.numel()`` elements (any shape, e.g. ``(size, *shape)``).
+
+        Raises:
+            TypeError, ValueError: as for :meth:`all_reduce`; mismatched dtypes, devices or sizes.
         """
         self._check_open("all_gather")
         self._check_pair(output, input, "all_gather")
@@ -193,7 +234,7 @@ class Communicator(abc.ABC):
                 f"input.numel() = {self.size} * {input.numel()} = {self.size * input.numel()}"
             )
         self.stats.record("all_gather", input)
-        return self._finish(self._impl_all_gather(output, input), async_op)
+        return self._submit("all_gather", input, async_op, "_impl_all_gather", output, input)
 
     def reduce_scatter(
         self,
@@ -201,10 +242,13 @@ class Communicator(abc.ABC):
         input: torch.Tensor,
         op: ReduceOp | str = ReduceOp.SUM,
         async_op: bool = False,
-    ):
+    ) -> Work | None:
         """Reduces ``input`` across ranks and leaves slice ``rank`` of the result in ``output``.
 
         ``input`` has ``size * output.numel()`` elements.
+
+        Raises:
+            TypeError, ValueError: as for :meth:`all_gather`; unknown op.
         """
         self._check_open("reduce_scatter")
         self._check_pair(output, input, "reduce_scatter")
@@ -215,11 +259,19 @@ class Communicator(abc.ABC):
                 f"output.numel() = {self.size} * {output.numel()} = {self.size * output.numel()}"
             )
         self.stats.record("reduce_scatter", input)
-        return self._finish(self._impl_reduce_scatter(output, input, op), async_op)
+        return self._submit(
+            "reduce_scatter", input, async_op, "_impl_reduce_scatter", output, input, op
+        )
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+    ) -> Work | None:
         """Sends slice ``j`` of ``input`` to rank ``j``; slice ``i`` of ``output`` comes from
-        rank ``i`` (equal splits of the flattened tensors)."""
+        rank ``i`` (equal splits of the flattened tensors).
+
+        Raises:
+            TypeError, ValueError: as for :meth:`all_gather`.
+        """
         self._check_open("all_to_all")
         self._check_pair(output, input, "all_to_all")
         if output.numel() != input.numel() or input.numel() % self.size:
@@ -228,42 +280,119 @@ class Communicator(abc.ABC):
                 f"must have the same number of elements, divisible by size {self.size}"
             )
         self.stats.record("all_to_all", input)
-        return self._finish(self._impl_all_to_all(output, input), async_op)
+        return self._submit("all_to_all", input, async_op, "_impl_all_to_all", output, input)
 
-    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False):
-        """Sends ``tensor`` to rank ``dst`` (which must call ``recv`` with ``src`` = us)."""
-        self._check_open("send")
-        self._check_tensor(tensor, "send")
-        self._check_peer(dst, "send", "dst")
-        if dst == self.rank:
-            raise ValueError(f"send: dst={dst} is this rank; a rank cannot send to itself")
+    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> Work | None:
+        """Sends ``tensor`` to rank ``dst`` (which must call ``recv`` with ``src`` = us).
+
+        Raises:
+            TypeError, ValueError: as for :meth:`all_reduce`; ``dst`` out of range or this rank.
+        """
+        self._check_p2p(tensor, dst, "send", "dst", "send to")
         self.stats.record("send", tensor)
-        return self._finish(self._impl_send(tensor, dst), async_op)
+        return self._submit("send", tensor, async_op, "_impl_send", tensor, dst)
 
-    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False):
-        """Receives into ``tensor`` from rank ``src``."""
-        self._check_open("recv")
-        self._check_tensor(tensor, "recv")
-        self._check_peer(src, "recv", "src")
-        if src == self.rank:
-            raise ValueError(f"recv: src={src} is this rank; a rank cannot receive from itself")
+    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Work | None:
+        """Receives into ``tensor`` from rank ``src``.
+
+        Args:
+            tensor: where the data lands; the sender's tensor has as many bytes.
+            src: the sending rank (not this one).
+            async_op: return a :class:`Work` at once instead of waiting.
+
+        Raises:
+            TypeError, ValueError: as for :meth:`all_reduce`; ``src`` out of range or this rank.
+        """
+        self._check_p2p(tensor, src, "recv", "src", "receive from")
         self.stats.record("recv", None)
-        return self._finish(self._impl_recv(tensor, src), async_op)
+        return self._submit("recv", tensor, async_op, "_impl_recv", tensor, src)
 
-    def barrier(self, async_op: bool = False):
+    def barrier(self, async_op: bool = False) -> Work | None:
         """Returns once every rank has entered the barrier."""
         self._check_open("barrier")
         self.stats.record("barrier", None)
-        return self._finish(self._impl_barrier(), async_op)
+        return self._run(self._impl_barrier(), async_op)
 
-    def _finish(self, work: Work, async_op: bool) -> Work | None:
-        if async_op:
+    # ------------------------------------------------------------------ execution
+    def _submit(
+        self, op: str, data: torch.Tensor, async_op: bool, impl: str, *args: Any
+    ) -> Work | None:
+        """The end of every collective's preamble: an empty ``data`` (the tensor whose size
+        says what moves) is done at once; otherwise backend hook ``impl`` of the communicator
+        that moves ``data``'s device builds the task, called with ``args`` (the output first),
+        and :meth:`_run` runs it."""
+        if not data.numel():
+            return self._nothing_to_move(op, args[0], async_op)
+        return self._run(getattr(self.route(data.device, op), impl)(*args), async_op)
+
+    def route(self, device: torch.device | str, op: str | None = None) -> Communicator:
+        """The communicator that moves tensors on ``device``: this one, unless a backend hands
+        some devices to a fallback (``shm`` and ``hier`` send CUDA tensors to Gloo).
+
+        Args:
+            device: where the tensors live.
+            op: the operation (``"all_reduce"``), for a backend that routes some operations
+                of a device differently from the others; ``None``: any operation.
+        """
+        return self
+
+    def _hand_off(self, device: torch.device, target: Communicator, how: str) -> Communicator:
+        """``target``, for tensors on ``device`` that this backend hands to it; says ``how`` the
+        tensors travel in the log (logger ``fastcomm``) the first time only."""
+        if not self._told_route:
+            self._told_route = True
+            logger.info("%s: %s tensors go through %s", self._where(), device.type, how)
+        return target
+
+    def _run(self, task: Task, async_op: bool) -> Work | None:
+        """Runs ``task`` in issue order: the one way every backend's operations execute.
+
+        A task with an executor runs there (on the caller's thread when nothing is pending and
+        the caller waits); one without is issued now, and its backend completes the ``Work``.
+        """
+        executor = task.executor
+        work = task.run() if executor is None else executor.run(task, async_op)
+        if async_op or work is None:
             return work
         work.wait()
         return None
 
+    def _run_task(self, task: Task, start: float) -> None:
+        """Runs one task for an :class:`OrderedExecutor` (``start``: when it was issued); its
+        error comes out naming the rank, the operation and the elapsed time."""
+        try:
+            task.run()
+        except Exception as exc:
+            error = wrap_error(task.op, self.rank, start, exc)
+            if error is exc:
+                raise
+            raise error from exc
+
+    def _task(self, op: str, output: torch.Tensor | None, run: Callable[[], None]) -> Task:
+        """A task for this communicator's executor (backends whose ``run`` blocks)."""
+        return Task(op, output, run, self._executor)
+
+    def _nothing_to_move(
+        self, op: str, output: torch.Tensor | None, async_op: bool
+    ) -> Work | None:
+        """The outcome of an operation on empty tensors: done, with nothing sent."""
+        return completed_work(op, self.rank, output) if async_op else None
+
     # ------------------------------------------------------------------ store helpers
-    def _next_name(self, what: str) -> str:
+    def next_key(self, what: str) -> str:
+        """A store key prefix unique to this use, the same on every rank: ``"<what>/<n>"``.
+
+        A collective call in effect: ``n`` counts this communicator's calls, so every rank must
+        call it in the same order (as it issues collectives). Store helpers (``split``, object
+        exchange) and callers that keep their own keys in :attr:`store` use it, so two uses never
+        read each other's values.
+
+        Args:
+            what: names the use (``"split"``), for readable keys.
+
+        Returns:
+            The prefix, e.g. ``"split/3"``.
+        """
         self._seq += 1
         return f"{what}/{self._seq}"
 
@@ -271,7 +400,7 @@ class Communicator(abc.ABC):
         """Gathers a small picklable object from every rank through the store."""
         self._check_open("all_gather_object")
         return self.store.all_gather_object(
-            self._next_name("objects"), self.rank, self.size, obj, timeout or self.timeout
+            self.next_key("objects"), self.rank, self.size, obj, timeout or self.timeout
         )
 
     def split(
@@ -298,7 +427,7 @@ class Communicator(abc.ABC):
             color = None
         key = self.rank if key is None else key
         new_timeout = as_timedelta(timeout, self.timeout)
-        name = self._next_name("split")
+        name = self.next_key("split")
         entries = self.store.all_gather_object(
             name, self.rank, self.size, (color, key, self.rank), self.timeout
         )
@@ -344,35 +473,34 @@ class Communicator(abc.ABC):
         yield
 
     # ------------------------------------------------------------------ backend hooks
+    # Called only with validated, non-empty tensors on a device this backend moves (`route`);
+    # each returns the :class:`Task` that moves the data, and `_run` runs it.
     @abc.abstractmethod
-    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work: ...
+    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Task: ...
 
     @abc.abstractmethod
-    def _impl_broadcast(self, tensor: torch.Tensor, src: int) -> Work: ...
+    def _impl_broadcast(self, tensor: torch.Tensor, src: int) -> Task: ...
 
     @abc.abstractmethod
-    def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work: ...
+    def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Task: ...
 
     @abc.abstractmethod
     def _impl_reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp
-    ) -> Work: ...
+    ) -> Task: ...
 
     @abc.abstractmethod
-    def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Work: ...
+    def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Task: ...
 
     @abc.abstractmethod
-    def _impl_send(self, tensor: torch.Tensor, dst: int) -> Work: ...
+    def _impl_send(self, tensor: torch.Tensor, dst: int) -> Task: ...
 
     @abc.abstractmethod
-    def _impl_recv(self, tensor: torch.Tensor, src: int) -> Work: ...
+    def _impl_recv(self, tensor: torch.Tensor, src: int) -> Task: ...
 
     @abc.abstractmethod
-    def _impl_barrier(self) -> Work: ...
+    def _impl_barrier(self) -> Task: ...
 
-    def _impl_close(self) -> None:  # noqa: B027 - backends without resources keep it empty
-        return None
-
-    # utilities for backends
-    def _done(self, op: str, output: torch.Tensor | None) -> Work:
-        return completed_work(op, self.rank, output)
+    def _impl_close(self) -> None:
+        """Releases the backend's resources (called once, by :meth:`close`)."""
+        self._executor.close(timeout=5.0)

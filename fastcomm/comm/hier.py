@@ -13,14 +13,12 @@ ranks are ordered by global rank and the first is the host's leader.
 ``all_reduce`` = reduce to the leader in the host, all-reduce across leaders, broadcast in the
 host (``AVG`` sums and the leader divides once, so integers truncate as elsewhere).
 ``broadcast`` = in the source's host to its leader, across leaders, then in every other host.
-``barrier`` = in host, across leaders, in host. Hierarchical calls run in issue order on one
-lane (as ``shm``'s do); ``world`` calls are ordered by Gloo itself.
+``barrier`` = in host, across leaders, in host. Hierarchical calls run in issue order on the
+communicator's executor (as ``shm``'s do); ``world`` calls are ordered by Gloo itself.
 """
 
 from __future__ import annotations
 
-import logging
-import time
 from datetime import timedelta
 
 import torch
@@ -31,19 +29,18 @@ from .shm import ShmCommunicator
 from .shm.segment import host_id
 from .store import Store
 from .types import ReduceOp, divide_
-from .work import Lane, Work, wrap_error
+from .work import Task
 
 __all__ = ["HierCommunicator"]
-
-logger = logging.getLogger("fastcomm")
 
 
 class HierCommunicator(Communicator):
     """Hierarchical collectives for jobs that span hosts.
 
     Args:
-        store: a store namespace private to this communicator.
-        rank: this process's rank.
+        store: a store namespace private to this communicator; the host communicators, the
+            leaders' and ``world`` take namespaces under it.
+        rank: this process's rank among ``size`` ranks on any number of hosts.
         size: number of ranks.
         timeout: limit for setup and for every operation.
 
@@ -89,17 +86,16 @@ class HierCommunicator(Communicator):
                 self.timeout,
             )
         self.world = GlooCommunicator(store.prefixed("hier/world"), rank, size, self.timeout)
-        self._lane = Lane(f"fastcomm-hier-r{rank}")
-        self._told_route = False
 
     @property
     def device(self) -> torch.device:
+        """CPU: the tensors this communicator moves itself (CUDA ones take ``world``)."""
         return torch.device("cpu")
 
     def _device_ok(self, device: torch.device) -> bool:
         return device.type in ("cpu", "cuda")
 
-    def route(self, device: torch.device | str) -> Communicator:
+    def route(self, device: torch.device | str, op: str | None = None) -> Communicator:
         """The communicator that moves tensors on ``device``: this one (shared memory inside
         hosts, Gloo across leaders) for CPU tensors, ``world`` (Gloo over every rank, staging
         through host memory) for CUDA tensors.
@@ -107,17 +103,16 @@ class HierCommunicator(Communicator):
         Raises:
             ValueError: a device other than CPU or CUDA.
         """
-        device = torch.device(device)
+        if not isinstance(device, torch.device):
+            device = torch.device(device)
         if device.type == "cpu":
             return self
         if device.type == "cuda":
-            if not self._told_route:
-                self._told_route = True
-                logger.info(
-                    "%s: %s tensors go through its flat Gloo communicator, CPU tensors through "
-                    "shared memory and the host leaders", self._where(), device.type,
-                )
-            return self.world
+            how = (
+                "its flat Gloo communicator, CPU tensors through shared memory and the host "
+                "leaders"
+            )
+            return self._hand_off(device, self.world, how)
         raise ValueError(
             f"{self._where()}: no route for tensors on {device}; it moves CPU tensors "
             "hierarchically and CUDA tensors through Gloo"
@@ -125,32 +120,6 @@ class HierCommunicator(Communicator):
 
     def _new_child(self, store: Store, rank: int, size: int, timeout: timedelta):
         return HierCommunicator(store, rank, size, timeout)
-
-    # ------------------------------------------------------------------ execution
-    def _finish(self, task, async_op: bool) -> Work | None:
-        if isinstance(task, Work):
-            return super()._finish(task, async_op)
-        op, output, fn = task
-        if not async_op and self._lane.busy == 0:
-            start = time.monotonic()
-            try:
-                fn()
-            except Exception as exc:
-                raise wrap_error(op, self.rank, start, exc) from exc
-            return None
-        work = Work(op, self.rank, output)
-
-        def run() -> None:
-            try:
-                fn()
-            except Exception as exc:
-                raise wrap_error(op, self.rank, work.start, exc) from exc
-
-        self._lane.submit(work, run)
-        if async_op:
-            return work
-        work.wait()
-        return None
 
     # ------------------------------------------------------------------ hierarchical ops
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
@@ -182,42 +151,36 @@ class HierCommunicator(Communicator):
         if self.intra is not None:
             self.intra.barrier()
 
-    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp):
-        if tensor.device.type != "cpu":
-            return self.route(tensor.device)._impl_all_reduce(tensor, op)
-        if tensor.numel() == 0:
-            return self._done("all_reduce", tensor)
-        return ("all_reduce", tensor, lambda: self._all_reduce(tensor, op))
+    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Task:
+        return self._task("all_reduce", tensor, lambda: self._all_reduce(tensor, op))
 
-    def _impl_broadcast(self, tensor: torch.Tensor, src: int):
-        if tensor.device.type != "cpu":
-            return self.route(tensor.device)._impl_broadcast(tensor, src)
-        if tensor.numel() == 0:
-            return self._done("broadcast", tensor)
-        return ("broadcast", tensor, lambda: self._broadcast(tensor, src))
+    def _impl_broadcast(self, tensor: torch.Tensor, src: int) -> Task:
+        return self._task("broadcast", tensor, lambda: self._broadcast(tensor, src))
 
-    def _impl_barrier(self):
-        return ("barrier", None, self._barrier)
+    def _impl_barrier(self) -> Task:
+        return self._task("barrier", None, self._barrier)
 
     # ------------------------------------------------------------------ flat ops (Gloo)
-    def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+    def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Task:
         return self.world._impl_all_gather(output, input)
 
-    def _impl_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp):
+    def _impl_reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp
+    ) -> Task:
         return self.world._impl_reduce_scatter(output, input, op)
 
-    def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+    def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Task:
         return self.world._impl_all_to_all(output, input)
 
-    def _impl_send(self, tensor: torch.Tensor, dst: int) -> Work:
+    def _impl_send(self, tensor: torch.Tensor, dst: int) -> Task:
         return self.world._impl_send(tensor, dst)
 
-    def _impl_recv(self, tensor: torch.Tensor, src: int) -> Work:
+    def _impl_recv(self, tensor: torch.Tensor, src: int) -> Task:
         return self.world._impl_recv(tensor, src)
 
     # ------------------------------------------------------------------ lifetime
     def _impl_close(self) -> None:
-        self._lane.close(timeout=5.0)
+        super()._impl_close()
         for comm in (self.intra, self.leaders, self.world):
             if comm is not None:
                 comm.close()

@@ -32,6 +32,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from functools import partial
 
 import torch
 
@@ -39,7 +40,7 @@ from .base import Communicator
 from .errors import CommAbortedError, CommTimeoutError, FastcommError
 from .store import Store
 from .types import ReduceOp
-from .work import Work
+from .work import Task, Work
 
 __all__ = ["NcclCommunicator", "cupy_nccl", "decode_nccl_version", "nccl_version"]
 
@@ -49,7 +50,7 @@ def cupy_nccl():
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            from cupy.cuda import nccl
+            from cupy.cuda import nccl  # optional dependency: CPU-only installs never load it
     except Exception:  # ImportError, or CUDA runtime errors on import
         return None
     return nccl if hasattr(nccl, "NcclCommunicator") else None
@@ -158,9 +159,15 @@ class NcclWork(Work):
             future.set_result(self.output)
 
     def is_completed(self) -> bool:
+        """Whether the collective has finished on the device (or failed)."""
         return self._error is not None or self.event.query()
 
     def wait(self, timeout: float | timedelta | None = None) -> bool:
+        """Makes the current CUDA stream wait on the collective (the host does not block).
+
+        Raises:
+            FastcommError: the collective failed or the communicator was aborted.
+        """
         if self._error is not None:
             raise self._error
         torch.cuda.current_stream().wait_event(self.event)
@@ -207,7 +214,7 @@ class NcclCommunicator(Communicator):
                 "the nccl backend needs CUDA and CuPy with libnccl "
                 "(pip install 'fastcomm[cuda12]'); use backend='gloo' on CPU"
             )
-        import cupy
+        import cupy  # optional (the cuda extra): loaded only where an NCCL communicator is built
 
         self._nccl = nccl
         if device is None:
@@ -247,6 +254,7 @@ class NcclCommunicator(Communicator):
 
     @property
     def device(self) -> torch.device:
+        """This rank's CUDA device."""
         return self._device
 
     def _device_ok(self, device: torch.device) -> bool:
@@ -312,23 +320,34 @@ class NcclCommunicator(Communicator):
             self._pending.clear()
 
     # ------------------------------------------------------------------ collectives
+    def _stream_task(
+        self,
+        op: str,
+        output: torch.Tensor,
+        keep: tuple[torch.Tensor, ...],
+        launch: Callable[[int], None],
+    ) -> Task:
+        """A task that enqueues ``launch`` on the communication stream and returns its
+        :class:`NcclWork` (the stream orders the collectives; the event completes them)."""
+        return Task(op, output, partial(self._enqueue, op, output, keep, launch))
+
     def _impl_all_reduce(self, tensor, op):
         n, ptr, comm = tensor.numel(), tensor.data_ptr(), self._comm
         dt, red = dtype_code(self._dtypes, tensor.dtype), self._ops[op]
-        return self._enqueue(
+        return self._stream_task(
             "all_reduce", tensor, (tensor,), lambda s: comm.allReduce(ptr, ptr, n, dt, red, s)
         )
 
     def _impl_broadcast(self, tensor, src):
         n, ptr, comm = tensor.numel(), tensor.data_ptr(), self._comm
         dt = dtype_code(self._dtypes, tensor.dtype)
-        return self._enqueue(
+        return self._stream_task(
             "broadcast", tensor, (tensor,), lambda s: comm.broadcast(ptr, ptr, n, dt, src, s)
         )
 
     def _impl_all_gather(self, output, input):
         n, dt = input.numel(), dtype_code(self._dtypes, input.dtype)
-        return self._enqueue(
+        return self._stream_task(
             "all_gather", output, (output, input),
             lambda s: self._comm.allGather(input.data_ptr(), output.data_ptr(), n, dt, s),
         )
@@ -336,7 +355,7 @@ class NcclCommunicator(Communicator):
     def _impl_reduce_scatter(self, output, input, op):
         n, dt = output.numel(), dtype_code(self._dtypes, input.dtype)
         red = self._ops[op]
-        return self._enqueue(
+        return self._stream_task(
             "reduce_scatter", output, (output, input),
             lambda s: self._comm.reduceScatter(input.data_ptr(), output.data_ptr(), n, dt, red, s),
         )
@@ -354,25 +373,28 @@ class NcclCommunicator(Communicator):
             finally:
                 self._nccl.groupEnd()
 
-        return self._enqueue("all_to_all", output, (output, input), launch)
+        return self._stream_task("all_to_all", output, (output, input), launch)
 
     def _impl_send(self, tensor, dst):
         n, dt = tensor.numel(), dtype_code(self._dtypes, tensor.dtype)
-        return self._enqueue(
+        return self._stream_task(
             "send", tensor, (tensor,), lambda s: self._comm.send(tensor.data_ptr(), n, dt, dst, s)
         )
 
     def _impl_recv(self, tensor, src):
         n, dt = tensor.numel(), dtype_code(self._dtypes, tensor.dtype)
-        return self._enqueue(
+        return self._stream_task(
             "recv", tensor, (tensor,), lambda s: self._comm.recv(tensor.data_ptr(), n, dt, src, s)
         )
 
     def _impl_barrier(self):
-        one = torch.ones(1, device=self._device)
-        work = self._impl_all_reduce(one, ReduceOp.SUM)
-        work.synchronize()  # a barrier is a host-side promise
-        return work
+        def run() -> NcclWork:
+            one = torch.ones(1, device=self._device)
+            work = self._impl_all_reduce(one, ReduceOp.SUM).run()
+            work.synchronize()  # a barrier is a host-side promise
+            return work
+
+        return Task("barrier", None, run)
 
     @contextmanager
     def group(self) -> Iterator[None]:
@@ -388,7 +410,7 @@ class NcclCommunicator(Communicator):
         native = getattr(self._comm, "commSplit", None)
         if native is None:
             return super()._split_child(color, name, new_rank, new_size, parent_ranks, timeout)
-        import cupy
+        import cupy  # optional, as in __init__
 
         with cupy.cuda.Device(self._device.index):
             child = native(-1 if color is None else color, new_rank if color is not None else 0)

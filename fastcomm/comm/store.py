@@ -22,9 +22,11 @@ import torch.distributed as dist
 
 from .errors import StoreTimeoutError
 
-__all__ = ["Store", "as_timedelta"]
+__all__ = ["DEFAULT_TIMEOUT", "Store", "as_timedelta"]
 
-DEFAULT_STORE_TIMEOUT = timedelta(minutes=5)
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+"""How long a store wait, a rendezvous or a collective may take when no timeout is given (the
+one default of the store, every communicator and ``fastcomm.init``)."""
 
 
 def as_timedelta(timeout: float | timedelta | None, default: timedelta) -> timedelta:
@@ -57,7 +59,8 @@ class Store:
         host: address of the server (for a server: the address it reports to clients).
         port: TCP port; ``0`` with ``is_server=True`` binds a free port (read it from ``.port``).
         is_server: whether this process hosts the ``TCPStore`` server.
-        timeout: default timeout of blocking calls (seconds or ``timedelta``).
+        timeout: default timeout of blocking calls (seconds or ``timedelta``; default
+            :data:`DEFAULT_TIMEOUT`).
         prefix: namespace prepended to every key (``""``: the root).
         rank: this process's rank, only used to name it in error messages.
 
@@ -77,7 +80,7 @@ class Store:
         _base: dist.Store | None = None,
         _root: dist.TCPStore | None = None,
     ) -> None:
-        self.timeout = as_timedelta(timeout, DEFAULT_STORE_TIMEOUT)
+        self.timeout = as_timedelta(timeout, DEFAULT_TIMEOUT)
         self.prefix = prefix
         self.rank = rank
         if _root is not None:
@@ -114,14 +117,17 @@ class Store:
     # ------------------------------------------------------------------ identity
     @property
     def host(self) -> str:
+        """The server's address (``"?"`` when torch does not say)."""
         return getattr(_unwrap(self._root), "host", "?")
 
     @property
     def port(self) -> int:
+        """The server's TCP port (``-1`` when torch does not say)."""
         return getattr(_unwrap(self._root), "port", -1)
 
     @property
     def address(self) -> str:
+        """``host:port``, as error messages name the store."""
         return f"{self.host}:{self.port}"
 
     @property
@@ -161,6 +167,7 @@ class Store:
         )
 
     def set(self, key: str, value: bytes | str) -> None:
+        """Sets ``key`` to ``value`` (a ``str`` is stored UTF-8 encoded)."""
         self._store.set(key, _to_bytes(value))
 
     def get(self, key: str, timeout: float | timedelta | None = None) -> bytes:
@@ -200,9 +207,11 @@ class Store:
         return self._store.compare_set(key, _to_bytes(expected), _to_bytes(desired))
 
     def delete(self, key: str) -> bool:
+        """Deletes ``key``; returns whether it was set."""
         return bool(self._store.delete_key(key))
 
     def num_keys(self) -> int:
+        """Keys in the whole store (every namespace: torch counts them at the server)."""
         return int(self._store.num_keys())
 
     # ------------------------------------------------------------------ helpers

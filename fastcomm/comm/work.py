@@ -1,4 +1,10 @@
-"""Handles of asynchronous operations.
+"""How an operation runs: the task a backend builds, the executor that orders it, its handle.
+
+Every collective becomes a :class:`Task` (built by the backend's ``_impl_*`` hook) that
+``Communicator._run`` runs, the one way every backend's operations execute. A task whose ``run``
+blocks until the data is in place (shm, hier) goes to the communicator's
+:class:`OrderedExecutor`, which keeps issue order; a task that only issues the operation (a torch
+``ProcessGroup``, NCCL on a CUDA stream) runs at once and returns the backend's own ``Work``.
 
 A :class:`Work` is returned by every collective called with ``async_op=True``. Its future's value
 is the operation's output tensor; the future is made only when ``get_future()`` is called. For
@@ -15,13 +21,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 
 from .errors import CommTimeoutError, FastcommError
 
-__all__ = ["Lane", "Work", "completed_work", "wrap_error"]
+__all__ = ["OrderedExecutor", "Task", "Work", "completed_work", "wrap_error"]
 
 # Orders a Work's completion against the lazy creation of its future (held for a few
 # attribute reads: one lock for all works costs less than one per work).
@@ -108,9 +115,11 @@ class Work:
         return self._done
 
     def is_success(self) -> bool:
+        """Whether the operation has finished without an error."""
         return self._done and self._error is None
 
     def exception(self) -> BaseException | None:
+        """The operation's error, or ``None`` (pending or successful)."""
         return self._error
 
     def wait(self, timeout: float | timedelta | None = None) -> bool:
@@ -155,6 +164,7 @@ class Work:
         return future
 
     def result(self) -> torch.Tensor | None:
+        """Waits (as :meth:`wait`) and returns the output tensor."""
         self.wait()
         return self.output
 
@@ -179,52 +189,86 @@ def wrap_error(op: str, rank: int, start: float, exc: BaseException) -> Fastcomm
     return cls(f"rank {rank}: {op} failed after {elapsed:.1f} s: {text}")
 
 
-class Lane:
-    """A FIFO of ``(Work, fn)`` executed in issue order on one daemon thread.
+@dataclass(slots=True)
+class Task:
+    """One operation of a communicator, built by its backend and run by :meth:`Communicator._run`.
 
-    The thread starts on first use. ``fn``'s outcome completes or fails its ``Work``; ``fn``
-    raises errors already naming the rank and the operation (see :func:`wrap_error`).
-    Communicators run a synchronous call on the caller's thread instead when the lane is idle
-    (no thread hand-off: that keeps a small shm all-reduce in the tens of microseconds);
-    otherwise it queues behind the pending asynchronous work, so every rank executes its
-    operations in issue order.
+    Attributes:
+        op: the operation's name (``"all_reduce"``), for its ``Work`` and error messages.
+        output: the tensor the operation's ``Work`` resolves to (``None`` for a barrier).
+        run: moves the data. Run by an :class:`OrderedExecutor` (``executor`` set), it blocks
+            until the data is in place and returns ``None``; issued directly (``executor`` is
+            ``None``), it only starts the operation and returns the ``Work`` that the backend
+            completes itself (torch's handle, a CUDA event).
+        executor: the executor that runs ``run`` in issue order; ``None`` when the backend
+            orders its operations itself (a torch ``ProcessGroup``, a CUDA stream).
+    """
 
-    Invariant: ``busy`` counts tasks submitted and not yet finished; it drops *before* the
-    task's ``Work`` completes, so a caller woken by that ``Work`` already sees the lane idle.
+    op: str
+    output: torch.Tensor | None
+    run: Callable[[], Work | None]
+    executor: OrderedExecutor | None = None
+
+
+class OrderedExecutor:
+    """Runs a communicator's blocking tasks in issue order and completes their ``Work``.
+
+    A synchronous call runs on the caller's thread when nothing is pending (no thread hand-off:
+    that keeps a small shm all-reduce in the tens of microseconds); otherwise, and for every
+    asynchronous call, the task queues behind the pending ones and runs on one daemon thread
+    (started on first use), so every rank executes its operations in issue order.
+
+    Invariant: ``busy`` counts tasks queued and not yet finished; it drops *before* the task's
+    ``Work`` completes, so a caller woken by that ``Work`` already sees the executor idle.
 
     Args:
         name: the thread's name.
+        rank: the rank that owns it, named by the ``Work`` of queued tasks.
+        run_task: runs one task, given the time it was issued; it raises errors that already
+            name the rank and the operation (see :func:`wrap_error`).
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, rank: int, run_task: Callable[[Task, float], None]) -> None:
         self.name = name
+        self.rank = rank
         self.busy = 0
+        self._run_task = run_task
         self._cond = threading.Condition()
-        self._queue: deque[tuple[Work, Callable[[], None]]] = deque()
+        self._queue: deque[tuple[Work, Task]] = deque()
         self._thread: threading.Thread | None = None
         self._closed = False
 
-    def submit(self, work: Work, fn: Callable[[], None]) -> None:
-        """Queues ``fn``; its outcome completes or fails ``work``."""
+    def run(self, task: Task, async_op: bool) -> Work | None:
+        """Runs ``task`` in issue order.
+
+        Returns:
+            ``None`` when the task ran to completion on the caller's thread, else the ``Work``
+            it completes once it has run.
+        """
+        if not async_op and self.busy == 0:
+            self._run_task(task, time.monotonic())
+            return None
+        work = Work(task.op, self.rank, task.output)
         with self._cond:
             self.busy += 1
-            self._queue.append((work, fn))
+            self._queue.append((work, task))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
                 self._thread.start()
             self._cond.notify()
+        return work
 
-    def _run(self) -> None:
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 while not self._queue and not self._closed:
                     self._cond.wait()
                 if not self._queue:
                     return
-                work, fn = self._queue.popleft()
+                work, task = self._queue.popleft()
             error = None
             try:
-                fn()
+                self._run_task(task, work.start)
             except BaseException as exc:  # delivered to the waiter, never lost
                 error = exc
             with self._cond:

@@ -31,18 +31,25 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from .base import DEFAULT_TIMEOUT, Communicator
-from .store import Store, as_timedelta
+from .base import Communicator
+from .hier import HierCommunicator
+from .nccl import NcclCommunicator, cupy_nccl, nccl_version
+from .pg.gloo import GlooCommunicator
+from .pg.torch_pg import group_store
+from .shm import ShmCommunicator, shm_available
+from .shm.segment import host_id
+from .store import DEFAULT_TIMEOUT, Store
 
 __all__ = [
     "init", "get_world", "shutdown", "new_communicator", "is_initialized", "BACKENDS",
-    "NcclFit", "nccl_fit", "cuda_device_count", "detected_nccl_version",
+    "NcclFit", "nccl_fit", "cuda_device_count", "detected_nccl_version", "local_shm_communicator",
 ]
 
 BACKENDS = ("gloo", "nccl", "shm", "hier", "ipc")
@@ -52,6 +59,10 @@ SHARED_GPU_MIN_NCCL = (2, 30)
 ``NCCL_MULTI_RANK_GPU_ENABLE=1``); earlier ones fail with "Duplicate GPU detected"."""
 
 logger = logging.getLogger("fastcomm")
+
+# group -> its shm communicator (None: the group's ranks are not all on this host), one per
+# group for every DDP of the process; an entry goes when its group is garbage collected
+_LOCAL_SHM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 _WORLD: Communicator | None = None
 _WORLD_STORE: Store | None = None
@@ -81,8 +92,6 @@ def cuda_device_count() -> int:
 def detected_nccl_version() -> tuple[int, int, int] | None:
     """Version of the libnccl fastcomm's NCCL backend would call (``None``: CuPy's NCCL does not
     load): the one place ``init`` reads it."""
-    from .nccl import nccl_version
-
     return nccl_version()
 
 
@@ -159,8 +168,6 @@ def nccl_available() -> bool:
     """Whether CUDA is visible and CuPy's NCCL bindings load."""
     if cuda_device_count() == 0:
         return False
-    from .nccl import cupy_nccl
-
     return cupy_nccl() is not None
 
 
@@ -202,8 +209,6 @@ def _pick_backend(world_size: int, cpu_tensors: bool) -> tuple[str, NcclFit | No
                 f"FASTCOMM_BACKEND={forced!r} is not a backend; allowed: {', '.join(BACKENDS)}"
             )
         return forced, None
-    from .shm import shm_available
-
     cpu = "shm" if shm_available() else "gloo"
     if cpu_tensors:  # the caller trains on CPU: NCCL could not move its tensors
         return cpu, None
@@ -280,22 +285,16 @@ def new_communicator(
         ValueError: unknown backend.
     """
     if backend == "gloo":
-        from .pg.gloo import GlooCommunicator
-
         return GlooCommunicator(store, rank, size, timeout)
     if backend == "nccl":
-        from .nccl import NcclCommunicator
-
         return NcclCommunicator(store, rank, size, timeout, device=device)
     if backend == "shm":
-        from .shm import ShmCommunicator
-
         return ShmCommunicator(store, rank, size, timeout)
     if backend == "hier":
-        from .hier import HierCommunicator
-
         return HierCommunicator(store, rank, size, timeout)
     if backend == "ipc":
+        # deliberately lazy: ipc loads Triton (its peer_reduce kernel), which no other backend
+        # needs, so only a job that picks ipc pays for it
         from .ipc import IpcCommunicator
 
         return IpcCommunicator(store, rank, size, timeout)
@@ -337,7 +336,6 @@ def init(
     global _WORLD, _WORLD_STORE, _INIT_COUNT
     if _WORLD is not None:
         raise RuntimeError("fastcomm.init() was already called; call fastcomm.shutdown() first")
-    timeout = as_timedelta(timeout, DEFAULT_TIMEOUT)
     world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
     rank = _env_int("RANK", 0 if world_size == 1 else None) if rank is None else rank
     if not 0 <= rank < world_size:
@@ -381,8 +379,6 @@ def init(
         _INIT_COUNT += 1
         store = base.prefixed(f"fastcomm/world{_INIT_COUNT}", rank=rank)
     if auto and backend in ("shm", "ipc") and world_size > 1:
-        from .shm.segment import host_id
-
         hosts = store.all_gather_object("init/hosts", rank, world_size, host_id(), timeout)
         layout = choose_cpu_backend(hosts)
         backend = layout if layout != "shm" else backend  # ipc, like shm, needs one host
@@ -405,6 +401,7 @@ def get_world() -> Communicator:
 
 
 def is_initialized() -> bool:
+    """Whether :func:`init` has made the world communicator (and no :func:`shutdown` since)."""
     return _WORLD is not None
 
 
@@ -415,3 +412,49 @@ def shutdown() -> None:
         _WORLD.close()
     _WORLD = None
     _WORLD_STORE = None
+
+
+def local_shm_communicator(
+    process_group: dist.ProcessGroup | None = None, timeout: float | timedelta | None = None
+) -> ShmCommunicator | None:
+    """A shared-memory communicator over the ranks of a torch group that all run on this host.
+
+    A collective call (every member calls it, in the same order as the group's other
+    collectives): the members exchange their host identity through the group's store, and when
+    they share one host they set up a :class:`~fastcomm.comm.shm.ShmCommunicator` on that
+    store (CPU tensors only, no Gloo fallback). The result is cached per group, so every DDP
+    of the process shares one segment. It is closed when the group is destroyed (and garbage
+    collected) or at interpreter exit; its segment never stays in ``/dev/shm`` (it is unlinked
+    once every rank has mapped it).
+
+    Args:
+        process_group: the group; ``None`` means ``torch.distributed``'s default group.
+        timeout: limit for setup and for every operation (default: fastcomm's default).
+
+    Returns:
+        The communicator, or ``None`` when the members span hosts, this platform has no
+        ``/dev/shm``, or ``FASTCOMM_BACKEND`` names another backend.
+    """
+    forced = os.environ.get("FASTCOMM_BACKEND", "").strip().lower()
+    if forced and forced != "shm":
+        return None
+    if process_group is None:
+        process_group = dist.distributed_c10d._get_default_group()
+    if process_group in _LOCAL_SHM:
+        comm = _LOCAL_SHM[process_group]
+        if comm is None or not comm.closed:
+            return comm
+    # every rank answers the same, so every rank takes the same branch below
+    if not shm_available():
+        return None
+    rank, size = process_group.rank(), process_group.size()
+    store = group_store(process_group, rank, timeout)
+    hosts = store.all_gather_object("shm/hosts", rank, size, host_id(), store.timeout)
+    comm = None
+    if len(set(hosts)) == 1:
+        comm = ShmCommunicator(
+            store.prefixed("shm", rank=rank), rank, size, timeout, fallback=False
+        )
+        weakref.finalize(process_group, comm.close)
+    _LOCAL_SHM[process_group] = comm
+    return comm

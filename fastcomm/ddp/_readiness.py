@@ -54,7 +54,7 @@ class Readiness:
         self.reducer = reducer
         comm = reducer.comm
         self.store = getattr(comm, "store", None)
-        self.prefix = comm._next_name("ddp-readiness") if self.store is not None else ""
+        self.prefix = comm.next_key("ddp-readiness") if self.store is not None else ""
         self._published_step = -1
 
     # ------------------------------------------------------------------ exchange

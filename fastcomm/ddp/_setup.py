@@ -45,7 +45,7 @@ def resolve_comm(comm, process_group, module: nn.Module | None = None) -> Commun
         return fastcomm.get_world()
     if dist.is_available() and dist.is_initialized():
         if module is not None and all(p.device.type == "cpu" for p in module.parameters()):
-            from fastcomm.comm.pg.torch_pg import local_shm_communicator
+            from fastcomm.comm.world import local_shm_communicator
 
             shm = local_shm_communicator(None)
             if shm is not None:

@@ -62,8 +62,15 @@ class _CheckEnv(argparse.Action):
         setattr(namespace, self.dest, True)
 
 
-def _opt(parser, *names, **kwargs):
-    parser.add_argument(*names, action=_Env, **kwargs)
+def _opt(parser, *names, action=_Env, **kwargs):
+    """Adds a flag under ``names`` and, for each dashed long name, its underscore spelling too
+    (torchrun accepts ``--nproc-per-node`` and ``--nproc_per_node`` alike)."""
+    spellings = []
+    for name in names:
+        spellings.append(name)
+        if name.startswith("--") and "-" in name[2:]:
+            spellings.append("--" + name[2:].replace("-", "_"))
+    parser.add_argument(*spellings, action=action, **kwargs)
 
 
 def get_parser() -> argparse.ArgumentParser:
@@ -74,155 +81,62 @@ def get_parser() -> argparse.ArgumentParser:
         "failures (one agent per node, rendezvous through a TCP store).",
     )
     _opt(p, "--nnodes", default="1:1", help="number of nodes, or MIN:MAX (elastic)")
-    _opt(
-        p,
-        "--nproc-per-node",
-        "--nproc_per_node",
-        default="1",
-        help="workers per node: an int, or cpu, gpu, xpu, auto",
-    )
-    _opt(p, "--rdzv-backend", "--rdzv_backend", default="static", help="static or c10d")
-    _opt(
-        p,
-        "--rdzv-endpoint",
-        "--rdzv_endpoint",
-        default="",
-        help="host:port of the rendezvous store (served by the agent on that host)",
-    )
-    _opt(p, "--rdzv-id", "--rdzv_id", default="none", help="job id (TORCHELASTIC_RUN_ID)")
-    _opt(
-        p,
-        "--rdzv-conf",
-        "--rdzv_conf",
-        default="",
-        help="k=v,... (join_timeout, last_call_timeout, close_timeout, read_timeout, "
-        "is_host, keep_alive_interval, keep_alive_max_attempt)",
-    )
-    p.add_argument(
-        "--standalone",
-        action=_CheckEnv,
-        help="single node: serve the rendezvous store on a free port",
-    )
-    _opt(
-        p,
-        "--max-restarts",
-        "--max_restarts",
-        type=int,
-        default=0,
-        help="failure restarts of the worker group before giving up",
-    )
-    _opt(
-        p,
-        "--monitor-interval",
-        "--monitor_interval",
-        type=float,
-        default=0.1,
-        help="seconds between checks of the workers",
-    )
-    _opt(
-        p,
-        "--start-method",
-        "--start_method",
-        default="spawn",
-        choices=["spawn", "fork", "forkserver"],
-        help="ignored: workers are always new processes",
-    )
-    _opt(p, "--event-log-handler", "--event_log_handler", default="null", help="ignored")
+    _opt(p, "--nproc-per-node", default="1",
+         help="workers per node: an int, or cpu, gpu, xpu, auto")
+    # rendezvous
+    _opt(p, "--rdzv-backend", default="static", help="static or c10d")
+    _opt(p, "--rdzv-endpoint", default="",
+         help="host:port of the rendezvous store (served by the agent on that host)")
+    _opt(p, "--rdzv-id", default="none", help="job id (TORCHELASTIC_RUN_ID)")
+    _opt(p, "--rdzv-conf", default="",
+         help="k=v,... (join_timeout, last_call_timeout, close_timeout, read_timeout, "
+         "is_host, keep_alive_interval, keep_alive_max_attempt)")
+    _opt(p, "--standalone", action=_CheckEnv,
+         help="single node: serve the rendezvous store on a free port")
+    # restarts and monitoring
+    _opt(p, "--max-restarts", type=int, default=0,
+         help="failure restarts of the worker group before giving up")
+    _opt(p, "--monitor-interval", type=float, default=0.1,
+         help="seconds between checks of the workers")
+    _opt(p, "--start-method", default="spawn", choices=["spawn", "fork", "forkserver"],
+         help="ignored: workers are always new processes")
+    _opt(p, "--event-log-handler", default="null", help="ignored")
     _opt(p, "--role", default="default", help="ROLE_NAME of the workers")
-    p.add_argument(
-        "-m", "--module", action=_CheckEnv, help="run the script as a module (python -m)"
-    )
-    p.add_argument(
-        "--no-python",
-        "--no_python",
-        action=_CheckEnv,
-        help="execute the script directly, not through python",
-    )
-    p.add_argument(
-        "--run-path",
-        "--run_path",
-        action=_CheckEnv,
-        help="accepted for compatibility; the script runs as with plain python",
-    )
-    _opt(
-        p,
-        "--log-dir",
-        "--log_dir",
-        default=None,
-        help="base directory of logs and error files (<run_id>_<random>/attempt_<round>/"
-        "<local_rank>/{stdout,stderr}.log, error.json)",
-    )
-    _opt(
-        p,
-        "-r",
-        "--redirects",
-        default="0",
-        help="streams to files only: 0 none, 1 stdout, 2 stderr, 3 both, or 0:3,1:1,...",
-    )
+    # how the script runs
+    _opt(p, "-m", "--module", action=_CheckEnv, help="run the script as a module (python -m)")
+    _opt(p, "--no-python", action=_CheckEnv,
+         help="execute the script directly, not through python")
+    _opt(p, "--run-path", action=_CheckEnv,
+         help="accepted for compatibility; the script runs as with plain python")
+    # output
+    _opt(p, "--log-dir", default=None,
+         help="base directory of logs and error files (<run_id>_<random>/attempt_<round>/"
+         "<local_rank>/{stdout,stderr}.log, error.json)")
+    _opt(p, "-r", "--redirects", default="0",
+         help="streams to files only: 0 none, 1 stdout, 2 stderr, 3 both, or 0:3,1:1,...")
     _opt(p, "-t", "--tee", default="0", help="streams to files and the console (same syntax)")
-    _opt(
-        p,
-        "--local-ranks-filter",
-        "--local_ranks_filter",
-        default="",
-        help="local ranks whose output is shown on the console (e.g. 0,1)",
-    )
-    _opt(p, "--duplicate-stdout-filters", "--duplicate_stdout_filters", default="", help="ignored")
-    _opt(p, "--duplicate-stderr-filters", "--duplicate_stderr_filters", default="", help="ignored")
-    _opt(
-        p,
-        "--node-rank",
-        "--node_rank",
-        type=int,
-        default=0,
-        help="this node's rank (static backend)",
-    )
-    _opt(
-        p,
-        "--master-addr",
-        "--master_addr",
-        default="127.0.0.1",
-        help="address of node 0 (static backend without --rdzv-endpoint)",
-    )
-    _opt(
-        p,
-        "--master-port",
-        "--master_port",
-        type=int,
-        default=None,
-        help="rendezvous port on node 0 (static backend; default 29500)",
-    )
-    _opt(
-        p,
-        "--local-addr",
-        "--local_addr",
-        default=None,
-        help="address other nodes reach this node at (default: its FQDN)",
-    )
-    p.add_argument("--logs-specs", "--logs_specs", default=None, help="ignored")
-    p.add_argument("--numa-binding", "--numa_binding", default=None, help="ignored")
-    _opt(
-        p,
-        "--signals-to-handle",
-        "--signals_to_handle",
-        default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-        help="signals the launcher forwards to the workers",
-    )
-    _opt(
-        p,
-        "--shutdown-timeout",
-        "--shutdown_timeout",
-        type=int,
-        default=None,
-        help="seconds between the stop signal and SIGKILL (default "
-        "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30)",
-    )
-    p.add_argument(
-        "--virtual-local-rank",
-        "--virtual_local_rank",
-        action=_CheckEnv,
-        help="LOCAL_RANK=0, CUDA_VISIBLE_DEVICES narrowed to the worker's device",
-    )
+    _opt(p, "--local-ranks-filter", default="",
+         help="local ranks whose output is shown on the console (e.g. 0,1)")
+    _opt(p, "--duplicate-stdout-filters", default="", help="ignored")
+    _opt(p, "--duplicate-stderr-filters", default="", help="ignored")
+    # static rendezvous and addresses
+    _opt(p, "--node-rank", type=int, default=0, help="this node's rank (static backend)")
+    _opt(p, "--master-addr", default="127.0.0.1",
+         help="address of node 0 (static backend without --rdzv-endpoint)")
+    _opt(p, "--master-port", type=int, default=None,
+         help="rendezvous port on node 0 (static backend; default 29500)")
+    _opt(p, "--local-addr", default=None,
+         help="address other nodes reach this node at (default: its FQDN)")
+    _opt(p, "--logs-specs", action="store", default=None, help="ignored")
+    _opt(p, "--numa-binding", action="store", default=None, help="ignored")
+    # signals
+    _opt(p, "--signals-to-handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+         help="signals the launcher forwards to the workers")
+    _opt(p, "--shutdown-timeout", type=int, default=None,
+         help="seconds between the stop signal and SIGKILL (default "
+         "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30)")
+    _opt(p, "--virtual-local-rank", action=_CheckEnv,
+         help="LOCAL_RANK=0, CUDA_VISIBLE_DEVICES narrowed to the worker's device")
     p.add_argument("training_script", help="the script (or module, or program) to run")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)
     return p

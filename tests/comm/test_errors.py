@@ -172,11 +172,11 @@ def check_reduce_through_the_fallback(name):
     """shm's reduce of tensors it hands to Gloo (CUDA ones on a GPU machine), run here on CPU
     tensors by routing them the same way: the root gets the result, the others keep theirs."""
     comm = fresh_comm("shm", name)
-    comm.route = lambda device: comm.fallback
+    comm.route = lambda device, op=None: comm.fallback
     n = comm.size
     for op, on_root in (("sum", n * (n + 1) / 2), ("avg", (n + 1) / 2), ("max", float(n))):
         t = torch.full((5,), comm.rank + 1.0)
-        comm._reduce_elsewhere(t, 1, ReduceOp.coerce(op)).wait()
+        comm.reduce(t, 1, ReduceOp.coerce(op), async_op=True).wait()
         expected = on_root if comm.rank == 1 else comm.rank + 1.0
         assert t.tolist() == [expected] * 5, (op, t)
     comm.close()

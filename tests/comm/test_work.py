@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fastcomm.comm.errors import CommTimeoutError, FastcommError
-from fastcomm.comm.work import Lane, Work, completed_work
+from fastcomm.comm.work import OrderedExecutor, Task, Work, completed_work
 
 
 def test_completed_work_is_done_and_its_future_resolves_on_request():
@@ -78,13 +78,13 @@ def test_every_waiter_wakes_when_another_thread_completes():
 
 
 def test_lazy_future_races_with_completion_resolve_exactly_once():
-    lane = Lane("fastcomm-test-work-lane")
+    executor = OrderedExecutor("fastcomm-test-work-executor", 0, lambda task, start: task.run())
     try:
         for i in range(200):
-            work = Work("all_reduce", 0, torch.full((1,), float(i)))
-            lane.submit(work, lambda: None)
-            future = work.get_future()  # may come before or after the lane completes it
+            task = Task("all_reduce", torch.full((1,), float(i)), lambda: None)
+            work = executor.run(task, async_op=True)
+            future = work.get_future()  # may come before or after the executor completes it
             assert future.wait().item() == i
             assert work.wait(10.0)
     finally:
-        assert lane.close(10.0)
+        assert executor.close(10.0)

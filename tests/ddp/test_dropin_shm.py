@@ -63,8 +63,8 @@ def check_closed_with_its_group():
     """A group's shm communicator closes when the group is destroyed, and leaves no file."""
     import torch.distributed as dist
 
-    from fastcomm.comm.pg.torch_pg import local_shm_communicator
     from fastcomm.comm.shm.segment import PREFIX, SHM_DIR
+    from fastcomm.comm.world import local_shm_communicator
 
     init_torch_dist()
     group = dist.new_group([0, 1])

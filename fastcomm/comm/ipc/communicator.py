@@ -29,11 +29,12 @@ import torch
 
 from ...kernels._launch import fp32_scale, kernel_backend
 from ...kernels._peer_reduce import MAX_PEERS, PEER_DTYPES, peer_reduce
+from ..base import Communicator
 from ..shm.communicator import ShmCommunicator, ShmOptions
 from ..shm.schedules import Reduction, torch_reduce
 from ..store import Store
 from ..types import ReduceOp
-from ..work import Work
+from ..work import Task, Work
 
 __all__ = ["IpcCommunicator", "cpu_reduction", "kernel_reduce", "reference_reduce"]
 
@@ -223,22 +224,30 @@ class IpcCommunicator(ShmCommunicator):
         )
         return None
 
-    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp):
-        if (
-            tensor.device.type == "cuda"
-            and tensor.numel()
-            and tensor.dtype in _CUDA_DTYPES
-            and op._name_ in _KERNEL_OPS
-        ):
+    def route(self, device: torch.device | str, op: str | None = None) -> Communicator:
+        """As :meth:`ShmCommunicator.route`, except that a CUDA ``all_reduce`` stays here
+        (:meth:`_impl_all_reduce` picks the CUDA transport or the Gloo fallback)."""
+        if op == "all_reduce" and torch.device(device).type == "cuda" and self.fallback is not None:
+            return self
+        return super().route(device, op)
+
+    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Task:
+        if tensor.device.type != "cuda":
+            return super()._impl_all_reduce(tensor, op)
+        transport = None
+        if tensor.dtype in _CUDA_DTYPES and op._name_ in _KERNEL_OPS:
             transport = self._cuda_route(tensor.device)
-            if transport is not None:
-                work = transport.all_reduce(tensor, op)  # enqueued in the caller's stream order
-                if work is not None:
-                    return work
-                # done in stream order: a future's consumer syncs with the current stream
-                return Work("all_reduce", self.rank, tensor, devices=[tensor.device],
-                            completed=True)
-        return super()._impl_all_reduce(tensor, op)
+        if transport is None:
+            return super().route(tensor.device)._impl_all_reduce(tensor, op)
+
+        def enqueue() -> Work:
+            work = transport.all_reduce(tensor, op)  # enqueued in the caller's stream order
+            if work is not None:
+                return work
+            # done in stream order: a future's consumer syncs with the current stream
+            return Work("all_reduce", self.rank, tensor, devices=[tensor.device], completed=True)
+
+        return Task("all_reduce", tensor, enqueue)  # issued at once: the stream orders it
 
     # ------------------------------------------------------------------ lifetime
     def _impl_close(self) -> None:

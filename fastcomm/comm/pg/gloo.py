@@ -57,6 +57,7 @@ class GlooCommunicator(ProcessGroupCommunicator):
 
     @property
     def device(self) -> torch.device:
+        """CPU: Gloo's own device (it also moves CUDA tensors, staged through host memory)."""
         return torch.device("cpu")
 
     def _device_ok(self, device: torch.device) -> bool:

@@ -6,8 +6,9 @@ Completion: a :class:`Work` over a native handle is finished by whoever first ne
 on that thread: ``wait()`` waits on the handle and then applies what the backend lacks
 (``AVG`` as ``SUM`` then a division), once; ``get_future()`` chains the same onto the handle's
 own future (run on the backend's thread). No thread of ours sits between the backend and the
-caller, so a DDP bucket costs no thread hand-off. A handle without a future (Gloo's
-``reduce_scatter``) is waited on by the communicator's ``Lane`` thread when a future is asked
+caller, so a DDP bucket costs no thread hand-off: the tasks of this backend are issued at once
+(torch orders them) and return that ``Work``. A handle without a future (Gloo's
+``reduce_scatter``) is waited on by the communicator's executor thread when a future is asked
 for. Subclasses may override ``_issue`` (CUDA groups do, to keep torch's stream-aware futures).
 """
 
@@ -17,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -24,7 +26,7 @@ import torch.distributed as dist
 from ..base import Communicator
 from ..store import as_timedelta
 from ..types import ReduceOp, divide_
-from ..work import Lane, Work, wrap_error
+from ..work import Task, Work, wrap_error
 
 __all__ = ["ProcessGroupCommunicator"]
 
@@ -107,9 +109,8 @@ class _HandleWork(Work):
             except (RuntimeError, NotImplementedError, AttributeError):
                 native = None
             if native is None:
-                proxy = Work(self.op, self.rank, self.output)
-                self._comm._completions.submit(proxy, self.wait)
-                self._future = proxy.get_future()
+                waiter = Task(self.op, self.output, self.wait)
+                self._future = self._comm._executor.run(waiter, async_op=True).get_future()
             else:
                 self._future = native.then(self._resolve)
         return self._future
@@ -136,10 +137,6 @@ class ProcessGroupCommunicator(Communicator):
     process_group: dist.ProcessGroup
     native_avg: bool = False
 
-    def __init__(self, store, rank, size, timeout=None) -> None:
-        super().__init__(store, rank, size, timeout)
-        self._completions = Lane(f"fastcomm-{self.backend}-r{rank}")  # thread starts on use
-
     def _issue(
         self,
         op: str,
@@ -159,69 +156,54 @@ class ProcessGroupCommunicator(Communicator):
             return dist.ReduceOp.SUM, (lambda: divide_(tensor, self.size))
         return _TORCH_OPS[op], None
 
+    def _issue_task(self, op: str, output: torch.Tensor | None, issue, post=None) -> Task:
+        """A task that issues the native collective (``issue`` returns torch's handle) and
+        returns the ``Work`` that completes it; ``post`` runs once the handle is done (see
+        :meth:`_issue`)."""
+        return Task(op, output, partial(self._issue, op, output, issue, post))
+
     # ------------------------------------------------------------------ collectives
-    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
-        if tensor.numel() == 0:
-            return self._done("all_reduce", tensor)
+    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Task:
         opts = dist.AllreduceOptions()
         opts.reduceOp, post = self._reduce_op(op, tensor)
         pg = self.process_group
-        return self._issue("all_reduce", tensor, lambda: pg.allreduce([tensor], opts), post)
+        return self._issue_task("all_reduce", tensor, lambda: pg.allreduce([tensor], opts), post)
 
-    def _impl_broadcast(self, tensor: torch.Tensor, src: int) -> Work:
-        if tensor.numel() == 0:
-            return self._done("broadcast", tensor)
+    def _impl_broadcast(self, tensor: torch.Tensor, src: int) -> Task:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         pg = self.process_group
-        return self._issue("broadcast", tensor, lambda: pg.broadcast([tensor], opts))
+        return self._issue_task("broadcast", tensor, lambda: pg.broadcast([tensor], opts))
 
-    def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
-        if input.numel() == 0:
-            return self._done("all_gather", output)
-        out_flat, in_flat = output.view(-1), input.view(-1)
-        pg = self.process_group
-        return self._issue("all_gather", output, lambda: pg._allgather_base(out_flat, in_flat))
+    def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Task:
+        out_flat, in_flat, pg = output.view(-1), input.view(-1), self.process_group
+        return self._issue_task("all_gather", output, lambda: pg._allgather_base(out_flat, in_flat))
 
     def _impl_reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp
-    ) -> Work:
-        if output.numel() == 0:
-            return self._done("reduce_scatter", output)
+    ) -> Task:
         opts = dist.ReduceScatterOptions()
         opts.reduceOp, post = self._reduce_op(op, output)
         out_flat, in_flat = output.view(-1), input.view(-1)
         pg = self.process_group
-        return self._issue(
+        return self._issue_task(
             "reduce_scatter", output, lambda: pg._reduce_scatter_base(out_flat, in_flat, opts), post
         )
 
-    def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Work:
-        if input.numel() == 0:
-            return self._done("all_to_all", output)
-        out_flat, in_flat = output.view(-1), input.view(-1)
-        pg = self.process_group
-        return self._issue(
-            "all_to_all",
-            output,
-            lambda: pg.alltoall_base(out_flat, in_flat, [], [], dist.AllToAllOptions()),
-        )
+    def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Task:
+        out_flat, in_flat, pg = output.view(-1), input.view(-1), self.process_group
+        opts = dist.AllToAllOptions()
+        issue = lambda: pg.alltoall_base(out_flat, in_flat, [], [], opts)  # noqa: E731
+        return self._issue_task("all_to_all", output, issue)
 
-    def _impl_send(self, tensor: torch.Tensor, dst: int) -> Work:
-        if tensor.numel() == 0:
-            return self._done("send", tensor)
+    def _impl_send(self, tensor: torch.Tensor, dst: int) -> Task:
         pg = self.process_group
-        return self._issue("send", tensor, lambda: pg.send([tensor], dst, 0))
+        return self._issue_task("send", tensor, lambda: pg.send([tensor], dst, 0))
 
-    def _impl_recv(self, tensor: torch.Tensor, src: int) -> Work:
-        if tensor.numel() == 0:
-            return self._done("recv", tensor)
+    def _impl_recv(self, tensor: torch.Tensor, src: int) -> Task:
         pg = self.process_group
-        return self._issue("recv", tensor, lambda: pg.recv([tensor], src, 0))
+        return self._issue_task("recv", tensor, lambda: pg.recv([tensor], src, 0))
 
-    def _impl_barrier(self) -> Work:
+    def _impl_barrier(self) -> Task:
         pg = self.process_group
-        return self._issue("barrier", None, lambda: pg.barrier(dist.BarrierOptions()))
-
-    def _impl_close(self) -> None:
-        self._completions.close(timeout=5.0)
+        return self._issue_task("barrier", None, lambda: pg.barrier(dist.BarrierOptions()))

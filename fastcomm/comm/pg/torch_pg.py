@@ -18,25 +18,23 @@ the group's store under a private prefix; the group itself is never split.
 from __future__ import annotations
 
 import itertools
-import os
 import time
-import weakref
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from ..errors import FastcommError
+from ..nccl import NcclCommunicator
 from ..store import Store
 from ..work import Work, wrap_error
+from .gloo import GlooCommunicator
 from .process_group import ProcessGroupCommunicator
 
-__all__ = ["TorchPGCommunicator", "local_shm_communicator"]
+__all__ = ["TorchPGCommunicator", "group_store"]
 
 _ADAPTERS: dict[str, itertools.count] = {}
-# group -> its shm communicator (None: the group's ranks are not all on this host), one per
-# group for every DDP of the process; an entry goes when its group is garbage collected
-_LOCAL_SHM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
 
 class _TorchWork(Work):
     """A fastcomm ``Work`` over a torch ``Work`` (completion is torch's, not a thread's)."""
@@ -125,7 +123,7 @@ class TorchPGCommunicator(ProcessGroupCommunicator):
             raise RuntimeError("this process is not a member of the given process group")
         self.process_group = process_group
         self.pg_backend = _backend_name(process_group)
-        store = _group_store(process_group, rank, timeout)
+        store = group_store(process_group, rank, timeout)
         super().__init__(store, rank, size, timeout)
         if "nccl" in self.pg_backend and torch.cuda.is_available():
             self._device = torch.device("cuda", torch.cuda.current_device())
@@ -136,6 +134,7 @@ class TorchPGCommunicator(ProcessGroupCommunicator):
 
     @property
     def device(self) -> torch.device:
+        """The group's device: this rank's CUDA device for an NCCL group, else CPU."""
         return self._device
 
     def _device_ok(self, device: torch.device) -> bool:
@@ -170,17 +169,21 @@ class TorchPGCommunicator(ProcessGroupCommunicator):
         return gathered
 
     def _new_child(self, store: Store, rank: int, size: int, timeout: timedelta):
-        from ..world import new_communicator
-
         if self._device.type == "cuda":
-            return new_communicator(
-                "nccl", store=store, rank=rank, size=size, timeout=timeout, device=self._device
-            )
-        return new_communicator("gloo", store=store, rank=rank, size=size, timeout=timeout)
+            return NcclCommunicator(store, rank, size, timeout, device=self._device)
+        return GlooCommunicator(store, rank, size, timeout)
 
 
-def _group_store(pg: dist.ProcessGroup, rank: int, timeout) -> Store:
-    """A fastcomm view of the group's own store, under a prefix private to this adapter."""
+def group_store(
+    pg: dist.ProcessGroup, rank: int, timeout: float | timedelta | None
+) -> Store:
+    """A fastcomm view of a torch group's own store, under a prefix private to this call.
+
+    Args:
+        pg: the torch group whose store (or the default group's) is used.
+        rank: this process's rank in ``pg``, named in the store's errors.
+        timeout: the store's default timeout (``None``: fastcomm's default).
+    """
     try:
         base = pg.get_group_store()
     except (RuntimeError, AttributeError):
@@ -196,53 +199,3 @@ def _group_store(pg: dist.ProcessGroup, rank: int, timeout) -> Store:
         _root=base,
         prefix=prefix,
     )
-
-
-def local_shm_communicator(
-    process_group: dist.ProcessGroup | None = None, timeout: float | timedelta | None = None
-):
-    """A shared-memory communicator over the ranks of a torch group that all run on this host.
-
-    A collective call (every member calls it, in the same order as the group's other
-    collectives): the members exchange their host identity through the group's store, and when
-    they share one host they set up a :class:`~fastcomm.comm.shm.ShmCommunicator` on that
-    store (CPU tensors only, no Gloo fallback). The result is cached per group, so every DDP
-    of the process shares one segment. It is closed when the group is destroyed (and garbage
-    collected) or at interpreter exit; its segment never stays in ``/dev/shm`` (it is unlinked
-    once every rank has mapped it).
-
-    Args:
-        process_group: the group; ``None`` means ``torch.distributed``'s default group.
-        timeout: limit for setup and for every operation (default: fastcomm's default).
-
-    Returns:
-        The communicator, or ``None`` when the members span hosts, this platform has no
-        ``/dev/shm``, or ``FASTCOMM_BACKEND`` names another backend.
-    """
-    from ..shm import ShmCommunicator, shm_available
-
-    forced = os.environ.get("FASTCOMM_BACKEND", "").strip().lower()
-    if forced and forced != "shm":
-        return None
-    if process_group is None:
-        process_group = dist.distributed_c10d._get_default_group()
-    if process_group in _LOCAL_SHM:
-        comm = _LOCAL_SHM[process_group]
-        if comm is None or not comm.closed:
-            return comm
-    # every rank answers the same, so every rank takes the same branch below
-    if not shm_available():
-        return None
-    from ..shm.segment import host_id
-
-    rank, size = process_group.rank(), process_group.size()
-    store = _group_store(process_group, rank, timeout)
-    hosts = store.all_gather_object("shm/hosts", rank, size, host_id(), store.timeout)
-    comm = None
-    if len(set(hosts)) == 1:
-        comm = ShmCommunicator(
-            store.prefixed("shm", rank=rank), rank, size, timeout, fallback=False
-        )
-        weakref.finalize(process_group, comm.close)
-    _LOCAL_SHM[process_group] = comm
-    return comm

@@ -9,10 +9,10 @@ Invariants:
   the same store (``fallback=True``, the default), so every call that works on the Gloo
   communicator works here. :meth:`ShmCommunicator.route` is that decision, and says it once in
   the log (logger ``fastcomm``) the first time a CUDA tensor takes the fallback.
-- Collectives run in issue order on one lane: synchronous calls on the caller's thread when no
-  asynchronous work is pending, otherwise (and ``async_op=True`` calls always) on the lane's
-  thread. Sends to and receives from each peer have lanes of their own, so a blocked send never
-  stalls a collective (as with Gloo). One thread issues a communicator's calls.
+- Collectives run in issue order on one executor: synchronous calls on the caller's thread when
+  no asynchronous work is pending, otherwise (and ``async_op=True`` calls always) on the
+  executor's thread. Sends to and receives from each peer have executors of their own, so a
+  blocked send never stalls a collective (as with Gloo). One thread issues a communicator's calls.
 - A failed operation (timeout, peer gone, mismatch) marks this rank ABORTED in the segment, so
   peers waiting on it raise at once naming it; every later call raises ``CommAbortedError``.
 - Nothing of the segment outlives setup in ``/dev/shm`` (see ``segment``). At interpreter
@@ -27,7 +27,6 @@ The communicator never changes ``torch.set_num_threads`` itself.
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 import time
 import weakref
@@ -39,9 +38,10 @@ import torch.distributed as dist
 
 from ..base import Communicator
 from ..errors import CommAbortedError, CommClosedError, FastcommError
+from ..pg.gloo import GlooCommunicator
 from ..store import Store
 from ..types import ReduceOp
-from ..work import Lane, Work, wrap_error
+from ..work import OrderedExecutor, Task, Work, wrap_error
 from .flags import PeerFlags, fence_supported
 from .schedules import Reduction, SegmentSchedules
 from .segment import ABORTED, CLOSED, Segment, host_id, shm_supported
@@ -49,7 +49,6 @@ from .segment import ABORTED, CLOSED, Segment, host_id, shm_supported
 __all__ = ["ShmCommunicator", "ShmOptions", "shm_available"]
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
-logger = logging.getLogger("fastcomm")
 
 
 def _env_int(name: str, default: int | None) -> int | None:
@@ -175,14 +174,10 @@ class ShmCommunicator(Communicator):
         u8 = torch.frombuffer(self._seg.mm, dtype=torch.uint8)
         one_shot = opts.one_shot_max if opts.one_shot_max is not None else (512 << 10) // size
         self._schedules = SegmentSchedules(self._flags, self._seg.layout, u8, one_shot, reduce)
-        self._lane = Lane(f"fastcomm-shm-r{rank}")
-        self._p2p: dict[tuple[str, int], Lane] = {}
+        self._p2p: dict[tuple[str, int], OrderedExecutor] = {}
         self._broken: BaseException | None = None
         self._fallback = None
-        self._told_route = False
         if fallback:
-            from ..pg.gloo import GlooCommunicator
-
             self._fallback = GlooCommunicator(
                 store.prefixed("fallback"), rank, size, self.timeout
             )
@@ -191,6 +186,7 @@ class ShmCommunicator(Communicator):
 
     @property
     def device(self) -> torch.device:
+        """CPU: the tensors this communicator moves itself (CUDA ones take its fallback)."""
         return torch.device("cpu")
 
     @property
@@ -218,24 +214,20 @@ class ShmCommunicator(Communicator):
     def _device_ok(self, device: torch.device) -> bool:
         return device.type == "cpu" or (self._fallback is not None and device.type == "cuda")
 
-    def route(self, device: torch.device | str) -> Communicator:
+    def route(self, device: torch.device | str, op: str | None = None) -> Communicator:
         """The communicator that moves tensors on ``device``: this one (shared memory) for CPU
         tensors, the Gloo fallback for CUDA tensors (Gloo stages them through host memory).
 
         Raises:
             ValueError: no communicator here moves tensors on ``device``.
         """
-        device = torch.device(device)
+        if not isinstance(device, torch.device):
+            device = torch.device(device)
         if device.type == "cpu":
             return self
         if device.type == "cuda" and self._fallback is not None:
-            if not self._told_route:
-                self._told_route = True
-                logger.info(
-                    "%s: %s tensors go through its Gloo fallback, CPU tensors through shared "
-                    "memory", self._where(), device.type,
-                )
-            return self._fallback
+            how = "its Gloo fallback, CPU tensors through shared memory"
+            return self._hand_off(device, self._fallback, how)
         fallback = "" if self._fallback is not None else " (built with fallback=False)"
         raise ValueError(
             f"{self._where()}: no route for tensors on {device}{fallback}; it moves CPU tensors "
@@ -248,41 +240,31 @@ class ShmCommunicator(Communicator):
         )
 
     # ------------------------------------------------------------------ execution
-    def _task(self, op: str, output, fn, lane: Lane | None = None):
-        return (op, output, fn, self._lane if lane is None else lane)
+    def _p2p_executor(self, kind: str, peer: int) -> OrderedExecutor:
+        """The executor of sends to (``kind="send"``) or receives from ``peer``: one of its own,
+        so a blocked send never stalls a collective or another peer's traffic."""
+        executor = self._p2p.get((kind, peer))
+        if executor is None:
+            name = f"fastcomm-shm-r{self.rank}-{kind}{peer}"
+            executor = self._p2p[(kind, peer)] = OrderedExecutor(name, self.rank, self._run_task)
+        return executor
 
-    def _p2p_lane(self, kind: str, peer: int) -> Lane:
-        lane = self._p2p.get((kind, peer))
-        if lane is None:
-            lane = self._p2p[(kind, peer)] = Lane(f"fastcomm-shm-r{self.rank}-{kind}{peer}")
-        return lane
-
-    def _finish(self, task, async_op: bool) -> Work | None:
-        if isinstance(task, Work):  # fallback or zero-size: already a Work
-            return super()._finish(task, async_op)
-        op, output, fn, lane = task
-        if not async_op and lane.busy == 0:
-            self._execute(op, fn, time.monotonic())
-            return None
-        work = Work(op, self.rank, output)
-        lane.submit(work, lambda: self._execute(op, fn, work.start))
-        if async_op:
-            return work
-        work.wait()
-        return None
-
-    def _execute(self, op: str, fn, start: float) -> None:
+    def _run_task(self, task: Task, start: float) -> None:
+        """Runs ``task`` unless this communicator failed or closed meanwhile; a failure marks
+        this rank ABORTED (see :meth:`_abort`)."""
         if self._broken is not None:
             raise CommAbortedError(
-                f"rank {self.rank}: {op} refused: this shm communicator failed earlier "
+                f"rank {self.rank}: {task.op} refused: this shm communicator failed earlier "
                 f"({self._broken})"
             )
         if self._closed:
-            raise CommClosedError(f"{self._where()}: {op} was pending when close() was called")
+            raise CommClosedError(
+                f"{self._where()}: {task.op} was pending when close() was called"
+            )
         try:
-            fn()
+            task.run()
         except BaseException as exc:
-            self._abort(op, start, exc)
+            self._abort(task.op, start, exc)
 
     def _abort(self, op: str, start: float, exc: BaseException) -> None:
         """Marks this rank ABORTED (peers then fail fast) and raises ``exc``, wrapped."""
@@ -300,7 +282,7 @@ class ShmCommunicator(Communicator):
         """Reduces ``tensor`` across ranks, in place (see :meth:`Communicator.all_reduce`).
 
         A synchronous call on a plain contiguous CPU tensor that fits one slot, with no
-        asynchronous work pending, runs on the caller's thread with no ``Work`` or closure
+        asynchronous work pending, runs on the caller's thread with no ``Work`` or task
         built: below a few KiB, that bookkeeping would otherwise cost as much as moving the
         bytes. Everything else, including every invalid call, takes the general path.
         """
@@ -308,7 +290,7 @@ class ShmCommunicator(Communicator):
             not async_op
             and type(tensor) is torch.Tensor
             and tensor.is_cpu
-            and self._lane.busy == 0
+            and self._executor.busy == 0
             and not self._closed
             and self._broken is None
             and tensor.is_contiguous()
@@ -324,13 +306,6 @@ class ShmCommunicator(Communicator):
                 return None
         return super().all_reduce(tensor, op, async_op)
 
-    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp):
-        if tensor.device.type != "cpu":
-            return self.route(tensor.device)._impl_all_reduce(tensor, op)
-        if tensor.numel() == 0:
-            return self._done("all_reduce", tensor)
-        return ("all_reduce", tensor, lambda: self._schedules.all_reduce(tensor, op), self._lane)
-
     def reduce(
         self,
         tensor: torch.Tensor,
@@ -340,6 +315,12 @@ class ShmCommunicator(Communicator):
     ) -> Work | None:
         """Reduces ``tensor`` of every rank into ``tensor`` of rank ``root`` (others unchanged).
 
+        Args:
+            tensor: the contiguous tensor to reduce, the same shape and dtype on every rank.
+            root: the rank that receives the result.
+            op: the reduction.
+            async_op: return a :class:`Work` at once instead of waiting.
+
         Raises:
             TypeError, ValueError: as for ``all_reduce``; ``root`` out of range.
         """
@@ -347,19 +328,23 @@ class ShmCommunicator(Communicator):
         self._check_tensor(tensor, "reduce")
         self._check_peer(root, "reduce", "root")
         op = ReduceOp.coerce(op)
-        if tensor.device.type != "cpu":
-            self.stats.record("reduce", tensor)
-            return self._finish(self._reduce_elsewhere(tensor, root, op), async_op)
         self.stats.record("reduce", tensor)
-        if tensor.numel() == 0:
-            return self._finish(self._done("reduce", tensor), async_op)
-        task = self._task("reduce", tensor, lambda: self._schedules.all_reduce(tensor, op, root))
-        return self._finish(task, async_op)
+        if not tensor.numel():
+            return self._nothing_to_move("reduce", tensor, async_op)
+        target = self.route(tensor.device, "reduce")
+        if target is self:
+            task = self._task(
+                "reduce", tensor, lambda: self._schedules.all_reduce(tensor, op, root)
+            )
+        else:
+            task = self._reduce_task_on(target, tensor, root, op)
+        return self._run(task, async_op)
 
-    def _reduce_elsewhere(self, tensor: torch.Tensor, root: int, op: ReduceOp) -> Work:
-        """``reduce`` of a CUDA tensor on the communicator :meth:`route` names: an all-reduce
-        of a copy, written back on ``root`` only (so the other ranks' tensors stay unchanged)."""
-        gloo = self.route(tensor.device)
+    def _reduce_task_on(
+        self, gloo: Communicator, tensor: torch.Tensor, root: int, op: ReduceOp
+    ) -> Task:
+        """``reduce`` on the Gloo communicator :meth:`route` names: an all-reduce of a copy,
+        written back on ``root`` only (so the other ranks' tensors stay unchanged)."""
         scratch = tensor.clone()
         opts = dist.AllreduceOptions()
         opts.reduceOp, divide = gloo._reduce_op(op, scratch)
@@ -371,61 +356,43 @@ class ShmCommunicator(Communicator):
                 tensor.copy_(scratch)
 
         pg = gloo.process_group
-        return gloo._issue("reduce", tensor, lambda: pg.allreduce([scratch], opts), keep_on_root)
+        issue = lambda: pg.allreduce([scratch], opts)  # noqa: E731
+        return gloo._issue_task("reduce", tensor, issue, keep_on_root)
 
-    def _impl_broadcast(self, tensor: torch.Tensor, src: int):
-        if tensor.device.type != "cpu":
-            return self.route(tensor.device)._impl_broadcast(tensor, src)
-        if tensor.numel() == 0:
-            return self._done("broadcast", tensor)
+    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Task:
+        return self._task("all_reduce", tensor, lambda: self._schedules.all_reduce(tensor, op))
+
+    def _impl_broadcast(self, tensor: torch.Tensor, src: int) -> Task:
         flat = tensor.view(-1)
         return self._task("broadcast", tensor, lambda: self._schedules.broadcast(flat, src))
 
-    def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor):
-        if input.device.type != "cpu":
-            return self.route(input.device)._impl_all_gather(output, input)
-        if input.numel() == 0:
-            return self._done("all_gather", output)
+    def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Task:
         out, flat = output.view(-1), input.view(-1)
         return self._task("all_gather", output, lambda: self._schedules.all_gather(out, flat))
 
-    def _impl_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp):
-        if input.device.type != "cpu":
-            return self.route(input.device)._impl_reduce_scatter(output, input, op)
-        if output.numel() == 0:
-            return self._done("reduce_scatter", output)
+    def _impl_reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp
+    ) -> Task:
         out, flat = output.view(-1), input.view(-1)
         return self._task(
             "reduce_scatter", output, lambda: self._schedules.reduce_scatter(out, flat, op)
         )
 
-    def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor):
-        if input.device.type != "cpu":
-            return self.route(input.device)._impl_all_to_all(output, input)
-        if input.numel() == 0:
-            return self._done("all_to_all", output)
+    def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Task:
         out, flat = output.view(-1), input.view(-1)
         return self._task("all_to_all", output, lambda: self._schedules.all_to_all(out, flat))
 
-    def _impl_send(self, tensor: torch.Tensor, dst: int):
-        if tensor.device.type != "cpu":
-            return self.route(tensor.device)._impl_send(tensor, dst)
-        if tensor.numel() == 0:
-            return self._done("send", tensor)
+    def _impl_send(self, tensor: torch.Tensor, dst: int) -> Task:
         data = tensor.view(-1).view(torch.uint8)
-        lane = self._p2p_lane("send", dst)
-        return self._task("send", tensor, lambda: self._schedules.send(data, dst), lane)
+        run = lambda: self._schedules.send(data, dst)  # noqa: E731
+        return Task("send", tensor, run, self._p2p_executor("send", dst))
 
-    def _impl_recv(self, tensor: torch.Tensor, src: int):
-        if tensor.device.type != "cpu":
-            return self.route(tensor.device)._impl_recv(tensor, src)
-        if tensor.numel() == 0:
-            return self._done("recv", tensor)
+    def _impl_recv(self, tensor: torch.Tensor, src: int) -> Task:
         data = tensor.view(-1).view(torch.uint8)
-        lane = self._p2p_lane("recv", src)
-        return self._task("recv", tensor, lambda: self._schedules.recv(data, src), lane)
+        run = lambda: self._schedules.recv(data, src)  # noqa: E731
+        return Task("recv", tensor, run, self._p2p_executor("recv", src))
 
-    def _impl_barrier(self):
+    def _impl_barrier(self) -> Task:
         return self._task("barrier", None, self._schedules.barrier)
 
     # ------------------------------------------------------------------ lifetime
@@ -435,8 +402,8 @@ class ShmCommunicator(Communicator):
             return  # a forked child: the mapping and the rank's state belong to the parent
         if self._broken is None:
             self._flags.mark(CLOSED, "closed")
-        lanes = [self._lane, *self._p2p.values()]
-        stopped = all([lane.close(timeout=5.0) for lane in lanes])
+        executors = [self._executor, *self._p2p.values()]
+        stopped = all([executor.close(timeout=5.0) for executor in executors])
         if self._fallback is not None:
             self._fallback.close()
         if stopped:  # no thread can touch the mapping any more: unmap it now

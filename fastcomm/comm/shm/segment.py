@@ -88,12 +88,15 @@ class Layout:
 
     @property
     def ctrl_stride(self) -> int:
+        """Bytes of one rank's control block (its lines, page aligned)."""
         return _round_up(4 * LINE + 2 * self.size * LINE, PAGE)
 
     def ctrl(self, rank: int) -> int:
+        """Offset of ``rank``'s control block."""
         return PAGE + rank * self.ctrl_stride
 
     def seq(self, rank: int) -> int:
+        """Offset of ``rank``'s step counter (the first line of its control block)."""
         return self.ctrl(rank)
 
     def misc(self, rank: int, word: int) -> int:
@@ -101,16 +104,20 @@ class Layout:
         return self.ctrl(rank) + LINE + 8 * word
 
     def message(self, rank: int) -> int:
+        """Offset of ``rank``'s error message (why it aborted)."""
         return self.ctrl(rank) + 2 * LINE
 
     def sent(self, rank: int, dst: int) -> int:
+        """Offset of the count of messages ``rank`` has put in its mailboxes to ``dst``."""
         return self.ctrl(rank) + 4 * LINE + dst * LINE
 
     def acked(self, rank: int, src: int) -> int:
+        """Offset of the count of messages from ``src`` that ``rank`` has taken."""
         return self.ctrl(rank) + 4 * LINE + (self.size + src) * LINE
 
     @property
     def data(self) -> int:
+        """Offset of the first data slot (after every control block)."""
         return PAGE + self.size * self.ctrl_stride
 
     def slot(self, half: int, rank: int) -> int:
@@ -119,14 +126,17 @@ class Layout:
 
     @property
     def mailboxes(self) -> int:
+        """Offset of the first send/recv mailbox (after both halves' slots)."""
         return self.data + 2 * (self.size + 1) * self.slot_bytes
 
     def mailbox(self, src: int, dst: int, k: int) -> int:
+        """Offset of mailbox ``k`` (0 or 1) from ``src`` to ``dst``."""
         pair = src * (self.size - 1) + (dst if dst < src else dst - 1)
         return self.mailboxes + (2 * pair + k) * self.mbox_bytes
 
     @property
     def total(self) -> int:
+        """Bytes of the whole segment."""
         return self.mailboxes + 2 * self.size * (self.size - 1) * self.mbox_bytes
 
 
