@@ -10,6 +10,7 @@ collectives/errors suites (``test_collectives.py``, ``test_errors.py``) also run
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -168,6 +169,13 @@ def check_small_path_matches_torch_bits():
     comm.all_reduce(as_float)
     exact(as_float, torch.full((16,), 0.5 * n * (n + 1) / 2))
     assert any(comm._schedules._fast.values()), "the NumPy path was never taken"
+    # overflow gives inf quietly, as in torch (NumPy would warn)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.filterwarnings("always", append=True)  # after the library's own filters
+        huge = torch.full((8,), 3e38)
+        comm.all_reduce(huge)
+    exact(huge, torch.full((8,), float("inf")))
+    assert not caught, [str(w.message) for w in caught]
     return checked
 
 

@@ -39,6 +39,7 @@ ordered pair of ranks, counted by the pair's ``sent``/``acked`` words.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -89,6 +90,12 @@ _NUMPY_OPS = {"SUM": np.add, "AVG": np.add, "PRODUCT": np.multiply}
 # torch's intra-op grain: below it a torch op runs on one thread as well, so NumPy (one thread
 # always) gives up no parallelism
 _NUMPY_MAX_NUMEL = 32768
+# torch overflows to inf (or NaN) silently; NumPy warns, blaming the calling line's module. A
+# filter for this module's own floating-point warnings keeps the two alike at no per-call cost
+# (``np.errstate`` around each call would cost more than the reduction).
+warnings.filterwarnings(
+    "ignore", r"(overflow|invalid value|underflow) encountered", RuntimeWarning, module=__name__
+)
 _FAST_CACHE = 64  # callers' tensors held by the NumPy path (fresh tensors add entries)
 _increment_version = torch._C._increment_version
 
