@@ -38,8 +38,8 @@ ordered pair of ranks, counted by the pair's ``sent``/``acked`` words.
 
 from __future__ import annotations
 
+import contextvars
 import time
-import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -86,16 +86,12 @@ _NUMPY_DTYPES = {
     torch.int32: np.int32,
     torch.int64: np.int64,
 }
+if int(np.__version__.split(".")[0]) < 2:  # error state not in a context variable: see below
+    _NUMPY_DTYPES.clear()
 _NUMPY_OPS = {"SUM": np.add, "AVG": np.add, "PRODUCT": np.multiply}
 # torch's intra-op grain: below it a torch op runs on one thread as well, so NumPy (one thread
 # always) gives up no parallelism
 _NUMPY_MAX_NUMEL = 32768
-# torch overflows to inf (or NaN) silently; NumPy warns, blaming the calling line's module. A
-# filter for this module's own floating-point warnings keeps the two alike at no per-call cost
-# (``np.errstate`` around each call would cost more than the reduction).
-warnings.filterwarnings(
-    "ignore", r"(overflow|invalid value|underflow) encountered", RuntimeWarning, module=__name__
-)
 _FAST_CACHE = 64  # callers' tensors held by the NumPy path (fresh tensors add entries)
 _increment_version = torch._C._increment_version
 
@@ -126,6 +122,16 @@ def torch_reduce(out: torch.Tensor, terms: list[torch.Tensor], op: ReduceOp) -> 
     reduce_into(out, terms, op)  # a module-level lookup per call: tests may wrap reduce_into
     if op is ReduceOp.AVG:
         divide_(out, len(terms))
+
+
+def _quiet_numpy() -> contextvars.Context:
+    """A context in which NumPy ignores floating-point errors, as torch does (an overflow gives
+    ``inf`` silently; NumPy would warn). NumPy 2 keeps its error state in a context variable,
+    so running a ufunc in this context costs tens of nanoseconds where ``np.errstate`` costs
+    more than a 4 KiB reduction; the caller's own NumPy settings are untouched."""
+    context = contextvars.copy_context()
+    context.run(np.seterr, all="ignore")
+    return context
 
 
 def describe(code: int) -> str:
@@ -170,6 +176,7 @@ class SegmentSchedules:
         self._views: dict[tuple, list] = {}  # cached slot views, by (half, dtype, shape...)
         self._small: dict[tuple, tuple | bool] = {}  # one-slot all-reduce plans, by dtype, shape
         self._fast: dict[tuple, tuple | bool] = {}  # NumPy-path plans, by address, dtype, numel
+        self._quiet_run = _quiet_numpy().run  # one per schedules: a context is entered by one
         self._round = 0
         self._prev_first = 0  # seq of the first publish of the previous round
         self._sent = [0] * self.size  # chunks sent to / received from each peer
@@ -299,9 +306,10 @@ class SegmentSchedules:
         arrays = rank_arrays[half]
         np.copyto(arrays[self.rank], user)
         self._small_exchange(half, code, start)
-        np_fn(arrays[0], arrays[1], out=user)
+        run = self._quiet_run
+        run(np_fn, arrays[0], arrays[1], out=user)
         for term in arrays[2:]:  # rank order, as reduce_into
-            np_fn(user, term, out=user)
+            run(np_fn, user, term, out=user)
         _increment_version((tensor,))  # the write above bypassed torch's in-place bookkeeping
         if op is ReduceOp.AVG:
             divide_(tensor, self.size)
