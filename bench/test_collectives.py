@@ -16,8 +16,15 @@ the reduce-scatter input). Bandwidths as nccl-tests defines them, from the media
   ``bench/mpi_collectives.py`` run under ``mpiexec`` with the same sizes, by
   ``test_mpich_reference`` (last, so nothing else competes for the cores).
 
-Every rank runs the same timed calls: ``benchmark.pedantic`` with a fixed number of rounds, so
-each rank knows how many collectives to issue. Two ways to run:
+Timing, as nccl-tests and the OSU benchmarks do it: a round is a block of ``k`` back-to-back
+collectives (``benchmark.pedantic(iterations=k)``) and its time divided by ``k`` is one sample;
+the tables report the median sample. Timing one collective per round would add to every sample
+the skew with which the ranks enter the round (one rank's timer starts while the other is still
+finishing the last round) and pytest-benchmark's own per-round overhead: for a 4 KiB all-reduce
+on shared memory both are larger than the collective itself. ``k`` depends on the size alone
+(``iterations_for``: about 1 ms of work per round, 1 from 1 MiB up), so every provider is timed
+alike, and rounds are counted rather than timed, so every rank knows how many collectives to
+issue (``expected_calls``). Two ways to run:
 
 - ``fastcomm-run --nproc-per-node N -m pytest bench/test_collectives.py``: every rank is a
   pytest process; only rank 0 writes ``--benchmark-json`` (``bench/conftest.py``).
@@ -32,9 +39,10 @@ NCCL can run the job (``nccl_fit``; skipped otherwise); rank ``r`` uses device
 the provider as ``<provider>@cuda``.
 
 Each rank uses ``cores // N`` torch threads (1 on this 2-core machine), for every provider.
-Quick mode (``--benchmark-disable`` or ``FASTCOMM_BENCH_QUICK=1``): 4 KiB and 256 KiB only, for
-CI. Results: the pytest-benchmark table (grouped by op and size), a busbw table at the end, and
-the rows under ``"collectives"`` in the JSON (``python bench/plot.py`` charts them).
+Quick mode (``--benchmark-disable`` or ``FASTCOMM_BENCH_QUICK=1``): 4 KiB and 256 KiB only, 3
+rounds of at most 10 collectives, for CI. Results: the pytest-benchmark table (grouped by op and
+size), a busbw table at the end, and the rows under ``"collectives"`` in the JSON (``python
+bench/plot.py`` charts them).
 """
 
 from __future__ import annotations
@@ -78,13 +86,20 @@ def size_id(nbytes: int) -> str:
     return f"{nbytes // MIB}MiB" if nbytes >= MIB else f"{nbytes // KIB}KiB"
 
 
+def iterations_for(nbytes: int) -> int:
+    """Collectives per timed round: about 1 ms of work at the fastest providers' speed (10 us +
+    1 GB/s), by size only, so every provider and every rank uses the same count."""
+    k = max(1, min(100, int(1e-3 / (10e-6 + nbytes / 1e9))))
+    return min(k, 10) if QUICK else k
+
+
 def rounds_for(provider: str, nbytes: int) -> tuple[int, int]:
     """(rounds, warmup) for ~0.3 s per test, the same on every rank (no timing-based choice)."""
     if QUICK:
         return 3, 1
     fast = provider in ("fastcomm-shm", "fastcomm-ipc")
     latency, bandwidth = (30e-6, 4e9) if fast else (1e-3, 1e9)
-    estimate = latency + nbytes / bandwidth
+    estimate = (latency + nbytes / bandwidth) * iterations_for(nbytes)
     return max(5, min(300, int(0.3 / estimate))), 3
 
 
@@ -246,12 +261,14 @@ class World:
             self.pool.close()
 
 
-def expected_calls(benchmark, rounds: int, warmup: int) -> int:
-    """How often ``benchmark.pedantic(iterations=1)`` calls its target (pytest-benchmark 5)."""
+def expected_calls(benchmark, rounds: int, warmup: int, iterations: int) -> int:
+    """How often ``benchmark.pedantic`` calls its target (pytest-benchmark 5): ``iterations``
+    per round, warmup included, one more call for the result when ``iterations > 1``, and the
+    profiled calls (``iterations`` of them unless ``--benchmark-cprofile-loops`` says)."""
     if benchmark.disabled:
         return 1
-    profiled = (benchmark.cprofile_loops or 1) if benchmark.cprofile else 0
-    return warmup + rounds + profiled
+    profiled = (benchmark.cprofile_loops or iterations) if benchmark.cprofile else 0
+    return (warmup + rounds) * iterations + (iterations > 1) + profiled
 
 
 @pytest.fixture(scope="module")
@@ -265,18 +282,19 @@ def run_timed(benchmark, world, report, provider: str, op: str, nbytes: int, dev
     """Times one (provider, op, size, device) with the helper ranks mirroring every call, and
     reports its row."""
     rounds, warmup = rounds_for(provider, nbytes)
+    iterations = iterations_for(nbytes)
     if world.pool is not None and provider not in world.me.comms:
         setup = world.mirror(provider, op, nbytes, 0)  # helpers build theirs alongside
         world.me.comm(provider)
         setup.join()
     fn = world.me.step(provider, op, nbytes, device)
-    calls = expected_calls(benchmark, rounds, warmup)
+    calls = expected_calls(benchmark, rounds, warmup, iterations)
     helpers = world.mirror(provider, op, nbytes, calls, device)
-    benchmark.pedantic(fn, rounds=rounds, warmup_rounds=warmup, iterations=1)
+    benchmark.pedantic(fn, rounds=rounds, warmup_rounds=warmup, iterations=iterations)
     helpers.join()
     if benchmark.stats is None:  # quick mode: nothing timed
         return
-    seconds = benchmark.stats.stats.median
+    seconds = benchmark.stats.stats.median  # per collective: pedantic divides by iterations
     algbw = nbytes / seconds / 1e9
     name = provider if device == "cpu" else f"{provider}@{device}"
     row = dict(op=op, provider=name, bytes=nbytes, world=WORLD, us=round(seconds * 1e6, 1),

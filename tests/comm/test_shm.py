@@ -10,6 +10,7 @@ collectives/errors suites (``test_collectives.py``, ``test_errors.py``) also run
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -113,6 +114,69 @@ def check_results_identical_across_ranks():
             comm.all_reduce(t, op=ReduceOp.AVG)
             out.append(t.view(torch.uint8).clone() if dtype != torch.float32 else t.clone())
     return out
+
+
+def fold(inputs: list[torch.Tensor], op: ReduceOp) -> torch.Tensor:
+    """The reduction as torch computes it in rank order, one rounding per term (the shm
+    schedules' order): the reference for non-integer floats, where the order shows."""
+    fn = torch.mul if op is ReduceOp.PRODUCT else torch.add
+    out = inputs[0].clone()
+    for term in inputs[1:]:
+        fn(out, term, out=out)
+    if op is ReduceOp.AVG:  # integers truncate toward zero, as NCCL's ncclAvg
+        out.div_(len(inputs), rounding_mode=None if out.is_floating_point() else "trunc")
+    return out
+
+
+def check_small_path_matches_torch_bits():
+    """Small all-reduces (NumPy-reduced where the dtype and op allow) give torch's very bits:
+    random floats that round, every shape and offset, a buffer reused under another dtype."""
+    comm = small_comm()
+    n, rank = comm.size, comm.rank
+    checked = 0
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int8):
+        esize = torch.empty((), dtype=dtype).element_size()
+        for op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MAX):
+            for shape in ((1,), (7,), (3, 5), (SMALL["one_shot_max"] // esize,)):
+                gens = [torch.Generator().manual_seed(100 * r + len(shape)) for r in range(n)]
+                if dtype == torch.int8:  # large enough to wrap around
+                    inputs = [torch.randint(-128, 128, shape, generator=g, dtype=dtype)
+                              for g in gens]
+                else:
+                    inputs = [torch.randn(shape, generator=g).to(dtype) for g in gens]
+                expected = reduce_reference(inputs, op) if op is ReduceOp.MAX else fold(
+                    inputs, op)
+                for _ in range(2):  # the planned path, then the cached one
+                    t = inputs[rank].clone()
+                    version = t._version
+                    comm.all_reduce(t, op=op)
+                    exact(t.view(torch.uint8), expected.view(torch.uint8))
+                    assert t._version > version, "an in-place op must bump the version"
+                    checked += 1
+    # a tensor at an offset into a larger buffer: the bytes around it are not touched
+    base = torch.arange(40, dtype=torch.float32) + rank
+    t = base[3:35]
+    comm.all_reduce(t)
+    exact(base[:3], torch.arange(3, dtype=torch.float32) + rank)
+    exact(base[35:], torch.arange(35, 40, dtype=torch.float32) + rank)
+    exact(t, sum(torch.arange(3, 35, dtype=torch.float32) + r for r in range(n)))
+    # the same memory as int32, then as float32: plans are per dtype, not per address
+    buf = torch.full((16,), rank + 1, dtype=torch.int32)
+    comm.all_reduce(buf)
+    exact(buf, torch.full((16,), n * (n + 1) // 2, dtype=torch.int32))
+    as_float = buf.view(torch.float32)
+    as_float.fill_(0.5 * (rank + 1))
+    comm.all_reduce(as_float)
+    exact(as_float, torch.full((16,), 0.5 * n * (n + 1) / 2))
+    assert any(comm._schedules._fast.values()), "the NumPy path was never taken"
+    # overflow gives inf quietly, as in torch (NumPy would warn)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        huge = torch.full((8,), 3e38)
+        comm.all_reduce(huge)
+    exact(huge, torch.full((8,), float("inf")))
+    assert not caught, [str(w.message) for w in caught]
+    return checked
 
 
 def check_async_many_in_flight():
@@ -276,6 +340,10 @@ def test_float_results_bit_identical_on_every_rank(pool):
     for other in results[1:]:
         for a, b in zip(results[0], other, strict=True):
             assert torch.equal(a, b)
+
+
+def test_small_all_reduce_gives_torch_bits(pool):
+    assert pool.run(check_small_path_matches_torch_bits) == [4 * 4 * 4 * 2] * pool.world_size
 
 
 def test_async_ops_complete_in_issue_order(pool):

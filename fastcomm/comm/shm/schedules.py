@@ -38,9 +38,11 @@ ordered pair of ranks, counted by the pair's ``sent``/``acked`` words.
 
 from __future__ import annotations
 
+import contextvars
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from ..errors import FastcommError
@@ -70,6 +72,28 @@ _OP_CODES = {op: i + 1 for i, op in enumerate(ReduceOp)}
 # through its cached hash; the small-message path looks these up on every call
 _OP_ARGS = {op._name_: (_OP_CODES[op], _BINARY[op]) for op in ReduceOp}
 _MBOX_HEADER = 64  # first bytes of a mailbox slot: the message's total byte count
+# The small-message fast path moves and reduces the bytes with NumPy: a NumPy ufunc call costs
+# well under a microsecond where a torch op costs 2-3 (dispatcher, TensorIterator setup), and at
+# 4 KiB that overhead is the whole time. Only where the result is bit-identical to torch's: ops
+# whose elementwise result is one correctly rounded (or wrapping integer) operation in the
+# buffers' dtype, and dtypes NumPy computes natively (not bfloat16; not float16, whose loops
+# NumPy and torch vectorize differently). ``AVG``'s division stays with torch (divide_).
+_NUMPY_DTYPES = {
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+}
+if int(np.__version__.split(".")[0]) < 2:  # error state not in a context variable: see below
+    _NUMPY_DTYPES.clear()
+_NUMPY_OPS = {"SUM": np.add, "AVG": np.add, "PRODUCT": np.multiply}
+# torch's intra-op grain: below it a torch op runs on one thread as well, so NumPy (one thread
+# always) gives up no parallelism
+_NUMPY_MAX_NUMEL = 32768
+_FAST_CACHE = 64  # callers' tensors held by the NumPy path (fresh tensors add entries)
+_increment_version = torch._C._increment_version
 
 
 def reduce_into(out: torch.Tensor, terms: list[torch.Tensor], op: ReduceOp) -> None:
@@ -98,6 +122,16 @@ def torch_reduce(out: torch.Tensor, terms: list[torch.Tensor], op: ReduceOp) -> 
     reduce_into(out, terms, op)  # a module-level lookup per call: tests may wrap reduce_into
     if op is ReduceOp.AVG:
         divide_(out, len(terms))
+
+
+def _quiet_numpy() -> contextvars.Context:
+    """A context in which NumPy ignores floating-point errors, as torch does (an overflow gives
+    ``inf`` silently; NumPy would warn). NumPy 2 keeps its error state in a context variable,
+    so running a ufunc in this context costs tens of nanoseconds where ``np.errstate`` costs
+    more than a 4 KiB reduction; the caller's own NumPy settings are untouched."""
+    context = contextvars.copy_context()
+    context.run(np.seterr, all="ignore")
+    return context
 
 
 def describe(code: int) -> str:
@@ -141,6 +175,8 @@ class SegmentSchedules:
         self._typed: dict[torch.dtype, list[list[torch.Tensor]]] = {}
         self._views: dict[tuple, list] = {}  # cached slot views, by (half, dtype, shape...)
         self._small: dict[tuple, tuple | bool] = {}  # one-slot all-reduce plans, by dtype, shape
+        self._fast: dict[tuple, tuple | bool] = {}  # NumPy-path plans, by address, dtype, numel
+        self._quiet_run = _quiet_numpy().run  # one per schedules: a context is entered by one
         self._round = 0
         self._prev_first = 0  # seq of the first publish of the previous round
         self._sent = [0] * self.size  # chunks sent to / received from each peer
@@ -216,22 +252,72 @@ class SegmentSchedules:
         Same rounds, flags and results as :meth:`all_reduce` (the two may be mixed freely); only
         the per-call work differs: the slot views and the call's descriptor are planned once per
         (dtype, shape), and the common waits (a peer already there) cost one word read each.
+        With the default reduction, a ``SUM``/``AVG``/``PRODUCT`` of a small tensor of a
+        NumPy-native dtype that does not require grad moves and reduces its bytes with NumPy
+        over arrays planned once per (address, dtype, numel) (:meth:`_plan_fast`): the
+        reduction writes straight into the caller's memory, and the tensor's version counter
+        is bumped as a torch in-place op would.
 
         Returns:
             ``False``, having done nothing, when ``tensor`` does not qualify (more than
             ``one_shot_max`` bytes or one slot).
         """
+        np_fn = _NUMPY_OPS.get(op._name_) if self._inline_torch else None
+        if np_fn is not None and not tensor.requires_grad:
+            key = (tensor.data_ptr(), tensor.dtype, tensor.numel())
+            fast = self._fast.get(key)
+            if fast is None:
+                fast = self._plan_fast(tensor, key)
+            if fast:
+                self._all_reduce_numpy(tensor, op, np_fn, fast, start)
+                return True
         plan = self._small.get((tensor.dtype, tensor.shape))
         if plan is None:
             plan = self._plan_small(tensor)
         if not plan:
             return False
         code_base, rank_views = plan
-        flags, words = self.flags, self.flags.words
         op_code, fn = _OP_ARGS[op._name_]
         code = code_base | (op_code << 40)
         half = self._round & 1
         self._round += 1
+        self._small_enter(half, code, start)
+        views = rank_views[half]
+        views[self.rank].copy_(tensor)
+        self._small_exchange(half, code, start)
+        if not self._inline_torch:
+            self.reduce(tensor, views, op)
+            return True
+        if len(views) == 2:
+            fn(views[0], views[1], out=tensor)
+        else:
+            reduce_into(tensor, views, op)
+        if op is ReduceOp.AVG:
+            divide_(tensor, self.size)
+        return True
+
+    def _all_reduce_numpy(self, tensor, op, np_fn, fast, start) -> None:
+        """:meth:`all_reduce_small`'s NumPy path (``fast`` from :meth:`_plan_fast`)."""
+        code_base, user, rank_arrays = fast
+        code = code_base | (_OP_ARGS[op._name_][0] << 40)
+        half = self._round & 1
+        self._round += 1
+        self._small_enter(half, code, start)
+        arrays = rank_arrays[half]
+        np.copyto(arrays[self.rank], user)
+        self._small_exchange(half, code, start)
+        run = self._quiet_run
+        run(np_fn, arrays[0], arrays[1], out=user)
+        for term in arrays[2:]:  # rank order, as reduce_into
+            run(np_fn, user, term, out=user)
+        _increment_version((tensor,))  # the write above bypassed torch's in-place bookkeeping
+        if op is ReduceOp.AVG:
+            divide_(tensor, self.size)
+
+    def _small_enter(self, half: int, code: int, start: float) -> None:
+        """Waits until ``half`` is free (see :meth:`_enter`) and records the call's descriptor;
+        a peer already there costs one word read."""
+        flags, words = self.flags, self.flags.words
         target = self._prev_first
         for idx in flags.peer_seq_idx:
             if words[idx] < target:
@@ -241,8 +327,10 @@ class SegmentSchedules:
             if flags.fenced:  # the fence after the flag loads, before the slot is rewritten
                 flags.wait_all(target, "all_reduce", start)
         words[flags.desc_idx[self.rank][half]] = code
-        views = rank_views[half]
-        views[self.rank].copy_(tensor)
+
+    def _small_exchange(self, half: int, code: int, start: float) -> None:
+        """Publishes this rank's slot, waits for every peer's and checks their descriptors."""
+        flags, words = self.flags, self.flags.words
         self._prev_first = target = flags.publish()
         for idx in flags.peer_seq_idx:
             if words[idx] < target:
@@ -254,16 +342,39 @@ class SegmentSchedules:
         for desc in flags.peer_desc_idx:
             if words[desc[half]] != code:
                 self._check(half, code)
-        if not self._inline_torch:
-            self.reduce(tensor, views, op)
-            return True
-        if len(views) == 2:
-            fn(views[0], views[1], out=tensor)
+
+    def _plan_fast(self, tensor: torch.Tensor, key: tuple) -> tuple | bool:
+        """``(descriptor without the op, the caller's tensor as a flat array, slot arrays per
+        half)`` for the NumPy path, or ``False`` where it does not apply.
+
+        The array is ``tensor.numpy()``: it holds the tensor, so no other tensor can be given
+        its address while the entry lives (the cache is small and bounded), and an entry found
+        by (address, dtype, numel) covers exactly the caller's bytes.
+        """
+        _, dtype, numel = key
+        np_dtype = _NUMPY_DTYPES.get(dtype)
+        nbytes = numel * tensor.element_size()
+        if len(self._fast) >= _FAST_CACHE:
+            self._fast.clear()
+        if (
+            np_dtype is None
+            or self.size < 2  # nothing to reduce: the general path's copy does it
+            or not 0 < numel < _NUMPY_MAX_NUMEL
+            or nbytes > min(self.one_shot_max, self.layout.slot_bytes)
+        ):
+            fast = False
         else:
-            reduce_into(tensor, views, op)
-        if op is ReduceOp.AVG:
-            divide_(tensor, self.size)
-        return True
+            seg = self._u8.numpy()
+            arrays = [
+                [
+                    seg[self.layout.slot(h, r) : self.layout.slot(h, r) + nbytes].view(np_dtype)
+                    for r in range(self.size)
+                ]
+                for h in range(2)
+            ]
+            fast = (self.code("all_reduce", tensor), tensor.numpy().reshape(-1), arrays)
+        self._fast[key] = fast
+        return fast
 
     def _plan_small(self, tensor: torch.Tensor) -> tuple | bool:
         """``(descriptor without the op, slot views per half)`` for a one-slot all-reduce of
