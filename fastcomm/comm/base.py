@@ -198,7 +198,7 @@ class Communicator(abc.ABC):
         """
         self._check_open("all_reduce")
         self._check_tensor(tensor, "all_reduce")
-        op = ReduceOp.coerce(op)
+        op = op if op.__class__ is ReduceOp else ReduceOp.coerce(op)
         self.stats.record("all_reduce", tensor)
         return self._submit("all_reduce", tensor, async_op, "_impl_all_reduce", tensor, op)
 

@@ -136,6 +136,12 @@ class ProcessGroupCommunicator(Communicator):
 
     process_group: dist.ProcessGroup
     native_avg: bool = False
+    # all_reduce's options and whether AVG is emulated, by the op's name (filled on first use)
+    _allreduce_opts: dict[str, tuple[dist.AllreduceOptions, bool]]
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._allreduce_opts = {}
 
     def _issue(
         self,
@@ -164,10 +170,17 @@ class ProcessGroupCommunicator(Communicator):
 
     # ------------------------------------------------------------------ collectives
     def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Task:
-        opts = dist.AllreduceOptions()
-        opts.reduceOp, post = self._reduce_op(op, tensor)
-        pg = self.process_group
-        return self._issue_task("all_reduce", tensor, lambda: pg.allreduce([tensor], opts), post)
+        # the hot call of DDP over a torch group: the options are made once per op (torch
+        # reads them at issue), and nothing is looked up by Enum (its hash runs Python code)
+        cached = self._allreduce_opts.get(op._name_)
+        if cached is None:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp, divide = self._reduce_op(op, tensor)
+            cached = self._allreduce_opts[op._name_] = (opts, divide is not None)
+        opts, emulated_avg = cached
+        post = partial(divide_, tensor, self.size) if emulated_avg else None
+        issue = partial(self.process_group.allreduce, [tensor], opts)
+        return Task("all_reduce", tensor, partial(self._issue, "all_reduce", tensor, issue, post))
 
     def _impl_broadcast(self, tensor: torch.Tensor, src: int) -> Task:
         opts = dist.BroadcastOptions()

@@ -295,7 +295,7 @@ class ShmCommunicator(Communicator):
             and self._broken is None
             and tensor.is_contiguous()
         ):
-            op = ReduceOp.coerce(op)
+            op = op if op.__class__ is ReduceOp else ReduceOp.coerce(op)
             start = time.monotonic()
             try:
                 done = self._schedules.all_reduce_small(tensor, op, start)
