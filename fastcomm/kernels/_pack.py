@@ -90,14 +90,16 @@ def _pack_kernel(
 def _unpack_kernel(
     table,  # *int64 [3, n_blocks]: destination address (bytes), flat offset, element count
     flat,  # *IN flat source buffer
+    partials,  # *COMPUTE [2, n_blocks]: per block, sum of squares and non-finite count (STATS)
     scale,  # fp32 factor, used when APPLY_SCALE
-    n_blocks,  # number of blocks: the row stride of `table`
+    n_blocks,  # number of blocks: the row stride of `table` and `partials`
     DST: tl.constexpr,  # element type of the destination tensors
     COMPUTE: tl.constexpr,  # fp32, or fp64 when an operand is fp64
     MID: tl.constexpr,  # type the result passes through before the final cast
     CAST: tl.constexpr,  # False: same dtype, no scale, no accumulation, a plain copy
     APPLY_SCALE: tl.constexpr,  # multiply by `scale`
     ACCUMULATE: tl.constexpr,  # add into the destination instead of overwriting it
+    STATS: tl.constexpr,  # also write the block's statistics of what it stored
     DST_ALIGN: tl.constexpr,  # bytes every destination address is a multiple of
     FLAT_VEC: tl.constexpr,  # elements every flat offset is a multiple of
     BLOCK: tl.constexpr,  # elements per program
@@ -116,7 +118,7 @@ def _unpack_kernel(
     if full:
         x = tl.load(src + offs)
     else:
-        x = tl.load(src + offs, mask=offs < count)
+        x = tl.load(src + offs, mask=offs < count, other=0.0)  # 0: adds nothing to STATS
     if CAST:
         x = x.to(COMPUTE)
         if APPLY_SCALE:
@@ -132,6 +134,14 @@ def _unpack_kernel(
         tl.store(dst + offs, x)
     else:
         tl.store(dst + offs, x, mask=offs < count)
+    if STATS:
+        # Statistics of the value as stored (see `unpack_with_stats`).
+        v = x.to(COMPUTE)
+        sum_sq = tl.sum(v * v, axis=0)
+        # v - v is 0 for every finite v, NaN for NaN and +-Inf: one test for both.
+        bad = tl.sum(((v - v) != 0).to(COMPUTE), axis=0)
+        tl.store(partials + pid, sum_sq)
+        tl.store(partials + n_blocks + pid, bad)
 
 
 # --------------------------------------------------------------------------- host side
@@ -283,29 +293,43 @@ def unpack(
     launch_unpack(_tables(scan, flat), flat, scale, accumulate)
 
 
-def launch_unpack(tables, flat: torch.Tensor, scale: float, accumulate: bool) -> None:
-    """One `_unpack_kernel` launch per (destination dtype, block table) of `tables`."""
+def launch_unpack(
+    tables, flat: torch.Tensor, scale: float, accumulate: bool, stats: torch.Tensor | None = None
+) -> None:
+    """One `_unpack_kernel` launch per (destination dtype, block table) of `tables`.
+
+    With `stats` (float32 ``[sum of squares, non-finite count]``), each launch also measures
+    the values it stores and adds its blocks' partial sums into `stats`.
+    """
     kernel = runnable(_unpack_kernel)
     for dst_dtype, bt in tables:
         if bt.n_blocks == 0:  # a dtype group of zero-size tensors
             continue
+        compute = compute_dtype(dst_dtype, flat.dtype)
+        partials = bt.table  # not read unless STATS
+        if stats is not None:
+            partials = torch.empty(2, bt.n_blocks, dtype=compute, device=flat.device)
         kernel[(bt.n_blocks,)](
             bt.table,
             flat,
+            partials,
             scale,
             bt.n_blocks,
             DST=tl_dtype(dst_dtype),
-            COMPUTE=tl_dtype(compute_dtype(dst_dtype, flat.dtype)),
+            COMPUTE=tl_dtype(compute),
             MID=tl_dtype(_mid_dtype(dst_dtype)),
             CAST=dst_dtype != flat.dtype or scale != 1.0 or accumulate,
             APPLY_SCALE=scale != 1.0,
             ACCUMULATE=accumulate,
+            STATS=stats is not None,
             DST_ALIGN=bt.tab_align,
             FLAT_VEC=bt.flat_vec,
             BLOCK=BLOCK,
             num_warps=NUM_WARPS,
             enable_fp_fusion=False,
         )
+        if stats is not None:
+            stats.add_(partials.sum(dim=1, dtype=torch.float32))
 
 
 def _prepare_unpack(flat, tensors, scale, accumulate):

@@ -11,10 +11,10 @@ Layout of the result: ``stats`` is a float32 tensor of 2 elements on the flat bu
 collect a bucket unpacked in several runs. The count is exact up to 2**24 values.
 
 Numerics: each value is squared as stored (after the cast to its tensor's dtype), in the
-compute dtype (fp32, fp64 when an operand is fp64); the Triton kernel sums each block in
-registers, writes one partial per block into a ``[2, n_blocks]`` buffer and one small torch
-reduction adds the partials into ``stats``. The sum order differs from torch's, so sums of
-squares agree to fp32 rounding (relative ~1e-6), counts exactly.
+compute dtype (fp32, fp64 when an operand is fp64); the unpack kernel (with ``STATS``) sums
+each block in registers, writes one partial per block into a ``[2, n_blocks]`` buffer and one
+small torch reduction adds the partials into ``stats``. The sum order differs from torch's, so
+sums of squares agree to fp32 rounding (relative ~1e-6), counts exactly.
 
 CPU tensors run the torch path: the unpack reference, then one norm over the written values;
 the non-finite count is taken only when the sum of squares is not finite (a finite sum of
@@ -28,69 +28,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ._launch import (
-    block_table,
-    compute_dtype,
-    kernel_backend,
-    runnable,
-    tl,
-    tl_dtype,
-    triton,
-)
-from ._pack import _groups, _mid_dtype, _prepare_unpack, _unpack_torch
+from ._launch import compute_dtype, kernel_backend
+from ._pack import _prepare_unpack, _tables, _unpack_torch, launch_unpack
 
 __all__ = ["unpack_with_stats", "unpack_with_stats_reference"]
-
-#: Elements per program (as the plain unpack: the same block tables are reused).
-BLOCK = 4096
-NUM_WARPS = 4
-
-
-@triton.jit
-def _unpack_stats_kernel(
-    table,  # *int64 [3, n_blocks]: destination address (bytes), flat offset, element count
-    flat,  # *IN flat source buffer
-    partials,  # *COMPUTE [2, n_blocks]: per block, sum of squares and non-finite count
-    scale,  # fp32 factor, used when APPLY_SCALE
-    n_blocks,  # number of blocks: the row stride of `table` and `partials`
-    DST: tl.constexpr,  # element type of the destination tensors
-    COMPUTE: tl.constexpr,  # fp32, or fp64 when an operand is fp64
-    MID: tl.constexpr,  # type the result passes through before the final cast
-    APPLY_SCALE: tl.constexpr,  # multiply by `scale`
-    DST_ALIGN: tl.constexpr,  # bytes every destination address is a multiple of
-    FLAT_VEC: tl.constexpr,  # elements every flat offset is a multiple of
-    BLOCK: tl.constexpr,  # elements per program
-):
-    pid = tl.program_id(0)
-    dst = tl.load(table + pid).to(tl.pointer_type(DST))
-    flat_off = tl.load(table + n_blocks + pid)
-    count = tl.load(table + 2 * n_blocks + pid)
-    if DST_ALIGN > 1:
-        dst = tl.multiple_of(dst, DST_ALIGN)
-    if FLAT_VEC > 1:
-        flat_off = tl.multiple_of(flat_off, FLAT_VEC)
-    src = flat + flat_off
-    offs = tl.arange(0, BLOCK)
-    full = count == BLOCK
-    if full:
-        x = tl.load(src + offs)
-    else:
-        x = tl.load(src + offs, mask=offs < count, other=0.0)
-    x = x.to(COMPUTE)
-    if APPLY_SCALE:
-        x = x * scale
-    y = x.to(MID).to(DST)
-    if full:
-        tl.store(dst + offs, y)
-    else:
-        tl.store(dst + offs, y, mask=offs < count)
-    # Statistics of the value as stored; masked lanes loaded 0 and add nothing.
-    v = y.to(COMPUTE)
-    sum_sq = tl.sum(v * v, axis=0)
-    # v - v is 0 for every finite v, NaN for NaN and +-Inf: one test for both.
-    bad = tl.sum(((v - v) != 0).to(COMPUTE), axis=0)
-    tl.store(partials + pid, sum_sq)
-    tl.store(partials + n_blocks + pid, bad)
 
 
 def _new_stats(device: torch.device) -> torch.Tensor:
@@ -142,30 +83,7 @@ def unpack_with_stats(
     if kernel_backend(flat) == "torch":
         _unpack_stats_torch(flat, scan, scale, stats, lazy_count=True)
         return stats
-    kernel = runnable(_unpack_stats_kernel)
-    for dst_dtype, ptrs, numels, offsets in _groups(scan):
-        bt = block_table(ptrs, numels, offsets, dst_dtype.itemsize, flat, BLOCK)
-        if bt.n_blocks == 0:  # a dtype group of zero-size tensors
-            continue
-        compute = compute_dtype(dst_dtype, flat.dtype)
-        partials = torch.empty(2, bt.n_blocks, dtype=compute, device=flat.device)
-        kernel[(bt.n_blocks,)](
-            bt.table,
-            flat,
-            partials,
-            scale,
-            bt.n_blocks,
-            DST=tl_dtype(dst_dtype),
-            COMPUTE=tl_dtype(compute),
-            MID=tl_dtype(_mid_dtype(dst_dtype)),
-            APPLY_SCALE=scale != 1.0,
-            DST_ALIGN=bt.tab_align,
-            FLAT_VEC=bt.flat_vec,
-            BLOCK=BLOCK,
-            num_warps=NUM_WARPS,
-            enable_fp_fusion=False,
-        )
-        stats.add_(partials.sum(dim=1, dtype=torch.float32))
+    launch_unpack(_tables(scan, flat), flat, scale, False, stats)
     return stats
 
 

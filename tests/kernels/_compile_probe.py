@@ -42,8 +42,9 @@ def variants():
                           CAST=True, APPLY_SCALE=True, FLAT_VEC=vec, BLOCK=_pack.BLOCK)
             yield (f"pack-{dtype}-{aligned}", _pack._pack_kernel, types,
                    dict(common, SRC=TL[dtype], SRC_ALIGN=align), ["table", "flat"])
-            yield (f"unpack-{dtype}-{aligned}", _pack._unpack_kernel, types,
-                   dict(common, DST=TL[dtype], ACCUMULATE=True, DST_ALIGN=align),
+            yield (f"unpack-{dtype}-{aligned}", _pack._unpack_kernel,
+                   dict(types, partials="*fp32"),
+                   dict(common, DST=TL[dtype], ACCUMULATE=True, STATS=False, DST_ALIGN=align),
                    ["table", "flat"])
     for qdtype in ("i8", "fp8e4nv"):
         for block in (16, 256, 8192):

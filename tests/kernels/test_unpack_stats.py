@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fastcomm.kernels import unpack_reference, unpack_with_stats, unpack_with_stats_reference
-from fastcomm.kernels._unpack_stats import BLOCK
+from fastcomm.kernels._pack import BLOCK
 
 from .helpers import assert_equal_or_1ulp
 
