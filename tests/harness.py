@@ -264,3 +264,41 @@ def fresh_comm(backend: str, name: str, timeout: float = 30.0):
         size=int(os.environ["WORLD_SIZE"]),
         timeout=timeout,
     )
+
+
+def map_peer_files(name: str, tag: str, nbytes: int) -> list:
+    """Maps every rank's ``nbytes`` POSIX shared-memory file into this rank, in rank order.
+
+    Each rank creates its own zero-filled file (named after its pid, so the segment sweeper
+    knows whose it is), maps every peer's once all exist, and unlinks its own once all are
+    mapped: nothing outlives the processes. Call on every rank of the pool.
+
+    Returns:
+        the ``mmap.mmap`` objects, one per rank; close them when done.
+    """
+    import mmap
+
+    from fastcomm.comm.shm.segment import PREFIX, SHM_DIR
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = rank_store()
+    pids = store.all_gather_object(f"{name}/pids", rank, world, os.getpid(), 30)
+    paths = [
+        os.path.join(SHM_DIR, f"{PREFIX}{pid}-{tag}-{name}-{r}") for r, pid in enumerate(pids)
+    ]
+    fd = os.open(paths[rank], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+    store.barrier(f"{name}/created", world, 30)
+    maps = []
+    for path in paths:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            maps.append(mmap.mmap(fd, nbytes))
+        finally:
+            os.close(fd)
+    store.barrier(f"{name}/mapped", world, 30)
+    os.unlink(paths[rank])
+    return maps

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import ctypes
-import mmap
 import os
 import time
 
@@ -36,7 +35,7 @@ from fastcomm.comm.ipc.cuda import (
     workspace_layout,
 )
 from fastcomm.comm.types import ReduceOp
-from tests.harness import STATE, RankPool, rank_store
+from tests.harness import STATE, RankPool, map_peer_files, rank_store
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -187,31 +186,11 @@ class _ShmOps:
 
 
 def _twin_open(name: str) -> None:
-    """Maps every rank's workspace (this rank's created, zeroed, unlinked once all mapped)."""
-    from fastcomm.comm.shm.segment import PREFIX, SHM_DIR
-
+    """Maps every rank's workspace (zero-filled, as cudaMemset leaves the GPU's) into this rank."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     options = IpcCudaOptions(**SMALL)
     layout = workspace_layout(options, world)
-    store = rank_store()
-    pids = store.all_gather_object(f"{name}/pids", rank, world, os.getpid(), 30)
-    paths = [os.path.join(SHM_DIR, f"{PREFIX}{pid}-ipctwin-{name}-{r}")
-             for r, pid in enumerate(pids)]
-    fd = os.open(paths[rank], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, layout.total_bytes)  # zero-filled, as cudaMemset leaves the GPU's
-    finally:
-        os.close(fd)
-    store.barrier(f"{name}/created", world, 30)
-    maps = []
-    for path in paths:
-        fd = os.open(path, os.O_RDWR)
-        try:
-            maps.append(mmap.mmap(fd, layout.total_bytes))
-        finally:
-            os.close(fd)
-    store.barrier(f"{name}/mapped", world, 30)
-    os.unlink(paths[rank])
+    maps = map_peer_files(name, "ipctwin", layout.total_bytes)
     raw = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
     bases = torch.tensor([t.data_ptr() for t in raw], dtype=torch.int64)
     control = torch.zeros(3, dtype=torch.int64)

@@ -17,13 +17,12 @@ interpreter truncation, and all ranks must agree exactly.
 
 from __future__ import annotations
 
-import mmap
 import os
 
 import pytest
 import torch
 
-from tests.harness import STATE, RankPool, rank_store
+from tests.harness import STATE, RankPool, map_peer_files, rank_store
 
 from .helpers import HAS_TRITON
 
@@ -39,29 +38,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 # ---------------------------------------------------------------------- rank side
 def _map_slots(name: str) -> None:
-    """Creates this rank's segment, maps every peer's, and unlinks its own once all mapped."""
-    from fastcomm.comm.shm.segment import PREFIX, SHM_DIR
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = rank_store()
-    pids = store.all_gather_object(f"{name}/pids", rank, world, os.getpid(), 30)
-    paths = [os.path.join(SHM_DIR, f"{PREFIX}{pid}-peertest-{name}-{r}") for r, pid in
-             enumerate(pids)]
-    fd = os.open(paths[rank], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, 2 * SLOT_BYTES)
-    finally:
-        os.close(fd)
-    store.barrier(f"{name}/created", world, 30)
-    maps = []
-    for path in paths:
-        fd = os.open(path, os.O_RDWR)
-        try:
-            maps.append(mmap.mmap(fd, 2 * SLOT_BYTES))
-        finally:
-            os.close(fd)
-    store.barrier(f"{name}/mapped", world, 30)
-    os.unlink(paths[rank])  # every peer holds a mapping: nothing outlives the processes
+    """Maps every rank's segment (an input and a result slot) into this rank."""
+    maps = map_peer_files(name, "peertest", 2 * SLOT_BYTES)
     raw = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
     STATE["peer"] = {"maps": maps, "raw": raw, "name": name, "step": 0}
 

@@ -10,13 +10,12 @@ that never arrives is reported by the others within the spin bound.
 
 from __future__ import annotations
 
-import mmap
 import os
 
 import pytest
 import torch
 
-from tests.harness import STATE, RankPool, rank_store
+from tests.harness import STATE, RankPool, map_peer_files
 
 from .helpers import HAS_TRITON
 
@@ -151,29 +150,8 @@ AREA_BYTES = 4096  # flag area (first 8 * world bytes) + one data word per round
 
 
 def _map_areas(name: str) -> None:
-    """Creates this rank's shared area, maps every peer's, and unlinks its own once all mapped."""
-    from fastcomm.comm.shm.segment import PREFIX, SHM_DIR
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = rank_store()
-    pids = store.all_gather_object(f"{name}/pids", rank, world, os.getpid(), 30)
-    paths = [os.path.join(SHM_DIR, f"{PREFIX}{pid}-signaltest-{name}-{r}")
-             for r, pid in enumerate(pids)]
-    fd = os.open(paths[rank], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, AREA_BYTES)
-    finally:
-        os.close(fd)
-    store.barrier(f"{name}/created", world, 30)
-    maps = []
-    for path in paths:
-        fd = os.open(path, os.O_RDWR)
-        try:
-            maps.append(mmap.mmap(fd, AREA_BYTES))
-        finally:
-            os.close(fd)
-    store.barrier(f"{name}/mapped", world, 30)
-    os.unlink(paths[rank])  # every peer holds a mapping: nothing outlives the processes
+    """Maps every rank's flag area into this rank."""
+    maps = map_peer_files(name, "signaltest", AREA_BYTES)
     words = [torch.frombuffer(m, dtype=torch.int64) for m in maps]
     table = torch.tensor([w.data_ptr() for w in words], dtype=torch.int64)
     STATE["signal"] = {"maps": maps, "words": words, "table": table, "epoch": 0,
