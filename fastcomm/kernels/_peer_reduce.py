@@ -162,7 +162,7 @@ def peer_reduce(
     if numel == 0:
         return
     if kernel_backend(srcs[0]) == "torch":
-        _reduce_torch(srcs, dsts, op, scale)
+        reduce_unchecked(srcs, dsts, op, scale)
         return
     dtype, device = srcs[0].dtype, srcs[0].device
     src_table = _address_table(tuple(t.data_ptr() for t in srcs), device)
@@ -267,23 +267,46 @@ def peer_reduce_reference(
     """The pure-torch `peer_reduce` (same arguments, same numerics)."""
     srcs, dsts, scale = _check(srcs, dsts, op, scale)
     if srcs[0].numel():
-        _reduce_torch(srcs, dsts, op, scale)
+        reduce_unchecked(srcs, dsts, op, scale)
 
 
-def _reduce_torch(srcs: list[torch.Tensor], dsts: list[torch.Tensor], op: str, scale: float):
-    acc = srcs[0].to(compute_dtype(srcs[0].dtype), copy=True)
-    for x in srcs[1:]:
-        if op in ("sum", "avg"):
-            acc.add_(x)
-        elif op == "max":
-            torch.maximum(acc, x, out=acc)
-        else:
-            torch.minimum(acc, x, out=acc)
+def reduce_unchecked(
+    srcs: list[torch.Tensor], dsts: list[torch.Tensor], op: str, scale: float
+) -> None:
+    """`peer_reduce_reference`'s arithmetic on operands already known to be valid (``scale``
+    already the effective fp32 factor, AVG's ``1 / len(srcs)`` included), for a caller that
+    checked them once rather than per call (the ipc communicator's reduction).
+
+    One fp32/fp64 destination of ``srcs[0]``'s shape that aliases at most ``srcs[0]`` or
+    ``srcs[1]`` accumulates in place, allocating nothing; otherwise a compute-dtype
+    accumulator is rounded once into every destination. Same bits either way.
+    """
+    first = srcs[0]
+    out = dsts[0]
+    in_place = (
+        len(dsts) == 1
+        and first.dtype in (torch.float32, torch.float64)
+        and out.shape == first.shape
+        and all(out.data_ptr() != x.data_ptr() for x in srcs[2:])
+    )
+    binary = torch.maximum if op == "max" else torch.minimum if op == "min" else torch.add
+    if in_place:
+        acc, rest = out, srcs[1:]
+        if rest:
+            binary(first, rest[0], out=acc)
+            rest = rest[1:]
+        elif acc.data_ptr() != first.data_ptr():
+            acc.copy_(first)
+    else:
+        acc, rest = first.to(compute_dtype(first.dtype), copy=True), srcs[1:]
+    for x in rest:
+        binary(acc, x, out=acc)
     if scale != 1.0:
         acc.mul_(scale)
-    out = acc.to(srcs[0].dtype)
-    for d in dsts:
-        d.copy_(out.view(d.shape))
+    if not in_place:
+        result = acc.to(first.dtype)
+        for d in dsts:
+            d.copy_(result.view(d.shape))
 
 
 @functools.lru_cache(maxsize=256)

@@ -28,7 +28,7 @@ from datetime import timedelta
 import torch
 
 from ...kernels._launch import fp32_scale, kernel_backend
-from ...kernels._peer_reduce import MAX_PEERS, PEER_DTYPES, peer_reduce
+from ...kernels._peer_reduce import MAX_PEERS, PEER_DTYPES, peer_reduce, reduce_unchecked
 from ..base import Communicator
 from ..shm.communicator import ShmCommunicator, ShmOptions
 from ..shm.schedules import Reduction, torch_reduce
@@ -72,39 +72,14 @@ def kernel_reduce(out: torch.Tensor, terms: list[torch.Tensor], op: ReduceOp) ->
 
 def reference_reduce(out: torch.Tensor, terms: list[torch.Tensor], op: ReduceOp) -> None:
     """:func:`kernel_reduce` computed as ``peer_reduce_reference`` computes it, bit for bit,
-    without its argument checks (which would double the cost of a 4 KiB all-reduce): accumulate
-    in fp32 (fp64 for fp64) in order, scale an average by ``1 / len(terms)`` rounded to fp32,
-    round once into ``out``. fp32/fp64 accumulate in ``out`` itself (it may alias ``terms[0]``
-    or ``terms[1]``, as the schedules allow)."""
+    without its per-call argument checks (which would double the cost of a 4 KiB all-reduce):
+    the schedules hand it valid operands (``out`` may alias ``terms[0]`` or ``terms[1]``)."""
     name = _kernel_op(out, terms, op)
     if name is None:
         torch_reduce(out, terms, op)
         return
-    wide = out.dtype in (torch.float32, torch.float64)
-    acc = out if wide else terms[0].to(torch.float32)
-    rest = terms[1:]
-    if name in ("sum", "avg"):
-        if wide and rest:
-            torch.add(terms[0], rest[0], out=acc)
-            rest = rest[1:]
-        elif wide:
-            acc.copy_(terms[0])
-        for term in rest:
-            acc.add_(term)
-        if name == "avg" and len(terms) > 1:
-            acc.mul_(fp32_scale(1.0 / len(terms)))
-    else:
-        fn = torch.maximum if name == "max" else torch.minimum
-        if wide:
-            if rest:
-                fn(terms[0], rest[0], out=acc)
-                rest = rest[1:]
-            else:
-                acc.copy_(terms[0])
-        for term in rest:
-            fn(acc, term, out=acc)
-    if not wide:
-        out.copy_(acc)
+    scale = fp32_scale(1.0 / len(terms)) if name == "avg" else 1.0
+    reduce_unchecked(terms, [out], name, scale)
 
 
 def cpu_reduction() -> Reduction:
