@@ -65,15 +65,12 @@ class Bucket:
             for part, t in zip(self.flat.split([t.numel() for t in self.tensors]), self.tensors,
                                strict=True)
         ]
-        self.plan = kernels.PackPlan(self.tensors) if hasattr(kernels, "PackPlan") else None
+        self.plan = kernels.PackPlan(self.tensors)
 
     def pack(self, provider: str):
         tensors, flat, views, plan = self.tensors, self.flat, self.views, self.plan
-        if provider == "fastcomm-plan":
-            if plan is None:
-                pytest.skip("this fastcomm has no PackPlan")
-            return lambda: plan.pack(tensors, flat)
         return {
+            "fastcomm-plan": lambda: plan.pack(tensors, flat),
             "fastcomm": lambda: kernels.pack(tensors, flat),
             "torch-foreach": lambda: torch._foreach_copy_(views, tensors),
             "torch-cat": lambda: torch.cat([t.view(-1) for t in tensors], out=flat),
@@ -81,11 +78,8 @@ class Bucket:
 
     def unpack(self, provider: str):
         tensors, flat, views, plan = self.tensors, self.flat, self.views, self.plan
-        if provider == "fastcomm-plan":
-            if plan is None:
-                pytest.skip("this fastcomm has no PackPlan")
-            return lambda: plan.unpack(flat, tensors)
         return {
+            "fastcomm-plan": lambda: plan.unpack(flat, tensors),
             "fastcomm": lambda: kernels.unpack(flat, tensors),
             "torch-foreach": lambda: torch._foreach_copy_(tensors, views),
         }[provider]
@@ -163,9 +157,6 @@ def test_pack_average(benchmark, buckets, count, provider):
     bucket = buckets(count)
     tensors, flat, views, plan = bucket.tensors, bucket.flat, bucket.views, bucket.plan
     if provider == "fastcomm-plan":
-        if plan is None:
-            pytest.skip("this fastcomm has no PackPlan")
-
         def fn():
             plan.pack(tensors, flat, scale=0.25)
     elif provider == "fastcomm":
