@@ -50,7 +50,10 @@ from ._launch import (
     triton,
 )
 
-__all__ = ["PEER_REDUCE_OPS", "peer_reduce", "peer_reduce_reference", "peer_reduce_table"]
+__all__ = [
+    "PEER_REDUCE_OPS", "launch_peer_reduce_table", "peer_reduce", "peer_reduce_reference",
+    "peer_reduce_table", "reduce_unchecked",
+]
 
 #: Operations `peer_reduce` accepts.
 PEER_REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -167,7 +170,7 @@ def peer_reduce(
     dtype, device = srcs[0].dtype, srcs[0].device
     src_table = _address_table(tuple(t.data_ptr() for t in srcs), device)
     dst_table = _address_table(tuple(t.data_ptr() for t in dsts), device)
-    _launch(src_table, dst_table, 0, 0, numel, dtype, op, scale)
+    launch_peer_reduce_table(src_table, dst_table, 0, 0, numel, dtype, op, scale)
 
 
 def peer_reduce_table(
@@ -234,10 +237,15 @@ def peer_reduce_table(
             "peer_reduce_table follows raw addresses and has no torch path: it needs CUDA "
             "tables, or FASTCOMM_KERNELS=triton with TRITON_INTERPRET=1 for CPU ones"
         )
-    _launch(src_table, dst_table, src_offset, dst_offset, numel, dtype, op, scale)
+    launch_peer_reduce_table(src_table, dst_table, src_offset, dst_offset, numel, dtype, op, scale)
 
 
-def _launch(src_table, dst_table, src_offset, dst_offset, numel, dtype, op, scale) -> None:
+def launch_peer_reduce_table(
+    src_table, dst_table, src_offset, dst_offset, numel, dtype, op, scale
+) -> None:
+    """`peer_reduce_table` with no argument checks, for a transport whose tables, dtype and op
+    were checked once and whose offsets come from its own plan: ``numel > 0``, ``scale`` the
+    effective fp32 factor (AVG's ``1 / n_src`` included)."""
     grid = (triton.cdiv(numel, BLOCK),)
     runnable(_peer_reduce_kernel)[grid](
         src_table,

@@ -43,6 +43,8 @@ from ._launch import check_tensor, kernel_backend, runnable, tl, triton
 __all__ = [
     "CONTROL_WORDS",
     "MAX_RANKS",
+    "check_peer_signal",
+    "launch_peer_signal",
     "peer_signal",
     "peer_signal_reference",
     "missing_ranks",
@@ -137,9 +139,22 @@ def peer_signal(
         TypeError: `base_table` or `control` is not an int64 tensor.
         ValueError: a rank, epoch, spin bound or offset out of range.
     """
+    check_peer_signal(base_table, flags_offset, rank, epoch, control, max_spins)
+    launch_peer_signal(base_table, flags_offset, control.data_ptr(), rank, epoch, max_spins)
+
+
+def check_peer_signal(
+    base_table: torch.Tensor,
+    flags_offset: int,
+    rank: int,
+    epoch: int,
+    control: torch.Tensor,
+    max_spins: int,
+) -> None:
+    """`peer_signal`'s argument checks, for a transport that makes them once at setup and
+    then launches every barrier through `launch_peer_signal` (raises as `peer_signal`)."""
     check_tensor("base_table", base_table, dtypes=(torch.int64,))
-    n_ranks = base_table.numel()
-    _check_common(n_ranks, rank, epoch, max_spins, control)
+    _check_common(base_table.numel(), rank, epoch, max_spins, control)
     if flags_offset < 0 or flags_offset % 8:
         raise ValueError(f"flags_offset must be a non-negative multiple of 8, got {flags_offset}")
     if kernel_backend(base_table) != "triton":
@@ -148,10 +163,23 @@ def peer_signal(
             "FASTCOMM_KERNELS=triton with TRITON_INTERPRET=1 for a CPU one "
             "(peer_signal_reference runs the protocol over tensors)"
         )
+
+
+def launch_peer_signal(
+    base_table: torch.Tensor,
+    flags_offset: int,
+    control_addr: int,
+    rank: int,
+    epoch: int,
+    max_spins: int,
+) -> None:
+    """Launches one barrier with no argument checks (see `check_peer_signal`): the hot call
+    of a collective, a few per round."""
+    n_ranks = base_table.numel()
     runnable(_peer_signal_kernel)[(1,)](
         base_table,
         flags_offset,
-        control.data_ptr(),
+        control_addr,
         rank,
         epoch,
         max_spins,

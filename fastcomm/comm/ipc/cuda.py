@@ -59,8 +59,14 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from ...kernels._peer_reduce import MAX_PEERS, peer_reduce_table
-from ...kernels._peer_signal import CONTROL_WORDS, missing_ranks, peer_signal
+from ...kernels._launch import fp32_scale
+from ...kernels._peer_reduce import MAX_PEERS, launch_peer_reduce_table
+from ...kernels._peer_signal import (
+    CONTROL_WORDS,
+    check_peer_signal,
+    launch_peer_signal,
+    missing_ranks,
+)
 from ..errors import CommAbortedError, CommTimeoutError, FastcommError
 from ..nccl import NcclWork
 from ..store import Store, as_timedelta
@@ -293,10 +299,14 @@ def reduce_step(step: Reduce, bases: torch.Tensor, own: torch.Tensor, dtype: tor
                 op: str) -> None:
     """Launches `step`'s `peer_reduce_table` over the workspace table `bases` (rank order;
     `own` is this rank's entry, a one-element view of it)."""
+    if not step.numel:  # two-shot: the last ranks' chunks may be empty
+        return
     dst = bases if step.to_all else own
-    peer_reduce_table(
-        bases, dst, numel=step.numel, dtype=dtype, src_offset=step.src_byte,
-        dst_offset=step.dst_byte, op=op,
+    # no per-launch checks: the tables were checked at setup, dtype and op by the caller
+    # (check_all_reduce), the offsets come from the plan (aligned by construction)
+    scale = fp32_scale(1.0 / bases.numel()) if op == "avg" else 1.0
+    launch_peer_reduce_table(
+        bases, dst, step.src_byte, step.dst_byte, step.numel, dtype, op, scale
     )
 
 
@@ -598,23 +608,24 @@ class CudaIpcTransport:
 class _CudaOps:
     """`StepOps` on the transport's stream (the current stream while steps run)."""
 
-    __slots__ = ("t", "dtype", "op", "_memcpy", "_stream", "_own")
+    __slots__ = ("t", "dtype", "op", "_memcpy", "_stream", "_own", "_signal_args")
 
     def __init__(self, transport: CudaIpcTransport) -> None:
-        self.t = transport
+        t = self.t = transport
         self.dtype = torch.float32
         self.op = "sum"
-        self._memcpy = transport._rt.memcpyAsync
-        self._stream = transport.stream.cuda_stream
-        self._own = transport._bases[transport.rank : transport.rank + 1]
+        self._memcpy = t._rt.memcpyAsync
+        self._stream = t.stream.cuda_stream
+        self._own = t._bases[t.rank : t.rank + 1]
+        # the barrier's arguments, checked here once: every barrier then launches unchecked
+        check_peer_signal(t._bases, t.layout.flags_offset, t.rank, 1, t._control, t._max_spins)
+        self._signal_args = (t._bases, t.layout.flags_offset, t._control.data_ptr(), t.rank)
 
     def copy(self, dst_addr: int, src_addr: int, nbytes: int) -> None:
         self._memcpy(dst_addr, src_addr, nbytes, 3, self._stream)  # 3: device to device
 
     def barrier(self, epoch: int) -> None:
-        t = self.t
-        peer_signal(t._bases, flags_offset=t.layout.flags_offset, rank=t.rank, epoch=epoch,
-                    control=t._control, max_spins=t._max_spins)
+        launch_peer_signal(*self._signal_args, epoch, self.t._max_spins)
 
     def reduce(self, step: Reduce) -> None:
         reduce_step(step, self.t._bases, self._own, self.dtype, self.op)
