@@ -179,14 +179,22 @@ def pack_bucket(bucket: Bucket, grads: Sequence[torch.Tensor | None], out, *, sc
 def _pack_cpu_views(bucket: Bucket, grads: Sequence[torch.Tensor | None], scale: float) -> None:
     """``bucket.flat = cat(grads) * scale`` through the bucket's views (shaped like the
     parameters, as the gradients are; any strides); ``TypeError`` on a ``None`` gradient."""
-    views = bucket.views
+    scale_into_views(bucket.views, grads, scale, bucket.flat)
+
+
+def scale_into_views(
+    views: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], scale: float, flat: torch.Tensor
+) -> None:
+    """``views[i] = grads[i] * scale`` on CPU, where `views` tile all of `flat` in order (one
+    multiply per view up to `_MUL_INTO_VIEWS_MAX` views, else a foreach copy and one multiply
+    of `flat`: the same bits either way). ``TypeError`` on a ``None`` gradient."""
     if scale != 1.0 and len(views) <= _MUL_INTO_VIEWS_MAX:
         for g, view in zip(grads, views, strict=True):
             torch.mul(g, scale, out=view)
         return
     torch._foreach_copy_(views, grads)
     if scale != 1.0:
-        bucket.flat.mul_(scale)
+        flat.mul_(scale)
 
 
 def unpack_bucket(bucket: Bucket, flat: torch.Tensor, targets: Sequence[torch.Tensor | None]):

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .bucket import Bucket
+from .bucket import Bucket, scale_into_views
 
 __all__ = ["IN_PLACE_MIN_BYTES", "InPlacePlan", "InPlaceReduction", "in_place_plan"]
 
@@ -137,15 +137,17 @@ def launch_in_place(
         works.append(comm.all_reduce(target, async_op=True))
     if plan.small:
         staged = plan.staging_views
-        if grads is None:
+        small = None if grads is None else [grads[k] for k in plan.small]
+        if small is None:
             plan.staging.zero_()
+        elif not create_graph and all(g is not None for g in small):
+            scale_into_views(staged, small, scale, plan.staging)  # the bucket pack's own way
         else:
-            for k, view in zip(plan.small, staged, strict=True):
-                g = grads[k]
+            for g, view in zip(small, staged, strict=True):
                 if g is None:
                     view.zero_()
                 else:
-                    torch.mul(g.detach() if create_graph else g, scale, out=view)
+                    torch.mul(g.detach(), scale, out=view)
         for k, view in zip(plan.small, staged, strict=True):
             reduced[k] = view
         works.append(comm.all_reduce(plan.staging, async_op=True))
