@@ -39,21 +39,6 @@ _CPU_VIEW_DTYPES = (torch.float32, torch.float64)
 # bytes); beyond, one foreach copy then one multiply of the whole bucket (two passes, but two
 # calls instead of hundreds)
 _MUL_INTO_VIEWS_MAX = 32
-# scale -> scale rounded to fp32: a reducer packs with one or two scales, and rounding one
-# costs ~2 us per bucket (argument checks, a struct round trip)
-_FP32_SCALES: dict[float, float] = {}
-
-
-def fp32_scale_cached(scale: float) -> float:
-    """``fp32_scale(scale)``, remembered (see ``kernels._launch.fp32_scale``)."""
-    if type(scale) is not float:  # a bool or tensor must not hit a float's entry
-        return fp32_scale(scale)
-    rounded = _FP32_SCALES.get(scale)
-    if rounded is None:
-        rounded = fp32_scale(scale)
-        if len(_FP32_SCALES) < 64:
-            _FP32_SCALES[scale] = rounded
-    return rounded
 
 
 def assign_buckets(
@@ -154,7 +139,7 @@ def pack_bucket(bucket: Bucket, grads: Sequence[torch.Tensor | None], out, *, sc
     """
     if out is bucket.flat and out.dtype in _CPU_VIEW_DTYPES and out.device.type == "cpu":
         try:
-            _pack_cpu_views(bucket, grads, fp32_scale_cached(scale))
+            _pack_cpu_views(bucket, grads, fp32_scale(scale))
             return out
         except (TypeError, RuntimeError):
             pass  # a None or sparse gradient: the general path below rewrites all of `out`

@@ -43,9 +43,10 @@ import torch
 
 from fastcomm.comm.base import Communicator
 from fastcomm.comm.work import Work
+from fastcomm.kernels._launch import fp32_scale
 
 from . import sparse as _sparse
-from .bucket import Bucket, GradBucket, fp32_scale_cached, pack_bucket, unpack_bucket
+from .bucket import Bucket, GradBucket, pack_bucket, unpack_bucket
 from .config import DDPConfig
 from .in_place import InPlaceReduction, in_place_plan, launch_in_place, write_back
 
@@ -339,7 +340,7 @@ class Reducer:
         plan = self._in_place[bucket.index]
         if plan is not None:
             self._results[bucket.index] = launch_in_place(
-                bucket, plan, grads, fp32_scale_cached(self.scale), self.comm, self._create_graph
+                bucket, plan, grads, fp32_scale(self.scale), self.comm, self._create_graph
             )
             return
         flat = bucket.flat

@@ -99,6 +99,11 @@ def fp32_scale(scale) -> float:
         TypeError: `scale` is not a real number (tensors are refused: reading one would sync).
         ValueError: `scale` is not finite in fp32.
     """
+    exact_float = type(scale) is float
+    if exact_float:  # the hot case, the same 1/world on every bucket of every step
+        rounded = _ROUNDED.get(scale)
+        if rounded is not None:
+            return rounded
     if isinstance(scale, (bool, torch.Tensor)) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number, got {type(scale).__name__} {scale!r}")
     try:
@@ -107,10 +112,15 @@ def fp32_scale(scale) -> float:
         value = math.inf
     if not math.isfinite(value):
         raise ValueError(f"scale must be finite in fp32, got {scale!r}")
+    if exact_float and scale and len(_ROUNDED) < 256:  # not 0.0: it would also answer -0.0
+        _ROUNDED[scale] = value
     return value
 
 
 _F32 = struct.Struct("f")
+# float -> its fp32 rounding: checking and rounding cost ~2 us, and a training loop passes the
+# same few scales again and again (only exact floats: a bool or int must not hit a float's entry)
+_ROUNDED: dict[float, float] = {}
 
 
 # --------------------------------------------------------------------------- dispatch

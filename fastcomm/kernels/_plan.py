@@ -107,7 +107,7 @@ class PackPlan:
     __slots__ = (
         "layout", "numels", "offsets", "total", "device", "dtypes", "backend",
         "_flat_1d", "_groups", "_views", "_tables", "_table_ptrs", "_scratch", "_dtype_list",
-        "_scale", "_on_cuda",
+        "_on_cuda",
     )
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -123,7 +123,6 @@ class PackPlan:
         self.dtypes = list(dict.fromkeys(scan.dtypes))
         self._dtype_list = scan.dtypes
         self._on_cuda = self.device.type == "cuda"
-        self._scale = (1.0, 1.0)  # the last (scale given, scale rounded to fp32)
         #: ``"triton"`` or ``"torch"``: the implementation chosen for this device.
         self.backend = kernel_backend(self.device)
         self._flat_1d = all(len(shape) == 1 for shape, _ in self.layout)
@@ -200,14 +199,6 @@ class PackPlan:
             if t.shape != shape:
                 raise ValueError(f"tensors[{i}] has shape {tuple(t.shape)}; this plan was made "
                                  f"for shape {tuple(shape)} (make a new plan)")
-
-    def _fp32_scale(self, scale) -> float:
-        given, rounded = self._scale
-        if type(scale) is float and scale == given:  # the usual: the same scale every step
-            return rounded
-        rounded = fp32_scale(scale)
-        self._scale = (scale, rounded) if type(scale) is float else self._scale
-        return rounded
 
     def _check_flat(self, name: str, flat) -> None:
         try:  # the usual, checked without building messages or device objects
@@ -301,7 +292,7 @@ class PackPlan:
         """
         self._check(tensors)
         self._check_flat("out", out)
-        scale = self._fp32_scale(scale)
+        scale = fp32_scale(scale)
         if not self.layout:
             return out
         same = self.dtypes == [out.dtype]
@@ -366,7 +357,7 @@ class PackPlan:
         self._check_flat("flat", flat)
         if not isinstance(accumulate, bool):
             raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
-        scale = self._fp32_scale(scale)
+        scale = fp32_scale(scale)
         if not self.layout:
             return
         same = self.dtypes == [flat.dtype]
