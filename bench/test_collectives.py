@@ -7,6 +7,8 @@ the reduce-scatter input). Bandwidths as nccl-tests defines them, from the media
 (all-gather, reduce-scatter), ``* 1`` (broadcast). Providers:
 
 - ``fastcomm-shm``: :class:`fastcomm.comm.ShmCommunicator` (shared memory);
+- ``fastcomm-shm-python``: the same with ``ShmOptions(compiled=False)``: small all-reduces
+  (up to 256 KiB, all-reduce only) through the pure-Python path instead of the compiled core;
 - ``fastcomm-ipc``: :class:`fastcomm.comm.IpcCommunicator` (the same segment and schedules,
   reductions by the ``peer_reduce`` kernel: on CPU its torch reference, or Triton's interpreter
   under ``FASTCOMM_KERNELS=triton``, far too slow to time);
@@ -60,7 +62,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fastcomm.comm import GlooCommunicator, IpcCommunicator, ShmCommunicator, Store
+from fastcomm.comm import GlooCommunicator, IpcCommunicator, ShmCommunicator, ShmOptions, Store
 
 QUICK = bool(os.environ.get("FASTCOMM_BENCH_QUICK")) or "--benchmark-disable" in sys.argv
 KIB, MIB = 1 << 10, 1 << 20
@@ -68,7 +70,7 @@ SIZES = [4 * KIB, 256 * KIB] if QUICK else [
     4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 25 * MIB, 64 * MIB
 ]
 OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
-PROVIDERS = ["fastcomm-shm", "fastcomm-ipc", "fastcomm-gloo", "torch-gloo"]
+PROVIDERS = ["fastcomm-shm", "fastcomm-shm-python", "fastcomm-ipc", "fastcomm-gloo", "torch-gloo"]
 CUDA_PROVIDERS = ["fastcomm-ipc", "torch-gloo", "fastcomm-nccl"]
 HAS_CUDA = torch.cuda.is_available()
 TIMEOUT = 300.0
@@ -97,7 +99,7 @@ def rounds_for(provider: str, nbytes: int) -> tuple[int, int]:
     """(rounds, warmup) for ~0.3 s per test, the same on every rank (no timing-based choice)."""
     if QUICK:
         return 3, 1
-    fast = provider in ("fastcomm-shm", "fastcomm-ipc")
+    fast = provider.startswith(("fastcomm-shm", "fastcomm-ipc"))
     latency, bandwidth = (30e-6, 4e9) if fast else (1e-3, 1e9)
     estimate = (latency + nbytes / bandwidth) * iterations_for(nbytes)
     return max(5, min(300, int(0.3 / estimate))), 3
@@ -117,6 +119,10 @@ class Rank:
             ns = self.store.prefixed(f"bench/{provider}", rank=self.rank)
             if provider == "fastcomm-shm":
                 self.comms[provider] = ShmCommunicator(ns, self.rank, self.size, TIMEOUT)
+            elif provider == "fastcomm-shm-python":
+                self.comms[provider] = ShmCommunicator(
+                    ns, self.rank, self.size, TIMEOUT, options=ShmOptions(compiled=False)
+                )
             elif provider == "fastcomm-ipc":
                 self.comms[provider] = IpcCommunicator(ns, self.rank, self.size, TIMEOUT)
             elif provider == "fastcomm-nccl":
@@ -307,6 +313,8 @@ def run_timed(benchmark, world, report, provider: str, op: str, nbytes: int, dev
 @pytest.mark.parametrize("nbytes", SIZES, ids=size_id)
 @pytest.mark.parametrize("op", OPS)
 def test_collective(benchmark, world, collectives_report, op, nbytes, provider):
+    if provider == "fastcomm-shm-python" and (op != "all_reduce" or nbytes > 256 * KIB):
+        pytest.skip("the Python path differs from fastcomm-shm only in small all-reduces")
     benchmark.group = f"{op} {size_id(nbytes)}"
     run_timed(benchmark, world, collectives_report, provider, op, nbytes, "cpu")
 

@@ -52,6 +52,11 @@ class CommStats:
         if tensor is not None:
             self.bytes[op] = self.bytes.get(op, 0) + tensor.numel() * tensor.element_size()
 
+    def count(self, op: str, nbytes: int) -> None:
+        """Counts one call of ``op`` that moved ``nbytes`` (a caller that knows the size)."""
+        self.calls[op] = self.calls.get(op, 0) + 1
+        self.bytes[op] = self.bytes.get(op, 0) + nbytes
+
     @property
     def total_bytes(self) -> int:
         """Bytes of every operation together."""

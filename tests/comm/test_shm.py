@@ -17,26 +17,29 @@ import torch
 
 from fastcomm import ReduceOp
 from fastcomm.comm import SUPPORTED_DTYPES, ShmCommunicator, ShmOptions
+from fastcomm.comm.shm import schedules
 from tests.comm.test_collectives import make_input, reduce_reference
 from tests.harness import STATE, RankPool, rank_store
 
 SMALL = dict(slot_bytes=4096, one_shot_max=1024, mbox_bytes=4096)
 
 
-def small_comm(timeout: float = 30.0) -> ShmCommunicator:
-    """A cached shm communicator with a 4 KiB-slot segment over all ranks of the pool."""
-    comm = STATE.get("shm-small")
+def small_comm(timeout: float = 30.0, compiled: bool = True) -> ShmCommunicator:
+    """A cached shm communicator with a 4 KiB-slot segment over all ranks of the pool
+    (``compiled=False``: small all-reduces take the Python path)."""
+    key = "shm-small" if compiled else "shm-small-python"
+    comm = STATE.get(key)
     if comm is None or comm.closed:
         # one torch thread per rank: 4 ranks x 2 OpenMP threads spinning on 2 cores crawl
         torch.set_num_threads(1)
         STATE["gen"] = STATE.get("gen", 0) + 1
         rank = int(os.environ["RANK"])
-        comm = STATE["shm-small"] = ShmCommunicator(
-            rank_store().prefixed(f"shm-small-{STATE['gen']}", rank=rank),
+        comm = STATE[key] = ShmCommunicator(
+            rank_store().prefixed(f"{key}-{STATE['gen']}", rank=rank),
             rank,
             int(os.environ["WORLD_SIZE"]),
             timeout,
-            options=ShmOptions(**SMALL),
+            options=ShmOptions(**SMALL, compiled=compiled),
         )
     return comm
 
@@ -128,10 +131,11 @@ def fold(inputs: list[torch.Tensor], op: ReduceOp) -> torch.Tensor:
     return out
 
 
-def check_small_path_matches_torch_bits():
-    """Small all-reduces (NumPy-reduced where the dtype and op allow) give torch's very bits:
-    random floats that round, every shape and offset, a buffer reused under another dtype."""
-    comm = small_comm()
+def check_small_path_matches_torch_bits(compiled: bool):
+    """Small all-reduces (in the compiled core, or NumPy-reduced, where the dtype and op allow)
+    give torch's very bits: random floats that round, every shape and offset, a buffer reused
+    under another dtype."""
+    comm = small_comm(compiled=compiled)
     n, rank = comm.size, comm.rank
     checked = 0
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int8):
@@ -168,7 +172,11 @@ def check_small_path_matches_torch_bits():
     as_float.fill_(0.5 * (rank + 1))
     comm.all_reduce(as_float)
     exact(as_float, torch.full((16,), 0.5 * n * (n + 1) / 2))
-    assert any(comm._schedules._fast.values()), "the NumPy path was never taken"
+    if compiled:
+        assert any(comm._schedules._core_plans.values()), "the compiled path was never taken"
+        assert not any(comm._schedules._fast.values()), "NumPy ran beside the compiled core"
+    else:
+        assert any(comm._schedules._fast.values()), "the NumPy path was never taken"
     # overflow gives inf quietly, as in torch (NumPy would warn)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -234,6 +242,43 @@ def check_mismatch_detected(name):
         raise AssertionError("mismatched all_reduce sizes were not detected")
     comm.close()
     return message
+
+
+def check_compiled_core_resumes_after_python_waits(name):
+    """A peer later than the core's spin: the core hands the wait to Python and resumes.
+
+    Ranks alternate between the compiled core and the Python path (they share the protocol),
+    so every pairing of the two meets. Returns the statuses this rank's core gave up with.
+    """
+    import time
+
+    rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    comm = ShmCommunicator(
+        rank_store().prefixed(name, rank=rank), rank, n, 30.0,
+        options=ShmOptions(**SMALL, compiled=rank % 2 == 0),
+    )
+    sched, seen = comm._schedules, []
+    if sched._core is not None:
+        original = sched._resume_core
+        sched._resume_core = lambda status, *a: (seen.append(status), original(status, *a))[1]
+    for late in range(n):  # each rank in turn arrives 50 ms late: far beyond any spin
+        if rank == late:
+            time.sleep(0.05)
+        t = torch.full((9,), float(rank + 1))
+        comm.all_reduce(t)
+        exact(t, torch.full((9,), n * (n + 1) / 2))
+    # rank 0 leaves its broadcast at once and starts an all-reduce while the others, late,
+    # have not yet read the broadcast's half: it must wait to enter, not rewrite that half
+    b = torch.full((5,), 7.0) if rank == 0 else torch.zeros(5)
+    if rank != 0:
+        time.sleep(0.05)
+    comm.broadcast(b, 0)
+    exact(b, torch.full((5,), 7.0))
+    t = torch.arange(6, dtype=torch.float64) * (rank + 1)
+    comm.all_reduce(t, op=ReduceOp.AVG)
+    exact(t, torch.arange(6, dtype=torch.float64) * (n + 1) / 2)
+    comm.close()
+    return sorted(set(seen))
 
 
 def check_fenced_path(name):
@@ -342,8 +387,22 @@ def test_float_results_bit_identical_on_every_rank(pool):
             assert torch.equal(a, b)
 
 
-def test_small_all_reduce_gives_torch_bits(pool):
-    assert pool.run(check_small_path_matches_torch_bits) == [4 * 4 * 4 * 2] * pool.world_size
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_small_all_reduce_gives_torch_bits(pool, compiled):
+    if compiled and schedules._core is None:
+        pytest.skip("the compiled core was not built (no C compiler at install)")
+    results = pool.run(check_small_path_matches_torch_bits, compiled)
+    assert results == [4 * 4 * 4 * 2] * pool.world_size
+
+
+def test_compiled_core_resumes_after_python_waits(pool, unique_name):
+    if schedules._core is None:
+        pytest.skip("the compiled core was not built (no C compiler at install)")
+    seen = pool.run(check_compiled_core_resumes_after_python_waits, unique_name)
+    # rank 0 (compiled) waited to enter once and, when others were late, for the exchange
+    assert seen[0] == [1, 2], seen
+    if pool.world_size > 2:  # rank 2 (compiled) waited for the exchange when others were late
+        assert 2 in seen[2], seen
 
 
 def test_async_ops_complete_in_issue_order(pool):

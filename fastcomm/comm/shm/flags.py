@@ -133,7 +133,7 @@ class PeerFlags:
         self._spin_now = self.spin_ns
         self.words = memoryview(seg.mm).cast("Q")
         anchor = ctypes.c_char.from_buffer(seg.mm)
-        self._base = ctypes.addressof(anchor)
+        self.base_address = ctypes.addressof(anchor)
         del anchor  # the memoryview keeps the mapping pinned; one export is enough
         self._seg = seg
         self.seq_idx = [layout.seq(r) // 8 for r in range(self.size)]
@@ -176,8 +176,8 @@ class PeerFlags:
         self._wake(idx)
 
     def _wake(self, idx: int) -> None:
-        _syscall(self._futex, ctypes.c_void_p(self._base + 8 * idx), _FUTEX_WAKE, 0x7FFFFFFF, None,
-                 None, 0)
+        addr = ctypes.c_void_p(self.base_address + 8 * idx)
+        _syscall(self._futex, addr, _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
 
     def mark(self, state: int, message: str = "") -> None:
         """Records that this rank closed or aborted, and wakes everyone sleeping on its words."""
@@ -254,7 +254,7 @@ class PeerFlags:
                     return
         deadline = start + self.timeout_s
         next_liveness = time.monotonic() + LIVENESS_S
-        addr = ctypes.c_void_p(self._base + 8 * idx)
+        addr = ctypes.c_void_p(self.base_address + 8 * idx)
         if announce:
             words[self.wait_idx[self.rank]] = peer + 1
         try:

@@ -50,6 +50,11 @@ from ..types import SUPPORTED_DTYPES, ReduceOp, divide_
 from .flags import PeerFlags
 from .segment import Layout
 
+try:
+    from . import _core
+except ImportError:  # built without a C compiler, or not on Linux: the pure-Python path
+    _core = None
+
 __all__ = ["Reduction", "SegmentSchedules", "reduce_into", "torch_reduce"]
 
 _BINARY = {
@@ -93,6 +98,21 @@ _NUMPY_OPS = {"SUM": np.add, "AVG": np.add, "PRODUCT": np.multiply}
 # always) gives up no parallelism
 _NUMPY_MAX_NUMEL = 32768
 _FAST_CACHE = 64  # callers' tensors held by the NumPy path (fresh tensors add entries)
+if _core is not None:
+    _CORE_KINDS = {
+        torch.float32: _core.KIND_F32,
+        torch.float64: _core.KIND_F64,
+        torch.int8: _core.KIND_I8,
+        torch.uint8: _core.KIND_U8,
+        torch.int32: _core.KIND_I32,
+        torch.int64: _core.KIND_I64,
+    }
+    # by the op's name, as _OP_ARGS: (descriptor's op code, the core's op)
+    _CORE_OPS = {
+        "SUM": (_OP_CODES[ReduceOp.SUM], _core.OP_SUM),
+        "AVG": (_OP_CODES[ReduceOp.AVG], _core.OP_AVG),
+        "PRODUCT": (_OP_CODES[ReduceOp.PRODUCT], _core.OP_PRODUCT),
+    }
 _increment_version = torch._C._increment_version
 
 
@@ -153,6 +173,8 @@ class SegmentSchedules:
         one_shot_max: largest all-reduce (bytes) done in one shot.
         reduce: the :data:`Reduction` every reducing schedule calls (default
             :func:`torch_reduce`); the same kind on every rank.
+        compiled: run the small all-reduce through the compiled core (``_core``) where it was
+            built and the reduction is the default; ranks with and without it interoperate.
     """
 
     def __init__(
@@ -162,6 +184,7 @@ class SegmentSchedules:
         u8: torch.Tensor,
         one_shot_max: int,
         reduce: Reduction | None = None,
+        compiled: bool = True,
     ) -> None:
         self.flags = flags
         self.reduce = torch_reduce if reduce is None else reduce
@@ -177,6 +200,18 @@ class SegmentSchedules:
         self._small: dict[tuple, tuple | bool] = {}  # one-slot all-reduce plans, by dtype, shape
         self._fast: dict[tuple, tuple | bool] = {}  # NumPy-path plans, by address, dtype, numel
         self._quiet_run = _quiet_numpy().run  # one per schedules: a context is entered by one
+        self._core = None  # the compiled small all-reduce (SmallCore), where built and wanted
+        self._core_plans: dict[tuple, tuple | bool] = {}  # by (dtype, numel)
+        if compiled and _core is not None and self._inline_torch:
+            base, n = flags.base_address, self.size
+            self._core = _core.SmallCore(
+                base,
+                self.rank,
+                flags.seq_idx,
+                flags.wait_idx,
+                [idx for r in range(n) for idx in flags.desc_idx[r]],
+                [base + layout.slot(h, r) for h in range(2) for r in range(n)],
+            )
         self._round = 0
         self._prev_first = 0  # seq of the first publish of the previous round
         self._sent = [0] * self.size  # chunks sent to / received from each peer
@@ -246,22 +281,32 @@ class SegmentSchedules:
         else:
             self._two_step(tensor.view(-1), op, name, start, code, root)
 
-    def all_reduce_small(self, tensor: torch.Tensor, op: ReduceOp, start: float) -> bool:
+    def all_reduce_small(self, tensor: torch.Tensor, op: ReduceOp, start: float) -> int:
         """The one-shot all-reduce of a tensor that fits one slot, with the fewest Python steps.
 
         Same rounds, flags and results as :meth:`all_reduce` (the two may be mixed freely); only
         the per-call work differs: the slot views and the call's descriptor are planned once per
         (dtype, shape), and the common waits (a peer already there) cost one word read each.
-        With the default reduction, a ``SUM``/``AVG``/``PRODUCT`` of a small tensor of a
-        NumPy-native dtype that does not require grad moves and reduces its bytes with NumPy
+        With the default reduction, a ``SUM``/``AVG``/``PRODUCT`` of a small tensor that does
+        not require grad runs in the compiled core where it was built (:meth:`_all_reduce_core`),
+        else, for a NumPy-native dtype, moves and reduces its bytes with NumPy
         over arrays planned once per (address, dtype, numel) (:meth:`_plan_fast`): the
         reduction writes straight into the caller's memory, and the tensor's version counter
         is bumped as a torch in-place op would.
 
         Returns:
-            ``False``, having done nothing, when ``tensor`` does not qualify (more than
-            ``one_shot_max`` bytes or one slot).
+            the bytes reduced, or 0, having done nothing, when ``tensor`` does not qualify (more
+            than ``one_shot_max`` bytes or one slot).
         """
+        if self._core is not None and not tensor.requires_grad:
+            core_op = _CORE_OPS.get(op._name_)
+            if core_op is not None:
+                plan = self._core_plans.get((tensor.dtype, tensor.numel()))
+                if plan is None:
+                    plan = self._plan_core(tensor)
+                if plan:
+                    self._all_reduce_core(tensor, core_op, plan, start)
+                    return plan[3]
         np_fn = _NUMPY_OPS.get(op._name_) if self._inline_torch else None
         if np_fn is not None and not tensor.requires_grad:
             key = (tensor.data_ptr(), tensor.dtype, tensor.numel())
@@ -270,12 +315,12 @@ class SegmentSchedules:
                 fast = self._plan_fast(tensor, key)
             if fast:
                 self._all_reduce_numpy(tensor, op, np_fn, fast, start)
-                return True
+                return fast[1].nbytes
         plan = self._small.get((tensor.dtype, tensor.shape))
         if plan is None:
             plan = self._plan_small(tensor)
         if not plan:
-            return False
+            return 0
         code_base, rank_views = plan
         op_code, fn = _OP_ARGS[op._name_]
         code = code_base | (op_code << 40)
@@ -287,14 +332,70 @@ class SegmentSchedules:
         self._small_exchange(half, code, start)
         if not self._inline_torch:
             self.reduce(tensor, views, op)
-            return True
-        if len(views) == 2:
-            fn(views[0], views[1], out=tensor)
         else:
-            reduce_into(tensor, views, op)
-        if op is ReduceOp.AVG:
-            divide_(tensor, self.size)
-        return True
+            if len(views) == 2:
+                fn(views[0], views[1], out=tensor)
+            else:
+                reduce_into(tensor, views, op)
+            if op is ReduceOp.AVG:
+                divide_(tensor, self.size)
+        return tensor.numel() * tensor.element_size()
+
+    def _all_reduce_core(self, tensor, core_op, plan, start) -> None:
+        """:meth:`all_reduce_small` in the compiled core (``plan`` from :meth:`_plan_core`):
+        the whole round in one call when every peer is there within the spin; otherwise
+        the core returns where it stopped, Python waits as :meth:`_small_enter` and
+        :meth:`_small_exchange` would (yield, sleep, timeout, liveness), and the core resumes.
+        """
+        code_base, numel, kind, _ = plan
+        op_code, op = core_op
+        flags = self.flags
+        half = self._round & 1
+        self._round += 1
+        target = flags.seq + 1
+        args = [
+            tensor.data_ptr(), numel, kind, op, code_base | (op_code << 40), half,
+            self._prev_first, target, 0, flags.spin_budget_ns(),
+        ]
+        status = self._core.all_reduce(*args)
+        if status:
+            self._resume_core(status, args, start)
+        flags.seq = self._prev_first = target
+        _increment_version((tensor,))  # the core wrote the bytes behind torch's back
+
+    def _resume_core(self, status: int, args: list, start: float) -> None:
+        """Finishes the waits the core gave up on, resuming it after each (see
+        :meth:`_all_reduce_core`); a descriptor mismatch raises through :meth:`_check`."""
+        flags = self.flags
+        half, code, enter, target = args[5], args[4], args[6], args[7]
+        while status:
+            if status == _core.ENTER_WAIT:
+                flags.wait_all(enter, "all_reduce", start)
+                args[8] = 1
+            else:  # published: this rank's seq moved on whatever happens next
+                flags.seq = self._prev_first = target
+                if status == _core.EXCHANGE_WAIT:
+                    flags.wait_all(target, "all_reduce", start)
+                    args[8] = 2
+                else:
+                    self._check(half, code)
+                    raise AssertionError(f"the compiled core returned status {status}")
+            status = self._core.all_reduce(*args)
+
+    def _plan_core(self, tensor: torch.Tensor) -> tuple | bool:
+        """``(descriptor without the op, numel, the core's dtype kind, bytes)`` for the core,
+        or ``False`` where it does not apply (a dtype it lacks, or more than one slot)."""
+        numel = tensor.numel()
+        kind = _CORE_KINDS.get(tensor.dtype)
+        if len(self._core_plans) >= 512:
+            self._core_plans.clear()
+        nbytes = numel * tensor.element_size()
+        if kind is None or not 0 < nbytes <= min(self.one_shot_max, self.layout.slot_bytes):
+            plan = False
+        else:
+            plan = (self.code("all_reduce", tensor), numel, kind, nbytes)
+        self._core_plans[(tensor.dtype, numel)] = plan
+        return plan
 
     def _all_reduce_numpy(self, tensor, op, np_fn, fast, start) -> None:
         """:meth:`all_reduce_small`'s NumPy path (``fast`` from :meth:`_plan_fast`)."""
