@@ -36,11 +36,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..base import Communicator
+from ..base import Communicator, reject_premul
 from ..errors import CommAbortedError, CommClosedError, FastcommError
 from ..pg.gloo import GlooCommunicator
 from ..store import Store
-from ..types import ReduceOp
+from ..types import PremulSum, ReduceOp
 from ..work import OrderedExecutor, Task, Work, wrap_error
 from .flags import PeerFlags, fence_supported
 from .schedules import Reduction, SegmentSchedules
@@ -294,6 +294,7 @@ class ShmCommunicator(Communicator):
             and not self._closed
             and self._broken is None
             and tensor.is_contiguous()
+            and op.__class__ is not PremulSum  # the general path applies the factor
         ):
             op = op if op.__class__ is ReduceOp else ReduceOp.coerce(op)
             start = time.monotonic()
@@ -328,6 +329,7 @@ class ShmCommunicator(Communicator):
         self._check_tensor(tensor, "reduce")
         self._check_peer(root, "reduce", "root")
         op = ReduceOp.coerce(op)
+        reject_premul(op, "reduce")
         self.stats.record("reduce", tensor)
         if not tensor.numel():
             return self._nothing_to_move("reduce", tensor, async_op)
@@ -359,7 +361,12 @@ class ShmCommunicator(Communicator):
         issue = lambda: pg.allreduce([scratch], opts)  # noqa: E731
         return gloo._issue_task("reduce", tensor, issue, keep_on_root)
 
-    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Task:
+    def _fuses_premul(self, tensor: torch.Tensor) -> bool:
+        """CPU tensors: the schedules multiply each term as they copy it into the segment
+        (see :meth:`~.schedules.SegmentSchedules.all_reduce`)."""
+        return tensor.device.type == "cpu"
+
+    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp | PremulSum) -> Task:
         return self._task("all_reduce", tensor, lambda: self._schedules.all_reduce(tensor, op))
 
     def _impl_broadcast(self, tensor: torch.Tensor, src: int) -> Task:

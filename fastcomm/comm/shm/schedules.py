@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from ..errors import FastcommError
-from ..types import SUPPORTED_DTYPES, ReduceOp, divide_
+from ..types import SUPPORTED_DTYPES, PremulSum, ReduceOp, divide_
 from .flags import PeerFlags
 from .segment import Layout
 
@@ -68,6 +68,7 @@ _OPCODES = {
 }
 _DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(SUPPORTED_DTYPES)}
 _OP_CODES = {op: i + 1 for i, op in enumerate(ReduceOp)}
+_PREMUL_CODE = len(_OP_CODES) + 1  # a PremulSum's op code in the call descriptor
 # by the member's name: an Enum member hashes through a Python-level __hash__ (~0.3 us), a str
 # through its cached hash; the small-message path looks these up on every call
 _OP_ARGS = {op._name_: (_OP_CODES[op], _BINARY[op]) for op in ReduceOp}
@@ -135,11 +136,20 @@ def _quiet_numpy() -> contextvars.Context:
 
 
 def describe(code: int) -> str:
+    """A call descriptor in words, for mismatch messages: ``all_reduce(float32, 10 elements,
+    op sum)``."""
     names = {v: k for k, v in _OPCODES.items()}
     dtypes = {v: str(k).removeprefix("torch.") for k, v in _DTYPE_CODES.items()}
+    name, arg = names.get(code >> 56, "?"), (code >> 40) & 0xFF
+    if name in ("all_reduce", "reduce_scatter"):
+        ops = {v: k.name.lower() for k, v in _OP_CODES.items()} | {_PREMUL_CODE: "premul_sum"}
+        what = f"op {ops.get(arg, arg)}"
+    else:
+        label = {"broadcast": "src", "reduce": "root"}.get(name, "arg")
+        what = f"{label} {arg}"
     return (
-        f"{names.get(code >> 56, '?')}({dtypes.get((code >> 48) & 0xFF, '-')}, "
-        f"{code & ((1 << 40) - 1)} elements, arg {(code >> 40) & 0xFF})"
+        f"{name}({dtypes.get((code >> 48) & 0xFF, '-')}, "
+        f"{code & ((1 << 40) - 1)} elements, {what})"
     )
 
 
@@ -236,15 +246,32 @@ class SegmentSchedules:
             yield start, min(chunk, total - start)
 
     # ------------------------------------------------------------------ collectives
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, root: int | None = None) -> None:
-        """Reduces ``tensor`` in place on every rank (or, with ``root``, into root's only)."""
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp | PremulSum, root: int | None = None
+    ) -> None:
+        """Reduces ``tensor`` in place on every rank (or, with ``root``, into root's only).
+
+        A :class:`PremulSum` (floating-point tensors, no ``root``) costs no pass of its own:
+        each rank multiplies its terms by its factor as it copies them into its slot (the
+        same bytes as the plain copy) and a ``SUM`` reduces them; the own slice that the
+        two-step schedule reads in place is multiplied into the rank's own slot first (the
+        only slice of that slot nobody else reads). Every term is the rank's ``mul_``
+        result, so the bits are those of ``mul_`` then ``SUM``, with any :data:`Reduction`
+        and whatever factor each rank passes.
+        """
         name = "all_reduce" if root is None else "reduce"
         start = time.monotonic()
-        code = self.code(name, tensor, _OP_CODES[op] if root is None else root)
-        if tensor.numel() * tensor.element_size() <= self.one_shot_max:
-            self._one_shot(tensor, op, name, start, code, root)
+        if op.__class__ is PremulSum:
+            if root is not None:
+                raise TypeError(f"reduce: {op!r} is supported by all_reduce only")
+            factor, op, arg = op.factor, ReduceOp.SUM, _PREMUL_CODE
         else:
-            self._two_step(tensor.view(-1), op, name, start, code, root)
+            factor, arg = None, _OP_CODES[op] if root is None else root
+        code = self.code(name, tensor, arg)
+        if tensor.numel() * tensor.element_size() <= self.one_shot_max:
+            self._one_shot(tensor, op, name, start, code, root, factor)
+        else:
+            self._two_step(tensor.view(-1), op, name, start, code, root, factor)
 
     def all_reduce_small(self, tensor: torch.Tensor, op: ReduceOp, start: float) -> bool:
         """The one-shot all-reduce of a tensor that fits one slot, with the fewest Python steps.
@@ -399,7 +426,7 @@ class SegmentSchedules:
         self._small[(tensor.dtype, tensor.shape)] = plan
         return plan
 
-    def _one_shot(self, tensor, op, name, start, code, root) -> None:
+    def _one_shot(self, tensor, op, name, start, code, root, factor=None) -> None:
         if tensor.numel() * tensor.element_size() > self.layout.slot_bytes:
             pieces = tensor.view(-1).split(self.layout.slot_bytes // tensor.element_size())
         else:
@@ -413,7 +440,10 @@ class SegmentSchedules:
                 slots = self.slots(half, piece.dtype)[: self.size]
                 views = [s[:numel].view(piece.shape) for s in slots]
                 self._remember(key, views)
-            views[self.rank].copy_(piece)
+            if factor is None:
+                views[self.rank].copy_(piece)
+            else:  # PremulSum: this rank's term, multiplied on its way in
+                torch.mul(piece, factor, out=views[self.rank])
             self._first_publish()
             if root is not None and root != self.rank:
                 continue
@@ -442,7 +472,7 @@ class SegmentSchedules:
             self._remember(key, entry)
         return entry
 
-    def _two_step(self, flat, op, name, start, code, root) -> None:
+    def _two_step(self, flat, op, name, start, code, root, factor=None) -> None:
         n, rank, flags = self.size, self.rank, self.flags
         esize = flat.element_size()
         counts = [count for _, count in self._chunks(flat.numel(), self.layout.slot_bytes // esize)]
@@ -457,14 +487,20 @@ class SegmentSchedules:
             half = self._enter(name, start, code)
             grid, result = self._grid(half, flat.dtype, count, esize)
             mine, own = grid[rank], pieces[i * n : (i + 1) * n]
-            for p in peers:  # copy in the slices the peers reduce; ours is read in place
-                mine[p].copy_(own[p])
+            if factor is None:
+                for p in peers:  # copy in the slices the peers reduce; ours is read in place
+                    mine[p].copy_(own[p])
+                terms = [own[rank] if q == rank else grid[q][rank] for q in range(n)]
+            else:  # PremulSum: every slice multiplied on its way in; ours into our own slot
+                for p in range(n):
+                    torch.mul(own[p], factor, out=mine[p])
+                terms = [grid[q][rank] for q in range(n)]
             self._first_publish()
             flags.wait_all(flags.seq, name, start)
             if i == 0:
                 self._check(half, code)
             out = grid[n][rank]  # our slice of the shared result slot
-            self.reduce(out, [own[rank] if q == rank else grid[q][rank] for q in range(n)], op)
+            self.reduce(out, terms, op)
             flags.publish()
             if root is not None and root != rank:
                 continue
