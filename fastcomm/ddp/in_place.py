@@ -5,7 +5,7 @@ the pack into the bucket's flat buffer (averaging folded in) and the unpack back
 For a gradient of ``IN_PLACE_MIN_BYTES`` or more, a collective of its own costs less than the
 unpack's pass, so a CPU bucket that holds such gradients reduces each of them in place (scaled
 by a ``PremulSum`` all-reduce: the multiply the pack would fold in, which the ``shm``
-communicator folds into its own copies, and every other backend runs as ``mul_`` before a
+communicator folds into its reduction, and every other backend runs as ``mul_`` before a
 ``SUM``) and packs only its small gradients, into a staging buffer of their own reduced by one
 collective. The unpack then copies only the small ones.
 

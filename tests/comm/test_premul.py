@@ -1,11 +1,13 @@
 """``PremulSum``: the sum of every rank's tensor times its factor, on 2 and 3 real ranks.
 
 Its contract is the bits of ``tensor.mul_(factor)`` then a ``SUM`` all-reduce on the same
-communicator. The ``shm`` communicator folds the multiply into the copies of its schedules
-(one-shot and two-step, several chunks through 4 KiB slots); every other backend (Gloo here)
-takes the default path, which multiplies first. Inputs are random floats and the factors round
-(1/3), so a product rounded differently, an extra rounding or a term summed out of rank order
-shows up as different bits: comparisons are exact. The 2-rank communicators are split from the
+communicator, each rank's factor scaling its own term. The ``shm`` communicator folds the
+multiply into its reduction (the compiled core, float32/float64; one-shot and two-step, several
+chunks through 4 KiB slots; factors that differ between ranks take a path of their own); other
+dtypes and every other backend (Gloo here) take the default path, which multiplies first.
+Inputs are random floats and the factors round (1/3), so a product rounded differently, an
+extra rounding or a term summed out of rank order shows up as different bits: comparisons are
+exact. The 2-rank communicators are split from the
 pool's three ranks (one pool for the module).
 """
 
@@ -83,8 +85,8 @@ def count_default_multiplies():
 
 def check_matches_mul_then_sum(backend, world, layout, dtype, factors):
     """Every size: ``PremulSum`` gives the bits of ``mul_`` + ``SUM`` (and, where the order
-    is known, of the rank-order sum computed here); returns the results and how many times the
-    default path multiplied."""
+    is known, of the rank-order sum computed here); returns the results, how many times the
+    default path multiplied and whether the communicator fuses the dtype."""
     from fastcomm.comm import PremulSum, ReduceOp
 
     comm = group_comm(backend, world, layout)
@@ -97,7 +99,10 @@ def check_matches_mul_then_sum(backend, world, layout, dtype, factors):
     for numel in SIZES:
         xs = inputs(world, numel, dtype)
         fused = xs[comm.rank].clone()
+        version = fused._version
         comm.all_reduce(fused, PremulSum(factor))
+        if backend == "shm":  # torch's own collectives leave the counter alone
+            assert fused._version > version, "an in-place write, as torch's ops count it"
         plain = xs[comm.rank].clone()
         plain.mul_(factor)
         comm.all_reduce(plain, ReduceOp.SUM)
@@ -112,7 +117,7 @@ def check_matches_mul_then_sum(backend, world, layout, dtype, factors):
         work.wait()
         assert torch.equal(async_copy, plain), numel
         results.append(fused)
-    return results, calls[0] - before
+    return results, calls[0] - before, comm._fuses_premul(torch.empty(1, dtype=dtype))
 
 
 def check_rejected_before_anything_is_sent(backend):
@@ -167,24 +172,55 @@ def pool():
         yield p
 
 
+def core_built() -> bool:
+    from fastcomm.comm.shm import schedules
+
+    return schedules._core is not None
+
+
+def assert_same_on_every_rank(results, world: int) -> None:
+    ranks = [tensors for tensors, _, _ in results[:world]]
+    for other in ranks[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(ranks[0], other, strict=True))
+    assert all(result is None for result in results[world:])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("layout", list(SHM_LAYOUTS))
 def test_shm_fused_gives_mul_then_sum_bits(pool, layout, world, dtype):
     results = pool.run(check_matches_mul_then_sum, "shm", world, layout, dtype, [FACTOR] * 3)
-    ranks = results[:world]
-    assert all(multiplies == 0 for _, multiplies in ranks), "shm must not multiply apart"
-    for other, _ in ranks[1:]:  # every rank ends with the same bits
-        assert all(torch.equal(a, b) for a, b in zip(ranks[0][0], other, strict=True))
-    assert all(result is None for result in results[world:])
+    fused = core_built()
+    for _, multiplies, fuses in results[:world]:
+        assert fuses == fused and multiplies == (0 if fused else 2 * len(SIZES)), results
+    assert_same_on_every_rank(results, world)
 
 
-@pytest.mark.parametrize("backend", ["shm", "gloo"])
-def test_factors_may_differ_between_ranks(pool, backend):
+@pytest.mark.skipif(not core_built(), reason="the compiled core of shm was not built")
+def test_shm_core_is_built():
+    """Where the extension is built (an install with a C compiler), shm fuses float32 and
+    float64: the other shm tests then cover the fused path, not the default one."""
+    from fastcomm.comm.shm import schedules
+
+    assert schedules._PREMUL_KINDS.keys() == {torch.float32, torch.float64}
+
+
+@pytest.mark.parametrize("layout", ["one-shot", "two-step"])
+def test_shm_other_dtypes_take_the_default_path(pool, layout):
+    results = pool.run(check_matches_mul_then_sum, "shm", 3, layout, torch.float16, [FACTOR] * 3)
+    for _, multiplies, fuses in results:
+        assert not fuses and multiplies == 2 * len(SIZES), results
+    assert_same_on_every_rank(results, 3)
+
+
+@pytest.mark.parametrize("backend, layout", [("shm", "one-shot"), ("shm", "two-step"),
+                                             ("gloo", "default")])
+def test_factors_may_differ_between_ranks(pool, backend, layout):
     """Each rank's factor scales its own term (as NCCL's pre-multiplied sum does)."""
-    results = pool.run(check_matches_mul_then_sum, backend, 3, "two-step" if backend == "shm"
-                       else "default", torch.float32, [0.5, FACTOR, 3.0])
-    assert all(len(r) == len(SIZES) for r, _ in results)
+    results = pool.run(
+        check_matches_mul_then_sum, backend, 3, layout, torch.float32, [0.5, FACTOR, 1.0]
+    )
+    assert_same_on_every_rank(results, 3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
@@ -192,7 +228,9 @@ def test_factors_may_differ_between_ranks(pool, backend):
 def test_gloo_default_path_gives_mul_then_sum_bits(pool, world, dtype):
     results = pool.run(check_matches_mul_then_sum, "gloo", world, "default", dtype, [FACTOR] * 3)
     # two all-reduces per size multiply first: the synchronous and the asynchronous one
-    assert all(multiplies == 2 * len(SIZES) for _, multiplies in results[:world]), results
+    for _, multiplies, fuses in results[:world]:
+        assert not fuses and multiplies == 2 * len(SIZES), results
+    assert_same_on_every_rank(results, world)
 
 
 @pytest.mark.parametrize("backend", ["shm", "gloo"])

@@ -8,7 +8,7 @@ parameters (a ``None`` gradient is staged in its bucket view), ``no_sync``, tied
 uneven inputs under ``join`` (the joined rank's shadow collectives must match the others'),
 ``create_graph`` and the gradient norm from the write-back. Each check also counts the buckets
 reduced in place, so a run in which the path was not taken fails. The in-place gradients go to
-the communicator as ``PremulSum`` all-reduces: shm folds the multiply into its copies, Gloo
+the communicator as ``PremulSum`` all-reduces: shm folds the multiply into its reduction, Gloo
 multiplies first. Parameters are compared with ``atol=0`` (see ``tests/ddp/common.py`` for why).
 """
 
@@ -90,8 +90,9 @@ def check_plan_follows_layout_independence():
 
 def check_large_gradients_go_as_premul(backend: str):
     """The in-place gradients reach the communicator as one ``PremulSum(1/size)`` each (no
-    separate multiply on shm, which folds it into its copies; ``mul_`` + ``SUM`` on Gloo), with
-    torch DDP's bits. Returns the ops' names and how many times the default path multiplied."""
+    separate multiply on shm where its compiled core folds it into the reduction; ``mul_`` +
+    ``SUM`` on Gloo), with torch DDP's bits. Returns how many PremulSums went out, how many
+    times the default path multiplied, and whether the communicator fuses float32."""
     from fastcomm.comm import PremulSum, base
     from fastcomm.ddp import in_place
     from tests.ddp.common import assert_same_state, train_both
@@ -120,7 +121,7 @@ def check_large_gradients_go_as_premul(backend: str):
     assert_same_state(ours, theirs)
     premuls = [op for op in ops if isinstance(op, PremulSum)]
     assert premuls and all(op.factor == 0.5 for op in premuls), ops
-    return len(premuls), multiplies[0]
+    return len(premuls), multiplies[0], comm._fuses_premul(ours.reducer.buckets[0].flat)
 
 
 def check_norm_from_write_back():
@@ -204,8 +205,11 @@ def test_plan_follows_layout_independence(pool):
 def test_large_gradients_go_as_premul(pool, backend):
     counts = pool.run(check_large_gradients_go_as_premul, backend)
     assert counts[0] == counts[1] and counts[0][0] > 0, counts
-    premuls, multiplies = counts[0]
-    assert multiplies == (0 if backend == "shm" else premuls), counts
+    premuls, multiplies, fuses = counts[0]
+    from fastcomm.comm.shm import schedules
+
+    assert fuses == (backend == "shm" and schedules._core is not None), counts
+    assert multiplies == (0 if fuses else premuls), counts
 
 
 def test_norm_from_write_back(pool):

@@ -362,9 +362,9 @@ class ShmCommunicator(Communicator):
         return gloo._issue_task("reduce", tensor, issue, keep_on_root)
 
     def _fuses_premul(self, tensor: torch.Tensor) -> bool:
-        """CPU tensors: the schedules multiply each term as they copy it into the segment
-        (see :meth:`~.schedules.SegmentSchedules.all_reduce`)."""
-        return tensor.device.type == "cpu"
+        """float32/float64 CPU tensors where the compiled core was built: the schedules fold
+        the multiply into their reduction (:meth:`~.schedules.SegmentSchedules.fuses_premul`)."""
+        return tensor.device.type == "cpu" and self._schedules.fuses_premul(tensor)
 
     def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp | PremulSum) -> Task:
         return self._task("all_reduce", tensor, lambda: self._schedules.all_reduce(tensor, op))

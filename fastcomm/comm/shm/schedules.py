@@ -39,6 +39,7 @@ ordered pair of ranks, counted by the pair's ``sent``/``acked`` words.
 from __future__ import annotations
 
 import contextvars
+import struct
 import time
 from collections.abc import Callable
 
@@ -49,6 +50,11 @@ from ..errors import FastcommError
 from ..types import SUPPORTED_DTYPES, PremulSum, ReduceOp, divide_
 from .flags import PeerFlags
 from .segment import Layout
+
+try:  # built at install where a C compiler is found; without it PremulSum takes mul_ + SUM
+    from . import _core
+except ImportError:
+    _core = None
 
 __all__ = ["Reduction", "SegmentSchedules", "reduce_into", "torch_reduce"]
 
@@ -69,6 +75,13 @@ _OPCODES = {
 _DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(SUPPORTED_DTYPES)}
 _OP_CODES = {op: i + 1 for i, op in enumerate(ReduceOp)}
 _PREMUL_CODE = len(_OP_CODES) + 1  # a PremulSum's op code in the call descriptor
+# dtypes whose PremulSum the compiled core reduces with the bits of torch's mul_ then add
+_PREMUL_KINDS = {} if _core is None else {
+    torch.float32: _core.KIND_F32,
+    torch.float64: _core.KIND_F64,
+}
+_FACTOR_WORD = 6  # misc words 6 and 7 of a rank's control block: its PremulSum factor, per half
+_FLOAT_BITS, _FLOAT_BITS_D = struct.Struct("<Q"), struct.Struct("<d")  # a float64 as a word
 # by the member's name: an Enum member hashes through a Python-level __hash__ (~0.3 us), a str
 # through its cached hash; the small-message path looks these up on every call
 _OP_ARGS = {op._name_: (_OP_CODES[op], _BINARY[op]) for op in ReduceOp}
@@ -187,6 +200,9 @@ class SegmentSchedules:
         self._small: dict[tuple, tuple | bool] = {}  # one-slot all-reduce plans, by dtype, shape
         self._fast: dict[tuple, tuple | bool] = {}  # NumPy-path plans, by address, dtype, numel
         self._quiet_run = _quiet_numpy().run  # one per schedules: a context is entered by one
+        self._factor_idx = [
+            [layout.misc(r, _FACTOR_WORD + h) // 8 for h in range(2)] for r in range(self.size)
+        ]
         self._round = 0
         self._prev_first = 0  # seq of the first publish of the previous round
         self._sent = [0] * self.size  # chunks sent to / received from each peer
@@ -246,18 +262,23 @@ class SegmentSchedules:
             yield start, min(chunk, total - start)
 
     # ------------------------------------------------------------------ collectives
+    def fuses_premul(self, tensor: torch.Tensor) -> bool:
+        """Whether :meth:`all_reduce` takes a :class:`PremulSum` of ``tensor`` (see there): the
+        compiled core is built, the reduction is the default one, the dtype float32/float64."""
+        return self._inline_torch and tensor.dtype in _PREMUL_KINDS
+
     def all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp | PremulSum, root: int | None = None
     ) -> None:
         """Reduces ``tensor`` in place on every rank (or, with ``root``, into root's only).
 
-        A :class:`PremulSum` (floating-point tensors, no ``root``) costs no pass of its own:
-        each rank multiplies its terms by its factor as it copies them into its slot (the
-        same bytes as the plain copy) and a ``SUM`` reduces them; the own slice that the
-        two-step schedule reads in place is multiplied into the rank's own slot first (the
-        only slice of that slot nobody else reads). Every term is the rank's ``mul_``
-        result, so the bits are those of ``mul_`` then ``SUM``, with any :data:`Reduction`
-        and whatever factor each rank passes.
+        A :class:`PremulSum` (where :meth:`fuses_premul`; no ``root``) costs no pass of its
+        own: the ranks copy their terms in unscaled, and the compiled core multiplies each term
+        by the factor as it sums them (each product rounded in the dtype, then added in rank
+        order: the bits of ``mul_`` then ``SUM``). A PremulSum scales each rank's term by that
+        rank's factor, so every rank also publishes its factor (a word of its control block per
+        half); when a peer's differs (a joined DDP rank's zeros go out with factor 1), the
+        round multiplies each term by its own rank's factor apart, with the same bits.
         """
         name = "all_reduce" if root is None else "reduce"
         start = time.monotonic()
@@ -440,17 +461,53 @@ class SegmentSchedules:
                 slots = self.slots(half, piece.dtype)[: self.size]
                 views = [s[:numel].view(piece.shape) for s in slots]
                 self._remember(key, views)
-            if factor is None:
-                views[self.rank].copy_(piece)
-            else:  # PremulSum: this rank's term, multiplied on its way in
-                torch.mul(piece, factor, out=views[self.rank])
+            views[self.rank].copy_(piece)
+            if factor is not None:
+                self._publish_factor(half, factor)
             self._first_publish()
             if root is not None and root != self.rank:
                 continue
             self.flags.wait_all(self.flags.seq, name, start)
             if i == 0:
                 self._check(half, code)
-            self.reduce(piece, views, op)
+            if factor is None:
+                self.reduce(piece, views, op)
+            else:
+                self._reduce_premul(piece, views, half, factor)
+
+    def _publish_factor(self, half: int, factor: float) -> None:
+        """Stores this rank's PremulSum factor for ``half`` (before the round's first publish,
+        which makes it visible with the data)."""
+        bits = _FLOAT_BITS.unpack(_FLOAT_BITS_D.pack(factor))[0]
+        self.flags.words[self._factor_idx[self.rank][half]] = bits
+
+    def _reduce_premul(
+        self, out: torch.Tensor, terms: list[torch.Tensor], half: int, factor: float
+    ) -> None:
+        """``out = terms[0] * f0 + terms[1] * f1 + ...`` in rank order, ``f`` the factor rank
+        ``q`` published for ``half``: every product rounded in the dtype, as ``mul_`` then
+        ``SUM``. ``out`` aliases no term."""
+        words, idx = self.flags.words, self._factor_idx
+        mine = words[idx[self.rank][half]]
+        if all(words[idx[p][half]] == mine for p in self.flags.peers):  # the usual case
+            _core.reduce(
+                out.data_ptr(),
+                [term.data_ptr() for term in terms],
+                out.numel(),
+                _PREMUL_KINDS[out.dtype],
+                _core.OP_SUM,
+                factor,
+            )
+            _increment_version((out,))  # written behind torch's back (as the NumPy path)
+            return
+        factors = [
+            _FLOAT_BITS_D.unpack(_FLOAT_BITS.pack(words[idx[q][half]]))[0]
+            for q in range(self.size)
+        ]
+        # terms are read by peers too (one shot): each scaled product is a temporary
+        torch.mul(terms[0], factors[0], out=out)
+        for term, term_factor in zip(terms[1:], factors[1:], strict=True):
+            out.add_(term * term_factor)
 
     def _bounds(self, count: int, esize: int) -> list[int]:
         """Split points of ``count`` elements into ``size`` slices, on 64-byte boundaries (no
@@ -487,20 +544,20 @@ class SegmentSchedules:
             half = self._enter(name, start, code)
             grid, result = self._grid(half, flat.dtype, count, esize)
             mine, own = grid[rank], pieces[i * n : (i + 1) * n]
-            if factor is None:
-                for p in peers:  # copy in the slices the peers reduce; ours is read in place
-                    mine[p].copy_(own[p])
-                terms = [own[rank] if q == rank else grid[q][rank] for q in range(n)]
-            else:  # PremulSum: every slice multiplied on its way in; ours into our own slot
-                for p in range(n):
-                    torch.mul(own[p], factor, out=mine[p])
-                terms = [grid[q][rank] for q in range(n)]
+            for p in peers:  # copy in the slices the peers reduce; ours is read in place
+                mine[p].copy_(own[p])
+            if factor is not None:
+                self._publish_factor(half, factor)
             self._first_publish()
             flags.wait_all(flags.seq, name, start)
             if i == 0:
                 self._check(half, code)
             out = grid[n][rank]  # our slice of the shared result slot
-            self.reduce(out, terms, op)
+            terms = [own[rank] if q == rank else grid[q][rank] for q in range(n)]
+            if factor is None:
+                self.reduce(out, terms, op)
+            else:
+                self._reduce_premul(out, terms, half, factor)
             flags.publish()
             if root is not None and root != rank:
                 continue
