@@ -241,7 +241,9 @@ class Communicator(abc.ABC):
         """:meth:`all_reduce` with a :class:`PremulSum`, for every backend: the communicator
         that moves ``tensor`` either applies the factor inside its collective
         (:meth:`_fuses_premul`) or gets a ``SUM`` task that multiplies ``tensor`` in place
-        first, when the task runs (so in issue order, after the collectives issued before it).
+        first, when the task runs: on a backend that queues its tasks (shm, hier) after the
+        collectives issued before it have run; on one that issues at once (a torch process
+        group, NCCL's stream) at the call, as the caller's own ``mul_`` would.
         """
         if not tensor.is_floating_point():
             raise TypeError(

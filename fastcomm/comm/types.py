@@ -65,8 +65,8 @@ class PremulSum:
     (``shm``) saves that pass over the tensor.
 
     ``all_reduce`` only, on floating-point tensors. Every rank of a collective passes a
-    ``PremulSum`` (a rank passing ``SUM`` where a peer passes ``PremulSum`` is a mismatch); the
-    factors may differ between ranks.
+    ``PremulSum`` (the shm communicator raises on every rank where one passes ``SUM`` and a peer
+    ``PremulSum``); the factors may differ between ranks.
 
     Args:
         factor: a finite real number (converted to ``float``).
