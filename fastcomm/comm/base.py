@@ -25,12 +25,37 @@ import torch
 
 from .errors import CommClosedError
 from .store import DEFAULT_TIMEOUT, Store, as_timedelta
-from .types import SUPPORTED_DTYPES, ReduceOp
+from .types import SUPPORTED_DTYPES, PremulSum, ReduceOp
 from .work import OrderedExecutor, Task, Work, completed_work, wrap_error
 
-__all__ = ["Communicator", "CommStats"]
+__all__ = ["Communicator", "CommStats", "reject_premul"]
 
 logger = logging.getLogger("fastcomm")
+
+
+def reject_premul(op: ReduceOp | PremulSum, name: str) -> None:
+    """Raises for a :class:`PremulSum` given to an operation other than ``all_reduce``.
+
+    Raises:
+        TypeError: ``op`` is a ``PremulSum``.
+    """
+    if op.__class__ is PremulSum:
+        raise TypeError(
+            f"{name}: {op!r} is supported by all_reduce only; multiply the input by "
+            f"{op.factor!r} first and pass ReduceOp.SUM"
+        )
+
+
+def _premultiplied(task: Task, tensor: torch.Tensor, factor: float) -> Task:
+    """``task`` (a ``SUM`` of ``tensor``) preceded by ``tensor.mul_(factor)``, run where and
+    when the task runs."""
+    reduce = task.run
+
+    def run() -> Work | None:
+        tensor.mul_(factor)
+        return reduce()
+
+    return Task(task.op, task.output, run, task.executor)
 
 
 class CommStats:
@@ -185,27 +210,67 @@ class Communicator(abc.ABC):
     # once (every rank has the same sizes, so every rank skips together), pick the communicator
     # that moves tensors on that device (`route`), and run the task its backend builds (`_run`).
     def all_reduce(
-        self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, async_op: bool = False
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp | PremulSum | str = ReduceOp.SUM,
+        async_op: bool = False,
     ) -> Work | None:
         """Reduces ``tensor`` across ranks, in place.
 
         Args:
             tensor: the contiguous tensor to reduce, the same shape and dtype on every rank.
-            op: the reduction (a :class:`ReduceOp`, its name, or torch's ``dist.ReduceOp``).
+            op: the reduction (a :class:`ReduceOp`, its name, torch's ``dist.ReduceOp``, or a
+                :class:`PremulSum` for floating-point tensors).
             async_op: return a :class:`Work` at once instead of waiting.
 
         Returns:
             The ``Work`` when ``async_op`` is true, else ``None`` once the result is in place.
 
         Raises:
-            TypeError: not a tensor, or an unsupported dtype.
+            TypeError: not a tensor, an unsupported dtype, or a ``PremulSum`` of an integer
+                tensor.
             ValueError: wrong device, non-contiguous, unknown op.
         """
         self._check_open("all_reduce")
         self._check_tensor(tensor, "all_reduce")
-        op = op if op.__class__ is ReduceOp else ReduceOp.coerce(op)
+        if op.__class__ is not ReduceOp:
+            op = ReduceOp.coerce(op)
+            if op.__class__ is PremulSum:
+                return self._all_reduce_premul(tensor, op, async_op)
         self.stats.record("all_reduce", tensor)
         return self._submit("all_reduce", tensor, async_op, "_impl_all_reduce", tensor, op)
+
+    def _all_reduce_premul(
+        self, tensor: torch.Tensor, op: PremulSum, async_op: bool
+    ) -> Work | None:
+        """:meth:`all_reduce` with a :class:`PremulSum`, for every backend: the communicator
+        that moves ``tensor`` either applies the factor inside its collective
+        (:meth:`_fuses_premul`) or gets a ``SUM`` task that multiplies ``tensor`` in place
+        first, when the task runs: on a backend that queues its tasks (shm, hier) after the
+        collectives issued before it have run; on one that issues at once (a torch process
+        group, NCCL's stream) at the call, as the caller's own ``mul_`` would.
+        """
+        if not tensor.is_floating_point():
+            raise TypeError(
+                f"all_reduce: {op!r} needs a floating-point tensor, got dtype {tensor.dtype}; "
+                "multiply first and reduce with ReduceOp.SUM"
+            )
+        self.stats.record("all_reduce", tensor)
+        if not tensor.numel():
+            return self._nothing_to_move("all_reduce", tensor, async_op)
+        target = self.route(tensor.device, "all_reduce")
+        if target._fuses_premul(tensor):
+            return self._run(target._impl_all_reduce(tensor, op), async_op)
+        task = target._impl_all_reduce(tensor, ReduceOp.SUM)
+        if op.factor != 1.0:  # x * 1.0 == x: no pass needed
+            task = _premultiplied(task, tensor, op.factor)
+        return self._run(task, async_op)
+
+    def _fuses_premul(self, tensor: torch.Tensor) -> bool:
+        """Whether :meth:`_impl_all_reduce` applies a :class:`PremulSum` to ``tensor`` itself
+        (a non-empty floating-point tensor this communicator moves), with the bits of
+        ``mul_`` then ``SUM``. Default: no; the caller then multiplies before a ``SUM``."""
+        return False
 
     def broadcast(
         self, tensor: torch.Tensor, src: int = 0, async_op: bool = False
@@ -258,6 +323,7 @@ class Communicator(abc.ABC):
         self._check_open("reduce_scatter")
         self._check_pair(output, input, "reduce_scatter")
         op = ReduceOp.coerce(op)
+        reject_premul(op, "reduce_scatter")
         if input.numel() != self.size * output.numel():
             raise ValueError(
                 f"reduce_scatter: input has {input.numel()} elements; expected size * "

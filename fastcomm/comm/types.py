@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import enum
+import math
+import numbers
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ReduceOp", "SUPPORTED_DTYPES", "divide_"]
+__all__ = ["PremulSum", "ReduceOp", "SUPPORTED_DTYPES", "divide_"]
 
 
 class ReduceOp(enum.Enum):
@@ -24,9 +27,10 @@ class ReduceOp(enum.Enum):
     PRODUCT = "product"
 
     @classmethod
-    def coerce(cls, op: object) -> ReduceOp:
-        """Accepts a ``ReduceOp``, its name (``"sum"``) or torch's ``dist.ReduceOp`` value."""
-        if isinstance(op, ReduceOp):
+    def coerce(cls, op: object) -> ReduceOp | PremulSum:
+        """Accepts a ``ReduceOp``, its name (``"sum"``) or torch's ``dist.ReduceOp`` value; a
+        :class:`PremulSum` passes through unchanged."""
+        if isinstance(op, (ReduceOp, PremulSum)):
             return op
         if isinstance(op, str):
             try:
@@ -47,8 +51,47 @@ class ReduceOp(enum.Enum):
                 found = None
             if found is not None:
                 return found
-        allowed = ", ".join(m.name for m in cls)
+        allowed = ", ".join(m.name for m in cls) + ", PremulSum(factor)"
         raise ValueError(f"unsupported reduce op {op!r}; allowed: {allowed}")
+
+
+@dataclass(frozen=True, slots=True)
+class PremulSum:
+    """The sum of every rank's tensor multiplied by ``factor`` first (torch's
+    ``dist._make_nccl_premul_sum``): each element ends as ``x0 * f0 + x1 * f1 + ...``, every
+    product rounded in the tensor's dtype, where ``f`` is the factor of the rank that
+    contributed the term. The bits are those of ``tensor.mul_(factor)`` followed by a ``SUM``
+    all-reduce on the same communicator; a backend that folds the multiply into its collective
+    (``shm``) saves that pass over the tensor.
+
+    ``all_reduce`` only, on floating-point tensors. Every rank of a collective passes a
+    ``PremulSum`` (the shm communicator raises on every rank where one passes ``SUM`` and a peer
+    ``PremulSum``); the factors may differ between ranks.
+
+    Args:
+        factor: a finite real number (converted to ``float``).
+
+    Raises:
+        TypeError: ``factor`` is not a real number (``bool`` included).
+        ValueError: ``factor`` is infinite or NaN.
+    """
+
+    factor: float
+
+    #: the op's name in messages, as a :class:`ReduceOp` member's
+    name = "PREMUL_SUM"
+
+    def __post_init__(self) -> None:
+        factor = self.factor
+        if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
+            raise TypeError(
+                f"PremulSum: factor must be a real number (int or float), got "
+                f"{type(factor).__name__} {factor!r}"
+            )
+        factor = float(factor)
+        if not math.isfinite(factor):
+            raise ValueError(f"PremulSum: factor must be finite, got {factor!r}")
+        object.__setattr__(self, "factor", factor)  # frozen: the one write, normalized
 
 
 # The dtypes every backend moves and reduces (NCCL's table; Gloo and shm take the same set so a

@@ -4,8 +4,10 @@ The default reduction of a bucket costs two passes over its gradients besides th
 the pack into the bucket's flat buffer (averaging folded in) and the unpack back into ``.grad``.
 For a gradient of ``IN_PLACE_MIN_BYTES`` or more, a collective of its own costs less than the
 unpack's pass, so a CPU bucket that holds such gradients reduces each of them in place (scaled
-in place first, as the pack would: one pass) and packs only its small gradients, into a staging
-buffer of their own reduced by one collective. The unpack then copies only the small ones.
+by a ``PremulSum`` all-reduce: the multiply the pack would fold in, which the ``shm``
+communicator folds into its reduction, and every other backend runs as ``mul_`` before a
+``SUM``) and packs only its small gradients, into a staging buffer of their own reduced by one
+collective. The unpack then copies only the small ones.
 
 Same results: every element is still ``sum over ranks of (grad * scale)`` with the same scale
 and the same reduction order, because the in-place path is taken only where the reduced value
@@ -15,10 +17,11 @@ the layout). Gloo at three or more ranks sums in an order that depends on the el
 the ring's chunks, so there the bucket is packed as torch DDP packs it, keeping its results
 bit-identical to torch's.
 
-Same collectives on every rank: which ones a bucket issues depends only on its parameters'
-sizes, never on this rank's gradients. A gradient that cannot be reduced in place here (none
-this iteration, non-contiguous, another dtype, part of a ``create_graph`` graph) is staged in its
-bucket view instead and copied back after the collective.
+Same collectives on every rank: which ones a bucket issues, and their ops, depend only on its
+parameters' sizes, never on this rank's gradients or scale (a joined rank's zeros go out as a
+``PremulSum`` too). A gradient that cannot be reduced in place here (none this iteration,
+non-contiguous, another dtype, part of a ``create_graph`` graph) is staged, scaled, in its bucket
+view instead and copied back after the collective.
 
 A gradient being reduced in place holds partial values until the end of backward: code that
 reads ``.grad`` from a hook of its own during backward sees them (as with
@@ -30,6 +33,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from fastcomm.comm.types import PremulSum
 
 from .bucket import Bucket, scale_into_views
 
@@ -121,20 +126,22 @@ def launch_in_place(
     views = bucket.views
     reduced: list[torch.Tensor] = [None] * len(views)  # type: ignore[list-item]
     works = []
+    # Every rank passes a PremulSum, whatever its scale and gradients (the ops must match);
+    # each rank's factor applies to its own term, so terms already scaled (or zero) take 1.0.
+    premul, scaled = PremulSum(scale), PremulSum(1.0)
     for k in plan.large:
         g = None if grads is None else grads[k]
         view = views[k]
+        op = scaled
         if g is None:
             target = view.zero_()
         elif create_graph or not _reducible_in_place(g, view):
             target = view
             torch.mul(g.detach(), scale, out=target)
         else:
-            target = g
-            if scale != 1.0:
-                target.mul_(scale)
+            target, op = g, premul
         reduced[k] = target
-        works.append(comm.all_reduce(target, async_op=True))
+        works.append(comm.all_reduce(target, op, async_op=True))
     if plan.small:
         staged = plan.staging_views
         small = None if grads is None else [grads[k] for k in plan.small]

@@ -7,8 +7,9 @@ gradient is reduced in place lowered to 512 bytes, so the small test models mix 
 parameters (a ``None`` gradient is staged in its bucket view), ``no_sync``, tied weights,
 uneven inputs under ``join`` (the joined rank's shadow collectives must match the others'),
 ``create_graph`` and the gradient norm from the write-back. Each check also counts the buckets
-reduced in place, so a run in which the path was not taken fails. Parameters are compared with
-``atol=0`` (see ``tests/ddp/common.py`` for why).
+reduced in place, so a run in which the path was not taken fails. The in-place gradients go to
+the communicator as ``PremulSum`` all-reduces: shm folds the multiply into its reduction, Gloo
+multiplies first. Parameters are compared with ``atol=0`` (see ``tests/ddp/common.py`` for why).
 """
 
 from __future__ import annotations
@@ -87,6 +88,42 @@ def check_plan_follows_layout_independence():
     return True
 
 
+def check_large_gradients_go_as_premul(backend: str):
+    """The in-place gradients reach the communicator as one ``PremulSum(1/size)`` each (no
+    separate multiply on shm where its compiled core folds it into the reduction; ``mul_`` +
+    ``SUM`` on Gloo), with torch DDP's bits. Returns how many PremulSums went out, how many
+    times the default path multiplied, and whether the communicator fuses float32."""
+    from fastcomm.comm import PremulSum, base
+    from fastcomm.ddp import in_place
+    from tests.ddp.common import assert_same_state, train_both
+
+    comm = rank_comm(backend)
+    ops, multiplies = [], [0]
+    real_all_reduce, real_premultiplied = comm.all_reduce, base._premultiplied
+
+    def recording(tensor, op="sum", async_op=False):
+        ops.append(op)
+        return real_all_reduce(tensor, op, async_op)
+
+    def counting(task, tensor, factor):
+        multiplies[0] += 1
+        return real_premultiplied(task, tensor, factor)
+
+    saved = in_place.IN_PLACE_MIN_BYTES
+    in_place.IN_PLACE_MIN_BYTES = SMALL_THRESHOLD
+    comm.all_reduce, base._premultiplied = recording, counting
+    try:
+        ours, theirs = train_both("mlp", steps=3, comm=comm)
+    finally:
+        in_place.IN_PLACE_MIN_BYTES = saved
+        del comm.all_reduce  # the class's method again
+        base._premultiplied = real_premultiplied
+    assert_same_state(ours, theirs)
+    premuls = [op for op in ops if isinstance(op, PremulSum)]
+    assert premuls and all(op.factor == 0.5 for op in premuls), ops
+    return len(premuls), multiplies[0], comm._fuses_premul(ours.reducer.buckets[0].flat)
+
+
 def check_norm_from_write_back():
     """``clip_grad_norm_`` takes the norm from what the write-back left, as from an unpack."""
     from fastcomm.ddp import DDP, in_place
@@ -162,6 +199,17 @@ def test_torch_group_and_gloo_communicator(pool):
 
 def test_plan_follows_layout_independence(pool):
     assert pool.run(check_plan_follows_layout_independence) == [True, True]
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_large_gradients_go_as_premul(pool, backend):
+    counts = pool.run(check_large_gradients_go_as_premul, backend)
+    assert counts[0] == counts[1] and counts[0][0] > 0, counts
+    premuls, multiplies, fuses = counts[0]
+    from fastcomm.comm.shm import schedules
+
+    assert fuses == (backend == "shm" and schedules._core is not None), counts
+    assert multiplies == (0 if fuses else premuls), counts
 
 
 def test_norm_from_write_back(pool):

@@ -36,11 +36,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..base import Communicator
+from ..base import Communicator, reject_premul
 from ..errors import CommAbortedError, CommClosedError, FastcommError
 from ..pg.gloo import GlooCommunicator
 from ..store import Store
-from ..types import ReduceOp
+from ..types import PremulSum, ReduceOp
 from ..work import OrderedExecutor, Task, Work, wrap_error
 from .flags import PeerFlags, fence_supported
 from .schedules import Reduction, SegmentSchedules
@@ -97,9 +97,10 @@ class ShmOptions:
     compiled: bool = field(
         default_factory=lambda: os.environ.get("FASTCOMM_SHM_COMPILED", "1").strip() != "0"
     )
-    """Run small all-reduces in the compiled core where it was built at install (C, about 3x
-    less host time per call than the Python path); ``FASTCOMM_SHM_COMPILED=0`` turns it off.
-    Without a C compiler at install the pure-Python path runs either way."""
+    """Use the compiled core where it was built at install: small all-reduces run in it (one C
+    call per call), and a ``PremulSum`` is folded into the reduction (no pass of its own).
+    ``FASTCOMM_SHM_COMPILED=0`` turns it off; without a C compiler at install the pure-Python
+    path runs either way."""
 
     mbox_bytes: int | None = None
     """Bytes of each mailbox slot of send/recv (two per ordered pair of ranks). ``None``: 256 KiB,
@@ -305,6 +306,7 @@ class ShmCommunicator(Communicator):
             and not self._closed
             and self._broken is None
             and tensor.is_contiguous()
+            and op.__class__ is not PremulSum  # the general path applies the factor
         ):
             op = op if op.__class__ is ReduceOp else ReduceOp.coerce(op)
             start = time.monotonic()
@@ -339,6 +341,7 @@ class ShmCommunicator(Communicator):
         self._check_tensor(tensor, "reduce")
         self._check_peer(root, "reduce", "root")
         op = ReduceOp.coerce(op)
+        reject_premul(op, "reduce")
         self.stats.record("reduce", tensor)
         if not tensor.numel():
             return self._nothing_to_move("reduce", tensor, async_op)
@@ -370,7 +373,12 @@ class ShmCommunicator(Communicator):
         issue = lambda: pg.allreduce([scratch], opts)  # noqa: E731
         return gloo._issue_task("reduce", tensor, issue, keep_on_root)
 
-    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Task:
+    def _fuses_premul(self, tensor: torch.Tensor) -> bool:
+        """float32/float64 CPU tensors where the compiled core was built: the schedules fold
+        the multiply into their reduction (:meth:`~.schedules.SegmentSchedules.fuses_premul`)."""
+        return tensor.device.type == "cpu" and self._schedules.fuses_premul(tensor)
+
+    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp | PremulSum) -> Task:
         return self._task("all_reduce", tensor, lambda: self._schedules.all_reduce(tensor, op))
 
     def _impl_broadcast(self, tensor: torch.Tensor, src: int) -> Task:

@@ -39,6 +39,7 @@ ordered pair of ranks, counted by the pair's ``sent``/``acked`` words.
 from __future__ import annotations
 
 import contextvars
+import struct
 import time
 from collections.abc import Callable
 
@@ -46,13 +47,13 @@ import numpy as np
 import torch
 
 from ..errors import FastcommError
-from ..types import SUPPORTED_DTYPES, ReduceOp, divide_
+from ..types import SUPPORTED_DTYPES, PremulSum, ReduceOp, divide_
 from .flags import PeerFlags
 from .segment import Layout
 
-try:
+try:  # built at install where a C compiler is found
     from . import _core
-except ImportError:  # built without a C compiler, or not on Linux: the pure-Python path
+except ImportError:  # no compiler, or not Linux: the pure-Python path; PremulSum: mul_ + SUM
     _core = None
 
 __all__ = ["Reduction", "SegmentSchedules", "reduce_into", "torch_reduce"]
@@ -73,6 +74,20 @@ _OPCODES = {
 }
 _DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(SUPPORTED_DTYPES)}
 _OP_CODES = {op: i + 1 for i, op in enumerate(ReduceOp)}
+_PREMUL_CODE = len(_OP_CODES) + 1  # a PremulSum's op code in the call descriptor
+# the compiled core's dtype kinds
+_CORE_KINDS = {} if _core is None else {
+    torch.float32: _core.KIND_F32,
+    torch.float64: _core.KIND_F64,
+    torch.int8: _core.KIND_I8,
+    torch.uint8: _core.KIND_U8,
+    torch.int32: _core.KIND_I32,
+    torch.int64: _core.KIND_I64,
+}
+# dtypes whose PremulSum the compiled core reduces with the bits of torch's mul_ then add
+_PREMUL_KINDS = {dtype: kind for dtype, kind in _CORE_KINDS.items() if dtype.is_floating_point}
+_FACTOR_WORD = 6  # misc words 6 and 7 of a rank's control block: its PremulSum factor, per half
+_FLOAT_BITS, _FLOAT_BITS_D = struct.Struct("<Q"), struct.Struct("<d")  # a float64 as a word
 # by the member's name: an Enum member hashes through a Python-level __hash__ (~0.3 us), a str
 # through its cached hash; the small-message path looks these up on every call
 _OP_ARGS = {op._name_: (_OP_CODES[op], _BINARY[op]) for op in ReduceOp}
@@ -99,14 +114,6 @@ _NUMPY_OPS = {"SUM": np.add, "AVG": np.add, "PRODUCT": np.multiply}
 _NUMPY_MAX_NUMEL = 32768
 _FAST_CACHE = 64  # callers' tensors held by the NumPy path (fresh tensors add entries)
 if _core is not None:
-    _CORE_KINDS = {
-        torch.float32: _core.KIND_F32,
-        torch.float64: _core.KIND_F64,
-        torch.int8: _core.KIND_I8,
-        torch.uint8: _core.KIND_U8,
-        torch.int32: _core.KIND_I32,
-        torch.int64: _core.KIND_I64,
-    }
     # by the op's name, as _OP_ARGS: (descriptor's op code, the core's op)
     _CORE_OPS = {
         "SUM": (_OP_CODES[ReduceOp.SUM], _core.OP_SUM),
@@ -155,11 +162,20 @@ def _quiet_numpy() -> contextvars.Context:
 
 
 def describe(code: int) -> str:
+    """A call descriptor in words, for mismatch messages: ``all_reduce(float32, 10 elements,
+    op sum)``."""
     names = {v: k for k, v in _OPCODES.items()}
     dtypes = {v: str(k).removeprefix("torch.") for k, v in _DTYPE_CODES.items()}
+    name, arg = names.get(code >> 56, "?"), (code >> 40) & 0xFF
+    if name in ("all_reduce", "reduce_scatter"):
+        ops = {v: k.name.lower() for k, v in _OP_CODES.items()} | {_PREMUL_CODE: "premul_sum"}
+        what = f"op {ops.get(arg, arg)}"
+    else:
+        label = {"broadcast": "src", "reduce": "root"}.get(name, "arg")
+        what = f"{label} {arg}"
     return (
-        f"{names.get(code >> 56, '?')}({dtypes.get((code >> 48) & 0xFF, '-')}, "
-        f"{code & ((1 << 40) - 1)} elements, arg {(code >> 40) & 0xFF})"
+        f"{name}({dtypes.get((code >> 48) & 0xFF, '-')}, "
+        f"{code & ((1 << 40) - 1)} elements, {what})"
     )
 
 
@@ -173,8 +189,9 @@ class SegmentSchedules:
         one_shot_max: largest all-reduce (bytes) done in one shot.
         reduce: the :data:`Reduction` every reducing schedule calls (default
             :func:`torch_reduce`); the same kind on every rank.
-        compiled: run the small all-reduce through the compiled core (``_core``) where it was
-            built and the reduction is the default; ranks with and without it interoperate.
+        compiled: use the compiled core (``_core``) where it was built and the reduction is
+            the default: small all-reduces, and ``PremulSum`` folded into the reduction. Ranks
+            with and without it interoperate.
     """
 
     def __init__(
@@ -202,7 +219,8 @@ class SegmentSchedules:
         self._quiet_run = _quiet_numpy().run  # one per schedules: a context is entered by one
         self._core = None  # the compiled small all-reduce (SmallCore), where built and wanted
         self._core_plans: dict[tuple, tuple | bool] = {}  # by (dtype, numel)
-        if compiled and _core is not None and self._inline_torch:
+        self._compiled = compiled and _core is not None and self._inline_torch
+        if self._compiled:
             base, n = flags.base_address, self.size
             self._core = _core.SmallCore(
                 base,
@@ -212,6 +230,9 @@ class SegmentSchedules:
                 [idx for r in range(n) for idx in flags.desc_idx[r]],
                 [base + layout.slot(h, r) for h in range(2) for r in range(n)],
             )
+        self._factor_idx = [
+            [layout.misc(r, _FACTOR_WORD + h) // 8 for h in range(2)] for r in range(self.size)
+        ]
         self._round = 0
         self._prev_first = 0  # seq of the first publish of the previous round
         self._sent = [0] * self.size  # chunks sent to / received from each peer
@@ -271,15 +292,38 @@ class SegmentSchedules:
             yield start, min(chunk, total - start)
 
     # ------------------------------------------------------------------ collectives
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, root: int | None = None) -> None:
-        """Reduces ``tensor`` in place on every rank (or, with ``root``, into root's only)."""
+    def fuses_premul(self, tensor: torch.Tensor) -> bool:
+        """Whether :meth:`all_reduce` takes a :class:`PremulSum` of ``tensor`` (see there): the
+        compiled core is built and wanted (``compiled``), the reduction is the default one, the
+        dtype float32/float64."""
+        return self._compiled and tensor.dtype in _PREMUL_KINDS
+
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp | PremulSum, root: int | None = None
+    ) -> None:
+        """Reduces ``tensor`` in place on every rank (or, with ``root``, into root's only).
+
+        A :class:`PremulSum` (where :meth:`fuses_premul`; no ``root``) costs no pass of its
+        own: the ranks copy their terms in unscaled, and the compiled core multiplies each term
+        by the factor as it sums them (each product rounded in the dtype, then added in rank
+        order: the bits of ``mul_`` then ``SUM``). A PremulSum scales each rank's term by that
+        rank's factor, so every rank also publishes its factor (a word of its control block per
+        half); when a peer's differs (a joined DDP rank's zeros go out with factor 1), the
+        round multiplies each term by its own rank's factor apart, with the same bits.
+        """
         name = "all_reduce" if root is None else "reduce"
         start = time.monotonic()
-        code = self.code(name, tensor, _OP_CODES[op] if root is None else root)
-        if tensor.numel() * tensor.element_size() <= self.one_shot_max:
-            self._one_shot(tensor, op, name, start, code, root)
+        if op.__class__ is PremulSum:
+            if root is not None:
+                raise TypeError(f"reduce: {op!r} is supported by all_reduce only")
+            factor, op, arg = op.factor, ReduceOp.SUM, _PREMUL_CODE
         else:
-            self._two_step(tensor.view(-1), op, name, start, code, root)
+            factor, arg = None, _OP_CODES[op] if root is None else root
+        code = self.code(name, tensor, arg)
+        if tensor.numel() * tensor.element_size() <= self.one_shot_max:
+            self._one_shot(tensor, op, name, start, code, root, factor)
+        else:
+            self._two_step(tensor.view(-1), op, name, start, code, root, factor)
 
     def all_reduce_small(self, tensor: torch.Tensor, op: ReduceOp, start: float) -> int:
         """The one-shot all-reduce of a tensor that fits one slot, with the fewest Python steps.
@@ -500,7 +544,7 @@ class SegmentSchedules:
         self._small[(tensor.dtype, tensor.shape)] = plan
         return plan
 
-    def _one_shot(self, tensor, op, name, start, code, root) -> None:
+    def _one_shot(self, tensor, op, name, start, code, root, factor=None) -> None:
         if tensor.numel() * tensor.element_size() > self.layout.slot_bytes:
             pieces = tensor.view(-1).split(self.layout.slot_bytes // tensor.element_size())
         else:
@@ -515,13 +559,52 @@ class SegmentSchedules:
                 views = [s[:numel].view(piece.shape) for s in slots]
                 self._remember(key, views)
             views[self.rank].copy_(piece)
+            if factor is not None:
+                self._publish_factor(half, factor)
             self._first_publish()
             if root is not None and root != self.rank:
                 continue
             self.flags.wait_all(self.flags.seq, name, start)
             if i == 0:
                 self._check(half, code)
-            self.reduce(piece, views, op)
+            if factor is None:
+                self.reduce(piece, views, op)
+            else:
+                self._reduce_premul(piece, views, half, factor)
+
+    def _publish_factor(self, half: int, factor: float) -> None:
+        """Stores this rank's PremulSum factor for ``half`` (before the round's first publish,
+        which makes it visible with the data)."""
+        bits = _FLOAT_BITS.unpack(_FLOAT_BITS_D.pack(factor))[0]
+        self.flags.words[self._factor_idx[self.rank][half]] = bits
+
+    def _reduce_premul(
+        self, out: torch.Tensor, terms: list[torch.Tensor], half: int, factor: float
+    ) -> None:
+        """``out = terms[0] * f0 + terms[1] * f1 + ...`` in rank order, ``f`` the factor rank
+        ``q`` published for ``half``: every product rounded in the dtype, as ``mul_`` then
+        ``SUM``. ``out`` aliases no term."""
+        words, idx = self.flags.words, self._factor_idx
+        mine = words[idx[self.rank][half]]
+        if all(words[idx[p][half]] == mine for p in self.flags.peers):  # the usual case
+            _core.reduce(
+                out.data_ptr(),
+                [term.data_ptr() for term in terms],
+                out.numel(),
+                _PREMUL_KINDS[out.dtype],
+                _core.OP_SUM,
+                factor,
+            )
+            _increment_version((out,))  # written behind torch's back (as the NumPy path)
+            return
+        factors = [
+            _FLOAT_BITS_D.unpack(_FLOAT_BITS.pack(words[idx[q][half]]))[0]
+            for q in range(self.size)
+        ]
+        # terms are read by peers too (one shot): each scaled product is a temporary
+        torch.mul(terms[0], factors[0], out=out)
+        for term, term_factor in zip(terms[1:], factors[1:], strict=True):
+            out.add_(term * term_factor)
 
     def _bounds(self, count: int, esize: int) -> list[int]:
         """Split points of ``count`` elements into ``size`` slices, on 64-byte boundaries (no
@@ -543,7 +626,7 @@ class SegmentSchedules:
             self._remember(key, entry)
         return entry
 
-    def _two_step(self, flat, op, name, start, code, root) -> None:
+    def _two_step(self, flat, op, name, start, code, root, factor=None) -> None:
         n, rank, flags = self.size, self.rank, self.flags
         esize = flat.element_size()
         counts = [count for _, count in self._chunks(flat.numel(), self.layout.slot_bytes // esize)]
@@ -560,12 +643,18 @@ class SegmentSchedules:
             mine, own = grid[rank], pieces[i * n : (i + 1) * n]
             for p in peers:  # copy in the slices the peers reduce; ours is read in place
                 mine[p].copy_(own[p])
+            if factor is not None:
+                self._publish_factor(half, factor)
             self._first_publish()
             flags.wait_all(flags.seq, name, start)
             if i == 0:
                 self._check(half, code)
             out = grid[n][rank]  # our slice of the shared result slot
-            self.reduce(out, [own[rank] if q == rank else grid[q][rank] for q in range(n)], op)
+            terms = [own[rank] if q == rank else grid[q][rank] for q in range(n)]
+            if factor is None:
+                self.reduce(out, terms, op)
+            else:
+                self._reduce_premul(out, terms, half, factor)
             flags.publish()
             if root is not None and root != rank:
                 continue

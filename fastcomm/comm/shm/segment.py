@@ -6,7 +6,8 @@ a cache line, and the adjacent-line prefetcher does not pair them either)::
     header    magic, size, slot_bytes, mbox_bytes                      written once by rank 0
     control   one block per rank, written by that rank alone:
                 seq          collective progress counter (futex word: its low 32 bits)
-                misc         waiting_on, state, pid, start time, call descriptors [2]
+                misc         waiting_on, state, pid, start time, call descriptors [2],
+                             PremulSum factors [2] (float64 bits)
                 message      why the rank aborted (UTF-8), written before state = ABORTED
                 sent[d]      chunks this rank has put in its mailbox to rank d
                 acked[s]     chunks this rank has taken from rank s's mailbox to it
@@ -100,7 +101,8 @@ class Layout:
         return self.ctrl(rank)
 
     def misc(self, rank: int, word: int) -> int:
-        """Word ``word`` of the misc line: 0 waiting_on, 1 state, 2 pid, 3 start, 4/5 desc."""
+        """Word ``word`` of the misc line: 0 waiting_on, 1 state, 2 pid, 3 start, 4/5 desc,
+        6/7 PremulSum factor (one per half)."""
         return self.ctrl(rank) + LINE + 8 * word
 
     def message(self, rank: int) -> int:
