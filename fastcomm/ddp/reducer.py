@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from fastcomm.comm.base import Communicator
+from fastcomm.comm.types import PremulSum, ReduceOp
 from fastcomm.comm.work import Work
 from fastcomm.kernels._launch import fp32_scale
 
@@ -344,12 +345,14 @@ class Reducer:
             )
             return
         flat = bucket.flat
+        op = ReduceOp.SUM
         if self.bucket_view:
-            if self.scale != 1.0:
-                flat.mul_(self.scale)
+            # the gradients already sit in the bucket: the scale goes into the collective
+            # (folded into the reduction on shm; flat.mul_(scale) first elsewhere)
+            op = PremulSum(self.scale)
         else:
             pack_bucket(bucket, grads, flat, scale=self.scale)
-        self._results[bucket.index] = self.comm.all_reduce(flat, async_op=True)
+        self._results[bucket.index] = self.comm.all_reduce(flat, op, async_op=True)
 
     def _launch_sparse(self, bucket) -> None:
         p = bucket.params[0]
