@@ -88,11 +88,12 @@ def check_plan_follows_layout_independence():
     return True
 
 
-def check_large_gradients_go_as_premul(backend: str):
-    """The in-place gradients reach the communicator as one ``PremulSum(1/size)`` each (no
-    separate multiply on shm where its compiled core folds it into the reduction; ``mul_`` +
-    ``SUM`` on Gloo), with torch DDP's bits. Returns how many PremulSums went out, how many
-    times the default path multiplied, and whether the communicator fuses float32."""
+def check_large_gradients_go_as_premul(backend: str, bucket_view: bool = False):
+    """The in-place gradients (``bucket_view``: the buckets of ``gradient_as_bucket_view``)
+    reach the communicator as one ``PremulSum(1/size)`` each (no separate multiply on shm
+    where its compiled core folds it into the reduction; ``mul_`` + ``SUM`` on Gloo), with
+    torch DDP's bits. Returns how many PremulSums went out, how many times the default path
+    multiplied, and whether the communicator fuses float32."""
     from fastcomm.comm import PremulSum, base
     from fastcomm.ddp import in_place
     from tests.ddp.common import assert_same_state, train_both
@@ -110,10 +111,10 @@ def check_large_gradients_go_as_premul(backend: str):
         return real_premultiplied(task, tensor, factor)
 
     saved = in_place.IN_PLACE_MIN_BYTES
-    in_place.IN_PLACE_MIN_BYTES = SMALL_THRESHOLD
+    in_place.IN_PLACE_MIN_BYTES = saved if bucket_view else SMALL_THRESHOLD
     comm.all_reduce, base._premultiplied = recording, counting
     try:
-        ours, theirs = train_both("mlp", steps=3, comm=comm)
+        ours, theirs = train_both("mlp", steps=3, comm=comm, gradient_as_bucket_view=bucket_view)
     finally:
         in_place.IN_PLACE_MIN_BYTES = saved
         del comm.all_reduce  # the class's method again
@@ -201,9 +202,10 @@ def test_plan_follows_layout_independence(pool):
     assert pool.run(check_plan_follows_layout_independence) == [True, True]
 
 
+@pytest.mark.parametrize("bucket_view", [False, True], ids=["in-place", "bucket-view"])
 @pytest.mark.parametrize("backend", ["shm", "gloo"])
-def test_large_gradients_go_as_premul(pool, backend):
-    counts = pool.run(check_large_gradients_go_as_premul, backend)
+def test_large_gradients_go_as_premul(pool, backend, bucket_view):
+    counts = pool.run(check_large_gradients_go_as_premul, backend, bucket_view)
     assert counts[0] == counts[1] and counts[0][0] > 0, counts
     premuls, multiplies, fuses = counts[0]
     from fastcomm.comm.shm import schedules
