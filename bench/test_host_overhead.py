@@ -11,7 +11,8 @@ peer to wait for: the time is the host path alone). Cases:
   (``torch._foreach_copy_`` into views made once, what torch DDP does) and ``torch-cat``
   (``torch.cat`` of flattened tensors, pack only). ``pack+average`` folds a 1/4 scale in,
   against torch DDP's ``_foreach_copy_`` then ``div_``.
-- ``all_reduce`` of 4 KiB fp32 on CPU: ``fastcomm-shm``, ``fastcomm-gloo`` and ``torch-gloo``
+- ``all_reduce`` of 4 KiB fp32 on CPU: ``fastcomm-shm`` (its compiled core),
+  ``fastcomm-shm-python`` (``ShmOptions(compiled=False)``), ``fastcomm-gloo`` and ``torch-gloo``
   (``dist.all_reduce``), synchronous and ``async_op=True`` + ``wait()``.
 - ``work``: a finished ``Work`` waited on (``fastcomm``) against a resolved
   ``torch.futures.Future`` (``torch-future``): the per-collective bookkeeping.
@@ -187,11 +188,15 @@ def test_unpack(benchmark, buckets, count, provider):
 @pytest.fixture(scope="module")
 def cpu_comms():
     """World-size-1 communicators: fastcomm shm and Gloo, torch's Gloo group."""
-    from fastcomm.comm import GlooCommunicator, ShmCommunicator, Store
+    from fastcomm.comm import GlooCommunicator, ShmCommunicator, ShmOptions, Store
 
     store = Store(is_server=True, timeout=60)
     comms = {
         "fastcomm-shm": ShmCommunicator(store.prefixed("host/shm", rank=0), 0, 1, 60),
+        "fastcomm-shm-python": ShmCommunicator(
+            store.prefixed("host/shm-python", rank=0), 0, 1, 60,
+            options=ShmOptions(compiled=False),
+        ),
         "fastcomm-gloo": GlooCommunicator(store.prefixed("host/gloo", rank=0), 0, 1, 60),
     }
     owner = not dist.is_initialized()
@@ -201,8 +206,8 @@ def cpu_comms():
     group = dist.new_group([0], backend="gloo")
     comms["torch-gloo"] = _TorchGroup(group)
     yield comms
-    comms["fastcomm-shm"].close()
-    comms["fastcomm-gloo"].close()
+    for name in ("fastcomm-shm", "fastcomm-shm-python", "fastcomm-gloo"):
+        comms[name].close()
     if owner:
         dist.destroy_process_group()
 
@@ -218,7 +223,9 @@ class _TorchGroup:
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-@pytest.mark.parametrize("provider", ["fastcomm-shm", "fastcomm-gloo", "torch-gloo"])
+@pytest.mark.parametrize(
+    "provider", ["fastcomm-shm", "fastcomm-shm-python", "fastcomm-gloo", "torch-gloo"]
+)
 def test_all_reduce_4k(benchmark, cpu_comms, provider, mode):
     comm = cpu_comms[provider]
     x = torch.ones(1024)
