@@ -38,14 +38,7 @@ from fastcomm.comm.types import PremulSum
 
 from .bucket import Bucket, scale_into_views
 
-__all__ = [
-    "IN_PLACE_MIN_BYTES",
-    "InPlacePlan",
-    "InPlaceReduction",
-    "in_place_plan",
-    "launch_in_place",
-    "launch_large",
-]
+__all__ = ["IN_PLACE_MIN_BYTES", "InPlacePlan", "InPlaceReduction", "in_place_plan"]
 
 # A collective costs tens of microseconds of sequencing; one pass over a MiB, a few hundred.
 IN_PLACE_MIN_BYTES = 1 << 20
@@ -105,43 +98,38 @@ class InPlaceReduction:
         works: the collectives, in issue order.
         reduced: per bucket position, the tensor holding its reduced gradient (the gradient
             itself, its bucket view, or its staging view).
-        launched: how many of the plan's large gradients have been launched (a prefix of
-            ``InPlacePlan.large``: see :func:`launch_large`).
     """
 
-    __slots__ = ("works", "reduced", "launched")
+    __slots__ = ("works", "reduced")
 
-    def __init__(self, bucket: Bucket) -> None:
-        self.works: list = []
-        self.reduced: list[torch.Tensor] = [None] * len(bucket.views)  # type: ignore[list-item]
-        self.launched = 0
+    def __init__(self, works: list, reduced: list[torch.Tensor]) -> None:
+        self.works = works
+        self.reduced = reduced
 
     def wait(self) -> None:
         for work in self.works:
             work.wait()
 
 
-def launch_large(
-    reduction: InPlaceReduction,
+def launch_in_place(
     bucket: Bucket,
     plan: InPlacePlan,
-    grads: Sequence[torch.Tensor | None] | None,
+    grads: Sequence[torch.Tensor | None],
     scale: float,
     comm,
     create_graph: bool,
-    upto: int,
-) -> None:
-    """Launches the collectives of ``plan.large[reduction.launched:upto]``, in plan order.
+) -> InPlaceReduction:
+    """Scales and reduces `bucket`'s large gradients in place and its small ones staged.
 
-    A gradient is final once autograd has accumulated it, so the reducer may launch a prefix
-    of a bucket's large gradients before the rest of the bucket is ready (the collectives then
-    overlap more of backward); the sequence of collectives is the same either way.
+    ``grads`` is ``None`` for a joined rank's shadow of the bucket (zeros everywhere).
     """
     views = bucket.views
+    reduced: list[torch.Tensor] = [None] * len(views)  # type: ignore[list-item]
+    works = []
     # Every rank passes a PremulSum, whatever its scale and gradients (the ops must match);
     # each rank's factor applies to its own term, so terms already scaled (or zero) take 1.0.
     premul, scaled = PremulSum(scale), PremulSum(1.0)
-    for k in plan.large[reduction.launched : upto]:
+    for k in plan.large:
         g = None if grads is None else grads[k]
         view = views[k]
         op = scaled
@@ -152,30 +140,8 @@ def launch_large(
             torch.mul(g.detach(), scale, out=target)
         else:
             target, op = g, premul
-        reduction.reduced[k] = target
-        reduction.works.append(comm.all_reduce(target, op, async_op=True))
-    reduction.launched = max(reduction.launched, upto)
-
-
-def launch_in_place(
-    bucket: Bucket,
-    plan: InPlacePlan,
-    grads: Sequence[torch.Tensor | None] | None,
-    scale: float,
-    comm,
-    create_graph: bool,
-    reduction: InPlaceReduction | None = None,
-) -> InPlaceReduction:
-    """Scales and reduces `bucket`'s large gradients in place and its small ones staged.
-
-    ``grads`` is ``None`` for a joined rank's shadow of the bucket (zeros everywhere).
-    ``reduction``: the bucket's reduction whose first large gradients were launched early
-    (:func:`launch_large`); the rest follow it.
-    """
-    if reduction is None:
-        reduction = InPlaceReduction(bucket)
-    launch_large(reduction, bucket, plan, grads, scale, comm, create_graph, len(plan.large))
-    reduced, works = reduction.reduced, reduction.works
+        reduced[k] = target
+        works.append(comm.all_reduce(target, op, async_op=True))
     if plan.small:
         staged = plan.staging_views
         small = None if grads is None else [grads[k] for k in plan.small]
@@ -192,7 +158,7 @@ def launch_in_place(
         for k, view in zip(plan.small, staged, strict=True):
             reduced[k] = view
         works.append(comm.all_reduce(plan.staging, async_op=True))
-    return reduction
+    return InPlaceReduction(works, reduced)
 
 
 def _reducible_in_place(g: torch.Tensor, view: torch.Tensor) -> bool:

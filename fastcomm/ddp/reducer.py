@@ -49,13 +49,7 @@ from fastcomm.kernels._launch import fp32_scale
 from . import sparse as _sparse
 from .bucket import Bucket, GradBucket, pack_bucket, unpack_bucket
 from .config import DDPConfig
-from .in_place import (
-    InPlaceReduction,
-    in_place_plan,
-    launch_in_place,
-    launch_large,
-    write_back,
-)
+from .in_place import InPlaceReduction, in_place_plan, launch_in_place, write_back
 
 __all__ = ["Reducer", "find_unused"]
 
@@ -123,10 +117,6 @@ class Reducer:
         self._pending: list[int] = []
         self.next_bucket = 0  # index of the next bucket to launch, in launch order
         self._results: list[Any] = []
-        # per bucket, its in-place reduction while a prefix of its large gradients is in flight
-        # before the bucket is complete (see _launch_early)
-        self._early: list[InPlaceReduction | None] = []
-        self._early_ok = False
         self._unused_now: list[int] = []
         self._used_work: Work | None = None
         self._used_map: torch.Tensor | None = None
@@ -232,7 +222,6 @@ class Reducer:
         self._pending = [len(b.params) for b in self.buckets]
         self.next_bucket = 0  # index of the next bucket to launch, in launch order
         self._results = [None] * len(self.buckets)
-        self._early = [None] * len(self.buckets)
         self._started = False
         self._used_work = None
         self._delay = self.config.static_graph and not self.static_learned
@@ -293,15 +282,6 @@ class Reducer:
         self._create_graph = torch.is_grad_enabled()
         if self._create_graph:
             warnings.warn(_CREATE_GRAPH_WARNING, UserWarning, stacklevel=2)
-        # early launches of in-place gradients: only where a bucket's reduction is the plain
-        # in-place one (no hook, no create_graph) and is never skipped as a whole
-        self._early_ok = (
-            self.comm_hook is None
-            and not self._create_graph
-            and not self._delay
-            and not self.config.skip_all_reduce_unused_params
-            and any(plan is not None for plan in self._in_place)
-        )
         torch.autograd.Variable._execution_engine.queue_callback(_make_finalize(weakref.ref(self)))
         for i in self._unused_now:
             self._mark_unused(i)
@@ -327,8 +307,6 @@ class Reducer:
         while self.next_bucket < len(buckets) and self._pending[self.next_bucket] == 0:
             self._launch(buckets[self.next_bucket])
             self.next_bucket += 1
-        if self._early_ok and self.next_bucket < len(buckets):
-            self._launch_early(self.next_bucket)
         if self.next_bucket == len(buckets) and self._used_work is None and self._needs_used_map():
             used = torch.tensor(
                 [
@@ -340,28 +318,6 @@ class Reducer:
             )
             self._used_map = used
             self._used_work = self.comm.all_reduce(used, async_op=True)
-
-    def _launch_early(self, b: int) -> None:
-        """Launches the ready prefix of bucket ``b``'s in-place gradients (``b`` is the next
-        bucket to launch, not yet complete): each is final once accumulated, and reducing it
-        now overlaps more of backward. Every rank issues the same collectives in the same
-        order as a launch of the whole bucket would (the plan's order, then the staging)."""
-        plan = self._in_place[b]
-        if plan is None:
-            return
-        reduction = self._early[b]
-        start = 0 if reduction is None else reduction.launched
-        indices, ready, upto = self.buckets[b].param_indices, self._ready, start
-        while upto < len(plan.large) and ready[indices[plan.large[upto]]] != _WAITING:
-            upto += 1
-        if upto == start:
-            return
-        bucket = self.buckets[b]
-        if reduction is None:
-            reduction = self._early[b] = InPlaceReduction(bucket)
-        grads = [p.grad for p in bucket.params]
-        launch_large(reduction, bucket, plan, grads, fp32_scale(self.scale), self.comm, False,
-                     upto)
 
     def _launch(self, bucket: Bucket) -> None:
         if self.config.skip_all_reduce_unused_params and all(
@@ -389,8 +345,7 @@ class Reducer:
         plan = self._in_place[bucket.index]
         if plan is not None:
             self._results[bucket.index] = launch_in_place(
-                bucket, plan, grads, fp32_scale(self.scale), self.comm, self._create_graph,
-                self._early[bucket.index],
+                bucket, plan, grads, fp32_scale(self.scale), self.comm, self._create_graph
             )
             return
         flat = bucket.flat

@@ -125,41 +125,6 @@ def check_large_gradients_go_as_premul(backend: str, bucket_view: bool = False):
     return len(premuls), multiplies[0], comm._fuses_premul(ours.reducer.buckets[0].flat)
 
 
-def check_early_launch(backend: str):
-    """In-place gradients are reduced as they arrive, before their bucket is complete, with
-    torch DDP's bits. Returns the backward's events ("grad" arrived, "reduce" issued)."""
-    from fastcomm.ddp import in_place
-    from tests.ddp.common import assert_same_state, batches, step, wrap_pair
-
-    comm = rank_comm(backend)
-    events: list[str] = []
-    real_all_reduce = comm.all_reduce
-
-    def recording(tensor, op="sum", async_op=False):
-        events.append("reduce")
-        return real_all_reduce(tensor, op, async_op)
-
-    saved = in_place.IN_PLACE_MIN_BYTES
-    in_place.IN_PLACE_MIN_BYTES = SMALL_THRESHOLD
-    comm.all_reduce = recording
-    try:
-        ours, theirs = wrap_pair("mlp", comm=comm, bucket_cap_mb=64)  # one bucket
-        assert len(ours.reducer.buckets) == 1 and ours.reducer._in_place[0] is not None
-        for p in ours.module.parameters():  # fires as the gradient is computed, before DDP's
-            p.register_hook(lambda g: events.append("grad"))
-        opt_a = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
-        opt_b = torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9)
-        for x, y in batches("mlp", 3):
-            events.append("step")
-            step(ours, opt_a, "mlp", x, y)
-            step(theirs, opt_b, "mlp", x, y)
-    finally:
-        in_place.IN_PLACE_MIN_BYTES = saved
-        del comm.all_reduce
-    assert_same_state(ours, theirs)
-    return events
-
-
 def check_norm_from_write_back():
     """``clip_grad_norm_`` takes the norm from what the write-back left, as from an unpack."""
     from fastcomm.ddp import DDP, in_place
@@ -247,15 +212,6 @@ def test_large_gradients_go_as_premul(pool, backend, bucket_view):
 
     assert fuses == (backend == "shm" and schedules._core is not None), counts
     assert multiplies == (0 if fuses else premuls), counts
-
-
-@pytest.mark.parametrize("backend", ["shm", "gloo"])
-def test_in_place_gradients_launch_before_their_bucket_is_complete(pool, backend):
-    for events in pool.run(check_early_launch, backend):
-        steps = "".join(e[0] for e in events).split("s")[1:]  # g(rad) / r(educe), per step
-        assert len(steps) == 3 and all("g" in one for one in steps), events
-        for one in steps:  # an all-reduce went out before the bucket's last gradient arrived
-            assert "r" in one[: one.rindex("g")], events
 
 
 def test_norm_from_write_back(pool):
