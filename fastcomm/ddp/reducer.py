@@ -269,11 +269,7 @@ class Reducer:
         if state == _WAITING:
             b = self._bucket_of[i]
             self._pending[b] -= 1
-            if (
-                b == self.next_bucket
-                and not self._delay
-                and (self._pending[b] == 0 or self._early_ok)
-            ):
+            if b == self.next_bucket and self._pending[b] == 0 and not self._delay:
                 self._launch_ready()
 
     def _start_backward(self) -> None:
