@@ -113,13 +113,12 @@ _NUMPY_OPS = {"SUM": np.add, "AVG": np.add, "PRODUCT": np.multiply}
 # always) gives up no parallelism
 _NUMPY_MAX_NUMEL = 32768
 _FAST_CACHE = 64  # callers' tensors held by the NumPy path (fresh tensors add entries)
-if _core is not None:
-    # by the op's name, as _OP_ARGS: (descriptor's op code, the core's op)
-    _CORE_OPS = {
-        "SUM": (_OP_CODES[ReduceOp.SUM], _core.OP_SUM),
-        "AVG": (_OP_CODES[ReduceOp.AVG], _core.OP_AVG),
-        "PRODUCT": (_OP_CODES[ReduceOp.PRODUCT], _core.OP_PRODUCT),
-    }
+# by the op's name, as _OP_ARGS: (descriptor's op code, the core's op)
+_CORE_OPS = {} if _core is None else {
+    "SUM": (_OP_CODES[ReduceOp.SUM], _core.OP_SUM),
+    "AVG": (_OP_CODES[ReduceOp.AVG], _core.OP_AVG),
+    "PRODUCT": (_OP_CODES[ReduceOp.PRODUCT], _core.OP_PRODUCT),
+}
 _increment_version = torch._C._increment_version
 
 
@@ -217,10 +216,10 @@ class SegmentSchedules:
         self._small: dict[tuple, tuple | bool] = {}  # one-slot all-reduce plans, by dtype, shape
         self._fast: dict[tuple, tuple | bool] = {}  # NumPy-path plans, by address, dtype, numel
         self._quiet_run = _quiet_numpy().run  # one per schedules: a context is entered by one
-        self._core = None  # the compiled small all-reduce (SmallCore), where built and wanted
+        self._core = None  # SmallCore where the compiled core is built and wanted: small
+        # all-reduces run in it, and PremulSum is folded into _core.reduce (fuses_premul)
         self._core_plans: dict[tuple, tuple | bool] = {}  # by (dtype, numel)
-        self._compiled = compiled and _core is not None and self._inline_torch
-        if self._compiled:
+        if compiled and _core is not None and self._inline_torch:
             base, n = flags.base_address, self.size
             self._core = _core.SmallCore(
                 base,
@@ -296,7 +295,7 @@ class SegmentSchedules:
         """Whether :meth:`all_reduce` takes a :class:`PremulSum` of ``tensor`` (see there): the
         compiled core is built and wanted (``compiled``), the reduction is the default one, the
         dtype float32/float64."""
-        return self._compiled and tensor.dtype in _PREMUL_KINDS
+        return self._core is not None and tensor.dtype in _PREMUL_KINDS
 
     def all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp | PremulSum, root: int | None = None
