@@ -62,7 +62,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fastcomm.comm import GlooCommunicator, IpcCommunicator, ShmCommunicator, ShmOptions, Store
+from fastcomm.comm import GlooCommunicator, ShmCommunicator, ShmOptions, Store, new_communicator
 
 QUICK = bool(os.environ.get("FASTCOMM_BENCH_QUICK")) or "--benchmark-disable" in sys.argv
 KIB, MIB = 1 << 10, 1 << 20
@@ -124,7 +124,10 @@ class Rank:
                     ns, self.rank, self.size, TIMEOUT, options=ShmOptions(compiled=False)
                 )
             elif provider == "fastcomm-ipc":
-                self.comms[provider] = IpcCommunicator(ns, self.rank, self.size, TIMEOUT)
+                self.comms[provider] = new_communicator(
+                    "ipc", store=ns, rank=self.rank, size=self.size, timeout=TIMEOUT,
+                    fallback=False,
+                )
             elif provider == "fastcomm-nccl":
                 from fastcomm.comm.nccl import NcclCommunicator
 

@@ -11,6 +11,7 @@ from typing import Any
 
 # Public name -> submodule (relative to this package) that defines it.
 _LAZY: dict[str, str] = {
+    "Capabilities": ".types",
     "Communicator": ".base",
     "CommAbortedError": ".errors",
     "CommClosedError": ".errors",
@@ -29,7 +30,9 @@ _LAZY: dict[str, str] = {
     "ReduceOp": ".types",
     "SUPPORTED_DTYPES": ".types",
     "Work": ".work",
+    "communicator_for": ".world",
     "get_world": ".world",
+    "group_communicator": ".world",
     "init": ".world",
     "is_initialized": ".world",
     "new_communicator": ".world",
@@ -37,6 +40,7 @@ _LAZY: dict[str, str] = {
 }
 
 __all__ = [
+    "Capabilities",
     "Communicator",
     "CommAbortedError",
     "CommClosedError",
@@ -52,7 +56,9 @@ __all__ = [
     "Store",
     "StoreTimeoutError",
     "Work",
+    "communicator_for",
     "get_world",
+    "group_communicator",
     "init",
     "is_initialized",
     "new_communicator",

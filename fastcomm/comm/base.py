@@ -1,11 +1,26 @@
-"""The communicator interface shared by every backend.
+"""The communicator contract shared by every backend.
 
-``Communicator`` validates arguments (type, device, dtype, contiguity, sizes, ranks, closed
-state) *before* anything is sent, so a bad call raises the same clear error on every backend and
-never leaves a peer waiting on half a collective. Backends implement the ``_impl_*`` methods,
-which receive validated, non-empty tensors on a device they move and return the
-:class:`~fastcomm.comm.work.Task` that moves the data; ``Communicator`` runs every task the same
-way (``_run``), in issue order.
+``Communicator`` owns everything a collective does before and after the data moves, in one
+place for every backend:
+
+1. **Checks** (type, dtype, contiguity, sizes, ranks, ops, closed state) *before* anything is
+   sent, so a bad call raises the same clear error on every backend and never leaves a peer
+   waiting on half a collective.
+2. **Routing:** each backend declares what it moves itself (:class:`~.types.Capabilities`); a
+   tensor on another device goes to the communicator's ``fallback`` when that one moves it
+   (``shm`` and ``hier`` hand CUDA tensors to Gloo), else the call raises (:meth:`route`).
+3. **What a backend lacks,** done once here: a ``PremulSum`` it does not fold is a ``mul_``
+   before a ``SUM``; a sparse tensor it cannot reduce is densified, reduced and made sparse
+   again; an output overlapping its input where the backend does not allow it is staged;
+   ``reduce`` is an ``all_reduce`` of a copy kept on the root unless the backend has its own.
+4. **Running** the :class:`~.work.Task` the backend's ``_impl_*`` hook built (:meth:`_run`).
+
+Backends implement the ``_impl_*`` hooks only. Each receives validated tensors (empty ones
+too: every rank still takes part, so a rank whose tensor is empty where a peer's is not is
+caught by the backend's agreement check instead of leaving the peer waiting) on a device it
+declared, and returns the task that moves the data. A backend may also finish a synchronous
+call on the caller's thread without building a task (``_sync_all_reduce``): the small-message
+lane of ``shm``.
 
 Collective ordering: like NCCL and Gloo, every rank must issue the same collectives in the same
 order. Store-based helpers (``split``, object exchange) number their keys with a per-communicator
@@ -25,12 +40,15 @@ import torch
 
 from .errors import CommClosedError
 from .store import DEFAULT_TIMEOUT, Store, as_timedelta
-from .types import SUPPORTED_DTYPES, PremulSum, ReduceOp
+from .types import SUPPORTED_DTYPES, Capabilities, PremulSum, ReduceOp
 from .work import OrderedExecutor, Task, Work, completed_work, wrap_error
 
 __all__ = ["Communicator", "CommStats", "reject_premul"]
 
 logger = logging.getLogger("fastcomm")
+
+_DTYPES = frozenset(SUPPORTED_DTYPES)
+_STRIDED = torch.strided
 
 
 def reject_premul(op: ReduceOp | PremulSum, name: str) -> None:
@@ -46,9 +64,24 @@ def reject_premul(op: ReduceOp | PremulSum, name: str) -> None:
         )
 
 
+def _then(task: Task, after: Callable[[], None]) -> Task:
+    """``task``, followed by ``after()`` once its data is in place (on the task's executor, or
+    on the caller's thread for a task issued at once, which then waits for its data)."""
+    inner = task.run
+
+    def run() -> None:
+        work = inner()
+        if work is not None:
+            work.wait()
+        after()
+
+    return Task(task.op, task.output, run, task.executor)
+
+
 def _premultiplied(task: Task, tensor: torch.Tensor, factor: float) -> Task:
     """``task`` (a ``SUM`` of ``tensor``) preceded by ``tensor.mul_(factor)``, run where and
-    when the task runs."""
+    when the task runs: after the collectives queued before it on a backend that queues its
+    tasks, at the call on one that issues at once (as the caller's own ``mul_`` would)."""
     reduce = task.run
 
     def run() -> Work | None:
@@ -56,6 +89,12 @@ def _premultiplied(task: Task, tensor: torch.Tensor, factor: float) -> Task:
         return reduce()
 
     return Task(task.op, task.output, run, task.executor)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (contiguous) share bytes."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 class CommStats:
@@ -105,9 +144,21 @@ class Communicator(abc.ABC):
         size: number of ranks.
         timeout: how long any collective may take before it raises (seconds or timedelta;
             default :data:`~fastcomm.comm.store.DEFAULT_TIMEOUT`).
+        fallback: a communicator over the same ranks that moves what this one does not
+            (tensors on other devices); built by the caller (``fastcomm.comm.world``), closed
+            with this one.
+
+    Attributes:
+        capabilities: what this communicator moves and how (:class:`~.types.Capabilities`),
+            set by each backend.
+        fallback: the communicator given at construction, or ``None``.
+        make_child: builds a sub-communicator of this kind for :meth:`split`, given
+            ``(store, rank, size, timeout)``; set by ``fastcomm.comm.world`` to build the
+            child's fallback too (``None``: the backend builds one of its own kind alone).
     """
 
     backend: str = "base"
+    capabilities: Capabilities = Capabilities()
 
     def __init__(
         self,
@@ -115,15 +166,24 @@ class Communicator(abc.ABC):
         rank: int,
         size: int,
         timeout: float | timedelta | None = None,
+        *,
+        fallback: Communicator | None = None,
     ) -> None:
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"size must be a positive int, got {size!r}")
         if not isinstance(rank, int) or not 0 <= rank < size:
             raise ValueError(f"rank must be an int in [0, {size}), got {rank!r}")
+        if fallback is not None and (fallback.rank, fallback.size) != (rank, size):
+            raise ValueError(
+                f"the fallback must span the same ranks: rank {fallback.rank} of "
+                f"{fallback.size}, this communicator rank {rank} of {size}"
+            )
         self.store = store
         self.rank = rank
         self.size = size
         self.timeout = as_timedelta(timeout, DEFAULT_TIMEOUT)
+        self.fallback = fallback
+        self.make_child: Callable[[Store, int, int, timedelta], Communicator] | None = None
         self._closed = False
         self._seq = 0
         self._told_route = False
@@ -162,19 +222,18 @@ class Communicator(abc.ABC):
         if self._closed:
             raise CommClosedError(f"{self._where()}: {op} called after close()")
 
-    def _device_ok(self, device: torch.device) -> bool:
-        return device.type == self.device.type
-
     def _check_tensor(self, t: object, op: str, name: str = "tensor") -> torch.Tensor:
+        if type(t) is torch.Tensor and t.dtype in _DTYPES and t.is_contiguous():
+            return t  # the usual case, checked without building any message
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in SUPPORTED_DTYPES:
+        if t.dtype not in _DTYPES:
             allowed = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
             raise TypeError(f"{op}: {name} has dtype {t.dtype}; allowed: {allowed}")
-        if not self._device_ok(t.device):
-            raise ValueError(
-                f"{op}: {name} is on {t.device}, but the {self.backend} communicator of "
-                f"rank {self.rank} works on {self.device.type} tensors"
+        if t.layout is not _STRIDED:
+            raise TypeError(
+                f"{op}: {name} has layout {t.layout}; only all_reduce takes sparse tensors "
+                "(torch.sparse_coo)"
             )
         if not t.is_contiguous():
             raise ValueError(
@@ -204,11 +263,58 @@ class Communicator(abc.ABC):
         if peer == self.rank:
             raise ValueError(f"{op}: {name}={peer} is this rank; a rank cannot {verb} itself")
 
+    # ------------------------------------------------------------------ routing
+    def _moves(self, device: torch.device, op: str | None) -> bool:
+        """Whether this communicator moves tensors on ``device`` for ``op`` itself."""
+        caps = self.capabilities
+        kind = device.type
+        return kind in caps.devices or (op == "all_reduce" and kind in caps.all_reduce_devices)
+
+    def route(self, device: torch.device | str, op: str | None = None) -> Communicator:
+        """The communicator that moves tensors on ``device``: this one where its capabilities
+        say so, else its fallback where that one does (said once in the log, logger
+        ``fastcomm``).
+
+        Args:
+            device: where the tensors live.
+            op: the operation (``"all_reduce"``): some backends move a device for some
+                operations only; ``None``: any operation.
+
+        Raises:
+            ValueError: no communicator here moves tensors on ``device``.
+        """
+        if not isinstance(device, torch.device):
+            device = torch.device(device)
+        if self._moves(device, op):
+            return self
+        fallback = self.fallback
+        if fallback is not None and fallback._moves(device, op):
+            if not self._told_route:
+                self._told_route = True
+                logger.info(
+                    "%s: %s tensors go through its %s fallback", self._where(), device.type,
+                    fallback.backend,
+                )
+            return fallback
+        own = ", ".join(sorted(self.capabilities.devices))
+        extra = (
+            f", its {fallback.backend} fallback {', '.join(sorted(fallback.capabilities.devices))}"
+            if fallback is not None else " (no fallback)"
+        )
+        raise ValueError(
+            f"{self._where()}: no route for tensors on {device}: it moves {own} tensors{extra}"
+        )
+
+    def _target(self, tensor: torch.Tensor, op: str) -> Communicator:
+        # CPU tensors on a CPU backend, the usual case, skip building a device object
+        if tensor.is_cpu and "cpu" in self.capabilities.devices:
+            return self
+        return self.route(tensor.device, op)
+
     # ------------------------------------------------------------------ collectives
-    # Every collective is the same preamble: check the arguments (before anything is sent, so a
-    # bad call never leaves a peer waiting), count it, then `_submit`: answer an empty tensor at
-    # once (every rank has the same sizes, so every rank skips together), pick the communicator
-    # that moves tensors on that device (`route`), and run the task its backend builds (`_run`).
+    # Every collective: check the arguments (before anything is sent, so a bad call never
+    # leaves a peer waiting), count it, pick the communicator that moves tensors on that device
+    # (`_target`), let it build its task (`_impl_*`), run the task (`_run`).
     def all_reduce(
         self,
         tensor: torch.Tensor,
@@ -218,7 +324,8 @@ class Communicator(abc.ABC):
         """Reduces ``tensor`` across ranks, in place.
 
         Args:
-            tensor: the contiguous tensor to reduce, the same shape and dtype on every rank.
+            tensor: the contiguous tensor to reduce, the same shape and dtype on every rank;
+                or a sparse COO tensor (``SUM`` only), replaced in place by the sum.
             op: the reduction (a :class:`ReduceOp`, its name, torch's ``dist.ReduceOp``, or a
                 :class:`PremulSum` for floating-point tensors).
             async_op: return a :class:`Work` at once instead of waiting.
@@ -232,45 +339,73 @@ class Communicator(abc.ABC):
             ValueError: wrong device, non-contiguous, unknown op.
         """
         self._check_open("all_reduce")
+        if type(tensor) is not torch.Tensor or tensor.layout is not _STRIDED:
+            if isinstance(tensor, torch.Tensor) and tensor.layout is torch.sparse_coo:
+                return self._all_reduce_sparse(tensor, op, async_op)
         self._check_tensor(tensor, "all_reduce")
         if op.__class__ is not ReduceOp:
             op = ReduceOp.coerce(op)
-            if op.__class__ is PremulSum:
-                return self._all_reduce_premul(tensor, op, async_op)
+            if op.__class__ is PremulSum and not tensor.is_floating_point():
+                raise TypeError(
+                    f"all_reduce: {op!r} needs a floating-point tensor, got dtype "
+                    f"{tensor.dtype}; multiply first and reduce with ReduceOp.SUM"
+                )
         self.stats.record("all_reduce", tensor)
-        return self._submit("all_reduce", tensor, async_op, "_impl_all_reduce", tensor, op)
+        target = self._target(tensor, "all_reduce")
+        if not async_op and target._sync_all_reduce(tensor, op):
+            return None
+        if op.__class__ is PremulSum and tensor.dtype not in target.capabilities.premul_dtypes:
+            task = target._impl_all_reduce(tensor, ReduceOp.SUM)
+            if op.factor != 1.0:  # x * 1.0 == x: no pass needed
+                task = _premultiplied(task, tensor, op.factor)
+            return self._run(task, async_op)
+        return self._run(target._impl_all_reduce(tensor, op), async_op)
 
-    def _all_reduce_premul(
-        self, tensor: torch.Tensor, op: PremulSum, async_op: bool
-    ) -> Work | None:
-        """:meth:`all_reduce` with a :class:`PremulSum`, for every backend: the communicator
-        that moves ``tensor`` either applies the factor inside its collective
-        (:meth:`_fuses_premul`) or gets a ``SUM`` task that multiplies ``tensor`` in place
-        first, when the task runs: on a backend that queues its tasks (shm, hier) after the
-        collectives issued before it have run; on one that issues at once (a torch process
-        group, NCCL's stream) at the call, as the caller's own ``mul_`` would.
-        """
-        if not tensor.is_floating_point():
-            raise TypeError(
-                f"all_reduce: {op!r} needs a floating-point tensor, got dtype {tensor.dtype}; "
-                "multiply first and reduce with ReduceOp.SUM"
-            )
-        self.stats.record("all_reduce", tensor)
-        if not tensor.numel():
-            return self._nothing_to_move("all_reduce", tensor, async_op)
-        target = self.route(tensor.device, "all_reduce")
-        if target._fuses_premul(tensor):
-            return self._run(target._impl_all_reduce(tensor, op), async_op)
-        task = target._impl_all_reduce(tensor, ReduceOp.SUM)
-        if op.factor != 1.0:  # x * 1.0 == x: no pass needed
-            task = _premultiplied(task, tensor, op.factor)
-        return self._run(task, async_op)
-
-    def _fuses_premul(self, tensor: torch.Tensor) -> bool:
-        """Whether :meth:`_impl_all_reduce` applies a :class:`PremulSum` to ``tensor`` itself
-        (a non-empty floating-point tensor this communicator moves), with the bits of
-        ``mul_`` then ``SUM``. Default: no; the caller then multiplies before a ``SUM``."""
+    def _sync_all_reduce(self, tensor: torch.Tensor, op: ReduceOp | PremulSum) -> bool:
+        """A backend's lane for a synchronous ``all_reduce``: finishes the call on the
+        caller's thread and returns ``True``, or returns ``False`` having done nothing (then
+        the task runs). Default: no such lane."""
         return False
+
+    def _all_reduce_sparse(self, tensor: torch.Tensor, op: object, async_op: bool):
+        """``all_reduce`` of a sparse COO tensor: natively where the backend declares it
+        (``sparse_all_reduce``), else densified, reduced and made sparse again (rows that are
+        zero after the reduction are dropped); the result replaces ``tensor`` in place."""
+        if tensor.dtype not in _DTYPES:
+            allowed = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+            raise TypeError(f"all_reduce: tensor has dtype {tensor.dtype}; allowed: {allowed}")
+        if ReduceOp.coerce(op) is not ReduceOp.SUM:
+            raise ValueError(f"all_reduce: sparse tensors are reduced with SUM only, got {op!r}")
+        self.stats.record("all_reduce", tensor._values())
+        target = self.route(tensor.device, "all_reduce")
+        if target.capabilities.sparse_all_reduce:
+            return self._run(target._impl_all_reduce(tensor, ReduceOp.SUM), async_op)
+        dense = tensor.to_dense()
+        sparse_dim = tensor.sparse_dim()
+        task = target._impl_all_reduce(dense, ReduceOp.SUM)
+        task = _then(task, lambda: tensor.copy_(dense.to_sparse(sparse_dim)))
+        return self._run(Task("all_reduce", tensor, task.run, task.executor), async_op)
+
+    def reduce(
+        self,
+        tensor: torch.Tensor,
+        root: int,
+        op: ReduceOp | str = ReduceOp.SUM,
+        async_op: bool = False,
+    ) -> Work | None:
+        """Reduces ``tensor`` of every rank into ``tensor`` of rank ``root`` (the others'
+        tensors are left unchanged).
+
+        Raises:
+            TypeError, ValueError: as for :meth:`all_reduce`; ``root`` out of range.
+        """
+        self._check_open("reduce")
+        self._check_tensor(tensor, "reduce")
+        self._check_peer(root, "reduce", "root")
+        op = ReduceOp.coerce(op)
+        reject_premul(op, "reduce")
+        self.stats.record("reduce", tensor)
+        return self._run(self._target(tensor, "reduce")._impl_reduce(tensor, root, op), async_op)
 
     def broadcast(
         self, tensor: torch.Tensor, src: int = 0, async_op: bool = False
@@ -284,14 +419,15 @@ class Communicator(abc.ABC):
         self._check_tensor(tensor, "broadcast")
         self._check_peer(src, "broadcast", "src")
         self.stats.record("broadcast", tensor)
-        return self._submit("broadcast", tensor, async_op, "_impl_broadcast", tensor, src)
+        return self._run(self._target(tensor, "broadcast")._impl_broadcast(tensor, src), async_op)
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
     ) -> Work | None:
         """Writes every rank's ``input`` into ``output`` in rank order.
 
-        ``output`` has ``size * input.numel()`` elements (any shape, e.g. ``(size, *shape)``).
+        ``output`` has ``size * input.numel()`` elements (any shape, e.g. ``(size, *shape)``);
+        ``input`` may be this rank's slice of ``output``.
 
         Raises:
             TypeError, ValueError: as for :meth:`all_reduce`; mismatched dtypes, devices or sizes.
@@ -304,7 +440,9 @@ class Communicator(abc.ABC):
                 f"input.numel() = {self.size} * {input.numel()} = {self.size * input.numel()}"
             )
         self.stats.record("all_gather", input)
-        return self._submit("all_gather", input, async_op, "_impl_all_gather", output, input)
+        target = self._target(input, "all_gather")
+        input = self._staged(target, output, input)
+        return self._run(target._impl_all_gather(output, input), async_op)
 
     def reduce_scatter(
         self,
@@ -330,9 +468,10 @@ class Communicator(abc.ABC):
                 f"output.numel() = {self.size} * {output.numel()} = {self.size * output.numel()}"
             )
         self.stats.record("reduce_scatter", input)
-        return self._submit(
-            "reduce_scatter", input, async_op, "_impl_reduce_scatter", output, input, op
-        )
+        target = self._target(input, "reduce_scatter")
+        if input.numel() and _overlap(output, input):
+            input = input.clone()  # a rank's reduction may read its slice after writing it
+        return self._run(target._impl_reduce_scatter(output, input, op), async_op)
 
     def all_to_all(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
@@ -351,7 +490,16 @@ class Communicator(abc.ABC):
                 f"must have the same number of elements, divisible by size {self.size}"
             )
         self.stats.record("all_to_all", input)
-        return self._submit("all_to_all", input, async_op, "_impl_all_to_all", output, input)
+        target = self._target(input, "all_to_all")
+        input = self._staged(target, output, input)
+        return self._run(target._impl_all_to_all(output, input), async_op)
+
+    def _staged(self, target: Communicator, output: torch.Tensor, input: torch.Tensor):
+        """``input``, or a copy of it where it overlaps ``output`` and ``target`` does not
+        take overlapping operands (``Capabilities.in_place``)."""
+        if target.capabilities.in_place or not input.numel() or not _overlap(output, input):
+            return input
+        return input.clone()
 
     def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> Work | None:
         """Sends ``tensor`` to rank ``dst`` (which must call ``recv`` with ``src`` = us).
@@ -361,7 +509,7 @@ class Communicator(abc.ABC):
         """
         self._check_p2p(tensor, dst, "send", "dst", "send to")
         self.stats.record("send", tensor)
-        return self._submit("send", tensor, async_op, "_impl_send", tensor, dst)
+        return self._run(self._target(tensor, "send")._impl_send(tensor, dst), async_op)
 
     def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Work | None:
         """Receives into ``tensor`` from rank ``src``.
@@ -376,7 +524,7 @@ class Communicator(abc.ABC):
         """
         self._check_p2p(tensor, src, "recv", "src", "receive from")
         self.stats.record("recv", None)
-        return self._submit("recv", tensor, async_op, "_impl_recv", tensor, src)
+        return self._run(self._target(tensor, "recv")._impl_recv(tensor, src), async_op)
 
     def barrier(self, async_op: bool = False) -> Work | None:
         """Returns once every rank has entered the barrier."""
@@ -385,54 +533,34 @@ class Communicator(abc.ABC):
         return self._run(self._impl_barrier(), async_op)
 
     # ------------------------------------------------------------------ execution
-    def _submit(
-        self, op: str, data: torch.Tensor, async_op: bool, impl: str, *args: Any
-    ) -> Work | None:
-        """The end of every collective's preamble: an empty ``data`` (the tensor whose size
-        says what moves) is done at once; otherwise backend hook ``impl`` of the communicator
-        that moves ``data``'s device builds the task, called with ``args`` (the output first),
-        and :meth:`_run` runs it."""
-        if not data.numel():
-            return self._nothing_to_move(op, args[0], async_op)
-        return self._run(getattr(self.route(data.device, op), impl)(*args), async_op)
-
-    def route(self, device: torch.device | str, op: str | None = None) -> Communicator:
-        """The communicator that moves tensors on ``device``: this one, unless a backend hands
-        some devices to a fallback (``shm`` and ``hier`` send CUDA tensors to Gloo).
-
-        Args:
-            device: where the tensors live.
-            op: the operation (``"all_reduce"``), for a backend that routes some operations
-                of a device differently from the others; ``None``: any operation.
-        """
-        return self
-
-    def _hand_off(self, device: torch.device, target: Communicator, how: str) -> Communicator:
-        """``target``, for tensors on ``device`` that this backend hands to it; says ``how`` the
-        tensors travel in the log (logger ``fastcomm``) the first time only."""
-        if not self._told_route:
-            self._told_route = True
-            logger.info("%s: %s tensors go through %s", self._where(), device.type, how)
-        return target
-
     def _run(self, task: Task, async_op: bool) -> Work | None:
-        """Runs ``task`` in issue order: the one way every backend's operations execute.
+        """Runs ``task``: the one way every backend's operations execute.
 
-        A task with an executor runs there (on the caller's thread when nothing is pending and
-        the caller waits); one without is issued now, and its backend completes the ``Work``.
+        A task with an executor runs there, in issue order (on the caller's thread when
+        nothing is pending and the caller waits); one without runs now, on the caller's
+        thread. Either way ``task.run`` does the host's part and returns the ``Work`` of what
+        is left, or ``None`` when the data is in place.
         """
         executor = task.executor
-        work = task.run() if executor is None else executor.run(task, async_op)
+        if executor is not None:
+            work = executor.run(task, async_op)
+        else:
+            work = task.run()
+            if work is None:
+                return completed_work(task.op, self.rank, task.output) if async_op else None
         if async_op or work is None:
             return work
         work.wait()
         return None
 
     def _run_task(self, task: Task, start: float) -> None:
-        """Runs one task for an :class:`OrderedExecutor` (``start``: when it was issued); its
-        error comes out naming the rank, the operation and the elapsed time."""
+        """Runs one task for an :class:`OrderedExecutor` (``start``: when it was issued) until
+        its data is in place; its error comes out naming the rank, the operation and the
+        elapsed time."""
         try:
-            task.run()
+            work = task.run()
+            if work is not None:
+                work.wait()
         except Exception as exc:
             error = wrap_error(task.op, self.rank, start, exc)
             if error is exc:
@@ -442,12 +570,6 @@ class Communicator(abc.ABC):
     def _task(self, op: str, output: torch.Tensor | None, run: Callable[[], None]) -> Task:
         """A task for this communicator's executor (backends whose ``run`` blocks)."""
         return Task(op, output, run, self._executor)
-
-    def _nothing_to_move(
-        self, op: str, output: torch.Tensor | None, async_op: bool
-    ) -> Work | None:
-        """The outcome of an operation on empty tensors: done, with nothing sent."""
-        return completed_work(op, self.rank, output) if async_op else None
 
     # ------------------------------------------------------------------ store helpers
     def next_key(self, what: str) -> str:
@@ -468,7 +590,8 @@ class Communicator(abc.ABC):
         return f"{what}/{self._seq}"
 
     def all_gather_object(self, obj: Any, timeout: float | timedelta | None = None) -> list:
-        """Gathers a small picklable object from every rank through the store."""
+        """Gathers a small object from every rank through the store (the values the store's
+        ``all_gather_object`` encodes)."""
         self._check_open("all_gather_object")
         return self.store.all_gather_object(
             self.next_key("objects"), self.rank, self.size, obj, timeout or self.timeout
@@ -523,20 +646,25 @@ class Communicator(abc.ABC):
         if color is None:
             return None
         store = self.store.prefixed(f"{name}/color{color}", rank=new_rank)
+        if self.make_child is not None:
+            return self.make_child(store, new_rank, new_size, timeout)
         return self._new_child(store, new_rank, new_size, timeout)
 
-    @abc.abstractmethod
-    def _new_child(
-        self, store: Store, rank: int, size: int, timeout: timedelta
-    ) -> Communicator: ...
+    def _new_child(self, store: Store, rank: int, size: int, timeout: timedelta) -> Communicator:
+        """A communicator of this backend alone (no fallback) over ``store``'s ranks; backends
+        whose parts are built by ``fastcomm.comm.world`` need :attr:`make_child` instead."""
+        return type(self)(store, rank, size, timeout)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Releases the communicator; later calls raise ``CommClosedError``. Idempotent."""
+        """Releases the communicator (and its fallback); later calls raise
+        ``CommClosedError``. Idempotent."""
         if self._closed:
             return
         self._closed = True
         self._impl_close()
+        if self.fallback is not None:
+            self.fallback.close()
 
     @contextmanager
     def group(self) -> Iterator[None]:
@@ -544,10 +672,19 @@ class Communicator(abc.ABC):
         yield
 
     # ------------------------------------------------------------------ backend hooks
-    # Called only with validated, non-empty tensors on a device this backend moves (`route`);
+    # Called with validated tensors (possibly empty) on a device this backend moves (`route`);
     # each returns the :class:`Task` that moves the data, and `_run` runs it.
     @abc.abstractmethod
-    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Task: ...
+    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp | PremulSum) -> Task:
+        """``op`` is a ``PremulSum`` only for dtypes in ``capabilities.premul_dtypes``; a
+        sparse ``tensor`` only where ``capabilities.sparse_all_reduce``."""
+
+    def _impl_reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp) -> Task:
+        """Default: an ``all_reduce`` of a copy, written back on ``root`` only."""
+        scratch = tensor.clone()
+        task = self._impl_all_reduce(scratch, op)
+        keep = (lambda: tensor.copy_(scratch)) if self.rank == root else (lambda: None)
+        return Task("reduce", tensor, _then(task, keep).run, task.executor)
 
     @abc.abstractmethod
     def _impl_broadcast(self, tensor: torch.Tensor, src: int) -> Task: ...

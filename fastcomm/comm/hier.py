@@ -1,20 +1,22 @@
 """``hier`` communicator: shared memory inside each host, Gloo between one leader per host.
 
-Topology, built from every rank's host identity (``FASTCOMM_HOST_ID`` or hostname + boot id,
-exchanged through the store): hosts are numbered in order of their lowest rank; on each host the
-ranks are ordered by global rank and the first is the host's leader.
+Topology (:class:`~.topology.HostLayout`, from every rank's host identity exchanged through the
+store): hosts are numbered in order of their lowest rank; on each host the ranks are ordered by
+global rank and the first is the host's leader. ``fastcomm.comm.world`` builds the three parts
+and hands them over (:func:`~fastcomm.comm.world.new_communicator`); this module imports no
+other backend:
 
-- ``intra``: a :class:`ShmCommunicator` over the ranks of this host (``None`` for a lone rank).
-- ``leaders``: a :class:`GlooCommunicator` over the leaders (``None`` elsewhere, or on one host).
-- ``world``: a :class:`GlooCommunicator` over every rank, for what has no hierarchical schedule
-  here (``all_gather``, ``reduce_scatter``, ``all_to_all``, ``send``/``recv``) and for CUDA
-  tensors (:meth:`HierCommunicator.route` decides, and says so once in the log).
+- ``intra``: a shared-memory communicator over the ranks of this host (``None`` for a lone rank).
+- ``leaders``: a Gloo communicator over the leaders (``None`` elsewhere, or on one host).
+- ``flat``: a Gloo communicator over every rank, the ``fallback``: what has no hierarchical
+  schedule here (``all_gather``, ``reduce_scatter``, ``all_to_all``, ``send``/``recv``) and
+  CUDA tensors go through it.
 
 ``all_reduce`` = reduce to the leader in the host, all-reduce across leaders, broadcast in the
 host (``AVG`` sums and the leader divides once, so integers truncate as elsewhere).
 ``broadcast`` = in the source's host to its leader, across leaders, then in every other host.
 ``barrier`` = in host, across leaders, in host. Hierarchical calls run in issue order on the
-communicator's executor (as ``shm``'s do); ``world`` calls are ordered by Gloo itself.
+communicator's executor (as ``shm``'s do); ``flat`` calls are ordered by Gloo itself.
 """
 
 from __future__ import annotations
@@ -24,11 +26,9 @@ from datetime import timedelta
 import torch
 
 from .base import Communicator
-from .pg.gloo import GlooCommunicator
-from .shm import ShmCommunicator
-from .shm.segment import host_id
 from .store import Store
-from .types import ReduceOp, divide_
+from .topology import HostLayout
+from .types import Capabilities, ReduceOp, divide_
 from .work import Task
 
 __all__ = ["HierCommunicator"]
@@ -38,17 +38,17 @@ class HierCommunicator(Communicator):
     """Hierarchical collectives for jobs that span hosts.
 
     Args:
-        store: a store namespace private to this communicator; the host communicators, the
-            leaders' and ``world`` take namespaces under it.
+        store: a store namespace private to this communicator.
         rank: this process's rank among ``size`` ranks on any number of hosts.
         size: number of ranks.
-        timeout: limit for setup and for every operation.
+        timeout: limit for every operation.
+        layout: the ranks' hosts.
+        intra: this host's shared-memory communicator (``None`` if this rank is alone on it).
+        leaders: the host leaders' communicator (``None`` on non-leaders or on one host).
+        flat: a communicator over every rank (Gloo), for the flat operations and CUDA tensors.
 
     Attributes:
         hosts: every rank's host index, in rank order.
-        intra: this host's shm communicator (``None`` if this rank is alone on its host).
-        leaders: the Gloo communicator of host leaders (``None`` on non-leaders or one host).
-        world: the Gloo communicator over all ranks.
     """
 
     backend = "hier"
@@ -59,67 +59,34 @@ class HierCommunicator(Communicator):
         rank: int,
         size: int,
         timeout: float | timedelta | None = None,
+        *,
+        layout: HostLayout,
+        intra: Communicator | None,
+        leaders: Communicator | None,
+        flat: Communicator,
     ) -> None:
-        super().__init__(store, rank, size, timeout)
-        names = store.all_gather_object("hier/hosts", rank, size, host_id(), self.timeout)
-        order = list(dict.fromkeys(names))
-        self.hosts = [order.index(name) for name in names]
-        self.host = self.hosts[rank]
-        self.num_hosts = len(order)
-        self._members = [[r for r in range(size) if self.hosts[r] == h] for h in range(len(order))]
-        local = self._members[self.host]
-        self.local_rank = local.index(rank)
-        self.is_leader = self.local_rank == 0
-        self.intra: ShmCommunicator | None = None
-        self.leaders: GlooCommunicator | None = None
-        if len(local) > 1:
-            self.intra = ShmCommunicator(
-                store.prefixed(f"hier/host{self.host}", rank=self.local_rank),
-                self.local_rank,
-                len(local),
-                self.timeout,
-                fallback=False,
-            )
-        if self.is_leader and self.num_hosts > 1:
-            self.leaders = GlooCommunicator(
-                store.prefixed("hier/leaders", rank=self.host), self.host, self.num_hosts,
-                self.timeout,
-            )
-        self.world = GlooCommunicator(store.prefixed("hier/world"), rank, size, self.timeout)
+        super().__init__(store, rank, size, timeout, fallback=flat)
+        self.layout = layout
+        self.hosts = list(layout.hosts)
+        self.host = layout.host
+        self.num_hosts = layout.num_hosts
+        self.local_rank = layout.local_rank
+        self.is_leader = layout.is_leader
+        self.intra = intra
+        self.leaders = leaders
+        # CPU tensors, hierarchically; the leaders' sum order depends on an element's place
+        # beyond two hosts, the shm sum inside a host does not
+        self.capabilities = Capabilities(layout_free=size <= 2)
+
+    @property
+    def flat(self) -> Communicator:
+        """The Gloo communicator over every rank (the ``fallback``)."""
+        return self.fallback
 
     @property
     def device(self) -> torch.device:
-        """CPU: the tensors this communicator moves itself (CUDA ones take ``world``)."""
+        """CPU: the tensors this communicator moves itself (CUDA ones take ``flat``)."""
         return torch.device("cpu")
-
-    def _device_ok(self, device: torch.device) -> bool:
-        return device.type in ("cpu", "cuda")
-
-    def route(self, device: torch.device | str, op: str | None = None) -> Communicator:
-        """The communicator that moves tensors on ``device``: this one (shared memory inside
-        hosts, Gloo across leaders) for CPU tensors, ``world`` (Gloo over every rank, staging
-        through host memory) for CUDA tensors.
-
-        Raises:
-            ValueError: a device other than CPU or CUDA.
-        """
-        if not isinstance(device, torch.device):
-            device = torch.device(device)
-        if device.type == "cpu":
-            return self
-        if device.type == "cuda":
-            how = (
-                "its flat Gloo communicator, CPU tensors through shared memory and the host "
-                "leaders"
-            )
-            return self._hand_off(device, self.world, how)
-        raise ValueError(
-            f"{self._where()}: no route for tensors on {device}; it moves CPU tensors "
-            "hierarchically and CUDA tensors through Gloo"
-        )
-
-    def _new_child(self, store: Store, rank: int, size: int, timeout: timedelta):
-        return HierCommunicator(store, rank, size, timeout)
 
     # ------------------------------------------------------------------ hierarchical ops
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
@@ -137,7 +104,7 @@ class HierCommunicator(Communicator):
     def _broadcast(self, tensor: torch.Tensor, src: int) -> None:
         src_host = self.hosts[src]
         if self.intra is not None and self.host == src_host:
-            self.intra.broadcast(tensor, self._members[src_host].index(src))
+            self.intra.broadcast(tensor, self.layout.members(src_host).index(src))
         if self.leaders is not None:
             self.leaders.broadcast(tensor, src_host)
         if self.intra is not None and self.host != src_host:
@@ -162,25 +129,31 @@ class HierCommunicator(Communicator):
 
     # ------------------------------------------------------------------ flat ops (Gloo)
     def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Task:
-        return self.world._impl_all_gather(output, input)
+        return self.flat._impl_all_gather(output, input)
 
     def _impl_reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp
     ) -> Task:
-        return self.world._impl_reduce_scatter(output, input, op)
+        return self.flat._impl_reduce_scatter(output, input, op)
 
     def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Task:
-        return self.world._impl_all_to_all(output, input)
+        return self.flat._impl_all_to_all(output, input)
 
     def _impl_send(self, tensor: torch.Tensor, dst: int) -> Task:
-        return self.world._impl_send(tensor, dst)
+        return self.flat._impl_send(tensor, dst)
 
     def _impl_recv(self, tensor: torch.Tensor, src: int) -> Task:
-        return self.world._impl_recv(tensor, src)
+        return self.flat._impl_recv(tensor, src)
 
     # ------------------------------------------------------------------ lifetime
+    def _new_child(self, store: Store, rank: int, size: int, timeout: timedelta):
+        raise TypeError(
+            "a hier communicator's sub-communicators are built by fastcomm.comm.world "
+            "(make_child); build this one with fastcomm.comm.new_communicator('hier', ...)"
+        )
+
     def _impl_close(self) -> None:
         super()._impl_close()
-        for comm in (self.intra, self.leaders, self.world):
+        for comm in (self.intra, self.leaders):
             if comm is not None:
                 comm.close()

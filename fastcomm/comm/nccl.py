@@ -5,19 +5,15 @@ Stream and pointer plumbing only; argument checks live in ``Communicator`` and a
 Stream invariants:
 - Every collective runs on ``self.stream``, a communication stream of this communicator. Before
   enqueueing, that stream waits on the caller's current stream (so it reads finished data).
-- The communicator keeps each collective's tensors referenced until its CUDA event has
-  completed (the ``NcclWork`` sits in ``_pending`` until the watchdog or a later call sees the
-  event done), so the caching allocator cannot hand their memory out early: no
+- Each call returns an :class:`~fastcomm.comm.stream.EventWork`; the communicator's
+  :class:`~fastcomm.comm.stream.StreamWatchdog` keeps it (and so its tensors) until its event
+  has completed, so the caching allocator cannot hand their memory out early: no
   ``record_stream`` (torch's NCCL backend stashes tensors the same way).
-- The ``Work``'s future is made only when asked for (``get_future()``), with
-  ``devices=[device]``, and resolved on a side stream that waits on the collective's event: a
-  consumer's ``future.wait()`` makes *its* stream wait on the collective, and the host never
-  blocks. ``Work.wait()`` does the same for the current stream.
 
 Host cost per call: what does not change (device index, raw stream handle, dtype and op codes,
 the communicator handle, a reusable event for the caller's stream) is looked up once, in
 ``__init__``.
-- A watchdog thread polls each pending collective's CUDA event; one that exceeds the timeout
+- The watchdog polls each pending collective's CUDA event; one that exceeds the timeout
   aborts the NCCL communicator (``ncclCommAbort``) and fails every pending ``Work``.
 
 Never run on a GPU in this project's CI (no GPU there): see the README.
@@ -25,10 +21,7 @@ Never run on a GPU in this project's CI (no GPU there): see the README.
 
 from __future__ import annotations
 
-import threading
-import time
 import warnings
-from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -39,8 +32,9 @@ import torch
 from .base import Communicator
 from .errors import CommAbortedError, CommTimeoutError, FastcommError
 from .store import Store
-from .types import ReduceOp
-from .work import Task, Work
+from .stream import EventWork, StreamWatchdog
+from .types import Capabilities, ReduceOp
+from .work import Task
 
 __all__ = ["NcclCommunicator", "cupy_nccl", "decode_nccl_version", "nccl_version"]
 
@@ -134,52 +128,6 @@ def nccl_op(nccl, op: ReduceOp) -> int:
     return nccl_tables(nccl)[1][op]
 
 
-class NcclWork(Work):
-    """A collective enqueued on the communication stream; see the module docstring.
-
-    Done (for the host) once enqueued. Holds the collective's tensors (`keep`) so that the
-    communicator's pending list keeps them alive until `event` has completed.
-    """
-
-    def __init__(self, op, rank, output, device, event, keep, future_stream):
-        super().__init__(op, rank, output, devices=[device], completed=True)
-        self.event = event
-        self._keep = keep
-        self._future_stream = future_stream
-
-    def _resolve(self, future: torch.futures.Future) -> None:
-        if self._error is not None:
-            future.set_exception(self._error)
-            return
-        # Completed on a stream that waits on this collective alone, not on the comm stream
-        # (which may already hold later collectives): a consumer waits no longer than needed.
-        stream = self._future_stream
-        stream.wait_event(self.event)
-        with torch.cuda.stream(stream):
-            future.set_result(self.output)
-
-    def is_completed(self) -> bool:
-        """Whether the collective has finished on the device (or failed)."""
-        return self._error is not None or self.event.query()
-
-    def wait(self, timeout: float | timedelta | None = None) -> bool:
-        """Makes the current CUDA stream wait on the collective (the host does not block).
-
-        Raises:
-            FastcommError: the collective failed or the communicator was aborted.
-        """
-        if self._error is not None:
-            raise self._error
-        torch.cuda.current_stream().wait_event(self.event)
-        return True
-
-    def synchronize(self) -> None:
-        """Blocks the host until the collective has finished on the device."""
-        self.event.synchronize()
-        if self._error is not None:
-            raise self._error
-
-
 class NcclCommunicator(Communicator):
     """Collectives on CUDA tensors with NCCL (one device per rank).
 
@@ -244,20 +192,19 @@ class NcclCommunicator(Communicator):
         self._stream_handle = self.stream.cuda_stream
         self._future_stream = torch.cuda.Stream(self._device)
         self._caller_ready = torch.cuda.Event()  # re-recorded on the caller's stream per call
-        self._pending: deque[NcclWork] = deque()
-        self._lock = threading.Lock()
-        self._aborted: BaseException | None = None
-        self._watchdog = threading.Thread(
-            target=self._watch, name=f"fastcomm-nccl-watchdog-r{rank}", daemon=True
+        self._watchdog = StreamWatchdog(
+            f"fastcomm-nccl-watchdog-r{rank}", self.timeout.total_seconds(), 0.05, self._stuck
         )
-        self._watchdog.start()
+        # CUDA tensors of its own device (`_moves`); two-term sums are layout free (NCCL's
+        # rings and trees order more terms by their position)
+        self.capabilities = Capabilities(devices=frozenset({"cuda"}), layout_free=size <= 2)
 
     @property
     def device(self) -> torch.device:
         """This rank's CUDA device."""
         return self._device
 
-    def _device_ok(self, device: torch.device) -> bool:
+    def _moves(self, device: torch.device, op: str | None) -> bool:
         return device == self._device
 
     # ------------------------------------------------------------------ plumbing
@@ -267,11 +214,13 @@ class NcclCommunicator(Communicator):
         output: torch.Tensor | None,
         keep: tuple[torch.Tensor, ...],
         launch: Callable[[int], None],
-    ) -> NcclWork:
-        if self._aborted is not None:
-            raise CommAbortedError(f"rank {self.rank}: {op} on an aborted NCCL communicator: "
-                                   f"{self._aborted}")
-        with self._lock:  # one (wait on the caller, launch, record) sequence at a time
+    ) -> EventWork:
+        watchdog = self._watchdog
+        if watchdog.error is not None:
+            raise CommAbortedError(
+                f"rank {self.rank}: {op} on an aborted NCCL communicator: {watchdog.error}"
+            )
+        with watchdog.lock:  # one (wait on the caller, launch, record) sequence at a time
             ready = self._caller_ready
             ready.record(torch.cuda.current_stream(self._index))
             self.stream.wait_event(ready)  # waits on the record made just now
@@ -281,43 +230,23 @@ class NcclCommunicator(Communicator):
                 raise FastcommError(f"rank {self.rank}: {op} failed: {exc}") from exc
             event = torch.cuda.Event()
             event.record(self.stream)
-            work = NcclWork(op, self.rank, output, self._device, event, keep,
-                            self._future_stream)
-            pending = self._pending
-            # Drop a finished head now and then, so tensors are released between the
-            # watchdog's polls too (one event query per call).
-            if pending and pending[0].event.query():
-                pending.popleft()
-            pending.append(work)
+            work = EventWork(op, self.rank, output, self._device, event, keep,
+                             self._future_stream)
+            watchdog.track(work)
         return work
 
-    def _watch(self) -> None:
-        limit = self.timeout.total_seconds()
-        while not self._closed:
-            time.sleep(0.05)
-            with self._lock:
-                while self._pending and self._pending[0].event.query():
-                    self._pending.popleft()
-                stuck = self._pending[0] if self._pending else None
-            if stuck is None or stuck._elapsed() <= limit:
-                continue
-            error = CommTimeoutError(
-                f"rank {self.rank}: {stuck.op} did not finish within "
-                f"{limit:.1f} s (elapsed {stuck._elapsed():.1f} s); NCCL communicator aborted"
-            )
-            self._abort(error)
-            return
-
-    def _abort(self, error: BaseException) -> None:
-        self._aborted = error
+    def _stuck(self, work: EventWork) -> BaseException:
+        """The watchdog's verdict on a collective past the timeout: abort NCCL."""
+        limit = self._watchdog.timeout_s
+        error = CommTimeoutError(
+            f"rank {self.rank}: {work.op} did not finish within {limit:.1f} s (elapsed "
+            f"{work._elapsed():.1f} s); NCCL communicator aborted"
+        )
         try:
             self._comm.abort()
         except Exception:  # already broken: the abort is best effort
             pass
-        with self._lock:
-            for work in self._pending:
-                work._error = error
-            self._pending.clear()
+        return error
 
     # ------------------------------------------------------------------ collectives
     def _stream_task(
@@ -328,7 +257,7 @@ class NcclCommunicator(Communicator):
         launch: Callable[[int], None],
     ) -> Task:
         """A task that enqueues ``launch`` on the communication stream and returns its
-        :class:`NcclWork` (the stream orders the collectives; the event completes them)."""
+        :class:`EventWork` (the stream orders the collectives; the event completes them)."""
         return Task(op, output, partial(self._enqueue, op, output, keep, launch))
 
     def _impl_all_reduce(self, tensor, op):
@@ -388,7 +317,7 @@ class NcclCommunicator(Communicator):
         )
 
     def _impl_barrier(self):
-        def run() -> NcclWork:
+        def run() -> EventWork:
             one = torch.ones(1, device=self._device)
             work = self._impl_all_reduce(one, ReduceOp.SUM).run()
             work.synchronize()  # a barrier is a host-side promise
@@ -425,6 +354,7 @@ class NcclCommunicator(Communicator):
         return NcclCommunicator(store, rank, size, timeout, device=self._device)
 
     def _impl_close(self) -> None:
+        self._watchdog.close()
         self.stream.synchronize()
         try:
             self._comm.destroy()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["PremulSum", "ReduceOp", "SUPPORTED_DTYPES", "divide_"]
+__all__ = ["Capabilities", "PremulSum", "ReduceOp", "SUPPORTED_DTYPES", "divide_"]
 
 
 class ReduceOp(enum.Enum):
@@ -114,3 +114,39 @@ def divide_(tensor: torch.Tensor, size: int) -> None:
         tensor.div_(size)
     else:
         tensor.div_(size, rounding_mode="trunc")
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a communicator can do, as data: DDP and the torch.distributed adapter ask these
+    instead of naming backends.
+
+    Every field describes the communicator's own transport; what it hands to a fallback (CUDA
+    tensors on ``shm``, say) is the fallback's to declare (:meth:`Communicator.route`).
+    """
+
+    devices: frozenset[str] = frozenset({"cpu"})
+    """Device types whose tensors it moves itself (``"cpu"``, ``"cuda"``)."""
+
+    all_reduce_devices: frozenset[str] = frozenset()
+    """Device types it moves for ``all_reduce`` only, beyond ``devices`` (``ipc``'s CUDA
+    transport)."""
+
+    sparse_all_reduce: bool = False
+    """Reduces sparse COO tensors natively; elsewhere ``all_reduce`` densifies them, reduces,
+    and makes the result sparse again (same values, more bytes)."""
+
+    layout_free: bool = False
+    """An ``all_reduce`` gives each element a value that does not depend on where the element
+    sits in the tensor (the ranks' terms are combined in one fixed order for every element, or
+    there are only two terms): reducing gradients one by one gives the bits of reducing them
+    packed into one buffer."""
+
+    premul_dtypes: frozenset[torch.dtype] = frozenset()
+    """Dtypes whose :class:`PremulSum` it folds into the reduction (no pass of its own, the
+    bits of ``mul_`` then ``SUM``); others are multiplied first."""
+
+    in_place: bool = True
+    """``all_gather`` and ``all_to_all`` accept an output that overlaps the input (torch's
+    ``all_gather_into_tensor`` with the input a slice of the output, as FSDP2 calls it);
+    elsewhere the input is copied first. An overlapping ``reduce_scatter`` is always staged."""

@@ -34,6 +34,7 @@ import os
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -42,14 +43,15 @@ from .base import Communicator
 from .hier import HierCommunicator
 from .nccl import NcclCommunicator, cupy_nccl, nccl_version
 from .pg.gloo import GlooCommunicator
-from .pg.torch_pg import group_store
-from .shm import ShmCommunicator, shm_available
-from .shm.segment import host_id
-from .store import DEFAULT_TIMEOUT, Store
+from .pg.torch_pg import TorchPGCommunicator, group_store
+from .shm import ShmCommunicator, ShmOptions, shm_available
+from .store import DEFAULT_TIMEOUT, Store, as_timedelta
+from .topology import HostLayout
 
 __all__ = [
-    "init", "get_world", "shutdown", "new_communicator", "is_initialized", "BACKENDS",
-    "NcclFit", "nccl_fit", "cuda_device_count", "detected_nccl_version", "local_shm_communicator",
+    "init", "get_world", "shutdown", "new_communicator", "communicator_for", "is_initialized",
+    "BACKENDS", "NcclFit", "nccl_fit", "cuda_device_count", "detected_nccl_version",
+    "group_communicator",
 ]
 
 BACKENDS = ("gloo", "nccl", "shm", "hier", "ipc")
@@ -257,19 +259,6 @@ def _check_nccl_device(rank: int, world_size: int, device) -> int | torch.device
     return device
 
 
-def choose_cpu_backend(hosts: list[str]) -> str:
-    """``shm`` for one host, ``hier`` for several hosts with a shared one, else ``gloo``.
-
-    Args:
-        hosts: every rank's host identity, in rank order.
-    """
-    if len(set(hosts)) == 1:
-        return "shm"
-    if len(hosts) > len(set(hosts)):
-        return "hier"
-    return "gloo"
-
-
 def new_communicator(
     backend: str,
     *,
@@ -278,27 +267,164 @@ def new_communicator(
     size: int,
     timeout: float | timedelta | None = None,
     device: torch.device | int | None = None,
+    fallback: bool = True,
+    options: ShmOptions | None = None,
 ) -> Communicator:
-    """Builds a communicator of ``backend`` on ``store`` (a namespace private to it).
+    """Builds a communicator of ``backend`` on ``store`` (a namespace private to it), with the
+    parts it composes: the one place that builds backends.
+
+    - ``gloo``, ``nccl``: alone.
+    - ``shm``: with a Gloo fallback for CUDA tensors (unless ``fallback=False``).
+    - ``hier``: this host's ``shm``, the leaders' Gloo and a flat Gloo over every rank (its
+      fallback), from the ranks' host layout (a store exchange).
+    - ``ipc``: a ``shm`` communicator reducing with the ``peer_reduce`` kernel, and a Gloo
+      fallback for CUDA ops other than ``all_reduce`` (unless ``fallback=False``).
+
+    Sub-communicators (``split``) are built the same way (the communicator's ``make_child``).
+
+    Args:
+        backend: one of :data:`BACKENDS`.
+        store, rank, size, timeout: as for every communicator.
+        device: NCCL's CUDA device.
+        fallback: build the Gloo fallback of ``shm`` and ``ipc``.
+        options: the shared-memory tuning of ``shm``, ``ipc`` and ``hier``'s host part.
 
     Raises:
         ValueError: unknown backend.
     """
+    timeout = as_timedelta(timeout, DEFAULT_TIMEOUT)
+
+    def gloo(at: Store) -> GlooCommunicator:
+        return GlooCommunicator(at, rank, size, timeout)
+
     if backend == "gloo":
-        return GlooCommunicator(store, rank, size, timeout)
-    if backend == "nccl":
-        return NcclCommunicator(store, rank, size, timeout, device=device)
-    if backend == "shm":
-        return ShmCommunicator(store, rank, size, timeout)
-    if backend == "hier":
-        return HierCommunicator(store, rank, size, timeout)
-    if backend == "ipc":
+        comm = gloo(store)
+    elif backend == "nccl":
+        comm = NcclCommunicator(store, rank, size, timeout, device=device)
+    elif backend == "shm":
+        side = gloo(store.prefixed("fallback")) if fallback else None
+        comm = ShmCommunicator(store, rank, size, timeout, options=options, fallback=side)
+    elif backend == "hier":
+        comm = _build_hier(store, rank, size, timeout, options)
+    elif backend == "ipc":
         # deliberately lazy: ipc loads Triton (its peer_reduce kernel), which no other backend
         # needs, so only a job that picks ipc pays for it
-        from .ipc import IpcCommunicator
+        from .ipc import IpcCommunicator, cpu_reduction
 
-        return IpcCommunicator(store, rank, size, timeout)
-    raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)} or None")
+        reduce = cpu_reduction()  # before any setup: a misconfigured FASTCOMM_KERNELS raises
+        cpu = ShmCommunicator(
+            store.prefixed("cpu"), rank, size, timeout, options=options, reduce=reduce
+        )
+        side = gloo(store.prefixed("fallback")) if fallback else None
+        comm = IpcCommunicator(store, rank, size, timeout, cpu=cpu, fallback=side)
+    else:
+        raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)} or None")
+    comm.make_child = partial(_child, backend, device, fallback, options)
+    return comm
+
+
+def _child(backend, device, fallback, options, store, rank, size, timeout) -> Communicator:
+    """A sub-communicator of a ``backend`` communicator (its ``make_child``)."""
+    return new_communicator(
+        backend, store=store, rank=rank, size=size, timeout=timeout, device=device,
+        fallback=fallback, options=options,
+    )
+
+
+def _build_hier(
+    store: Store, rank: int, size: int, timeout: timedelta, options: ShmOptions | None
+) -> HierCommunicator:
+    """``hier``'s parts, from the host layout (see :mod:`fastcomm.comm.hier`)."""
+    layout = HostLayout.exchange(store, "hier/hosts", rank, size, timeout)
+    local = layout.local
+    intra = leaders = None
+    if len(local) > 1:
+        intra = ShmCommunicator(
+            store.prefixed(f"hier/host{layout.host}", rank=layout.local_rank),
+            layout.local_rank, len(local), timeout, options=options,
+        )
+    if layout.is_leader and layout.num_hosts > 1:
+        leaders = GlooCommunicator(
+            store.prefixed("hier/leaders", rank=layout.host), layout.host, layout.num_hosts,
+            timeout,
+        )
+    flat = GlooCommunicator(store.prefixed("hier/world"), rank, size, timeout)
+    return HierCommunicator(
+        store, rank, size, timeout, layout=layout, intra=intra, leaders=leaders, flat=flat
+    )
+
+
+def communicator_for(
+    store: Store,
+    rank: int,
+    size: int,
+    timeout: float | timedelta | None = None,
+    *,
+    backend: str | None = None,
+    device: torch.device | int | None = None,
+) -> Communicator:
+    """The communicator :func:`init` would build on ``store`` for these ranks.
+
+    A collective call: every rank calls it with its own ``rank``. With ``backend=None`` the
+    choice follows the module docstring (``FASTCOMM_BACKEND``, NCCL where every local rank
+    owns a GPU and ``device`` is not CPU, ``ipc`` where ranks share GPUs, else by host layout:
+    ``shm``, ``hier`` or ``gloo``).
+
+    Args:
+        store: a namespace private to the communicator, the same on every rank.
+        rank: this process's rank in ``[0, size)``.
+        size: number of ranks.
+        timeout: limit for setup and for every collective.
+        backend: a backend name, or ``None`` to choose.
+        device: where this rank's tensors live (see :func:`init`).
+
+    Raises:
+        ValueError: unknown backend, or ``backend="nccl"`` with a CPU ``device``.
+        RuntimeError: ``backend="nccl"`` where this rank cannot have a GPU.
+    """
+    return _build_planned(store, rank, size, timeout, _plan(rank, size, backend, device))
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """A backend choice made before any store exchange (see :func:`_plan`)."""
+
+    backend: str
+    device: torch.device | int | None
+    fit: NcclFit | None
+    by_hosts: bool  # an automatic shm/ipc, still to be narrowed by the host layout
+
+
+def _plan(rank: int, size: int, backend: str | None, device) -> _Plan:
+    """The backend and device :func:`communicator_for` will build, checked before anything
+    connects (so a bad request fails fast, naming the rank)."""
+    # only an automatic choice of shm is narrowed by host layout; an explicit or forced one is kept
+    auto = backend is None and not os.environ.get("FASTCOMM_BACKEND", "").strip()
+    cpu_tensors = device is not None and not isinstance(device, int) and (
+        torch.device(device).type == "cpu"
+    )
+    fit = None
+    if backend is None:
+        backend, fit = _pick_backend(size, cpu_tensors)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)} or None")
+    if backend == "nccl" and cpu_tensors:
+        raise ValueError(f"rank {rank}: backend='nccl' moves CUDA tensors, got device={device!r}")
+    if backend == "nccl":
+        device = _check_nccl_device(rank, size, device)
+    return _Plan(backend, device, fit, auto and backend in ("shm", "ipc") and size > 1)
+
+
+def _build_planned(store: Store, rank: int, size: int, timeout, plan: _Plan) -> Communicator:
+    timeout = as_timedelta(timeout, DEFAULT_TIMEOUT)
+    backend = plan.backend
+    if plan.by_hosts:
+        layout = HostLayout.exchange(store, "init/hosts", rank, size, timeout).backend()
+        backend = layout if layout != "shm" else backend  # ipc, like shm, needs one host
+    _say_choice(backend, plan.fit)
+    return new_communicator(
+        backend, store=store, rank=rank, size=size, timeout=timeout, device=plan.device
+    )
 
 
 def init(
@@ -340,21 +466,7 @@ def init(
     rank = _env_int("RANK", 0 if world_size == 1 else None) if rank is None else rank
     if not 0 <= rank < world_size:
         raise ValueError(f"RANK={rank} out of range for WORLD_SIZE={world_size}")
-    # only an automatic choice of shm is narrowed by host layout; an explicit or forced one is kept
-    auto = backend is None and not os.environ.get("FASTCOMM_BACKEND", "").strip()
-    cpu_tensors = device is not None and not isinstance(device, int) and (
-        torch.device(device).type == "cpu"
-    )
-    fit = None
-    if backend is None:
-        backend, fit = _pick_backend(world_size, cpu_tensors)
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)} or None")
-    if backend == "nccl" and cpu_tensors:
-        raise ValueError(f"rank {rank}: backend='nccl' moves CUDA tensors, got device={device!r}")
-    if backend == "nccl":
-        device = _check_nccl_device(rank, world_size, device)
-
+    plan = _plan(rank, world_size, backend, device)
     if store is None:
         if dist.is_available() and dist.is_initialized():
             base = Store(
@@ -378,14 +490,7 @@ def init(
         _WORLD_STORE = base
         _INIT_COUNT += 1
         store = base.prefixed(f"fastcomm/world{_INIT_COUNT}", rank=rank)
-    if auto and backend in ("shm", "ipc") and world_size > 1:
-        hosts = store.all_gather_object("init/hosts", rank, world_size, host_id(), timeout)
-        layout = choose_cpu_backend(hosts)
-        backend = layout if layout != "shm" else backend  # ipc, like shm, needs one host
-    _say_choice(backend, fit)
-    _WORLD = new_communicator(
-        backend, store=store, rank=rank, size=world_size, timeout=timeout, device=device
-    )
+    _WORLD = _build_planned(store, rank, world_size, timeout, plan)
     return _WORLD
 
 
@@ -414,32 +519,56 @@ def shutdown() -> None:
     _WORLD_STORE = None
 
 
-def local_shm_communicator(
-    process_group: dist.ProcessGroup | None = None, timeout: float | timedelta | None = None
-) -> ShmCommunicator | None:
-    """A shared-memory communicator over the ranks of a torch group that all run on this host.
+def group_communicator(
+    process_group: dist.ProcessGroup | None = None,
+    *,
+    cpu_only: bool = False,
+    timeout: float | timedelta | None = None,
+) -> Communicator:
+    """The communicator that reduces over a torch group's ranks, for code written against
+    fastcomm (``fastcomm.ddp.DDP``, the comm hooks).
 
-    A collective call (every member calls it, in the same order as the group's other
-    collectives): the members exchange their host identity through the group's store, and when
-    they share one host they set up a :class:`~fastcomm.comm.shm.ShmCommunicator` on that
-    store (CPU tensors only, no Gloo fallback). The result is cached per group, so every DDP
-    of the process shares one segment. It is closed when the group is destroyed (and garbage
-    collected) or at interpreter exit; its segment never stays in ``/dev/shm`` (it is unlinked
-    once every rank has mapped it).
+    - A group of the ``fastcomm`` torch backend: the communicator it already runs on.
+    - With ``cpu_only`` (the caller's tensors are all on CPU), a group whose ranks all run on
+      this host: a shared-memory communicator on the group's store, cached per group (every
+      DDP of the process shares one segment), closed when the group is destroyed or at exit.
+      ``FASTCOMM_BACKEND`` naming another backend opts out.
+    - Otherwise the group itself, adapted (:class:`~.pg.torch_pg.TorchPGCommunicator`).
+
+    A collective call when it may build the shared-memory communicator (the members exchange
+    their host identity through the group's store): every member calls it, in the same order
+    as the group's other collectives.
 
     Args:
         process_group: the group; ``None`` means ``torch.distributed``'s default group.
+        cpu_only: the tensors reduced over it are CPU tensors.
         timeout: limit for setup and for every operation (default: fastcomm's default).
-
-    Returns:
-        The communicator, or ``None`` when the members span hosts, this platform has no
-        ``/dev/shm``, or ``FASTCOMM_BACKEND`` names another backend.
     """
+    if process_group is None:
+        process_group = dist.distributed_c10d._get_default_group()
+    own = getattr(process_group, "communicator", None)
+    if isinstance(own, Communicator):  # a group of the fastcomm backend: no second wrap
+        return own
+    if cpu_only:
+        shm = _local_shm(process_group, timeout)
+        if shm is not None:
+            return shm
+    comm = TorchPGCommunicator(process_group, timeout)
+    cuda = comm.device.type == "cuda"
+    comm.make_child = partial(
+        _child, "nccl" if cuda else "gloo", comm.device if cuda else None, True, None
+    )
+    return comm
+
+
+def _local_shm(
+    process_group: dist.ProcessGroup, timeout: float | timedelta | None
+) -> ShmCommunicator | None:
+    """``group_communicator``'s shared-memory case, or ``None`` when the members span hosts,
+    this platform has no ``/dev/shm`` or ``FASTCOMM_BACKEND`` names another backend."""
     forced = os.environ.get("FASTCOMM_BACKEND", "").strip().lower()
     if forced and forced != "shm":
         return None
-    if process_group is None:
-        process_group = dist.distributed_c10d._get_default_group()
     if process_group in _LOCAL_SHM:
         comm = _LOCAL_SHM[process_group]
         if comm is None or not comm.closed:
@@ -449,12 +578,10 @@ def local_shm_communicator(
         return None
     rank, size = process_group.rank(), process_group.size()
     store = group_store(process_group, rank, timeout)
-    hosts = store.all_gather_object("shm/hosts", rank, size, host_id(), store.timeout)
+    layout = HostLayout.exchange(store, "shm/hosts", rank, size, store.timeout)
     comm = None
-    if len(set(hosts)) == 1:
-        comm = ShmCommunicator(
-            store.prefixed("shm", rank=rank), rank, size, timeout, fallback=False
-        )
+    if layout.num_hosts == 1:
+        comm = ShmCommunicator(store.prefixed("shm", rank=rank), rank, size, timeout)
         weakref.finalize(process_group, comm.close)
     _LOCAL_SHM[process_group] = comm
     return comm

@@ -35,22 +35,17 @@ def resolve_comm(comm, process_group, module: nn.Module | None = None) -> Commun
         if not isinstance(comm, Communicator):
             raise TypeError(f"comm must be a fastcomm Communicator, got {type(comm).__name__}")
         return comm
-    from fastcomm.comm.pg.torch_pg import TorchPGCommunicator
+    from fastcomm.comm import group_communicator
 
     if process_group is not None:
-        return TorchPGCommunicator(process_group)
+        return group_communicator(process_group)
     import fastcomm
 
     if fastcomm.is_initialized():
         return fastcomm.get_world()
     if dist.is_available() and dist.is_initialized():
-        if module is not None and all(p.device.type == "cpu" for p in module.parameters()):
-            from fastcomm.comm.world import local_shm_communicator
-
-            shm = local_shm_communicator(None)
-            if shm is not None:
-                return shm
-        return TorchPGCommunicator(None)
+        cpu_only = module is not None and all(p.device.type == "cpu" for p in module.parameters())
+        return group_communicator(None, cpu_only=cpu_only)
     raise RuntimeError(
         "fastcomm DDP needs a communicator: call torch.distributed.init_process_group(...) or "
         "fastcomm.init() first, or pass comm= (a fastcomm communicator) or process_group="

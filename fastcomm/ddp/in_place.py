@@ -4,18 +4,18 @@ The default reduction of a bucket costs two passes over its gradients besides th
 the pack into the bucket's flat buffer (averaging folded in) and the unpack back into ``.grad``.
 For a gradient of ``IN_PLACE_MIN_BYTES`` or more, a collective of its own costs less than the
 unpack's pass, so a CPU bucket that holds such gradients reduces each of them in place (scaled
-by a ``PremulSum`` all-reduce: the multiply the pack would fold in, which the ``shm``
-communicator folds into its reduction, and every other backend runs as ``mul_`` before a
-``SUM``) and packs only its small gradients, into a staging buffer of their own reduced by one
-collective. The unpack then copies only the small ones.
+by a ``PremulSum`` all-reduce: the multiply the pack would fold in, which a communicator that
+declares the dtype in ``capabilities.premul_dtypes`` folds into its reduction, and every other
+runs as ``mul_`` before a ``SUM``) and packs only its small gradients, into a staging buffer of
+their own reduced by one collective. The unpack then copies only the small ones.
 
 Same results: every element is still ``sum over ranks of (grad * scale)`` with the same scale
-and the same reduction order, because the in-place path is taken only where the reduced value
-of an element does not depend on where it sits in the buffer: two ranks (one addition, which
-commutes), or the shm communicator at any size (it sums the ranks' terms in rank order whatever
-the layout). Gloo at three or more ranks sums in an order that depends on the element's place in
-the ring's chunks, so there the bucket is packed as torch DDP packs it, keeping its results
-bit-identical to torch's.
+and the same reduction order, because the in-place path is taken only where the communicator
+declares ``capabilities.layout_free``: the reduced value of an element does not depend on where
+it sits in the buffer (two ranks: one addition, which commutes; shm at any size: the ranks'
+terms in rank order whatever the layout). Gloo at three or more ranks sums in an order that
+depends on the element's place in the ring's chunks, so there the bucket is packed as torch DDP
+packs it, keeping its results bit-identical to torch's.
 
 Same collectives on every rank: which ones a bucket issues, and their ops, depend only on its
 parameters' sizes, never on this rank's gradients or scale (a joined rank's zeros go out as a
@@ -47,11 +47,6 @@ IN_PLACE_MIN_BYTES = 1 << 20
 _SAME_SCALING_DTYPES = (torch.float32, torch.float64)
 
 
-def layout_free(comm) -> bool:
-    """Whether `comm`'s all-reduce gives every element the same value wherever it sits."""
-    return comm.size == 2 or getattr(comm, "backend", "") == "shm"
-
-
 class InPlacePlan:
     """Which of a bucket's gradients are reduced in place, and the staging of the others.
 
@@ -81,7 +76,7 @@ def in_place_plan(bucket: Bucket, comm) -> InPlacePlan | None:
         bucket.sparse
         or bucket.device.type != "cpu"
         or bucket.dtype not in _SAME_SCALING_DTYPES
-        or not layout_free(comm)
+        or not comm.capabilities.layout_free
     ):
         return None
     esize = bucket.flat.element_size()

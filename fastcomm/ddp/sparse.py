@@ -6,11 +6,10 @@ its gradient is allreduced as a sparse COO tensor. Sparse buckets launch after t
 (same order on every rank): an embedding is usually the first layer, whose gradient arrives
 last, so the dense buckets never wait for it.
 
-Transport: a communicator over a torch ``ProcessGroup`` (Gloo, a torch group adapted) moves
-the sparse tensor itself (``torch.distributed.all_reduce`` supports sparse COO on Gloo). The
-others (shm, hier, NCCL through CuPy) move dense buffers only: the gradient is densified,
-allreduced, and made sparse again (rows that are zero after the reduction are dropped), so
-``.grad`` keeps its sparse layout either way.
+Transport: ``Communicator.all_reduce`` takes the sparse COO gradient and replaces it with the
+sum: natively where the communicator declares ``capabilities.sparse_all_reduce`` (Gloo), else
+densified, allreduced and made sparse again (rows that are zero after the reduction are
+dropped), so ``.grad`` keeps its sparse layout either way.
 
 A comm hook receives the sparse gradient as ``bucket.buffer()`` (unscaled, as torch's) and its
 future's value becomes ``.grad``.
@@ -22,6 +21,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+
+from fastcomm.comm import Work
 
 from .bucket import Bucket, assign_buckets, empty_sparse_like
 
@@ -87,52 +88,21 @@ def build_buckets(
     return buckets
 
 
-class _SparseWork:
-    """A sparse allreduce in flight: ``wait()`` gives the reduced sparse tensor."""
-
-    __slots__ = ("_work", "_dense", "_grad", "_comm", "_timeout")
-
-    def __init__(self, work, dense, grad, comm, timeout) -> None:
-        self._work, self._dense, self._grad = work, dense, grad
-        self._comm, self._timeout = comm, timeout
-
-    def wait(self) -> torch.Tensor:
-        if self._dense is not None:  # densified over a dense-only communicator
-            self._work.wait()
-            return self._dense.to_sparse(self._grad.sparse_dim())
-        if not self._work.wait(self._timeout):
-            raise RuntimeError(
-                f"rank {self._comm.rank}: sparse all_reduce did not complete within "
-                f"{self._timeout}"
-            )
-        return self._grad.coalesce()
-
-    def get_future(self) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(self.wait())
-        return fut
-
-
-def sparse_all_reduce(comm, grad: torch.Tensor, scale: float) -> _SparseWork:
-    """Starts the allreduce of the sparse `grad` times `scale` over `comm` (see module doc)."""
+def sparse_all_reduce(comm, grad: torch.Tensor, scale: float) -> tuple[Work, torch.Tensor]:
+    """Starts the allreduce of the sparse `grad` times `scale` over `comm`: its ``Work`` and
+    the tensor that holds the sum once it is done (see the module docstring)."""
     grad = grad.coalesce() if not grad.is_coalesced() else grad
     if scale != 1.0:
         grad = grad * scale
-    pg = getattr(comm, "process_group", None)
-    if pg is not None and "gloo" in getattr(comm, "pg_backend", comm.backend):
-        import torch.distributed as dist
-
-        work = pg.allreduce([grad], dist.AllreduceOptions())  # reduces `grad` in place
-        return _SparseWork(work, None, grad, comm, comm.timeout)
-    dense = grad.to_dense()
-    work = comm.all_reduce(dense, async_op=True)
-    return _SparseWork(work, dense, grad, comm, None)
+    return comm.all_reduce(grad, async_op=True), grad
 
 
 def wait_sparse(result, bucket: SparseBucket, hook) -> torch.Tensor:
     """The reduced gradient of a sparse bucket: its allreduce's, or its comm hook future's."""
-    if isinstance(result, _SparseWork):
-        return result.wait()
+    if isinstance(result, tuple):  # (Work, the tensor it reduces): no comm hook
+        work, grad = result
+        work.wait()
+        return grad.coalesce()
     if not isinstance(result, torch._C.Future):
         raise TypeError(
             f"comm hook {getattr(hook, '__name__', hook)!r} returned {type(result).__name__} "
@@ -150,6 +120,6 @@ def wait_sparse(result, bucket: SparseBucket, hook) -> torch.Tensor:
     return value if value.is_sparse else value.view(p.shape)
 
 
-def shadow_sparse(comm, bucket: SparseBucket) -> _SparseWork:
+def shadow_sparse(comm, bucket: SparseBucket) -> Work:
     """A joined rank's side of a sparse bucket's allreduce: a zero gradient."""
-    return sparse_all_reduce(comm, empty_sparse_like(bucket.params[0]), 1.0)
+    return sparse_all_reduce(comm, empty_sparse_like(bucket.params[0]), 1.0)[0]

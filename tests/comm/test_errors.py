@@ -139,7 +139,7 @@ def test_peer_killed_others_raise(pool, backend, unique_name):
 def check_cuda_tensors_go_through_gloo(backend):
     comm = rank_comm(backend)
     n = comm.size
-    gloo = comm.fallback if backend == "shm" else comm.world
+    gloo = comm.fallback
     assert comm.route("cuda") is gloo and gloo.backend == "gloo"
     t = torch.full((1031,), comm.rank + 1.0, device="cuda")
     comm.all_reduce(t, op="avg")
@@ -172,7 +172,7 @@ def check_reduce_through_the_fallback(name):
     """shm's reduce of tensors it hands to Gloo (CUDA ones on a GPU machine), run here on CPU
     tensors by routing them the same way: the root gets the result, the others keep theirs."""
     comm = fresh_comm("shm", name)
-    comm.route = lambda device, op=None: comm.fallback
+    comm._target = lambda tensor, op: comm.fallback
     n = comm.size
     for op, on_root in (("sum", n * (n + 1) / 2), ("avg", (n + 1) / 2), ("max", float(n))):
         t = torch.full((5,), comm.rank + 1.0)

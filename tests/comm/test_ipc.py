@@ -46,18 +46,19 @@ OP_TIMEOUT = 2.0  # where the timeout is the thing tested
 # ------------------------------------------------------------------ rank side
 def ipc_comm():
     """A cached ipc communicator with 4 KiB slots over all ranks of the pool."""
-    from fastcomm.comm import IpcCommunicator, ShmOptions
+    from fastcomm.comm import ShmOptions, new_communicator
 
     comm = STATE.get("ipc-small")
     if comm is None or comm.closed:
         torch.set_num_threads(1)  # 4 ranks on 2 cores: no intra-op threads competing
         STATE["gen"] = STATE.get("gen", 0) + 1
         rank = int(os.environ["RANK"])
-        comm = STATE["ipc-small"] = IpcCommunicator(
-            rank_store().prefixed(f"ipc-small-{STATE['gen']}", rank=rank),
-            rank,
-            int(os.environ["WORLD_SIZE"]),
-            30.0,
+        comm = STATE["ipc-small"] = new_communicator(
+            "ipc",
+            store=rank_store().prefixed(f"ipc-small-{STATE['gen']}", rank=rank),
+            rank=rank,
+            size=int(os.environ["WORLD_SIZE"]),
+            timeout=30.0,
             options=ShmOptions(**SMALL),
         )
     return comm
@@ -136,7 +137,7 @@ def check_other_reductions():
         t = ints[rank].clone()
         comm.all_reduce(t, op=op)
         assert torch.equal(t, reduce_reference(ints, op)), f"int32 {op.name} on rank {rank}"
-    return comm._schedules.reduce.__name__
+    return comm.cpu._schedules.reduce.__name__
 
 
 def check_other_collectives():

@@ -117,7 +117,7 @@ def check_matches_mul_then_sum(backend, world, layout, dtype, factors):
         work.wait()
         assert torch.equal(async_copy, plain), numel
         results.append(fused)
-    return results, calls[0] - before, comm._fuses_premul(torch.empty(1, dtype=dtype))
+    return results, calls[0] - before, dtype in comm.capabilities.premul_dtypes
 
 
 def check_rejected_before_anything_is_sent(backend):

@@ -421,24 +421,24 @@ def test_mismatched_collectives_raise(pool, unique_name):
 
 def test_route_sends_cuda_tensors_to_the_gloo_fallback_and_says_so(caplog):
     """The per-device decision, on any machine (the CUDA collectives themselves are in
-    test_errors' GPU test)."""
-    from fastcomm.comm import HierCommunicator, Store
+    test_errors' GPU test): taken from the communicators' capabilities."""
+    from fastcomm.comm import Store, new_communicator
 
     store = Store(is_server=True, timeout=30, rank=0)
-    shm = ShmCommunicator(store.prefixed("shm"), 0, 1, 30)
-    bare = ShmCommunicator(store.prefixed("bare"), 0, 1, 30, fallback=False)
-    hier = HierCommunicator(store.prefixed("hier"), 0, 1, 30)
+    shm = new_communicator("shm", store=store.prefixed("shm"), rank=0, size=1, timeout=30)
+    bare = ShmCommunicator(store.prefixed("bare"), 0, 1, 30)
+    hier = new_communicator("hier", store=store.prefixed("hier"), rank=0, size=1, timeout=30)
     try:
         with caplog.at_level("INFO", logger="fastcomm"):
             assert shm.route("cpu") is shm and hier.route(torch.device("cpu")) is hier
             assert shm.route("cuda") is shm.fallback and shm.fallback.backend == "gloo"
             assert shm.route("cuda:0") is shm.fallback  # said once per communicator
-            assert hier.route("cuda") is hier.world and hier.world.backend == "gloo"
+            assert hier.route("cuda") is hier.flat and hier.flat.backend == "gloo"
         said = [r.getMessage() for r in caplog.records if r.name == "fastcomm"]
         assert len(said) == 2, said
-        assert "cuda tensors go through its Gloo fallback" in said[0], said
-        assert "cuda tensors go through its flat Gloo communicator" in said[1], said
-        with pytest.raises(ValueError, match="fallback=False"):
+        assert "cuda tensors go through its gloo fallback" in said[0], said
+        assert "hier communicator" in said[1] and "gloo fallback" in said[1], said
+        with pytest.raises(ValueError, match="no route for tensors on cuda.*no fallback"):
             bare.route("cuda")
         with pytest.raises(ValueError, match="no route for tensors on meta"):
             shm.route("meta")
@@ -483,7 +483,7 @@ def test_automatic_spin_stops_while_the_host_is_crowded(monkeypatch, spin_us):
     load = [0.0]
     monkeypatch.setattr(_shm_sync.os, "getloadavg", lambda: (load[0], 0.0, 0.0))
     store = Store(is_server=True, timeout=10)
-    comm = ShmCommunicator(store.prefixed("spin", rank=0), 0, 1, 10.0, fallback=False,
+    comm = ShmCommunicator(store.prefixed("spin", rank=0), 0, 1, 10.0,
                            options=ShmOptions(spin_us=spin_us))
     try:
         sync = comm._flags

@@ -119,7 +119,7 @@ def check_close_right_after_a_collective_a_peer_still_waits_in(name):
 
     rank = int(os.environ["RANK"])
     comm = ShmCommunicator(
-        rank_store().prefixed(name, rank=rank), rank, 2, TIMEOUT, options=options, fallback=False
+        rank_store().prefixed(name, rank=rank), rank, 2, TIMEOUT, options=options
     )
     comm.barrier()
     t = torch.full((4,), 7.0) if rank == 0 else torch.zeros(4)

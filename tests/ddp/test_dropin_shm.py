@@ -63,13 +63,14 @@ def check_closed_with_its_group():
     """A group's shm communicator closes when the group is destroyed, and leaves no file."""
     import torch.distributed as dist
 
+    from fastcomm.comm import ShmCommunicator, group_communicator
     from fastcomm.comm.shm.segment import PREFIX, SHM_DIR
-    from fastcomm.comm.world import local_shm_communicator
 
     init_torch_dist()
     group = dist.new_group([0, 1])
-    comm = local_shm_communicator(group, timeout=30)
-    assert comm is not None and local_shm_communicator(group) is comm, "cached per group"
+    comm = group_communicator(group, cpu_only=True, timeout=30)
+    assert isinstance(comm, ShmCommunicator), comm
+    assert group_communicator(group, cpu_only=True) is comm, "cached per group"
     t = torch.full((5,), float(comm.rank + 1))
     comm.all_reduce(t)
     assert torch.equal(t, torch.full((5,), 3.0))

@@ -70,14 +70,16 @@ def check_plan_follows_layout_independence():
         assert plan.small == [k for k, is_large in enumerate(large) if not is_large]
         assert plan.staging.numel() == sum(params[k].numel() for k in plan.small)
 
-        class ThreeRanks:  # Gloo's ring order depends on the layout from three ranks on
-            size, backend = 3, "gloo"
+        from fastcomm.comm import Capabilities
 
-        class ThreeShmRanks:  # shm sums in rank order whatever the layout
-            size, backend = 3, "shm"
+        class Declares:  # the plan asks the communicator, never its name
+            def __init__(self, layout_free):
+                self.capabilities = Capabilities(layout_free=layout_free)
 
-        assert in_place.in_place_plan(bucket, ThreeRanks()) is None
-        assert in_place.in_place_plan(bucket, ThreeShmRanks()) is not None
+        assert gloo.capabilities.layout_free, "two terms commute"
+        # Gloo's ring order depends on the layout from three ranks on; shm's never does
+        assert in_place.in_place_plan(bucket, Declares(False)) is None
+        assert in_place.in_place_plan(bucket, Declares(True)) is not None
         half_params = list(build("mlp").half().parameters())
         half_bucket = Bucket(1, list(range(len(half_params))), half_params, names)
         assert in_place.in_place_plan(half_bucket, gloo) is None, "fp16 packs with the kernels"
@@ -122,7 +124,8 @@ def check_large_gradients_go_as_premul(backend: str, bucket_view: bool = False):
     assert_same_state(ours, theirs)
     premuls = [op for op in ops if isinstance(op, PremulSum)]
     assert premuls and all(op.factor == 0.5 for op in premuls), ops
-    return len(premuls), multiplies[0], comm._fuses_premul(ours.reducer.buckets[0].flat)
+    flat = ours.reducer.buckets[0].flat
+    return len(premuls), multiplies[0], flat.dtype in comm.capabilities.premul_dtypes
 
 
 def check_norm_from_write_back():

@@ -1,8 +1,9 @@
 """``ipc`` communicator: kernel collectives between the ranks of one node.
 
-The shm communicator's segment, flags and schedules, with one change on CPU tensors: every
-reduction is the Triton kernel :func:`fastcomm.kernels.peer_reduce`, reading the peers' slots
-at the addresses where this process mapped the segment (:func:`kernel_reduce`). As everywhere
+It composes what ``fastcomm.comm.world`` builds for it (this package imports no other
+backend): on CPU tensors, a shared-memory communicator (``cpu``) whose every reduction is the
+Triton kernel :func:`fastcomm.kernels.peer_reduce` (:func:`cpu_reduction`), reading the peers'
+slots at the addresses where this process mapped the segment (:func:`kernel_reduce`). As everywhere
 in ``fastcomm.kernels``, CPU tensors run the kernel's torch reference (:func:`reference_reduce`)
 unless ``FASTCOMM_KERNELS=triton`` (then Triton's interpreter, with ``TRITON_INTERPRET=1``: how
 the tests run it); the communicator reads that when it is built. Either way the numerics are
@@ -30,10 +31,9 @@ import torch
 from ...kernels._launch import fp32_scale, kernel_backend
 from ...kernels._peer_reduce import MAX_PEERS, PEER_DTYPES, peer_reduce, reduce_unchecked
 from ..base import Communicator
-from ..shm.communicator import ShmCommunicator, ShmOptions
-from ..shm.schedules import Reduction, torch_reduce
+from ..reduction import Reduction, torch_reduce
 from ..store import Store
-from ..types import ReduceOp
+from ..types import Capabilities, ReduceOp
 from ..work import Task, Work
 
 __all__ = ["IpcCommunicator", "cpu_reduction", "kernel_reduce", "reference_reduce"]
@@ -61,7 +61,7 @@ def kernel_reduce(out: torch.Tensor, terms: list[torch.Tensor], op: ReduceOp) ->
 
     ``srcs`` are ``terms`` in rank order (views of the slots in this process's mapping, and
     this rank's own tensor where a schedule reads it in place), ``dsts`` is ``[out]``. Cases
-    the kernel does not cover take :func:`~fastcomm.comm.shm.schedules.torch_reduce`.
+    the kernel does not cover take :func:`~fastcomm.comm.reduction.torch_reduce`.
     """
     name = _kernel_op(out, terms, op)
     if name is None:
@@ -94,24 +94,23 @@ def cpu_reduction() -> Reduction:
     return kernel_reduce if kernel_backend(torch.device("cpu")) == "triton" else reference_reduce
 
 
-class IpcCommunicator(ShmCommunicator):
+class IpcCommunicator(Communicator):
     """Kernel collectives for ranks on one node (see the module docstring).
-
-    :meth:`route` (inherited) names where every op but a CUDA ``all_reduce`` goes.
 
     Args:
         store: a store namespace private to this communicator.
         rank: this process's rank.
         size: number of ranks (all on this node).
         timeout: limit for setup and for every operation.
-        options: tuning of the shared-memory segment (:class:`ShmOptions`).
-        fallback: build a Gloo communicator beside it for CUDA tensors (all ops but
-            ``all_reduce``, and ``all_reduce`` too where the CUDA transport cannot be built).
+        cpu: the shared-memory communicator over the same ranks, built with
+            :func:`cpu_reduction` as its reduction: it moves every CPU tensor.
+        fallback: the communicator (Gloo) of every CUDA op but ``all_reduce``, and of
+            ``all_reduce`` too where the CUDA transport cannot be built or reduce the tensor
+            (``None``: those raise).
 
     Raises:
-        FastcommError: as for :class:`ShmCommunicator`.
         RuntimeError: ``FASTCOMM_KERNELS=triton`` but Triton cannot run on CPU tensors here
-            (checked now rather than in the first collective).
+            (checked by :func:`cpu_reduction`, which the builder calls first).
     """
 
     backend = "ipc"
@@ -123,16 +122,28 @@ class IpcCommunicator(ShmCommunicator):
         size: int,
         timeout: float | timedelta | None = None,
         *,
-        options: ShmOptions | None = None,
-        fallback: bool = True,
+        cpu: Communicator,
+        fallback: Communicator | None = None,
     ) -> None:
-        reduce = cpu_reduction()  # before any setup: a misconfigured FASTCOMM_KERNELS raises
-        super().__init__(
-            store, rank, size, timeout, options=options, fallback=fallback, reduce=reduce
+        super().__init__(store, rank, size, timeout, fallback=fallback)
+        if (cpu.rank, cpu.size) != (rank, size):
+            raise ValueError(f"cpu must span the same ranks, got rank {cpu.rank} of {cpu.size}")
+        self.cpu = cpu
+        # CPU tensors through `cpu`; CUDA all_reduce here (the transport, or the fallback for
+        # what it lacks); both reduce in rank order, so the results are layout free
+        self.capabilities = Capabilities(
+            all_reduce_devices=frozenset({"cuda"}), layout_free=True,
+            in_place=cpu.capabilities.in_place,
         )
         self._cuda = None  # the CUDA transport, once built
         self._cuda_device: torch.device | None = None
         self._cuda_tried = False
+        self._pid = os.getpid()
+
+    @property
+    def device(self) -> torch.device:
+        """CPU: the tensors this communicator moves through shared memory."""
+        return torch.device("cpu")
 
     @property
     def cuda_transport(self):
@@ -140,10 +151,35 @@ class IpcCommunicator(ShmCommunicator):
         ``all_reduce`` or where it could not be built)."""
         return self._cuda
 
-    def _new_child(self, store: Store, rank: int, size: int, timeout: timedelta):
-        return IpcCommunicator(
-            store, rank, size, timeout, options=self.options, fallback=self._fallback is not None
-        )
+    # ------------------------------------------------------------------ CPU: the shm part
+    def _sync_all_reduce(self, tensor: torch.Tensor, op) -> bool:
+        return tensor.is_cpu and self.cpu._sync_all_reduce(tensor, op)
+
+    def _impl_reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp) -> Task:
+        return self.cpu._impl_reduce(tensor, root, op)
+
+    def _impl_broadcast(self, tensor: torch.Tensor, src: int) -> Task:
+        return self.cpu._impl_broadcast(tensor, src)
+
+    def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Task:
+        return self.cpu._impl_all_gather(output, input)
+
+    def _impl_reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp
+    ) -> Task:
+        return self.cpu._impl_reduce_scatter(output, input, op)
+
+    def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Task:
+        return self.cpu._impl_all_to_all(output, input)
+
+    def _impl_send(self, tensor: torch.Tensor, dst: int) -> Task:
+        return self.cpu._impl_send(tensor, dst)
+
+    def _impl_recv(self, tensor: torch.Tensor, src: int) -> Task:
+        return self.cpu._impl_recv(tensor, src)
+
+    def _impl_barrier(self) -> Task:
+        return self.cpu._impl_barrier()
 
     # ------------------------------------------------------------------ CUDA all_reduce
     def _cuda_route(self, device: torch.device):
@@ -199,21 +235,19 @@ class IpcCommunicator(ShmCommunicator):
         )
         return None
 
-    def route(self, device: torch.device | str, op: str | None = None) -> Communicator:
-        """As :meth:`ShmCommunicator.route`, except that a CUDA ``all_reduce`` stays here
-        (:meth:`_impl_all_reduce` picks the CUDA transport or the Gloo fallback)."""
-        if op == "all_reduce" and torch.device(device).type == "cuda" and self.fallback is not None:
-            return self
-        return super().route(device, op)
-
     def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Task:
         if tensor.device.type != "cuda":
-            return super()._impl_all_reduce(tensor, op)
+            return self.cpu._impl_all_reduce(tensor, op)
         transport = None
         if tensor.dtype in _CUDA_DTYPES and op._name_ in _KERNEL_OPS:
             transport = self._cuda_route(tensor.device)
         if transport is None:
-            return super().route(tensor.device)._impl_all_reduce(tensor, op)
+            if self.fallback is None:
+                raise ValueError(
+                    f"{self._where()}: no route for a CUDA all_reduce of {tensor.dtype} "
+                    f"({op.name}): the CUDA transport does not take it and there is no fallback"
+                )
+            return self.fallback._impl_all_reduce(tensor, op)
 
         def enqueue() -> Work:
             work = transport.all_reduce(tensor, op)  # enqueued in the caller's stream order
@@ -225,8 +259,15 @@ class IpcCommunicator(ShmCommunicator):
         return Task("all_reduce", tensor, enqueue)  # issued at once: the stream orders it
 
     # ------------------------------------------------------------------ lifetime
+    def _new_child(self, store: Store, rank: int, size: int, timeout: timedelta):
+        raise TypeError(
+            "an ipc communicator's sub-communicators are built by fastcomm.comm.world "
+            "(make_child); build this one with fastcomm.comm.new_communicator('ipc', ...)"
+        )
+
     def _impl_close(self) -> None:
         if self._cuda is not None and os.getpid() == self._pid:  # not a fork()ed child's
             self._cuda.close()
             self._cuda = None
         super()._impl_close()
+        self.cpu.close()

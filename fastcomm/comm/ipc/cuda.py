@@ -39,10 +39,11 @@ Setup: after mapping, the ranks meet once at a barrier through the flags (it che
 mappings and compiles the signal kernel before the first collective).
 
 Timeouts: a barrier spins at most ``max_spins`` times (`max_spins_for` the timeout) and reads a
-stop word the host may set; a watchdog thread polls the pending collectives' events and, past
-the timeout, sets the stop word, so a rank that never arrives makes the others fail with
-`CommTimeoutError` naming the op, the elapsed time and the missing ranks. The transport then
-refuses further collectives.
+stop word the host may set; the watchdog (`fastcomm.comm.stream.StreamWatchdog`, NCCL's too)
+polls the pending collectives' events and, past the timeout, sets the stop word, so a rank that
+never arrives makes the others fail with `CommTimeoutError` naming the op, the elapsed time and
+the missing ranks. The transport then refuses further collectives. Each call returns an
+`EventWork` that also reads the barrier's report.
 """
 
 from __future__ import annotations
@@ -50,9 +51,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
-import threading
 import time
-from collections import deque
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import NamedTuple, Protocol
@@ -68,8 +67,8 @@ from ...kernels._peer_signal import (
     missing_ranks,
 )
 from ..errors import CommAbortedError, CommTimeoutError, FastcommError
-from ..nccl import NcclWork
 from ..store import Store, as_timedelta
+from ..stream import EventWork, StreamWatchdog
 from ..types import ReduceOp
 
 __all__ = [
@@ -424,13 +423,11 @@ class CudaIpcTransport:
         self.stream = torch.cuda.Stream(self.device)
         self._future_stream = torch.cuda.Stream(self.device)
         self._caller_ready = torch.cuda.Event()
-        self._pending: deque = deque()
-        self._lock = threading.Lock()
         self._ops = _CudaOps(self)
-        self._watchdog = threading.Thread(
-            target=self._watch, name=f"fastcomm-ipc-cuda-watchdog-r{rank}", daemon=True
+        self._watchdog = StreamWatchdog(
+            f"fastcomm-ipc-cuda-watchdog-r{rank}", self.timeout.total_seconds(), 0.01,
+            self._stuck, check=self._barrier_report,
         )
-        self._watchdog.start()
         self._first_barrier()
 
     def _first_barrier(self) -> None:
@@ -489,7 +486,7 @@ class CudaIpcTransport:
         """
         op = check_all_reduce(tensor, op, self.device)
         self._raise_if_unusable("all_reduce")
-        with self._lock, torch.cuda.device(self.device):
+        with self._watchdog.lock, torch.cuda.device(self.device):
             # planned under the lock: the epochs and buffers must follow the enqueue order
             steps = all_reduce_steps(
                 tensor.numel(), tensor.element_size(), self.rank, self.size, self.layout,
@@ -512,12 +509,9 @@ class CudaIpcTransport:
                 raise self._failure from exc
             event = torch.cuda.Event()
             event.record(self.stream)
-            work = _IpcWork("all_reduce", self.rank, tensor, self.device, event, (tensor,),
-                            self._future_stream)
-            work._transport = self
-            if self._pending and self._pending[0].event.query():
-                self._pending.popleft()
-            self._pending.append(work)
+            work = EventWork("all_reduce", self.rank, tensor, self.device, event, (tensor,),
+                             self._future_stream, failure=self.failure)
+            self._watchdog.track(work)
         return work
 
     # ------------------------------------------------------------------ failure
@@ -534,40 +528,27 @@ class CudaIpcTransport:
         words = self._words
         if self._failure is None and (words[1] or words[0]):
             op, elapsed = self._timed_out or ("all_reduce", None)
-            head = self._pending[0] if self._pending else None
+            pending = self._watchdog.pending
             if elapsed is None:
-                elapsed = head._elapsed() if head is not None else 0.0
+                elapsed = pending[0]._elapsed() if pending else 0.0
             message = timeout_message(self.rank, op, elapsed, self.timeout.total_seconds(),
                                       words[1], words[2])
             self._failure = CommTimeoutError(message)
         return self._failure
 
-    def _watch(self) -> None:
-        limit = self.timeout.total_seconds()
-        while not self._closed:
-            time.sleep(0.01)
-            with self._lock:
-                while self._pending and self._pending[0].event.query():
-                    self._pending.popleft()
-                stuck = self._pending[0] if self._pending else None
-            if self._words[1]:  # a barrier ran out of spins
-                self._fail_pending()
-                return
-            if stuck is not None and stuck._elapsed() > limit:
-                self._timed_out = (stuck.op, stuck._elapsed())
-                self._words[0] = 1  # every spinning or later barrier gives up
-                deadline = time.monotonic() + 5.0
-                while not stuck.event.query() and time.monotonic() < deadline:
-                    time.sleep(0.001)  # the spinning barrier reports which ranks were missing
-                self._fail_pending()
-                return
+    def _barrier_report(self) -> BaseException | None:
+        """The watchdog's poll: a barrier that ran out of spins reported missing ranks."""
+        return self.failure() if self._words[1] else None
 
-    def _fail_pending(self) -> None:
-        error = self.failure()
-        with self._lock:
-            for work in self._pending:
-                work._error = error
-            self._pending.clear()
+    def _stuck(self, work: EventWork) -> BaseException:
+        """The watchdog's verdict on a collective past the timeout: every spinning or later
+        barrier gives up, and the spinning one reports which ranks were missing."""
+        self._timed_out = (work.op, work._elapsed())
+        self._words[0] = 1
+        deadline = time.monotonic() + 5.0
+        while not work.event.query() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return self.failure()
 
     # ------------------------------------------------------------------ close
     def close(self) -> None:
@@ -582,7 +563,7 @@ class CudaIpcTransport:
             self.stream.synchronize()
         finally:
             self._closed = True
-        self._watchdog.join(1.0)
+        self._watchdog.close()
         name = "ipc_cuda/closed"
         if self.failure() is None:
             try:
@@ -629,23 +610,3 @@ class _CudaOps:
 
     def reduce(self, step: Reduce) -> None:
         reduce_step(step, self.t._bases, self._own, self.dtype, self.op)
-
-
-class _IpcWork(NcclWork):
-    """`NcclWork` whose `synchronize` also reads the transport's barrier report."""
-
-    _transport: CudaIpcTransport
-
-    def synchronize(self) -> None:
-        self.event.synchronize()
-        error = self._error or self._transport.failure()
-        if error is not None:
-            self._error = error
-            raise error
-
-    def wait(self, timeout=None) -> bool:
-        error = self._error or self._transport.failure()
-        if error is not None:
-            raise error
-        torch.cuda.current_stream().wait_event(self.event)
-        return True

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..errors import FastcommError
 from ..store import Store
+from ..types import Capabilities
 from .process_group import ProcessGroupCommunicator
 
 __all__ = ["GlooCommunicator"]
@@ -44,6 +45,11 @@ class GlooCommunicator(ProcessGroupCommunicator):
         timeout: float | timedelta | None = None,
     ) -> None:
         super().__init__(store, rank, size, timeout)
+        # CPU tensors, and CUDA ones staged through host memory; sparse COO natively; with
+        # more than two ranks an element's sum order depends on its place in the ring's chunks
+        self.capabilities = Capabilities(
+            devices=frozenset({"cpu", "cuda"}), sparse_all_reduce=True, layout_free=size <= 2
+        )
         start = time.monotonic()
         try:
             self.process_group = dist.ProcessGroupGloo(
@@ -59,12 +65,6 @@ class GlooCommunicator(ProcessGroupCommunicator):
     def device(self) -> torch.device:
         """CPU: Gloo's own device (it also moves CUDA tensors, staged through host memory)."""
         return torch.device("cpu")
-
-    def _device_ok(self, device: torch.device) -> bool:
-        return device.type in ("cpu", "cuda")
-
-    def _new_child(self, store: Store, rank: int, size: int, timeout: timedelta):
-        return GlooCommunicator(store, rank, size, timeout)
 
     def _impl_close(self) -> None:
         super()._impl_close()

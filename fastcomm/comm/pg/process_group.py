@@ -2,14 +2,14 @@
 (a ``ProcessGroupGloo`` fastcomm builds on its own store) and ``TorchPGCommunicator`` (a group a
 script made with ``torch.distributed``).
 
-Completion: a :class:`Work` over a native handle is finished by whoever first needs it done,
-on that thread: ``wait()`` waits on the handle and then applies what the backend lacks
-(``AVG`` as ``SUM`` then a division), once; ``get_future()`` chains the same onto the handle's
-own future (run on the backend's thread). No thread of ours sits between the backend and the
-caller, so a DDP bucket costs no thread hand-off: the tasks of this backend are issued at once
-(torch orders them) and return that ``Work``. A handle without a future (Gloo's
-``reduce_scatter``) is waited on by the communicator's executor thread when a future is asked
-for. Subclasses may override ``_issue`` (CUDA groups do, to keep torch's stream-aware futures).
+Completion: the backend's one ``Work``, :class:`PGWork`, over torch's handle, is finished by
+whoever first needs it done, on that thread: ``wait()`` waits on the handle and then applies
+what the backend lacks (``AVG`` as ``SUM`` then a division), once; ``get_future()`` chains the
+same onto the handle's own future (run on the backend's thread; stream-aware on a CUDA group).
+No thread of ours sits between the backend and the caller, so a DDP bucket costs no thread
+hand-off: the tasks of this backend are issued at once (torch orders them) and return that
+``Work``. A handle without a future (Gloo's ``reduce_scatter``) is waited on by the
+communicator's executor thread when a future is asked for.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ..store import as_timedelta
 from ..types import ReduceOp, divide_
 from ..work import Task, Work, wrap_error
 
-__all__ = ["ProcessGroupCommunicator"]
+__all__ = ["PGWork", "ProcessGroupCommunicator"]
 
 _TORCH_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -39,11 +39,13 @@ _TORCH_OPS = {
 }
 
 
-class _HandleWork(Work):
-    """A ``Work`` over a native handle, finished on the thread that first needs it done.
+class PGWork(Work):
+    """A ``Work`` over a torch handle, finished on the thread that first needs it done.
 
-    ``Work.__init__`` is not called: its ``Event`` and torch ``Future`` would be built on every
-    call for nothing; the future is made only by ``get_future()``.
+    ``Work.__init__`` is not called: its latch would be built on every call for nothing; the
+    future is made only by ``get_future()``. On a CUDA group ``wait()`` without a timeout
+    orders the caller's stream after the collective and does not block the host (torch's
+    own semantics); with one, or on a CPU group, the host waits.
     """
 
     def __init__(self, comm: ProcessGroupCommunicator, op, output, handle, post) -> None:
@@ -74,9 +76,17 @@ class _HandleWork(Work):
 
     def wait(self, timeout: float | timedelta | None = None) -> bool:
         if not self._finished:
-            limit = self._comm.timeout if timeout is None else as_timedelta(timeout, None)
+            if timeout is not None:
+                limit = as_timedelta(timeout, None)
+            elif self._comm.device.type == "cuda":
+                limit = None  # stream order only: the host does not block
+            else:
+                limit = self._comm.timeout
             try:
-                self._handle.wait(limit)
+                if limit is None:
+                    self._handle.wait()
+                else:
+                    self._handle.wait(limit)
             except RuntimeError as exc:
                 if timeout is not None and not self._handle.is_completed():
                     # the caller's own limit: the operation is left running, as Work.wait
@@ -111,7 +121,7 @@ class _HandleWork(Work):
             if native is None:
                 waiter = Task(self.op, self.output, self.wait)
                 self._future = self._comm._executor.run(waiter, async_op=True).get_future()
-            else:
+            else:  # torch's future: stream-aware on a CUDA group
                 self._future = native.then(self._resolve)
         return self._future
 
@@ -154,7 +164,7 @@ class ProcessGroupCommunicator(Communicator):
             handle = issue()
         except RuntimeError as exc:
             raise wrap_error(op, self.rank, time.monotonic(), exc) from exc
-        return _HandleWork(self, op, output, handle, post)
+        return PGWork(self, op, output, handle, post)
 
     def _reduce_op(self, op: ReduceOp, tensor: torch.Tensor):
         """torch's op for ``op`` and the post-processing it needs (``AVG`` emulation)."""

@@ -5,10 +5,9 @@ Ranks copy into, reduce out of and copy from one POSIX shared-memory segment per
 instead of sending bytes over TCP. Python only sequences the steps; torch ops move the data.
 
 Invariants:
-- CPU tensors go through the segment; CUDA tensors go to a Gloo communicator built beside it on
-  the same store (``fallback=True``, the default), so every call that works on the Gloo
-  communicator works here. :meth:`ShmCommunicator.route` is that decision, and says it once in
-  the log (logger ``fastcomm``) the first time a CUDA tensor takes the fallback.
+- CPU tensors go through the segment; CUDA tensors go to the ``fallback`` given at construction
+  (``fastcomm.comm.world`` builds a Gloo communicator beside it on the same store), so every
+  call that works on the Gloo communicator works here; without one, CUDA tensors raise.
 - Collectives run in issue order on one executor: synchronous calls on the caller's thread when
   no asynchronous work is pending, otherwise (and ``async_op=True`` calls always) on the
   executor's thread. Sends to and receives from each peer have executors of their own, so a
@@ -34,17 +33,16 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
-from ..base import Communicator, reject_premul
+from ..base import Communicator
 from ..errors import CommAbortedError, CommClosedError, FastcommError
-from ..pg.gloo import GlooCommunicator
 from ..store import Store
-from ..types import PremulSum, ReduceOp
-from ..work import OrderedExecutor, Task, Work, wrap_error
+from ..topology import host_id
+from ..types import Capabilities, PremulSum, ReduceOp
+from ..work import OrderedExecutor, Task, wrap_error
 from .flags import PeerFlags, fence_supported
-from .schedules import Reduction, SegmentSchedules
-from .segment import ABORTED, CLOSED, Segment, host_id, shm_supported
+from .schedules import _PREMUL_KINDS, Reduction, SegmentSchedules
+from .segment import ABORTED, CLOSED, Segment, shm_supported
 
 __all__ = ["ShmCommunicator", "ShmOptions", "shm_available"]
 
@@ -138,7 +136,7 @@ class ShmCommunicator(Communicator):
         size: number of ranks (all on this host).
         timeout: limit for setup and for every operation.
         options: tuning (:class:`ShmOptions`); the same on every rank.
-        fallback: build a Gloo communicator beside it for non-CPU tensors.
+        fallback: the communicator that moves non-CPU tensors (``None``: they raise).
         reduce: the schedules' reduction (:data:`~.schedules.Reduction`; default torch ops in
             the tensors' dtype); the same kind on every rank.
 
@@ -157,10 +155,10 @@ class ShmCommunicator(Communicator):
         timeout: float | timedelta | None = None,
         *,
         options: ShmOptions | None = None,
-        fallback: bool = True,
+        fallback: Communicator | None = None,
         reduce: Reduction | None = None,
     ) -> None:
-        super().__init__(store, rank, size, timeout)
+        super().__init__(store, rank, size, timeout, fallback=fallback)
         if not shm_available():
             raise FastcommError("the shm communicator needs Linux /dev/shm and memory fences")
         self.options = options or ShmOptions()
@@ -188,11 +186,13 @@ class ShmCommunicator(Communicator):
         )
         self._p2p: dict[tuple[str, int], OrderedExecutor] = {}
         self._broken: BaseException | None = None
-        self._fallback = None
-        if fallback:
-            self._fallback = GlooCommunicator(
-                store.prefixed("fallback"), rank, size, self.timeout
-            )
+        # every element is summed in rank order whatever its place (layout free); a
+        # PremulSum is folded into the compiled core's reduction (float32/float64)
+        premul = frozenset(
+            d for d in _PREMUL_KINDS if self._schedules.fuses_premul(torch.empty(0, dtype=d))
+        )
+        self.capabilities = Capabilities(layout_free=True, premul_dtypes=premul)
+        self._reduce = reduce
         self._pid = os.getpid()
         _LIVE.add(self)
 
@@ -206,50 +206,9 @@ class ShmCommunicator(Communicator):
         """The segment's name under ``/dev/shm`` while it was being set up."""
         return self._seg.name
 
-    @property
-    def fallback(self) -> Communicator | None:
-        """The Gloo communicator that takes non-CPU tensors (``None`` without one)."""
-        return self._fallback
-
-    @property
-    def process_group(self):
-        """The fallback's ``ProcessGroupGloo``, for code written against torch's API (as on the
-        Gloo communicator). Calls through it bypass shared memory.
-
-        Raises:
-            AttributeError: built with ``fallback=False``.
-        """
-        if self._fallback is None:
-            raise AttributeError("this shm communicator has no Gloo fallback (fallback=False)")
-        return self._fallback.process_group
-
-    def _device_ok(self, device: torch.device) -> bool:
-        return device.type == "cpu" or (self._fallback is not None and device.type == "cuda")
-
-    def route(self, device: torch.device | str, op: str | None = None) -> Communicator:
-        """The communicator that moves tensors on ``device``: this one (shared memory) for CPU
-        tensors, the Gloo fallback for CUDA tensors (Gloo stages them through host memory).
-
-        Raises:
-            ValueError: no communicator here moves tensors on ``device``.
-        """
-        if not isinstance(device, torch.device):
-            device = torch.device(device)
-        if device.type == "cpu":
-            return self
-        if device.type == "cuda" and self._fallback is not None:
-            how = "its Gloo fallback, CPU tensors through shared memory"
-            return self._hand_off(device, self._fallback, how)
-        fallback = "" if self._fallback is not None else " (built with fallback=False)"
-        raise ValueError(
-            f"{self._where()}: no route for tensors on {device}{fallback}; it moves CPU tensors "
-            "through shared memory and CUDA tensors through its Gloo fallback"
-        )
-
     def _new_child(self, store: Store, rank: int, size: int, timeout: timedelta):
-        return ShmCommunicator(
-            store, rank, size, timeout, options=self.options, fallback=self._fallback is not None
-        )
+        return ShmCommunicator(store, rank, size, timeout, options=self.options,
+                               reduce=self._reduce)
 
     # ------------------------------------------------------------------ execution
     def _p2p_executor(self, kind: str, peer: int) -> OrderedExecutor:
@@ -288,98 +247,30 @@ class ShmCommunicator(Communicator):
         raise error from exc
 
     # ------------------------------------------------------------------ collectives
-    def all_reduce(
-        self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, async_op: bool = False
-    ) -> Work | None:
-        """Reduces ``tensor`` across ranks, in place (see :meth:`Communicator.all_reduce`).
-
-        A synchronous call on a plain contiguous CPU tensor that fits one slot, with no
-        asynchronous work pending, runs on the caller's thread with no ``Work`` or task
-        built: below a few KiB, that bookkeeping would otherwise cost as much as moving the
-        bytes. Everything else, including every invalid call, takes the general path.
-        """
+    def _sync_all_reduce(self, tensor: torch.Tensor, op: ReduceOp | PremulSum) -> bool:
+        """A synchronous all-reduce of a CPU tensor that fits one slot, with no asynchronous
+        work pending, runs on the caller's thread with no ``Work`` or task built: below a few
+        KiB that bookkeeping would cost as much as moving the bytes."""
         if (
-            not async_op
-            and type(tensor) is torch.Tensor
-            and tensor.is_cpu
-            and self._executor.busy == 0
-            and not self._closed
-            and self._broken is None
-            and tensor.is_contiguous()
-            and op.__class__ is not PremulSum  # the general path applies the factor
+            self._executor.busy
+            or self._broken is not None
+            or op.__class__ is PremulSum  # the task path folds the factor
+            or type(tensor) is not torch.Tensor
+            or not tensor.is_cpu
         ):
-            op = op if op.__class__ is ReduceOp else ReduceOp.coerce(op)
-            start = time.monotonic()
-            try:
-                nbytes = self._schedules.all_reduce_small(tensor, op, start)
-            except BaseException as exc:
-                self._abort("all_reduce", start, exc)
-            if nbytes:
-                self.stats.count("all_reduce", nbytes)
-                return None
-        return super().all_reduce(tensor, op, async_op)
-
-    def reduce(
-        self,
-        tensor: torch.Tensor,
-        root: int,
-        op: ReduceOp | str = ReduceOp.SUM,
-        async_op: bool = False,
-    ) -> Work | None:
-        """Reduces ``tensor`` of every rank into ``tensor`` of rank ``root`` (others unchanged).
-
-        Args:
-            tensor: the contiguous tensor to reduce, the same shape and dtype on every rank.
-            root: the rank that receives the result.
-            op: the reduction.
-            async_op: return a :class:`Work` at once instead of waiting.
-
-        Raises:
-            TypeError, ValueError: as for ``all_reduce``; ``root`` out of range.
-        """
-        self._check_open("reduce")
-        self._check_tensor(tensor, "reduce")
-        self._check_peer(root, "reduce", "root")
-        op = ReduceOp.coerce(op)
-        reject_premul(op, "reduce")
-        self.stats.record("reduce", tensor)
-        if not tensor.numel():
-            return self._nothing_to_move("reduce", tensor, async_op)
-        target = self.route(tensor.device, "reduce")
-        if target is self:
-            task = self._task(
-                "reduce", tensor, lambda: self._schedules.all_reduce(tensor, op, root)
-            )
-        else:
-            task = self._reduce_task_on(target, tensor, root, op)
-        return self._run(task, async_op)
-
-    def _reduce_task_on(
-        self, gloo: Communicator, tensor: torch.Tensor, root: int, op: ReduceOp
-    ) -> Task:
-        """``reduce`` on the Gloo communicator :meth:`route` names: an all-reduce of a copy,
-        written back on ``root`` only (so the other ranks' tensors stay unchanged)."""
-        scratch = tensor.clone()
-        opts = dist.AllreduceOptions()
-        opts.reduceOp, divide = gloo._reduce_op(op, scratch)
-
-        def keep_on_root() -> None:
-            if divide is not None:
-                divide()
-            if self.rank == root:
-                tensor.copy_(scratch)
-
-        pg = gloo.process_group
-        issue = lambda: pg.allreduce([scratch], opts)  # noqa: E731
-        return gloo._issue_task("reduce", tensor, issue, keep_on_root)
-
-    def _fuses_premul(self, tensor: torch.Tensor) -> bool:
-        """float32/float64 CPU tensors where the compiled core was built: the schedules fold
-        the multiply into their reduction (:meth:`~.schedules.SegmentSchedules.fuses_premul`)."""
-        return tensor.device.type == "cpu" and self._schedules.fuses_premul(tensor)
+            return False
+        start = time.monotonic()
+        try:
+            done = self._schedules.all_reduce_small(tensor, op, start)
+        except BaseException as exc:
+            self._abort("all_reduce", start, exc)
+        return done != 0
 
     def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp | PremulSum) -> Task:
         return self._task("all_reduce", tensor, lambda: self._schedules.all_reduce(tensor, op))
+
+    def _impl_reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp) -> Task:
+        return self._task("reduce", tensor, lambda: self._schedules.all_reduce(tensor, op, root))
 
     def _impl_broadcast(self, tensor: torch.Tensor, src: int) -> Task:
         flat = tensor.view(-1)
@@ -423,8 +314,6 @@ class ShmCommunicator(Communicator):
             self._flags.mark(CLOSED, "closed")
         executors = [self._executor, *self._p2p.values()]
         stopped = all([executor.close(timeout=5.0) for executor in executors])
-        if self._fallback is not None:
-            self._fallback.close()
         if stopped:  # no thread can touch the mapping any more: unmap it now
             self._schedules = None
             self._flags.release()

@@ -10,16 +10,19 @@ unpack casts it back into ``.grad`` (one more kernel). torch's hooks take two pa
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
-from fastcomm.comm.base import Communicator
+from fastcomm.comm import Communicator, group_communicator
 
 from ..bucket import GradBucket
 
 __all__ = ["allreduce_hook", "bf16_compress_hook", "fp16_compress_hook", "hook_comm"]
 
-_ADAPTED: dict[int, Communicator] = {}
+# group -> its communicator, for every hook of the process; an entry goes with its group
+_ADAPTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def hook_comm(group: object, bucket: GradBucket) -> Communicator:
@@ -29,11 +32,9 @@ def hook_comm(group: object, bucket: GradBucket) -> Communicator:
     if isinstance(group, Communicator):
         return group
     if isinstance(group, dist.ProcessGroup):
-        comm = _ADAPTED.get(id(group))
-        if comm is None or comm.process_group is not group:
-            from fastcomm.comm.pg.torch_pg import TorchPGCommunicator
-
-            comm = _ADAPTED[id(group)] = TorchPGCommunicator(group)
+        comm = _ADAPTED.get(group)
+        if comm is None or comm.closed:
+            comm = _ADAPTED[group] = group_communicator(group)
         return comm
     raise TypeError(
         f"hook state must be None, a fastcomm Communicator or a torch ProcessGroup, got "
