@@ -267,7 +267,15 @@ class ShmCommunicator(Communicator):
         return done != 0
 
     def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp | PremulSum) -> Task:
-        return self._task("all_reduce", tensor, lambda: self._schedules.all_reduce(tensor, op))
+        schedules = self._schedules
+        if op.__class__ is PremulSum or type(tensor) is not torch.Tensor:
+            return self._task("all_reduce", tensor, lambda: schedules.all_reduce(tensor, op))
+
+        def run() -> None:  # the small-message lane first, as a synchronous call takes it
+            if not schedules.all_reduce_small(tensor, op, time.monotonic()):
+                schedules.all_reduce(tensor, op)
+
+        return self._task("all_reduce", tensor, run)
 
     def _impl_reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp) -> Task:
         return self._task("reduce", tensor, lambda: self._schedules.all_reduce(tensor, op, root))
