@@ -13,12 +13,18 @@ dtype (round-to-nearest-even; fp64 -> 16-bit goes through fp32, as torch does). 
 scale and without a dtype change the data is copied bit for bit. The torch references
 (`pack_reference`, `unpack_reference`) compute the same thing and are what CPU tensors run.
 
+One torch implementation (`pack_torch`, `unpack_torch`) serves the references, `pack`/`unpack`
+on CPU and `PackPlan`: what it needs beyond the tensors (views of a flat buffer, 1-D inputs
+for a ``torch.cat``, scratch) comes from a `TorchLayout`, made per call here and kept across
+calls by the plan, so both give the same bits by construction.
+
 Aliasing: `out`/`flat` must not overlap the tensors; the result is undefined if they do.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -374,27 +380,113 @@ def unpack_reference(
     _unpack_torch(flat, scan, scale, accumulate)
 
 
-def _views(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Slices of `flat` shaped like `tensors`, back to back (one C++ loop, not 500 slicings)."""
-    return list(torch._utils._unflatten_dense_tensors(flat, tensors))
-
-
 def _pack_torch(scan: TensorList, out: torch.Tensor, scale: float) -> None:
-    if not scan.tensors:
+    """`pack_torch` for one call of `pack` or `pack_reference`."""
+    pack_torch(scan.tensors, out, scale, _CallLayout(scan))
+
+
+def _unpack_torch(flat: torch.Tensor, scan: TensorList, scale: float, accumulate: bool) -> None:
+    """`unpack_torch` for one call of `unpack`, `unpack_reference` or `unpack_with_stats`."""
+    unpack_torch(flat, scan.tensors, scale, accumulate, _CallLayout(scan))
+
+
+# --------------------------------------------------------------------------- torch path
+
+#: Dtypes in which ``x * scale`` (and ``acc + x``) rounds once without a wider compute type,
+#: so whole-buffer torch ops give the kernel's bits.
+_WIDE = (torch.float32, torch.float64)
+
+
+class TorchLayout(Protocol):
+    """What the torch pack and unpack need of a bucket besides its tensors.
+
+    `PackPlan` keeps it across calls (views per buffer, a scratch buffer per dtype); for
+    `pack`/`unpack` and the references, `_CallLayout` makes it per call.
+    """
+
+    #: Distinct dtypes of the tensors, in first-seen order.
+    dtypes: list[torch.dtype]
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of `flat` (the bucket's length) shaped like the tensors, back to back."""
+
+    def cat_inputs(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+        """`tensors` as 1-D tensors for one ``torch.cat``, or None: copy through `views`."""
+
+    def scratch(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer of `flat`'s length and device in `dtype`, free to overwrite until the
+        next call."""
+
+
+class _CallLayout:
+    """`TorchLayout` of a single call: nothing is kept, so each piece is what costs least
+    to make once (``torch.cat`` of flattened tensors to gather; views only where a per-tensor
+    cast needs them)."""
+
+    __slots__ = ("tensors", "dtypes")
+
+    def __init__(self, scan: TensorList) -> None:
+        self.tensors = scan.tensors
+        dtypes = scan.dtypes
+        if len(dtypes) > 1:
+            # The usual bucket has one dtype: counting it is a C loop of identity checks,
+            # several times cheaper than hashing every dtype into a dict or a set.
+            uniform = dtypes.count(dtypes[0]) == len(dtypes)
+            dtypes = dtypes[:1] if uniform else list(dict.fromkeys(dtypes))
+        self.dtypes = dtypes
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        # One C++ loop, not 500 slicings in Python.
+        return list(torch._utils._unflatten_dense_tensors(flat, self.tensors))
+
+    def cat_inputs(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        # 1-D tensors go in as they are: a Python-made view costs ~1 us per tensor here, which
+        # is most of a 500-tensor bucket of small gradients. (`scan_tensors` checked that
+        # every tensor is contiguous, so `view` cannot fail.)
+        return [t if t.dim() == 1 else t.view(-1) for t in tensors]
+
+    def scratch(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(flat.numel(), dtype=dtype, device=flat.device)
+
+
+def pack_torch(
+    tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float, layout: TorchLayout
+) -> None:
+    """The torch pack: `tensors` back to back into `out`, scaled and cast as the kernel does.
+
+    What CPU tensors run (through `pack`, `pack_reference` and `PackPlan`), and the small
+    CUDA copies a `PackPlan` makes without a launch.
+
+    Args:
+        tensors: the bucket's floating tensors; any strides where `layout` gathers through
+            views (a `PackPlan`'s).
+        out: contiguous 1-D buffer of the tensors' total length.
+        scale: factor, already rounded to fp32 (`fp32_scale`).
+        layout: views, 1-D inputs and scratch for these tensors.
+    """
+    if not tensors:
         return
-    if set(scan.dtypes) == {out.dtype} and (
-        scale == 1.0 or out.dtype in (torch.float32, torch.float64)
-    ):
-        # One cat (and one multiply) for the whole bucket: x * scale rounds once either way
-        # in fp32/fp64.
-        # 1-D tensors go in as they are: a Python-made view costs ~1 us per tensor here,
-        # which is most of a 500-tensor bucket of small gradients.
-        torch.cat([t if t.dim() == 1 else t.view(-1) for t in scan.tensors], out=out)
+    dtypes = layout.dtypes
+    if dtypes == [out.dtype] and (scale == 1.0 or out.dtype in _WIDE):
+        # One gather (and one multiply) for the whole bucket: x * scale rounds once either
+        # way in fp32/fp64.
+        _gather(tensors, out, layout)
         if scale != 1.0:
             out.mul_(scale)
         return
     mid = _mid_dtype(out.dtype)
-    for v, t in zip(_views(out, scan.tensors), scan.tensors, strict=True):
+    if len(dtypes) == 1 and len(tensors) > 1:
+        # One source dtype: gather it flat and convert the bucket at once, three torch ops in
+        # all instead of up to four per tensor, for one more pass over the source bytes (which
+        # a single tensor, e.g. a whole bucket cast for a compression hook, does not pay).
+        y = layout.scratch(out, dtypes[0])
+        _gather(tensors, y, layout)
+        y = y.to(compute_dtype(y.dtype, out.dtype))
+        if scale != 1.0:
+            y.mul_(scale)  # the scratch or a fresh conversion: ours to overwrite
+        out.copy_(y.to(mid))
+        return
+    for v, t in zip(layout.views(out), tensors, strict=True):
         if t.dtype != out.dtype or scale != 1.0:
             t = t.to(compute_dtype(t.dtype, out.dtype))
             if scale != 1.0:
@@ -403,21 +495,50 @@ def _pack_torch(scan: TensorList, out: torch.Tensor, scale: float) -> None:
         v.copy_(t)
 
 
-def _unpack_torch(flat, scan: TensorList, scale: float, accumulate: bool) -> None:
-    if not scan.tensors:
+def _gather(tensors: Sequence[torch.Tensor], flat: torch.Tensor, layout: TorchLayout) -> None:
+    """Copies `tensors` (of `flat`'s dtype) back to back into `flat`."""
+    inputs = layout.cat_inputs(tensors)
+    if inputs is not None:
+        torch.cat(inputs, out=flat)
+    else:
+        torch._foreach_copy_(layout.views(flat), tensors)
+
+
+def unpack_torch(
+    flat: torch.Tensor,
+    tensors: Sequence[torch.Tensor],
+    scale: float,
+    accumulate: bool,
+    layout: TorchLayout,
+) -> None:
+    """The torch unpack: slices of `flat` into `tensors`, scaled, cast, maybe added, as the
+    kernel does.
+
+    What CPU tensors run (through `unpack`, `unpack_reference`, `unpack_with_stats` and
+    `PackPlan`), and the small CUDA copies a `PackPlan` makes without a launch.
+
+    Args:
+        flat: contiguous 1-D buffer of the tensors' total length.
+        tensors: the floating tensors to write, in place (any strides).
+        scale: factor, already rounded to fp32 (`fp32_scale`).
+        accumulate: add into `tensors` instead of overwriting them.
+        layout: views and scratch for these tensors.
+    """
+    if not tensors:
         return
-    tensors, views = scan.tensors, _views(flat, scan.tensors)
-    same = set(scan.dtypes) == {flat.dtype}
-    if same and (flat.dtype in (torch.float32, torch.float64) or (scale == 1.0 and not accumulate)):
+    if layout.dtypes == [flat.dtype] and (
+        flat.dtype in _WIDE or (scale == 1.0 and not accumulate)
+    ):
         # One multiply, then one foreach op: every element still rounds once.
         if scale != 1.0:
-            views = _views(flat * scale, tensors)
+            flat = torch.mul(flat, scale, out=layout.scratch(flat, flat.dtype))
+        views = layout.views(flat)
         if accumulate:
             torch._foreach_add_(tensors, views)
         else:
             torch._foreach_copy_(tensors, views)
         return
-    for t, v in zip(tensors, views, strict=True):
+    for t, v in zip(tensors, layout.views(flat), strict=True):
         compute = compute_dtype(t.dtype, flat.dtype)
         y = v.to(compute)
         if scale != 1.0:

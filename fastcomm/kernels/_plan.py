@@ -7,7 +7,9 @@ tensors' shapes and dtypes, in order, on one device) and keeps:
 
 - views of each flat buffer it has served, shaped like the tensors (a few buffers, keyed by
   address, dtype and length: the views hold the storage alive, so an address seen again is
-  the same memory), for ``torch._foreach_copy_`` and ``torch.cat``;
+  the same memory), for ``torch._foreach_copy_``;
+- a scratch buffer per dtype, for the torch path's scaled unpack and its gather before a cast
+  (so their views are cached too, where a fresh buffer every call would need new ones);
 - the Triton block tables, rebuilt only when a tensor's address changes (gradients set to
   ``None`` and reallocated every step may or may not come back at the same addresses);
 - the implementation (`kernel_backend` at plan time: a plan keeps it).
@@ -19,12 +21,15 @@ tensor methods: no Python frame per tensor); a mismatch raises the same TypeErro
 as `pack`. Shapes are the copies' business: the kernel reads only
 counts, and torch's copies refuse a shape that differs by more than size-1 dimensions (which
 moves the same bytes), reported as a ValueError naming the tensor. Results are bit-identical
-to `pack`/`unpack` called with the same arguments.
+to `pack`/`unpack` called with the same arguments (but for the payload of a NaN that is cast
+from a strided tensor: torch's conversions give a NaN's bits by the source's memory layout).
 
-Where nothing is cast or scaled, the copy is ``torch.cat`` (all tensors 1-D) or
-``torch._foreach_copy_`` into the cached views: on CPU these are the fastest copies torch has,
-and on CUDA a small bucket is bound by host time, where one ``_foreach_copy_`` costs less than
-a Triton launch. Casts and scales on CUDA, and large buckets, take the fused kernel.
+The torch path is `fastcomm.kernels._pack.pack_torch`/`unpack_torch`, the one `pack`/`unpack`
+run on CPU, with the plan as its `TorchLayout`: where nothing is cast or scaled, the copy is
+``torch.cat`` (all tensors 1-D, on CPU) or ``torch._foreach_copy_`` into the cached views. On
+CPU these are the fastest copies torch has, and on CUDA a small bucket is bound by host time,
+where one ``_foreach_copy_`` costs less than a Triton launch. Casts and scales on CUDA, and
+large buckets, take the fused kernel.
 """
 
 from __future__ import annotations
@@ -40,13 +45,12 @@ from ._launch import (
     block_table,
     check_out,
     check_tensor,
-    compute_dtype,
     fp32_scale,
     keep_for_launch,
     kernel_backend,
     scan_tensors,
 )
-from ._pack import BLOCK, _mid_dtype, launch_pack, launch_unpack
+from ._pack import BLOCK, launch_pack, launch_unpack, pack_torch, unpack_torch
 
 __all__ = ["PackPlan"]
 
@@ -106,7 +110,7 @@ class PackPlan:
 
     __slots__ = (
         "layout", "numels", "offsets", "total", "device", "dtypes", "backend",
-        "_flat_1d", "_groups", "_views", "_tables", "_table_ptrs", "_scratch", "_dtype_list",
+        "_cat_1d", "_groups", "_views", "_tables", "_table_ptrs", "_scratch", "_dtype_list",
         "_on_cuda",
     )
 
@@ -125,14 +129,15 @@ class PackPlan:
         self._on_cuda = self.device.type == "cuda"
         #: ``"triton"`` or ``"torch"``: the implementation chosen for this device.
         self.backend = kernel_backend(self.device)
-        self._flat_1d = all(len(shape) == 1 for shape, _ in self.layout)
+        # 1-D tensors on CPU gather with one cat, the fastest gather there (no views needed).
+        self._cat_1d = self.device.type == "cpu" and all(len(s) == 1 for s, _ in self.layout)
         # Indices of each dtype's tensors (one launch / one vectorized copy per dtype).
         self._groups = {d: [i for i, dt in enumerate(scan.dtypes) if dt == d] for d in self.dtypes}
         # (buffer, its address, dtype, length, views), the most recent first.
         self._views: list[tuple] = []
         self._tables: dict[int, list] = {}  # flat itemsize -> [(dtype, BlockTable)]
         self._table_ptrs: list[int] | None = None
-        self._scratch: torch.Tensor | None = None
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}
 
     def __len__(self) -> int:
         return len(self.layout)
@@ -214,6 +219,8 @@ class PackPlan:
         check_out(name, flat, numel=self.total, dtype=flat.dtype, device=device)
 
     # ------------------------------------------------------------------ cached state
+    # `views`, `cat_inputs` and `scratch` (with `dtypes`) make the plan the `TorchLayout` of
+    # the torch pack and unpack.
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of `flat` shaped like the planned tensors (cached per buffer)."""
         first = self._views[0] if self._views else None
@@ -230,6 +237,19 @@ class PackPlan:
         self._views.insert(0, (flat, *key, views))
         del self._views[_VIEW_CACHE:]
         return views
+
+    def cat_inputs(self, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor] | None:
+        """`tensors` as they are for one ``torch.cat`` where all are 1-D on CPU, else None
+        (the torch path then copies through `views`)."""
+        return tensors if self._cat_1d else None
+
+    def scratch(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The plan's scratch buffer of `dtype` (`flat`'s length), kept for the next call."""
+        buf = self._scratch.get(dtype)
+        if buf is None:
+            buf = self._scratch[dtype] = torch.empty(flat.numel(), dtype=dtype,
+                                                      device=flat.device)
+        return buf
 
     def block_tables(self, tensors, flat: torch.Tensor) -> list:
         """``(dtype, BlockTable)`` per dtype of `tensors` placed in `flat` (kept until an
@@ -261,8 +281,8 @@ class PackPlan:
             ]
         return tables
 
-    def _foreach_on_device(self, scale: float, same_dtype: bool) -> bool:
-        if not same_dtype:
+    def _foreach_on_device(self, scale: float, flat_dtype: torch.dtype) -> bool:
+        if self.dtypes != [flat_dtype]:
             return False
         dtype = self.dtypes[0]
         nbytes = self.total * dtype.itemsize
@@ -295,48 +315,15 @@ class PackPlan:
         scale = fp32_scale(scale)
         if not self.layout:
             return out
-        same = self.dtypes == [out.dtype]
-        if self.backend == "torch" or self._foreach_on_device(scale, same):
+        if self.backend == "torch" or self._foreach_on_device(scale, out.dtype):
             try:
-                self._pack_torch(tensors, out, scale, same)
+                pack_torch(tensors, out, scale, self)
             except RuntimeError:
                 self._explain(tensors)  # a shape torch's copies refuse
                 raise
         elif self.total:
             launch_pack(self.block_tables(tensors, out), out, scale)
         return out
-
-    def _pack_torch(self, tensors, out: torch.Tensor, scale: float, same: bool) -> None:
-        # Mirrors `_pack._pack_torch` (the reference) element for element.
-        if same and (scale == 1.0 or out.dtype in (torch.float32, torch.float64)):
-            self._copy_in(tensors, out)
-            if scale != 1.0:
-                out.mul_(scale)  # x * scale rounds once in fp32/fp64, as the kernel's
-            return
-        mid = _mid_dtype(out.dtype)
-        if len(self.dtypes) == 1:
-            # One source dtype: gather it flat, then convert the whole buffer at once.
-            src = torch.empty(self.total, dtype=self.dtypes[0], device=out.device)
-            self._copy_in(tensors, src)
-            y = src.to(compute_dtype(src.dtype, out.dtype))
-            if scale != 1.0:
-                y = y * scale
-            out.copy_(y.to(mid))
-            return
-        for v, t in zip(self.views(out), tensors, strict=True):
-            if t.dtype != out.dtype or scale != 1.0:
-                t = t.to(compute_dtype(t.dtype, out.dtype))
-                if scale != 1.0:
-                    t = t * scale
-                t = t.to(mid)
-            v.copy_(t)
-
-    def _copy_in(self, tensors, flat: torch.Tensor) -> None:
-        if self._flat_1d and flat.device.type == "cpu":
-            # 1-D inputs need no views: one cat (the fastest gather on CPU).
-            torch.cat(tensors, out=flat)
-        else:
-            torch._foreach_copy_(self.views(flat), list(tensors))
 
     # ------------------------------------------------------------------ unpack
     def unpack(
@@ -360,41 +347,12 @@ class PackPlan:
         scale = fp32_scale(scale)
         if not self.layout:
             return
-        same = self.dtypes == [flat.dtype]
-        plain = not accumulate
-        if self.backend == "torch" or (plain and scale == 1.0
-                                       and self._foreach_on_device(scale, same)):
+        plain = not accumulate and scale == 1.0  # the only unpack on CUDA that skips the kernel
+        if self.backend == "torch" or (plain and self._foreach_on_device(scale, flat.dtype)):
             try:
-                self._unpack_torch(flat, tensors, scale, accumulate, same)
+                unpack_torch(flat, tensors, scale, accumulate, self)
             except RuntimeError:
                 self._explain(tensors)  # a shape torch's copies refuse
                 raise
         elif self.total:
             launch_unpack(self.block_tables(tensors, flat), flat, scale, accumulate)
-
-    def _unpack_torch(self, flat, tensors, scale: float, accumulate: bool, same: bool) -> None:
-        # Mirrors `_pack._unpack_torch` (the reference) element for element.
-        tensors = list(tensors)
-        if same and (flat.dtype in (torch.float32, torch.float64)
-                     or (scale == 1.0 and not accumulate)):
-            if scale != 1.0:
-                # Scaled into a scratch buffer of the plan: its views are cached too.
-                scratch = self._scratch
-                if scratch is None or scratch.dtype != flat.dtype:
-                    scratch = self._scratch = torch.empty_like(flat)
-                torch.mul(flat, scale, out=scratch)
-                flat = scratch
-            views = self.views(flat)
-            if accumulate:
-                torch._foreach_add_(tensors, views)
-            else:
-                torch._foreach_copy_(tensors, views)
-            return
-        for t, v in zip(tensors, self.views(flat), strict=True):
-            compute = compute_dtype(t.dtype, flat.dtype)
-            y = v.to(compute)
-            if scale != 1.0:
-                y = y * scale
-            if accumulate:
-                y = t.to(compute) + y
-            t.copy_(y.to(_mid_dtype(t.dtype)))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fastcomm.kernels import PackPlan, pack_reference, unpack_reference
+from fastcomm.kernels import PackPlan, pack, pack_reference, unpack, unpack_reference
 from fastcomm.kernels import _plan as plan_mod
 
 from .helpers import assert_equal_or_1ulp
@@ -152,6 +152,130 @@ def test_foreach_is_only_chosen_for_small_cuda_copies_that_round_like_the_kernel
     assert not decide(cuda, 16, plan_mod.FOREACH_SCALED_MAX_BYTES + 1, F32, 0.5)
     assert not decide(cuda, plan_mod.FOREACH_MAX_TENSORS + 1, 1 << 20, F32, 1.0)
     assert not decide(cuda, 4, plan_mod.FOREACH_MAX_BYTES + 1, F32, 1.0)
+
+
+# ---------------------------------------------------------------- one torch path, two layouts
+# `pack`/`unpack` make the torch path's views and scratch per call, a plan keeps them: the same
+# bits for every branch, signed zeros, infinities and subnormals included, and NaN payloads
+# where nothing is converted (torch's casts give a NaN's bits by the source's contiguity:
+# 0xFFFF from a contiguous fp32 NaN to bf16, 0x7FC0 from a strided one).
+SPECIALS = [float("nan"), -0.0, float("inf"), float("-inf"), 1e-40, 7e4, -3e38, 5e-8]
+ONE_PATH_BUCKETS = {
+    "empty-list": [],
+    "zero-size": [(0,), (3, 0)],
+    "one": [(7, 3)],  # a single tensor: cast per tensor, no gather
+    "flat-1d": PLAN_BUCKETS["flat-1d"],  # the plan gathers with torch.cat
+    "mixed": BUCKETS["mixed"],  # the plan gathers through its views
+}
+# (source dtypes, packed dtype, scale): one case per branch of the torch pack.
+PACK_BRANCHES = {
+    "copy": ([F32], F32, 1.0),
+    "copy-bf16": ([BF16], BF16, 1.0),
+    "scaled-f32": ([F32], F32, 0.37),  # gather, then one multiply of the buffer
+    "scaled-f64": ([F64], F64, 0.37),
+    "scaled-bf16": ([BF16], BF16, 0.37),  # 16 bits: gather, then convert the buffer
+    "f32-to-bf16": ([F32], BF16, 1.0),
+    "f64-to-f16": ([F64], F16, 0.37),
+    "bf16-to-f32": ([BF16], F32, 0.37),
+    "mixed": ([F32, BF16, F64], F16, 0.37),  # per tensor
+    "mixed-to-f32": ([F32, BF16], F32, 1.0),
+}
+# (flat dtype, target dtypes): one foreach op, or per tensor (16-bit scale or sum, casts).
+UNPACK_BRANCHES = {
+    "f32": (F32, [F32]),
+    "f64": (F64, [F64]),
+    "bf16": (BF16, [BF16]),
+    "f32-to-bf16": (F32, [BF16]),
+    "f16-to-f64": (F16, [F64]),
+    "mixed": (F32, [F32, BF16, F16]),
+}
+
+
+def _bucket(shapes, dtypes, seed=0):
+    """Tensors of `shapes`, dtypes taken in turn from `dtypes`, the specials in the first."""
+    tensors = [make([s], dtypes[i % len(dtypes)], "cpu", seed=seed + i)[0]
+               for i, s in enumerate(shapes)]
+    for t in tensors[:1]:
+        n = min(t.numel(), len(SPECIALS))
+        t.view(-1)[:n] = torch.tensor(SPECIALS[:n], dtype=F64).to(t.dtype)
+    return tensors
+
+
+def _strided(t):
+    """`t`'s values in a non-contiguous tensor (every other element of a wider buffer)."""
+    s = torch.empty(*t.shape, 2, dtype=t.dtype)[..., 0]
+    return s.copy_(t)
+
+
+def _assert_same_bits(actual, expected, nan_payload=True):
+    """Bit for bit; without `nan_payload`, NaNs only need to be NaNs in the same places."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[actual.element_size()]
+    a, e = actual.view(as_int), expected.view(as_int)
+    if not nan_payload:
+        nan = expected.isnan()
+        assert torch.equal(actual.isnan(), nan)
+        a, e = a[~nan], e[~nan]
+    assert torch.equal(a, e)
+
+
+def _converts(src_dtypes, dst, scale, accumulate=False):
+    """Whether a value passes through another dtype (a plain copy, or fp32/fp64 arithmetic in
+    place, keeps NaN payloads)."""
+    return src_dtypes != [dst] or (dst not in (F32, F64) and (scale != 1.0 or accumulate))
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("branch", list(PACK_BRANCHES))
+@pytest.mark.parametrize("bucket", list(ONE_PATH_BUCKETS))
+def test_plan_and_one_shot_pack_give_the_same_bits(bucket, branch, strided):
+    dtypes, dst, scale = PACK_BRANCHES[branch]
+    tensors = _bucket(ONE_PATH_BUCKETS[bucket], dtypes)
+    expected = pack(tensors, scale=scale, dtype=dst)  # one-shot needs contiguous tensors
+    plan = PackPlan(tensors)
+    assert plan.backend == "torch"
+    inputs = [_strided(t) for t in tensors] if strided else tensors  # the plan takes strides
+    payload = not _converts(dtypes, dst, scale)
+    for _ in range(2):  # the second call runs on the kept views and scratch
+        out = torch.full((plan.total,), float("nan"), dtype=dst)
+        plan.pack(inputs, out, scale=scale)
+        _assert_same_bits(out, expected, payload)
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("branch", list(UNPACK_BRANCHES))
+@pytest.mark.parametrize("bucket", list(ONE_PATH_BUCKETS))
+def test_plan_and_one_shot_unpack_give_the_same_bits(bucket, branch, strided, scale, accumulate):
+    flat_dtype, dtypes = UNPACK_BRANCHES[branch]
+    shapes = ONE_PATH_BUCKETS[bucket]
+    flat = pack(_bucket(shapes, [F64], seed=7), dtype=flat_dtype)
+    expected = _bucket(shapes, dtypes, seed=1)
+    targets = [_strided(t) if strided else t.clone() for t in expected]
+    plan = PackPlan(expected)
+    payload = not _converts([flat_dtype], dtypes[0], scale, accumulate) and len(dtypes) == 1
+    for _ in range(2):  # kept views and scratch; with `accumulate`, sums of sums
+        unpack(flat, expected, scale=scale, accumulate=accumulate)
+        plan.unpack(flat, targets, scale=scale, accumulate=accumulate)
+        for got, want in zip(targets, expected, strict=True):
+            _assert_same_bits(got, want, payload)
+
+
+def test_plan_scratch_serves_pack_and_unpack_in_turn():
+    """A cast pack gathers into the plan's fp32 scratch, a scaled unpack multiplies into it."""
+    tensors = _bucket(BUCKETS["mixed"], [F32])
+    plan = PackPlan(tensors)
+    flat = pack(_bucket(BUCKETS["mixed"], [F32], seed=3))
+    for _ in range(2):
+        out = torch.empty(plan.total, dtype=BF16)
+        _assert_same_bits(plan.pack(tensors, out, scale=0.5), pack(tensors, scale=0.5, dtype=BF16))
+        got, want = [t.clone() for t in tensors], [t.clone() for t in tensors]
+        plan.unpack(flat, got, scale=0.25)
+        unpack(flat, want, scale=0.25)
+        for g, w in zip(got, want, strict=True):
+            _assert_same_bits(g, w)
+    assert list(plan._scratch) == [F32]  # one buffer for both
 
 
 # ---------------------------------------------------------------- kernel path (interpreter / GPU)
