@@ -45,7 +45,9 @@ BAD = [
     pytest.param(["--nproc-per-node", "0"], "--nproc-per-node must be >= 1", id="nproc-0"),
     pytest.param(["--nproc-per-node", "many"], "--nproc-per-node must be", id="nproc-word"),
     pytest.param(["--max-restarts", "-1"], "--max-restarts must be >= 0", id="restarts-neg"),
-    pytest.param(["--monitor-interval", "0"], "monitor_interval must be positive", id="monitor-0"),
+    pytest.param(
+        ["--monitor-interval", "0"], "--monitor-interval must be a finite number", id="monitor-0"
+    ),
     pytest.param(["--rdzv-backend", "etcd"], "static or c10d", id="backend"),
     pytest.param(
         ["--rdzv-backend", "c10d", "--nnodes", "2"], "needs --rdzv-endpoint", id="c10d-no-endpoint"
