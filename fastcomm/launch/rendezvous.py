@@ -247,7 +247,8 @@ def _brief(value: Any) -> str:
 
 
 def _where(store: Store, key: str) -> str:
-    return f"store key {store.prefix + '/' if store.prefix else ''}{key!r} at {store.address}"
+    full = f"{store.prefix}/{key}" if store.prefix else key
+    return f"store key {full!r} at {store.address}"
 
 
 def read_value(store: Store, key: str, data: bytes, kind: type | tuple[type, ...]) -> Any:
