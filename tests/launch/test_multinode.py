@@ -206,3 +206,54 @@ def test_job_goes_on_without_a_killed_node(tmp_path):
         kill_all(pids)
         if victim.poll() is None:
             victim.kill()
+
+
+@pytest.mark.timeout(60)
+def test_losing_the_rendezvous_store_restarts_nothing(tmp_path):
+    """The agent serving the rendezvous store is SIGKILLed mid-job: the other agent names the
+    lost store, stops its workers and exits 1 -- it does not start a new round (the store was
+    the job's only record of which ranks had run, so nothing may be restarted without it)."""
+    path = script(
+        tmp_path,
+        "hang.py",
+        RECORD
+        + """
+    with open(os.path.join(out, "pid_%s" % env["RANK"]), "w") as fh:
+        fh.write(str(os.getpid()))
+    time.sleep(30)
+""",
+    )
+    port = free_port()
+    conf = "last_call_timeout=30"
+    mine = tmp_path / "survivor_tmp"
+    mine.mkdir()
+    host = start(
+        [*_flags(port, "1:2", "1", "--max-restarts", "3", "--rdzv-conf", conf + ",is_host=1"),
+         path, tmp_path],
+        tmp_path,
+        env=clean_env(TMPDIR=str(tmp_path)),
+    )
+    survivor = start(
+        [*_flags(port, "1:2", "1", "--max-restarts", "3", "--rdzv-conf", conf + ",is_host=0"),
+         path, tmp_path],
+        tmp_path,
+        env=clean_env(TMPDIR=str(mine)),
+    )
+    pids = []
+    try:
+        pids = [int(f.read_text()) for f in wait_files(tmp_path, "pid_*", 2, proc=survivor)]
+        host.kill()
+        finish(host, timeout=10)
+        result = finish(survivor, timeout=30)
+        assert result.returncode == 1, result.stderr
+        assert f"lost the connection to the store at 127.0.0.1:{port}" in result.stderr
+        assert sorted(p.name for p in tmp_path.glob("*_try*.json")) == [
+            "ws2_rank0_try0.json",
+            "ws2_rank1_try0.json",
+        ]
+        assert wait_gone(pids, timeout=5) == []
+        assert sorted(mine.iterdir()) == []
+    finally:
+        kill_all(pids)
+        if host.poll() is None:
+            host.kill()
