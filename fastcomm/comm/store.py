@@ -8,21 +8,58 @@ known) and the elapsed time, instead of torch's bare ``wait timeout after 300000
 Helpers built on the raw operations (``barrier``, ``all_gather_object``, ``broadcast_object``)
 need a name that is unique per use: the store keeps every key it was given, so reusing a name
 would read the previous round's values. Callers pass ``name`` built from a sequence number.
+
+Nothing read from the store is executed. Anyone who reaches the server's port can write any key
+(a ``TCPStore`` has no authentication), so objects travel as JSON, never pickled: ``None``,
+``bool``, ``int``, ``float``, ``str``, ``list``, ``dict`` with ``str`` keys, and, tagged so they
+come back exactly, ``bytes`` (base64) and ``tuple`` (``encode`` raises ``TypeError`` on anything
+else, before anything is written). With a per-job secret (``FASTCOMM_JOB_SECRET``, hex, or the
+file named by ``FASTCOMM_JOB_SECRET_FILE``; ``fastcomm-run`` sets the first for its workers)
+every such value also carries an HMAC-SHA256 of its full key and its JSON, checked with
+``hmac.compare_digest`` before the JSON is parsed; a value that fails the check, or is not this
+encoding, raises :class:`FastcommError` naming the key on every rank that reads it. Raw
+``get``/``set`` values are bytes the caller interprets; they are not signed.
+
+A server listens on the address it is given (``host``), never on every interface: torch's
+``TCPStore`` binds the wildcard address by itself, so the socket is bound here and handed over
+(``master_listen_fd``). A port another process holds is reported as such, not as a timeout.
 """
 
 from __future__ import annotations
 
-import pickle
+import base64
+import errno
+import hashlib
+import hmac
+import json
+import os
+import socket
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-from .errors import StoreTimeoutError
+from .errors import FastcommError, StoreTimeoutError
 
-__all__ = ["DEFAULT_TIMEOUT", "Store", "as_timedelta"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "SECRET_ENV",
+    "SECRET_FILE_ENV",
+    "Store",
+    "as_timedelta",
+    "job_secret_from_env",
+]
+
+SECRET_ENV = "FASTCOMM_JOB_SECRET"
+"""Environment variable holding the job's secret, in hex (``fastcomm-run`` sets it)."""
+SECRET_FILE_ENV = "FASTCOMM_JOB_SECRET_FILE"
+"""Environment variable naming a file whose contents (whitespace stripped) are the secret."""
+MIN_SECRET_BYTES = 16
+"""A shorter secret is refused (the launcher makes 32 random bytes)."""
+
+_FROM_ENV = object()  # Store(_secret=...) default: read the secret from the environment
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 """How long a store wait, a rendezvous or a collective may take when no timeout is given (the
@@ -52,11 +89,216 @@ def _to_bytes(value: bytes | str) -> bytes:
     raise TypeError(f"store values must be bytes or str, got {type(value).__name__}")
 
 
+def job_secret_from_env(environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The job's secret from ``FASTCOMM_JOB_SECRET`` (hex) or ``FASTCOMM_JOB_SECRET_FILE``.
+
+    The variable wins over the file; an empty variable counts as unset.
+
+    Returns:
+        The secret, or ``None`` when neither is set (values are then JSON only, unsigned).
+
+    Raises:
+        ValueError: the variable is not hex, the file cannot be read, or the secret is shorter
+            than 16 bytes.
+    """
+    environ = os.environ if environ is None else environ
+    text = environ.get(SECRET_ENV, "").strip()
+    if text:
+        try:
+            secret = bytes.fromhex(text)
+        except ValueError:
+            raise ValueError(f"{SECRET_ENV} must be hex digits, got {len(text)} chars") from None
+        source = SECRET_ENV
+    else:
+        path = environ.get(SECRET_FILE_ENV, "")
+        if not path:
+            return None
+        try:
+            with open(path, "rb") as fh:
+                secret = fh.read().strip()
+        except OSError as exc:
+            raise ValueError(f"{SECRET_FILE_ENV}: cannot read {path!r}: {exc.strerror}") from None
+        source = f"{SECRET_FILE_ENV} ({path})"
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(
+            f"{source}: the job secret must be at least {MIN_SECRET_BYTES} bytes, "
+            f"got {len(secret)}"
+        )
+    return secret
+
+
+# ---------------------------------------------------------------------- value encoding
+# Every JSON object of the encoding is a one-key tag, so a user dict can never pass for bytes:
+# {"b": base64} bytes, {"t": [...]} tuple, {"d": [[key, value], ...]} dict.
+_ALLOWED = "None, bool, int, float, str, bytes, list, tuple and dict with str keys"
+_UNSIGNED = b"fc1:u:"
+_SIGNED = b"fc1:s:"
+_MAC_HEX = 64  # hex digits of an HMAC-SHA256
+
+
+def _tree(obj: Any, path: str) -> Any:
+    kind = type(obj)
+    if obj is None or kind in (bool, int, float, str):
+        return obj
+    if kind is bytes:
+        return {"b": base64.b64encode(obj).decode("ascii")}
+    if kind is list:
+        return [_tree(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+    if kind is tuple:
+        return {"t": [_tree(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
+    if kind is dict:
+        items = []
+        for k, v in obj.items():
+            if type(k) is not str:
+                raise TypeError(
+                    f"store values must be {_ALLOWED}; {path} has a key of type "
+                    f"{type(k).__name__} ({k!r})"
+                )
+            items.append([k, _tree(v, f"{path}[{k!r}]")])
+        return {"d": items}
+    raise TypeError(
+        f"store values must be {_ALLOWED}; {path} is a {kind.__module__}.{kind.__qualname__} "
+        "(values are sent as JSON, never pickled)"
+    )
+
+
+def _untag(pairs: list[tuple[str, Any]]) -> Any:
+    if len(pairs) != 1:
+        raise ValueError("a JSON object is not one tag")
+    tag, body = pairs[0]
+    if tag == "b" and type(body) is str:
+        return base64.b64decode(body.encode("ascii"), validate=True)
+    if tag == "t" and type(body) is list:
+        return tuple(body)
+    if tag == "d" and type(body) is list:
+        if not all(type(p) is list and len(p) == 2 and type(p[0]) is str for p in body):
+            raise ValueError("a dict is not a list of [str, value] pairs")
+        return dict(body)
+    raise ValueError(f"unknown tag {tag!r}")
+
+
+def _mac(secret: bytes, key: str, body: bytes) -> bytes:
+    name = key.encode()
+    message = b"fastcomm-store-v1\0" + len(name).to_bytes(8, "big") + name + body
+    return hmac.new(secret, message, hashlib.sha256).hexdigest().encode("ascii")
+
+
+def encode_value(obj: Any, key: str, secret: bytes | None) -> bytes:
+    """``obj`` as stored under the full key ``key``: JSON, signed when there is a secret.
+
+    Raises:
+        TypeError: ``obj`` holds something other than the types listed in the module docstring.
+        ValueError: ``obj`` is nested too deeply (or contains itself).
+    """
+    try:
+        body = json.dumps(_tree(obj, "the value"), separators=(",", ":")).encode()
+    except RecursionError:
+        raise ValueError("store value nested too deeply (or it contains itself)") from None
+    if secret is None:
+        return _UNSIGNED + body
+    return _SIGNED + _mac(secret, key, body) + b":" + body
+
+
+def decode_value(data: bytes, key: str, secret: bytes | None) -> Any:
+    """The object ``encode_value`` made for ``key``; the signature is checked first.
+
+    Raises:
+        ValueError: the value is not this encoding, is unsigned while there is a secret, is
+            signed while there is none, or its signature does not match (the message says which).
+    """
+    if data.startswith(_SIGNED):
+        if secret is None:
+            raise ValueError(
+                f"the value is signed but this process has no job secret ({SECRET_ENV} or "
+                f"{SECRET_FILE_ENV} unset)"
+            )
+        mac = data[len(_SIGNED) : len(_SIGNED) + _MAC_HEX]
+        body = data[len(_SIGNED) + _MAC_HEX + 1 :]
+        sep = data[len(_SIGNED) + _MAC_HEX : len(_SIGNED) + _MAC_HEX + 1]
+        if sep != b":" or not hmac.compare_digest(mac, _mac(secret, key, body)):
+            raise ValueError("its signature does not match (written without the job secret)")
+    elif data.startswith(_UNSIGNED):
+        if secret is not None:
+            raise ValueError("the value is not signed, but this job has a secret")
+        body = data[len(_UNSIGNED) :]
+    else:
+        raise ValueError(f"not a fastcomm store value (starts {data[:8]!r})")
+    try:
+        return json.loads(body, object_pairs_hook=_untag)
+    except (ValueError, RecursionError, UnicodeDecodeError) as exc:
+        raise ValueError(f"invalid encoding: {exc}") from None
+
+
+# ---------------------------------------------------------------------- server socket
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port`` only (``port`` 0: a free one).
+
+    Raises:
+        FastcommError: the port is in use, or ``host`` is not an address of this machine.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise FastcommError(f"cannot serve the store on {host}:{port}: {exc}") from None
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)  # IPv4 first, as clients try it
+    error: OSError | None = None
+    for family, kind, proto, _, sockaddr in infos:
+        sock = socket.socket(family, kind, proto)
+        try:
+            # TIME_WAIT connections of a previous server must not block a fixed port
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(sockaddr)
+            sock.listen(socket.SOMAXCONN)
+            return sock
+        except OSError as exc:
+            sock.close()
+            if error is None or exc.errno == errno.EADDRINUSE:
+                error = exc
+    if error is not None and error.errno == errno.EADDRINUSE:
+        raise FastcommError(f"port {port} on {host} is already in use (another process holds it)")
+    raise FastcommError(f"cannot serve the store on {host}:{port}: {error}")
+
+
+def _serve(host: str, port: int, timeout: timedelta, **kwargs) -> dist.TCPStore:
+    """A ``TCPStore`` server listening on ``host:port`` only (see the module docstring)."""
+    sock = _listen(host, port)
+    try:
+        fd = os.dup(sock.fileno())  # the store owns (and closes) the descriptor it is given
+        try:
+            return dist.TCPStore(
+                host,
+                sock.getsockname()[1],
+                None,
+                True,
+                timeout,
+                wait_for_workers=False,
+                master_listen_fd=fd,
+                **kwargs,
+            )
+        except BaseException:
+            _close_if_ours(fd, sock)
+            raise
+    finally:
+        sock.close()
+
+
+def _close_if_ours(fd: int, sock: socket.socket) -> None:
+    """Closes ``fd`` if it still is the dup of ``sock`` (a store that failed may have closed it
+    already, and the number may be reused since)."""
+    try:
+        mine, theirs = os.fstat(sock.fileno()), os.fstat(fd)
+    except OSError:
+        return
+    if (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino):
+        os.close(fd)
+
+
 class Store:
     """A namespace in a TCP key-value store shared by all ranks of a job.
 
     Args:
-        host: address of the server (for a server: the address it reports to clients).
+        host: address of the server (for a server: the address it listens on, and reports to
+            clients; never every interface unless ``host`` is ``0.0.0.0``/``::``).
         port: TCP port; ``0`` with ``is_server=True`` binds a free port (read it from ``.port``).
         is_server: whether this process hosts the ``TCPStore`` server.
         timeout: default timeout of blocking calls (seconds or ``timedelta``; default
@@ -66,6 +308,10 @@ class Store:
 
     Raises:
         StoreTimeoutError: a client could not reach the server within ``timeout``.
+        FastcommError: a server's port is already in use, or ``host`` is not an address of
+            this machine.
+        ValueError: the job secret in the environment is malformed (see
+            :func:`job_secret_from_env`).
     """
 
     def __init__(
@@ -79,10 +325,12 @@ class Store:
         rank: int | None = None,
         _base: dist.Store | None = None,
         _root: dist.TCPStore | None = None,
+        _secret: bytes | None | object = _FROM_ENV,
     ) -> None:
         self.timeout = as_timedelta(timeout, DEFAULT_TIMEOUT)
         self.prefix = prefix
         self.rank = rank
+        self._secret = job_secret_from_env() if _secret is _FROM_ENV else _secret
         if _root is not None:
             self._root = _root
         else:
@@ -92,14 +340,14 @@ class Store:
                 raise ValueError("a store client needs the server's port; port=0 is server-only")
             start = time.monotonic()
             try:
-                self._root = dist.TCPStore(
-                    host,
-                    port,
-                    None,
-                    is_server,
-                    self.timeout,
-                    wait_for_workers=False,
-                )
+                if is_server:
+                    self._root = _serve(host, port, self.timeout)
+                else:
+                    self._root = dist.TCPStore(
+                        host, port, None, False, self.timeout, wait_for_workers=False
+                    )
+            except FastcommError as exc:
+                raise FastcommError(f"{self._who()}{exc}") from None
             except RuntimeError as exc:
                 elapsed = time.monotonic() - start
                 role = "serve" if is_server else "reach"
@@ -135,6 +383,11 @@ class Store:
         """The underlying c10d store (prefixed), e.g. to build a ``ProcessGroupGloo`` on."""
         return self._store
 
+    @property
+    def signed(self) -> bool:
+        """Whether object values are signed with a job secret (see the module docstring)."""
+        return self._secret is not None
+
     def prefixed(self, prefix: str, *, rank: int | None = None) -> Store:
         """Returns a view of this store in the namespace ``prefix`` (nested under ours)."""
         if not prefix:
@@ -146,6 +399,7 @@ class Store:
             rank=self.rank if rank is None else rank,
             _base=dist.PrefixStore(prefix, self._store),
             _root=self._root,
+            _secret=self._secret,
         )
 
     def __repr__(self) -> str:
@@ -161,19 +415,33 @@ class Store:
     def _timeout_error(self, keys: Sequence[str], op: str, start: float, exc: Exception):
         elapsed = time.monotonic() - start
         names = ", ".join(repr(self._key_name(k)) for k in keys)
+        of = f" of key {names}" if names else ""
+        if isinstance(exc, dist.DistNetworkError):  # the server is gone (or unreachable)
+            return StoreTimeoutError(
+                f"{self._who()}lost the connection to the store at {self.address} "
+                f"(store {op}{of}, after {elapsed:.1f} s): {exc}"
+            )
         return StoreTimeoutError(
-            f"{self._who()}store {op} of key {names} at {self.address} timed out after "
+            f"{self._who()}store {op}{of} at {self.address} timed out after "
             f"{elapsed:.1f} s: {exc}"
         )
 
+    def _call(self, op: str, keys: Sequence[str], fn, *args):
+        """Runs a raw c10d operation; a lost server is named (address, key, rank)."""
+        start = time.monotonic()
+        try:
+            return fn(*args)
+        except dist.DistNetworkError as exc:
+            raise self._timeout_error(keys, op, start, exc) from exc
+
     def set(self, key: str, value: bytes | str) -> None:
         """Sets ``key`` to ``value`` (a ``str`` is stored UTF-8 encoded)."""
-        self._store.set(key, _to_bytes(value))
+        self._call("set", [key], self._store.set, key, _to_bytes(value))
 
     def get(self, key: str, timeout: float | timedelta | None = None) -> bytes:
         """Returns the value of ``key``, waiting up to ``timeout`` for it to be set."""
         self.wait([key], timeout, op="get")
-        return self._store.get(key)
+        return self._call("get", [key], self._store.get, key)
 
     def wait(
         self,
@@ -195,24 +463,56 @@ class Store:
 
     def check(self, keys: Iterable[str]) -> bool:
         """Whether every key in ``keys`` is set (does not wait)."""
-        return bool(self._store.check(list(keys)))
+        keys = list(keys)
+        return bool(self._call("check", keys, self._store.check, keys))
 
     def add(self, key: str, amount: int = 1) -> int:
         """Atomically adds ``amount`` to the integer at ``key`` and returns the new value."""
-        return int(self._store.add(key, int(amount)))
+        return int(self._call("add", [key], self._store.add, key, int(amount)))
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
         """Sets ``key`` to ``desired`` if it holds ``expected`` (``b""``: unset); returns the
         value after the call."""
-        return self._store.compare_set(key, _to_bytes(expected), _to_bytes(desired))
+        return self._call(
+            "compare_set",
+            [key],
+            self._store.compare_set,
+            key,
+            _to_bytes(expected),
+            _to_bytes(desired),
+        )
 
     def delete(self, key: str) -> bool:
         """Deletes ``key``; returns whether it was set."""
-        return bool(self._store.delete_key(key))
+        return bool(self._call("delete", [key], self._store.delete_key, key))
 
     def num_keys(self) -> int:
         """Keys in the whole store (every namespace: torch counts them at the server)."""
-        return int(self._store.num_keys())
+        return int(self._call("num_keys", [], self._store.num_keys))
+
+    # ------------------------------------------------------------------ object values
+    def encode(self, key: str, obj: Any) -> bytes:
+        """``obj`` as it is stored under ``key``: JSON, signed when the job has a secret.
+
+        Raises:
+            TypeError: ``obj`` is not made of the types the module docstring lists.
+        """
+        return encode_value(obj, self._key_name(key), self._secret)
+
+    def decode(self, key: str, data: bytes) -> Any:
+        """The object ``data`` (read from ``key``) holds, once its signature checks out.
+
+        Raises:
+            FastcommError: ``data`` is not a value ``encode`` made for ``key`` with this job's
+                secret (tampered, foreign, e.g. a pickle, or unsigned in a signed job).
+        """
+        try:
+            return decode_value(data, self._key_name(key), self._secret)
+        except ValueError as exc:
+            raise FastcommError(
+                f"{self._who()}refusing the value of store key {self._key_name(key)!r} at "
+                f"{self.address}: {exc}"
+            ) from None
 
     # ------------------------------------------------------------------ helpers
     def barrier(
@@ -234,7 +534,10 @@ class Store:
         try:
             self.wait([f"{name}/done"], timeout, op="barrier")
         except StoreTimeoutError as exc:
-            now = self.add(f"{name}/arrived", 0)
+            try:
+                now = self.add(f"{name}/arrived", 0)
+            except StoreTimeoutError:
+                raise exc from None  # the store is gone: the count cannot be read
             raise StoreTimeoutError(
                 f"{exc} ({now} of {world_size} processes reached barrier {name!r} "
                 f"in {time.monotonic() - start:.1f} s)"
@@ -248,14 +551,23 @@ class Store:
         obj: Any,
         timeout: float | timedelta | None = None,
     ) -> list[Any]:
-        """Every rank contributes a picklable ``obj``; returns the list in rank order."""
+        """Every rank contributes ``obj``; returns the list in rank order.
+
+        ``obj`` travels as JSON (see the module docstring): tuples and bytes come back as
+        such, anything else raises ``TypeError`` before anything is written.
+
+        Raises:
+            TypeError: ``obj`` is not JSON-encodable as described.
+            FastcommError: a rank's value failed the check (names its key), on every rank.
+        """
         _check_world(world_size)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-        self.set(f"{name}/{rank}", pickle.dumps(obj))
+        mine = f"{name}/{rank}"
+        self.set(mine, self.encode(mine, obj))
         keys = [f"{name}/{r}" for r in range(world_size)]
         self.wait(keys, timeout, op="all_gather_object")
-        return [pickle.loads(self._store.get(k)) for k in keys]
+        return [self.decode(k, self._call("get", [k], self._store.get, k)) for k in keys]
 
     def broadcast_object(
         self,
@@ -265,12 +577,15 @@ class Store:
         is_source: bool,
         timeout: float | timedelta | None = None,
     ) -> Any:
-        """The source publishes ``obj`` under ``name``; everyone returns it (e.g. an NCCL id)."""
+        """The source publishes ``obj`` under ``name``; everyone returns it (e.g. an NCCL id).
+
+        Same encoding and errors as :meth:`all_gather_object`.
+        """
         key = f"{name}/value"
         if is_source:
-            self.set(key, pickle.dumps(obj))
+            self.set(key, self.encode(key, obj))
             return obj
-        return pickle.loads(self.get(key, timeout))
+        return self.decode(key, self.get(key, timeout))
 
 
 def _unwrap(store: dist.Store) -> dist.Store:

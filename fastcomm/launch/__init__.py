@@ -10,6 +10,8 @@ Modules, from the command line down:
 * ``workers``: the worker processes of one round (start, poll, signal, stop, output prefixes).
 * ``errors``: ``Failure`` records, the workers' error files, the root-cause report.
 * ``config``: ``LaunchConfig`` and its parsers.
+* ``net``: the address the stores listen on (loopback for a single node, never every
+  interface).
 * ``_bootstrap``: run by path in every worker (standard library only): records uncaught
   exceptions to ``TORCHELASTIC_ERROR_FILE`` and kills the worker's process group if the agent
   dies.
@@ -22,8 +24,12 @@ Invariants:
 * Every round has its own key namespace and its own worker store: nothing of a failed round is
   read by the next one.
 * A round ends once (the first end proposed wins), on every node alike.
-* Every exit path kills what is left in the workers' process groups. Exit status: 0 success,
-  1 job failed (or rendezvous/store error), 2 usage error, 128+N stopped by signal N.
+* Nothing read back from a store is executed: values are JSON, signed with the job's secret
+  when it has one, and type-checked (see ``rendezvous``).
+* Every exit path stops what is left in the workers' process groups (SIGTERM, then SIGKILL
+  after ``--shutdown-timeout``) and removes the temporary folder. Exit status: 0 success,
+  1 job failed (or rendezvous/store error), 2 usage error (a bad flag or environment variable,
+  a port in use), 128+N stopped by signal N.
 """
 
 __all__ = ["main", "launch", "LaunchConfig"]

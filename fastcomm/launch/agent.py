@@ -13,15 +13,22 @@ Round loop of one agent::
 Each round's workers meet in the round's own worker store (see ``Rendezvous._complete``).
 
 SIGINT/SIGTERM/... (``--signals-to-handle``) are forwarded at once to every worker's process
-group; the agent then waits ``--shutdown-timeout`` s, SIGKILLs what is left and exits with
-128+signal. Workers watch the agent and kill themselves (and their children) if it dies.
+group; the agent then waits ``--shutdown-timeout`` s, SIGKILLs what is left, removes the job's
+temporary folder and exits with 128+signal. Workers watch the agent and kill themselves (and
+their children) if it dies.
+
+Trust: the stores listen on one address (``net.listen_address``: loopback for a single node);
+every value read back from them is JSON, signed with the job secret when there is one (a
+single-node job makes one with ``secrets`` and hands it to its workers as
+``FASTCOMM_JOB_SECRET``; a job of several nodes takes it from ``--job-secret-file`` or the
+environment). A value that fails the check stops the agent with an error naming its key.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pickle
+import secrets
 import shutil
 import signal
 import sys
@@ -30,8 +37,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .config import LaunchConfig, std_for
-from .errors import Failure, LaunchError, format_report, headline, read_error_file
+from fastcomm.comm.errors import FastcommError
+
+from .config import SECRET_ENV, SECRET_FILE_ENV, LaunchConfig, read_job_secret, std_for
+from .errors import Failure, LaunchError, UsageError, format_report, headline, read_error_file
+from .net import listen_address
 from .rendezvous import (
     Interrupted,
     JobEnded,
@@ -42,6 +52,8 @@ from .rendezvous import (
     default_host,
     new_agent_id,
     open_store,
+    read_failures,
+    write_failures,
 )
 from .workers import BOOTSTRAP, WorkerGroup, WorkerSpec, line_prefix
 
@@ -104,7 +116,6 @@ class Agent:
         self._run_dir: str | None = None
         self._round: RoundInfo | None = None
         self._env: dict[str, str] = {}
-        self._keep_dir = False
 
     # ------------------------------------------------------------------ logging
     def log(self, message: str, *, always: bool = True) -> None:
@@ -166,12 +177,19 @@ class Agent:
                 f"the agent of node {self.group_rank} ({self.host}) was stopped by {name}"
             )
             return 128 + exc.signum
+        except UsageError as exc:
+            print(f"fastcomm-run: error: {exc}", file=sys.stderr, flush=True)
+            return 2
         except LaunchError as exc:
             self.log(f"error: {exc}")
             self._stop_workers()
             self._tell_peers(f"the agent of node {self.group_rank} ({self.host}) failed: {exc}")
             return 1
-        except RuntimeError as exc:  # the store went away (e.g. its host agent died)
+        except FastcommError as exc:  # a refused store value, or the store is gone
+            self.log(f"error: {exc}")
+            self._stop_workers()
+            return 1
+        except RuntimeError as exc:  # torch's own error from the store (e.g. its host died)
             self.log(f"error: lost the rendezvous store ({type(exc).__name__}: {exc})")
             self._stop_workers()
             return 1
@@ -207,7 +225,7 @@ class Agent:
             message=message,
         )
         try:
-            info.store.set(f"failures/{info.group_rank}", pickle.dumps([]))
+            write_failures(info.store, f"failures/{info.group_rank}", [])
             self.rdzv.end_round(info.round, RoundEnd.FAILURE, [lost])
             if self.is_host:  # give the others a moment to read it before the store goes
                 self.rdzv.exit_barrier(info, True, timeout=min(5.0, self.config.close_timeout))
@@ -224,19 +242,36 @@ class Agent:
             self.info("setting OMP_NUM_THREADS=1 for each worker (set it to override)")
             self._env["OMP_NUM_THREADS"] = "1"
         self._env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(cfg.signals_to_handle)
-        store, self.is_host = open_store(cfg, self.check_stop)
+        secret = self._job_secret()
+        self._env.pop(SECRET_FILE_ENV, None)
+        if secret is None:
+            self._env.pop(SECRET_ENV, None)
+        else:
+            self._env[SECRET_ENV] = secret.hex()
+        try:
+            listen = listen_address(
+                cfg.rdzv_host,
+                cfg.rdzv_port,
+                single_node=cfg.max_nodes == 1,
+                local_addr=cfg.local_addr,
+            )
+        except OSError as exc:
+            raise UsageError(
+                f"no route to the rendezvous host {cfg.rdzv_host!r} ({exc}); give --local-addr"
+            ) from None
+        store, self.is_host = open_store(cfg, self.check_stop, listen=listen, secret=secret)
         role = "served here" if self.is_host else "client"
-        self.info(f"rendezvous store {store.address} ({role})")
+        self.info(f"rendezvous store {store.address} ({role}); this node listens on {listen}")
         node = NodeInfo(
             agent_id=new_agent_id(),
             host=self.host,
-            addr=cfg.local_addr or self.host,
+            addr=listen,
             nproc=cfg.nproc_per_node,
             role=cfg.role,
             pid=os.getpid(),
             node_rank=cfg.node_rank if cfg.rdzv_backend == "static" else None,
         )
-        self.rdzv = rdzv = Rendezvous(store, cfg, node, self.check_stop, self.info)
+        self.rdzv = rdzv = Rendezvous(store, cfg, node, self.check_stop, self.info, listen=listen)
         info = rdzv.next_round()
         while True:
             if info is JobEnded.OK:
@@ -262,6 +297,25 @@ class Agent:
                     f"(round {info.round + 1}, not counted as a restart)"
                 )
             info = rdzv.next_round(from_round=info.round + 1, prev_group_rank=info.group_rank)
+
+    def _job_secret(self) -> bytes | None:
+        """The secret signing the stores' values (see the module docstring)."""
+        cfg = self.config
+        secret = cfg.job_secret
+        if secret is None:
+            try:
+                secret, _ = read_job_secret(cfg.job_secret_file, os.environ)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
+        if secret is None and cfg.max_nodes == 1:
+            secret = secrets.token_bytes(32)
+        elif secret is None:
+            self.log(
+                "no job secret (--job-secret-file, $FASTCOMM_JOB_SECRET or "
+                "$FASTCOMM_JOB_SECRET_FILE): store values are checked JSON but unsigned, so "
+                "any process that reaches the stores' ports can forge them"
+            )
+        return secret
 
     # ------------------------------------------------------------------ one round
     def _worker_specs(self, info: RoundInfo) -> list[WorkerSpec]:
@@ -344,7 +398,8 @@ class Agent:
             timestamp=precise or stamp or worker.exited_at or time.time(),
             round=info.round,
             role=self.config.role,
-            error_file=worker.spec.error_file if message else None,
+            # a temporary folder is removed at exit: the report must not point into it
+            error_file=worker.spec.error_file if message and self._base_dir is None else None,
             message=message,
             traceback=trace,
         )
@@ -407,7 +462,7 @@ class Agent:
             w.exitcode is None for w in self.group.workers
         ):
             return None
-        info.store.set(f"failures/{info.group_rank}", pickle.dumps(watch.failures))
+        write_failures(info.store, f"failures/{info.group_rank}", watch.failures)
         return self.rdzv.end_round(info.round, RoundEnd.FAILURE, watch.failures)
 
     def _end_on_success(self, info: RoundInfo, watch: _RoundWatch) -> _End | None:
@@ -457,7 +512,7 @@ class Agent:
             failure = self._failure(info, worker)
             if failure.message or (worker.exited_at or stop_time) < stop_time:
                 failures.append(failure)
-        info.store.set(f"failures/{info.group_rank}", pickle.dumps(failures))
+        write_failures(info.store, f"failures/{info.group_rank}", failures)
 
     def _check_peers(self, info, peers, seen, now) -> Failure | None:
         limit = self.config.keep_alive_interval * self.config.keep_alive_max_attempt
@@ -505,10 +560,9 @@ class Agent:
         failures: list[Failure] = list(lost)
         for key in keys:
             if round_store.check([key]):
-                failures.extend(pickle.loads(round_store.get(key)))
+                failures.extend(read_failures(round_store, key))
         if not failures:
             failures = local
-        self._keep_dir = True
         print(
             format_report(
                 self.config.entrypoint,
@@ -524,24 +578,31 @@ class Agent:
 
     # ------------------------------------------------------------------ dirs
     def _attempt_root(self) -> str:
+        """The folder of this run's attempts, made when the first workers start (so a launch
+        that fails before leaves nothing behind)."""
         if self._run_dir is None:
             cfg = self.config
-            if cfg.log_dir:
-                os.makedirs(cfg.log_dir, exist_ok=True)
-                self._run_dir = tempfile.mkdtemp(prefix=f"{cfg.run_id}_", dir=cfg.log_dir)
-                self.log(f"logs and error files under {self._run_dir}", always=False)
-            else:
-                self._base_dir = tempfile.mkdtemp(prefix="fastcomm_launch_")
-                self._run_dir = self._base_dir
-                if _any_std(cfg.redirects) or _any_std(cfg.tee):
-                    self.log(f"worker logs under {self._run_dir} (no --log-dir given)")
-                    self._base_dir = None  # keep the logs
+            try:
+                if cfg.log_dir:
+                    os.makedirs(cfg.log_dir, exist_ok=True)
+                    prefix = cfg.run_id.replace(os.sep, "_") + "_"
+                    self._run_dir = tempfile.mkdtemp(prefix=prefix, dir=cfg.log_dir)
+                    self.log(f"logs and error files under {self._run_dir}", always=False)
+                else:
+                    self._base_dir = tempfile.mkdtemp(prefix="fastcomm_launch_")
+                    self._run_dir = self._base_dir
+                    if _any_std(cfg.redirects) or _any_std(cfg.tee):
+                        self.log(f"worker logs under {self._run_dir} (no --log-dir given)")
+                        self._base_dir = None  # keep the logs the user asked for
+            except OSError as exc:
+                where = f"--log-dir {cfg.log_dir!r}" if cfg.log_dir else "the temporary folder"
+                raise UsageError(f"cannot create a folder in {where}: {exc.strerror}") from None
         return self._run_dir
 
     def _cleanup_dirs(self) -> None:
-        """Removes the temporary directory of error files -- unless a failure report named
-        them."""
-        if self._base_dir is not None and not self._keep_dir:
+        """Removes the temporary folder of error files, whatever the outcome (the failure
+        report carries their contents)."""
+        if self._base_dir is not None:
             shutil.rmtree(self._base_dir, ignore_errors=True)
         self._base_dir = None
 

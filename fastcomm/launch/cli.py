@@ -3,8 +3,9 @@
 Every flag has torchrun's spellings (``--nproc-per-node`` and ``--nproc_per_node``) and reads
 its default from the ``PET_<NAME>`` environment variable as torchrun does (``PET_NNODES``,
 ``PET_NPROC_PER_NODE``, ``PET_STANDALONE=1``, ...). The command line is fully validated before
-anything starts: a bad flag, ``--nnodes 3:2``, a missing script... print a usage error and exit
-with status 2.
+anything starts: a bad flag, ``--nnodes 3:2``, ``--monitor-interval inf``, a ``--log-dir`` that
+cannot be created, a missing script... print one usage error line (no traceback) and exit with
+status 2; so does a rendezvous port another process holds, found when the agent binds it.
 
 Flags torchrun has but fastcomm-run does not implement (``--start-method``, ``--logs-specs``,
 ``--event-log-handler``, ``--numa-binding``, ``--duplicate-*-filters``) are accepted and ignored
@@ -20,14 +21,19 @@ import sys
 import uuid
 
 from .config import (
+    SECRET_ENV,
+    SECRET_FILE_ENV,
     LaunchConfig,
+    check_seconds,
     conf_bool,
     conf_float,
     parse_endpoint,
     parse_nnodes,
     parse_rdzv_conf,
     parse_std,
+    read_job_secret,
 )
+from .net import is_local_address, is_wildcard
 
 __all__ = ["main", "get_parser", "parse_config"]
 
@@ -92,7 +98,7 @@ def get_parser() -> argparse.ArgumentParser:
          help="k=v,... (join_timeout, last_call_timeout, close_timeout, read_timeout, "
          "is_host, keep_alive_interval, keep_alive_max_attempt)")
     _opt(p, "--standalone", action=_CheckEnv,
-         help="single node: serve the rendezvous store on a free port")
+         help="single node: serve the rendezvous store on a free loopback port")
     # restarts and monitoring
     _opt(p, "--max-restarts", type=int, default=0,
          help="failure restarts of the worker group before giving up")
@@ -126,17 +132,26 @@ def get_parser() -> argparse.ArgumentParser:
     _opt(p, "--master-port", type=int, default=None,
          help="rendezvous port on node 0 (static backend; default 29500)")
     _opt(p, "--local-addr", default=None,
-         help="address other nodes reach this node at (default: its FQDN)")
+         help="address of this machine the other nodes reach it at; its stores listen there "
+         "(default: 127.0.0.1 for a single node, else the address that routes to the "
+         "rendezvous host)")
     _opt(p, "--logs-specs", action="store", default=None, help="ignored")
     _opt(p, "--numa-binding", action="store", default=None, help="ignored")
     # signals
     _opt(p, "--signals-to-handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
          help="signals the launcher forwards to the workers")
-    _opt(p, "--shutdown-timeout", type=int, default=None,
-         help="seconds between the stop signal and SIGKILL (default "
-         "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30)")
+    _opt(p, "--shutdown-timeout", type=float, default=None,
+         help="seconds between SIGTERM (or the signal received) and SIGKILL, for workers "
+         "and for what a worker leaves running when it exits (default "
+         "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30, as torchrun)")
     _opt(p, "--virtual-local-rank", action=_CheckEnv,
          help="LOCAL_RANK=0, CUDA_VISIBLE_DEVICES narrowed to the worker's device")
+    # security
+    _opt(p, "--job-secret-file", default=None,
+         help="file whose contents (at least 16 bytes) sign every value the launcher and the "
+         f"workers read back from the stores; every node must name the same contents "
+         f"(or set ${SECRET_ENV} in hex, or ${SECRET_FILE_ENV}). A single node makes a random "
+         "secret when none is given; several nodes without one run unsigned (JSON only)")
     p.add_argument("training_script", help="the script (or module, or program) to run")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)
     return p
@@ -196,6 +211,10 @@ def parse_config(args: argparse.Namespace) -> LaunchConfig:
             raise ValueError("--rdzv-backend c10d with several nodes needs --rdzv-endpoint")
         endpoint = "localhost:0"
     master_port = 29500 if args.master_port is None else args.master_port
+    if not 0 <= master_port < 65536:
+        raise ValueError(f"--master-port must be in [0, 65535], got {master_port}")
+    if backend == "static" and not args.master_addr:
+        raise ValueError("--master-addr must be non-empty")
     if backend == "static" and not endpoint:
         endpoint = f"{args.master_addr}:{master_port}"
     host, port = parse_endpoint(endpoint, default_port=29400 if backend == "c10d" else None)
@@ -235,7 +254,30 @@ def parse_config(args: argparse.Namespace) -> LaunchConfig:
             ) from None
     shutdown = args.shutdown_timeout
     if shutdown is None:
-        shutdown = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+        text = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
+        try:
+            shutdown = float(text)
+        except ValueError:
+            raise ValueError(
+                f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT must be a number of seconds, got {text!r}"
+            ) from None
+        check_seconds("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", shutdown)
+    check_seconds("--monitor-interval", args.monitor_interval)
+    check_seconds("--shutdown-timeout", shutdown)
+    if args.log_dir is not None:
+        _check_log_dir(args.log_dir)
+    if args.local_addr is not None:
+        if is_wildcard(args.local_addr):
+            raise ValueError(
+                f"--local-addr must be one address of this machine, not {args.local_addr!r} "
+                "(every interface)"
+            )
+        if not is_local_address(args.local_addr):
+            raise ValueError(
+                f"--local-addr {args.local_addr!r} is not an address of this machine "
+                "(the stores listen on it)"
+            )
+    secret, _ = read_job_secret(args.job_secret_file, os.environ)
     signals = tuple(s.strip() for s in args.signals_to_handle.split(",") if s.strip())
     script = args.training_script
     if args.no_python and args.module:
@@ -282,7 +324,21 @@ def parse_config(args: argparse.Namespace) -> LaunchConfig:
         line_prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or None,
         signals_to_handle=signals,
         virtual_local_rank=args.virtual_local_rank,
+        job_secret_file=args.job_secret_file,
+        job_secret=secret,
     )
+
+
+def _check_log_dir(path: str) -> None:
+    """Creates ``--log-dir`` now, so a path that cannot be made is a usage error."""
+    if not path:
+        raise ValueError("--log-dir must be non-empty")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--log-dir {path!r} cannot be created: {exc.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"--log-dir {path!r} is not writable")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     try:
         config = parse_config(args)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         parser.print_usage(sys.stderr)
         print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -7,9 +7,11 @@ usage error reported, before anything starts.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -19,8 +21,19 @@ __all__ = [
     "parse_rdzv_conf",
     "parse_std",
     "std_for",
+    "read_job_secret",
+    "check_seconds",
     "RDZV_CONF_KEYS",
 ]
+
+#: The longest interval or timeout accepted (a year): ``inf`` or ``1e300`` seconds would only
+#: overflow ``time.sleep``/``timedelta`` once the job runs.
+MAX_SECONDS = 365 * 24 * 3600.0
+
+#: Environment variables of the job secret (read by ``fastcomm.comm.store`` in the workers too).
+SECRET_ENV = "FASTCOMM_JOB_SECRET"
+SECRET_FILE_ENV = "FASTCOMM_JOB_SECRET_FILE"
+MIN_SECRET_BYTES = 16
 
 # Std values of --redirects / --tee, as torch's ``Std``: which streams go to a file.
 STD_NONE, STD_OUT, STD_ERR, STD_ALL = 0, 1, 2, 3
@@ -117,11 +130,27 @@ def std_for(spec: int | dict[int, int], local_rank: int) -> int:
     return spec
 
 
+def check_seconds(name: str, value: float) -> float:
+    """``value`` if it is a number of seconds in ``(0, MAX_SECONDS]``.
+
+    Raises:
+        ValueError: naming ``name``: not a number, not finite (``inf``, ``nan``), zero or
+            negative, or longer than a year.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or not 0 < value <= MAX_SECONDS:
+        raise ValueError(
+            f"{name} must be a finite number of seconds in (0, {MAX_SECONDS:.0f}], got {value}"
+        )
+    return float(value)
+
+
 def conf_float(conf: dict[str, str], key: str, default: float) -> float:
     """The positive number ``conf[key]`` of ``--rdzv-conf``, or ``default`` if absent.
 
     Raises:
-        ValueError: the value is not a positive number.
+        ValueError: the value is not a positive, finite number (at most a year).
     """
     if key not in conf:
         return default
@@ -129,9 +158,46 @@ def conf_float(conf: dict[str, str], key: str, default: float) -> float:
         value = float(conf[key])
     except ValueError:
         raise ValueError(f"--rdzv-conf {key} must be a number, got {conf[key]!r}") from None
-    if value <= 0:
-        raise ValueError(f"--rdzv-conf {key} must be positive, got {conf[key]!r}")
-    return value
+    return check_seconds(f"--rdzv-conf {key}", value)
+
+
+def read_job_secret(path: str | None, environ: Mapping[str, str]) -> tuple[bytes | None, str]:
+    """The job secret: the file ``path`` (``--job-secret-file``), else ``$FASTCOMM_JOB_SECRET``
+    (hex), else the file ``$FASTCOMM_JOB_SECRET_FILE``; the same rules as the workers' store.
+
+    Returns:
+        ``(secret, where it came from)``; ``(None, "")`` when none is given.
+
+    Raises:
+        ValueError: the file cannot be read, the variable is not hex, or the secret is shorter
+            than 16 bytes.
+    """
+    hex_text = environ.get(SECRET_ENV, "").strip()
+    if path is None and not hex_text:
+        path = environ.get(SECRET_FILE_ENV) or None
+        flag = SECRET_FILE_ENV
+    else:
+        flag = "--job-secret-file"
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                secret = fh.read().strip()
+        except OSError as exc:
+            raise ValueError(f"{flag}: cannot read {path!r}: {exc.strerror}") from None
+        source = f"{flag} {path}"
+    elif hex_text:
+        try:
+            secret = bytes.fromhex(hex_text)
+        except ValueError:
+            raise ValueError(f"{SECRET_ENV} must be hex digits") from None
+        source = SECRET_ENV
+    else:
+        return None, ""
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(
+            f"{source}: the job secret must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)}"
+        )
+    return secret, source
 
 
 def conf_bool(conf: dict[str, str], key: str) -> bool | None:
@@ -227,6 +293,12 @@ class LaunchConfig:
     """Signals the agent catches and forwards to every worker."""
     virtual_local_rank: bool = False
     """LOCAL_RANK=0 and CUDA_VISIBLE_DEVICES narrowed to the worker's own device."""
+    job_secret_file: str | None = None
+    """File holding the job's secret (``--job-secret-file``), read when ``job_secret`` is unset."""
+    job_secret: bytes | None = field(default=None, repr=False)
+    """Key of the HMAC that signs every value read back from the stores (at least 16 bytes).
+    ``None``: from ``job_secret_file`` or the environment; a single-node job makes a random one
+    if none is given, a job of several nodes runs unsigned (JSON only) and says so."""
 
     def __post_init__(self) -> None:
         if not self.entrypoint:
@@ -259,21 +331,24 @@ class LaunchConfig:
             )
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        for name in (
-            "monitor_interval",
-            "join_timeout",
-            "last_call_timeout",
-            "close_timeout",
-            "read_timeout",
-            "keep_alive_interval",
-            "shutdown_timeout",
+        for name, flag in (
+            ("monitor_interval", "--monitor-interval"),
+            ("join_timeout", "--rdzv-conf join_timeout"),
+            ("last_call_timeout", "--rdzv-conf last_call_timeout"),
+            ("close_timeout", "--rdzv-conf close_timeout"),
+            ("read_timeout", "--rdzv-conf read_timeout"),
+            ("keep_alive_interval", "--rdzv-conf keep_alive_interval"),
+            ("shutdown_timeout", "--shutdown-timeout"),
         ):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+            setattr(self, name, check_seconds(f"{flag} ({name})", getattr(self, name)))
         if self.keep_alive_max_attempt < 1:
             raise ValueError("keep_alive_max_attempt must be >= 1")
         if not self.role:
             raise ValueError("--role must be non-empty")
+        if not self.run_id:
+            raise ValueError("--rdzv-id must be non-empty")
+        if self.job_secret is not None and len(self.job_secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"the job secret must be at least {MIN_SECRET_BYTES} bytes")
         for spec in (self.redirects, self.tee):
             values = spec.values() if isinstance(spec, dict) else [spec]
             if any(v not in (0, 1, 2, 3) for v in values):

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 __all__ = [
     "Failure",
     "LaunchError",
+    "UsageError",
     "exit_description",
     "format_report",
     "headline",
@@ -49,6 +50,10 @@ PEER_LOSS_PATTERNS = (
 
 class LaunchError(RuntimeError):
     """The launcher itself could not go on (rendezvous timeout, lost store, ...)."""
+
+
+class UsageError(LaunchError):
+    """A setting found bad once the agent uses it (e.g. a port in use): exit status 2."""
 
 
 @dataclass(slots=True)

@@ -25,26 +25,35 @@ round can leak into the next one:
 ``done``/``exited`` counters of agents whose workers succeeded / that left after the end
 ``hb/<g>``          heartbeat counter of node ``g``
 
+Every value above except the counters is encoded by ``Store.encode`` (JSON, never pickled;
+signed with the job secret when there is one) and checked on reading: a value that fails the
+signature or does not have the expected shape raises an error naming its key, and nothing read
+from the store is executed. ``NodeInfo`` and ``Failure`` travel as records (dicts of their
+fields, each type-checked).
+
 A node that joins while a round runs joins the next round; the running agents see it waiting
 (``join`` of round ``r+1`` > 0) and end their round with ``membership`` when there is room.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import os
-import pickle
 import socket
 import time
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
-from fastcomm.comm.errors import StoreTimeoutError
+from fastcomm.comm.errors import FastcommError, StoreTimeoutError
 from fastcomm.comm.store import Store
 
 from .config import LaunchConfig
-from .errors import LaunchError
+from .errors import Failure, LaunchError, UsageError
+from .net import is_local_address
 
 __all__ = [
     "JobEnded",
@@ -54,6 +63,8 @@ __all__ = [
     "Rendezvous",
     "open_store",
     "is_local_address",
+    "read_failures",
+    "write_failures",
 ]
 
 
@@ -135,26 +146,26 @@ class Interrupted(Exception):
         self.signum = signum
 
 
-def is_local_address(host: str) -> bool:
-    """Whether ``host`` names an address of this machine (one can bind a socket to it)."""
-    if host in ("localhost", "127.0.0.1", "::1", "0.0.0.0", "::"):
-        return True
-    try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except OSError:
-        return False
-    for family, _, _, _, sockaddr in infos:
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as sock:
-                sock.bind((sockaddr[0], 0))
-            return True
-        except OSError:
-            continue
-    return False
+def open_store(
+    config: LaunchConfig,
+    check_stop: Callable[[], None],
+    *,
+    listen: str,
+    secret: bytes | None,
+) -> tuple[Store, bool]:
+    """Serves or joins the rendezvous store; returns ``(store, is_host)``.
 
+    Args:
+        config: the launch configuration (endpoint, backend, timeouts).
+        check_stop: raises once the agent got a stop signal (checked while retrying).
+        listen: the address a served store listens on (see ``net.listen_address``).
+        secret: the job secret the store's values are signed with (``None``: unsigned).
 
-def open_store(config: LaunchConfig, check_stop: Callable[[], None]) -> tuple[Store, bool]:
-    """Serves or joins the rendezvous store; returns ``(store, is_host)``."""
+    Raises:
+        UsageError: the port is in use (and this agent must serve it), or ``listen`` is not
+            an address of this machine.
+        LaunchError: the store could not be reached within the join timeout.
+    """
     host, port = config.rdzv_host, config.rdzv_port
     if config.is_host is not None:
         serve = config.is_host
@@ -164,19 +175,22 @@ def open_store(config: LaunchConfig, check_stop: Callable[[], None]) -> tuple[St
         serve = port == 0 or is_local_address(host)
     if serve:
         try:
-            return Store(host, port, is_server=True, timeout=config.read_timeout), True
-        except StoreTimeoutError as exc:
+            store = Store(listen, port, is_server=True, timeout=config.read_timeout, _secret=secret)
+            return store, True
+        except FastcommError as exc:
             # c10d on the endpoint host: another agent of this machine may serve it already.
             if port == 0 or config.rdzv_backend == "static" or config.is_host:
-                raise LaunchError(
-                    f"cannot serve the rendezvous store at {host}:{port}: {exc}"
-                ) from None
+                raise UsageError(f"cannot serve the rendezvous store: {exc}") from None
+        except StoreTimeoutError as exc:
+            raise LaunchError(
+                f"cannot serve the rendezvous store at {listen}:{port}: {exc}"
+            ) from None
     deadline = time.monotonic() + config.join_timeout
     while True:
         check_stop()
         left = deadline - time.monotonic()
         try:
-            store = Store(host, port, timeout=max(1.0, min(5.0, left)))
+            store = Store(host, port, timeout=max(1.0, min(5.0, left)), _secret=secret)
             store.timeout = timedelta(seconds=config.read_timeout)
             return store, False
         except StoreTimeoutError as exc:
@@ -188,17 +202,103 @@ def open_store(config: LaunchConfig, check_stop: Callable[[], None]) -> tuple[St
             time.sleep(0.2)
 
 
-def _dumps(obj) -> bytes:
-    return pickle.dumps(obj)
+# ---------------------------------------------------------------------- records
+def _field_types(cls) -> dict[str, tuple[type, ...]]:
+    """Per field of the dataclass ``cls``: the exact types its value may have in a record."""
+    hints = typing.get_type_hints(cls)
+    types = {}
+    for f in dataclasses.fields(cls):
+        allowed = typing.get_args(hints[f.name]) or (hints[f.name],)
+        types[f.name] = (*allowed, int) if float in allowed else allowed
+    return types
 
 
-def _loads(data: bytes):
-    return pickle.loads(data)
+_RECORD_TYPES: dict[type, dict[str, tuple[type, ...]]] = {}
 
 
-def _load_end(data: bytes) -> tuple[RoundEnd, object]:
-    kind, payload = _loads(data)
-    return RoundEnd(kind), payload
+def to_record(obj) -> dict[str, Any]:
+    """A ``NodeInfo`` or ``Failure`` as the dict of its fields (what the store holds)."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def from_record(cls, value: Any, where: str):
+    """The ``cls`` instance of a record read from the store, every field type-checked.
+
+    Raises:
+        LaunchError: naming ``where`` (the key), when ``value`` is not such a record.
+    """
+    types = _RECORD_TYPES.get(cls)
+    if types is None:
+        types = _RECORD_TYPES[cls] = _field_types(cls)
+    if type(value) is not dict or set(value) != set(types):
+        raise LaunchError(f"{where}: expected a {cls.__name__} record, got {_brief(value)}")
+    for name, item in value.items():
+        if type(item) not in types[name]:
+            raise LaunchError(
+                f"{where}: field {name!r} of a {cls.__name__} record is a "
+                f"{type(item).__name__}, expected {' or '.join(t.__name__ for t in types[name])}"
+            )
+    return cls(**value)
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _where(store: Store, key: str) -> str:
+    full = f"{store.prefix}/{key}" if store.prefix else key
+    return f"store key {full!r} at {store.address}"
+
+
+def read_value(store: Store, key: str, data: bytes, kind: type | tuple[type, ...]) -> Any:
+    """Decodes ``data`` read from ``key`` (signature first) and checks its type."""
+    value = store.decode(key, data)
+    if not isinstance(kind, tuple):
+        kind = (kind,)
+    if type(value) not in kind:
+        raise LaunchError(
+            f"{_where(store, key)}: expected a {' or '.join(t.__name__ for t in kind)}, "
+            f"got {_brief(value)}"
+        )
+    return value
+
+
+def write_failures(store: Store, key: str, failures: list[Failure]) -> None:
+    """Publishes a node's failures under ``key`` (records, for the final report)."""
+    store.set(key, store.encode(key, [to_record(f) for f in failures]))
+
+
+def read_failures(store: Store, key: str, data: bytes | None = None) -> list[Failure]:
+    """The failures under ``key`` (``data``: the value already read), checked record by record.
+
+    Raises:
+        FastcommError: the value fails the signature check or is not this encoding.
+        LaunchError: it is not a list of failure records.
+    """
+    value = read_value(store, key, store.get(key) if data is None else data, list)
+    return [from_record(Failure, item, _where(store, key)) for item in value]
+
+
+def _encode_end(store: Store, kind: RoundEnd, payload) -> bytes:
+    failures = None if payload is None else [to_record(f) for f in payload]
+    return store.encode("end", (kind.value, failures))
+
+
+def _decode_end(store: Store, data: bytes) -> tuple[RoundEnd, object]:
+    value = read_value(store, "end", data, tuple)
+    kinds = {k.value: k for k in RoundEnd}
+    if (
+        len(value) != 2
+        or type(value[0]) is not str
+        or value[0] not in kinds
+        or type(value[1]) not in (list, type(None))
+    ):
+        raise LaunchError(f"{_where(store, 'end')}: expected (kind, failures), got {_brief(value)}")
+    kind, payload = kinds[value[0]], value[1]
+    if payload is not None:
+        payload = [from_record(Failure, item, _where(store, "end")) for item in payload]
+    return kind, payload
 
 
 class Rendezvous:
@@ -213,12 +313,15 @@ class Rendezvous:
         node: NodeInfo,
         check_stop: Callable[[], None],
         log: Callable[[str], None] = lambda msg: None,
+        *,
+        listen: str = "127.0.0.1",
     ) -> None:
         self.config = config
         self.node = node
         self.base = store.prefixed(f"fastcomm.launch/{config.run_id}")
         self._check_stop = check_stop
         self._log = log
+        self._listen = listen
         self._worker_store: Store | None = None
 
     # ------------------------------------------------------------------ helpers
@@ -230,7 +333,8 @@ class Rendezvous:
         self._check_stop()
         time.sleep(self.POLL_S)
 
-    def _get(self, store: Store, key: str, what: str) -> bytes:
+    def _get(self, store: Store, key: str, what: str, kind: type) -> Any:
+        """The checked value of ``key`` (see ``read_value``), waiting ``read_timeout`` for it."""
         deadline = time.monotonic() + self.config.read_timeout
         while not store.check([key]):
             if time.monotonic() > deadline:
@@ -239,28 +343,33 @@ class Rendezvous:
                     f"{what} (key {store.prefix}/{key})"
                 )
             self._sleep()
-        return store.get(key)
+        return read_value(store, key, store.get(key), kind)
 
     def end_of(self, r: int) -> tuple[RoundEnd, object] | None:
         """How round ``r`` ended, or ``None`` while it runs."""
         round_store = self.round_store(r)
         if not round_store.check(["end"]):
             return None
-        return _load_end(round_store.get("end"))
+        return _decode_end(round_store, round_store.get("end"))
 
     def end_round(self, r: int, kind: RoundEnd, payload=None) -> tuple[RoundEnd, object]:
         """Proposes the end of round ``r``; returns the end that won (the first one proposed)."""
         round_store = self.round_store(r)
-        round_store.compare_set("end", b"", _dumps((kind.value, payload)))
-        return _load_end(round_store.get("end"))
+        round_store.compare_set("end", b"", _encode_end(round_store, kind, payload))
+        return _decode_end(round_store, round_store.get("end"))
 
     def restarts_of(self, r: int) -> int:
         """TORCHELASTIC_RESTART_COUNT of round ``r`` (waits up to ``read_timeout`` for it)."""
-        return int(self._get(self.round_store(r), "restarts", f"the restart count of round {r}"))
+        store = self.round_store(r)
+        count = self._get(store, "restarts", f"the restart count of round {r}", int)
+        if count < 0:
+            raise LaunchError(f"{_where(store, 'restarts')}: negative restart count {count}")
+        return count
 
     def set_next_restarts(self, r: int, restarts: int) -> None:
         """Publishes TORCHELASTIC_RESTART_COUNT of round ``r + 1`` (all members agree on it)."""
-        self.round_store(r + 1).compare_set("restarts", b"", str(restarts))
+        store = self.round_store(r + 1)
+        store.compare_set("restarts", b"", store.encode("restarts", restarts))
 
     def waiting(self, r: int) -> int:
         """Number of agents waiting to join round ``r + 1``."""
@@ -286,13 +395,14 @@ class Rendezvous:
         returning = from_round is not None
         r = self._first_open_round() if from_round is None else from_round
         if r == 0:
-            self.round_store(0).compare_set("restarts", b"", b"0")
+            first = self.round_store(0)
+            first.compare_set("restarts", b"", first.encode("restarts", 0))
         info = NodeInfo(**{k: getattr(self.node, k) for k in NodeInfo.__slots__})
         info.prev_group_rank = prev_group_rank if returning else None
         while True:
             round_store = self.round_store(r)
             index = round_store.add("join", 1) - 1
-            round_store.set(f"node/{index}", _dumps(info))
+            round_store.set(f"node/{index}", round_store.encode(f"node/{index}", to_record(info)))
             if returning:
                 round_store.add("returning", 1)
             outcome = self._wait_closed(r)
@@ -316,7 +426,7 @@ class Rendezvous:
         last_call_from = None
         while True:
             if round_store.check(["closed"]):
-                return int(round_store.get("closed"))
+                return self._closed(r)
             if not prev_ended:
                 end = self.end_of(r - 1)
                 if end is not None:
@@ -325,7 +435,7 @@ class Rendezvous:
                     if end[0] is RoundEnd.FAILURE and self.restarts_of(r - 1) >= cfg.max_restarts:
                         return JobEnded.FAILED
                     prev_ended = True
-                    prev_members = int(self.round_store(r - 1).get("closed"))
+                    prev_members = self._closed(r - 1)
                     if end[0] is RoundEnd.FAILURE:  # nodes declared lost will not be back
                         prev_members -= len({f.group_rank for f in end[1] or [] if f.rank < 0})
                     deadline = time.monotonic() + cfg.join_timeout
@@ -349,15 +459,29 @@ class Rendezvous:
                         f"(join_timeout): {count} of at least {cfg.min_nodes} nodes joined"
                     )
                 if target is not None:
-                    round_store.compare_set("closed", b"", str(target))
+                    round_store.compare_set("closed", b"", round_store.encode("closed", target))
                     continue
             self._sleep()
+
+    def _closed(self, r: int) -> int:
+        """The number of nodes admitted to round ``r`` (its ``closed`` value, checked)."""
+        store = self.round_store(r)
+        count = read_value(store, "closed", store.get("closed"), int)
+        if not 1 <= count <= self.config.max_nodes:
+            raise LaunchError(
+                f"{_where(store, 'closed')}: {count} nodes is outside [1, {self.config.max_nodes}]"
+            )
+        return count
 
     def _complete(self, r: int, count: int, index: int) -> RoundInfo:
         cfg = self.config
         round_store = self.round_store(r)
         nodes = [
-            _loads(self._get(round_store, f"node/{i}", f"node {i} of round {r}"))
+            from_record(
+                NodeInfo,
+                self._get(round_store, f"node/{i}", f"node {i} of round {r}", dict),
+                _where(round_store, f"node/{i}"),
+            )
             for i in range(count)
         ]
         order = list(range(count))
@@ -382,10 +506,15 @@ class Rendezvous:
             # Gloo's peer addresses) and fail with ``connectFullMesh ... Connection refused``
             # or hang. Hence MASTER_PORT changes every round.
             addr = cfg.master_addr or ordered[0].addr
-            self._worker_store = Store(addr, 0, is_server=True, timeout=cfg.read_timeout)
-            round_store.set("master", f"{addr}:{self._worker_store.port}")
-        master = self._get(round_store, "master", f"the worker store address of round {r}").decode()
+            self._worker_store = Store(
+                self._listen, 0, is_server=True, timeout=cfg.read_timeout, _secret=None
+            )
+            master = f"{addr}:{self._worker_store.port}"
+            round_store.set("master", round_store.encode("master", master))
+        master = self._get(round_store, "master", f"the worker store address of round {r}", str)
         addr, _, port = master.rpartition(":")
+        if not addr or not port.isdigit() or not 0 < int(port) < 65536:
+            raise LaunchError(f"{_where(round_store, 'master')}: not host:port: {master!r}")
         self._log(
             f"round {r}: {count} node(s), group rank {group_rank}, world size "
             f"{sum(n.nproc for n in ordered)}, restart count {restarts}, master {master}"

@@ -1,7 +1,10 @@
 """Worker processes of one agent: start, watch, stop, and their output.
 
 Each worker runs in its own session (so it is the leader of its process group): stopping a
-worker signals the whole group, which takes down whatever the worker started too. Python
+worker signals the whole group, which takes down whatever the worker started too -- also what
+a worker leaves running when it exits (even with status 0). Stopping is always SIGTERM (or the
+signal the agent received) first, then SIGKILL for what is left after ``--shutdown-timeout``
+seconds; a group with nothing left in it is not waited for. Python
 workers go through ``_bootstrap.py`` (error file, parent watchdog); ``--no-python`` ones through
 its ``--exec`` mode (``PR_SET_PDEATHSIG``).
 
@@ -198,25 +201,29 @@ class WorkerGroup:
         return [w.proc.pid for w in self.workers]
 
     def signal_all(self, sig: int) -> None:
-        """Sends ``sig`` to the process group of every worker still running."""
+        """Sends ``sig`` to the process group of every worker with something left running (the
+        worker, or what it started)."""
+        live = _live_groups()
         for worker in self.workers:
-            if worker.exitcode is None and worker.proc.poll() is None:
+            if _running(worker, live):
                 self._signalled.add(worker.proc.pid)
                 _killpg(worker.proc.pid, sig)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0, *, again: bool = True):
-        """Signals the running workers (``again=False``: only those not signalled yet),
-        SIGKILLs those left after ``timeout`` s, then kills anything left in their process
-        groups and closes their output."""
+        """Signals every worker's process group that has something running (``again=False``:
+        only those not signalled yet), SIGKILLs the groups still running after ``timeout`` s,
+        then reaps the workers and closes their output."""
         self.poll()
-        running = [w for w in self.workers if w.exitcode is None]
+        live = _live_groups()
+        running = [w for w in self.workers if _running(w, live)]
         for worker in running:
             if again or worker.proc.pid not in self._signalled:
                 _killpg(worker.proc.pid, sig)
         deadline = time.monotonic() + timeout
         while running and time.monotonic() < deadline:
             time.sleep(0.02)
-            running = [w for w in self.workers if w.proc.poll() is None]
+            live = _live_groups()
+            running = [w for w in running if _running(w, live)]
         for worker in running:
             _killpg(worker.proc.pid, signal.SIGKILL)
         self.close()
@@ -242,6 +249,43 @@ class WorkerGroup:
                     pass  # the pump already wrote what it could; nothing to keep open
             worker.threads.clear()
             worker.files.clear()
+
+
+def _running(worker: _Worker, live: set[int] | None) -> bool:
+    """Whether the worker, or anything left in its process group, still runs (reaps it)."""
+    if worker.proc.poll() is None:
+        return True
+    if live is not None:
+        return worker.proc.pid in live
+    try:
+        os.killpg(worker.proc.pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _live_groups() -> set[int] | None:
+    """The process groups with a process other than a zombie in them (``None``: no ``/proc``).
+
+    Leftovers of an exited worker are orphans: a zombie among them (its reaper may not reap)
+    must not count as running, so ``/proc`` is read rather than ``killpg(pgid, 0)`` asked.
+    """
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return None
+    groups = set()
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if fields[0] not in (b"Z", b"X"):
+            groups.add(int(fields[2]))
+    return groups
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -45,7 +45,9 @@ BAD = [
     pytest.param(["--nproc-per-node", "0"], "--nproc-per-node must be >= 1", id="nproc-0"),
     pytest.param(["--nproc-per-node", "many"], "--nproc-per-node must be", id="nproc-word"),
     pytest.param(["--max-restarts", "-1"], "--max-restarts must be >= 0", id="restarts-neg"),
-    pytest.param(["--monitor-interval", "0"], "monitor_interval must be positive", id="monitor-0"),
+    pytest.param(
+        ["--monitor-interval", "0"], "--monitor-interval must be a finite number", id="monitor-0"
+    ),
     pytest.param(["--rdzv-backend", "etcd"], "static or c10d", id="backend"),
     pytest.param(
         ["--rdzv-backend", "c10d", "--nnodes", "2"], "needs --rdzv-endpoint", id="c10d-no-endpoint"
@@ -71,6 +73,33 @@ BAD = [
     pytest.param(["--local-ranks-filter", "x"], "comma-separated", id="ranks-filter"),
     pytest.param(["--signals-to-handle", "SIGNOPE"], "unknown signal", id="signals"),
     pytest.param(["--start-method", "thread"], "invalid choice", id="start-method"),
+    # infinite, NaN, negative or absurd intervals and timeouts (they would only fail mid-job)
+    pytest.param(["--monitor-interval", "inf"], "finite number", id="monitor-inf"),
+    pytest.param(["--monitor-interval", "nan"], "finite number", id="monitor-nan"),
+    pytest.param(["--monitor-interval", "-1"], "finite number", id="monitor-neg"),
+    pytest.param(["--shutdown-timeout", "inf"], "--shutdown-timeout must be", id="shutdown-inf"),
+    pytest.param(["--shutdown-timeout", "0"], "--shutdown-timeout must be", id="shutdown-0"),
+    pytest.param(["--shutdown-timeout", "soon"], "invalid float", id="shutdown-word"),
+    pytest.param(["--rdzv-conf", "join_timeout=inf"], "join_timeout must be", id="join-inf"),
+    pytest.param(["--rdzv-conf", "read_timeout=nan"], "read_timeout must be", id="read-nan"),
+    pytest.param(["--rdzv-conf", "last_call_timeout=1e300"], "finite number", id="huge"),
+    pytest.param(["--rdzv-conf", "keep_alive_max_attempt=x"], "must be an int", id="attempts"),
+    pytest.param(["--rdzv-conf", "is_host=maybe"], "must be a boolean", id="is-host"),
+    pytest.param(["--max-restarts", "many"], "invalid int", id="restarts-word"),
+    pytest.param(["--node-rank", "x"], "invalid int", id="node-rank-word"),
+    pytest.param(["--master-port", "70000"], "--master-port must be in", id="master-port"),
+    pytest.param(["--master-port", "29511", "--master-addr", ""], "--master-addr", id="addr"),
+    pytest.param(
+        ["--rdzv-id", "", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29400"],
+        "--rdzv-id must be non-empty",
+        id="rdzv-id",
+    ),
+    pytest.param(["--role", ""], "--role must be non-empty", id="role"),
+    pytest.param(["--log-dir", "/proc/no/such"], "cannot be created", id="log-dir"),
+    pytest.param(["--log-dir", ""], "--log-dir must be non-empty", id="log-dir-empty"),
+    pytest.param(["--local-addr", "0.0.0.0"], "not '0.0.0.0' (every interface)", id="wildcard"),
+    pytest.param(["--local-addr", "192.0.2.1"], "not an address of this machine", id="addr"),
+    pytest.param(["--job-secret-file", "/no/such/secret"], "cannot read", id="secret-file"),
 ]
 
 
@@ -80,6 +109,30 @@ def test_bad_flags_are_usage_errors(flags, message, marker_script, no_launch, ca
     assert main([*flags, str(path)]) == 2
     err = capsys.readouterr().err
     assert "usage: fastcomm-run" in err and message in err
+    assert "Traceback" not in err and len([x for x in err.splitlines() if "error:" in x]) == 1
+    assert not no_launch and not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "x"}, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT must be"),
+        ({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "inf"}, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT must be"),
+        ({"FASTCOMM_JOB_SECRET": "not hex"}, "FASTCOMM_JOB_SECRET must be hex"),
+        ({"FASTCOMM_JOB_SECRET": "abcd"}, "at least 16 bytes"),
+        ({"FASTCOMM_JOB_SECRET_FILE": "/no/such"}, "FASTCOMM_JOB_SECRET_FILE: cannot read"),
+        ({"PET_MONITOR_INTERVAL": "inf"}, "--monitor-interval must be"),
+    ],
+    ids=["shutdown-env", "shutdown-env-inf", "secret-hex", "secret-short", "secret-file", "pet"],
+)
+def test_bad_environment_is_a_usage_error(env, message, marker_script, no_launch, capsys,
+                                          monkeypatch):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    path, marker = marker_script
+    assert main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
     assert not no_launch and not marker.exists()
 
 

@@ -10,6 +10,9 @@ are compared by form only:
 * ``TORCHELASTIC_RUN_ID``: a fresh uuid4 with ``--standalone`` (equal otherwise);
 * ``TORCHELASTIC_ERROR_FILE``: a per-run temporary path ending ``attempt_0/<local_rank>/
   error.json`` in both.
+
+One variable is fastcomm-run's own: ``FASTCOMM_JOB_SECRET``, the random per-job secret (64 hex
+digits) that signs the values workers read back from the store.
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ def _compare(ours, theirs, *, standalone):
         assert a["argv"][:1] + a["argv"][2:] == b["argv"][:1] + b["argv"][2:]
         assert a["path0"] == b["path0"]
         assert a["name"] == b["name"] == "__main__" and a["file"] == b["file"]
-        env_a, env_b = a["env"], b["env"]
+        env_a, env_b = dict(a["env"]), b["env"]
+        assert re.fullmatch(r"[0-9a-f]{64}", env_a.pop("FASTCOMM_JOB_SECRET"))
         assert sorted(env_a) == sorted(env_b), (
             f"only fastcomm-run: {sorted(set(env_a) - set(env_b))}, "
             f"only torchrun: {sorted(set(env_b) - set(env_a))}"

@@ -15,6 +15,7 @@ RECORD = """
     env = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK",
            "GROUP_WORLD_SIZE", "LOCAL_WORLD_SIZE", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT",
            "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID")}
+    env["SECRET"] = os.environ.get("FASTCOMM_JOB_SECRET")
     name = "ws%s_rank%s_try%s.json" % (env["WORLD_SIZE"], env["RANK"],
                                        env["TORCHELASTIC_RESTART_COUNT"])
     with open(os.path.join(out, name), "w") as fh:
@@ -44,10 +45,17 @@ def _records(directory, pattern="*.json"):
     return [json.loads(p.read_text()) for p in sorted(directory.glob(pattern))]
 
 
+NO_SECRET = "no job secret (--job-secret-file"
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("backend", ["c10d", "static"])
 def test_two_agents_form_a_world_of_four(tmp_path, backend):
+    """c10d runs without a job secret (each agent says so once; values are unsigned JSON);
+    static names a secret file on both nodes (their workers get it in hex)."""
     path = script(tmp_path, "record.py", RECORD)
+    secret = tmp_path / "job.secret"
+    secret.write_text("shared-secret-of-the-whole-job\n")
     port = free_port()
     if backend == "c10d":
         flags = [_flags(port, "2", "2"), _flags(port, "2", "2")]
@@ -64,6 +72,8 @@ def test_two_agents_form_a_world_of_four(tmp_path, backend):
                 "127.0.0.1",
                 "--master_port",
                 str(port),
+                "--job-secret-file",
+                str(secret),
             ]
             for n in (1, 0)
         ]
@@ -80,6 +90,12 @@ def test_two_agents_form_a_world_of_four(tmp_path, backend):
         assert r["TORCHELASTIC_RUN_ID"] == ("job42" if backend == "c10d" else "none")
     # one worker store for the whole world, served by the agent of group rank 0
     assert len({(r["MASTER_ADDR"], r["MASTER_PORT"]) for r in recs}) == 1
+    if backend == "c10d":
+        assert {r["SECRET"] for r in recs} == {None}
+        assert [r.stderr.count(NO_SECRET) for r in results] == [1, 1]
+    else:
+        assert {r["SECRET"] for r in recs} == {b"shared-secret-of-the-whole-job".hex()}
+        assert all(NO_SECRET not in r.stderr for r in results)
 
 
 @pytest.mark.timeout(60)
@@ -190,3 +206,54 @@ def test_job_goes_on_without_a_killed_node(tmp_path):
         kill_all(pids)
         if victim.poll() is None:
             victim.kill()
+
+
+@pytest.mark.timeout(60)
+def test_losing_the_rendezvous_store_restarts_nothing(tmp_path):
+    """The agent serving the rendezvous store is SIGKILLed mid-job: the other agent names the
+    lost store, stops its workers and exits 1 -- it does not start a new round (the store was
+    the job's only record of which ranks had run, so nothing may be restarted without it)."""
+    path = script(
+        tmp_path,
+        "hang.py",
+        RECORD
+        + """
+    with open(os.path.join(out, "pid_%s" % env["RANK"]), "w") as fh:
+        fh.write(str(os.getpid()))
+    time.sleep(30)
+""",
+    )
+    port = free_port()
+    conf = "last_call_timeout=30"
+    mine = tmp_path / "survivor_tmp"
+    mine.mkdir()
+    host = start(
+        [*_flags(port, "1:2", "1", "--max-restarts", "3", "--rdzv-conf", conf + ",is_host=1"),
+         path, tmp_path],
+        tmp_path,
+        env=clean_env(TMPDIR=str(tmp_path)),
+    )
+    survivor = start(
+        [*_flags(port, "1:2", "1", "--max-restarts", "3", "--rdzv-conf", conf + ",is_host=0"),
+         path, tmp_path],
+        tmp_path,
+        env=clean_env(TMPDIR=str(mine)),
+    )
+    pids = []
+    try:
+        pids = [int(f.read_text()) for f in wait_files(tmp_path, "pid_*", 2, proc=survivor)]
+        host.kill()
+        finish(host, timeout=10)
+        result = finish(survivor, timeout=30)
+        assert result.returncode == 1, result.stderr
+        assert f"lost the connection to the store at 127.0.0.1:{port}" in result.stderr
+        assert sorted(p.name for p in tmp_path.glob("*_try*.json")) == [
+            "ws2_rank0_try0.json",
+            "ws2_rank1_try0.json",
+        ]
+        assert wait_gone(pids, timeout=5) == []
+        assert sorted(mine.iterdir()) == []
+    finally:
+        kill_all(pids)
+        if host.poll() is None:
+            host.kill()

@@ -14,7 +14,7 @@ import pytest
 
 from fastcomm.launch.errors import Failure, format_report, headline, is_peer_loss, root_cause
 
-from ._util import run, script
+from ._util import clean_env, run, script
 
 SHM_JOB = """
     import os, signal, sys
@@ -47,8 +47,10 @@ def test_sigkilled_rank_is_the_root_cause(tmp_path, max_restarts):
     path = script(tmp_path, "shm_job.py", SHM_JOB)
     args = ["--nproc-per-node", "2", "--max-restarts", str(max_restarts),
             "--monitor-interval", "0.05", path, tmp_path]
-    result = run(args, tmp_path, timeout=110)
+    result = run(args, tmp_path, env=clean_env(TMPDIR=str(tmp_path)), timeout=110)
     err = result.stderr
+    # the failed job's temporary folder is gone too (the report carries the error files)
+    assert sorted(tmp_path.glob("fastcomm_launch_*")) == [], err
     if max_restarts == 1:
         assert result.returncode == 0, err
         assert sorted(p.name for p in tmp_path.glob("ok_*")) == ["ok_0_1", "ok_1_1"], err

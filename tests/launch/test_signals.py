@@ -1,5 +1,6 @@
 """Signals to the launcher reach every worker, and no process outlives the launcher -- also
-when the launcher is SIGKILLed (workers notice and take their own children down)."""
+when the launcher is SIGKILLed (workers notice and take their own children down). A stopped
+launcher removes its temporary folder."""
 
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ def test_signal_reaches_every_worker_and_nothing_survives(tmp_path, sig):
             f"got_1_{int(sig)}",
         ]
         assert wait_gone(pids, timeout=5) == []
+        assert sorted(tmp_path.glob("fastcomm_launch_*")) == []
     finally:
         kill_all(pids)
 
