@@ -136,7 +136,7 @@ def test_an_uninitialised_or_reinitialised_core_raises():
     with pytest.raises(ValueError, match="not initialised"):
         bare.barrier(0, 0, 0, 1, 0, 0)
     with pytest.raises(ValueError, match="not initialised"):
-        bare.slot_bytes
+        _ = bare.slot_bytes
     words = torch.zeros(64, dtype=torch.int64)
     small = one_rank_core(words)
     with pytest.raises(ValueError, match="already initialised"):

@@ -211,8 +211,6 @@ def describe(code_a: int, code_b: int = 0) -> str:
     dtypes = {v: str(k).removeprefix("torch.") for k, v in _DTYPE_CODES.items()}
     opcode, redop = code_a >> 56, (code_a >> 40) & 0xFF
     name = names.get(opcode & ~_TWO_STEP, f"op{opcode & ~_TWO_STEP}")
-    if opcode & _TWO_STEP:
-        name += " (two-step)"
     numel = (code_a & _NUMEL_BITS) | ((code_b >> 32) << 40)
     dtype = (code_a >> 48) & 0xFF
     what = [dtypes.get(dtype, f"dtype{dtype}"), f"{numel} elements"] if dtype or numel else []
@@ -222,6 +220,8 @@ def describe(code_a: int, code_b: int = 0) -> str:
     if code_b & 0xFFFFFFFF:
         label = "src" if opcode == _OPCODES["broadcast"] else "root"
         what.append(f"{label} {(code_b & 0xFFFFFFFF) - 1}")
+    if opcode & _TWO_STEP:
+        what.append("two-step")
     return f"{name}({', '.join(what)})"
 
 
