@@ -92,6 +92,11 @@ _OPCODE_MASK = (1 << 56) - 1  # a descriptor A without its opcode
 _NUMEL_BITS = (1 << 40) - 1
 _ONE_SHOT_WORD = 10  # misc word 10 of a rank's control block: its one_shot_max (messages)
 _DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(SUPPORTED_DTYPES)}
+# by dtype: (element size, the dtype's field of descriptor A), for the one-slot entries
+_DTYPE_INFO = {
+    dtype: (torch.empty((), dtype=dtype).element_size(), code << 48)
+    for dtype, code in _DTYPE_CODES.items()
+}
 _OP_CODES = {op: i + 1 for i, op in enumerate(ReduceOp)}
 _PREMUL_CODE = len(_OP_CODES) + 1  # a PremulSum's op code in the call descriptor
 # the compiled core's dtype kinds
@@ -159,11 +164,9 @@ def average_(tensor: torch.Tensor, count: int) -> None:
         divide_(tensor, count)
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two contiguous tensors share bytes."""
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    a_bytes, b_bytes = a.numel() * a.element_size(), b.numel() * b.element_size()
-    return a_bytes > 0 and b_bytes > 0 and a0 < b0 + b_bytes and b0 < a0 + a_bytes
+def _overlap(a: int, a_bytes: int, b: int, b_bytes: int) -> bool:
+    """Whether the bytes at addresses ``a`` and ``b`` overlap."""
+    return a_bytes > 0 and b_bytes > 0 and a < b + b_bytes and b < a + a_bytes
 
 
 def reduce_into(out: torch.Tensor, terms: list[torch.Tensor], op: ReduceOp) -> None:
@@ -445,7 +448,7 @@ class SegmentSchedules:
         is bumped as a torch in-place op would.
 
         Args:
-            tensor: a contiguous CPU tensor of a supported dtype.
+            tensor: a contiguous CPU tensor (what the communicator's fast path checks).
             op: the reduction.
             start: when the call began (``time.monotonic()``), for timeouts and messages.
 
@@ -459,7 +462,7 @@ class SegmentSchedules:
                 plan = self._core_plans.get((tensor.dtype, tensor.numel()))
                 if plan is None:
                     plan = self._plan_core(tensor)
-                if plan and tensor.is_contiguous():
+                if plan:
                     self._all_reduce_core(tensor, core_op, plan, start)
                     return plan[3]
         np_fn = _NUMPY_OPS.get(op._name_) if self._inline_torch else None
@@ -501,18 +504,28 @@ class SegmentSchedules:
         synchronous fast path (as :meth:`all_reduce_small`): the whole round in one C call where
         the compiled core takes it, else the Python path.
 
+        Args:
+            tensor: a contiguous CPU tensor (what the communicator's fast path checks).
+            op: the reduction (not a ``PremulSum``).
+            root: the rank that gets the result.
+            start: when the call began (``time.monotonic()``).
+
         Returns:
             the bytes reduced, or 0, having done nothing, when it does not apply (empty, more
-            than ``one_shot_max`` bytes or one slot, a ``root`` out of range).
+            than ``one_shot_max`` bytes or one slot, ``root`` not a rank, an unsupported dtype).
         """
-        nbytes = tensor.numel() * tensor.element_size()
+        info = _DTYPE_INFO.get(tensor.dtype)
         if (
-            not 0 < nbytes <= min(self.one_shot_max, self.layout.slot_bytes)
+            info is None
             or root.__class__ is not int
             or not 0 <= root < self.size
+            or op.__class__ is not ReduceOp
         ):
             return 0
-        if self._core is not None and self._core_takes(tensor):
+        nbytes = tensor.numel() * info[0]
+        if not 0 < nbytes <= min(self.one_shot_max, self.layout.slot_bytes):
+            return 0
+        if self._core is not None and not tensor.requires_grad:
             core_op = _CORE_OPS.get(op._name_)
             plan = None if core_op is None else self._core_plans.get((tensor.dtype, tensor.numel()))
             if core_op is not None and plan is None:
@@ -818,20 +831,35 @@ class SegmentSchedules:
         first round, until every peer published its descriptor: all ranks agree or all raise."""
         self._broadcast(flat, src, time.monotonic())
 
-    def broadcast_small(self, flat: torch.Tensor, src: int, start: float) -> int:
+    def broadcast_small(self, tensor: torch.Tensor, src: int, start: float) -> int:
         """:meth:`broadcast` of a tensor that fits one slot, for a caller's synchronous fast
         path (as :meth:`all_reduce_small`): one C call where the compiled core takes it.
 
+        Args:
+            tensor: a contiguous CPU tensor of any shape (what the communicator's fast path
+                checks).
+            src: the source rank.
+            start: when the call began (``time.monotonic()``).
+
         Returns:
             the bytes broadcast, or 0, having done nothing, when it does not apply (empty, more
-            than one slot, ``src`` out of range).
+            than one slot, ``src`` not a rank, a dtype the communicator does not move).
         """
-        nbytes = flat.numel() * flat.element_size()
-        if not 0 < nbytes <= self.layout.slot_bytes or src.__class__ is not int:
+        info = _DTYPE_INFO.get(tensor.dtype)
+        if info is None or src.__class__ is not int or not 0 <= src < self.size:
             return 0
-        if not 0 <= src < self.size:
+        numel = tensor.numel()
+        nbytes = numel * info[0]
+        if not 0 < nbytes <= self.layout.slot_bytes:
             return 0
-        self._broadcast(flat, src, start)
+        if self._core is not None and not tensor.requires_grad:
+            code = (_OPCODES["broadcast"] << 56) | info[1] | numel
+            args = [tensor.data_ptr(), nbytes, src, code]
+            self._core_round(self._core.broadcast, args, "broadcast", start)
+            if self.rank != src:
+                _increment_version((tensor,))
+            return nbytes
+        self._broadcast(tensor.view(-1), src, start)
         return nbytes
 
     def _broadcast(self, flat: torch.Tensor, src: int, start: float) -> None:
@@ -884,22 +912,33 @@ class SegmentSchedules:
     def all_gather(self, out: torch.Tensor, flat: torch.Tensor) -> None:
         self._all_gather(out, flat, time.monotonic())
 
-    def all_gather_small(self, out: torch.Tensor, flat: torch.Tensor, start: float) -> int:
+    def all_gather_small(self, out: torch.Tensor, input: torch.Tensor, start: float) -> int:
         """:meth:`all_gather` of an input that fits one slot, for a caller's synchronous fast
-        path (as :meth:`all_reduce_small`).
+        path (as :meth:`all_reduce_small`): one C call where the compiled core takes it.
+
+        Args:
+            out: a contiguous CPU tensor of any shape, ``size`` times ``input``'s elements.
+            input: a contiguous CPU tensor of any shape, ``out``'s dtype.
+            start: when the call began (``time.monotonic()``).
 
         Returns:
             the input's bytes, or 0, having done nothing, when it does not apply (empty, more
-            than one slot, ``out`` not ``size`` times ``flat`` of its dtype).
+            than one slot, mismatched sizes or dtypes).
         """
-        nbytes = flat.numel() * flat.element_size()
-        if (
-            not 0 < nbytes <= self.layout.slot_bytes
-            or out.dtype != flat.dtype
-            or out.numel() != self.size * flat.numel()
-        ):
+        info = _DTYPE_INFO.get(input.dtype)
+        m = input.numel()
+        if info is None or out.dtype != input.dtype or out.numel() != self.size * m:
             return 0
-        self._all_gather(out, flat, start)
+        nbytes = m * info[0]
+        if not 0 < nbytes <= self.layout.slot_bytes:
+            return 0
+        if self._core is not None and not out.requires_grad:
+            code = (_OPCODES["all_gather"] << 56) | info[1] | m
+            args = [out.data_ptr(), input.data_ptr(), nbytes, code]
+            self._core_round(self._core.all_gather, args, "all_gather", start)
+            _increment_version((out,))
+            return nbytes
+        self._all_gather(out.view(-1), input.view(-1), start)
         return nbytes
 
     def _all_gather(self, out: torch.Tensor, flat: torch.Tensor, start: float) -> None:
@@ -933,25 +972,44 @@ class SegmentSchedules:
         self._reduce_scatter(out, flat, op, time.monotonic())
 
     def reduce_scatter_small(
-        self, out: torch.Tensor, flat: torch.Tensor, op: ReduceOp, start: float
+        self, out: torch.Tensor, input: torch.Tensor, op: ReduceOp, start: float
     ) -> int:
         """:meth:`reduce_scatter` of an input that fits one slot, for a caller's synchronous
-        fast path (as :meth:`all_reduce_small`); in the compiled core for its dtypes and ``SUM``,
-        ``AVG``, ``PRODUCT``, else the Python path.
+        fast path (as :meth:`all_reduce_small`): one C call where the compiled core takes it
+        (its dtypes; ``SUM``, ``AVG``, ``PRODUCT``), else the Python path.
+
+        Args:
+            out: a contiguous CPU tensor of any shape.
+            input: a contiguous CPU tensor of any shape, ``size`` times ``out``'s elements, of
+                its dtype.
+            op: the reduction (not a ``PremulSum``).
+            start: when the call began (``time.monotonic()``).
 
         Returns:
             the input's bytes, or 0, having done nothing, when it does not apply (empty, more
-            than one slot, ``flat`` not ``size`` times ``out`` of its dtype).
+            than one slot, mismatched sizes or dtypes).
         """
-        nbytes = flat.numel() * flat.element_size()
+        info = _DTYPE_INFO.get(input.dtype)
+        m = out.numel()
         if (
-            not 0 < nbytes <= self.layout.slot_bytes
-            or out.dtype != flat.dtype
-            or flat.numel() != self.size * out.numel()
+            info is None
+            or out.dtype != input.dtype
+            or input.numel() != self.size * m
             or op.__class__ is not ReduceOp
         ):
             return 0
-        self._reduce_scatter(out, flat, op, start)
+        nbytes = self.size * m * info[0]
+        if not 0 < nbytes <= self.layout.slot_bytes:
+            return 0
+        core_op = _CORE_OPS.get(op._name_)
+        kind = _CORE_KINDS.get(input.dtype)
+        if self._core is not None and core_op and kind is not None and not out.requires_grad:
+            code = (_OPCODES["reduce_scatter"] << 56) | info[1] | (core_op[0] << 40) | m
+            args = [out.data_ptr(), input.data_ptr(), m, kind, core_op[1], code]
+            self._core_round(self._core.reduce_scatter, args, "reduce_scatter", start)
+            _increment_version((out,))
+            return nbytes
+        self._reduce_scatter(out.view(-1), input.view(-1), op, start)
         return nbytes
 
     def _reduce_scatter(
@@ -975,7 +1033,8 @@ class SegmentSchedules:
         in2d = flat.view(n, m)
         # an output sharing bytes with our own row: that row is reduced from our slot instead
         # (a reduction's output may alias its first two terms only), as the compiled core does
-        own_in_slot = _overlap(out, in2d[rank])
+        row = m * esize
+        own_in_slot = _overlap(out.data_ptr(), row, flat.data_ptr() + rank * row, row)
         for offset, count in self._chunks(m, self.layout.slot_bytes // esize // n):
             half = self._enter("reduce_scatter", start, code)
             block = self._block(half, flat.dtype, n, count)  # [source rank, destination rank]
@@ -995,24 +1054,33 @@ class SegmentSchedules:
     def all_to_all(self, out: torch.Tensor, flat: torch.Tensor) -> None:
         self._all_to_all(out, flat, time.monotonic())
 
-    def all_to_all_small(self, out: torch.Tensor, flat: torch.Tensor, start: float) -> int:
+    def all_to_all_small(self, out: torch.Tensor, input: torch.Tensor, start: float) -> int:
         """:meth:`all_to_all` of an input that fits one slot, for a caller's synchronous fast
-        path (as :meth:`all_reduce_small`).
+        path (as :meth:`all_reduce_small`): one C call where the compiled core takes it.
+
+        Args:
+            out: a contiguous CPU tensor of any shape, ``input``'s elements and dtype.
+            input: a contiguous CPU tensor of any shape, a multiple of ``size`` elements.
+            start: when the call began (``time.monotonic()``).
 
         Returns:
             the input's bytes, or 0, having done nothing, when it does not apply (empty, more
-            than one slot, ``out`` and ``flat`` not of one dtype and a multiple of ``size``
-            elements each).
+            than one slot, mismatched sizes or dtypes).
         """
-        nbytes = flat.numel() * flat.element_size()
-        if (
-            not 0 < nbytes <= self.layout.slot_bytes
-            or out.dtype != flat.dtype
-            or out.numel() != flat.numel()
-            or flat.numel() % self.size
-        ):
+        info = _DTYPE_INFO.get(input.dtype)
+        numel = input.numel()
+        if info is None or out.dtype != input.dtype or out.numel() != numel or numel % self.size:
             return 0
-        self._all_to_all(out, flat, start)
+        nbytes = numel * info[0]
+        if not 0 < nbytes <= self.layout.slot_bytes:
+            return 0
+        if self._core is not None and not out.requires_grad:
+            code = (_OPCODES["all_to_all"] << 56) | info[1] | numel
+            args = [out.data_ptr(), input.data_ptr(), nbytes // self.size, code]
+            self._core_round(self._core.all_to_all, args, "all_to_all", start)
+            _increment_version((out,))
+            return nbytes
+        self._all_to_all(out.view(-1), input.view(-1), start)
         return nbytes
 
     def _all_to_all(self, out: torch.Tensor, flat: torch.Tensor, start: float) -> None:
