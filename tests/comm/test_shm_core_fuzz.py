@@ -33,6 +33,7 @@ def test_fuzzed_core_calls_never_crash():
 
     if schedules._core is None:
         pytest.skip("the compiled core was not built (no C compiler at install)")
+    pytest.importorskip("hypothesis")  # the test extra
     with tempfile.NamedTemporaryFile("w+b", suffix=".fuzzlog") as log:
         child = subprocess.run(
             [sys.executable, __file__, schedules._core.__file__, log.name],
