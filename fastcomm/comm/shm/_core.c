@@ -454,6 +454,11 @@ static int SmallCore_init(SmallCore *self, PyObject *args, PyObject *kwds) {
         slot_addr[i] = (char *)view.buf + offsets[i];
     }
     PyMem_Free(offsets);
+    offsets = NULL;
+    if (self->ready) { /* another thread's __init__ won while ours ran Python code */
+        PyErr_SetString(PyExc_ValueError, "SmallCore is already initialised");
+        goto fail;
+    }
     self->segment = view;
     self->words = (uint64_t *)view.buf;
     self->rank = (int)rank;
