@@ -153,17 +153,20 @@ def check_disagreements(name: str) -> dict:
 
 
 def check_one_shot_max_disagreement(name: str):
-    """A 2 KiB all-reduce: one shot below 4 KiB, two steps past 1 KiB."""
+    """A 2 KiB all-reduce: one shot below 4 KiB, two steps past 1 KiB. The descriptors tell the
+    two algorithms apart (a communicator that compares its options at setup raises there)."""
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    comm = new_comm(name, compiled=rank % 2 == 0, one_shot_max=4096 if rank == n - 1 else 1024)
-    comm.barrier()
     start = time.monotonic()
     try:
-        comm.all_reduce(ones(512))
+        comm = new_comm(name, compiled=rank % 2 == 0, one_shot_max=4096 if rank == n - 1 else 1024)
+        try:
+            comm.barrier()
+            start = time.monotonic()
+            comm.all_reduce(ones(512))
+        finally:
+            comm.close()
     except FastcommError as exc:
         return type(exc).__name__, str(exc), time.monotonic() - start
-    finally:
-        comm.close()
     return None, "returned", time.monotonic() - start
 
 
@@ -386,13 +389,12 @@ def test_ranks_that_disagree_all_raise_naming_both_calls(pool, unique_name):
 
 def test_ranks_that_disagree_on_one_shot_max_all_raise(pool, unique_name):
     outcomes = pool.run(check_one_shot_max_disagreement, unique_name)
-    _assert_all_raised(outcomes, ["collective mismatch", "two-step", "one_shot_max", "4096",
-                                  "1024"], "one_shot_max")
+    _assert_all_raised(outcomes, ["one_shot_max", "4096", "1024"], "one_shot_max")
 
 
 def test_ranks_that_disagree_on_the_slot_size_all_fail_setup(pool, unique_name):
     outcomes = pool.run(check_slot_size_disagreement, unique_name)
-    _assert_all_raised(outcomes, ["slot_bytes 8192", "4096"], "slot_bytes")
+    _assert_all_raised(outcomes, ["slot_bytes", "8192", "4096"], "slot_bytes")
 
 
 def test_empty_tensors_are_one_round_on_every_rank(pool, unique_name):
