@@ -148,7 +148,7 @@ _increment_version = torch._C._increment_version
 _INT_MAX = {d: torch.iinfo(d).max for d in SUPPORTED_DTYPES if not d.is_floating_point}
 
 
-def code_b(numel: int, root: int | None = None) -> int:
+def _code_b(numel: int, root: int | None = None) -> int:
     """A call's descriptor word B (module docstring): the element count past 40 bits and the
     source or root + 1."""
     return ((numel >> 40) << 32) | (0 if root is None else root + 1)
@@ -428,11 +428,11 @@ class SegmentSchedules:
                     self._all_reduce_core(tensor, core_op, plan, start, root_)
                     return
         code = self.code(name, tensor, redop, two_step=not one_shot)
-        code_b_ = code_b(tensor.numel(), root)
+        code_b = _code_b(tensor.numel(), root)
         if one_shot:
-            self._one_shot(tensor, op, name, start, code, code_b_, root, factor)
+            self._one_shot(tensor, op, name, start, code, code_b, root, factor)
         else:
-            self._two_step(tensor.view(-1), op, name, start, code, code_b_, root, factor)
+            self._two_step(tensor.view(-1), op, name, start, code, code_b, root, factor)
 
     def all_reduce_small(self, tensor: torch.Tensor, op: ReduceOp, start: float) -> int:
         """The one-shot all-reduce of a tensor that fits one slot, with the fewest Python steps.
@@ -534,7 +534,7 @@ class SegmentSchedules:
                 self._all_reduce_core(tensor, core_op, plan, start, root)
                 return nbytes
         code = self.code("reduce", tensor, _OP_CODES[op])
-        self._one_shot(tensor, op, "reduce", start, code, code_b(tensor.numel(), root), root)
+        self._one_shot(tensor, op, "reduce", start, code, _code_b(tensor.numel(), root), root)
         return nbytes
 
     def _all_reduce_core(self, tensor, core_op, plan, start, root: int = -1) -> None:
@@ -706,14 +706,14 @@ class SegmentSchedules:
         self._small[(tensor.dtype, tensor.shape)] = plan
         return plan
 
-    def _one_shot(self, tensor, op, name, start, code, code_b_, root, factor=None) -> None:
+    def _one_shot(self, tensor, op, name, start, code, code_b, root, factor=None) -> None:
         if tensor.numel() * tensor.element_size() > self.layout.slot_bytes:
             pieces = tensor.view(-1).split(self.layout.slot_bytes // tensor.element_size())
         else:
             pieces = (tensor,)
         flags = self.flags
         for i, piece in enumerate(pieces):
-            half = self._enter(name, start, code, code_b_)
+            half = self._enter(name, start, code, code_b)
             key = (half, piece.dtype, piece.shape)
             views = self._views.get(key)
             if views is None:  # slot views shaped like the piece: no per-call view or flatten
@@ -727,7 +727,7 @@ class SegmentSchedules:
             self._first_publish()
             if i == 0:  # every rank, a reduce's non-roots too, checks the call
                 flags.wait_all(flags.seq, name, start)
-                self._check(half, code, code_b_)
+                self._check(half, code, code_b)
             if root is not None and root != self.rank:
                 continue
             if i > 0:
@@ -791,7 +791,7 @@ class SegmentSchedules:
             self._remember(key, entry)
         return entry
 
-    def _two_step(self, flat, op, name, start, code, code_b_, root, factor=None) -> None:
+    def _two_step(self, flat, op, name, start, code, code_b, root, factor=None) -> None:
         n, rank, flags = self.size, self.rank, self.flags
         esize = flat.element_size()
         counts = [count for _, count in self._chunks(flat.numel(), self.layout.slot_bytes // esize)]
@@ -803,7 +803,7 @@ class SegmentSchedules:
         chunks = flat.split(counts)
         peers = flags.peers
         for i, count in enumerate(counts):
-            half = self._enter(name, start, code, code_b_)
+            half = self._enter(name, start, code, code_b)
             grid, result = self._grid(half, flat.dtype, count, esize)
             mine, own = grid[rank], pieces[i * n : (i + 1) * n]
             for p in peers:  # copy in the slices the peers reduce; ours is read in place
@@ -813,7 +813,7 @@ class SegmentSchedules:
             self._first_publish()
             flags.wait_all(flags.seq, name, start)
             if i == 0:
-                self._check(half, code, code_b_)
+                self._check(half, code, code_b)
             out = grid[n][rank]  # our slice of the shared result slot
             terms = [own[rank] if q == rank else grid[q][rank] for q in range(n)]
             if factor is None:
@@ -875,17 +875,17 @@ class SegmentSchedules:
             if rank != src:
                 _increment_version((flat,))
             return
-        code, code_b_ = self.code("broadcast", flat), code_b(numel, src)
+        code, code_b = self.code("broadcast", flat), _code_b(numel, src)
         flags = self.flags
         for offset, count in self._chunks(numel, self.layout.slot_bytes // flat.element_size()):
-            half = self._enter("broadcast", start, code, code_b_)
+            half = self._enter("broadcast", start, code, code_b)
             view = self.slots(half, flat.dtype)[src][:count]
             if rank == src:
                 view.copy_(flat[offset : offset + count])
             self._first_publish()
             if offset == 0:  # the source too: every rank checks the call
                 flags.wait_all(flags.seq, "broadcast", start)
-                self._check(half, code, code_b_)
+                self._check(half, code, code_b)
             elif rank != src:
                 flags.wait_all(flags.seq, "broadcast", start, [src])
             if rank != src:
