@@ -89,7 +89,7 @@ def test_reduce_in_place_into_the_first_or_second_term():
         ((0, [0, 0], 4, 0, 9), "op must be in"),
         ((0, [0, 0], 4, 2, 0, 0.5), "needs op SUM on float32/float64"),  # int8 with a scale
         ((0, [0, 0], 4, 0, 1, 0.5), "needs op SUM on float32/float64"),  # PRODUCT with a scale
-        ((0, [0, 0], -1, 0, 0), "numel must be >= 0"),
+        ((0, [0, 0], -1, 0, 0), "numel must be in"),
         ((0, [], 4, 0, 0), "1 to 4096 addresses"),
     ],
 )
@@ -103,31 +103,120 @@ def test_reduce_rejects_addresses_that_are_not_integers():
         core.reduce(0, ["x", 0], 4, 0, 0)
 
 
+def one_rank_core(words: torch.Tensor, slot_bytes: int = 128):
+    """A one-rank SmallCore over ``words`` (int64): seq 0, waiting_on 1, descriptors 2-5, the
+    slot of half 0 at byte 64 and of half 1 at byte 256."""
+    return core.SmallCore(words.numpy(), 0, [0], [1], [2, 3, 4, 5], [64, 256], slot_bytes)
+
+
 def test_small_core_rejects_a_bad_layout():
-    with pytest.raises(ValueError, match="8-byte aligned"):
-        core.SmallCore(3, 0, [0], [1], [2, 3], [64, 128])
+    seg = torch.zeros(64, dtype=torch.int64).numpy()  # 512 bytes
     with pytest.raises(ValueError, match="rank must be in"):
-        core.SmallCore(4096, 2, [0, 1], [2, 3], [4, 5, 6, 7], [64, 128, 192, 256])
-    with pytest.raises(ValueError, match="desc_idx: expected 4 entries"):
-        core.SmallCore(4096, 0, [0, 1], [2, 3], [4, 5], [64, 128, 192, 256])
-    with pytest.raises(ValueError, match="negative entry"):
-        core.SmallCore(4096, 0, [0, -1], [2, 3], [4, 5, 6, 7], [64, 128, 192, 256])
+        core.SmallCore(seg, 2, [0, 1], [2, 3], list(range(4, 12)), [64, 128, 192, 256], 64)
+    with pytest.raises(ValueError, match="desc_idx: expected 8 entries"):
+        core.SmallCore(seg, 0, [0, 1], [2, 3], [4, 5], [64, 128, 192, 256], 64)
+    with pytest.raises(ValueError, match="seq_idx must be in"):
+        core.SmallCore(seg, 0, [0, -1], [2, 3], list(range(4, 12)), [64, 128, 192, 256], 64)
+    with pytest.raises(ValueError, match="wait_idx must be in"):  # past the segment's 64 words
+        core.SmallCore(seg, 0, [0, 1], [2, 64], list(range(4, 12)), [64, 128, 192, 256], 64)
+    with pytest.raises(ValueError, match="slots must be in"):  # a slot past the segment's end
+        core.SmallCore(seg, 0, [0, 1], [2, 3], list(range(4, 12)), [64, 128, 192, 480], 64)
+    with pytest.raises(ValueError, match="not 8-byte aligned"):
+        core.SmallCore(seg, 0, [0, 1], [2, 3], list(range(4, 12)), [64, 128, 192, 3], 64)
+    with pytest.raises(ValueError, match="slot_bytes .* exceeds"):
+        core.SmallCore(seg, 0, [0, 1], [2, 3], list(range(4, 12)), [0, 0, 0, 0], 4096)
+    with pytest.raises(TypeError):  # not a writable buffer
+        core.SmallCore(b"x" * 512, 0, [0], [1], [2, 3, 4, 5], [64, 256], 64)
+
+
+def test_an_uninitialised_or_reinitialised_core_raises():
+    bare = core.SmallCore.__new__(core.SmallCore)
+    with pytest.raises(ValueError, match="not initialised"):
+        bare.all_reduce(0, 0, 0, 0, -1, 0, 0, 0, 1, 0, 0)
+    with pytest.raises(ValueError, match="not initialised"):
+        bare.barrier(0, 0, 0, 1, 0, 0)
+    with pytest.raises(ValueError, match="not initialised"):
+        _ = bare.slot_bytes
+    words = torch.zeros(64, dtype=torch.int64)
+    small = one_rank_core(words)
+    with pytest.raises(ValueError, match="already initialised"):
+        small.__init__(words.numpy(), 0, [0], [1], [2, 3, 4, 5], [64, 256], 128)
+    failed = core.SmallCore.__new__(core.SmallCore)
+    with pytest.raises(ValueError):
+        failed.__init__(words.numpy(), 5, [0], [1], [2, 3, 4, 5], [64, 256], 128)
+    with pytest.raises(ValueError, match="not initialised"):  # a failed __init__ leaves it bare
+        failed.barrier(0, 0, 0, 1, 0, 0)
+
+
+def test_arguments_are_checked_as_the_c_types_they_become():
+    """No truncating cast before a range check: 2**32 is not kind 0, nor 2**64 + 1 a half."""
+    words = torch.zeros(64, dtype=torch.int64)
+    small = one_rank_core(words)
+    user = torch.zeros(4)
+    for bad, message in [
+        (dict(kind=2**32), "kind must be in"),
+        (dict(kind=-(2**63)), "kind must be in"),
+        (dict(op=2**31), "op must be in"),
+        (dict(half=2**64 + 1), "half must be in"),
+        (dict(stage=2**32 + 1), "stage must be in"),
+        (dict(numel=33), "numel must be in"),  # past the 128-byte slot
+        (dict(root=1), "root must be in"),
+        (dict(spin=-1), "spin_ns must be in"),
+        (dict(user=-1), "user must be in"),
+        (dict(user=0), "null address"),
+    ]:
+        args = dict(user=user.data_ptr(), numel=4, kind=core.KIND_F32, op=core.OP_SUM, root=-1,
+                    code=1, half=0, enter=0, target=1, stage=0, spin=0) | bad
+        with pytest.raises(ValueError, match=message):
+            small.all_reduce(*args.values())
+    with pytest.raises(TypeError, match="kind must be an int"):
+        small.all_reduce(user.data_ptr(), 4, 0.0, 0, -1, 1, 0, 0, 1, 0, 0)
+    with pytest.raises(ValueError, match="kind must be in"):
+        core.reduce(user.data_ptr(), [user.data_ptr()], 4, 2**32, 0)
+    assert words[0].item() == 0, "a rejected call published"
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("count", [127, 128, 255, 256, 300, 4096])
+def test_integer_average_divides_by_the_true_count(dtype, count):
+    """An int8 AVG over 256 terms divided by 256 cast to int8 (0): SIGFPE. The count is exact
+    in 64 bits: torch's trunc division wherever torch's divisor is exact (count <= max)."""
+    info = torch.iinfo(dtype)
+    gen = torch.Generator().manual_seed(count)
+    terms = [torch.randint(info.min, info.max, (33,), generator=gen, dtype=dtype)
+             for _ in range(count)]
+    out = torch.empty_like(terms[0])
+    core.reduce(out.data_ptr(), [t.data_ptr() for t in terms], 33, KINDS[dtype], core.OP_AVG)
+    total = terms[0].clone()
+    for t in terms[1:]:
+        total += t  # wraps in the dtype, as the core's sum
+    expected = (total.to(torch.int64) // 1).div(count, rounding_mode="trunc").to(dtype)
+    assert torch.equal(out, expected)
+    if count <= info.max:
+        assert torch.equal(out, total.div(count, rounding_mode="trunc"))
+    schedules.average_(total, count)  # the Python path's division, too
+    assert torch.equal(total, expected)
 
 
 def test_one_rank_all_reduce_runs_the_whole_protocol_in_one_call():
-    """World size 1 over a real buffer: enter, descriptor, copy in, publish, copy out."""
-    words = torch.zeros(64, dtype=torch.int64)  # seq, waiting_on, desc h0, desc h1, slots
-    base = words.data_ptr()
-    small = core.SmallCore(base, 0, [0], [1], [2, 3], [base + 64, base + 256])
+    """World size 1 over a real buffer: enter, descriptors, copy in, publish, copy out."""
+    words = torch.zeros(64, dtype=torch.int64)
+    small = one_rank_core(words)
     user = torch.arange(10, dtype=torch.float32)
-    status = small.all_reduce(user.data_ptr(), 10, core.KIND_F32, core.OP_AVG, 0xABC, 1, 0, 1,
-                              0, 0)
+    status = small.all_reduce(user.data_ptr(), 10, core.KIND_F32, core.OP_AVG, -1, 0xABC, 1, 0,
+                              1, 0, 0)
     assert status == core.DONE
     assert words[0].item() == 1  # published
-    assert words[3].item() == 0xABC  # half 1's descriptor
-    assert torch.equal(words[32:37].view(torch.float32), user)  # half 1's slot, at base + 256
+    assert words[3].item() == 0xABC and words[5].item() == 0  # half 1's descriptors A and B
+    assert torch.equal(words[32:37].view(torch.float32), user)  # half 1's slot, at byte 256
     assert torch.equal(user, torch.arange(10, dtype=torch.float32))  # the average of one rank
-    with pytest.raises(ValueError, match="bad all_reduce call"):
-        small.all_reduce(user.data_ptr(), 10, core.KIND_F32, core.OP_SUM, 0, 2, 0, 1, 0, 0)
-    with pytest.raises(TypeError, match="takes 10 arguments"):
+    status = small.all_reduce(user.data_ptr(), 10, core.KIND_F32, core.OP_SUM, 0, 0xABD, 0, 0,
+                              2, 0, 0)
+    assert status == core.DONE and words[2].item() == 0xABD and words[4].item() == 1  # root + 1
+    status = small.broadcast(user.data_ptr(), 40, 0, 0xABE, 1, 1, 3, 0, 0)
+    assert status == core.DONE and words[5].item() == 1  # src + 1
+    with pytest.raises(ValueError, match="half must be in"):
+        small.all_reduce(user.data_ptr(), 10, core.KIND_F32, core.OP_SUM, -1, 0, 2, 0, 1, 0, 0)
+    with pytest.raises(TypeError, match="takes 11 arguments"):
         small.all_reduce(user.data_ptr(), 10)
+    assert small.slot_bytes == 128

@@ -1,20 +1,39 @@
-/* Compiled core of the shm communicator: the small one-shot all-reduce and the reductions.
+/* Compiled core of the shm communicator: the small collectives and the reductions.
  *
  * Python sequences the shm protocol (flags.py, schedules.py); at a few KiB its own per-call
  * cost (a dozen attribute loads, word reads through a memoryview, a NumPy or torch call per
- * step) is the whole time of an all-reduce. This module runs the same protocol, on the same
- * words, in C: wait until the half is free, record the descriptor, copy in, publish, wait for
- * every peer, check their descriptors, reduce in rank order. Every wait here only spins for a
- * bounded time; when a peer is not there yet it returns a status and Python finishes the wait
- * (yield, futex sleep, timeouts, liveness, aborts) with its own code, then calls back to resume.
- * Ranks with and without this module interoperate: the words and their order are the same.
+ * step) is the whole time of a collective. This module runs the same protocol, on the same
+ * words, in C, for a collective that fits one slot (one round): wait until the half is free,
+ * record the call's descriptor, copy in, publish, wait for every peer, check their descriptors,
+ * then copy out or reduce in rank order. Every wait here only spins for a bounded time; when a
+ * peer is not there yet it returns a status and Python finishes the wait (yield, futex sleep,
+ * timeouts, liveness, aborts) with its own code, then calls back to resume. Ranks with and
+ * without this module interoperate: the words, the slots and their order are the same.
+ *
+ * The round of every collective (schedules.py, "Rounds"): stage 0 waits until every peer's seq
+ * reached `enter`; stage 1 stores descriptor words A (`code_a`) and B of this half, copies in and
+ * publishes `target`; stage 2 waits until every peer's seq reached `target`, compares every
+ * peer's A and B of this half with this rank's (MISMATCH: nothing copied out or reduced) and
+ * finishes. B is computed here: the root + 1 of a reduce (0 for an all-reduce), the source + 1
+ * of a broadcast, 0 otherwise (a small round has fewer than 2**40 elements).
+ *
+ * Contract of the arguments. A SmallCore holds the segment itself (a buffer export: the mapping
+ * cannot go away under it) and checks every word index and slot of its layout against it at
+ * construction; every later argument is checked against the C type it is used as (ValueError
+ * when out of range, TypeError when not an int) before anything is touched. What cannot be
+ * checked are the raw addresses of the caller's memory (all_reduce's `user`, `out` and `flat`,
+ * reduce's `out` and `terms`): each must point to at least the bytes the call names (0 bytes:
+ * any address), readable and, where written, writable for the whole call, and outside the
+ * segment. schedules.py only passes the data pointers of contiguous CPU tensors it checked.
  *
  * Memory ordering: flags are loaded with acquire and stored with release semantics, so data
  * stores before a publish are visible to a peer that sees the flag, on every architecture.
  *
  * Arithmetic: elementwise in the buffers' dtype, one operation per term in rank order, no
  * contraction into FMAs (built with -ffp-contract=off): the bits of torch's add/mul. Integer
- * types wrap (computed unsigned).
+ * types wrap (computed unsigned). AVG divides the sum by the term count in a 64-bit type, then
+ * stores in the dtype: torch's div_(count) (floats) or div_(count, rounding_mode="trunc")
+ * (integers) wherever the count is representable in the dtype.
  */
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
@@ -34,6 +53,9 @@ enum { DONE = 0, ENTER_WAIT = 1, EXCHANGE_WAIT = 2, MISMATCH = 3 };
 static const size_t KIND_SIZE[K_COUNT] = {4, 8, 1, 1, 4, 8};
 /* Below this many bytes of input, a reduction keeps the GIL (releasing costs more). */
 #define NOGIL_BYTES (256 * 1024)
+#define MAX_TERMS 4096
+#define MAX_RANKS 65536
+#define MAX_SPIN_NS 10000000000LL /* 10 s: far beyond any spin budget flags.py hands out */
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -51,6 +73,82 @@ static inline int64_t now_ns(void) {
 
 static inline uint64_t load_acquire(const uint64_t *word) {
     return __atomic_load_n(word, __ATOMIC_ACQUIRE);
+}
+
+/* ------------------------------------------------------------------- argument parsing */
+
+/* An int argument as a signed 64-bit value in [lo, hi]: TypeError if not an int, ValueError
+ * (naming it) if out of range, with no truncation before the check. */
+static int arg_range(PyObject *obj, long long lo, long long hi, const char *name,
+                     long long *out) {
+    int overflow = 0;
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an int, got %.100s", name,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    long long value = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (value == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow || value < lo || value > hi) {
+        PyErr_Format(PyExc_ValueError, "%s must be in [%lld, %lld], got %R", name, lo, hi, obj);
+        return -1;
+    }
+    *out = value;
+    return 0;
+}
+
+/* An int argument as an unsigned 64-bit value (an address, a descriptor, a seq). */
+static int arg_u64(PyObject *obj, const char *name, uint64_t *out) {
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an int, got %.100s", name,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    unsigned long long value = PyLong_AsUnsignedLongLong(obj);
+    if (value == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s must be in [0, 2**64), got %R", name, obj);
+        return -1;
+    }
+    *out = value;
+    return 0;
+}
+
+/* What a null address of 0 bytes (an empty tensor's) stands for: no pointer here is null. */
+static char EMPTY[64];
+
+/* An address that may be 0 only when nothing is read or written through it. */
+static int arg_address(PyObject *obj, const char *name, size_t nbytes, char **out) {
+    uint64_t value;
+    if (arg_u64(obj, name, &value) < 0)
+        return -1;
+    if (value == 0 && nbytes) {
+        PyErr_Format(PyExc_ValueError, "%s is a null address for %zu bytes", name, nbytes);
+        return -1;
+    }
+    *out = value ? (char *)(uintptr_t)value : EMPTY;
+    return 0;
+}
+
+static int check_kind_op(long long kind, long long op, double scale) {
+    if (scale != 1.0 && (op != OP_SUM || (kind != K_F32 && kind != K_F64))) {
+        PyObject *value = PyFloat_FromDouble(scale);
+        if (value) {
+            PyErr_Format(PyExc_ValueError,
+                         "a scale (got %R) needs op SUM on float32/float64, got kind %lld op %lld",
+                         value, kind, op);
+            Py_DECREF(value);
+        }
+        return -1;
+    }
+    return 0;
+}
+
+/* memcpy, skipped when there is nothing to copy (an empty tensor's EMPTY may alias). */
+static inline void copy_bytes(char *dst, const char *src, size_t n) {
+    if (n)
+        memcpy(dst, src, n);
 }
 
 /* --------------------------------------------------------------------------- reductions */
@@ -91,24 +189,25 @@ static inline uint64_t load_acquire(const uint64_t *word) {
         }                                                                           \
     } while (0)
 
-#define DIVIDE_LOOP(T)                                                              \
+/* o[i] / count in the wide type W, stored back as T: the count never wraps in T. */
+#define DIVIDE_LOOP(T, W)                                                           \
     do {                                                                            \
         T *o = (T *)out;                                                            \
-        const T d = (T)count;                                                       \
+        const W d = (W)count;                                                       \
         for (size_t i = 0; i < n; i++)                                              \
-            o[i] = o[i] / d;                                                        \
+            o[i] = (T)((W)o[i] / d);                                                \
     } while (0)
 
-/* out /= count, as torch's div_ (floats) or div_(rounding_mode="trunc") (integers: C's
- * signed division truncates toward zero too). */
+/* out /= count (count >= 1), as torch's div_ (floats: the count is exact in both) or
+ * div_(rounding_mode="trunc") (integers: C's division truncates toward zero too). */
 static void divide(void *out, size_t n, int kind, int count) {
     switch (kind) {
-    case K_F32: DIVIDE_LOOP(float); break;
-    case K_F64: DIVIDE_LOOP(double); break;
-    case K_I8: DIVIDE_LOOP(int8_t); break;
-    case K_U8: DIVIDE_LOOP(uint8_t); break;
-    case K_I32: DIVIDE_LOOP(int32_t); break;
-    case K_I64: DIVIDE_LOOP(int64_t); break;
+    case K_F32: DIVIDE_LOOP(float, float); break;
+    case K_F64: DIVIDE_LOOP(double, double); break;
+    case K_I8: DIVIDE_LOOP(int8_t, int64_t); break;
+    case K_U8: DIVIDE_LOOP(uint8_t, uint64_t); break;
+    case K_I32: DIVIDE_LOOP(int32_t, int64_t); break;
+    case K_I64: DIVIDE_LOOP(int64_t, int64_t); break;
     }
 }
 
@@ -146,47 +245,54 @@ static void reduce_terms(void *out, char *const *terms, int nterms, size_t n, in
     }
 }
 
-static int parse_kind_op(int kind, int op, double scale) {
-    if (kind < 0 || kind >= K_COUNT) {
-        PyErr_Format(PyExc_ValueError, "kind must be in [0, %d), got %d", K_COUNT, kind);
-        return -1;
+/* out = terms[0] (op) ... (op) terms[nterms - 1], any nterms >= 1 (one term: a copy, or its
+ * product with `scale`; AVG of one term divides by 1). Same aliasing rule as reduce_terms. */
+static void reduce_any(char *out, char *const *terms, int nterms, size_t n, int kind, int op,
+                       double scale) {
+    if (!n)
+        return;
+    if (nterms >= 2) {
+        reduce_terms(out, terms, nterms, n, kind, op, scale);
+    } else if (scale != 1.0) {
+        if (kind == K_F32) {
+            float *o = (float *)out;
+            const float *a = (const float *)terms[0], s = (float)scale;
+            for (size_t i = 0; i < n; i++)
+                o[i] = a[i] * s;
+        } else {
+            double *o = (double *)out;
+            const double *a = (const double *)terms[0];
+            for (size_t i = 0; i < n; i++)
+                o[i] = a[i] * scale;
+        }
+    } else if (out != terms[0]) {
+        memmove(out, terms[0], n * KIND_SIZE[kind]);
     }
-    if (op < 0 || op >= OP_COUNT) {
-        PyErr_Format(PyExc_ValueError, "op must be in [0, %d), got %d", OP_COUNT, op);
-        return -1;
-    }
-    if (scale != 1.0 && (op != OP_SUM || (kind != K_F32 && kind != K_F64))) {
-        PyErr_Format(PyExc_ValueError,
-                     "a scale (got %g) needs op SUM on float32/float64, got kind %d op %d",
-                     scale, kind, op);
-        return -1;
-    }
-    return 0;
 }
 
 /* reduce(out, terms, numel, kind, op, scale=1.0): module docstring of reduce_terms. */
 static PyObject *py_reduce(PyObject *self, PyObject *args) {
-    unsigned long long out;
-    PyObject *seq;
-    Py_ssize_t numel;
-    int kind, op;
+    PyObject *out_obj, *seq, *numel_obj, *kind_obj, *op_obj;
     double scale = 1.0;
+    long long numel, kind, op;
     (void)self;
-    if (!PyArg_ParseTuple(args, "KOnii|d", &out, &seq, &numel, &kind, &op, &scale))
+    if (!PyArg_ParseTuple(args, "OOOOO|d", &out_obj, &seq, &numel_obj, &kind_obj, &op_obj,
+                          &scale))
         return NULL;
-    if (parse_kind_op(kind, op, scale) < 0)
+    if (arg_range(kind_obj, 0, K_COUNT - 1, "kind", &kind) < 0 ||
+        arg_range(op_obj, 0, OP_COUNT - 1, "op", &op) < 0 || check_kind_op(kind, op, scale) < 0 ||
+        arg_range(numel_obj, 0, PY_SSIZE_T_MAX / 8, "numel", &numel) < 0)
         return NULL;
-    if (numel < 0) {
-        PyErr_Format(PyExc_ValueError, "numel must be >= 0, got %zd", numel);
-        return NULL;
-    }
+    size_t n = (size_t)numel, nbytes = n * KIND_SIZE[kind];
+    char *out;
     PyObject *fast = PySequence_Fast(seq, "terms must be a sequence of addresses");
     if (!fast)
         return NULL;
     Py_ssize_t nterms = PySequence_Fast_GET_SIZE(fast);
-    if (nterms < 1 || nterms > 4096) {
+    if (nterms < 1 || nterms > MAX_TERMS) {
         Py_DECREF(fast);
-        PyErr_Format(PyExc_ValueError, "terms must hold 1 to 4096 addresses, got %zd", nterms);
+        PyErr_Format(PyExc_ValueError, "terms must hold 1 to %d addresses, got %zd", MAX_TERMS,
+                     nterms);
         return NULL;
     }
     char **terms = PyMem_Malloc(sizeof(char *) * (size_t)nterms);
@@ -195,66 +301,56 @@ static PyObject *py_reduce(PyObject *self, PyObject *args) {
         return PyErr_NoMemory();
     }
     for (Py_ssize_t t = 0; t < nterms; t++) {
-        unsigned long long addr = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(fast, t));
-        if (PyErr_Occurred()) {
+        if (arg_address(PySequence_Fast_GET_ITEM(fast, t), "a term", nbytes, &terms[t]) < 0) {
             PyMem_Free(terms);
             Py_DECREF(fast);
             return NULL;
         }
-        terms[t] = (char *)(uintptr_t)addr;
     }
     Py_DECREF(fast);
-    size_t n = (size_t)numel;
-    if (n) {
-        int release = n * KIND_SIZE[kind] >= NOGIL_BYTES;
-        PyThreadState *state = release ? PyEval_SaveThread() : NULL;
-        if (nterms == 1) {
-            if (scale != 1.0) { /* one term: out = term * scale */
-                if (kind == K_F32) {
-                    float *o = (float *)(uintptr_t)out;
-                    const float *a = (const float *)terms[0], s = (float)scale;
-                    for (size_t i = 0; i < n; i++)
-                        o[i] = a[i] * s;
-                } else {
-                    double *o = (double *)(uintptr_t)out;
-                    const double *a = (const double *)terms[0];
-                    for (size_t i = 0; i < n; i++)
-                        o[i] = a[i] * scale;
-                }
-            } else if ((char *)(uintptr_t)out != terms[0]) {
-                memmove((void *)(uintptr_t)out, terms[0], n * KIND_SIZE[kind]);
-            }
-        } else {
-            reduce_terms((void *)(uintptr_t)out, terms, (int)nterms, n, kind, op, scale);
-        }
-        if (release)
-            PyEval_RestoreThread(state);
+    if (arg_address(out_obj, "out", nbytes, &out) < 0) {
+        PyMem_Free(terms);
+        return NULL;
     }
+    int release = nbytes >= NOGIL_BYTES;
+    PyThreadState *state = release ? PyEval_SaveThread() : NULL;
+    reduce_any(out, terms, (int)nterms, n, (int)kind, (int)op, scale);
+    if (release)
+        PyEval_RestoreThread(state);
     PyMem_Free(terms);
     Py_RETURN_NONE;
 }
 
-/* ------------------------------------------------------------------- the small all-reduce */
+/* --------------------------------------------------------------- the small collectives */
 
 typedef struct {
     PyObject_HEAD
+    int ready;            /* 0 until __init__ succeeded (a bare __new__ leaves it 0) */
+    Py_buffer segment;    /* the mapped segment, held for the object's lifetime */
     uint64_t *words;
     int rank, size;
+    size_t slot_bytes;
     Py_ssize_t *seq_idx;  /* [size] */
     Py_ssize_t *wait_idx; /* [size] */
-    Py_ssize_t *desc_idx; /* [size][2] */
+    Py_ssize_t *desc_idx; /* [size][4]: A of half 0, A of half 1, B of half 0, B of half 1 */
     char **slots;         /* [2][size] */
+    char **terms;         /* [size]: scratch for one reduction's term addresses */
 } SmallCore;
 
 static void SmallCore_dealloc(SmallCore *self) {
+    if (self->ready)
+        PyBuffer_Release(&self->segment);
     PyMem_Free(self->seq_idx);
     PyMem_Free(self->wait_idx);
     PyMem_Free(self->desc_idx);
     PyMem_Free(self->slots);
+    PyMem_Free(self->terms);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static int read_indices(PyObject *seq, Py_ssize_t count, Py_ssize_t *out, const char *what) {
+/* `count` entries of `seq`, each in [0, limit). */
+static int read_indices(PyObject *seq, Py_ssize_t count, Py_ssize_t limit, Py_ssize_t *out,
+                        const char *what) {
     PyObject *fast = PySequence_Fast(seq, what);
     if (!fast)
         return -1;
@@ -265,68 +361,125 @@ static int read_indices(PyObject *seq, Py_ssize_t count, Py_ssize_t *out, const 
         return -1;
     }
     for (Py_ssize_t i = 0; i < count; i++) {
-        out[i] = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(fast, i));
-        if (out[i] < 0) {
-            if (!PyErr_Occurred())
-                PyErr_Format(PyExc_ValueError, "%s: negative entry %zd", what, out[i]);
+        long long value;
+        if (arg_range(PySequence_Fast_GET_ITEM(fast, i), 0, (long long)limit - 1, what,
+                      &value) < 0) {
             Py_DECREF(fast);
             return -1;
         }
+        out[i] = (Py_ssize_t)value;
     }
     Py_DECREF(fast);
     return 0;
 }
 
-/* SmallCore(base, rank, seq_idx, wait_idx, desc_idx, slots): `base` is the address of the
- * mapped segment (8-byte aligned); the index lists are in 8-byte words, per rank; `desc_idx`
- * lists the two halves' descriptor words of rank 0, then rank 1, ...; `slots` lists the slot
- * addresses of half 0 for every rank, then of half 1. The mapping must outlive the object. */
+/* SmallCore(segment, rank, seq_idx, wait_idx, desc_idx, slots, slot_bytes): `segment` is a
+ * writable, contiguous, 8-byte aligned buffer (the mapping); the index lists are in 8-byte
+ * words of it, per rank; `desc_idx` lists each rank's four descriptor words (A of half 0, A of
+ * half 1, B of half 0, B of half 1), rank 0 first; `slots` lists the byte offsets of the slots
+ * of half 0 for every rank, then of half 1, each 8-byte aligned and `slot_bytes` long inside
+ * the buffer. Initialised once: a second __init__ raises (a concurrent call may be using the
+ * layout with the GIL released). */
 static int SmallCore_init(SmallCore *self, PyObject *args, PyObject *kwds) {
-    unsigned long long base;
-    int rank;
-    PyObject *seq_idx, *wait_idx, *desc_idx, *slots;
-    (void)kwds;
-    if (!PyArg_ParseTuple(args, "KiOOOO", &base, &rank, &seq_idx, &wait_idx, &desc_idx, &slots))
-        return -1;
-    if (base == 0 || base % 8) {
-        PyErr_Format(PyExc_ValueError, "base must be a nonzero 8-byte aligned address, got %llu",
-                     base);
+    PyObject *segment, *rank_obj, *seq_idx, *wait_idx, *desc_idx, *slots, *slot_bytes_obj;
+    long long rank, slot_bytes;
+    if (self->ready) {
+        PyErr_SetString(PyExc_ValueError, "SmallCore is already initialised");
         return -1;
     }
+    if (kwds && PyDict_GET_SIZE(kwds)) {
+        PyErr_SetString(PyExc_TypeError, "SmallCore takes no keyword arguments");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(args, "OOOOOOO", &segment, &rank_obj, &seq_idx, &wait_idx, &desc_idx,
+                          &slots, &slot_bytes_obj))
+        return -1;
     Py_ssize_t size = PySequence_Size(seq_idx);
-    if (size < 1 || size > 65536) {
+    if (size < 1 || size > MAX_RANKS) {
         if (!PyErr_Occurred())
-            PyErr_Format(PyExc_ValueError, "seq_idx must list 1 to 65536 ranks, got %zd", size);
+            PyErr_Format(PyExc_ValueError, "seq_idx must list 1 to %d ranks, got %zd",
+                         MAX_RANKS, size);
         return -1;
     }
-    if (rank < 0 || rank >= size) {
-        PyErr_Format(PyExc_ValueError, "rank must be in [0, %zd), got %d", size, rank);
+    if (arg_range(rank_obj, 0, size - 1, "rank", &rank) < 0 ||
+        arg_range(slot_bytes_obj, 1, PY_SSIZE_T_MAX, "slot_bytes", &slot_bytes) < 0)
+        return -1;
+    Py_buffer view;
+    if (PyObject_GetBuffer(segment, &view, PyBUF_WRITABLE) < 0) {
+        if (PyErr_ExceptionMatches(PyExc_BufferError) || PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError,
+                         "segment must be a writable contiguous buffer (the mapping), got %.100s",
+                         Py_TYPE(segment)->tp_name);
+        }
         return -1;
     }
-    self->words = (uint64_t *)(uintptr_t)base;
-    self->rank = rank;
-    self->size = (int)size;
-    self->seq_idx = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)size);
-    self->wait_idx = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)size);
-    self->desc_idx = PyMem_Malloc(sizeof(Py_ssize_t) * 2 * (size_t)size);
-    Py_ssize_t *addr = PyMem_Malloc(sizeof(Py_ssize_t) * 2 * (size_t)size);
-    self->slots = PyMem_Malloc(sizeof(char *) * 2 * (size_t)size);
-    if (!self->seq_idx || !self->wait_idx || !self->desc_idx || !addr || !self->slots) {
-        PyMem_Free(addr);
+    Py_ssize_t nwords = view.len / 8;
+    Py_ssize_t *seq = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)size);
+    Py_ssize_t *wait = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)size);
+    Py_ssize_t *desc = PyMem_Malloc(sizeof(Py_ssize_t) * 4 * (size_t)size);
+    Py_ssize_t *offsets = PyMem_Malloc(sizeof(Py_ssize_t) * 2 * (size_t)size);
+    char **slot_addr = PyMem_Malloc(sizeof(char *) * 2 * (size_t)size);
+    char **terms = PyMem_Malloc(sizeof(char *) * (size_t)size);
+    if (!seq || !wait || !desc || !offsets || !slot_addr || !terms) {
         PyErr_NoMemory();
-        return -1;
+        goto fail;
     }
-    if (read_indices(seq_idx, size, self->seq_idx, "seq_idx") < 0 ||
-        read_indices(wait_idx, size, self->wait_idx, "wait_idx") < 0 ||
-        read_indices(desc_idx, 2 * size, self->desc_idx, "desc_idx") < 0 ||
-        read_indices(slots, 2 * size, addr, "slots") < 0) {
-        PyMem_Free(addr);
-        return -1;
+    if ((uintptr_t)view.buf % 8) {
+        PyErr_SetString(PyExc_ValueError, "segment must be 8-byte aligned");
+        goto fail;
     }
-    for (Py_ssize_t i = 0; i < 2 * size; i++)
-        self->slots[i] = (char *)(uintptr_t)addr[i];
-    PyMem_Free(addr);
+    if (nwords < 1) {
+        PyErr_Format(PyExc_ValueError, "segment must hold at least one word, got %zd bytes",
+                     view.len);
+        goto fail;
+    }
+    if (read_indices(seq_idx, size, nwords, seq, "seq_idx") < 0 ||
+        read_indices(wait_idx, size, nwords, wait, "wait_idx") < 0 ||
+        read_indices(desc_idx, 4 * size, nwords, desc, "desc_idx") < 0)
+        goto fail;
+    if (slot_bytes > view.len) {
+        PyErr_Format(PyExc_ValueError, "slot_bytes %lld exceeds the segment's %zd bytes",
+                     slot_bytes, view.len);
+        goto fail;
+    }
+    if (read_indices(slots, 2 * size, view.len - slot_bytes + 1, offsets, "slots") < 0)
+        goto fail;
+    for (Py_ssize_t i = 0; i < 2 * size; i++) {
+        if (offsets[i] % 8) {
+            PyErr_Format(PyExc_ValueError, "slots: offset %zd is not 8-byte aligned",
+                         offsets[i]);
+            goto fail;
+        }
+        slot_addr[i] = (char *)view.buf + offsets[i];
+    }
+    PyMem_Free(offsets);
+    offsets = NULL;
+    if (self->ready) { /* another thread's __init__ won while ours ran Python code */
+        PyErr_SetString(PyExc_ValueError, "SmallCore is already initialised");
+        goto fail;
+    }
+    self->segment = view;
+    self->words = (uint64_t *)view.buf;
+    self->rank = (int)rank;
+    self->size = (int)size;
+    self->slot_bytes = (size_t)slot_bytes;
+    self->seq_idx = seq;
+    self->wait_idx = wait;
+    self->desc_idx = desc;
+    self->slots = slot_addr;
+    self->terms = terms;
+    self->ready = 1;
     return 0;
+fail:
+    PyMem_Free(seq);
+    PyMem_Free(wait);
+    PyMem_Free(desc);
+    PyMem_Free(offsets);
+    PyMem_Free(slot_addr);
+    PyMem_Free(terms);
+    PyBuffer_Release(&view);
+    return -1;
 }
 
 /* Whether every peer's seq reached `target` within `spin_ns` (GIL released while spinning). */
@@ -362,53 +515,142 @@ static int peers_reached(SmallCore *self, uint64_t target, int64_t spin_ns) {
     return reached;
 }
 
-/* all_reduce(user, numel, kind, op, code, half, enter, target, stage, spin_ns) -> status.
- *
- * One call of the one-shot all-reduce of `numel` elements at address `user`, in place.
- * `enter`: the seq every peer must have reached before this rank rewrites `half` (the first
- * publish of the previous round); `target`: the seq this call publishes (this rank's + 1).
- * `stage` resumes after Python finished a wait: 0 from the start, 1 after the enter wait,
- * 2 after the exchange wait. Returns DONE (0), ENTER_WAIT (1: nothing written yet),
- * EXCHANGE_WAIT (2: published, peers not all there) or MISMATCH (3: a peer's descriptor
- * differs; nothing reduced). */
-static PyObject *SmallCore_all_reduce(SmallCore *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 10) {
-        PyErr_Format(PyExc_TypeError, "all_reduce takes 10 arguments, got %zd", nargs);
-        return NULL;
+enum { C_ALL_REDUCE, C_BROADCAST, C_ALL_GATHER, C_REDUCE_SCATTER, C_ALL_TO_ALL, C_BARRIER };
+
+/* One round of a small collective (every field checked by its method). */
+typedef struct {
+    int what;
+    char *out;       /* where results land: the tensor (all_reduce, broadcast) or the output */
+    char *in;        /* what is copied in: the tensor, or the input (all_gather ...) */
+    size_t nbytes;   /* all_reduce, broadcast, all_gather: bytes of `in`; else bytes of a row */
+    size_t numel;    /* elements reduced (all_reduce: the tensor; reduce_scatter: a row) */
+    int kind, op;
+    int root;        /* all_reduce: the root or -1 (every rank); broadcast: the source */
+    uint64_t code_a; /* descriptor word A; B is computed (module docstring) */
+    int half;
+    uint64_t enter, target;
+    int stage;
+    int64_t spin_ns;
+} Round;
+
+/* The round's trailing arguments: code_a, half, enter, target, stage, spin_ns. */
+static int parse_tail(PyObject *const *args, Round *r) {
+    long long half, stage, spin;
+    if (arg_u64(args[0], "code_a", &r->code_a) < 0 ||
+        arg_range(args[1], 0, 1, "half", &half) < 0 ||
+        arg_u64(args[2], "enter", &r->enter) < 0 || arg_u64(args[3], "target", &r->target) < 0 ||
+        arg_range(args[4], 0, 2, "stage", &stage) < 0 ||
+        arg_range(args[5], 0, MAX_SPIN_NS, "spin_ns", &spin) < 0)
+        return -1;
+    r->half = (int)half;
+    r->stage = (int)stage;
+    r->spin_ns = spin;
+    return 0;
+}
+
+static int check_ready(SmallCore *self) {
+    if (!self->ready) {
+        PyErr_SetString(PyExc_ValueError,
+                        "SmallCore is not initialised: construct it with SmallCore(...)");
+        return -1;
     }
-    unsigned long long user = PyLong_AsUnsignedLongLong(args[0]);
-    Py_ssize_t numel = PyLong_AsSsize_t(args[1]);
-    long kind = PyLong_AsLong(args[2]);
-    long op = PyLong_AsLong(args[3]);
-    unsigned long long code = PyLong_AsUnsignedLongLong(args[4]);
-    long half = PyLong_AsLong(args[5]);
-    unsigned long long enter = PyLong_AsUnsignedLongLong(args[6]);
-    unsigned long long target = PyLong_AsUnsignedLongLong(args[7]);
-    long stage = PyLong_AsLong(args[8]);
-    long long spin_ns = PyLong_AsLongLong(args[9]);
-    if (PyErr_Occurred())
-        return NULL;
-    if (parse_kind_op((int)kind, (int)op, 1.0) < 0)
-        return NULL;
-    if (numel < 0 || (half != 0 && half != 1) || stage < 0 || stage > 2) {
-        PyErr_Format(PyExc_ValueError, "bad all_reduce call: numel %zd, half %ld, stage %ld",
-                     numel, half, stage);
-        return NULL;
+    return 0;
+}
+
+static int check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t expected) {
+    if (nargs != expected) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", name, expected, nargs);
+        return -1;
     }
+    return 0;
+}
+
+static inline int overlaps(const char *a, size_t alen, const char *b, size_t blen) {
+    return alen && blen && a < b + blen && b < a + alen;
+}
+
+/* Copies this rank's part in (stage 1, before the publish). */
+static void copy_in(SmallCore *self, const Round *r, char **slots) {
     int rank = self->rank, size = self->size;
+    char *mine = slots[rank];
+    switch (r->what) {
+    case C_ALL_REDUCE:
+    case C_ALL_GATHER:
+        copy_bytes(mine, r->in, r->nbytes);
+        break;
+    case C_BROADCAST:
+        if (rank == r->root)
+            copy_bytes(mine, r->in, r->nbytes);
+        break;
+    case C_REDUCE_SCATTER: { /* the rows the peers reduce; ours is read in place ... */
+        size_t row = r->nbytes, before = row * (size_t)rank, after = before + row;
+        copy_bytes(mine, r->in, before);
+        copy_bytes(mine + after, r->in + after, row * (size_t)size - after);
+        /* ... unless the output overlaps it: then from our slot's own row, like the peers' */
+        if (overlaps(r->out, row, r->in + before, row))
+            copy_bytes(mine + before, r->in + before, row);
+        break;
+    }
+    case C_ALL_TO_ALL:
+        copy_bytes(mine, r->in, r->nbytes * (size_t)size);
+        break;
+    }
+}
+
+/* Copies out or reduces (stage 2, after every descriptor matched). */
+static void finish(SmallCore *self, const Round *r, char **slots) {
+    int rank = self->rank, size = self->size;
+    size_t row = r->nbytes;
+    switch (r->what) {
+    case C_ALL_REDUCE:
+        if (r->root < 0 || r->root == rank)
+            reduce_any(r->out, slots, size, r->numel, r->kind, r->op, 1.0);
+        break;
+    case C_BROADCAST:
+        if (rank != r->root)
+            copy_bytes(r->out, slots[r->root], row);
+        break;
+    case C_ALL_GATHER:
+        for (int q = 0; q < size; q++)
+            copy_bytes(r->out + row * (size_t)q, slots[q], row);
+        break;
+    case C_REDUCE_SCATTER: {
+        char *own = r->in + row * (size_t)rank;
+        if (overlaps(r->out, row, own, row))
+            own = slots[rank] + row * (size_t)rank;
+        for (int q = 0; q < size; q++)
+            self->terms[q] = q == rank ? own : slots[q] + row * (size_t)rank;
+        reduce_any(r->out, self->terms, size, r->numel, r->kind, r->op, 1.0);
+        break;
+    }
+    case C_ALL_TO_ALL:
+        for (int q = 0; q < size; q++)
+            copy_bytes(r->out + row * (size_t)q, slots[q] + row * (size_t)rank, row);
+        break;
+    }
+}
+
+/* Runs (or resumes, from r->stage) one round: the module docstring's stages. */
+static PyObject *run_round(SmallCore *self, Round *r) {
+    int rank = self->rank, size = self->size, half = r->half;
     char **slots = self->slots + half * size;
     uint64_t *words = self->words;
-    if (stage == 0) {
-        if (!peers_reached(self, enter, spin_ns))
+    const Py_ssize_t *desc = self->desc_idx;
+    uint64_t code_b = 0;
+    if (r->what == C_BROADCAST || (r->what == C_ALL_REDUCE && r->root >= 0))
+        code_b = (uint64_t)r->root + 1;
+    if (r->stage == 0) {
+        if (!peers_reached(self, r->enter, r->spin_ns))
             return PyLong_FromLong(ENTER_WAIT);
-        stage = 1;
+    } else if (r->stage == 1 && !peers_reached(self, r->enter, 0)) {
+        return PyLong_FromLong(ENTER_WAIT); /* resumed too early: nothing written yet */
     }
-    if (stage == 1) {
-        size_t nbytes = (size_t)numel * KIND_SIZE[kind];
-        __atomic_store_n(&words[self->desc_idx[2 * rank + half]], code, __ATOMIC_RELAXED);
-        memcpy(slots[rank], (const void *)(uintptr_t)user, nbytes);
+    if (r->stage <= 1) {
+        __atomic_store_n(&words[desc[4 * rank + half]], r->code_a, __ATOMIC_RELAXED);
+        __atomic_store_n(&words[desc[4 * rank + 2 + half]], code_b, __ATOMIC_RELAXED);
+        copy_in(self, r, slots);
         uint64_t *mine = &words[self->seq_idx[rank]];
-        __atomic_store_n(mine, target, __ATOMIC_RELEASE);
+        __atomic_store_n(mine, r->target, __ATOMIC_RELEASE);
         /* a sleeper announces itself in its waiting_on word (peer rank + 1); the fence orders
          * the publish before that read (else a sleeper may miss this wakeup for one slice) */
         __atomic_thread_fence(__ATOMIC_SEQ_CST);
@@ -420,25 +662,165 @@ static PyObject *SmallCore_all_reduce(SmallCore *self, PyObject *const *args, Py
                 break;
             }
         }
-        if (!peers_reached(self, target, spin_ns))
+        if (!peers_reached(self, r->target, r->spin_ns))
             return PyLong_FromLong(EXCHANGE_WAIT);
+    } else if (!peers_reached(self, r->target, 0)) {
+        return PyLong_FromLong(EXCHANGE_WAIT); /* resumed too early: published, not finished */
     }
-    for (int p = 0; p < size; p++)
-        if (p != rank && __atomic_load_n(&words[self->desc_idx[2 * p + half]],
-                                         __ATOMIC_RELAXED) != code)
+    for (int p = 0; p < size; p++) {
+        if (p == rank)
+            continue;
+        if (__atomic_load_n(&words[desc[4 * p + half]], __ATOMIC_RELAXED) != r->code_a ||
+            __atomic_load_n(&words[desc[4 * p + 2 + half]], __ATOMIC_RELAXED) != code_b)
             return PyLong_FromLong(MISMATCH);
-    if (size == 1)
-        memcpy((void *)(uintptr_t)user, slots[0], (size_t)numel * KIND_SIZE[kind]);  /* AVG: /1 */
-    else
-        reduce_terms((void *)(uintptr_t)user, slots, size, (size_t)numel, (int)kind, (int)op,
-                     1.0);
+    }
+    finish(self, r, slots);
     return PyLong_FromLong(DONE);
 }
 
+#define STATUS_DOC                                                                            \
+    "Returns DONE (0), ENTER_WAIT (1: nothing written yet), EXCHANGE_WAIT (2: published, "   \
+    "peers not all there) or MISMATCH (3: a peer's descriptor differs; nothing copied out or " \
+    "reduced). The last six arguments: code_a, half, enter, target, stage, spin_ns (module "  \
+    "source)."
+
+/* all_reduce(user, numel, kind, op, root, <tail>): in place, of `numel` elements at `user`;
+ * root -1: every rank gets the result, else only rank `root` (a reduce). */
+static PyObject *SmallCore_all_reduce(SmallCore *self, PyObject *const *args, Py_ssize_t nargs) {
+    Round r = {.what = C_ALL_REDUCE};
+    long long numel, kind, op, root;
+    if (check_ready(self) < 0 || check_nargs("all_reduce", nargs, 11) < 0)
+        return NULL;
+    if (arg_range(args[2], 0, K_COUNT - 1, "kind", &kind) < 0 ||
+        arg_range(args[3], 0, OP_COUNT - 1, "op", &op) < 0 ||
+        arg_range(args[1], 0, (long long)(self->slot_bytes / KIND_SIZE[kind]), "numel",
+                  &numel) < 0 ||
+        arg_range(args[4], -1, self->size - 1, "root", &root) < 0 || parse_tail(args + 5, &r) < 0)
+        return NULL;
+    r.numel = (size_t)numel;
+    r.nbytes = r.numel * KIND_SIZE[kind];
+    if (arg_address(args[0], "user", r.nbytes, &r.in) < 0)
+        return NULL;
+    r.out = r.in;
+    r.kind = (int)kind;
+    r.op = (int)op;
+    r.root = (int)root;
+    return run_round(self, &r);
+}
+
+/* broadcast(user, nbytes, src, <tail>): `nbytes` at `user` from rank `src` to every rank. */
+static PyObject *SmallCore_broadcast(SmallCore *self, PyObject *const *args, Py_ssize_t nargs) {
+    Round r = {.what = C_BROADCAST};
+    long long nbytes, src;
+    if (check_ready(self) < 0 || check_nargs("broadcast", nargs, 9) < 0)
+        return NULL;
+    if (arg_range(args[1], 0, (long long)self->slot_bytes, "nbytes", &nbytes) < 0 ||
+        arg_range(args[2], 0, self->size - 1, "src", &src) < 0 || parse_tail(args + 3, &r) < 0)
+        return NULL;
+    r.nbytes = (size_t)nbytes;
+    if (arg_address(args[0], "user", r.nbytes, &r.in) < 0)
+        return NULL;
+    r.out = r.in;
+    r.root = (int)src;
+    return run_round(self, &r);
+}
+
+/* all_gather(out, flat, nbytes, <tail>): `nbytes` at `flat` from every rank into `out`
+ * (size * nbytes, rank order). */
+static PyObject *SmallCore_all_gather(SmallCore *self, PyObject *const *args, Py_ssize_t nargs) {
+    Round r = {.what = C_ALL_GATHER};
+    long long nbytes;
+    if (check_ready(self) < 0 || check_nargs("all_gather", nargs, 9) < 0)
+        return NULL;
+    if (arg_range(args[2], 0, (long long)self->slot_bytes, "nbytes", &nbytes) < 0 ||
+        parse_tail(args + 3, &r) < 0)
+        return NULL;
+    r.nbytes = (size_t)nbytes;
+    if (arg_address(args[0], "out", r.nbytes * (size_t)self->size, &r.out) < 0 ||
+        arg_address(args[1], "flat", r.nbytes, &r.in) < 0)
+        return NULL;
+    return run_round(self, &r);
+}
+
+/* reduce_scatter(out, flat, numel, kind, op, <tail>): `flat` holds size rows of `numel`
+ * elements; `out` (numel elements) gets row `rank` reduced over every rank. */
+static PyObject *SmallCore_reduce_scatter(SmallCore *self, PyObject *const *args,
+                                          Py_ssize_t nargs) {
+    Round r = {.what = C_REDUCE_SCATTER};
+    long long numel, kind, op;
+    if (check_ready(self) < 0 || check_nargs("reduce_scatter", nargs, 11) < 0)
+        return NULL;
+    if (arg_range(args[3], 0, K_COUNT - 1, "kind", &kind) < 0 ||
+        arg_range(args[4], 0, OP_COUNT - 1, "op", &op) < 0 ||
+        arg_range(args[2], 0,
+                  (long long)(self->slot_bytes / KIND_SIZE[kind] / (size_t)self->size), "numel",
+                  &numel) < 0 ||
+        parse_tail(args + 5, &r) < 0)
+        return NULL;
+    r.numel = (size_t)numel;
+    r.nbytes = r.numel * KIND_SIZE[kind];
+    if (arg_address(args[0], "out", r.nbytes, &r.out) < 0 ||
+        arg_address(args[1], "flat", r.nbytes * (size_t)self->size, &r.in) < 0)
+        return NULL;
+    r.kind = (int)kind;
+    r.op = (int)op;
+    return run_round(self, &r);
+}
+
+/* all_to_all(out, flat, row_bytes, <tail>): row q of `flat` goes to rank q; row q of `out`
+ * comes from rank q (size rows of row_bytes each). */
+static PyObject *SmallCore_all_to_all(SmallCore *self, PyObject *const *args, Py_ssize_t nargs) {
+    Round r = {.what = C_ALL_TO_ALL};
+    long long row;
+    if (check_ready(self) < 0 || check_nargs("all_to_all", nargs, 9) < 0)
+        return NULL;
+    if (arg_range(args[2], 0, (long long)(self->slot_bytes / (size_t)self->size), "row_bytes",
+                  &row) < 0 ||
+        parse_tail(args + 3, &r) < 0)
+        return NULL;
+    r.nbytes = (size_t)row;
+    if (arg_address(args[0], "out", r.nbytes * (size_t)self->size, &r.out) < 0 ||
+        arg_address(args[1], "flat", r.nbytes * (size_t)self->size, &r.in) < 0)
+        return NULL;
+    return run_round(self, &r);
+}
+
+/* barrier(<tail>): a round with nothing copied. */
+static PyObject *SmallCore_barrier(SmallCore *self, PyObject *const *args, Py_ssize_t nargs) {
+    Round r = {.what = C_BARRIER};
+    if (check_ready(self) < 0 || check_nargs("barrier", nargs, 6) < 0 || parse_tail(args, &r) < 0)
+        return NULL;
+    return run_round(self, &r);
+}
+
+#define METHOD(name, doc)                                                                     \
+    { #name, (PyCFunction)(void (*)(void))SmallCore_##name, METH_FASTCALL, doc STATUS_DOC }
+
 static PyMethodDef SmallCore_methods[] = {
-    {"all_reduce", (PyCFunction)(void (*)(void))SmallCore_all_reduce, METH_FASTCALL,
-     "One-shot all-reduce of a small buffer; see the module source for the protocol."},
+    METHOD(all_reduce, "all_reduce(user, numel, kind, op, root, code_a, half, enter, target, "
+                       "stage, spin_ns) -> status: in place; root -1 for every rank. "),
+    METHOD(broadcast, "broadcast(user, nbytes, src, code_a, half, enter, target, stage, "
+                      "spin_ns) -> status. "),
+    METHOD(all_gather, "all_gather(out, flat, nbytes, code_a, half, enter, target, stage, "
+                       "spin_ns) -> status. "),
+    METHOD(reduce_scatter, "reduce_scatter(out, flat, numel, kind, op, code_a, half, enter, "
+                           "target, stage, spin_ns) -> status: numel of one row. "),
+    METHOD(all_to_all, "all_to_all(out, flat, row_bytes, code_a, half, enter, target, stage, "
+                       "spin_ns) -> status. "),
+    METHOD(barrier, "barrier(code_a, half, enter, target, stage, spin_ns) -> status. "),
     {NULL, NULL, 0, NULL},
+};
+
+static PyObject *SmallCore_get_slot_bytes(SmallCore *self, void *closure) {
+    (void)closure;
+    if (check_ready(self) < 0)
+        return NULL;
+    return PyLong_FromSize_t(self->slot_bytes);
+}
+
+static PyGetSetDef SmallCore_getset[] = {
+    {"slot_bytes", (getter)SmallCore_get_slot_bytes, NULL, "Bytes of one slot.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
 };
 
 static PyTypeObject SmallCoreType = {
@@ -446,8 +828,9 @@ static PyTypeObject SmallCoreType = {
     .tp_basicsize = sizeof(SmallCore),
     .tp_dealloc = (destructor)SmallCore_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "The small one-shot all-reduce of one rank over a mapped shm segment.",
+    .tp_doc = "The small collectives (one round each) of one rank over a mapped shm segment.",
     .tp_methods = SmallCore_methods,
+    .tp_getset = SmallCore_getset,
     .tp_init = (initproc)SmallCore_init,
     .tp_new = PyType_GenericNew,
 };
@@ -455,7 +838,8 @@ static PyTypeObject SmallCoreType = {
 static PyMethodDef module_methods[] = {
     {"reduce", py_reduce, METH_VARARGS,
      "reduce(out, terms, numel, kind, op, scale=1.0): out = terms[0] op terms[1] ... in order "
-     "(each term times scale first, when scale != 1)."},
+     "(each term times scale first, when scale != 1; AVG divides by len(terms)). out may alias "
+     "terms[0] or terms[1], no later term."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -480,12 +864,17 @@ PyMODINIT_FUNC PyInit__core(void) {
         return NULL;
     }
     static const char *names[] = {"KIND_F32", "KIND_F64", "KIND_I8", "KIND_U8", "KIND_I32",
-                                  "KIND_I64", "OP_SUM", "OP_PRODUCT", "OP_AVG", "DONE", "ENTER_WAIT",
-                                  "EXCHANGE_WAIT", "MISMATCH"};
-    static const long values[] = {K_F32, K_F64, K_I8, K_U8, K_I32, K_I64, OP_SUM, OP_PRODUCT, OP_AVG,
-                                  DONE, ENTER_WAIT, EXCHANGE_WAIT, MISMATCH};
+                                  "KIND_I64", "OP_SUM", "OP_PRODUCT", "OP_AVG", "DONE",
+                                  "ENTER_WAIT", "EXCHANGE_WAIT", "MISMATCH", "MAX_TERMS",
+                                  "MAX_SPIN_NS"};
+    static const long long values[] = {K_F32, K_F64, K_I8, K_U8, K_I32, K_I64, OP_SUM,
+                                       OP_PRODUCT, OP_AVG, DONE, ENTER_WAIT, EXCHANGE_WAIT,
+                                       MISMATCH, MAX_TERMS, MAX_SPIN_NS};
     for (size_t i = 0; i < sizeof(values) / sizeof(values[0]); i++) {
-        if (PyModule_AddIntConstant(m, names[i], values[i]) < 0) {
+        PyObject *value = PyLong_FromLongLong(values[i]);
+        int failed = !value || PyModule_AddObjectRef(m, names[i], value) < 0;
+        Py_XDECREF(value);
+        if (failed) {
             Py_DECREF(m);
             return NULL;
         }

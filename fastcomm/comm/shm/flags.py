@@ -139,7 +139,10 @@ class PeerFlags:
         self.seq_idx = [layout.seq(r) // 8 for r in range(self.size)]
         self.wait_idx = [layout.misc(r, 0) // 8 for r in range(self.size)]
         self.state_idx = [layout.misc(r, 1) // 8 for r in range(self.size)]
-        self.desc_idx = [(layout.misc(r, 4) // 8, layout.misc(r, 5) // 8) for r in range(self.size)]
+        # a rank's call descriptor words: A of half 0, A of half 1, B of half 0, B of half 1
+        self.desc_idx = [
+            tuple(layout.misc(r, w) // 8 for w in (4, 5, 8, 9)) for r in range(self.size)
+        ]
         self.peers = [r for r in range(self.size) if r != rank]
         self.peer_seq_idx = [self.seq_idx[p] for p in self.peers]
         self.peer_desc_idx = [self.desc_idx[p] for p in self.peers]
@@ -147,6 +150,11 @@ class PeerFlags:
         self._futex = _SYSCALLS[_MACHINE][0]
         self.fenced = fences_needed() and fence_supported()
         self.seq = self.words[self.seq_idx[rank]]  # this rank's last published value
+
+    @property
+    def segment(self) -> Segment:
+        """The mapped segment these flags live in."""
+        return self._seg
 
     def release(self) -> None:
         """Drops the export of the mapping (before ``Segment.close``)."""

@@ -22,6 +22,18 @@ Reductions run in rank order (``x0 + x1 + ...``) from the same bytes on every ra
 a given element (or on one rank only, which then distributes it), so every rank ends with
 bit-identical results.
 
+Ranks agree or all raise: before its first publish of a call, every rank records the call in two
+descriptor words of the round's half. ``A = opcode << 56 | dtype << 48 | reduce op << 40 | numel
+mod 2**40`` (the opcode carries ``_TWO_STEP`` when an all-reduce or reduce runs in two steps,
+i.e. past this rank's ``one_shot_max``); ``B = (numel >> 40) << 32 | (src or root) + 1`` (0 when
+the op has neither). In the first round of every call, every rank -- a broadcast's source and a
+reduce's non-roots included -- waits until every peer published and compares their A and B with
+its own; any difference raises on every rank, naming both calls, before anything is copied out or
+reduced. So ranks that disagree on the op, the element count (an empty tensor against a non-empty
+one too), the dtype, the reduce op, the source or root, or on ``one_shot_max`` where it changes
+the algorithm, all raise together (a differing slot size fails at setup: ``segment``). A call on
+empty tensors is such a round alone, with nothing copied.
+
 All-reduce: up to ``one_shot_max`` bytes, one shot (each rank copies its tensor into its slot,
 then reduces all slots into its output: one publish per ``slot_bytes`` chunk). Larger: per chunk,
 reduce-scatter then all-gather inside the segment (each rank copies in the slices the others
@@ -32,8 +44,11 @@ only the root copying out. Other ops, one publish per chunk: ``broadcast`` (the 
 the others copy out), ``all_gather``/``all_to_all`` (everyone copies in, then one strided copy
 brings every rank's rows out), ``reduce_scatter`` (everyone copies in the rows the others
 reduce, then reduces its own). Every view of the segment a round needs is cached by (half,
-dtype, size), so a repeated call slices nothing. Send/recv stream through two mailbox slots per
-ordered pair of ranks, counted by the pair's ``sent``/``acked`` words.
+dtype, size), so a repeated call slices nothing. A call that fits one slot (one round) runs in
+the compiled core where it was built (``_core.c``): the same round, in one C call when the peers
+are there within the spin; data movement for every dtype, reductions (``SUM``, ``AVG``,
+``PRODUCT``) for the dtypes whose torch bits it reproduces. Send/recv stream through two mailbox
+slots per ordered pair of ranks, counted by the pair's ``sent``/``acked`` words.
 """
 
 from __future__ import annotations
@@ -72,7 +87,16 @@ _OPCODES = {
          "reduce"]
     )
 }
+_TWO_STEP = 0x80  # opcode flag: an all-reduce/reduce past one_shot_max (two publishes a round)
+_OPCODE_MASK = (1 << 56) - 1  # a descriptor A without its opcode
+_NUMEL_BITS = (1 << 40) - 1
+_ONE_SHOT_WORD = 10  # misc word 10 of a rank's control block: its one_shot_max (messages)
 _DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(SUPPORTED_DTYPES)}
+# by dtype: (element size, the dtype's field of descriptor A), for the one-slot entries
+_DTYPE_INFO = {
+    dtype: (torch.empty((), dtype=dtype).element_size(), code << 48)
+    for dtype, code in _DTYPE_CODES.items()
+}
 _OP_CODES = {op: i + 1 for i, op in enumerate(ReduceOp)}
 _PREMUL_CODE = len(_OP_CODES) + 1  # a PremulSum's op code in the call descriptor
 # the compiled core's dtype kinds
@@ -120,6 +144,29 @@ _CORE_OPS = {} if _core is None else {
     "PRODUCT": (_OP_CODES[ReduceOp.PRODUCT], _core.OP_PRODUCT),
 }
 _increment_version = torch._C._increment_version
+# integer dtypes by their largest value: an AVG over more ranks than that divides in int64
+_INT_MAX = {d: torch.iinfo(d).max for d in SUPPORTED_DTYPES if not d.is_floating_point}
+
+
+def _code_b(numel: int, root: int | None = None) -> int:
+    """A call's descriptor word B (module docstring): the element count past 40 bits and the
+    source or root + 1."""
+    return ((numel >> 40) << 32) | (0 if root is None else root + 1)
+
+
+def average_(tensor: torch.Tensor, count: int) -> None:
+    """``AVG``'s division of a sum of ``count`` terms: :func:`~..types.divide_` (torch's bits),
+    except where an integer dtype cannot hold ``count`` (torch would divide by the count cast
+    to the dtype): there in int64, truncating, as the compiled core does."""
+    if count > _INT_MAX.get(tensor.dtype, count):
+        tensor.copy_(tensor.to(torch.int64).div_(count, rounding_mode="trunc"))
+    else:
+        divide_(tensor, count)
+
+
+def _overlap(a: int, a_bytes: int, b: int, b_bytes: int) -> bool:
+    """Whether the bytes at addresses ``a`` and ``b`` overlap."""
+    return a_bytes > 0 and b_bytes > 0 and a < b + b_bytes and b < a + a_bytes
 
 
 def reduce_into(out: torch.Tensor, terms: list[torch.Tensor], op: ReduceOp) -> None:
@@ -147,7 +194,7 @@ def torch_reduce(out: torch.Tensor, terms: list[torch.Tensor], op: ReduceOp) -> 
     """The default :data:`Reduction`: :func:`reduce_into`, then ``AVG``'s division."""
     reduce_into(out, terms, op)  # a module-level lookup per call: tests may wrap reduce_into
     if op is ReduceOp.AVG:
-        divide_(out, len(terms))
+        average_(out, len(terms))
 
 
 def _quiet_numpy() -> contextvars.Context:
@@ -160,22 +207,25 @@ def _quiet_numpy() -> contextvars.Context:
     return context
 
 
-def describe(code: int) -> str:
-    """A call descriptor in words, for mismatch messages: ``all_reduce(float32, 10 elements,
-    op sum)``."""
+def describe(code_a: int, code_b: int = 0) -> str:
+    """A call's descriptor words in words, for mismatch messages: ``all_reduce(float32, 10
+    elements, op sum)``, ``broadcast(int8, 3 elements, src 1)``."""
     names = {v: k for k, v in _OPCODES.items()}
     dtypes = {v: str(k).removeprefix("torch.") for k, v in _DTYPE_CODES.items()}
-    name, arg = names.get(code >> 56, "?"), (code >> 40) & 0xFF
-    if name in ("all_reduce", "reduce_scatter"):
+    opcode, redop = code_a >> 56, (code_a >> 40) & 0xFF
+    name = names.get(opcode & ~_TWO_STEP, f"op{opcode & ~_TWO_STEP}")
+    numel = (code_a & _NUMEL_BITS) | ((code_b >> 32) << 40)
+    dtype = (code_a >> 48) & 0xFF
+    what = [dtypes.get(dtype, f"dtype{dtype}"), f"{numel} elements"] if dtype or numel else []
+    if redop:
         ops = {v: k.name.lower() for k, v in _OP_CODES.items()} | {_PREMUL_CODE: "premul_sum"}
-        what = f"op {ops.get(arg, arg)}"
-    else:
-        label = {"broadcast": "src", "reduce": "root"}.get(name, "arg")
-        what = f"{label} {arg}"
-    return (
-        f"{name}({dtypes.get((code >> 48) & 0xFF, '-')}, "
-        f"{code & ((1 << 40) - 1)} elements, {what})"
-    )
+        what.append(f"op {ops.get(redop, redop)}")
+    if code_b & 0xFFFFFFFF:
+        label = "src" if opcode == _OPCODES["broadcast"] else "root"
+        what.append(f"{label} {(code_b & 0xFFFFFFFF) - 1}")
+    if opcode & _TWO_STEP:
+        what.append("two-step")
+    return f"{name}({', '.join(what)})"
 
 
 class SegmentSchedules:
@@ -189,8 +239,12 @@ class SegmentSchedules:
         reduce: the :data:`Reduction` every reducing schedule calls (default
             :func:`torch_reduce`); the same kind on every rank.
         compiled: use the compiled core (``_core``) where it was built and the reduction is
-            the default: small all-reduces, and ``PremulSum`` folded into the reduction. Ranks
-            with and without it interoperate.
+            the default: collectives that fit one slot, and ``PremulSum`` folded into the
+            reduction. Ranks with and without it interoperate.
+
+    Every collective takes tensors on the CPU, contiguous, each the same dtype and element
+    count on every rank (the communicator checks its arguments before it calls); a rank whose
+    call differs from a peer's raises :class:`FastcommError` on every rank (module docstring).
     """
 
     def __init__(
@@ -216,19 +270,22 @@ class SegmentSchedules:
         self._small: dict[tuple, tuple | bool] = {}  # one-slot all-reduce plans, by dtype, shape
         self._fast: dict[tuple, tuple | bool] = {}  # NumPy-path plans, by address, dtype, numel
         self._quiet_run = _quiet_numpy().run  # one per schedules: a context is entered by one
-        self._core = None  # SmallCore where the compiled core is built and wanted: small
-        # all-reduces run in it, and PremulSum is folded into _core.reduce (fuses_premul)
+        self._core = None  # SmallCore where the compiled core is built and wanted: one-slot
+        # collectives run in it, and PremulSum is folded into _core.reduce (fuses_premul)
         self._core_plans: dict[tuple, tuple | bool] = {}  # by (dtype, numel)
         if compiled and _core is not None and self._inline_torch:
-            base, n = flags.base_address, self.size
+            n = self.size
             self._core = _core.SmallCore(
-                base,
+                flags.segment.mm,  # held by the core: the mapping outlives it
                 self.rank,
                 flags.seq_idx,
                 flags.wait_idx,
                 [idx for r in range(n) for idx in flags.desc_idx[r]],
-                [base + layout.slot(h, r) for h in range(2) for r in range(n)],
+                [layout.slot(h, r) for h in range(2) for r in range(n)],
+                layout.slot_bytes,
             )
+        # this rank's one_shot_max, for the message when ranks disagree on it (module docstring)
+        flags.words[layout.misc(self.rank, _ONE_SHOT_WORD) // 8] = min(one_shot_max, 2**64 - 1)
         self._factor_idx = [
             [layout.misc(r, _FACTOR_WORD + h) // 8 for h in range(2)] for r in range(self.size)
         ]
@@ -253,42 +310,83 @@ class SegmentSchedules:
             self._typed[dtype] = typed
         return typed[half]
 
-    def _enter(self, op: str, start: float, code: int) -> int:
+    def _enter(self, op: str, start: float, code: int, code_b: int = 0) -> int:
         """Starts a round: waits until its half is free, records the call; returns the half."""
         half = self._round & 1
         self._round += 1
-        self.flags.wait_all(self._prev_first, op, start)
-        self.flags.words[self.flags.desc_idx[self.rank][half]] = code
+        flags = self.flags
+        flags.wait_all(self._prev_first, op, start)
+        desc = flags.desc_idx[self.rank]
+        flags.words[desc[half]] = code
+        flags.words[desc[2 + half]] = code_b
         return half
 
     def _first_publish(self) -> None:
         self._prev_first = self.flags.publish()
 
-    def _check(self, half: int, code: int, peers: list[int] | None = None) -> None:
-        words = self.flags.words
-        for p in self.flags.peers if peers is None else peers:
-            theirs = words[self.flags.desc_idx[p][half]]
-            if theirs != code:
-                raise FastcommError(
-                    f"rank {self.rank}: collective mismatch: this rank called {describe(code)} "
-                    f"but rank {p} called {describe(theirs)}; every rank must issue the same "
-                    f"collectives in the same order with the same sizes"
-                )
+    def _check(self, half: int, code: int, code_b: int = 0) -> None:
+        """Raises unless every peer recorded the same call in ``half`` (after waiting for all)."""
+        words, desc_idx = self.flags.words, self.flags.desc_idx
+        for p in self.flags.peers:
+            theirs, theirs_b = words[desc_idx[p][half]], words[desc_idx[p][2 + half]]
+            if theirs != code or theirs_b != code_b:
+                raise FastcommError(self._mismatch(p, code, code_b, theirs, theirs_b))
+
+    def _mismatch(self, peer: int, code: int, code_b: int, theirs: int, theirs_b: int) -> str:
+        message = (
+            f"rank {self.rank}: collective mismatch: this rank called {describe(code, code_b)} "
+            f"but rank {peer} called {describe(theirs, theirs_b)}; every rank must issue the "
+            f"same collectives in the same order with the same sizes, dtypes, ops and roots"
+        )
+        if (code ^ theirs) == _TWO_STEP << 56 and code_b == theirs_b:
+            words, layout = self.flags.words, self.layout
+            mine = words[layout.misc(self.rank, _ONE_SHOT_WORD) // 8]
+            other = words[layout.misc(peer, _ONE_SHOT_WORD) // 8]
+            message += (
+                f" (ranks disagree on one_shot_max: {mine} bytes on rank {self.rank}, {other} "
+                f"on rank {peer}; every rank must pass the same ShmOptions)"
+            )
+        return message
 
     @staticmethod
-    def code(op: str, tensor: torch.Tensor | None, arg: int = 0) -> int:
+    def code(op: str, tensor: torch.Tensor | None, redop: int = 0, two_step: bool = False) -> int:
+        """A call's descriptor word A (module docstring); ``redop``: the reduce op's code."""
+        opcode = _OPCODES[op] | (_TWO_STEP if two_step else 0)
         if tensor is None:
-            return _OPCODES[op] << 56
+            return opcode << 56
         return (
-            (_OPCODES[op] << 56)
+            (opcode << 56)
             | (_DTYPE_CODES[tensor.dtype] << 48)
-            | (arg << 40)
-            | (tensor.numel() & ((1 << 40) - 1))
+            | (redop << 40)
+            | (tensor.numel() & _NUMEL_BITS)
         )
 
     def _chunks(self, total: int, chunk: int):
+        """``(start, count)`` per round; one empty round for ``total == 0`` (the descriptors
+        still meet)."""
+        if not total:
+            yield 0, 0
+            return
         for start in range(0, total, chunk):
             yield start, min(chunk, total - start)
+
+    def _core_takes(self, tensor: torch.Tensor) -> bool:
+        """Whether the compiled core may read and write ``tensor`` through its address."""
+        return tensor.is_cpu and tensor.is_contiguous() and not tensor.requires_grad
+
+    def _core_round(self, call, args: list, name: str, start: float) -> None:
+        """One round in the compiled core: ``args`` (the op's own, ending with descriptor A) get
+        the round's half, enter, target, stage and spin; a wait the core gave up on is finished
+        here and the core resumed (:meth:`_resume_core`)."""
+        flags = self.flags
+        half = self._round & 1
+        self._round += 1
+        target = flags.seq + 1
+        args += [half, self._prev_first, target, 0, flags.spin_budget_ns()]
+        status = call(*args)
+        if status:
+            self._resume_core(status, call, args, name, start)
+        flags.seq = self._prev_first = target
 
     # ------------------------------------------------------------------ collectives
     def fuses_premul(self, tensor: torch.Tensor) -> bool:
@@ -315,14 +413,26 @@ class SegmentSchedules:
         if op.__class__ is PremulSum:
             if root is not None:
                 raise TypeError(f"reduce: {op!r} is supported by all_reduce only")
-            factor, op, arg = op.factor, ReduceOp.SUM, _PREMUL_CODE
+            factor, op, redop = op.factor, ReduceOp.SUM, _PREMUL_CODE
         else:
-            factor, arg = None, _OP_CODES[op] if root is None else root
-        code = self.code(name, tensor, arg)
-        if tensor.numel() * tensor.element_size() <= self.one_shot_max:
-            self._one_shot(tensor, op, name, start, code, root, factor)
+            factor, redop = None, _OP_CODES[op]
+        one_shot = tensor.numel() * tensor.element_size() <= self.one_shot_max
+        if one_shot and factor is None and self._core is not None:
+            core_op = _CORE_OPS.get(op._name_)
+            if core_op is not None and self._core_takes(tensor):
+                plan = self._core_plans.get((tensor.dtype, tensor.numel()))
+                if plan is None:
+                    plan = self._plan_core(tensor)
+                if plan:
+                    root_ = -1 if root is None else root
+                    self._all_reduce_core(tensor, core_op, plan, start, root_)
+                    return
+        code = self.code(name, tensor, redop, two_step=not one_shot)
+        code_b = _code_b(tensor.numel(), root)
+        if one_shot:
+            self._one_shot(tensor, op, name, start, code, code_b, root, factor)
         else:
-            self._two_step(tensor.view(-1), op, name, start, code, root, factor)
+            self._two_step(tensor.view(-1), op, name, start, code, code_b, root, factor)
 
     def all_reduce_small(self, tensor: torch.Tensor, op: ReduceOp, start: float) -> int:
         """The one-shot all-reduce of a tensor that fits one slot, with the fewest Python steps.
@@ -337,9 +447,14 @@ class SegmentSchedules:
         reduction writes straight into the caller's memory, and the tensor's version counter
         is bumped as a torch in-place op would.
 
+        Args:
+            tensor: a contiguous CPU tensor (what the communicator's fast path checks).
+            op: the reduction.
+            start: when the call began (``time.monotonic()``), for timeouts and messages.
+
         Returns:
-            the bytes reduced, or 0, having done nothing, when ``tensor`` does not qualify (more
-            than ``one_shot_max`` bytes or one slot).
+            the bytes reduced, or 0, having done nothing, when ``tensor`` does not qualify
+            (empty, more than ``one_shot_max`` bytes or one slot): then :meth:`all_reduce`.
         """
         if self._core is not None and not tensor.requires_grad:
             core_op = _CORE_OPS.get(op._name_)
@@ -381,14 +496,53 @@ class SegmentSchedules:
             else:
                 reduce_into(tensor, views, op)
             if op is ReduceOp.AVG:
-                divide_(tensor, self.size)
+                average_(tensor, self.size)
         return tensor.numel() * tensor.element_size()
 
-    def _all_reduce_core(self, tensor, core_op, plan, start) -> None:
+    def reduce_small(self, tensor: torch.Tensor, op: ReduceOp, root: int, start: float) -> int:
+        """``all_reduce(tensor, op, root)`` of a tensor that fits one slot, for a caller's
+        synchronous fast path (as :meth:`all_reduce_small`): the whole round in one C call where
+        the compiled core takes it, else the Python path.
+
+        Args:
+            tensor: a contiguous CPU tensor (what the communicator's fast path checks).
+            op: the reduction (not a ``PremulSum``).
+            root: the rank that gets the result.
+            start: when the call began (``time.monotonic()``).
+
+        Returns:
+            the bytes reduced, or 0, having done nothing, when it does not apply (empty, more
+            than ``one_shot_max`` bytes or one slot, ``root`` not a rank, an unsupported dtype).
+        """
+        info = _DTYPE_INFO.get(tensor.dtype)
+        if (
+            info is None
+            or root.__class__ is not int
+            or not 0 <= root < self.size
+            or op.__class__ is not ReduceOp
+        ):
+            return 0
+        nbytes = tensor.numel() * info[0]
+        if not 0 < nbytes <= min(self.one_shot_max, self.layout.slot_bytes):
+            return 0
+        if self._core is not None and not tensor.requires_grad:
+            core_op = _CORE_OPS.get(op._name_)
+            plan = None if core_op is None else self._core_plans.get((tensor.dtype, tensor.numel()))
+            if core_op is not None and plan is None:
+                plan = self._plan_core(tensor)
+            if plan:
+                self._all_reduce_core(tensor, core_op, plan, start, root)
+                return nbytes
+        code = self.code("reduce", tensor, _OP_CODES[op])
+        self._one_shot(tensor, op, "reduce", start, code, _code_b(tensor.numel(), root), root)
+        return nbytes
+
+    def _all_reduce_core(self, tensor, core_op, plan, start, root: int = -1) -> None:
         """:meth:`all_reduce_small` in the compiled core (``plan`` from :meth:`_plan_core`):
         the whole round in one call when every peer is there within the spin; otherwise
         the core returns where it stopped, Python waits as :meth:`_small_enter` and
         :meth:`_small_exchange` would (yield, sleep, timeout, liveness), and the core resumes.
+        ``root`` other than -1: a reduce into rank ``root`` only.
         """
         code_base, numel, kind, _ = plan
         op_code, op = core_op
@@ -396,38 +550,44 @@ class SegmentSchedules:
         half = self._round & 1
         self._round += 1
         target = flags.seq + 1
+        if root < 0:
+            code, name = code_base | (op_code << 40), "all_reduce"
+        else:
+            code = (code_base & _OPCODE_MASK) | (_OPCODES["reduce"] << 56) | (op_code << 40)
+            name = "reduce"
         args = [
-            tensor.data_ptr(), numel, kind, op, code_base | (op_code << 40), half,
-            self._prev_first, target, 0, flags.spin_budget_ns(),
+            tensor.data_ptr(), numel, kind, op, root, code, half, self._prev_first, target, 0,
+            flags.spin_budget_ns(),
         ]
         status = self._core.all_reduce(*args)
         if status:
-            self._resume_core(status, args, start)
+            self._resume_core(status, self._core.all_reduce, args, name, start)
         flags.seq = self._prev_first = target
-        _increment_version((tensor,))  # the core wrote the bytes behind torch's back
+        if root < 0 or root == self.rank:
+            _increment_version((tensor,))  # the core wrote the bytes behind torch's back
 
-    def _resume_core(self, status: int, args: list, start: float) -> None:
-        """Finishes the waits the core gave up on, resuming it after each (see
-        :meth:`_all_reduce_core`); a descriptor mismatch raises through :meth:`_check`."""
+    def _resume_core(self, status: int, call, args: list, name: str, start: float) -> None:
+        """Finishes the waits the core gave up on, resuming ``call(*args)`` after each (see
+        :meth:`_core_round`); a descriptor mismatch raises through :meth:`_check`."""
         flags = self.flags
-        half, code, enter, target = args[5], args[4], args[6], args[7]
+        code, half, enter, target = args[-6], args[-5], args[-4], args[-3]
         while status:
             if status == _core.ENTER_WAIT:
-                flags.wait_all(enter, "all_reduce", start)
-                args[8] = 1
+                flags.wait_all(enter, name, start)
+                args[-2] = 1
             else:  # published: this rank's seq moved on whatever happens next
                 flags.seq = self._prev_first = target
                 if status == _core.EXCHANGE_WAIT:
-                    flags.wait_all(target, "all_reduce", start)
-                    args[8] = 2
-                else:
-                    self._check(half, code)
+                    flags.wait_all(target, name, start)
+                    args[-2] = 2
+                else:  # the core stored descriptor B itself: read it back for the message
+                    self._check(half, code, flags.words[flags.desc_idx[self.rank][2 + half]])
                     raise AssertionError(f"the compiled core returned status {status}")
-            status = self._core.all_reduce(*args)
+            status = call(*args)
 
     def _plan_core(self, tensor: torch.Tensor) -> tuple | bool:
         """``(descriptor without the op, numel, the core's dtype kind, bytes)`` for the core,
-        or ``False`` where it does not apply (a dtype it lacks, or more than one slot)."""
+        or ``False`` where it does not apply (a dtype it lacks, empty, more than one slot)."""
         numel = tensor.numel()
         kind = _CORE_KINDS.get(tensor.dtype)
         if len(self._core_plans) >= 512:
@@ -456,11 +616,12 @@ class SegmentSchedules:
             run(np_fn, user, term, out=user)
         _increment_version((tensor,))  # the write above bypassed torch's in-place bookkeeping
         if op is ReduceOp.AVG:
-            divide_(tensor, self.size)
+            average_(tensor, self.size)
 
     def _small_enter(self, half: int, code: int, start: float) -> None:
-        """Waits until ``half`` is free (see :meth:`_enter`) and records the call's descriptor;
-        a peer already there costs one word read."""
+        """Waits until ``half`` is free (see :meth:`_enter`) and records the call's descriptor
+        (B is 0: an all-reduce of fewer than 2**40 elements); a peer already there costs one
+        word read."""
         flags, words = self.flags, self.flags.words
         target = self._prev_first
         for idx in flags.peer_seq_idx:
@@ -470,7 +631,9 @@ class SegmentSchedules:
         else:
             if flags.fenced:  # the fence after the flag loads, before the slot is rewritten
                 flags.wait_all(target, "all_reduce", start)
-        words[flags.desc_idx[self.rank][half]] = code
+        desc = flags.desc_idx[self.rank]
+        words[desc[half]] = code
+        words[desc[2 + half]] = 0
 
     def _small_exchange(self, half: int, code: int, start: float) -> None:
         """Publishes this rank's slot, waits for every peer's and checks their descriptors."""
@@ -484,7 +647,7 @@ class SegmentSchedules:
             if flags.fenced:
                 flags.wait_all(target, "all_reduce", start)  # the fence after the flag loads
         for desc in flags.peer_desc_idx:
-            if words[desc[half]] != code:
+            if words[desc[half]] != code or words[desc[2 + half]]:
                 self._check(half, code)
 
     def _plan_fast(self, tensor: torch.Tensor, key: tuple) -> tuple | bool:
@@ -543,13 +706,14 @@ class SegmentSchedules:
         self._small[(tensor.dtype, tensor.shape)] = plan
         return plan
 
-    def _one_shot(self, tensor, op, name, start, code, root, factor=None) -> None:
+    def _one_shot(self, tensor, op, name, start, code, code_b, root, factor=None) -> None:
         if tensor.numel() * tensor.element_size() > self.layout.slot_bytes:
             pieces = tensor.view(-1).split(self.layout.slot_bytes // tensor.element_size())
         else:
             pieces = (tensor,)
+        flags = self.flags
         for i, piece in enumerate(pieces):
-            half = self._enter(name, start, code)
+            half = self._enter(name, start, code, code_b)
             key = (half, piece.dtype, piece.shape)
             views = self._views.get(key)
             if views is None:  # slot views shaped like the piece: no per-call view or flatten
@@ -561,11 +725,13 @@ class SegmentSchedules:
             if factor is not None:
                 self._publish_factor(half, factor)
             self._first_publish()
+            if i == 0:  # every rank, a reduce's non-roots too, checks the call
+                flags.wait_all(flags.seq, name, start)
+                self._check(half, code, code_b)
             if root is not None and root != self.rank:
                 continue
-            self.flags.wait_all(self.flags.seq, name, start)
-            if i == 0:
-                self._check(half, code)
+            if i > 0:
+                flags.wait_all(flags.seq, name, start)
             if factor is None:
                 self.reduce(piece, views, op)
             else:
@@ -625,7 +791,7 @@ class SegmentSchedules:
             self._remember(key, entry)
         return entry
 
-    def _two_step(self, flat, op, name, start, code, root, factor=None) -> None:
+    def _two_step(self, flat, op, name, start, code, code_b, root, factor=None) -> None:
         n, rank, flags = self.size, self.rank, self.flags
         esize = flat.element_size()
         counts = [count for _, count in self._chunks(flat.numel(), self.layout.slot_bytes // esize)]
@@ -637,7 +803,7 @@ class SegmentSchedules:
         chunks = flat.split(counts)
         peers = flags.peers
         for i, count in enumerate(counts):
-            half = self._enter(name, start, code)
+            half = self._enter(name, start, code, code_b)
             grid, result = self._grid(half, flat.dtype, count, esize)
             mine, own = grid[rank], pieces[i * n : (i + 1) * n]
             for p in peers:  # copy in the slices the peers reduce; ours is read in place
@@ -647,7 +813,7 @@ class SegmentSchedules:
             self._first_publish()
             flags.wait_all(flags.seq, name, start)
             if i == 0:
-                self._check(half, code)
+                self._check(half, code, code_b)
             out = grid[n][rank]  # our slice of the shared result slot
             terms = [own[rank] if q == rank else grid[q][rank] for q in range(n)]
             if factor is None:
@@ -661,21 +827,69 @@ class SegmentSchedules:
             chunks[i].copy_(result)  # every rank's reduced slice, in one copy
 
     def broadcast(self, flat: torch.Tensor, src: int) -> None:
-        start = time.monotonic()
-        code = self.code("broadcast", flat, src)
-        chunk_max = self.layout.slot_bytes // flat.element_size()
-        for offset, count in self._chunks(flat.numel(), chunk_max):
-            half = self._enter("broadcast", start, code)
+        """Copies ``flat`` of rank ``src`` into ``flat`` of every rank. The source waits, in the
+        first round, until every peer published its descriptor: all ranks agree or all raise."""
+        self._broadcast(flat, src, time.monotonic())
+
+    def broadcast_small(self, tensor: torch.Tensor, src: int, start: float) -> int:
+        """:meth:`broadcast` of a tensor that fits one slot, for a caller's synchronous fast
+        path (as :meth:`all_reduce_small`): one C call where the compiled core takes it.
+
+        Args:
+            tensor: a contiguous CPU tensor of any shape (what the communicator's fast path
+                checks).
+            src: the source rank.
+            start: when the call began (``time.monotonic()``).
+
+        Returns:
+            the bytes broadcast, or 0, having done nothing, when it does not apply (empty, more
+            than one slot, ``src`` not a rank, a dtype the communicator does not move).
+        """
+        info = _DTYPE_INFO.get(tensor.dtype)
+        if info is None or src.__class__ is not int or not 0 <= src < self.size:
+            return 0
+        numel = tensor.numel()
+        nbytes = numel * info[0]
+        if not 0 < nbytes <= self.layout.slot_bytes:
+            return 0
+        if self._core is not None and not tensor.requires_grad:
+            code = (_OPCODES["broadcast"] << 56) | info[1] | numel
+            args = [tensor.data_ptr(), nbytes, src, code]
+            self._core_round(self._core.broadcast, args, "broadcast", start)
+            if self.rank != src:
+                _increment_version((tensor,))
+            return nbytes
+        self._broadcast(tensor.view(-1), src, start)
+        return nbytes
+
+    def _broadcast(self, flat: torch.Tensor, src: int, start: float) -> None:
+        rank, numel = self.rank, flat.numel()
+        if (
+            self._core is not None
+            and numel * flat.element_size() <= self.layout.slot_bytes
+            and self._core_takes(flat)
+        ):
+            code = (_OPCODES["broadcast"] << 56) | (_DTYPE_CODES[flat.dtype] << 48) | numel
+            args = [flat.data_ptr(), numel * flat.element_size(), src, code]
+            self._core_round(self._core.broadcast, args, "broadcast", start)
+            if rank != src:
+                _increment_version((flat,))
+            return
+        code, code_b = self.code("broadcast", flat), _code_b(numel, src)
+        flags = self.flags
+        for offset, count in self._chunks(numel, self.layout.slot_bytes // flat.element_size()):
+            half = self._enter("broadcast", start, code, code_b)
             view = self.slots(half, flat.dtype)[src][:count]
-            if self.rank == src:
+            if rank == src:
                 view.copy_(flat[offset : offset + count])
-                self._first_publish()
-                continue
-            self.flags.wait_all(self.flags.seq + 1, "broadcast", start, [src])
-            if offset == 0:
-                self._check(half, code, [src])
-            flat[offset : offset + count].copy_(view)
             self._first_publish()
+            if offset == 0:  # the source too: every rank checks the call
+                flags.wait_all(flags.seq, "broadcast", start)
+                self._check(half, code, code_b)
+            elif rank != src:
+                flags.wait_all(flags.seq, "broadcast", start, [src])
+            if rank != src:
+                flat[offset : offset + count].copy_(view)
 
     def _block(self, half: int, dtype: torch.dtype, rows: int, count: int) -> torch.Tensor:
         """Every rank's slot in ``half`` as one ``(size, rows, count)`` view (slot ``q`` holding
@@ -696,11 +910,54 @@ class SegmentSchedules:
         self._views[key] = views
 
     def all_gather(self, out: torch.Tensor, flat: torch.Tensor) -> None:
-        start = time.monotonic()
+        self._all_gather(out, flat, time.monotonic())
+
+    def all_gather_small(self, out: torch.Tensor, input: torch.Tensor, start: float) -> int:
+        """:meth:`all_gather` of an input that fits one slot, for a caller's synchronous fast
+        path (as :meth:`all_reduce_small`): one C call where the compiled core takes it.
+
+        Args:
+            out: a contiguous CPU tensor of any shape, ``size`` times ``input``'s elements.
+            input: a contiguous CPU tensor of any shape, ``out``'s dtype.
+            start: when the call began (``time.monotonic()``).
+
+        Returns:
+            the input's bytes, or 0, having done nothing, when it does not apply (empty, more
+            than one slot, mismatched sizes or dtypes).
+        """
+        info = _DTYPE_INFO.get(input.dtype)
+        m = input.numel()
+        if info is None or out.dtype != input.dtype or out.numel() != self.size * m:
+            return 0
+        nbytes = m * info[0]
+        if not 0 < nbytes <= self.layout.slot_bytes:
+            return 0
+        if self._core is not None and not out.requires_grad:
+            code = (_OPCODES["all_gather"] << 56) | info[1] | m
+            args = [out.data_ptr(), input.data_ptr(), nbytes, code]
+            self._core_round(self._core.all_gather, args, "all_gather", start)
+            _increment_version((out,))
+            return nbytes
+        self._all_gather(out.view(-1), input.view(-1), start)
+        return nbytes
+
+    def _all_gather(self, out: torch.Tensor, flat: torch.Tensor, start: float) -> None:
         n, rank, m = self.size, self.rank, flat.numel()
+        esize = flat.element_size()
+        if (
+            self._core is not None
+            and m * esize <= self.layout.slot_bytes
+            and self._core_takes(out)
+            and self._core_takes(flat)
+        ):
+            code = (_OPCODES["all_gather"] << 56) | (_DTYPE_CODES[flat.dtype] << 48) | m
+            args = [out.data_ptr(), flat.data_ptr(), m * esize, code]
+            self._core_round(self._core.all_gather, args, "all_gather", start)
+            _increment_version((out,))
+            return
         code = self.code("all_gather", flat)
         out2d = out.view(n, m)
-        for offset, count in self._chunks(m, self.layout.slot_bytes // flat.element_size()):
+        for offset, count in self._chunks(m, self.layout.slot_bytes // esize):
             half = self._enter("all_gather", start, code)
             block = self._block(half, flat.dtype, 1, count)
             whole = count == m  # one round: no slicing at all
@@ -712,30 +969,136 @@ class SegmentSchedules:
             (out2d if whole else out2d[:, offset : offset + count]).copy_(block[:, 0])
 
     def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, op: ReduceOp) -> None:
-        start = time.monotonic()
+        self._reduce_scatter(out, flat, op, time.monotonic())
+
+    def reduce_scatter_small(
+        self, out: torch.Tensor, input: torch.Tensor, op: ReduceOp, start: float
+    ) -> int:
+        """:meth:`reduce_scatter` of an input that fits one slot, for a caller's synchronous
+        fast path (as :meth:`all_reduce_small`): one C call where the compiled core takes it
+        (its dtypes; ``SUM``, ``AVG``, ``PRODUCT``), else the Python path.
+
+        Args:
+            out: a contiguous CPU tensor of any shape.
+            input: a contiguous CPU tensor of any shape, ``size`` times ``out``'s elements, of
+                its dtype.
+            op: the reduction (not a ``PremulSum``).
+            start: when the call began (``time.monotonic()``).
+
+        Returns:
+            the input's bytes, or 0, having done nothing, when it does not apply (empty, more
+            than one slot, mismatched sizes or dtypes).
+        """
+        info = _DTYPE_INFO.get(input.dtype)
+        m = out.numel()
+        if (
+            info is None
+            or out.dtype != input.dtype
+            or input.numel() != self.size * m
+            or op.__class__ is not ReduceOp
+        ):
+            return 0
+        nbytes = self.size * m * info[0]
+        if not 0 < nbytes <= self.layout.slot_bytes:
+            return 0
+        core_op = _CORE_OPS.get(op._name_)
+        kind = _CORE_KINDS.get(input.dtype)
+        if self._core is not None and core_op and kind is not None and not out.requires_grad:
+            code = (_OPCODES["reduce_scatter"] << 56) | info[1] | (core_op[0] << 40) | m
+            args = [out.data_ptr(), input.data_ptr(), m, kind, core_op[1], code]
+            self._core_round(self._core.reduce_scatter, args, "reduce_scatter", start)
+            _increment_version((out,))
+            return nbytes
+        self._reduce_scatter(out.view(-1), input.view(-1), op, start)
+        return nbytes
+
+    def _reduce_scatter(
+        self, out: torch.Tensor, flat: torch.Tensor, op: ReduceOp, start: float
+    ) -> None:
         n, rank, m = self.size, self.rank, out.numel()
+        esize = flat.element_size()
         code = self.code("reduce_scatter", out, _OP_CODES[op])
+        if self._core is not None and n * m * esize <= self.layout.slot_bytes:
+            kind, core_op = _CORE_KINDS.get(flat.dtype), _CORE_OPS.get(op._name_)
+            if (
+                kind is not None
+                and core_op is not None
+                and self._core_takes(out)
+                and self._core_takes(flat)
+            ):
+                args = [out.data_ptr(), flat.data_ptr(), m, kind, core_op[1], code]
+                self._core_round(self._core.reduce_scatter, args, "reduce_scatter", start)
+                _increment_version((out,))
+                return
         in2d = flat.view(n, m)
-        for offset, count in self._chunks(m, self.layout.slot_bytes // flat.element_size() // n):
+        # an output sharing bytes with our own row: that row is reduced from our slot instead
+        # (a reduction's output may alias its first two terms only), as the compiled core does
+        row = m * esize
+        own_in_slot = _overlap(out.data_ptr(), row, flat.data_ptr() + rank * row, row)
+        for offset, count in self._chunks(m, self.layout.slot_bytes // esize // n):
             half = self._enter("reduce_scatter", start, code)
             block = self._block(half, flat.dtype, n, count)  # [source rank, destination rank]
             part = in2d if count == m else in2d[:, offset : offset + count]
             for p in self.flags.peers:
                 block[rank, p].copy_(part[p])
+            if own_in_slot:
+                block[rank, rank].copy_(part[rank])
             self._first_publish()
             self.flags.wait_all(self.flags.seq, "reduce_scatter", start)
             if offset == 0:
                 self._check(half, code)
             target = out if count == m else out[offset : offset + count]
-            self.reduce(target, [part[q] if q == rank else block[q, rank] for q in range(n)], op)
+            own = block[rank, rank] if own_in_slot else part[rank]
+            self.reduce(target, [own if q == rank else block[q, rank] for q in range(n)], op)
 
     def all_to_all(self, out: torch.Tensor, flat: torch.Tensor) -> None:
-        start = time.monotonic()
+        self._all_to_all(out, flat, time.monotonic())
+
+    def all_to_all_small(self, out: torch.Tensor, input: torch.Tensor, start: float) -> int:
+        """:meth:`all_to_all` of an input that fits one slot, for a caller's synchronous fast
+        path (as :meth:`all_reduce_small`): one C call where the compiled core takes it.
+
+        Args:
+            out: a contiguous CPU tensor of any shape, ``input``'s elements and dtype.
+            input: a contiguous CPU tensor of any shape, a multiple of ``size`` elements.
+            start: when the call began (``time.monotonic()``).
+
+        Returns:
+            the input's bytes, or 0, having done nothing, when it does not apply (empty, more
+            than one slot, mismatched sizes or dtypes).
+        """
+        info = _DTYPE_INFO.get(input.dtype)
+        numel = input.numel()
+        if info is None or out.dtype != input.dtype or out.numel() != numel or numel % self.size:
+            return 0
+        nbytes = numel * info[0]
+        if not 0 < nbytes <= self.layout.slot_bytes:
+            return 0
+        if self._core is not None and not out.requires_grad:
+            code = (_OPCODES["all_to_all"] << 56) | info[1] | numel
+            args = [out.data_ptr(), input.data_ptr(), nbytes // self.size, code]
+            self._core_round(self._core.all_to_all, args, "all_to_all", start)
+            _increment_version((out,))
+            return nbytes
+        self._all_to_all(out.view(-1), input.view(-1), start)
+        return nbytes
+
+    def _all_to_all(self, out: torch.Tensor, flat: torch.Tensor, start: float) -> None:
         n, rank = self.size, self.rank
-        m = flat.numel() // n
+        m, esize = flat.numel() // n, flat.element_size()
         code = self.code("all_to_all", flat)
+        if (
+            self._core is not None
+            and n * m * esize <= self.layout.slot_bytes
+            and self._core_takes(out)
+            and self._core_takes(flat)
+        ):
+            args = [out.data_ptr(), flat.data_ptr(), m * esize, code]
+            self._core_round(self._core.all_to_all, args, "all_to_all", start)
+            _increment_version((out,))
+            return
         in2d, out2d = flat.view(n, m), out.view(n, m)
-        for offset, count in self._chunks(m, self.layout.slot_bytes // flat.element_size() // n):
+        for offset, count in self._chunks(m, self.layout.slot_bytes // esize // n):
             half = self._enter("all_to_all", start, code)
             block = self._block(half, flat.dtype, n, count)  # [source rank, destination rank]
             whole = count == m
@@ -748,12 +1111,20 @@ class SegmentSchedules:
             (out2d if whole else out2d[:, offset : offset + count]).copy_(block[:, rank])
 
     def barrier(self) -> None:
-        start = time.monotonic()
-        code = self.code("barrier", None)
+        self.barrier_small(time.monotonic())
+
+    def barrier_small(self, start: float) -> int:
+        """:meth:`barrier` for a caller's synchronous fast path (``start``: when the call
+        began); one C call where the compiled core is on. Returns 1 (it always applies)."""
+        code = _OPCODES["barrier"] << 56
+        if self._core is not None:
+            self._core_round(self._core.barrier, [code], "barrier", start)
+            return 1
         half = self._enter("barrier", start, code)
         self._first_publish()
         self.flags.wait_all(self.flags.seq, "barrier", start)
         self._check(half, code)
+        return 1
 
     # ------------------------------------------------------------------ point to point
     def _mailbox(self, src: int, dst: int, k: int) -> torch.Tensor:

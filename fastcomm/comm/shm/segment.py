@@ -6,8 +6,9 @@ a cache line, and the adjacent-line prefetcher does not pair them either)::
     header    magic, size, slot_bytes, mbox_bytes                      written once by rank 0
     control   one block per rank, written by that rank alone:
                 seq          collective progress counter (futex word: its low 32 bits)
-                misc         waiting_on, state, pid, start time, call descriptors [2],
-                             PremulSum factors [2] (float64 bits)
+                misc         waiting_on, state, pid, start time, call descriptors A [2],
+                             PremulSum factors [2] (float64 bits), call descriptors B [2],
+                             one_shot_max (schedules.py: what a descriptor holds)
                 message      why the rank aborted (UTF-8), written before state = ABORTED
                 sent[d]      chunks this rank has put in its mailbox to rank d
                 acked[s]     chunks this rank has taken from rank s's mailbox to it
@@ -42,7 +43,8 @@ __all__ = ["Layout", "Segment", "host_id", "pid_start_time", "process_alive", "s
 
 SHM_DIR = "/dev/shm"
 PREFIX = "fastcomm-"
-MAGIC = int.from_bytes(b"FCSHM001", "little")
+# the protocol's version: 002 added descriptor B, the two-step tag and every rank's check
+MAGIC = int.from_bytes(b"FCSHM002", "little")
 LINE = 128  # two 64-byte lines: the adjacent-line prefetcher moves lines in pairs
 PAGE = 4096
 MESSAGE_BYTES = 256
@@ -101,8 +103,9 @@ class Layout:
         return self.ctrl(rank)
 
     def misc(self, rank: int, word: int) -> int:
-        """Word ``word`` of the misc line: 0 waiting_on, 1 state, 2 pid, 3 start, 4/5 desc,
-        6/7 PremulSum factor (one per half)."""
+        """Word ``word`` of the misc line: 0 waiting_on, 1 state, 2 pid, 3 start, 4/5
+        descriptor A (one per half), 6/7 PremulSum factor (one per half), 8/9 descriptor B (one
+        per half), 10 one_shot_max."""
         return self.ctrl(rank) + LINE + 8 * word
 
     def message(self, rank: int) -> int:
@@ -215,12 +218,18 @@ class Segment:
         """Rank 0 creates the segment and publishes its name; every rank maps it; rank 0 unlinks
         it once all have mapped it (or on any failure).
 
+        A rank whose layout differs from the segment's (another slot size, mailbox size or rank
+        count) says so in the store before it raises, so every rank raises with its message
+        instead of waiting for it until the timeout.
+
         Raises:
-            FastcommError: the segment could not be created, opened or verified.
+            FastcommError: the segment could not be created, opened or verified (on this rank or,
+                named, on another).
             StoreTimeoutError: a rank did not map it within ``timeout``.
         """
         layout = Layout(size, slot_bytes, mbox_bytes)
         path = None
+        keys = [f"shm/mapped/{r}" for r in range(size)]
         try:
             if rank == 0:
                 sweep_stale()
@@ -230,12 +239,24 @@ class Segment:
                 store.set("shm/name", name)
             else:
                 name = store.get("shm/name", timeout).decode()
-                mm = _attach(os.path.join(SHM_DIR, name), layout, rank)
+                try:
+                    mm = _attach(os.path.join(SHM_DIR, name), layout, rank)
+                except FastcommError as exc:
+                    store.set(keys[rank], f"error: {exc}")
+                    raise
             seg = cls(name, layout, mm)
             seg._put(layout.misc(rank, 2), os.getpid())
             seg._put(layout.misc(rank, 3), pid_start_time(os.getpid()) or 0)
-            store.set(f"shm/mapped/{rank}", b"1")
-            store.wait([f"shm/mapped/{r}" for r in range(size)], timeout, op="shm setup")
+            store.set(keys[rank], b"1")
+            store.wait(keys, timeout, op="shm setup")
+            failed = [(r, store.get(keys[r], timeout)) for r in range(size) if r != rank]
+            failed = [(r, value.decode("utf-8", "replace")) for r, value in failed if value != b"1"]
+            if failed:
+                mm.close()
+                raise FastcommError(
+                    f"rank {rank}: shm setup failed on rank {failed[0][0]}: "
+                    f"{failed[0][1].removeprefix('error: ')}"
+                )
         finally:
             if path is not None:
                 _unlink(path)
@@ -296,9 +317,22 @@ def _attach(path: str, layout: Layout, rank: int) -> mmap.mmap:
     try:
         actual = os.fstat(fd).st_size
         if actual != layout.total:
+            raw = os.pread(fd, 40, 0)
+            theirs = struct.unpack("<5Q", raw) if len(raw) == 40 else (0,) * 5
+            differ = [
+                f"{what} {mine} here, {other} in rank 0's segment"
+                for what, mine, other in zip(
+                    ("size", "slot_bytes", "mbox_bytes"),
+                    (layout.size, layout.slot_bytes, layout.mbox_bytes),
+                    theirs[1:4],
+                    strict=True,
+                )
+                if mine != other
+            ]
             raise FastcommError(
                 f"rank {rank}: segment {path} has {actual} bytes, expected {layout.total}: "
-                f"ranks disagree on the shm slot size"
+                f"ranks disagree on the shm layout ({'; '.join(differ) or 'unknown header'}); "
+                f"every rank must pass the same ShmOptions"
             )
         mm = mmap.mmap(fd, layout.total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
