@@ -19,8 +19,8 @@ Backends implement the ``_impl_*`` hooks only. Each receives validated tensors (
 too: every rank still takes part, so a rank whose tensor is empty where a peer's is not is
 caught by the backend's agreement check instead of leaving the peer waiting) on a device it
 declared, and returns the task that moves the data. A backend may also finish a synchronous
-call on the caller's thread without building a task (``_sync_all_reduce``): the small-message
-lane of ``shm``.
+call on the caller's thread without building a task (``_sync``): the small-message lane of
+``shm``.
 
 Collective ordering: like NCCL and Gloo, every rank must issue the same collectives in the same
 order. Store-based helpers (``split``, object exchange) number their keys with a per-communicator
@@ -112,9 +112,11 @@ class CommStats:
 
     def record(self, op: str, tensor: torch.Tensor | None) -> None:
         """Counts one call of ``op`` and the bytes of ``tensor`` (``None``: no payload)."""
-        self.calls[op] = self.calls.get(op, 0) + 1
+        calls = self.calls
+        calls[op] = calls.get(op, 0) + 1
         if tensor is not None:
-            self.bytes[op] = self.bytes.get(op, 0) + tensor.numel() * tensor.element_size()
+            nbytes = self.bytes
+            nbytes[op] = nbytes.get(op, 0) + tensor.nbytes
 
     def count(self, op: str, nbytes: int) -> None:
         """Counts one call of ``op`` that moved ``nbytes`` (a caller that knows the size)."""
@@ -158,7 +160,8 @@ class Communicator(abc.ABC):
     """
 
     backend: str = "base"
-    capabilities: Capabilities = Capabilities()
+    _capabilities: Capabilities = Capabilities()
+    _cpu_native = True  # "cpu" in capabilities.devices, read on every call
 
     def __init__(
         self,
@@ -173,6 +176,10 @@ class Communicator(abc.ABC):
             raise ValueError(f"size must be a positive int, got {size!r}")
         if not isinstance(rank, int) or not 0 <= rank < size:
             raise ValueError(f"rank must be an int in [0, {size}), got {rank!r}")
+        if fallback is not None and not isinstance(fallback, Communicator):
+            raise TypeError(
+                f"fallback must be a fastcomm Communicator or None, got {type(fallback).__name__}"
+            )
         if fallback is not None and (fallback.rank, fallback.size) != (rank, size):
             raise ValueError(
                 f"the fallback must span the same ranks: rank {fallback.rank} of "
@@ -191,6 +198,16 @@ class Communicator(abc.ABC):
         self._executor = OrderedExecutor(f"fastcomm-{self.backend}-r{rank}", rank, self._run_task)
 
     # ------------------------------------------------------------------ properties
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this communicator moves and how (set by each backend)."""
+        return self._capabilities
+
+    @capabilities.setter
+    def capabilities(self, value: Capabilities) -> None:
+        self._capabilities = value
+        self._cpu_native = "cpu" in value.devices
+
     @property
     @abc.abstractmethod
     def device(self) -> torch.device:
@@ -307,7 +324,7 @@ class Communicator(abc.ABC):
 
     def _target(self, tensor: torch.Tensor, op: str) -> Communicator:
         # CPU tensors on a CPU backend, the usual case, skip building a device object
-        if tensor.is_cpu and "cpu" in self.capabilities.devices:
+        if tensor.is_cpu and self._cpu_native:
             return self
         return self.route(tensor.device, op)
 
@@ -338,33 +355,54 @@ class Communicator(abc.ABC):
                 tensor.
             ValueError: wrong device, non-contiguous, unknown op.
         """
+        if (  # the usual call (DDP's, a training step's), checked inline: every check below
+            # is the same as the general path's, which names what failed
+            type(tensor) is torch.Tensor
+            and op.__class__ is ReduceOp
+            and not self._closed
+            and tensor.layout is _STRIDED
+            and tensor.dtype in _DTYPES
+            and tensor.is_contiguous()
+        ):
+            self.stats.record("all_reduce", tensor)
+            target = self if tensor.is_cpu and self._cpu_native else self._target(
+                tensor, "all_reduce"
+            )
+            if not async_op and target._sync("all_reduce", tensor, op):
+                return None
+            return self._run(target._impl_all_reduce(tensor, op), async_op)
+        return self._all_reduce_general(tensor, op, async_op)
+
+    def _all_reduce_general(self, tensor, op, async_op: bool) -> Work | None:
+        """:meth:`all_reduce` of anything but a plain dense tensor with a :class:`ReduceOp`:
+        every check, sparse tensors, op names and torch's ops, ``PremulSum``."""
         self._check_open("all_reduce")
-        if type(tensor) is not torch.Tensor or tensor.layout is not _STRIDED:
-            if isinstance(tensor, torch.Tensor) and tensor.layout is torch.sparse_coo:
-                return self._all_reduce_sparse(tensor, op, async_op)
+        if isinstance(tensor, torch.Tensor) and tensor.layout is torch.sparse_coo:
+            return self._all_reduce_sparse(tensor, op, async_op)
         self._check_tensor(tensor, "all_reduce")
-        if op.__class__ is not ReduceOp:
-            op = ReduceOp.coerce(op)
-            if op.__class__ is PremulSum and not tensor.is_floating_point():
-                raise TypeError(
-                    f"all_reduce: {op!r} needs a floating-point tensor, got dtype "
-                    f"{tensor.dtype}; multiply first and reduce with ReduceOp.SUM"
-                )
+        op = ReduceOp.coerce(op)
+        if op.__class__ is PremulSum and not tensor.is_floating_point():
+            raise TypeError(
+                f"all_reduce: {op!r} needs a floating-point tensor, got dtype "
+                f"{tensor.dtype}; multiply first and reduce with ReduceOp.SUM"
+            )
         self.stats.record("all_reduce", tensor)
         target = self._target(tensor, "all_reduce")
-        if not async_op and target._sync_all_reduce(tensor, op):
-            return None
-        if op.__class__ is PremulSum and tensor.dtype not in target.capabilities.premul_dtypes:
-            task = target._impl_all_reduce(tensor, ReduceOp.SUM)
-            if op.factor != 1.0:  # x * 1.0 == x: no pass needed
-                task = _premultiplied(task, tensor, op.factor)
-            return self._run(task, async_op)
-        return self._run(target._impl_all_reduce(tensor, op), async_op)
+        if op.__class__ is not PremulSum:
+            if not async_op and target._sync("all_reduce", tensor, op):
+                return None
+            return self._run(target._impl_all_reduce(tensor, op), async_op)
+        if tensor.dtype in target.capabilities.premul_dtypes:
+            return self._run(target._impl_all_reduce(tensor, op), async_op)
+        task = target._impl_all_reduce(tensor, ReduceOp.SUM)
+        if op.factor != 1.0:  # x * 1.0 == x: no pass needed
+            task = _premultiplied(task, tensor, op.factor)
+        return self._run(task, async_op)
 
-    def _sync_all_reduce(self, tensor: torch.Tensor, op: ReduceOp | PremulSum) -> bool:
-        """A backend's lane for a synchronous ``all_reduce``: finishes the call on the
-        caller's thread and returns ``True``, or returns ``False`` having done nothing (then
-        the task runs). Default: no such lane."""
+    def _sync(self, op: str, *args: Any) -> bool:
+        """A backend's lane for a synchronous call of ``op`` (``args`` as its ``_impl_*``
+        hook takes them): finishes the call on the caller's thread and returns ``True``, or
+        returns ``False`` having done nothing (then its task runs). Default: no such lane."""
         return False
 
     def _all_reduce_sparse(self, tensor: torch.Tensor, op: object, async_op: bool):
@@ -405,7 +443,10 @@ class Communicator(abc.ABC):
         op = ReduceOp.coerce(op)
         reject_premul(op, "reduce")
         self.stats.record("reduce", tensor)
-        return self._run(self._target(tensor, "reduce")._impl_reduce(tensor, root, op), async_op)
+        target = self._target(tensor, "reduce")
+        if not async_op and target._sync("reduce", tensor, root, op):
+            return None
+        return self._run(target._impl_reduce(tensor, root, op), async_op)
 
     def broadcast(
         self, tensor: torch.Tensor, src: int = 0, async_op: bool = False
@@ -419,7 +460,10 @@ class Communicator(abc.ABC):
         self._check_tensor(tensor, "broadcast")
         self._check_peer(src, "broadcast", "src")
         self.stats.record("broadcast", tensor)
-        return self._run(self._target(tensor, "broadcast")._impl_broadcast(tensor, src), async_op)
+        target = self._target(tensor, "broadcast")
+        if not async_op and target._sync("broadcast", tensor, src):
+            return None
+        return self._run(target._impl_broadcast(tensor, src), async_op)
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
@@ -442,6 +486,8 @@ class Communicator(abc.ABC):
         self.stats.record("all_gather", input)
         target = self._target(input, "all_gather")
         input = self._staged(target, output, input)
+        if not async_op and target._sync("all_gather", output, input):
+            return None
         return self._run(target._impl_all_gather(output, input), async_op)
 
     def reduce_scatter(
@@ -471,6 +517,8 @@ class Communicator(abc.ABC):
         target = self._target(input, "reduce_scatter")
         if input.numel() and _overlap(output, input):
             input = input.clone()  # a rank's reduction may read its slice after writing it
+        if not async_op and target._sync("reduce_scatter", output, input, op):
+            return None
         return self._run(target._impl_reduce_scatter(output, input, op), async_op)
 
     def all_to_all(
@@ -492,6 +540,8 @@ class Communicator(abc.ABC):
         self.stats.record("all_to_all", input)
         target = self._target(input, "all_to_all")
         input = self._staged(target, output, input)
+        if not async_op and target._sync("all_to_all", output, input):
+            return None
         return self._run(target._impl_all_to_all(output, input), async_op)
 
     def _staged(self, target: Communicator, output: torch.Tensor, input: torch.Tensor):
@@ -530,6 +580,8 @@ class Communicator(abc.ABC):
         """Returns once every rank has entered the barrier."""
         self._check_open("barrier")
         self.stats.record("barrier", None)
+        if not async_op and self._sync("barrier"):
+            return None
         return self._run(self._impl_barrier(), async_op)
 
     # ------------------------------------------------------------------ execution

@@ -108,10 +108,19 @@ SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
 )
 
 
+# integer dtypes by their largest value: an AVG over more ranks than that divides in int64
+_INT_MAX = {d: torch.iinfo(d).max for d in SUPPORTED_DTYPES if not d.is_floating_point}
+
+
 def divide_(tensor: torch.Tensor, size: int) -> None:
-    """In-place ``tensor / size``; integers truncate toward zero (NCCL's ncclAvg)."""
+    """In-place ``tensor / size`` (``AVG``'s division of a sum of ``size`` terms): torch's
+    ``div_``; integers truncate toward zero (NCCL's ncclAvg). Where an integer dtype cannot
+    hold ``size`` (int8 over 128 ranks; torch would divide by ``size`` cast to the dtype), the
+    division runs in int64, as the shm compiled core's does."""
     if tensor.is_floating_point():
         tensor.div_(size)
+    elif size > _INT_MAX[tensor.dtype]:
+        tensor.copy_(tensor.to(torch.int64).div_(size, rounding_mode="trunc"))
     else:
         tensor.div_(size, rounding_mode="trunc")
 

@@ -38,7 +38,7 @@ def new_comm(name: str, compiled: bool = True, **options) -> ShmCommunicator:
     torch.set_num_threads(1)
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     return ShmCommunicator(
-        rank_store().prefixed(name, rank=rank), rank, n, 60.0, fallback=False,
+        rank_store().prefixed(name, rank=rank), rank, n, 60.0,
         options=ShmOptions(**(SMALL | options), compiled=compiled),
     )
 

@@ -20,7 +20,7 @@ import torch
 
 from fastcomm import CommTimeoutError, FastcommError
 from fastcomm.comm import CommAbortedError
-from fastcomm.comm.shm import schedules as _shm_algos
+from fastcomm.comm import reduction as _reduction
 from fastcomm.comm.shm import segment as _shm_segment
 from fastcomm.comm.shm.segment import SHM_DIR, sweep_stale
 from tests.harness import RankPool, fresh_comm
@@ -32,7 +32,7 @@ BIG = 3 << 20  # 3 MiB of float32 = 3 rounds through the default 1 MiB slots
 
 def _fault_on_second_reduce(action):
     calls = []
-    original = _shm_algos.reduce_into
+    original = _reduction.reduce_into
 
     def faulty(*args, **kwargs):
         calls.append(1)
@@ -40,7 +40,7 @@ def _fault_on_second_reduce(action):
             action()
         return original(*args, **kwargs)
 
-    _shm_algos.reduce_into = faulty
+    _reduction.reduce_into = faulty
 
 
 def _raise_injected():

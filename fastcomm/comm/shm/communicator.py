@@ -29,6 +29,7 @@ import atexit
 import os
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -161,29 +162,40 @@ class ShmCommunicator(Communicator):
         super().__init__(store, rank, size, timeout, fallback=fallback)
         if not shm_available():
             raise FastcommError("the shm communicator needs Linux /dev/shm and memory fences")
-        self.options = options or ShmOptions()
-        hosts = store.all_gather_object("shm/hosts", rank, size, host_id(), self.timeout)
+        self.options = opts = options or ShmOptions()
+        mbox = opts.mbox_bytes or max(16 << 10, min(256 << 10, (64 << 20) // (2 * size * size)))
+        mbox -= mbox % 4096
+        one_shot = opts.one_shot_max if opts.one_shot_max is not None else (512 << 10) // size
+        # the ranks share a host and agree on the protocol's sizes, checked once here: a
+        # per-rank FASTCOMM_SHM_* value would otherwise pick different algorithms
+        mine = [host_id(), opts.slot_bytes, mbox, one_shot]
+        everyone = store.all_gather_object("shm/hosts", rank, size, mine, self.timeout)
+        hosts = [entry[0] for entry in everyone]
         if len(set(hosts)) > 1:
             raise FastcommError(
                 f"rank {rank}: the shm communicator needs every rank on one host, got hosts "
                 f"{dict(enumerate(hosts))}; use the 'hier' or 'gloo' backend"
             )
-        opts = self.options
+        for name, k in (("slot_bytes", 1), ("mbox_bytes", 2), ("one_shot_max", 3)):
+            values = {r: entry[k] for r, entry in enumerate(everyone)}
+            if len(set(values.values())) > 1:
+                raise FastcommError(
+                    f"rank {rank}: the shm ranks disagree on {name}: {values} (rank: bytes); "
+                    f"every rank must pass the same ShmOptions / FASTCOMM_SHM_* values"
+                )
         spin = opts.spin_us
         if spin is None:
             spin = 20.0 if size <= len(os.sched_getaffinity(0)) else 0.0
-        mbox = opts.mbox_bytes or max(16 << 10, min(256 << 10, (64 << 20) // (2 * size * size)))
-        mbox -= mbox % 4096
         self._seg = Segment.setup(store, rank, size, opts.slot_bytes, mbox, self.timeout)
         self._flags = PeerFlags(
             self._seg, rank, self.timeout.total_seconds(), spin, opts.yield_us,
             crowd_check=opts.spin_us is None,
         )
         u8 = torch.frombuffer(self._seg.mm, dtype=torch.uint8)
-        one_shot = opts.one_shot_max if opts.one_shot_max is not None else (512 << 10) // size
         self._schedules = SegmentSchedules(
             self._flags, self._seg.layout, u8, one_shot, reduce, compiled=opts.compiled
         )
+        self._lanes = self._small_lanes()
         self._p2p: dict[tuple[str, int], OrderedExecutor] = {}
         self._broken: BaseException | None = None
         # every element is summed in rank order whatever its place (layout free); a
@@ -247,58 +259,81 @@ class ShmCommunicator(Communicator):
         raise error from exc
 
     # ------------------------------------------------------------------ collectives
-    def _sync_all_reduce(self, tensor: torch.Tensor, op: ReduceOp | PremulSum) -> bool:
-        """A synchronous all-reduce of a CPU tensor that fits one slot, with no asynchronous
-        work pending, runs on the caller's thread with no ``Work`` or task built: below a few
-        KiB that bookkeeping would cost as much as moving the bytes."""
-        if (
-            self._executor.busy
-            or self._broken is not None
-            or op.__class__ is PremulSum  # the task path folds the factor
-            or type(tensor) is not torch.Tensor
-            or not tensor.is_cpu
+    # Every collective that fits one slot has a small-message entry in the schedules (one C
+    # call when the compiled core is built and the peers are there): it returns the bytes it
+    # moved, or 0 having done nothing, and the general schedule runs. Both are the same
+    # protocol, so a rank may take either.
+    def _small_lanes(self) -> dict[str, Callable[..., int]]:
+        """The small-message entry of each op, called with the op's ``_impl_*`` arguments and
+        the time it was issued."""
+        s = self._schedules
+        return {
+            "all_reduce": s.all_reduce_small,  # never a PremulSum: the base keeps it for tasks
+            "reduce": lambda tensor, root, op, start: s.reduce_small(tensor, op, root, start),
+            "broadcast": s.broadcast_small,
+            "all_gather": s.all_gather_small,
+            "reduce_scatter": s.reduce_scatter_small,
+            "all_to_all": s.all_to_all_small,
+            "barrier": s.barrier_small,
+        }
+
+    def _sync(self, op: str, *args) -> bool:
+        """A synchronous call that fits one slot, with no asynchronous work pending, runs on
+        the caller's thread with no ``Work`` or task built: below a few KiB that bookkeeping
+        would cost as much as moving the bytes. (Routing sent only CPU tensors here.)"""
+        if self._executor.busy or self._broken is not None or (
+            args and type(args[0]) is not torch.Tensor
         ):
             return False
         start = time.monotonic()
         try:
-            done = self._schedules.all_reduce_small(tensor, op, start)
+            return self._lanes[op](*args, start) != 0
         except BaseException as exc:
-            self._abort("all_reduce", start, exc)
-        return done != 0
+            self._abort(op, start, exc)
+
+    def _small_first(self, op: str, general: Callable[..., None], *args) -> Task:
+        """A task running ``general(*args)``, or the op's small-message entry where it applies
+        (an asynchronous call takes it too)."""
+        output = args[0] if args else None
+        plain = output is None or (
+            type(output) is torch.Tensor and args[-1].__class__ is not PremulSum
+        )
+        if not plain:
+            return self._task(op, output, lambda: general(*args))
+        small = self._lanes[op]
+
+        def run() -> None:
+            if not small(*args, time.monotonic()):
+                general(*args)
+
+        return self._task(op, output, run)
 
     def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp | PremulSum) -> Task:
-        schedules = self._schedules
-        if op.__class__ is PremulSum or type(tensor) is not torch.Tensor:
-            return self._task("all_reduce", tensor, lambda: schedules.all_reduce(tensor, op))
-
-        def run() -> None:  # the small-message lane first, as a synchronous call takes it
-            if not schedules.all_reduce_small(tensor, op, time.monotonic()):
-                schedules.all_reduce(tensor, op)
-
-        return self._task("all_reduce", tensor, run)
+        return self._small_first("all_reduce", self._schedules.all_reduce, tensor, op)
 
     def _impl_reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp) -> Task:
-        return self._task("reduce", tensor, lambda: self._schedules.all_reduce(tensor, op, root))
+        general = lambda t, r, o: self._schedules.all_reduce(t, o, r)  # noqa: E731
+        return self._small_first("reduce", general, tensor, root, op)
 
     def _impl_broadcast(self, tensor: torch.Tensor, src: int) -> Task:
-        flat = tensor.view(-1)
-        return self._task("broadcast", tensor, lambda: self._schedules.broadcast(flat, src))
+        general = lambda t, r: self._schedules.broadcast(t.view(-1), r)  # noqa: E731
+        return self._small_first("broadcast", general, tensor, src)
 
     def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Task:
-        out, flat = output.view(-1), input.view(-1)
-        return self._task("all_gather", output, lambda: self._schedules.all_gather(out, flat))
+        general = lambda o, i: self._schedules.all_gather(o.view(-1), i.view(-1))  # noqa: E731
+        return self._small_first("all_gather", general, output, input)
 
     def _impl_reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp
     ) -> Task:
-        out, flat = output.view(-1), input.view(-1)
-        return self._task(
-            "reduce_scatter", output, lambda: self._schedules.reduce_scatter(out, flat, op)
+        general = lambda o, i, r: self._schedules.reduce_scatter(  # noqa: E731
+            o.view(-1), i.view(-1), r
         )
+        return self._small_first("reduce_scatter", general, output, input, op)
 
     def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Task:
-        out, flat = output.view(-1), input.view(-1)
-        return self._task("all_to_all", output, lambda: self._schedules.all_to_all(out, flat))
+        general = lambda o, i: self._schedules.all_to_all(o.view(-1), i.view(-1))  # noqa: E731
+        return self._small_first("all_to_all", general, output, input)
 
     def _impl_send(self, tensor: torch.Tensor, dst: int) -> Task:
         data = tensor.view(-1).view(torch.uint8)
@@ -311,7 +346,7 @@ class ShmCommunicator(Communicator):
         return Task("recv", tensor, run, self._p2p_executor("recv", src))
 
     def _impl_barrier(self) -> Task:
-        return self._task("barrier", None, self._schedules.barrier)
+        return self._small_first("barrier", self._schedules.barrier)
 
     # ------------------------------------------------------------------ lifetime
     def _impl_close(self) -> None:

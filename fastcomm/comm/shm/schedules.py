@@ -3,8 +3,9 @@
 A schedule only slices typed views, moves data with ``copy_``, combines terms with its
 *reduction*, and sequences the steps with :class:`~.flags.PeerFlags`. The reduction is a
 parameter, ``reduce(out, terms, op)``, which writes ``terms[0] (op) terms[1] (op) ...`` into
-``out`` (``AVG`` included: divided by ``len(terms)``). The default, :func:`torch_reduce`,
-runs torch ops in the buffers' dtype; the ``ipc`` backend passes one that calls the Triton
+``out`` (``AVG`` included: divided by ``len(terms)``; see :mod:`fastcomm.comm.reduction`). The
+default, :func:`~fastcomm.comm.reduction.torch_reduce`, runs torch ops in the buffers' dtype;
+the ``ipc`` backend passes one that calls the Triton
 kernel ``fastcomm.kernels.peer_reduce`` over the addresses at which this process mapped the
 slots (fp32 accumulation, the 1/size of ``AVG`` folded into the same pass). Both reduce in rank
 order, so either gives every rank the same bits, but the two do not round alike: all ranks of
@@ -56,12 +57,12 @@ from __future__ import annotations
 import contextvars
 import struct
 import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from ..errors import FastcommError
+from ..reduction import _BINARY, Reduction, reduce_into, torch_reduce
 from ..types import SUPPORTED_DTYPES, PremulSum, ReduceOp, divide_
 from .flags import PeerFlags
 from .segment import Layout
@@ -71,15 +72,8 @@ try:  # built at install where a C compiler is found
 except ImportError:  # no compiler, or not Linux: the pure-Python path; PremulSum: mul_ + SUM
     _core = None
 
-__all__ = ["Reduction", "SegmentSchedules", "reduce_into", "torch_reduce"]
+__all__ = ["SegmentSchedules"]
 
-_BINARY = {
-    ReduceOp.SUM: torch.add,
-    ReduceOp.AVG: torch.add,
-    ReduceOp.PRODUCT: torch.mul,
-    ReduceOp.MAX: torch.maximum,
-    ReduceOp.MIN: torch.minimum,
-}
 _OPCODES = {
     name: i + 1
     for i, name in enumerate(
@@ -144,8 +138,6 @@ _CORE_OPS = {} if _core is None else {
     "PRODUCT": (_OP_CODES[ReduceOp.PRODUCT], _core.OP_PRODUCT),
 }
 _increment_version = torch._C._increment_version
-# integer dtypes by their largest value: an AVG over more ranks than that divides in int64
-_INT_MAX = {d: torch.iinfo(d).max for d in SUPPORTED_DTYPES if not d.is_floating_point}
 
 
 def _code_b(numel: int, root: int | None = None) -> int:
@@ -154,47 +146,9 @@ def _code_b(numel: int, root: int | None = None) -> int:
     return ((numel >> 40) << 32) | (0 if root is None else root + 1)
 
 
-def average_(tensor: torch.Tensor, count: int) -> None:
-    """``AVG``'s division of a sum of ``count`` terms: :func:`~..types.divide_` (torch's bits),
-    except where an integer dtype cannot hold ``count`` (torch would divide by the count cast
-    to the dtype): there in int64, truncating, as the compiled core does."""
-    if count > _INT_MAX.get(tensor.dtype, count):
-        tensor.copy_(tensor.to(torch.int64).div_(count, rounding_mode="trunc"))
-    else:
-        divide_(tensor, count)
-
-
 def _overlap(a: int, a_bytes: int, b: int, b_bytes: int) -> bool:
     """Whether the bytes at addresses ``a`` and ``b`` overlap."""
     return a_bytes > 0 and b_bytes > 0 and a < b + b_bytes and b < a + a_bytes
-
-
-def reduce_into(out: torch.Tensor, terms: list[torch.Tensor], op: ReduceOp) -> None:
-    """``out = terms[0] (op) terms[1] (op) ...`` in order, without allocating.
-
-    ``out`` may alias ``terms[0]`` or ``terms[1]`` but no later term. ``AVG`` sums (the caller
-    divides).
-    """
-    if len(terms) == 1:
-        if out.data_ptr() != terms[0].data_ptr():
-            out.copy_(terms[0])
-        return
-    fn = _BINARY[op]
-    fn(terms[0], terms[1], out=out)
-    for term in terms[2:]:
-        fn(out, term, out=out)
-
-
-#: ``reduce(out, terms, op)``: ``out = terms[0] (op) terms[1] (op) ...`` in rank order, ``AVG``
-#: divided by ``len(terms)``. ``out`` may alias ``terms[0]`` or ``terms[1]`` but no later term.
-Reduction = Callable[[torch.Tensor, list[torch.Tensor], ReduceOp], None]
-
-
-def torch_reduce(out: torch.Tensor, terms: list[torch.Tensor], op: ReduceOp) -> None:
-    """The default :data:`Reduction`: :func:`reduce_into`, then ``AVG``'s division."""
-    reduce_into(out, terms, op)  # a module-level lookup per call: tests may wrap reduce_into
-    if op is ReduceOp.AVG:
-        average_(out, len(terms))
 
 
 def _quiet_numpy() -> contextvars.Context:
@@ -496,7 +450,7 @@ class SegmentSchedules:
             else:
                 reduce_into(tensor, views, op)
             if op is ReduceOp.AVG:
-                average_(tensor, self.size)
+                divide_(tensor, self.size)
         return tensor.numel() * tensor.element_size()
 
     def reduce_small(self, tensor: torch.Tensor, op: ReduceOp, root: int, start: float) -> int:
@@ -616,7 +570,7 @@ class SegmentSchedules:
             run(np_fn, user, term, out=user)
         _increment_version((tensor,))  # the write above bypassed torch's in-place bookkeeping
         if op is ReduceOp.AVG:
-            average_(tensor, self.size)
+            divide_(tensor, self.size)
 
     def _small_enter(self, half: int, code: int, start: float) -> None:
         """Waits until ``half`` is free (see :meth:`_enter`) and records the call's descriptor

@@ -29,7 +29,6 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
-import socket
 import struct
 import time
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from itertools import count
 from ..errors import FastcommError
 from ..store import Store
 
-__all__ = ["Layout", "Segment", "host_id", "pid_start_time", "process_alive", "sweep_stale"]
+__all__ = ["Layout", "Segment", "pid_start_time", "process_alive", "sweep_stale"]
 
 SHM_DIR = "/dev/shm"
 PREFIX = "fastcomm-"
@@ -53,23 +52,6 @@ MESSAGE_BYTES = 256
 ALIVE, CLOSED, ABORTED = 0, 1, 2
 
 _names = count()
-
-
-def host_id() -> str:
-    """This host's identity: ``FASTCOMM_HOST_ID`` if set, else hostname + kernel boot id.
-
-    The boot id tells apart two machines (or containers on different machines) with the same
-    hostname; ranks with equal identities are assumed to share ``/dev/shm``.
-    """
-    override = os.environ.get("FASTCOMM_HOST_ID")
-    if override:
-        return override
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "?"
-    return f"{socket.gethostname()}/{boot}"
 
 
 def shm_supported() -> bool:
