@@ -49,7 +49,6 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 from .base import Communicator
-from .errors import FastcommError
 from .pg.gloo import GlooCommunicator
 from .store import Store
 from .types import SUPPORTED_DTYPES, PremulSum, ReduceOp
@@ -63,13 +62,29 @@ BACKEND_NAME = "fastcomm"
 _DTYPES = frozenset(SUPPORTED_DTYPES)
 _STRIDED = torch.strided
 _RED = dist.ReduceOp.RedOpType
+# keyed by the enum's value: hashing and comparing pybind11 enum members costs ~1 us a lookup
 _OPS = {
-    _RED.SUM: ReduceOp.SUM,
-    _RED.AVG: ReduceOp.AVG,
-    _RED.MAX: ReduceOp.MAX,
-    _RED.MIN: ReduceOp.MIN,
-    _RED.PRODUCT: ReduceOp.PRODUCT,
+    _RED.SUM.value: ReduceOp.SUM,
+    _RED.AVG.value: ReduceOp.AVG,
+    _RED.MAX.value: ReduceOp.MAX,
+    _RED.MIN.value: ReduceOp.MIN,
+    _RED.PRODUCT.value: ReduceOp.PRODUCT,
 }
+_PREMUL = _RED.PREMUL_SUM.value
+
+
+def _kind_of(reduce_op: Any) -> int:
+    """The value of a ``dist.ReduceOp``'s kind (``RedOpType``)."""
+    return getattr(reduce_op, "op", reduce_op).value
+
+
+# torch 2.13 hashes a ReduceOp to its kind's value, 5x cheaper than reading `.op.value`; used
+# only where this process confirms it for every kind
+_op_kind = (
+    hash if all(hash(dist.ReduceOp(kind)) == kind.value for kind in _RED.__members__.values()
+                if kind is not _RED.PREMUL_SUM)
+    else _kind_of
+)
 # c10d's ProcessGroup method -> the Backend method that implements it (forwarding to Gloo/NCCL)
 _BACKEND_NAMES = {
     "all_gather_single": "_allgather_base",
@@ -87,9 +102,9 @@ _PER_TENSOR = {
 
 def _reduce_op(reduce_op: Any) -> ReduceOp | PremulSum | None:
     """The contract's op for torch's (``None``: the contract has none, e.g. ``BAND``)."""
-    kind = getattr(reduce_op, "op", reduce_op)
+    kind = _kind_of(reduce_op)
     found = _OPS.get(kind)
-    if found is None and kind == _RED.PREMUL_SUM:
+    if found is None and kind == _PREMUL:
         factor = reduce_op.factor
         return PremulSum(factor.item() if isinstance(factor, torch.Tensor) else float(factor))
     return found
@@ -121,26 +136,70 @@ def _seconds(timeout: Any) -> float | None:
     return seconds if seconds > 0 else None
 
 
+class FinishedWork(dist._Work):
+    """The handle of a call that finished before it returned (torch issued it synchronously):
+    ``wait()`` returns at once, the future is already completed with the outputs. Made by
+    :func:`_finished` (no ``__init__`` of its own: it is made on every synchronous call)."""
+
+    __slots__ = ("_outputs",)
+
+    def wait(self, timeout: timedelta | float | None = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> BaseException | None:
+        return None
+
+    def result(self) -> list:
+        return self._outputs
+
+    def synchronize(self) -> None:
+        pass
+
+    def get_future(self) -> torch.futures.Future:
+        future = torch.futures.Future()
+        future.set_result(self._outputs)
+        return future
+
+    def __repr__(self) -> str:
+        return "FinishedWork()"
+
+
+def _finished(outputs: list) -> FinishedWork:
+    work = FinishedWork()
+    work._outputs = outputs
+    return work
+
+
 class FastcommWork(dist._Work):
-    """The handle torch gets for each call: over the communicator's ``Work`` (or Gloo's, or
-    none when the call already finished), with the step that completes the call afterwards
-    (copying a packed result out), run once by whichever of ``wait()``, ``is_completed()`` and
-    the future comes first.
+    """The handle of a call still in flight: over the communicator's ``Work`` (or Gloo's), with
+    the step that completes the call afterwards (copying a packed result out), run once by
+    whichever of ``wait()``, ``is_completed()`` and the future comes first.
 
     Args:
         op: the operation's name, for errors.
         rank: this rank in the group, for errors.
         outputs: the tensors the future resolves to (torch's convention: a list).
-        inner: the pending works the call is made of (empty: finished).
+        inner: the pending works the call is made of.
         post: what runs once they are done, or ``None``.
     """
+
+    __slots__ = (
+        "_op", "_rank", "_outputs", "_inner", "_post", "_start", "_finished", "_error",
+        "_future", "_lock",
+    )
 
     def __init__(
         self,
         op: str,
         rank: int,
         outputs: list,
-        inner: Sequence[Any] = (),
+        inner: Sequence[Any],
         post: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
@@ -150,10 +209,10 @@ class FastcommWork(dist._Work):
         self._inner = inner
         self._post = post
         self._start = time.monotonic()
-        self._finished = not inner and post is None
+        self._finished = False
         self._error: BaseException | None = None
         self._future: torch.futures.Future | None = None
-        self._lock = None if self._finished else threading.Lock()
+        self._lock = threading.Lock()
 
     def _settle(self, error: BaseException | None) -> None:
         """Records the outcome once: runs ``post`` after the inner works succeeded."""
@@ -230,25 +289,16 @@ class FastcommWork(dist._Work):
 
     def get_future(self) -> torch.futures.Future:
         """A ``torch.futures.Future`` whose value is the list of output tensors."""
-        if self._future is not None:
-            return self._future
-        if self._finished:
-            future = torch.futures.Future()
-            if self._error is not None:
-                future.set_exception(self._error)
-            else:
-                future.set_result(self._outputs)
-        else:
+        if self._future is None:
             futures = [_future_of(w) for w in self._inner]
             joined = futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
-            future = joined.then(self._resolve)
-        self._future = future
-        return future
+            self._future = joined.then(self._resolve)
+        return self._future
 
     def _resolve(self, joined: torch.futures.Future) -> list:
         try:
             value = joined.value()
-            for part in value if isinstance(value, list) and len(self._inner) > 1 else ():
+            for part in value if len(self._inner) > 1 else ():
                 part.value()
         except BaseException as exc:  # the call failed: so does every chained future
             self._settle(exc)
@@ -461,25 +511,28 @@ class FastcommProcessGroup(dist.ProcessGroup):
         )
 
     # ------------------------------------------------------------------ issuing
-    def _issue(self, op: str, outputs: list, async_op: bool, post, fn, *args) -> FastcommWork:
-        """Runs ``fn(*args)`` (a communicator call): at once on this thread when torch issues
-        the call synchronously, else as the communicator's asynchronous work."""
+    def _issue(self, op: str, outputs: list, async_op: bool, fn, *args, post=None):
+        """Runs the communicator call ``fn(*args, async_op)``: to completion on this thread
+        when torch issues the call synchronously (the communicator's synchronous lane), else
+        as its asynchronous work; ``post`` completes the call once the data is in place."""
         if async_op:
-            work = fn(*args, async_op=True)
-            handle = FastcommWork(op, self._rank, outputs, (work,) if work is not None else (),
-                                  post)
+            work = fn(*args, True)
+            if work is None and post is None:
+                handle = _finished(outputs)
+            else:
+                handle = FastcommWork(op, self._rank, outputs, (work,) if work else (), post)
         else:
-            fn(*args, async_op=False)
+            fn(*args, False)
             if post is not None:
                 post()
-            handle = FastcommWork(op, self._rank, outputs)
+            handle = _finished(outputs)
         if self._coalescing is not None:
             self._coalescing.append(handle)
         return handle
 
-    def _issue_all(self, op: str, outputs: list, async_op: bool, calls: list) -> FastcommWork:
+    def _issue_all(self, op: str, outputs: list, async_op: bool, calls: list):
         """Several communicator calls (a coalesced op) as one work."""
-        works = [fn(*args, async_op=True) for fn, *args in calls]
+        works = [fn(*args, True) for fn, *args in calls]
         handle = FastcommWork(op, self._rank, outputs, [w for w in works if w is not None])
         if not async_op:
             handle.wait()
@@ -512,24 +565,32 @@ class FastcommProcessGroup(dist.ProcessGroup):
 
     def _end_coalescing(self, device: torch.device) -> FastcommWork:
         handles, self._coalescing = self._coalescing or [], None
-        return FastcommWork("coalesced", self._rank, [], handles)
+        return FastcommWork("coalesced", self._rank, [], handles) if handles else _finished([])
 
     # ------------------------------------------------------------------ reductions
-    def allreduce(self, tensors, opts=None) -> FastcommWork:
-        tensors = _as_list(tensors)
-        opts = _options(opts, dist.AllreduceOptions)
+    def allreduce(self, tensors, opts=None) -> dist._Work:
+        # the hot call (DDP buckets, dist.all_reduce): type checks by identity, no Enum hashing
+        if tensors.__class__ is not list:
+            tensors = _as_list(tensors)
+        if opts.__class__ is not dist.AllreduceOptions:
+            opts = _options(opts, dist.AllreduceOptions)
         if len(tensors) == 1:
             tensor = tensors[0]
-            comm = self._comm_for(tensor)
-            op = _reduce_op(opts.reduceOp)
+            reduce_op = opts.reduceOp
+            op = _OPS.get(_op_kind(reduce_op)) or _reduce_op(reduce_op)
+            comm = self.communicator if tensor.is_cpu else self._comm_for(tensor)
             if comm is not None and op is not None:
-                if tensor.layout is torch.sparse_coo:
+                if tensor.layout is _STRIDED and tensor.dtype in _DTYPES and tensor.is_contiguous():
+                    view = tensor
+                elif tensor.layout is torch.sparse_coo:
                     view = tensor if op is ReduceOp.SUM else None
                 else:
                     view = _reducible(tensor)
                 if view is not None:
-                    return self._issue("allreduce", tensors, opts.asyncOp, None,
-                                       comm.all_reduce, view, op)
+                    if opts.asyncOp or self._coalescing is not None:
+                        return self._issue("allreduce", tensors, True, comm.all_reduce, view, op)
+                    comm.all_reduce(view, op, False)
+                    return _finished(tensors)
         return self._forward("allreduce", tensors, tensors[0], tensors, opts)
 
     def allreduce_coalesced(self, tensors, opts=None) -> FastcommWork:
@@ -559,8 +620,8 @@ class FastcommProcessGroup(dist.ProcessGroup):
                     view = _reducible(scratch)
                     if self._rank == opts.rootRank:
                         post = lambda: tensor.copy_(scratch)  # noqa: E731
-                return self._issue("reduce", tensors, opts.asyncOp, post, comm.reduce, view,
-                                   opts.rootRank, op)
+                return self._issue("reduce", tensors, opts.asyncOp, comm.reduce, view,
+                                   opts.rootRank, op, post=post)
         return self._forward("reduce", tensors, tensors[0], tensors, opts)
 
     def _reduce_scatter_call(self, output, input, op):
@@ -579,7 +640,7 @@ class FastcommProcessGroup(dist.ProcessGroup):
         call = self._reduce_scatter_call(output, input, _reduce_op(opts.reduceOp))
         if call is None:
             return self._forward("reduce_scatter_single", [output], input, output, input, opts)
-        return self._issue("reduce_scatter_single", [output], opts.asyncOp, None, *call)
+        return self._issue("reduce_scatter_single", [output], opts.asyncOp, *call)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -606,8 +667,7 @@ class FastcommProcessGroup(dist.ProcessGroup):
                 packed = torch.cat([i.reshape(-1) for i in inputs]) if inputs else output
                 call = self._reduce_scatter_call(output, packed, _reduce_op(opts.reduceOp))
                 if call is not None:
-                    return self._issue("reduce_scatter", output_tensors, opts.asyncOp, None,
-                                       *call)
+                    return self._issue("reduce_scatter", output_tensors, opts.asyncOp, *call)
         return self._forward("reduce_scatter", output_tensors, output_tensors[0],
                              output_tensors, input_tensors, opts)
 
@@ -620,8 +680,8 @@ class FastcommProcessGroup(dist.ProcessGroup):
             comm = self._comm_for(tensor)
             view = _movable(tensor)
             if comm is not None and view is not None:
-                return self._issue("broadcast", tensors, opts.asyncOp, None, comm.broadcast,
-                                   view, opts.rootRank)
+                return self._issue("broadcast", tensors, opts.asyncOp, comm.broadcast, view,
+                                   opts.rootRank)
         return self._forward("broadcast", tensors, tensors[0], tensors, opts)
 
     def _gather_call(self, output, input):
@@ -639,7 +699,7 @@ class FastcommProcessGroup(dist.ProcessGroup):
         call = self._gather_call(output, input)
         if call is None:
             return self._forward("all_gather_single", [output], input, output, input, opts)
-        return self._issue("all_gather_single", [output], opts.asyncOp, None, *call)
+        return self._issue("all_gather_single", [output], opts.asyncOp, *call)
 
     _allgather_base = all_gather_single
 
@@ -667,8 +727,8 @@ class FastcommProcessGroup(dist.ProcessGroup):
                 # one flat all-gather, rows copied out (the outputs are separate tensors)
                 flat = in_view.new_empty((self._size, in_view.numel()))
                 post = lambda: _copy_rows(flat, outputs, input.dtype)  # noqa: E731
-                return self._issue("allgather", output_tensors, opts.asyncOp, post,
-                                   comm.all_gather, flat, in_view)
+                return self._issue("allgather", output_tensors, opts.asyncOp, comm.all_gather,
+                                   flat, in_view, post=post)
         return self._forward("allgather", output_tensors, input_tensors[0], output_tensors,
                              input_tensors, opts)
 
@@ -681,7 +741,7 @@ class FastcommProcessGroup(dist.ProcessGroup):
             out_view, in_view = _movable(output), _movable(input)
             if (comm is not None and out_view is not None and in_view is not None
                     and output.dtype == input.dtype):
-                return self._issue("all_to_all_single", [output], opts.asyncOp, None,
+                return self._issue("all_to_all_single", [output], opts.asyncOp,
                                    comm.all_to_all, out_view, in_view)
         return self._forward("all_to_all_single", [output], input, output, input,
                              output_split_sizes, input_split_sizes, opts)
@@ -690,7 +750,7 @@ class FastcommProcessGroup(dist.ProcessGroup):
 
     def barrier(self, opts=None) -> FastcommWork:
         opts = _options(opts, dist.BarrierOptions)
-        return self._issue("barrier", [], opts.asyncOp, None, self.communicator.barrier)
+        return self._issue("barrier", [], opts.asyncOp, self.communicator.barrier)
 
     # ------------------------------------------------------------------ Gloo's ops
     # No fast path in the contract: handed to Gloo (or a device map's CUDA backend) unchanged.
