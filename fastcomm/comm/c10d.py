@@ -540,11 +540,15 @@ class FastcommProcessGroup(dist.ProcessGroup):
             self._coalescing.append(handle)
         return handle
 
-    def _forward(self, op: str, outputs: list, tensor: torch.Tensor | None, *args) -> FastcommWork:
+    def _forward(self, op: str, outputs: list, tensor: torch.Tensor | None, *args,
+                 peer: int | None = None) -> FastcommWork:
         """Hands the call to the torch backend beside the communicator (Gloo; for CUDA tensors
-        a device map's own backend), unchanged."""
+        a device map's own backend), unchanged. Its errors name this rank, the operation, the
+        group and the peer of a send or receive (Gloo's own text does not say who is late)."""
         backend = self._backend_for(tensor)
         name = _BACKEND_NAMES.get(op, op)
+        where = f"{backend.name()} in group {self._name!r} of {self._size} ranks"
+        op = f"{op} (through {where}{'' if peer is None else f', peer rank {peer}'})"
         method = getattr(backend, name, None)
         try:
             if method is None and name in _PER_TENSOR:  # Gloo has no coalesced form of these
@@ -775,10 +779,10 @@ class FastcommProcessGroup(dist.ProcessGroup):
                              input_tensors, opts)
 
     def send(self, tensors, dstRank, tag=0) -> FastcommWork:  # noqa: N803 - torch's names
-        return self._forward("send", tensors, tensors[0], tensors, dstRank, tag)
+        return self._forward("send", tensors, tensors[0], tensors, dstRank, tag, peer=dstRank)
 
     def recv(self, tensors, srcRank, tag=0) -> FastcommWork:  # noqa: N803
-        return self._forward("recv", tensors, tensors[0], tensors, srcRank, tag)
+        return self._forward("recv", tensors, tensors[0], tensors, srcRank, tag, peer=srcRank)
 
     def recv_anysource(self, tensors, tag=0) -> FastcommWork:
         return self._forward("recv_anysource", tensors, tensors[0], tensors, tag)
