@@ -26,11 +26,13 @@ Which object does what:
   It is also the group's registered C++ backend, so torch's introspection
   (``group._device_types``, ``group._get_backend``) sees a CPU backend.
 
-Work: every call returns a :class:`FastcommWork`. A call torch issues synchronously
-(``opts.asyncOp`` false: ``dist.all_reduce(t)``) runs on the caller's thread, on the
-communicator's synchronous lane, and returns a finished work. Its future's value is the list of
-output tensors, as torch's own backends give it; errors are raised by ``wait()`` and carried by
-the future, naming the rank and the operation.
+Work: a call torch issues synchronously (``opts.asyncOp`` false: ``dist.all_reduce(t)``) runs
+on the caller's thread, on the communicator's synchronous lane, and returns a
+:class:`FinishedWork`; an asynchronous one (``async_op=True``, DDP's buckets, FSDP2) returns a
+:class:`FastcommWork` over the communicator's (or Gloo's) own work. Both are ``dist._Work``
+subclasses; their futures' value is the list of output tensors, as torch's own backends give
+it; errors are raised by ``wait()`` and carried by the future, naming the rank and the
+operation (and, for a call handed to Gloo, the group and the peer of a send or receive).
 
 Complex tensors go through their real view; data that is only moved (``broadcast``, gathers,
 ``all_to_all``) goes through a byte view whatever its dtype.
