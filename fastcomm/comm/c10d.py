@@ -22,7 +22,9 @@ Which object does what:
   ``scatter``, ``send``/``recv``/``recv_anysource``, ``alltoall`` (lists), ``all_to_all_single``
   with explicit split sizes, ``allgather`` / ``reduce_scatter`` lists of unequal sizes,
   ``allgather_coalesced``, bitwise ops (``BAND``/``BOR``/``BXOR``), reductions of dtypes the
-  contract lacks (``bool``, ``int16``, ...), non-contiguous tensors and several tensors per call.
+  contract lacks (``bool``, ...), several tensors per call, and non-contiguous tensors other
+  than the one tensor of ``allreduce``/``broadcast``/``reduce`` (those run on a contiguous copy
+  written back).
   It is also the group's registered C++ backend, so torch's introspection
   (``group._device_types``, ``group._get_backend``) sees a CPU backend.
 
@@ -44,6 +46,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch
@@ -128,6 +131,14 @@ def _movable(t: torch.Tensor) -> torch.Tensor | None:
     if t.dtype in _DTYPES:
         return t
     return t.reshape(-1).view(torch.uint8)
+
+
+def _staged(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A contiguous copy of a dense non-contiguous ``tensor`` (an in-place call runs on it and
+    copies the result back), else ``None``."""
+    if tensor.layout is _STRIDED and not tensor.is_contiguous():
+        return tensor.contiguous()
+    return None
 
 
 def _seconds(timeout: Any) -> float | None:
@@ -592,6 +603,11 @@ class FastcommProcessGroup(dist.ProcessGroup):
                     view = tensor if op is ReduceOp.SUM else None
                 else:
                     view = _reducible(tensor)
+                    staged = _staged(tensor) if view is None else None
+                    if staged is not None and _reducible(staged) is not None:
+                        return self._issue("allreduce", tensors, opts.asyncOp, comm.all_reduce,
+                                           _reducible(staged), op, post=partial(tensor.copy_,
+                                                                                staged))
                 if view is not None:
                     if opts.asyncOp or self._coalescing is not None:
                         return self._issue("allreduce", tensors, True, comm.all_reduce, view, op)
@@ -611,21 +627,22 @@ class FastcommProcessGroup(dist.ProcessGroup):
             calls.append((comm.all_reduce, view, op))
         return self._issue_all("allreduce_coalesced", tensors, opts.asyncOp, calls)
 
-    def reduce(self, tensors, opts=None) -> FastcommWork:
+    def reduce(self, tensors, opts=None) -> dist._Work:
         tensors = _as_list(tensors)
         opts = _options(opts, dist.ReduceOptions)
         if len(tensors) == 1:
             tensor = tensors[0]
             comm = self._comm_for(tensor)
             op = _reduce_op(opts.reduceOp)
-            view = _reducible(tensor)
+            scratch = _staged(tensor)
+            if op.__class__ is PremulSum:  # reduced from a scaled copy
+                scratch, op = _scaled(tensor, op)
+            view = _reducible(tensor if scratch is None else scratch)
             if comm is not None and op is not None and view is not None:
+                # the root's result is copied back (the others' tensors are left as they were)
                 post = None
-                if op.__class__ is PremulSum:  # reduced from a scaled copy, kept on the root
-                    scratch, op = _scaled(tensor, op)
-                    view = _reducible(scratch)
-                    if self._rank == opts.rootRank:
-                        post = lambda: tensor.copy_(scratch)  # noqa: E731
+                if scratch is not None and self._rank == opts.rootRank:
+                    post = partial(tensor.copy_, scratch)
                 return self._issue("reduce", tensors, opts.asyncOp, comm.reduce, view,
                                    opts.rootRank, op, post=post)
         return self._forward("reduce", tensors, tensors[0], tensors, opts)
@@ -684,10 +701,12 @@ class FastcommProcessGroup(dist.ProcessGroup):
         if len(tensors) == 1 and opts.rootTensor == 0:
             tensor = tensors[0]
             comm = self._comm_for(tensor)
-            view = _movable(tensor)
+            staged = _staged(tensor)
+            view = _movable(tensor if staged is None else staged)
             if comm is not None and view is not None:
+                post = None if staged is None else partial(tensor.copy_, staged)
                 return self._issue("broadcast", tensors, opts.asyncOp, comm.broadcast, view,
-                                   opts.rootRank)
+                                   opts.rootRank, post=post)
         return self._forward("broadcast", tensors, tensors[0], tensors, opts)
 
     def _gather_call(self, output, input):

@@ -220,6 +220,16 @@ def case_all_reduce_bool_band(r, n):  # the contract has neither: both to Gloo
     return torch.cat([flags.long(), bits]), torch.tensor([1, 1, 0, 0b111, 0b100])
 
 
+def case_non_contiguous(r, n):  # through a contiguous copy, written back
+    grid = torch.stack([_val(r)] * 3, dim=1)  # columns are non-contiguous
+    dist.all_reduce(grid[:, 0])
+    dist.broadcast(grid[:, 1], src=n - 1)
+    dist.reduce(grid[:, 2], dst=0)
+    want = torch.stack([sum(_all_ranks(_val)), _val(n - 1),
+                        sum(_all_ranks(_val)) if r == 0 else _val(r)], dim=1)
+    return grid, want
+
+
 def case_all_reduce_coalesced(r, n):
     a, b = _val(r), _val(r, 3)
     dist.all_reduce_coalesced([a, b])
@@ -369,6 +379,10 @@ CASES = {
     case_all_reduce_complex: ({"allreduce": 1}, {"all_reduce": 1}),
     case_all_reduce_sparse: ({"allreduce": 1}, {"all_reduce": 1}),
     case_all_reduce_bool_band: ({"allreduce": 2}, {"gloo:allreduce": 2}),
+    case_non_contiguous: (
+        {"allreduce": 1, "broadcast": 1, "reduce": 1},
+        {"all_reduce": 1, "broadcast": 1, "reduce": 1},
+    ),
     case_all_reduce_coalesced: ({"allreduce_coalesced": 2}, {"all_reduce": 3}),
     case_functional_all_reduce: ({"allreduce": 1}, {"all_reduce": 1}),
     case_broadcast: ({"broadcast": 2}, {"broadcast": 2}),
