@@ -11,7 +11,8 @@ the fastcomm backend with a Gloo group beside it (``new_group(backend="gloo")``)
 - ``test_all_reduce_call``: one 4 KiB all-reduce: ``dist.all_reduce`` on the fastcomm group,
   the same on the Gloo group, and the group's communicator called directly
   (``group.communicator.all_reduce``): the difference of the first and the last is what the
-  adapter (and torch's own ``dist.all_reduce``) adds to a call. A round is 200 calls.
+  adapter (and torch's own ``dist.all_reduce``) adds to a call. A round is 200 calls in the
+  ranks (``extra_info["us_per_call"]``: the slower rank's median over rounds).
 
 Batch 64 per rank, one intra-op thread per rank. A round of a training provider is one step as
 seen from the parent (``pool.run`` round trip included, ~1 ms), preceded, untimed, by a step of
@@ -136,27 +137,43 @@ def interleaved(names: list[str], rounds: int) -> dict[str, list[float]]:
     return times
 
 
-def call_rounds(rounds: int, calls: int) -> dict[str, list[float]]:
-    """Microseconds per 4 KiB all-reduce, per round of ``calls`` calls, each way in turn."""
+def _ways() -> dict:
+    """The three ways to all-reduce 4 KiB (``CALLS``), as callables."""
     import torch.distributed as dist
 
     groups = STATE["torch_backend"]["groups"]
     fastcomm, gloo = groups["fastcomm"], groups["gloo"]
     comm = fastcomm.communicator
     t = torch.ones(1024)
-    ways = {
+    return {
         "comm": lambda: comm.all_reduce(t),
         "dist-fastcomm": lambda: dist.all_reduce(t, group=fastcomm),
         "dist-gloo": lambda: dist.all_reduce(t, group=gloo),
     }
+
+
+def _time_calls(call, calls: int) -> float:
+    import torch.distributed as dist
+
+    dist.barrier(group=STATE["torch_backend"]["groups"]["gloo"])
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def call_way(way: str, calls: int) -> float:
+    """Microseconds per call of one way, over ``calls`` calls."""
+    return _time_calls(_ways()[way], calls)
+
+
+def call_rounds(rounds: int, calls: int) -> dict[str, list[float]]:
+    """Microseconds per 4 KiB all-reduce, per round of ``calls`` calls, each way in turn."""
+    ways = _ways()
     per_call = {name: [] for name in ways}
     for _ in range(rounds + 1):  # the first round warms up
         for name, call in ways.items():
-            dist.barrier(group=gloo)
-            start = time.perf_counter()
-            for _ in range(calls):
-                call()
-            per_call[name].append((time.perf_counter() - start) / calls * 1e6)
+            per_call[name].append(_time_calls(call, calls))
     return {name: values[1:] for name, values in per_call.items()}
 
 
@@ -221,13 +238,15 @@ def test_fsdp2_step(benchmark, ranks, shape, backend):
 def test_all_reduce_call(benchmark, ranks, way):
     pool, _, quick_mode = ranks
     calls = 5 if quick_mode else CALLS_PER_ROUND
+    per_call: list[float] = []
 
     def one_round():
-        return pool.run(call_rounds, 1, calls)
+        per_call.append(max(pool.run(call_way, way, calls)))
 
-    result = benchmark.pedantic(one_round, rounds=2 if quick_mode else 10, iterations=1)
+    benchmark.pedantic(one_round, rounds=2 if quick_mode else 10, iterations=1,
+                       warmup_rounds=0 if quick_mode else 1)
     benchmark.extra_info.update(provider=way, calls_per_round=calls,
-                                us_per_call=round(max(r[way][0] for r in result), 2))
+                                us_per_call=round(statistics.median(per_call), 2))
 
 
 PAIRS = [
