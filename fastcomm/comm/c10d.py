@@ -304,7 +304,10 @@ class FastcommWork(dist._Work):
         """A ``torch.futures.Future`` whose value is the list of output tensors."""
         if self._future is None:
             futures = [_future_of(w) for w in self._inner]
-            joined = futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
+            if len(futures) == 1:
+                joined = futures[0]
+            else:  # several works, or none (a call whose data was in place at once)
+                joined = torch.futures.collect_all(futures)
             self._future = joined.then(self._resolve)
         return self._future
 

@@ -529,6 +529,7 @@ def check_missing_rank(timeout_s: float):
     group = dist.new_group(timeout=timedelta(seconds=timeout_s))
     gloo_path = dist.new_group(timeout=timedelta(seconds=timeout_s))
     p2p = dist.new_group(timeout=timedelta(seconds=timeout_s))  # a timeout closes Gloo's pairs
+    future = dist.new_group(timeout=timedelta(seconds=timeout_s))  # a timeout aborts the group
     messages = {}
     if _rank() == 0:
         for name, call in (
@@ -536,6 +537,8 @@ def check_missing_rank(timeout_s: float):
             ("gather", lambda: dist.gather(torch.ones(2), [torch.empty(2)] * _world(), 0,
                                            group=gloo_path)),
             ("recv", lambda: dist.recv(torch.ones(2), src=1, group=p2p)),
+            ("future", lambda: dist.all_reduce(torch.ones(4), group=future, async_op=True)
+             .get_future().then(lambda f: f.value()[0] + 1).wait()),
         ):
             start = time.monotonic()
             with pytest.raises(RuntimeError) as info:
@@ -545,7 +548,7 @@ def check_missing_rank(timeout_s: float):
             messages[name] = str(info.value)
     rank_store().barrier(f"missing/{STATE.setdefault('missing', 0)}", _world(), 60)
     STATE["missing"] += 1
-    for g in (group, gloo_path, p2p):
+    for g in (group, gloo_path, p2p, future):
         dist.destroy_process_group(g)
     return messages
 
@@ -643,6 +646,7 @@ def test_missing_rank_named_within_timeout(pool):
     assert "rank 0: gather (through gloo in group" in messages["gather"]
     assert "rank 0: recv (through gloo in group" in messages["recv"]
     assert "peer rank 1" in messages["recv"]
+    assert "all_reduce" in messages["future"] and "[1] never arrived" in messages["future"]
     assert all("timed out" in text.lower() for text in messages.values()), messages
 
 
