@@ -473,6 +473,18 @@ class FastcommProcessGroup(dist.ProcessGroup):
             f"name={self._name!r}, communicator={self.communicator!r})"
         )
 
+    def device_communicator(self, device: torch.device | str) -> Communicator | None:
+        """The communicator this group runs ``device``'s tensors on: ``communicator`` for CPU;
+        for CUDA the fastcomm CUDA communicator, built on first use (a collective: every member
+        calls it, or issues its first CUDA operation, at the same point); ``None`` where a
+        device map hands the device to a torch backend (``"cpu:fastcomm,cuda:nccl"``)."""
+        kind = torch.device(device).type
+        if kind == "cpu":
+            return self.communicator
+        if kind == "cuda":
+            return self._cuda_route()[0]
+        return None
+
     # ------------------------------------------------------------------ routing
     def _comm_for(self, tensor: torch.Tensor) -> Communicator | None:
         """The communicator for ``tensor``'s device (``None``: forward to a torch backend)."""

@@ -603,6 +603,7 @@ def check_ddp_uses_group_communicator():
 
     group = _main()
     sub = dist.new_group(backend="fastcomm")
+    assert group.device_communicator("cpu") is group.communicator
     for pg, expected in ((None, group.communicator), (group, group.communicator),
                          (sub, sub.communicator)):
         model = DDP(torch.nn.Linear(4, 4), process_group=pg)
