@@ -2,6 +2,10 @@
 
 The names below load lazily (PEP 562), so importing a submodule such as ``fastcomm.comm.store``
 does not load the communicators.
+
+Importing the package registers the ``torch.distributed`` backend ``"fastcomm"`` (CPU and
+CUDA): ``dist.init_process_group("fastcomm")``. Registration loads no communicator; the first
+group of the backend loads ``fastcomm.comm.c10d``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,30 @@ __all__ = [
     "is_initialized",
     "shutdown",
 ]
+
+
+def _create_process_group(opts: Any, backend_options: Any = None) -> Any:
+    # torch's creator for the backend; the adapter (and every communicator) loads on first use
+    from .comm.c10d import create_process_group
+
+    return create_process_group(opts, backend_options)
+
+
+def _register_torch_backend() -> None:
+    """Registers ``"fastcomm"`` with ``torch.distributed`` (once per process)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch without its distributed package
+        return
+    if not dist.is_available() or "FASTCOMM" in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend(
+        "fastcomm", _create_process_group, extended_api=True, devices=["cpu", "cuda"]
+    )
+
+
+_register_torch_backend()
+
 
 def __getattr__(name: str) -> Any:
     # every public name is re-exported from fastcomm.comm, which loads it lazily itself

@@ -17,6 +17,7 @@ _LAZY: dict[str, str] = {
     "CommClosedError": ".errors",
     "CommTimeoutError": ".errors",
     "FastcommError": ".errors",
+    "FastcommProcessGroup": ".c10d",  # the torch.distributed backend "fastcomm"
     "StoreTimeoutError": ".errors",
     "GlooCommunicator": ".pg.gloo",
     "HierCommunicator": ".hier",
@@ -46,6 +47,7 @@ __all__ = [
     "CommClosedError",
     "CommTimeoutError",
     "FastcommError",
+    "FastcommProcessGroup",
     "GlooCommunicator",
     "HierCommunicator",
     "PremulSum",

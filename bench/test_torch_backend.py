@@ -1,0 +1,301 @@
+"""torch's own training on the ``fastcomm`` torch.distributed backend against Gloo, 2 CPU ranks.
+
+Every provider is a model of its own in the same 2 rank processes, whose default group is of
+the fastcomm backend with a Gloo group beside it (``new_group(backend="gloo")``):
+
+- ``test_ddp_step``: torch's ``DistributedDataParallel`` on a ``Linear(1024, 1024) + ReLU`` x 10
+  MLP (~10.5M parameters), ``bucket_cap_mb`` 1 and 25, over the fastcomm group or the Gloo one.
+- ``test_fsdp2_step``: ``fully_shard`` on every ``Linear`` and the root of an MLP: 512 x 6
+  (~1.6M parameters, 6 units) and 1024 x 10 (~10.5M, 10 units), Adam, on a ``DeviceMesh`` of
+  either group.
+- ``test_all_reduce_call``: one 4 KiB all-reduce: ``dist.all_reduce`` on the fastcomm group,
+  the same on the Gloo group, and the group's communicator called directly
+  (``group.communicator.all_reduce``): the difference of the first and the last is what the
+  adapter (and torch's own ``dist.all_reduce``) adds to a call. A round is 200 calls in the
+  ranks (``extra_info["us_per_call"]``: the slower rank's median over rounds).
+
+Batch 64 per rank, one intra-op thread per rank. A round of a training provider is one step as
+seen from the parent (``pool.run`` round trip included, ~1 ms), preceded, untimed, by a step of
+the other provider of its pair. The ratios (fastcomm over Gloo) come from ``test_ratios``: every
+round steps each provider of a pair once, a barrier before each step, and the figure is the
+median over rounds of the slower rank's time (rounds seconds apart on a shared machine; the
+per-provider rounds are minutes apart).
+
+Quick mode (``--benchmark-disable`` or ``FASTCOMM_BENCH_QUICK=1``): 256 x 4 models, a few steps
+and calls -- a smoke test that finishes in seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+from _ddp_common import BATCH, build_mlp, quick, rank_batch, slowest_rank_median
+
+from tests.harness import STATE, RankPool, rank_store
+
+DDP_SHAPE = (1024, 10)
+FSDP_SHAPES = ((512, 6), (1024, 10))
+QUICK_SHAPE = (256, 4)
+CAPS = (1, 25)
+BACKENDS = ("fastcomm", "gloo")
+CALLS = ("comm", "dist-fastcomm", "dist-gloo")
+CALLS_PER_ROUND = 200
+_RATIOS: list[dict] = []
+
+
+# ---------------------------------------------------------------------- rank side
+def _shape(shape: tuple[int, int], quick_mode: bool) -> tuple[int, int]:
+    return QUICK_SHAPE if quick_mode else shape
+
+
+def setup_ranks(quick_mode: bool) -> dict[str, int]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    import fastcomm  # noqa: F401 - registers the backend
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.PrefixStore("bench-torch-backend", rank_store().torch_store)
+    dist.init_process_group("fastcomm", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    groups = {"fastcomm": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    models, sizes = {}, {}
+    width, depth = _shape(DDP_SHAPE, quick_mode)
+    for backend, group in groups.items():
+        for cap in CAPS:
+            model = DistributedDataParallel(build_mlp(width, depth, torch.device("cpu")),
+                                            process_group=group, bucket_cap_mb=cap)
+            models[f"ddp-{cap}-{backend}"] = (model, torch.optim.SGD(model.parameters(), lr=1e-3),
+                                              width)
+        for shape in FSDP_SHAPES:
+            w, d = _shape(shape, quick_mode)
+            mesh = DeviceMesh.from_group(group, "cpu")
+            model = build_mlp(w, d, torch.device("cpu"))
+            for layer in model:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            models[f"fsdp2-{shape[0]}x{shape[1]}-{backend}"] = (
+                model, torch.optim.Adam(model.parameters(), lr=1e-4), w)
+    for name, (model, _, _) in models.items():  # a DTensor's numel is its global one
+        sizes[name] = sum(p.numel() for p in model.parameters())
+    STATE["torch_backend"] = {
+        "models": models, "groups": groups, "batches": {}, "times": {k: [] for k in models},
+    }
+    for name in models:  # warm-up: DDP rebuilds its buckets, FSDP2 allocates its buffers
+        for _ in range(2):
+            train_step(name)
+    _clear()
+    return sizes
+
+
+def _clear() -> None:
+    for times in STATE["torch_backend"]["times"].values():
+        times.clear()
+
+
+def train_step(name: str) -> float:
+    b = STATE["torch_backend"]
+    model, opt, width = b["models"][name]
+    if width not in b["batches"]:
+        b["batches"][width] = rank_batch(BATCH, width, torch.device("cpu"))
+    x, y = b["batches"][width]
+    start = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    elapsed = time.perf_counter() - start
+    b["times"][name].append(elapsed)
+    return elapsed
+
+
+def step_times(name: str) -> list[float]:
+    times = list(STATE["torch_backend"]["times"][name])
+    _clear()
+    return times
+
+
+def interleaved(names: list[str], rounds: int) -> dict[str, list[float]]:
+    """``rounds`` rounds of one step of each of ``names`` in turn, a barrier before each."""
+    import torch.distributed as dist
+
+    _clear()
+    for _ in range(rounds):
+        for name in names:
+            dist.barrier(group=STATE["torch_backend"]["groups"]["gloo"])
+            train_step(name)
+    times = {name: list(STATE["torch_backend"]["times"][name]) for name in names}
+    _clear()
+    return times
+
+
+def _ways() -> dict:
+    """The three ways to all-reduce 4 KiB (``CALLS``), as callables."""
+    import torch.distributed as dist
+
+    groups = STATE["torch_backend"]["groups"]
+    fastcomm, gloo = groups["fastcomm"], groups["gloo"]
+    comm = fastcomm.communicator
+    t = torch.ones(1024)
+    return {
+        "comm": lambda: comm.all_reduce(t),
+        "dist-fastcomm": lambda: dist.all_reduce(t, group=fastcomm),
+        "dist-gloo": lambda: dist.all_reduce(t, group=gloo),
+    }
+
+
+def _time_calls(call, calls: int) -> float:
+    import torch.distributed as dist
+
+    dist.barrier(group=STATE["torch_backend"]["groups"]["gloo"])
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def call_way(way: str, calls: int) -> float:
+    """Microseconds per call of one way, over ``calls`` calls."""
+    return _time_calls(_ways()[way], calls)
+
+
+def call_rounds(rounds: int, calls: int) -> dict[str, list[float]]:
+    """Microseconds per 4 KiB all-reduce, per round of ``calls`` calls, each way in turn."""
+    ways = _ways()
+    per_call = {name: [] for name in ways}
+    for _ in range(rounds + 1):  # the first round warms up
+        for name, call in ways.items():
+            per_call[name].append(_time_calls(call, calls))
+    return {name: values[1:] for name, values in per_call.items()}
+
+
+def teardown_ranks() -> None:
+    import torch.distributed as dist
+
+    STATE.pop("torch_backend", None)
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- pytest side
+@pytest.fixture(scope="module")
+def ranks(request):
+    quick_mode = quick(request.config)
+    plugins = request.config.pluginmanager
+    if not plugins.has_plugin("fastcomm-torch-backend-ratios"):
+        plugins.register(_RatiosTable(), "fastcomm-torch-backend-ratios")
+    with RankPool(2, env={"TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}, timeout=300) as pool:
+        sizes = pool.run(setup_ranks, quick_mode)[0]
+        yield pool, sizes, quick_mode
+        pool.run(teardown_ranks)
+
+
+def _pair(name: str) -> str:
+    backend = name.rsplit("-", 1)[1]
+    other = BACKENDS[1 - BACKENDS.index(backend)]
+    return name[: -len(backend)] + other
+
+
+def _measure(benchmark, ranks, name: str) -> None:
+    pool, sizes, quick_mode = ranks
+    rounds = 2 if quick_mode else 10
+
+    def step():
+        return max(pool.run(train_step, name))
+
+    def other() -> None:  # untimed: the other backend's step before each timed one
+        pool.run(train_step, _pair(name))
+
+    benchmark.pedantic(step, setup=other, rounds=rounds, iterations=1,
+                       warmup_rounds=0 if quick_mode else 1)
+    per_rank = pool.run(step_times, name)
+    benchmark.extra_info.update(
+        provider=name.rsplit("-", 1)[1], params=sizes[name],
+        rank_step_ms=round(slowest_rank_median(per_rank) * 1e3, 2),
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cap", CAPS, ids=lambda c: f"cap{c}")
+def test_ddp_step(benchmark, ranks, cap, backend):
+    _measure(benchmark, ranks, f"ddp-{cap}-{backend}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", FSDP_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_fsdp2_step(benchmark, ranks, shape, backend):
+    _measure(benchmark, ranks, f"fsdp2-{shape[0]}x{shape[1]}-{backend}")
+
+
+@pytest.mark.parametrize("way", CALLS)
+def test_all_reduce_call(benchmark, ranks, way):
+    pool, _, quick_mode = ranks
+    calls = 5 if quick_mode else CALLS_PER_ROUND
+    per_call: list[float] = []
+
+    def one_round():
+        per_call.append(max(pool.run(call_way, way, calls)))
+
+    benchmark.pedantic(one_round, rounds=2 if quick_mode else 10, iterations=1,
+                       warmup_rounds=0 if quick_mode else 1)
+    benchmark.extra_info.update(provider=way, calls_per_round=calls,
+                                us_per_call=round(statistics.median(per_call), 2))
+
+
+PAIRS = [
+    *[(f"ddp-{cap}", "torch DDP, bucket_cap_mb", cap) for cap in CAPS],
+    *[(f"fsdp2-{w}x{d}", "FSDP2 step, MLP", f"{w}x{d}") for w, d in FSDP_SHAPES],
+]
+
+
+def test_ratios(ranks):
+    """fastcomm over Gloo, every pair stepped in turn in the same rounds; and the 4 KiB call."""
+    pool, sizes, quick_mode = ranks
+    rounds = 2 if quick_mode else 15
+    names = [f"{prefix}-{backend}" for prefix, *_ in PAIRS for backend in BACKENDS]
+    per_rank = pool.run(interleaved, names, rounds)
+    medians = {n: slowest_rank_median([r[n] for r in per_rank]) for n in names}
+    for prefix, what, value in PAIRS:
+        fast, gloo = medians[f"{prefix}-fastcomm"], medians[f"{prefix}-gloo"]
+        _RATIOS.append(dict(what=f"{what} {value}", params=sizes[f"{prefix}-fastcomm"],
+                            fastcomm_ms=fast * 1e3, gloo_ms=gloo * 1e3, ratio=fast / gloo))
+    calls = pool.run(call_rounds, 3 if quick_mode else 15, 5 if quick_mode else CALLS_PER_ROUND)
+    per_way = {w: statistics.median(max(vals) for vals in zip(*(r[w] for r in calls),
+                                                               strict=True)) for w in CALLS}
+    _RATIOS.append(dict(what="4 KiB all_reduce: dist.all_reduce over comm.all_reduce",
+                        fastcomm_us=per_way["dist-fastcomm"], comm_us=per_way["comm"],
+                        gloo_us=per_way["dist-gloo"],
+                        adapter_us=per_way["dist-fastcomm"] - per_way["comm"]))
+    assert all(r.get("ratio", 1) > 0 for r in _RATIOS)
+
+
+class _RatiosTable:
+    """Prints ``test_ratios``'s figures at the end of the session (registered by ``ranks``)."""
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if _RATIOS:
+            _write_ratios(terminalreporter)
+
+
+def _write_ratios(terminalreporter) -> None:
+    terminalreporter.section("fastcomm torch.distributed backend vs Gloo (interleaved rounds)")
+    for row in _RATIOS:
+        if "ratio" in row:
+            terminalreporter.write_line(
+                f"{row['what']:<28} {row['params'] / 1e6:6.1f}M params  fastcomm "
+                f"{row['fastcomm_ms']:8.1f} ms  gloo {row['gloo_ms']:8.1f} ms  "
+                f"ratio {row['ratio']:.2f}"
+            )
+        else:
+            terminalreporter.write_line(
+                f"{row['what']}: fastcomm {row['fastcomm_us']:.1f} us, comm "
+                f"{row['comm_us']:.1f} us (adapter + torch's dist layer "
+                f"{row['adapter_us']:+.1f} us), gloo {row['gloo_us']:.1f} us"
+            )
