@@ -17,6 +17,8 @@ from fastcomm.kernels._launch import FLOAT_DTYPES
 __all__ = ["DDPConfig", "DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_MB", "MB"]
 
 MB = 1024 * 1024
+MAX_BUCKET_CAP_MB = float(1 << 43)
+"""Largest cap accepted, in MiB: 2**63 bytes, the most a tensor's byte count can hold."""
 DEFAULT_BUCKET_CAP_MB = 25.0
 DEFAULT_FIRST_BUCKET_MB = 1.0
 
@@ -26,8 +28,10 @@ class DDPConfig:
     """Options of a fastcomm DDP.
 
     Raises:
-        ValueError: a bucket cap that is not positive, or an empty ``bucket_cap_mb_list``.
-        TypeError: a flag that is not a bool.
+        ValueError: a bucket cap that is not a finite number in (0, 2**43] MiB, or an empty
+            ``bucket_cap_mb_list``.
+        TypeError: a flag that is not a bool, a cap that is not a number, or a
+            ``bucket_cap_mb_list`` that is not a list or tuple.
     """
 
     bucket_cap_mb: float | None = None
@@ -91,6 +95,11 @@ class DDPConfig:
         if self.bucket_cap_mb is not None:
             _check_cap("bucket_cap_mb", self.bucket_cap_mb)
         if self.bucket_cap_mb_list is not None:
+            if not isinstance(self.bucket_cap_mb_list, (list, tuple)):
+                raise TypeError(
+                    "bucket_cap_mb_list must be a list of MiB caps, got "
+                    f"{type(self.bucket_cap_mb_list).__name__} {self.bucket_cap_mb_list!r}"
+                )
             if len(self.bucket_cap_mb_list) == 0:
                 raise ValueError("bucket_cap_mb_list must hold at least one cap, got []")
             for i, cap in enumerate(self.bucket_cap_mb_list):
@@ -121,8 +130,12 @@ class DDPConfig:
 def _check_cap(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number of MiB, got {type(value).__name__} {value!r}")
-    if not value > 0:
-        raise ValueError(f"{name} must be positive, got {value!r}")
+    # an infinite or huge cap would overflow the byte count later, inside the reducer's setup
+    if not 0 < value <= MAX_BUCKET_CAP_MB:  # also refuses NaN
+        raise ValueError(
+            f"{name} must be a finite number of MiB in (0, {MAX_BUCKET_CAP_MB:.0f}], "
+            f"got {value!r}"
+        )
 
 
 def check_param_dtype(name: str, param: torch.Tensor) -> None:

@@ -127,6 +127,7 @@ class DDP(nn.Module):
         check_finite: bool = False,
     ) -> None:
         super().__init__()
+        _check_arguments(module, dim, broadcast_buffers, forward_sync_buffers, process_group)
         if delay_all_reduce_named_params is not None or param_to_hook_all_reduce is not None:
             raise ValueError(
                 "delay_all_reduce_named_params / param_to_hook_all_reduce are not supported by "
@@ -455,6 +456,26 @@ class DDP(nn.Module):
 DistributedDataParallel = DDP
 _pre_forward_eagerly = torch.compiler.disable(DDP._pre_forward)
 _post_forward_eagerly = torch.compiler.disable(DDP._post_forward)
+
+
+def _check_arguments(module, dim, broadcast_buffers, forward_sync_buffers, process_group) -> None:
+    """Type checks of the arguments that `DDPConfig` does not see, before anything is built
+    (a wrong type found later would surface as an unrelated error from deep inside setup)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}")
+    for name, value in (
+        ("broadcast_buffers", broadcast_buffers),
+        ("forward_sync_buffers", forward_sync_buffers),
+    ):
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool or None, got {type(value).__name__} {value!r}")
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            "process_group must be a torch.distributed.ProcessGroup or None, got "
+            f"{type(process_group).__name__} {process_group!r}"
+        )
 
 
 def _check_comm_hook(hook: Callable) -> None:

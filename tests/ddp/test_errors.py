@@ -103,7 +103,15 @@ def test_no_communicator_is_a_clear_error():
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
-        ({"bucket_cap_mb": 0}, ValueError, "bucket_cap_mb must be positive"),
+        ({"bucket_cap_mb": 0}, ValueError, r"bucket_cap_mb must be a finite number of MiB in \(0,"),
+        ({"bucket_cap_mb": float("inf")}, ValueError, "bucket_cap_mb must be a finite.*got inf"),
+        ({"bucket_cap_mb": float("nan")}, ValueError, "bucket_cap_mb must be a finite.*got nan"),
+        ({"bucket_cap_mb": 1e300}, ValueError, "bucket_cap_mb must be a finite.*got 1e"),
+        ({"bucket_cap_mb": 10**400}, ValueError, "bucket_cap_mb must be a finite"),
+        ({"first_bucket_mb": float("inf")}, ValueError, "first_bucket_mb must be a finite"),
+        ({"bucket_cap_mb_list": [1, float("inf")]}, ValueError, r"bucket_cap_mb_list\[1\]"),
+        ({"bucket_cap_mb_list": 5}, TypeError, "bucket_cap_mb_list must be a list"),
+        ({"bucket_cap_mb_list": "12"}, TypeError, "bucket_cap_mb_list must be a list"),
         ({"bucket_cap_mb": "25"}, TypeError, "bucket_cap_mb must be a number"),
         ({"bucket_cap_mb_list": []}, ValueError, "at least one cap"),
         ({"bucket_cap_mb_list": [1, -2]}, ValueError, r"bucket_cap_mb_list\[1\]"),
@@ -130,3 +138,56 @@ def test_bad_arguments_before_any_communication():
             DDP(nn.Linear(2, 2), comm="gloo")
     finally:
         comm.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"bucket_cap_mb": float("inf")}, ValueError, "bucket_cap_mb must be a finite"),
+        ({"bucket_cap_mb_list": [float("inf")]}, ValueError, r"bucket_cap_mb_list\[0\]"),
+        ({"dim": "0"}, TypeError, "dim must be an int"),
+        ({"broadcast_buffers": 2}, TypeError, "broadcast_buffers must be a bool or None"),
+        ({"forward_sync_buffers": "yes"}, TypeError, "forward_sync_buffers must be a bool"),
+        ({"process_group": "gloo"}, TypeError, "process_group must be a torch.distributed"),
+        ({"check_finite": 1}, TypeError, "check_finite must be a bool"),
+    ],
+)
+def test_bad_options_raise_one_error_before_anything_is_built(kwargs, exc, match):
+    from fastcomm.comm import GlooCommunicator, Store
+
+    comm = GlooCommunicator(Store(is_server=True, timeout=10), 0, 1, timeout=10)
+    try:
+        with pytest.raises(exc, match=match):
+            DDP(nn.Linear(2, 2), comm=comm, **kwargs)
+        with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
+            DDP("not a module", comm=comm)
+    finally:
+        comm.close()
+
+
+def test_infinite_bucket_cap_is_one_line_without_del_noise(tmp_path):
+    """The issue's row, as a user runs it: one ValueError, nothing printed by a half-built
+    object's ``__del__`` at exit."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "inf_cap.py"
+    script.write_text(
+        "import gc\n"
+        "from torch import nn\n"
+        "from fastcomm.comm import GlooCommunicator, Store\n"
+        "from fastcomm.ddp import DDP\n"
+        "comm = GlooCommunicator(Store(is_server=True, timeout=10), 0, 1, timeout=10)\n"
+        "try:\n"
+        "    DDP(nn.Linear(2, 2), comm=comm, bucket_cap_mb=float('inf'))\n"
+        "except ValueError as exc:\n"
+        "    print('ValueError:', exc)\n"
+        "gc.collect()\n"
+        "comm.close()\n"
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ValueError: bucket_cap_mb must be a finite number of MiB")
+    assert "Exception ignored" not in out.stderr and "Traceback" not in out.stderr, out.stderr
