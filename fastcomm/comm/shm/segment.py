@@ -17,11 +17,19 @@ a cache line, and the adjacent-line prefetcher does not pair them either)::
               slice of it (so one copy brings a whole chunk's result out)
     mailbox   per ordered pair (s, d): 2 x mbox_bytes, written by s, read by d
 
-Lifetime invariant: the file ``/dev/shm/fastcomm-<creator pid>-<token>-<n>`` exists only between
-rank 0 creating it and every rank having mapped it (a store barrier); rank 0 then unlinks it, so
-nothing is left behind whatever happens to the processes afterwards (``close()``, interpreter exit,
-an exception, SIGKILL). A creator killed inside that window leaves a file whose creator pid is
-dead: every later segment creation on the host sweeps such files (:func:`sweep_stale`).
+Lifetime invariant: the file ``/dev/shm/fastcomm-<pid>-<start>-<pidns>-<token>-<n>`` (the
+creator's pid, its start time in clock ticks since boot, and the inode of its PID namespace)
+exists only between rank 0 creating it and every rank having mapped it (a store barrier); rank 0
+then unlinks it, so nothing is left behind whatever happens to the processes afterwards
+(``close()``, interpreter exit, an exception, SIGKILL). A creator killed inside that window leaves
+a file whose creator is gone: every later segment creation on the host sweeps such files
+(:func:`sweep_stale`), and so does ``fastcomm-run`` once its workers have exited.
+
+Sweeping unlinks a file only when its creator is provably gone: the name says the creator ran in
+the sweeper's PID namespace, and that pid now runs no process, or a process with another start
+time (the pid was reused). Containers that share ``/dev/shm`` but not their PID namespace never
+sweep each other's files, and a name without those fields (another version, another program) is
+left alone.
 """
 
 from __future__ import annotations
@@ -38,7 +46,16 @@ from itertools import count
 from ..errors import FastcommError
 from ..store import Store
 
-__all__ = ["Layout", "Segment", "pid_start_time", "process_alive", "sweep_stale"]
+__all__ = [
+    "Layout",
+    "Segment",
+    "creator_gone",
+    "pid_namespace",
+    "pid_start_time",
+    "process_alive",
+    "segment_name",
+    "sweep_stale",
+]
 
 SHM_DIR = "/dev/shm"
 PREFIX = "fastcomm-"
@@ -149,21 +166,50 @@ def process_alive(pid: int, start_time: int | None = None) -> bool:
     return now is not None and (start_time is None or now == start_time)
 
 
+def pid_namespace() -> int:
+    """Inode of this process's PID namespace (0 when ``/proc`` does not say: then nothing this
+    process finds can be proven to be of its namespace, and it sweeps nothing)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def segment_name(token: str) -> str:
+    """The file name of a segment this process creates (fields in the module docstring)."""
+    pid = os.getpid()
+    return f"{PREFIX}{pid}-{pid_start_time(pid) or 0}-{pid_namespace()}-{token}"
+
+
+def creator_gone(name: str, namespace: int | None = None) -> bool:
+    """Whether the creator of the segment file ``name`` is provably gone (module docstring).
+
+    Args:
+        name: a file name under ``/dev/shm``.
+        namespace: the sweeper's PID namespace inode (default: this process's).
+    """
+    if not name.startswith(PREFIX):
+        return False
+    fields = name[len(PREFIX) :].split("-")
+    if len(fields) < 4 or not all(f.isdigit() for f in fields[:3]):
+        return False  # no namespace or start time in the name: nothing can be proven
+    pid, start, ns = (int(f) for f in fields[:3])
+    namespace = pid_namespace() if namespace is None else namespace
+    if start == 0 or ns == 0 or ns != namespace:
+        return False  # another PID namespace: its pids mean other processes than ours
+    return not process_alive(pid, start)
+
+
 def sweep_stale() -> list[str]:
-    """Unlinks fastcomm segments whose creating process is gone; returns their names."""
+    """Unlinks fastcomm segments whose creating process is provably gone; returns their names."""
     removed = []
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return removed
+    namespace = pid_namespace()
     for name in names:
-        if not name.startswith(PREFIX):
-            continue
-        try:
-            pid = int(name[len(PREFIX) :].split("-", 1)[0])
-        except ValueError:
-            continue
-        if process_alive(pid):
+        if not creator_gone(name, namespace):
             continue
         try:
             os.unlink(os.path.join(SHM_DIR, name))
@@ -215,7 +261,7 @@ class Segment:
         try:
             if rank == 0:
                 sweep_stale()
-                name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}-{next(_names)}"
+                name = segment_name(f"{secrets.token_hex(6)}-{next(_names)}")
                 path = os.path.join(SHM_DIR, name)
                 mm = _create(path, layout)
                 store.set("shm/name", name)
