@@ -132,7 +132,9 @@ _METHODS = (
 @contextmanager
 def _counting(group):
     """Counts, while inside, the group's methods torch calls, the communicator's operations
-    and the calls handed to Gloo: ``(methods, comm_ops, gloo_ops)``."""
+    and the calls handed to Gloo: ``(methods, comm_ops, gloo_ops, agreed)``. A collective handed
+    to Gloo is preceded by a comparison of its sizes across the ranks, an ``all_gather`` of the
+    communicator counted in ``agreed`` (by op), not in ``comm_ops``."""
     cls = type(group)
     saved = {name: cls.__dict__[name] for name in _METHODS + ("_forward",)}
     methods, gloo = Counter(), Counter()
@@ -147,13 +149,18 @@ def _counting(group):
     for name, fn in saved.items():
         setattr(cls, name, counted(name, fn))
     before = Counter(group.communicator.stats.calls)
-    comm_ops = Counter()
+    agreed_before = Counter(group.agreed)
+    comm_ops, agreed = Counter(), Counter()
     try:
-        yield methods, comm_ops, gloo
+        yield methods, comm_ops, gloo, agreed
     finally:
         for name, fn in saved.items():
             setattr(cls, name, fn)
+        agreed.update(Counter(group.agreed) - agreed_before)
         comm_ops.update(Counter(group.communicator.stats.calls) - before)
+        comm_ops.subtract({"all_gather": agreed.total()})
+        for op in [op for op, count in comm_ops.items() if count == 0]:
+            del comm_ops[op]  # in place: the caller holds this object
 
 
 def _val(rank: int, n: int = 4, dtype=torch.float32) -> torch.Tensor:
@@ -414,9 +421,14 @@ def check_collectives(names: list[str]):
     report = {}
     for case in [c for c in (*CASES, case_send_recv) if c.__name__ in names]:
         want_methods, want_moves = P2P if case is case_send_recv else CASES[case]
-        with _counting(group) as (methods, comm_ops, gloo):
+        with _counting(group) as (methods, comm_ops, gloo, agreed):
             got, want = case(rank, world)
         moves = Counter(comm_ops) + Counter({f"gloo:{k}": v for k, v in gloo.items()})
+        # every collective handed to Gloo, and nothing else, was compared across the ranks
+        p2p = ("send", "recv", "recv_anysource")
+        assert agreed == Counter({k: v for k, v in gloo.items() if k not in p2p}), (
+            f"{case.__name__}: handed to Gloo {gloo}, compared first {agreed}"
+        )
         if case is case_send_recv and rank != 0:
             want_methods = want_moves = None  # rank 0's counts are the ones written down
         torch.testing.assert_close(got, want.to(got.dtype), rtol=0, atol=0)
@@ -521,6 +533,85 @@ def check_bad_input_raises_everywhere():
     dist.all_reduce(t)
     assert t.tolist() == [world * (world - 1) / 2] * 2
     return "ok"
+
+
+def _sized(r: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.ones(4 + r, dtype=dtype)
+
+
+def _dtyped(r: int, n: int = 4) -> torch.Tensor:
+    return torch.ones(n, dtype=torch.float32 if r == 0 else torch.float64)
+
+
+# name -> (the call rank r makes on group g; what both ranks' errors say). The fast path's are
+# the communicator's own check; the rest are handed to Gloo after the ranks compared them.
+DISAGREEMENTS = {
+    "all_reduce_size": (lambda r, g: dist.all_reduce(_sized(r), group=g),
+                        ["mismatch", "4 elements", "5 elements"]),
+    "all_reduce_dtype": (lambda r, g: dist.all_reduce(_dtyped(r), group=g),
+                         ["mismatch", "float32", "float64"]),
+    "all_reduce_async_size": (lambda r, g: dist.all_reduce(_sized(r), group=g,
+                                                           async_op=True).wait(),
+                              ["mismatch", "4 elements", "5 elements"]),
+    "all_gather_into_tensor_size": (
+        lambda r, g: dist.all_gather_into_tensor(torch.empty(2 * (4 + r)), _sized(r), group=g),
+        ["mismatch", "4 elements", "5 elements"]),
+    "reduce_scatter_tensor_dtype": (
+        lambda r, g: dist.reduce_scatter_tensor(_dtyped(r, 2), _dtyped(r, 4), group=g),
+        ["mismatch", "float32", "float64"]),
+    "broadcast_size": (lambda r, g: dist.broadcast(_sized(r), 0, group=g),
+                       ["mismatch", "4 elements", "5 elements"]),
+    "gloo_all_reduce_bool_size": (
+        lambda r, g: dist.all_reduce(_sized(r, torch.bool), group=g),
+        ["allreduce (through gloo", "rank 0 called allreduce(bool, op SUM, sending [4, 4]",
+         "rank 1 called allreduce(bool, op SUM, sending [5, 5]"]),
+    "gloo_all_reduce_band_dtype": (
+        lambda r, g: dist.all_reduce(torch.ones(3, dtype=torch.int32 if r else torch.int64),
+                                     op=dist.ReduceOp.BAND, group=g),
+        ["rank 0 called allreduce(int64, op BAND", "rank 1 called allreduce(int32, op BAND"]),
+    "gloo_gather_size": (
+        lambda r, g: dist.gather(_sized(r), [torch.empty(4)] * 2 if r == 0 else None, 0,
+                                 group=g),
+        ["gather (through gloo", "rank 1 sends 5 elements to rank 0, which expects 4"]),
+    "gloo_gather_root": (
+        lambda r, g: dist.gather(torch.ones(2), [torch.empty(2)] * 2, r, group=g),
+        ["rank 0 called gather(float32, root 0", "rank 1 called gather(float32, root 1"]),
+    "gloo_scatter_size": (
+        lambda r, g: dist.scatter(_sized(r), [torch.ones(4)] * 2 if r == 0 else None, 0,
+                                  group=g),
+        ["scatter (through gloo", "rank 0 sends 4 elements to rank 1, which expects 5"]),
+    "gloo_all_to_all_single_splits": (
+        lambda r, g: dist.all_to_all_single(torch.empty(3), torch.ones(3), [1, 2],
+                                            [1, 2] if r == 0 else [2, 1], group=g),
+        ["all_to_all_single (through gloo", "rank 0 sends 2 elements to rank 1, which expects 1"]),
+    "gloo_all_to_all_list": (
+        lambda r, g: dist.all_to_all([torch.empty(2)] * 2, [torch.ones(2), torch.ones(2 + r)],
+                                     group=g),
+        ["alltoall (through gloo", "rank 1 sends 3 elements to rank 1, which expects 2"]),
+}
+
+
+def check_disagreement(name: str):
+    """Both ranks call ``name``'s collective with sizes or dtypes that disagree: each raises
+    within a second and says what each rank called; a group whose call was handed to Gloo is
+    still usable afterwards (Gloo never saw it)."""
+    _main()
+    # the fast path's communicator refuses every later call once the ranks disagreed: a group
+    # of its own
+    group = dist.new_group(timeout=timedelta(seconds=30))
+    call, _ = DISAGREEMENTS[name]
+    start = time.monotonic()
+    with pytest.raises((ValueError, RuntimeError)) as info:
+        call(_rank(), group)
+    elapsed = time.monotonic() - start
+    assert elapsed < 5, f"{name} raised after {elapsed:.1f} s"
+    if name.startswith("gloo_"):
+        assert type(info.value) is ValueError, info.value
+        t = torch.ones(2)
+        dist.all_reduce(t, group=group)
+        assert t.tolist() == [float(_world())] * 2
+    dist.destroy_process_group(group)
+    return str(info.value)
 
 
 def check_missing_rank(timeout_s: float):
@@ -639,6 +730,15 @@ def test_torch_ddp_comm_hook_futures(pool):
 
 def test_bad_input_raises_on_every_rank(pool):
     pool.run(check_bad_input_raises_everywhere)
+
+
+@pytest.mark.parametrize("name", DISAGREEMENTS)
+def test_disagreement_raises_on_every_rank(pool, name):
+    messages = pool.run(check_disagreement, name)
+    for rank, text in enumerate(messages):
+        assert text.startswith(f"rank {rank}: "), text
+        for part in DISAGREEMENTS[name][1]:
+            assert part in text, (part, text)
 
 
 def test_missing_rank_named_within_timeout(pool):
