@@ -43,7 +43,7 @@ def pytest_terminal_summary(terminalreporter):
 
 
 # ---------------------------------------------------------------------- collectives
-# (bench/test_collectives.py) rows {op, provider, bytes, world, us, algbw, busbw}: a busbw table
+# (bench/test_collectives.py) rows {op, provider, bytes, world, us, algbw, busbw}: a table per world
 # at the end and a "collectives" list in --benchmark-json (charted by bench/plot.py).
 _COLLECTIVES: list[dict] = []
 
@@ -76,23 +76,30 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
         bench.get("stats", {}).pop("data", None)
 
 
+_OP_ORDER = ["copy", "all_reduce", "all_gather", "all_gather_list", "reduce_scatter",
+             "reduce_scatter_list", "broadcast", "all_to_all", "send_recv"]
+
+
 class _CollectivesTable:
     def pytest_terminal_summary(self, terminalreporter):
         if not _COLLECTIVES:
             return
-        providers = list(dict.fromkeys(r["provider"] for r in _COLLECTIVES))
-        cells = {(r["op"], r["bytes"], r["provider"]): r for r in _COLLECTIVES}
-        keys = sorted({(r["op"], r["bytes"]) for r in _COLLECTIVES},
-                      key=lambda k: (["all_reduce", "all_gather", "reduce_scatter",
-                                      "broadcast"].index(k[0]), k[1]))
-        world = _COLLECTIVES[0]["world"]
-        terminalreporter.section(f"collectives, {world} ranks: median us / busbw GB/s")
-        header = f"{'op':<15}{'size':>9}" + "".join(f"{p:>24}" for p in providers)
-        terminalreporter.write_line(header)
-        for op, nbytes in keys:
-            size = f"{nbytes >> 20}MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10}KiB"
-            line = f"{op:<15}{size:>9}"
-            for p in providers:
-                r = cells.get((op, nbytes, p))
-                line += f"{r['us']:>13.1f} /{r['busbw']:>7.2f}  " if r else f"{'-':>24}"
-            terminalreporter.write_line(line)
+        providers = list(dict.fromkeys(r["provider"] for r in _COLLECTIVES if r["op"] != "copy"))
+        cells = {(r["op"], r["bytes"], r["world"], r["provider"]): r for r in _COLLECTIVES}
+        order = {op: i for i, op in enumerate(_OP_ORDER)}
+        for world in sorted({r["world"] for r in _COLLECTIVES}):
+            rows = [r for r in _COLLECTIVES if r["world"] == world]
+            keys = sorted({(r["op"], r["bytes"]) for r in rows},
+                          key=lambda k: (order.get(k[0], len(order)), k[0], k[1]))
+            names = sorted({r["provider"] for r in rows}) if world == 1 else providers
+            what = "copy reference (one process)" if world == 1 else f"collectives, {world} ranks"
+            terminalreporter.section(f"{what}: median us / busbw GB/s")
+            terminalreporter.write_line(f"{'op':<20}{'size':>7}" + "".join(
+                f"{p:>24}" for p in names))
+            for op, nbytes in keys:
+                size = f"{nbytes >> 20}MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10}KiB"
+                line = f"{op:<20}{size:>7}"
+                for p in names:
+                    r = cells.get((op, nbytes, world, p))
+                    line += f"{r['us']:>13.1f} /{r['busbw']:>7.2f}  " if r else f"{'-':>24}"
+                terminalreporter.write_line(line)

@@ -4,8 +4,10 @@
 
 Charts, each written when the JSON holds its benchmarks:
 
-- ``collectives_busbw.png``: bus bandwidth against message size, one panel per op, one line
-  per provider (the ``"collectives"`` rows of ``bench/test_collectives.py``, MPICH included);
+- ``collectives_<op>.png``, one per op: latency and bus bandwidth against message size, one
+  line per provider and world size (the ``"collectives"`` rows of ``bench/test_collectives.py``,
+  MPICH included), the single-process copy reference as horizontal lines;
+- ``collectives_busbw.png``: bus bandwidth of every op on one page, the smallest world's rows;
 - ``ddp_step.png``: training-step time per provider and the speedup over torch DDP
   (``bench/test_ddp.py``);
 - ``kernels.png``: pack/unpack/quantize GB/s per provider and bucket, against the one-buffer
@@ -46,11 +48,17 @@ def _size_label(nbytes: float) -> str:
 
 
 def plot_collectives(rows: list[dict], out: Path, title: str) -> Path | None:
+    """Overview: busbw of every op on one page, the smallest world's rows."""
+    rows = [r for r in rows if r["op"] != "copy"]
     if not rows:
         return None
-    ops = sorted({r["op"] for r in rows})
-    fig, axes = plt.subplots(1, len(ops), figsize=(4.2 * len(ops), 3.6), squeeze=False)
-    for ax, op in zip(axes[0], ops, strict=True):
+    world = min(r.get("world", 2) for r in rows)
+    rows = [r for r in rows if r.get("world", 2) == world]
+    ops = sorted({r["op"] for r in rows}, key=_op_key)
+    cols = min(4, len(ops))
+    nrows = -(-len(ops) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.6 * nrows), squeeze=False)
+    for ax, op in zip(axes.flat, ops, strict=False):
         lines = defaultdict(list)
         for r in rows:
             if r["op"] == op:
@@ -58,23 +66,85 @@ def plot_collectives(rows: list[dict], out: Path, title: str) -> Path | None:
         for provider, points in sorted(lines.items()):
             points.sort()
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=provider)
-        ax.set_xscale("log", base=2)
+        _size_axis(ax, sorted({p for pts in lines.values() for p, _ in pts}))
         ax.set_yscale("log")
-        sizes = sorted({p for pts in lines.values() for p, _ in pts})
-        ticks = [s for s in sizes if s & (s - 1) == 0 and (s.bit_length() - 1) % 4 == 0] or sizes
-        ax.set_xticks(ticks)
-        ax.set_xticklabels([_size_label(t) for t in ticks], fontsize=8)
-        ax.set_title(op)
-        ax.set_xlabel("message size")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].set_ylabel("bus bandwidth (GB/s)")
-    axes[0][-1].legend(fontsize=8)
+        ax.set_title(f"{op}, {world} ranks")
+        ax.set_ylabel("bus bandwidth (GB/s)")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(ops):]:
+        ax.set_visible(False)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path = out / "collectives_busbw.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+_OPS = ["all_reduce", "all_gather", "all_gather_list", "reduce_scatter", "reduce_scatter_list",
+        "broadcast", "all_to_all", "send_recv"]
+_STYLES = ["-", "--", ":", "-."]  # one per world size
+
+
+def _op_key(op: str) -> tuple[int, str]:
+    return (_OPS.index(op) if op in _OPS else len(_OPS), op)
+
+
+def _size_axis(ax, sizes: list[int]) -> None:
+    ax.set_xscale("log", base=2)
+    ticks = [s for s in sizes if s & (s - 1) == 0 and (s.bit_length() - 1) % 4 == 0] or sizes
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([_size_label(t) for t in ticks], fontsize=8)
+    ax.set_xlabel("message size")
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def plot_collective_ops(rows: list[dict], out: Path, title: str) -> list[Path]:
+    """One chart per op (``collectives_<op>.png``): latency and bus bandwidth against size,
+    a colour per provider, a line style per world size; the copy reference
+    (``test_copy_reference``'s largest buffer, its fastest round: the limit, not a typical
+    copy) as horizontal lines on the bandwidth panel."""
+    copies = {}
+    for r in rows:
+        if r["op"] == "copy" and r["bytes"] >= copies.get(r["provider"], (0, 0))[0]:
+            copies[r["provider"]] = (r["bytes"], r.get("algbw_best", r["algbw"]))
+    rows = [r for r in rows if r["op"] != "copy"]
+    providers = sorted({r["provider"] for r in rows})
+    colors = {p: f"C{i % 10}" for i, p in enumerate(providers)}
+    worlds = sorted({r.get("world", 2) for r in rows})
+    paths = []
+    for op in sorted({r["op"] for r in rows}, key=_op_key):
+        fig, (lat, bw) = plt.subplots(1, 2, figsize=(10, 3.9))
+        lines = defaultdict(list)
+        for r in rows:
+            if r["op"] == op:
+                lines[(r["provider"], r.get("world", 2))].append((r["bytes"], r["us"], r["busbw"]))
+        for (provider, world), points in sorted(lines.items()):
+            points.sort()
+            style = dict(color=colors[provider], marker="o", markersize=3,
+                         linestyle=_STYLES[worlds.index(world) % len(_STYLES)],
+                         label=f"{provider}, {world} ranks")
+            lat.plot([p[0] for p in points], [p[1] for p in points], **style)
+            bw.plot([p[0] for p in points], [p[2] for p in points], **style)
+        for i, (name, (nbytes, gbps)) in enumerate(sorted(copies.items())):
+            bw.axhline(gbps, color="k", linewidth=0.8, linestyle=_STYLES[i % len(_STYLES)],
+                       label=f"{name} ({_size_label(nbytes)})")
+        sizes = sorted({p[0] for pts in lines.values() for p in pts})
+        for ax in (lat, bw):
+            _size_axis(ax, sizes)
+            ax.set_yscale("log")
+        lat.set_ylabel("median time per call (us)")
+        bw.set_ylabel("bus bandwidth (GB/s)")
+        lat.set_title(f"{op}: latency", fontsize=9)
+        bw.set_title(f"{op}: bus bandwidth", fontsize=9)
+        bw.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
+        fig.suptitle(title, fontsize=9)
+        fig.tight_layout()
+        path = out / f"collectives_{op}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths
 
 
 def _bench(benchmarks: list[dict], prefix: str) -> list[dict]:
@@ -227,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     title = f"{machine.get('node', '?')}: {cpu}"
     written = [
         plot_collectives(collectives, out, title),
+        *plot_collective_ops(collectives, out, title),
         plot_ddp(benchmarks, out, title),
         plot_kernels(benchmarks, out, title),
         plot_compression(benchmarks, out, title),
