@@ -277,6 +277,9 @@ class Segment:
             seg._put(layout.misc(rank, 3), pid_start_time(os.getpid()) or 0)
             store.set(keys[rank], b"1")
             store.wait(keys, timeout, op="shm setup")
+            # every rank has mapped it: any of them may unlink it now, so none returns from
+            # setup with the name still in /dev/shm (unlinking twice is harmless)
+            path = os.path.join(SHM_DIR, name)
             failed = [(r, store.get(keys[r], timeout)) for r in range(size) if r != rank]
             failed = [(r, value.decode("utf-8", "replace")) for r, value in failed if value != b"1"]
             if failed:
