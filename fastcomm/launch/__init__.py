@@ -27,7 +27,8 @@ Invariants:
 * Nothing read back from a store is executed: values are JSON, signed with the job's secret
   when it has one, and type-checked (see ``rendezvous``).
 * Every exit path stops what is left in the workers' process groups (SIGTERM, then SIGKILL
-  after ``--shutdown-timeout``) and removes the temporary folder. Exit status: 0 success,
+  after ``--shutdown-timeout``, default 30 s as torchrun), removes the shared-memory segment
+  files its reaped workers left (see ``workers``) and the temporary folder. Exit status: 0 success,
   1 job failed (or rendezvous/store error), 2 usage error (a bad flag or environment variable,
   a port in use), 128+N stopped by signal N.
 """

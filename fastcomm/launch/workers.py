@@ -12,6 +12,13 @@ Output: by default every line a worker writes reaches the agent's stdout/stderr 
 ``[rank N]: `` (``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` overrides it, with ``$rank``,
 ``$local_rank`` and ``$role_name``). ``--redirects`` sends a stream only to
 ``<attempt dir>/<local_rank>/{stdout,stderr}.log``; ``--tee`` to both.
+
+Shared memory: a worker SIGKILLed while it set up a ``shm`` communicator leaves its segment
+file in ``/dev/shm`` (``fastcomm-<pid>-<start time>-<PID namespace>-...``, see
+``fastcomm.comm.shm.segment``). Once the workers are reaped, the files named after a worker of
+this group (its pid and the start time it had) are removed: those creators are provably gone.
+The launcher does not import the shm package (it loads no backend), so the name's fields are
+read here.
 """
 
 from __future__ import annotations
@@ -62,6 +69,9 @@ class _Worker:
     files: list[BinaryIO] = field(default_factory=list)
     exitcode: int | None = None
     exited_at: float | None = None
+    start_time: int | None = None
+    """The worker's start time (clock ticks since boot): with its pid, what names its
+    shared-memory segments."""
 
 
 def line_prefix(template: str | None, rank: int, local_rank: int, role: str) -> bytes:
@@ -173,7 +183,7 @@ class WorkerGroup:
                 start_new_session=True,
                 **kwargs,
             )
-            worker = _Worker(spec, proc, files=files)
+            worker = _Worker(spec, proc, files=files, start_time=_start_time(proc.pid))
             for name, console, fh in plan:
                 thread = threading.Thread(
                     target=_pump,
@@ -249,6 +259,54 @@ class WorkerGroup:
                     pass  # the pump already wrote what it could; nothing to keep open
             worker.threads.clear()
             worker.files.clear()
+        reaped = [w for w in self.workers if w.proc.returncode is not None]
+        remove_segments_of({(w.proc.pid, w.start_time) for w in reaped if w.start_time})
+
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "fastcomm-"
+
+
+def _start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (field 22 of ``/proc/<pid>/stat``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return int(fh.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def remove_segments_of(owners: set[tuple[int, int]]) -> list[str]:
+    """Unlinks the ``/dev/shm`` segment files created by one of ``owners`` (reaped workers,
+    as ``(pid, start time)``) in this PID namespace; returns their names."""
+    namespace = _pid_namespace()
+    if not owners or not namespace:
+        return []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        fields = name[len(SEGMENT_PREFIX) :].split("-")
+        if not name.startswith(SEGMENT_PREFIX) or len(fields) < 4:
+            continue
+        if not all(f.isdigit() for f in fields[:3]) or int(fields[2]) != namespace:
+            continue
+        if (int(fields[0]), int(fields[1])) in owners:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+            except OSError:
+                pass  # swept meanwhile by a segment created elsewhere on the host
+    return removed
 
 
 def _running(worker: _Worker, live: set[int] | None) -> bool:

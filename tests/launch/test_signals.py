@@ -4,7 +4,9 @@ launcher removes its temporary folder."""
 
 from __future__ import annotations
 
+import os
 import signal
+import time
 
 import pytest
 
@@ -93,3 +95,56 @@ def test_nothing_survives_a_normal_exit(tmp_path):
         assert len(pids) == 2 and wait_gone(pids, timeout=5) == []
     finally:
         kill_all(pids)
+
+
+SETUP_FOREVER = """
+    import os, signal, sys
+    from datetime import timedelta
+    from fastcomm.comm import Store
+    from fastcomm.comm.shm.segment import Segment
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL stops it: no cleanup runs
+    out, rank = sys.argv[1], os.environ["RANK"]
+    with open(os.path.join(out, "pid_" + rank), "w") as fh:
+        fh.write(str(os.getpid()))
+    # rank 0 of a two-rank shm communicator whose peer never comes: its segment file stays in
+    # /dev/shm until every rank mapped it
+    Segment.setup(Store(is_server=True, timeout=120), 0, 2, 4096, 4096, timedelta(seconds=120))
+"""
+
+
+def _segments_of(pids: list[int]) -> list[str]:
+    return sorted(
+        n for n in os.listdir("/dev/shm") if n.startswith(tuple(f"fastcomm-{p}-" for p in pids))
+    )
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_mid_setup_removes_the_workers_segments(tmp_path):
+    """SIGTERM to the launcher while its workers hold a shm segment file they cannot remove
+    (they ignore SIGTERM and are SIGKILLed after --shutdown-timeout): the launcher removes the
+    files, which are named after its reaped workers."""
+    path = script(tmp_path, "setup_forever.py", SETUP_FOREVER)
+    proc = start(
+        ["--nproc-per-node", "2", "--shutdown-timeout", "1", path, tmp_path],
+        tmp_path,
+        env=clean_env(TMPDIR=str(tmp_path)),
+    )
+    pids = []
+    try:
+        files = wait_files(tmp_path, "pid_*", 2, proc=proc)
+        pids = [int(f.read_text()) for f in files]
+        deadline = time.monotonic() + 30
+        while len(_segments_of(pids)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(_segments_of(pids)) == 2, "the workers did not create their segments"
+        proc.send_signal(signal.SIGTERM)
+        result = finish(proc, timeout=30)
+        assert result.returncode == 128 + signal.SIGTERM, result.stderr
+        assert wait_gone(pids, timeout=5) == []
+        assert _segments_of(pids) == []
+        assert sorted(tmp_path.glob("fastcomm_launch_*")) == []
+    finally:
+        kill_all(pids)
+        for name in _segments_of(pids):
+            os.unlink(os.path.join("/dev/shm", name))
