@@ -184,3 +184,41 @@ def check_reduce_through_the_fallback(name):
 
 def test_shm_reduce_through_the_fallback_keeps_the_result_on_root(pool, unique_name):
     pool.run(check_reduce_through_the_fallback, unique_name)
+
+
+# ---------------------------------------------------------------------- ipc CUDA agreement
+# The transport itself needs CUDA and CuPy; its setup agreement is a plain function over the
+# values every rank gathered, so every rank's verdict can be checked here.
+def test_ipc_cuda_ranks_that_disagree_on_options_all_raise_naming_both_sides():
+    from fastcomm.comm.ipc.cuda import IpcCudaOptions, agreed_options, check_agreed_options
+
+    same = [agreed_options(IpcCudaOptions()) for _ in range(3)]
+    for rank in range(3):
+        check_agreed_options(rank, same)  # agreement: nothing raised
+    gathered = [
+        agreed_options(IpcCudaOptions()),
+        agreed_options(IpcCudaOptions(workspace_bytes=1 << 20)),
+        agreed_options(IpcCudaOptions(two_shot_bytes=1024)),
+    ]
+    messages = [_raises(lambda r=r: check_agreed_options(r, gathered), FastcommError,
+                        f"rank {r}:", "disagree") for r in range(3)]
+    for message in messages:  # the first disagreeing peer, both values, the variable
+        assert "rank 0 has 33554432, rank 1 has 1048576" in message, message
+        assert "FASTCOMM_IPC_CUDA_WORKSPACE_BYTES" in message, message
+
+
+_WORKSPACE, _TWO_SHOT = "FASTCOMM_IPC_CUDA_WORKSPACE_BYTES", "FASTCOMM_IPC_CUDA_TWO_SHOT_BYTES"
+
+
+@pytest.mark.parametrize(
+    "env, needles",
+    [
+        ({_WORKSPACE: "32M"}, [f"{_WORKSPACE}='32M'"]),
+        ({_WORKSPACE: "100"}, ["workspace_bytes=100 must be a positive", f"{_WORKSPACE}=100"]),
+        ({_TWO_SHOT: "0"}, ["two_shot_bytes=0 must be >= 1", f"{_TWO_SHOT}=0"]),
+    ],
+)
+def test_ipc_cuda_environment_values_are_named(env, needles):
+    from fastcomm.comm.ipc.cuda import IpcCudaOptions
+
+    _raises(lambda: IpcCudaOptions.from_env(env), ValueError, *needles)

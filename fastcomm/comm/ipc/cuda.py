@@ -73,6 +73,8 @@ from ..types import ReduceOp
 
 __all__ = [
     "CudaIpcTransport",
+    "agreed_options",
+    "check_agreed_options",
     "IpcCudaOptions",
     "WorkspaceLayout",
     "all_reduce_steps",
@@ -132,7 +134,12 @@ class IpcCudaOptions:
                     values[field] = int(text)
                 except ValueError:
                     raise ValueError(f"{name}={text!r} is not an integer number of bytes") from None
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ValueError as exc:  # name the variable the bad value came from
+            given = ", ".join(f"{n}={env.get(n, '').strip()}" for n in (ENV_WORKSPACE, ENV_TWO_SHOT)
+                              if env.get(n, "").strip())
+            raise ValueError(f"{exc} (from {given})") from None
 
 
 class WorkspaceLayout(NamedTuple):
@@ -345,6 +352,34 @@ def check_all_reduce(tensor: torch.Tensor, op, device: torch.device) -> ReduceOp
     return op
 
 
+def agreed_options(options: IpcCudaOptions) -> tuple[int, int]:
+    """The options every rank must share: the workspace size fixes every offset a peer reads
+    and writes, the two-shot bound which schedule (and how many barriers) a round runs."""
+    return (options.workspace_bytes, options.two_shot_bytes)
+
+
+def check_agreed_options(rank: int, gathered: list) -> None:
+    """Raises on every rank (each holds the same gathered list) when the ranks' `agreed_options`
+    differ, naming both sides and the variables that set them.
+
+    Raises:
+        FastcommError: ranks disagree (every rank raises the same message).
+    """
+    first = tuple(gathered[0])
+    for peer, theirs in enumerate(gathered):
+        if tuple(theirs) != first:
+            names = (f"workspace_bytes ({ENV_WORKSPACE})", f"two_shot_bytes ({ENV_TWO_SHOT})")
+            differ = "; ".join(
+                f"{name}: rank 0 has {a}, rank {peer} has {b}"
+                for name, a, b in zip(names, first, theirs, strict=True)
+                if a != b
+            )
+            raise FastcommError(
+                f"rank {rank}: the ranks of the CUDA IPC transport disagree on its options "
+                f"({differ}); every rank must use the same IpcCudaOptions"
+            )
+
+
 # --------------------------------------------------------------------------- CUDA layer
 
 
@@ -401,9 +436,12 @@ class CudaIpcTransport:
                 handle = runtime.ipcGetMemHandle(self._base)
                 bus_id = runtime.deviceGetPCIBusId(self.device.index)
                 peers = store.all_gather_object(
-                    "ipc_cuda/workspaces", rank, size, (handle, bus_id), self.timeout
+                    "ipc_cuda/workspaces", rank, size,
+                    (handle, bus_id, agreed_options(self.options)), self.timeout,
                 )
-                bases = [self._open(r, h, bus) for r, (h, bus) in enumerate(peers)]
+                # before any peer memory is opened: a differing layout would read past it
+                check_agreed_options(rank, [p[2] for p in peers])
+                bases = [self._open(r, h, bus) for r, (h, bus, _) in enumerate(peers)]
             except BaseException:
                 self._release()
                 raise
