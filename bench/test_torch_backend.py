@@ -8,11 +8,14 @@ the fastcomm backend with a Gloo group beside it (``new_group(backend="gloo")``)
 - ``test_fsdp2_step``: ``fully_shard`` on every ``Linear`` and the root of an MLP: 512 x 6
   (~1.6M parameters, 6 units) and 1024 x 10 (~10.5M, 10 units), Adam, on a ``DeviceMesh`` of
   either group.
-- ``test_all_reduce_call``: one 4 KiB all-reduce: ``dist.all_reduce`` on the fastcomm group,
-  the same on the Gloo group, and the group's communicator called directly
-  (``group.communicator.all_reduce``): the difference of the first and the last is what the
-  adapter (and torch's own ``dist.all_reduce``) adds to a call. A round is 200 calls in the
-  ranks (``extra_info["us_per_call"]``: the slower rank's median over rounds).
+- ``test_all_reduce_call``: one 4 KiB all-reduce four ways: the group's communicator called
+  directly (``comm``: ``group.communicator.all_reduce``), the group's own method as torch calls
+  it (``pg-fastcomm``: ``group.allreduce([t], opts)``), ``dist.all_reduce`` on the fastcomm
+  group (``dist-fastcomm``) and on the Gloo group (``dist-gloo``). ``pg-fastcomm`` minus
+  ``comm`` is what the adapter adds to a call; ``dist-fastcomm`` minus ``pg-fastcomm`` is
+  torch's own ``dist.all_reduce`` layer, the same for every backend. A round is 200 calls in
+  the ranks (``extra_info["us_per_call"]``: the slower rank's median over rounds). The models
+  are built on the first training step, so ``-k test_all_reduce_call`` builds none.
 
 Batch 64 per rank, one intra-op thread per rank. A round of a training provider is one step as
 seen from the parent (``pool.run`` round trip included, ~1 ms), preceded, untimed, by a step of
@@ -43,7 +46,7 @@ FSDP_SHAPES = ((512, 6), (1024, 10))
 QUICK_SHAPE = (256, 4)
 CAPS = (1, 25)
 BACKENDS = ("fastcomm", "gloo")
-CALLS = ("comm", "dist-fastcomm", "dist-gloo")
+CALLS = ("comm", "pg-fastcomm", "dist-fastcomm", "dist-gloo")
 CALLS_PER_ROUND = 200
 _RATIOS: list[dict] = []
 
@@ -53,11 +56,9 @@ def _shape(shape: tuple[int, int], quick_mode: bool) -> tuple[int, int]:
     return QUICK_SHAPE if quick_mode else shape
 
 
-def setup_ranks(quick_mode: bool) -> dict[str, int]:
+def setup_ranks(quick_mode: bool) -> None:
+    """The fastcomm default group and a Gloo group beside it (the models come later)."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel
 
     import fastcomm  # noqa: F401 - registers the backend
 
@@ -67,7 +68,35 @@ def setup_ranks(quick_mode: bool) -> dict[str, int]:
     dist.init_process_group("fastcomm", store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     groups = {"fastcomm": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
-    models, sizes = {}, {}
+    STATE["torch_backend"] = {"quick": quick_mode, "groups": groups, "models": None,
+                              "batches": {}, "times": {}}
+
+
+def model_sizes() -> dict[str, int]:
+    """Parameters of each model (built now if not yet: every rank calls it at once)."""
+    return {name: sum(p.numel() for p in model.parameters())  # a DTensor's numel is global
+            for name, (model, _, _) in _models().items()}
+
+
+def _models() -> dict:
+    """Every provider's ``(model, optimizer, width)``, built and warmed up on first use."""
+    b = STATE["torch_backend"]
+    if b["models"] is None:
+        b["models"] = _build_models(b["groups"], b["quick"])
+        b["times"] = {name: [] for name in b["models"]}
+        for name in b["models"]:  # warm-up: DDP rebuilds its buckets, FSDP2 allocates
+            for _ in range(2):
+                train_step(name)
+        _clear()
+    return b["models"]
+
+
+def _build_models(groups: dict, quick_mode: bool) -> dict:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    models = {}
     width, depth = _shape(DDP_SHAPE, quick_mode)
     for backend, group in groups.items():
         for cap in CAPS:
@@ -85,16 +114,7 @@ def setup_ranks(quick_mode: bool) -> dict[str, int]:
             fully_shard(model, mesh=mesh)
             models[f"fsdp2-{shape[0]}x{shape[1]}-{backend}"] = (
                 model, torch.optim.Adam(model.parameters(), lr=1e-4), w)
-    for name, (model, _, _) in models.items():  # a DTensor's numel is its global one
-        sizes[name] = sum(p.numel() for p in model.parameters())
-    STATE["torch_backend"] = {
-        "models": models, "groups": groups, "batches": {}, "times": {k: [] for k in models},
-    }
-    for name in models:  # warm-up: DDP rebuilds its buckets, FSDP2 allocates its buffers
-        for _ in range(2):
-            train_step(name)
-    _clear()
-    return sizes
+    return models
 
 
 def _clear() -> None:
@@ -104,7 +124,7 @@ def _clear() -> None:
 
 def train_step(name: str) -> float:
     b = STATE["torch_backend"]
-    model, opt, width = b["models"][name]
+    model, opt, width = (b["models"] or _models())[name]
     if width not in b["batches"]:
         b["batches"][width] = rank_batch(BATCH, width, torch.device("cpu"))
     x, y = b["batches"][width]
@@ -127,6 +147,7 @@ def interleaved(names: list[str], rounds: int) -> dict[str, list[float]]:
     """``rounds`` rounds of one step of each of ``names`` in turn, a barrier before each."""
     import torch.distributed as dist
 
+    _models()
     _clear()
     for _ in range(rounds):
         for name in names:
@@ -138,15 +159,19 @@ def interleaved(names: list[str], rounds: int) -> dict[str, list[float]]:
 
 
 def _ways() -> dict:
-    """The three ways to all-reduce 4 KiB (``CALLS``), as callables."""
+    """The ways to all-reduce 4 KiB (``CALLS``), as callables."""
     import torch.distributed as dist
 
     groups = STATE["torch_backend"]["groups"]
     fastcomm, gloo = groups["fastcomm"], groups["gloo"]
     comm = fastcomm.communicator
     t = torch.ones(1024)
+    opts = dist.AllreduceOptions()  # what dist.all_reduce(t) hands the group
+    opts.reduceOp = dist.ReduceOp.SUM
+    opts.asyncOp = False
     return {
         "comm": lambda: comm.all_reduce(t),
+        "pg-fastcomm": lambda: fastcomm.allreduce([t], opts),
         "dist-fastcomm": lambda: dist.all_reduce(t, group=fastcomm),
         "dist-gloo": lambda: dist.all_reduce(t, group=gloo),
     }
@@ -192,9 +217,21 @@ def ranks(request):
     if not plugins.has_plugin("fastcomm-torch-backend-ratios"):
         plugins.register(_RatiosTable(), "fastcomm-torch-backend-ratios")
     with RankPool(2, env={"TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}, timeout=300) as pool:
-        sizes = pool.run(setup_ranks, quick_mode)[0]
-        yield pool, sizes, quick_mode
+        pool.run(setup_ranks, quick_mode)
+        yield pool, _LazySizes(pool), quick_mode
         pool.run(teardown_ranks)
+
+
+class _LazySizes:
+    """Each model's parameter count, asked of the ranks (building the models) on first use."""
+
+    def __init__(self, pool: RankPool) -> None:
+        self._pool, self._sizes = pool, None
+
+    def __getitem__(self, name: str) -> int:
+        if self._sizes is None:
+            self._sizes = self._pool.run(model_sizes)[0]
+        return self._sizes[name]
 
 
 def _pair(name: str) -> str:
@@ -269,10 +306,10 @@ def test_ratios(ranks):
     calls = pool.run(call_rounds, 3 if quick_mode else 15, 5 if quick_mode else CALLS_PER_ROUND)
     per_way = {w: statistics.median(max(vals) for vals in zip(*(r[w] for r in calls),
                                                                strict=True)) for w in CALLS}
-    _RATIOS.append(dict(what="4 KiB all_reduce: dist.all_reduce over comm.all_reduce",
-                        fastcomm_us=per_way["dist-fastcomm"], comm_us=per_way["comm"],
+    _RATIOS.append(dict(what="4 KiB all_reduce", comm_us=per_way["comm"],
+                        pg_us=per_way["pg-fastcomm"], fastcomm_us=per_way["dist-fastcomm"],
                         gloo_us=per_way["dist-gloo"],
-                        adapter_us=per_way["dist-fastcomm"] - per_way["comm"]))
+                        adapter_us=per_way["pg-fastcomm"] - per_way["comm"]))
     assert all(r.get("ratio", 1) > 0 for r in _RATIOS)
 
 
@@ -295,7 +332,7 @@ def _write_ratios(terminalreporter) -> None:
             )
         else:
             terminalreporter.write_line(
-                f"{row['what']}: fastcomm {row['fastcomm_us']:.1f} us, comm "
-                f"{row['comm_us']:.1f} us (adapter + torch's dist layer "
-                f"{row['adapter_us']:+.1f} us), gloo {row['gloo_us']:.1f} us"
+                f"{row['what']}: comm.all_reduce {row['comm_us']:.1f} us, group.allreduce "
+                f"{row['pg_us']:.1f} us (adapter {row['adapter_us']:+.1f} us), "
+                f"dist.all_reduce {row['fastcomm_us']:.1f} us, on Gloo {row['gloo_us']:.1f} us"
             )
