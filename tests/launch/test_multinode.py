@@ -257,3 +257,60 @@ def test_losing_the_rendezvous_store_restarts_nothing(tmp_path):
         kill_all(pids)
         if host.poll() is None:
             host.kill()
+
+
+@pytest.mark.timeout(60)
+def test_losing_the_store_after_a_node_finished_restarts_nothing(tmp_path):
+    """The survivor's rank has already finished (exit 0) when the agent serving the rendezvous
+    store is SIGKILLed: the survivor names the lost store and exits 1 without starting that
+    rank again (a second run of a finished rank would repeat its side effects)."""
+    path = script(
+        tmp_path,
+        "finish_or_hang.py",
+        RECORD
+        + """
+    with open(os.path.join(out, "pid_%s" % env["RANK"]), "w") as fh:
+        fh.write(str(os.getpid()))
+    if os.environ["TMPDIR"] == out:
+        time.sleep(30)  # the host node's rank is still running; the survivor's has finished
+    else:
+        open(os.path.join(out, "finished_%s" % env["RANK"]), "w").close()
+""",
+    )
+    port = free_port()
+    conf = "last_call_timeout=30"
+    mine = tmp_path / "survivor_tmp"
+    mine.mkdir()
+    host = start(
+        [*_flags(port, "2", "1", "--max-restarts", "3", "--rdzv-conf", conf + ",is_host=1"),
+         path, tmp_path],
+        tmp_path,
+        env=clean_env(TMPDIR=str(tmp_path)),
+    )
+    survivor = start(
+        [*_flags(port, "2", "1", "--max-restarts", "3", "--rdzv-conf", conf + ",is_host=0"),
+         path, tmp_path],
+        tmp_path,
+        env=clean_env(TMPDIR=str(mine)),
+    )
+    pids = []
+    try:
+        pids = [int(f.read_text()) for f in wait_files(tmp_path, "pid_*", 2, proc=survivor)]
+        [done] = wait_files(tmp_path, "finished_*", 1, proc=survivor)
+        survivor_pid = int((tmp_path / done.name.replace("finished", "pid")).read_text())
+        assert wait_gone([survivor_pid], timeout=10) == []
+        host.kill()
+        finish(host, timeout=10)
+        result = finish(survivor, timeout=30)
+        assert result.returncode == 1, result.stderr
+        assert f"127.0.0.1:{port}" in result.stderr and "store" in result.stderr, result.stderr
+        assert sorted(p.name for p in tmp_path.glob("*_try*.json")) == [
+            "ws2_rank0_try0.json",
+            "ws2_rank1_try0.json",
+        ]
+        assert wait_gone(pids, timeout=5) == []
+        assert sorted(mine.iterdir()) == []
+    finally:
+        kill_all(pids)
+        if host.poll() is None:
+            host.kill()
