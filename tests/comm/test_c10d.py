@@ -83,6 +83,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_DEVICE_MAPS = {"device_map": "cpu:fastcomm,cuda:gloo", "device_map_nccl": "cpu:fastcomm,cuda:nccl"}
+
+
 def check_init_form(form: str):
     from fastcomm.comm.c10d import FastcommProcessGroup
 
@@ -102,12 +105,11 @@ def check_init_form(form: str):
         _reinit(init_method=f"file://{path}")
     elif form == "store":
         _reinit(name=form)
-    elif form == "device_map":
-        _reinit("cpu:fastcomm,cuda:gloo", name=form)
+    elif form in _DEVICE_MAPS:  # CPU tensors on fastcomm; CUDA ones would go to the other
+        _reinit(_DEVICE_MAPS[form], name=form)
     group = dist.group.WORLD
     assert type(group) is FastcommProcessGroup
-    expected = "cpu:fastcomm,cuda:gloo" if form == "device_map" else "fastcomm"
-    assert dist.get_backend() == expected
+    assert dist.get_backend() == _DEVICE_MAPS.get(form, "fastcomm")
     t = torch.full((5,), float(rank + 1))
     dist.all_reduce(t)
     assert t.tolist() == [world * (world + 1) / 2] * 5
@@ -710,7 +712,7 @@ def pool():
         yield p
 
 
-@pytest.mark.parametrize("form", ["tcp", "file", "store", "device_map"])
+@pytest.mark.parametrize("form", ["tcp", "file", "store", "device_map", "device_map_nccl"])
 def test_init_forms(pool, form):
     pool.run(check_init_form, form)
 
