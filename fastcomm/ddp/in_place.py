@@ -26,6 +26,9 @@ view instead and copied back after the collective.
 A gradient being reduced in place holds partial values until the end of backward: code that
 reads ``.grad`` from a hook of its own during backward sees them (as with
 ``gradient_as_bucket_view``).
+
+A bucket with a plan takes the `InPlaceAllReduce` strategy (see ``strategy.py``); a comm hook
+replaces it, since the hook reduces the packed bucket.
 """
 
 from __future__ import annotations
@@ -35,10 +38,18 @@ from collections.abc import Sequence
 import torch
 
 from fastcomm.comm.types import PremulSum
+from fastcomm.kernels._launch import fp32_scale
 
 from .bucket import Bucket, scale_into_views
+from .strategy import BucketStrategy
 
-__all__ = ["IN_PLACE_MIN_BYTES", "InPlacePlan", "InPlaceReduction", "in_place_plan"]
+__all__ = [
+    "IN_PLACE_MIN_BYTES",
+    "InPlaceAllReduce",
+    "InPlacePlan",
+    "InPlaceReduction",
+    "in_place_plan",
+]
 
 # A collective costs tens of microseconds of sequencing; one pass over a MiB, a few hundred.
 IN_PLACE_MIN_BYTES = 1 << 20
@@ -178,3 +189,40 @@ def write_back(
             src.append(value)
     if dst:
         torch._foreach_copy_(dst, src)
+
+
+class InPlaceAllReduce(BucketStrategy):
+    """A bucket reduced by its `InPlacePlan`: large gradients in place, small ones staged.
+
+    Args:
+        plan: the bucket's plan (from :func:`in_place_plan`).
+    """
+
+    __slots__ = ("plan",)
+
+    def __init__(self, plan: InPlacePlan) -> None:
+        self.plan = plan
+
+    def launch(self, reducer, bucket: Bucket, grads) -> InPlaceReduction:
+        return launch_in_place(
+            bucket, self.plan, grads, fp32_scale(reducer.scale), reducer.comm,
+            reducer.create_graph,
+        )
+
+    def wait(self, reducer, bucket: Bucket, result: InPlaceReduction) -> InPlaceReduction:
+        result.wait()
+        return result
+
+    def write_back(
+        self, reducer, bucket: Bucket, value: InPlaceReduction, unused: frozenset[int]
+    ) -> None:
+        targets = reducer.grad_targets(bucket, unused)
+        write_back(value, targets)  # only what was not reduced in place
+        if reducer.health is not None:
+            reducer.health.written(bucket, targets)
+
+    def shadow(self, reducer, bucket: Bucket) -> InPlaceReduction:
+        return launch_in_place(bucket, self.plan, None, 1.0, reducer.comm, False)
+
+    def __repr__(self) -> str:
+        return f"InPlaceAllReduce(large={self.plan.large}, small={self.plan.small})"

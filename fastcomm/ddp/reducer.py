@@ -6,14 +6,17 @@ One iteration, as the reducer sees it:
    ``find_unused_parameters``, finds the parameters the outputs' autograd graph does not reach.
 2. Backward: each parameter's post-accumulate-grad hook marks it ready. The first hook queues
    ``_finalize`` on the autograd engine and marks the unused parameters ready. When bucket
-   ``next`` has every parameter ready, it is packed (averaging folded into the fused pack) and
-   its allreduce -- or the comm hook -- is launched asynchronously; buckets launch strictly in
-   index order, the same order on every rank, so the collectives match.
-3. ``_finalize`` (end of backward) waits for each bucket in order and unpacks the reduced
-   buffer into ``.grad`` (nothing to unpack with ``gradient_as_bucket_view``).
+   ``next`` has every parameter ready, its strategy launches its reduction asynchronously
+   (by default: packed, averaging folded into the fused pack, and allreduced); buckets launch
+   strictly in index order, the same order on every rank, so the collectives match.
+3. ``_finalize`` (end of backward) waits for each bucket in order and its strategy writes the
+   reduced values into ``.grad`` (the unpack; nothing to unpack with
+   ``gradient_as_bucket_view``).
 
-A CPU bucket with gradients of a MiB or more reduces those in place instead of packing them,
-where that gives the same results (``in_place.py``): its unpack copies only the small ones.
+How a bucket is reduced is its strategy (``strategy.py``), chosen once per bucket when the
+buckets are built and when a comm hook is registered: packed, bucket view, in place (a CPU
+bucket with gradients of a MiB or more reduces those where autograd left them, where that
+gives the same results: ``in_place.py``), sparse, or the comm hook around one of those.
 
 Buckets start in reverse registration order; after the first synchronized iteration they are
 rebuilt once in the order gradients arrived on rank 0 (broadcast, so every rank builds the
@@ -42,16 +45,15 @@ from typing import Any
 import torch
 
 from fastcomm.comm.base import Communicator
-from fastcomm.comm.types import PremulSum, ReduceOp
 from fastcomm.comm.work import Work
-from fastcomm.kernels._launch import fp32_scale
 
-from . import sparse as _sparse
-from .bucket import Bucket, GradBucket, pack_bucket, unpack_bucket
+from .bucket import Bucket
 from .config import DDPConfig
-from .in_place import InPlaceReduction, in_place_plan, launch_in_place, write_back
+from .in_place import InPlaceAllReduce, InPlaceReduction, in_place_plan
+from .sparse import SPARSE, build_buckets
+from .strategy import PACKED, VIEW, BucketStrategy, CommHook
 
-__all__ = ["Reducer", "find_unused"]
+__all__ = ["Reducer", "choose_strategy", "find_unused"]
 
 # _ready states of a parameter in the current iteration
 _WAITING, _GOT_GRAD, _UNUSED = 0, 1, 2
@@ -85,6 +87,8 @@ class Reducer:
         config: DDPConfig,
         sparse: set[int] | frozenset[int] = frozenset(),
     ) -> None:
+        # first, so that a constructor that raises leaves remove_hooks (and __del__) a list
+        self._handles: list = []
         self.params = list(params)
         self.sparse = frozenset(sparse)
         self.names = list(names)
@@ -93,9 +97,10 @@ class Reducer:
         self.bucket_view = config.gradient_as_bucket_view
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
         self.scale = 1.0 / comm.size
-        self.comm_hook: Callable | None = None
+        self._comm_hook: Callable | None = None
         self.hook_state: Any = None
         self.buckets: list[Bucket] = []
+        self.strategies: list[BucketStrategy] = []  # per bucket, see strategy.py
         self._build(list(reversed(range(len(self.params)))))
 
         # rebuild: arrival order recorded during the first synchronized backward
@@ -122,22 +127,20 @@ class Reducer:
         self._used_map: torch.Tensor | None = None
         self._incomplete: list[int] | None = None
         self.synced_iterations = 0
-        self._create_graph = False
+        self.create_graph = False  # this backward runs with create_graph=True
         # parameters that got a gradient in no_sync backwards since the last reduction: they
         # count as used (torch's local_used_map), so every rank reduces their accumulated grads
         self._used_no_sync = bytearray(len(self.params))
         self.health = None  # a fastcomm.ddp.health.GradHealth, set by DDP
 
         ref = weakref.ref(self)
-        self._handles = [
-            p.register_post_accumulate_grad_hook(_make_grad_hook(ref, i))
-            for i, p in enumerate(self.params)
-        ]
+        for i, p in enumerate(self.params):
+            self._handles.append(p.register_post_accumulate_grad_hook(_make_grad_hook(ref, i)))
 
     # ------------------------------------------------------------------ buckets
     def _build(self, order: list[int]) -> None:
         old = self.buckets
-        self.buckets = _sparse.build_buckets(
+        self.buckets = build_buckets(
             self.params, self.names, order, self.config.bucket_caps_bytes, self.sparse
         )
         self._bucket_of = [0] * len(self.params)
@@ -147,11 +150,7 @@ class Reducer:
             for i, view in zip(bucket.param_indices, bucket.views, strict=True):
                 self._bucket_of[i] = bucket.index
                 self.grad_views[i] = view
-        # buckets whose large gradients are reduced in place (see in_place.py); with
-        # gradient_as_bucket_view there is no pack or unpack to save
-        self._in_place = [
-            None if self.bucket_view else in_place_plan(b, self.comm) for b in self.buckets
-        ]
+        self._choose_strategies()
         if self.bucket_view and old:
             # .grad views of the old buckets move into the new ones (values kept).
             old_ptrs = {v.data_ptr() for b in old if not b.sparse for v in b.views if v.numel()}
@@ -162,6 +161,21 @@ class Reducer:
                 if g.numel() and g.data_ptr() in old_ptrs:
                     self.grad_views[i].copy_(g)
                     p.grad = self.grad_views[i]
+
+    @property
+    def comm_hook(self) -> Callable | None:
+        """The registered comm hook (``None``: the reducer's own collectives); setting it
+        chooses every bucket's strategy again."""
+        return self._comm_hook
+
+    @comm_hook.setter
+    def comm_hook(self, hook: Callable | None) -> None:
+        self._comm_hook = hook
+        self._choose_strategies()
+
+    def _choose_strategies(self) -> None:
+        hook, comm, view = self._comm_hook, self.comm, self.bucket_view
+        self.strategies = [choose_strategy(b, comm, hook, view) for b in self.buckets]
 
     def bucket_indices(self) -> list[list[int]]:
         """Each bucket's parameter indices, in launch order (for tests and logging)."""
@@ -255,7 +269,7 @@ class Reducer:
             g = param.grad
             view = self.grad_views[i]  # None for a sparse parameter: its gradient stays its own
             if view is not None and g is not None and g.data_ptr() != view.data_ptr():
-                view.copy_(g.detach() if self._create_graph else g)
+                view.copy_(g.detach() if self.create_graph else g)
                 param.grad = view
         if self._recording:
             self._arrivals.append(i)
@@ -275,8 +289,8 @@ class Reducer:
     def _start_backward(self) -> None:
         self._started = True
         # The engine runs the hooks in grad mode exactly when backward has create_graph=True.
-        self._create_graph = torch.is_grad_enabled()
-        if self._create_graph:
+        self.create_graph = torch.is_grad_enabled()
+        if self.create_graph:
             warnings.warn(_CREATE_GRAPH_WARNING, UserWarning, stacklevel=2)
         torch.autograd.Variable._execution_engine.queue_callback(_make_finalize(weakref.ref(self)))
         for i in self._unused_now:
@@ -316,65 +330,16 @@ class Reducer:
             self._used_work = self.comm.all_reduce(used, async_op=True)
 
     def _launch(self, bucket: Bucket) -> None:
+        index = bucket.index
         if self.config.skip_all_reduce_unused_params and all(
             self._ready[i] == _UNUSED for i in bucket.param_indices
         ):
-            self._results[bucket.index] = _SKIPPED
-            return
-        if bucket.sparse:
-            self._launch_sparse(bucket)
+            self._results[index] = _SKIPPED
             return
         grads = [p.grad for p in bucket.params]
-        if self._create_graph:  # reduce the values; no autograd through the allreduce
+        if self.create_graph:  # reduce the values; no autograd through the allreduce
             grads = [None if g is None else g.detach() for g in grads]
-        if self.comm_hook is not None:
-            grad_bucket = GradBucket(
-                bucket,
-                grads,
-                is_last=bucket.index == len(self.buckets) - 1,
-                scale=self.scale,
-                bucket_view=self.bucket_view,
-                comm=self.comm,
-            )
-            self._results[bucket.index] = self.comm_hook(self.hook_state, grad_bucket)
-            return
-        plan = self._in_place[bucket.index]
-        if plan is not None:
-            self._results[bucket.index] = launch_in_place(
-                bucket, plan, grads, fp32_scale(self.scale), self.comm, self._create_graph
-            )
-            return
-        flat = bucket.flat
-        op = ReduceOp.SUM
-        if self.bucket_view:
-            # the gradients already sit in the bucket: the scale goes into the collective
-            # (folded into the reduction on shm; flat.mul_(scale) first elsewhere)
-            op = PremulSum(self.scale)
-        else:
-            pack_bucket(bucket, grads, flat, scale=self.scale)
-        self._results[bucket.index] = self.comm.all_reduce(flat, op, async_op=True)
-
-    def _launch_sparse(self, bucket) -> None:
-        p = bucket.params[0]
-        g = p.grad
-        if g is None:
-            g = _sparse.empty_sparse_like(p)
-        elif not g.is_sparse:  # dense and sparse uses accumulated into a dense gradient
-            g = g.detach().to_sparse(1)
-        elif self._create_graph:
-            g = g.detach()
-        if self.comm_hook is not None:
-            grad_bucket = GradBucket(
-                bucket,
-                [g],
-                is_last=bucket.index == len(self.buckets) - 1,
-                scale=self.scale,
-                bucket_view=False,
-                comm=self.comm,
-            )
-            self._results[bucket.index] = self.comm_hook(self.hook_state, grad_bucket)
-            return
-        self._results[bucket.index] = _sparse.sparse_all_reduce(self.comm, g, self.scale)
+        self._results[index] = self.strategies[index].launch(self, bucket, grads)
 
     # ------------------------------------------------------------------ finalize
     def _finalize(self) -> None:
@@ -403,9 +368,10 @@ class Reducer:
         health = self.health
         if health is not None:
             health.begin_step()
-        for bucket in self.buckets:
+        for bucket, strategy in zip(self.buckets, self.strategies, strict=True):
             value = self.wait_bucket(bucket) if health is None else health.wait(bucket)
-            self._write_back(bucket, value, global_unused)
+            if value is not None:
+                strategy.write_back(self, bucket, value, global_unused)
         self._results = []
         self._after_synced_iteration()
         if health is not None:
@@ -413,7 +379,7 @@ class Reducer:
 
     def _after_synced_iteration(self) -> None:
         self.synced_iterations += 1
-        self._create_graph = False
+        self.create_graph = False
         if any(self._used_no_sync):
             self._used_no_sync = bytearray(len(self.params))
         if self.config.static_graph:
@@ -432,97 +398,27 @@ class Reducer:
         result = self._results[bucket.index]
         if result is _SKIPPED:
             return None
-        if bucket.sparse:
-            return _sparse.wait_sparse(result, bucket, self.comm_hook)
-        if isinstance(result, Work):
-            result.wait()
-            return bucket.flat
-        if isinstance(result, InPlaceReduction):
-            result.wait()
-            return result
-        if not isinstance(result, torch._C.Future):
-            raise TypeError(
-                f"comm hook {getattr(self.comm_hook, '__name__', self.comm_hook)!r} returned "
-                f"{type(result).__name__} for bucket {bucket.index}; expected a "
-                "torch.futures.Future whose value is the reduced flat tensor"
-            )
-        value = result.wait()
-        if isinstance(value, (list, tuple)) and len(value) == 1:
-            value = value[0]
-        if not isinstance(value, torch.Tensor) or value.numel() != bucket.numel:
-            got = (
-                f"a tensor of {value.numel()} elements"
-                if isinstance(value, torch.Tensor)
-                else type(value).__name__
-            )
-            raise ValueError(
-                f"comm hook future of bucket {bucket.index} resolved to {got}; expected a flat "
-                f"tensor of the bucket's {bucket.numel} elements"
-            )
-        return value.reshape(-1)
+        return self.strategies[bucket.index].wait(self, bucket, result)
 
-    def _write_back(
-        self,
-        bucket: Bucket,
-        value: torch.Tensor | InPlaceReduction | None,
-        global_unused: frozenset[int],
-    ) -> None:
-        if value is None:
-            return
-        if bucket.sparse:
-            if bucket.param_indices[0] not in global_unused:
-                bucket.params[0].grad = value
-            return
-        if self.bucket_view:
-            if value.data_ptr() != bucket.flat.data_ptr():
-                bucket.flat.copy_(value)
-            for i, p, view in zip(bucket.param_indices, bucket.params, bucket.views, strict=True):
-                if p.grad is None and i not in global_unused:
-                    p.grad = view
-            return
+    def grad_targets(self, bucket: Bucket, unused: frozenset[int]) -> list[torch.Tensor | None]:
+        """Where `bucket`'s reduced gradients go: each parameter's ``.grad`` (made when it has
+        none), ``None`` for the parameters in `unused` (no rank produced their gradient)."""
         targets: list[torch.Tensor | None] = []
         for i, p in zip(bucket.param_indices, bucket.params, strict=True):
-            if i in global_unused:
+            if i in unused:
                 targets.append(None)
                 continue
             g = p.grad
             if g is None:
                 g = p.grad = torch.empty_like(p)
-            targets.append(g.detach() if self._create_graph else g)
-        if isinstance(value, InPlaceReduction):
-            write_back(value, targets)  # only what was not reduced in place
-            if self.health is not None:
-                self.health.written(bucket, targets)
-            return
-        if self.health is not None:
-            self.health.unpack(bucket, value, targets)  # also measures norm and NaN/Inf
-            return
-        unpack_bucket(bucket, value, targets)
+            targets.append(g.detach() if self.create_graph else g)
+        return targets
 
     # ------------------------------------------------------------------ join
     def shadow_backward(self) -> None:
         """A joined rank's side of one synchronized backward: every bucket's collective with
         zero gradients (through the comm hook when one is set), in bucket order."""
-        results = []
-        for bucket in self.buckets:
-            if bucket.sparse and self.comm_hook is None:
-                results.append(_sparse.shadow_sparse(self.comm, bucket))
-            elif self.comm_hook is not None:
-                grad_bucket = GradBucket(
-                    bucket,
-                    None,
-                    is_last=bucket.index == len(self.buckets) - 1,
-                    scale=self.scale,
-                    bucket_view=self.bucket_view,
-                    comm=self.comm,
-                )
-                results.append(self.comm_hook(self.hook_state, grad_bucket))
-            elif self._in_place[bucket.index] is not None:
-                plan = self._in_place[bucket.index]
-                results.append(launch_in_place(bucket, plan, None, 1.0, self.comm, False))
-            else:
-                bucket.flat.zero_()
-                results.append(self.comm.all_reduce(bucket.flat, async_op=True))
+        results = [s.shadow(self, b) for b, s in zip(self.buckets, self.strategies, strict=True)]
         if self._needs_used_map():
             used = torch.zeros(len(self.params), dtype=torch.int32, device=self.comm.device)
             results.append(self.comm.all_reduce(used, async_op=True))
@@ -546,13 +442,31 @@ class Reducer:
         ) + (self.health.readiness.explain_incomplete() if self.health is not None else "")
 
     def remove_hooks(self) -> None:
-        """Detach the reducer's autograd hooks from the parameters."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        """Detach the reducer's autograd hooks from the parameters (safe to call again, and
+        on a reducer whose constructor raised)."""
+        handles = getattr(self, "_handles", None)
+        if handles:
+            self._handles = []
+            for h in handles:
+                h.remove()
 
     def __del__(self) -> None:
         self.remove_hooks()
+
+
+def choose_strategy(
+    bucket: Bucket, comm: Communicator, hook: Callable | None, bucket_view: bool
+) -> BucketStrategy:
+    """How `bucket` is reduced (see ``strategy.py``): the comm hook around the bucket's plain
+    strategy, else sparse, bucket view, in place where `comm`'s capabilities allow, packed."""
+    if hook is not None:
+        return CommHook(hook, SPARSE if bucket.sparse else VIEW if bucket_view else PACKED)
+    if bucket.sparse:
+        return SPARSE
+    if bucket_view:  # no pack or unpack to save by reducing in place
+        return VIEW
+    plan = in_place_plan(bucket, comm)
+    return PACKED if plan is None else InPlaceAllReduce(plan)
 
 
 def _make_grad_hook(ref: weakref.ref, i: int):

@@ -11,8 +11,9 @@ sum: natively where the communicator declares ``capabilities.sparse_all_reduce``
 densified, allreduced and made sparse again (rows that are zero after the reduction are
 dropped), so ``.grad`` keeps its sparse layout either way.
 
-A comm hook receives the sparse gradient as ``bucket.buffer()`` (unscaled, as torch's) and its
-future's value becomes ``.grad``.
+A sparse bucket's strategy is `SparseAllReduce` (see ``strategy.py``). A comm hook receives the
+sparse gradient as ``bucket.buffer()`` (unscaled, as torch's) and its future's value becomes
+``.grad``.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from fastcomm.comm import Work
+from fastcomm.comm.work import Work
 
 from .bucket import Bucket, assign_buckets, empty_sparse_like
+from .strategy import BucketStrategy
 
-__all__ = ["SparseBucket", "build_buckets", "sparse_param_indices"]
+__all__ = ["SparseAllReduce", "SparseBucket", "build_buckets", "sparse_param_indices"]
 
 
 def sparse_param_indices(module: nn.Module, params: Sequence[torch.Tensor]) -> set[int]:
@@ -88,6 +90,16 @@ def build_buckets(
     return buckets
 
 
+def sparse_gradient(bucket: SparseBucket, grad: torch.Tensor | None) -> torch.Tensor:
+    """The sparse COO gradient a sparse bucket reduces: `grad` itself, a zero for none, or
+    the sparse form of a dense gradient (dense and sparse uses accumulated into one)."""
+    if grad is None:
+        return empty_sparse_like(bucket.params[0])
+    if not grad.is_sparse:
+        return grad.detach().to_sparse(1)
+    return grad
+
+
 def sparse_all_reduce(comm, grad: torch.Tensor, scale: float) -> tuple[Work, torch.Tensor]:
     """Starts the allreduce of the sparse `grad` times `scale` over `comm`: its ``Work`` and
     the tensor that holds the sum once it is done (see the module docstring)."""
@@ -97,29 +109,42 @@ def sparse_all_reduce(comm, grad: torch.Tensor, scale: float) -> tuple[Work, tor
     return comm.all_reduce(grad, async_op=True), grad
 
 
-def wait_sparse(result, bucket: SparseBucket, hook) -> torch.Tensor:
-    """The reduced gradient of a sparse bucket: its allreduce's, or its comm hook future's."""
-    if isinstance(result, tuple):  # (Work, the tensor it reduces): no comm hook
+class SparseAllReduce(BucketStrategy):
+    """A sparse bucket's reduction: its scaled COO gradient all-reduced, the sum its
+    ``.grad`` (see the module docstring)."""
+
+    __slots__ = ()
+    hook_value_kind = "the reduced gradient (sparse, or dense shaped like the parameter)"
+
+    def launch(self, reducer, bucket: SparseBucket, grads) -> tuple[Work, torch.Tensor]:
+        return sparse_all_reduce(reducer.comm, sparse_gradient(bucket, grads[0]), reducer.scale)
+
+    def wait(self, reducer, bucket: SparseBucket, result) -> torch.Tensor:
         work, grad = result
         work.wait()
         return grad.coalesce()
-    if not isinstance(result, torch._C.Future):
-        raise TypeError(
-            f"comm hook {getattr(hook, '__name__', hook)!r} returned {type(result).__name__} "
-            f"for bucket {bucket.index}; expected a torch.futures.Future"
-        )
-    value = result.wait()
-    if isinstance(value, (list, tuple)) and len(value) == 1:
-        value = value[0]
-    p = bucket.params[0]
-    if not isinstance(value, torch.Tensor) or value.numel() != p.numel():
-        raise ValueError(
-            f"comm hook future of sparse bucket {bucket.index} ({bucket.names[0]!r}) resolved "
-            f"to {type(value).__name__}; expected a tensor shaped {tuple(p.shape)}"
-        )
-    return value if value.is_sparse else value.view(p.shape)
+
+    def write_back(self, reducer, bucket: SparseBucket, value, unused: frozenset[int]) -> None:
+        if bucket.param_indices[0] not in unused:
+            bucket.params[0].grad = value
+
+    def shadow(self, reducer, bucket: SparseBucket) -> Work:
+        # a joined rank's zero gradient
+        return sparse_all_reduce(reducer.comm, empty_sparse_like(bucket.params[0]), 1.0)[0]
+
+    def hook_gradients(self, bucket: SparseBucket, grads) -> list[torch.Tensor]:
+        return [sparse_gradient(bucket, grads[0])]
+
+    def hook_value(self, bucket: SparseBucket, value: object) -> torch.Tensor:
+        p = bucket.params[0]
+        if not isinstance(value, torch.Tensor) or value.numel() != p.numel():
+            raise ValueError(
+                f"comm hook future of sparse bucket {bucket.index} ({bucket.names[0]!r}) "
+                f"resolved to {type(value).__name__}; expected a tensor shaped "
+                f"{tuple(p.shape)}"
+            )
+        return value if value.is_sparse else value.view(p.shape)
 
 
-def shadow_sparse(comm, bucket: SparseBucket) -> Work:
-    """A joined rank's side of a sparse bucket's allreduce: a zero gradient."""
-    return sparse_all_reduce(comm, empty_sparse_like(bucket.params[0]), 1.0)[0]
+#: Shared by every sparse bucket (it holds nothing of its own).
+SPARSE = SparseAllReduce()

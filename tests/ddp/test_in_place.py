@@ -29,11 +29,11 @@ SMALL_THRESHOLD = 512  # bytes: the test models' weights are above it, their bia
 # ---------------------------------------------------------------------- checks (every rank)
 def run_in_place(check_name: str, module: str, *args, threshold: int = SMALL_THRESHOLD):
     """Runs `check_name` of `module` with the lowered threshold; returns the in-place launches."""
-    from fastcomm.ddp import in_place, reducer
+    from fastcomm.ddp import in_place
 
     checks = {"base": base, "parity": parity, "dropin": dropin}[module]
     launches = []
-    real_launch = reducer.launch_in_place
+    real_launch = in_place.launch_in_place  # what InPlaceAllReduce calls, launch and shadow
 
     def counting_launch(bucket, plan, grads, *rest):
         launches.append(grads is None)
@@ -41,12 +41,12 @@ def run_in_place(check_name: str, module: str, *args, threshold: int = SMALL_THR
 
     saved = in_place.IN_PLACE_MIN_BYTES
     in_place.IN_PLACE_MIN_BYTES = threshold
-    reducer.launch_in_place = counting_launch
+    in_place.launch_in_place = counting_launch
     try:
         getattr(checks, check_name)(*args)
     finally:
         in_place.IN_PLACE_MIN_BYTES = saved
-        reducer.launch_in_place = real_launch
+        in_place.launch_in_place = real_launch
     return len(launches), sum(launches)  # (launches, of which a joined rank's shadows)
 
 
@@ -139,7 +139,7 @@ def check_norm_from_write_back():
         ddp = DDP(build("mlp", sizes=(16, 64, 64, 4)), comm=rank_comm("shm"))
     finally:
         in_place.IN_PLACE_MIN_BYTES = saved
-    assert any(plan is not None for plan in ddp.reducer._in_place)
+    assert any(isinstance(s, in_place.InPlaceAllReduce) for s in ddp.reducer.strategies)
     (x, y), = batches("mlp", 1)
     loss_of("mlp", ddp(x), y).backward()
     grads = [p.grad.clone() for p in ddp.parameters()]

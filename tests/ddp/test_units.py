@@ -121,3 +121,95 @@ def test_buckets_launch_during_backward(comm):
     # every bucket but the one holding the first layer launched before its gradient existed
     assert pending_at_launch[:-1] == [True] * (len(pending_at_launch) - 1)
     assert first_layer.grad is not None
+
+
+# ---------------------------------------------------------------------- bucket strategies
+class _Mixed(nn.Module):
+    """A sparse embedding, one large weight (reduced in place at a 512-byte threshold) and
+    small ones: every strategy a bucket can take."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, sparse=True)
+        self.big = nn.Linear(4, 64)  # weight: 1 KiB
+        self.head = nn.Linear(64, 2)  # weight: 512 bytes, bias: 8 bytes
+
+    def forward(self, idx):
+        return self.head(torch.tanh(self.big(self.emb(idx)))).sum()
+
+
+def _strategy_kinds(model) -> dict[str, str]:
+    """Each bucket's strategy (``inner`` of a hook joined with a colon), keyed by its first
+    parameter's name."""
+    kinds = {}
+    for bucket, s in zip(model.reducer.buckets, model.reducer.strategies, strict=True):
+        kind = type(s).__name__
+        if hasattr(s, "inner"):
+            kind += ":" + type(s.inner).__name__
+        kinds[bucket.names[0]] = kind
+    return kinds
+
+
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_each_bucket_gets_its_strategy(comm, monkeypatch, bucket_view):
+    from fastcomm.ddp import hooks, in_place
+
+    monkeypatch.setattr(in_place, "IN_PLACE_MIN_BYTES", 1024)
+    torch.manual_seed(0)
+    net, ref = _Mixed(), _Mixed()
+    ref.load_state_dict(net.state_dict())
+    # a 1-byte cap: one parameter per bucket
+    model = DDP(net, comm=comm, bucket_cap_mb=1e-6, gradient_as_bucket_view=bucket_view)
+    dense = "ViewAllReduce" if bucket_view else "PackedAllReduce"
+    expected = {
+        "head.bias": dense,
+        "head.weight": dense,  # 512 bytes: below the threshold
+        "big.bias": dense,
+        "big.weight": dense if bucket_view else "InPlaceAllReduce",  # 1 KiB
+        "emb.weight": "SparseAllReduce",
+    }
+    assert _strategy_kinds(model) == expected
+    if not bucket_view:
+        big = model.reducer.strategies[3]
+        assert big.plan.large == [0] and big.plan.small == [], big
+
+    # one step and the rebuild: the same choices, torch's gradients (world 1: the sums)
+    idx = torch.tensor([1, 3, 3, 7])
+    for _ in range(2):
+        for m in (model, ref):
+            m.zero_grad()
+            m(idx).backward()
+        for p, q in zip(model.module.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad.to_dense(), q.grad.to_dense(), atol=0, rtol=0)
+    assert model.reducer.rebuilt and _strategy_kinds(model) == expected
+
+    # a comm hook wraps every bucket's plain strategy (no in-place: the hook packs)
+    hooked = DDP(_Mixed(), comm=comm, bucket_cap_mb=1e-6, gradient_as_bucket_view=bucket_view)
+    hooked.register_comm_hook(None, hooks.allreduce_hook)
+    wrapped = {
+        name: "CommHook:" + (kind if kind == "SparseAllReduce" else dense)
+        for name, kind in expected.items()
+    }
+    assert _strategy_kinds(hooked) == wrapped
+    assert all(s.hook is hooks.allreduce_hook for s in hooked.reducer.strategies)
+
+
+def test_half_built_reducer_is_deleted_quietly(comm, monkeypatch):
+    """A constructor that raises leaves no ``Exception ignored in __del__`` and no autograd
+    hook behind."""
+    import gc
+    import sys
+
+    from fastcomm.ddp.reducer import Reducer
+
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    with pytest.raises(AttributeError, match="size"):  # before any attribute: no comm
+        Reducer([torch.zeros(2, requires_grad=True)], ["w"], None, DDPConfig())
+    leaf = torch.zeros(2, requires_grad=True)
+    with pytest.raises(RuntimeError, match="non-leaf"):  # after the leaf's hook
+        Reducer([leaf, leaf * 2], ["leaf", "non_leaf"], comm, DDPConfig())
+    Reducer.__new__(Reducer).__del__()  # nothing set at all
+    gc.collect()
+    assert unraisable == [], [u.exc_value for u in unraisable]
+    assert not leaf._post_accumulate_grad_hooks, "the half-built reducer removed its hook"
