@@ -5,13 +5,15 @@ Swap the class and keep the script: the constructor takes torch's arguments in t
 ``no_sync()``, ``join()`` and ``register_comm_hook`` behave as torch's. The gradient reduction
 is fastcomm's: buckets packed with the fused kernel (averaging folded in), allreduces launched
 from the autograd hooks so they overlap the rest of backward, one unpack per bucket at the end
-(on CPU, gradients of a MiB or more are reduced in place instead, see ``in_place.py``).
+(on CPU, gradients of a MiB or more are reduced in place instead, see ``in_place.py``); each
+bucket's way is its strategy (``strategy.py``).
 
-Communicator: ``comm`` if given; else ``process_group`` adapted (`TorchPGCommunicator`); else
-``fastcomm.get_world()`` when ``fastcomm.init()`` ran; else, for a CPU module whose default
-group's ranks all run on this host, fastcomm's shared-memory communicator built on that
-group's store (`local_shm_communicator`; ``FASTCOMM_BACKEND=gloo`` or any backend other than
-``shm`` opts out); else torch's default group, adapted.
+Communicator (``_setup.resolve_comm``): ``comm`` if given; else ``process_group`` adapted
+(``fastcomm.comm.group_communicator``); else ``fastcomm.get_world()`` when ``fastcomm.init()``
+ran; else, for a CPU module whose default group's ranks all run on this host, fastcomm's
+shared-memory communicator built on that group's store (``group_communicator(None,
+cpu_only=True)``; ``FASTCOMM_BACKEND=gloo`` or any backend other than ``shm`` opts out); else
+torch's default group, adapted.
 
 Torch arguments with no fastcomm meaning are accepted and documented on ``__init__``.
 
