@@ -57,7 +57,10 @@ world is ``N``; only rank 0 writes ``--benchmark-json`` (``bench/conftest.py``).
 the ranks share cores, which every provider pays.
 
 Filters (comma-separated; each run of a filtered subset is a piece of the full run, and the
-JSON files of the pieces chart together: ``python bench/plot.py a.json b.json``):
+JSON files of the pieces chart together: ``python bench/plot.py a.json b.json``). On the 2-core
+machine a full run takes about 30 minutes, measured op by op while other jobs loaded it: about
+1 minute per op at 2 ranks and 3 at 4 ranks, MPICH's oversubscribed rows the largest part;
+two to four ops per piece stay under 10 minutes.
 
 - ``FASTCOMM_BENCH_OPS``: ops above, and ``copy`` for ``test_copy_reference`` (default all);
 - ``FASTCOMM_BENCH_WORLDS``: world sizes (default ``2,4``; ``FASTCOMM_BENCH_WORLD=N``, the older
@@ -67,10 +70,10 @@ JSON files of the pieces chart together: ``python bench/plot.py a.json b.json``)
 - ``FASTCOMM_BENCH_SIZES``: sizes as ``4KiB``, ``25MiB`` or bytes (default 4 KiB ... 64 MiB).
 
 Quick mode (``--benchmark-disable`` or ``FASTCOMM_BENCH_QUICK=1``): 4 KiB and 256 KiB, 2 ranks
-unless ``FASTCOMM_BENCH_WORLDS`` says otherwise, one call per test, no MPICH unless
-``FASTCOMM_BENCH_PROVIDERS`` names it: a smoke test for CI. Results: the pytest-benchmark table,
-a latency/busbw table per world at the end, and the rows under ``"collectives"`` in the JSON
-(``python bench/plot.py`` charts them, one chart per op).
+unless ``FASTCOMM_BENCH_WORLDS`` says otherwise, one call per test whose result every rank
+checks, no MPICH unless ``FASTCOMM_BENCH_PROVIDERS`` names it: a smoke test for CI. Results:
+the pytest-benchmark table, a latency/busbw table per world at the end, and the rows under
+``"collectives"`` in the JSON (``python bench/plot.py`` charts them, one chart per op).
 
 CUDA (``test_all_reduce_cuda``, skipped without CUDA): ``all_reduce`` of fp32 CUDA tensors,
 ``fastcomm-ipc`` (its CUDA IPC transport) beside ``torch-gloo`` and ``fastcomm-nccl`` where NCCL
