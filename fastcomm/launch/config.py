@@ -30,6 +30,10 @@ __all__ = [
 #: overflow ``time.sleep``/``timedelta`` once the job runs.
 MAX_SECONDS = 365 * 24 * 3600.0
 
+#: The most workers one agent starts: past it a typo (``--nproc-per-node 100000000``) would fork
+#: until the host runs out of memory or pids before anything reports it.
+MAX_NPROC_PER_NODE = 4096
+
 #: Environment variables of the job secret (read by ``fastcomm.comm.store`` in the workers too).
 SECRET_ENV = "FASTCOMM_JOB_SECRET"
 SECRET_FILE_ENV = "FASTCOMM_JOB_SECRET_FILE"
@@ -311,6 +315,11 @@ class LaunchConfig:
             )
         if self.nproc_per_node < 1:
             raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
+        if self.nproc_per_node > MAX_NPROC_PER_NODE:
+            raise ValueError(
+                f"--nproc-per-node must be <= {MAX_NPROC_PER_NODE} (workers of one node), "
+                f"got {self.nproc_per_node}"
+            )
         if self.rdzv_backend not in ("static", "c10d"):
             raise ValueError(f"--rdzv-backend must be static or c10d, got {self.rdzv_backend!r}")
         if self.rdzv_backend == "static":

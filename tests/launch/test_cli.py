@@ -73,6 +73,7 @@ BAD = [
     pytest.param(["--local-ranks-filter", "x"], "comma-separated", id="ranks-filter"),
     pytest.param(["--signals-to-handle", "SIGNOPE"], "unknown signal", id="signals"),
     pytest.param(["--start-method", "thread"], "invalid choice", id="start-method"),
+    pytest.param(["--nproc-per-node", "100000000"], "must be <= 4096", id="nproc-huge"),
     # infinite, NaN, negative or absurd intervals and timeouts (they would only fail mid-job)
     pytest.param(["--monitor-interval", "inf"], "finite number", id="monitor-inf"),
     pytest.param(["--monitor-interval", "nan"], "finite number", id="monitor-nan"),
