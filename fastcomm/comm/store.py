@@ -22,7 +22,8 @@ encoding, raises :class:`FastcommError` naming the key on every rank that reads 
 
 A server listens on the address it is given (``host``), never on every interface: torch's
 ``TCPStore`` binds the wildcard address by itself, so the socket is bound here and handed over
-(``master_listen_fd``). A port another process holds is reported as such, not as a timeout.
+(``master_listen_fd``). A port another process holds is reported as such, not as a timeout,
+also to a client when what listens there accepts connections but does not answer as a store.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import hmac
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
@@ -282,6 +284,46 @@ def _serve(host: str, port: int, timeout: timedelta, **kwargs) -> dist.TCPStore:
         sock.close()
 
 
+# torch's client handshake waits for the server's reply without a timeout of its own
+_ANSWER_GRACE_S = 2.0
+
+
+def _connect(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """A ``TCPStore`` client of ``host:port``, or an error within ``timeout`` + 2 s.
+
+    torch's client retries refused connections until ``timeout`` but then waits for the
+    server's handshake reply forever: a port held by a program that accepts connections and
+    never answers (not a store) would block the caller for good. The client is therefore built
+    on a helper thread; if it has not returned by then, that thread is left blocked (a daemon)
+    and the port is reported as held by something that is not a store.
+
+    Raises:
+        FastcommError: the listener accepted the connection but did not answer as a store.
+        RuntimeError: torch's own error (nothing listening within ``timeout``).
+    """
+    outcome: dict[str, Any] = {}
+
+    def connect() -> None:
+        try:
+            outcome["store"] = dist.TCPStore(
+                host, port, None, False, timeout, wait_for_workers=False
+            )
+        except BaseException as exc:  # handed to the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=connect, name=f"fastcomm-store-{host}:{port}", daemon=True)
+    thread.start()
+    thread.join(timeout.total_seconds() + _ANSWER_GRACE_S)
+    if thread.is_alive():
+        raise FastcommError(
+            f"port {port} on {host} is in use by a program that is not a store: it accepted the "
+            f"connection but did not answer within {timeout.total_seconds() + _ANSWER_GRACE_S:g} s"
+        )
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["store"]
+
+
 def _close_if_ours(fd: int, sock: socket.socket) -> None:
     """Closes ``fd`` if it still is the dup of ``sock`` (a store that failed may have closed it
     already, and the number may be reused since)."""
@@ -308,8 +350,8 @@ class Store:
 
     Raises:
         StoreTimeoutError: a client could not reach the server within ``timeout``.
-        FastcommError: a server's port is already in use, or ``host`` is not an address of
-            this machine.
+        FastcommError: a server's port is already in use, ``host`` is not an address of
+            this machine, or a client's port is held by a program that is not a store.
         ValueError: the job secret in the environment is malformed (see
             :func:`job_secret_from_env`).
     """
@@ -343,9 +385,7 @@ class Store:
                 if is_server:
                     self._root = _serve(host, port, self.timeout)
                 else:
-                    self._root = dist.TCPStore(
-                        host, port, None, False, self.timeout, wait_for_workers=False
-                    )
+                    self._root = _connect(host, port, self.timeout)
             except FastcommError as exc:
                 raise FastcommError(f"{self._who()}{exc}") from None
             except RuntimeError as exc:

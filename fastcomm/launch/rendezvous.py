@@ -173,6 +173,7 @@ def open_store(
         serve = config.node_rank == 0
     else:
         serve = port == 0 or is_local_address(host)
+    serve_error = None
     if serve:
         try:
             store = Store(listen, port, is_server=True, timeout=config.read_timeout, _secret=secret)
@@ -181,6 +182,7 @@ def open_store(
             # c10d on the endpoint host: another agent of this machine may serve it already.
             if port == 0 or config.rdzv_backend == "static" or config.is_host:
                 raise UsageError(f"cannot serve the rendezvous store: {exc}") from None
+            serve_error = exc
         except StoreTimeoutError as exc:
             raise LaunchError(
                 f"cannot serve the rendezvous store at {listen}:{port}: {exc}"
@@ -200,6 +202,10 @@ def open_store(
                     f"timeout ({config.join_timeout:g} s): {exc}"
                 ) from None
             time.sleep(0.2)
+        except FastcommError as exc:  # what listens there is not a store: retrying cannot help
+            if serve_error is not None:  # ... and it holds the port this agent was to serve
+                raise UsageError(f"cannot serve the rendezvous store: {serve_error}") from None
+            raise LaunchError(f"cannot use the rendezvous store at {host}:{port}: {exc}") from None
 
 
 # ---------------------------------------------------------------------- records

@@ -293,6 +293,24 @@ def test_port_in_use_is_named_not_a_timeout(no_secret):
     assert "rank 0" in str(info.value) and time.monotonic() - start < 2
 
 
+@pytest.mark.timeout(30)
+def test_a_listener_that_is_not_a_store_is_named_not_waited_for(no_secret):
+    """A port held by a program that accepts connections and never answers: torch's client
+    handshake alone would wait forever; the client raises within its timeout + 2 s."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(FastcommError) as info:
+            Store("127.0.0.1", port, timeout=2, rank=1)
+        elapsed = time.monotonic() - start
+    assert not isinstance(info.value, StoreTimeoutError)
+    message = str(info.value)
+    assert f"port {port} on 127.0.0.1 is in use by a program that is not a store" in message
+    assert "rank 1" in message and elapsed < 2 + 2 + 1
+
+
 SERVER = """
 import sys
 from fastcomm.comm.store import Store

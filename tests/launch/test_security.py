@@ -14,6 +14,7 @@ import os
 import pickle
 import re
 import socket
+import time
 
 import pytest
 import torch.distributed as dist
@@ -277,6 +278,24 @@ def test_port_in_use_is_named(tmp_path):
         )
     _one_line_usage_error(result, tmp_path, f"port {port} on 127.0.0.1 is already in use")
     assert "started" not in result.stdout and "timed out" not in result.stderr
+
+
+def test_rendezvous_port_held_by_a_program_that_is_not_a_store(tmp_path):
+    """c10d on the endpoint host: the port cannot be served and what holds it never answers
+    (torch's client would wait for its handshake forever): one usage line, well within the
+    join timeout."""
+    path = script(tmp_path, "train.py", "print('started')\n")
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        flags = ["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                 f"127.0.0.1:{port}", "--rdzv-conf", "join_timeout=60,last_call_timeout=1"]
+        start = time.monotonic()
+        result = run([*flags, path], tmp_path, env=clean_env(TMPDIR=str(tmp_path)), timeout=40)
+        elapsed = time.monotonic() - start
+    _one_line_usage_error(result, tmp_path, f"port {port} on 127.0.0.1 is already in use")
+    assert "started" not in result.stdout and elapsed < 30
 
 
 # ---------------------------------------------------------------------- leftovers
