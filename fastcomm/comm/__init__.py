@@ -1,4 +1,4 @@
-"""Host-side store and communicators (Gloo, NCCL, shared memory, hierarchical).
+"""Host-side store and communicators (Gloo, NCCL, shared memory, hierarchical, ipc).
 
 Names load lazily (PEP 562): ``import fastcomm.comm.store`` must not pull in a backend or
 Triton, because the launcher needs only the store.
@@ -50,6 +50,7 @@ __all__ = [
     "FastcommProcessGroup",
     "GlooCommunicator",
     "HierCommunicator",
+    "IpcCommunicator",
     "PremulSum",
     "ReduceOp",
     "SUPPORTED_DTYPES",

@@ -59,7 +59,6 @@ from torch._C._distributed_c10d import AllgatherOptions
 
 from .base import Communicator
 from .errors import FastcommError
-from .pg.gloo import GlooCommunicator
 from .store import Store
 from .types import SUPPORTED_DTYPES, PremulSum, ReduceOp
 from .work import wrap_error
@@ -357,10 +356,12 @@ def _future_of(work: Any) -> torch.futures.Future:
 
 
 def _gloo_of(comm: Communicator) -> dist.ProcessGroupGloo | None:
-    """The ``ProcessGroupGloo`` over all of ``comm``'s ranks that it already holds, if any."""
+    """The ``ProcessGroupGloo`` over all of ``comm``'s ranks that it already holds, if any
+    (asked of what the communicator or its fallback holds, not of its class)."""
     for part in (comm, comm.fallback):
-        if isinstance(part, GlooCommunicator) and part.size == comm.size:
-            return part.process_group
+        group = getattr(part, "process_group", None)
+        if isinstance(group, dist.ProcessGroupGloo) and part.size == comm.size:
+            return group
     return None
 
 

@@ -200,10 +200,13 @@ class Task:
     Attributes:
         op: the operation's name (``"all_reduce"``), for its ``Work`` and error messages.
         output: the tensor the operation's ``Work`` resolves to (``None`` for a barrier).
-        run: moves the data. Run by an :class:`OrderedExecutor` (``executor`` set), it blocks
-            until the data is in place and returns ``None``; issued directly (``executor`` is
-            ``None``), it only starts the operation and returns the ``Work`` that the backend
-            completes itself (torch's handle, a CUDA event).
+        run: one rule on every backend: does the host's part of the operation and returns
+            the ``Work`` of what is left, or ``None`` when the data is already in place. A
+            backend whose host part is the whole transfer (shm, hier, ipc on CPU) returns
+            ``None``; one that hands the transfer to an engine that completes it by itself
+            (a torch ``ProcessGroup``, a CUDA stream) returns that engine's ``Work``. The
+            caller (:meth:`Communicator._run`, an :class:`OrderedExecutor`) waits on it the
+            same way whichever it is.
         executor: the executor that runs ``run`` in issue order; ``None`` when the backend
             orders its operations itself (a torch ``ProcessGroup``, a CUDA stream).
     """

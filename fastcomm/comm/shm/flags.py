@@ -325,6 +325,6 @@ class PeerFlags:
         else:
             missing = [peer]
         return CommTimeoutError(
-            f"rank {self.rank}: {op} timed out after {time.monotonic() - start:.1f} s (timeout "
-            f"{self.timeout_s:.1f} s): rank(s) {missing} never arrived"
+            f"rank {self.rank}: {op} timed out after {time.monotonic() - start:.1f} s (the "
+            f"timeout is {self.timeout_s:.1f} s): rank(s) {missing} never arrived"
         )
