@@ -465,6 +465,30 @@ def test_options_are_validated():
         ShmOptions(mbox_bytes=100)
 
 
+@pytest.mark.parametrize(
+    "name, value, allowed",
+    [
+        ("FASTCOMM_SHM_SLOT_BYTES", "abc", "a positive multiple of 4096"),
+        ("FASTCOMM_SHM_SLOT_BYTES", "1000", "a positive multiple of 4096"),
+        ("FASTCOMM_SHM_ONE_SHOT_BYTES", "-1", "an integer >= 0"),
+        ("FASTCOMM_SHM_SPIN_US", "nan", "a number in [0, 1e6]"),
+        ("FASTCOMM_SHM_YIELD_US", "inf", "a number in [0, 1e7]"),
+        ("FASTCOMM_SHM_COMPILED", "yes", "0 or 1"),
+        ("FASTCOMM_SHM_FENCE", "on", "0 or 1"),
+    ],
+)
+def test_a_bad_environment_value_names_the_variable_and_its_range(
+    monkeypatch, name, value, allowed
+):
+    from fastcomm.comm.shm import flags
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError) as info:
+        ShmOptions()
+        flags.fences_needed()
+    assert f"{name}={value!r}" in str(info.value) and allowed in str(info.value), info.value
+
+
 def test_fenced_path_for_weakly_ordered_machines(pool, unique_name):
     assert pool.run(check_fenced_path, unique_name) == [True] * pool.world_size
 

@@ -358,3 +358,17 @@ def test_sweep_leaves_a_live_job_of_another_pid_namespace_alone():
             proc.wait(timeout=10)
         if name:
             _remove_segments(name)
+
+
+@pytest.mark.parametrize("foreign", [b"../../etc/passwd", b"fastcomm-1/../x", b"\xff\xfe"])
+def test_a_foreign_segment_name_in_the_store_is_refused_and_reported(foreign):
+    """A name read back from the store is joined into a path: only a segment name is taken,
+    and the rank that refuses it says so under its key, so rank 0 raises too, not times out."""
+    from fastcomm.comm.store import Store
+
+    store = Store(is_server=True, timeout=10.0)
+    store.set("shm/name", foreign)
+    with pytest.raises(FastcommError, match="is not a segment name") as info:
+        _shm_segment.Segment.setup(store, 1, 2, 4096, 4096, timedelta(seconds=10))
+    assert repr(foreign[:80]) in str(info.value)
+    assert store.get("shm/mapped/1", 1.0).startswith(b"error: rank 1: the store's shm/name")

@@ -50,14 +50,43 @@ __all__ = ["ShmCommunicator", "ShmOptions", "shm_available"]
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
+# accepted values of each variable, said in the error a bad one gets (the dataclass's own
+# checks name the field, not the variable it came from)
+_ENV_RANGES = {
+    "FASTCOMM_SHM_SLOT_BYTES": ("a positive multiple of 4096", lambda v: v > 0 and not v % 4096),
+    "FASTCOMM_SHM_ONE_SHOT_BYTES": ("an integer >= 0", lambda v: v >= 0),
+    "FASTCOMM_SHM_SPIN_US": ("a number in [0, 1e6]", lambda v: 0 <= v <= 1e6),
+    "FASTCOMM_SHM_YIELD_US": ("a number in [0, 1e7]", lambda v: 0 <= v <= 1e7),
+}
+
+
+def _env_number(name: str, default, kind):
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    allowed, ok = _ENV_RANGES[name]
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not ok(value):  # NaN fails every comparison, so ok() too
+        raise ValueError(f"{name}={text!r}: must be {allowed} (or unset)")
+    return value
+
+
 def _env_int(name: str, default: int | None) -> int | None:
-    value = os.environ.get(name, "")
-    return int(value) if value.strip() else default
+    return _env_number(name, default, int)
 
 
 def _env_float(name: str, default: float | None) -> float | None:
-    value = os.environ.get(name, "")
-    return float(value) if value.strip() else default
+    return _env_number(name, default, float)
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    text = os.environ.get(name, "").strip()
+    if text not in ("", "0", "1"):
+        raise ValueError(f"{name}={text!r}: must be 0 or 1 (or unset)")
+    return default if not text else text == "1"
 
 
 def shm_available() -> bool:
@@ -94,7 +123,7 @@ class ShmOptions:
     (``FASTCOMM_SHM_YIELD_US``)."""
 
     compiled: bool = field(
-        default_factory=lambda: os.environ.get("FASTCOMM_SHM_COMPILED", "1").strip() != "0"
+        default_factory=lambda: _env_flag("FASTCOMM_SHM_COMPILED", True)
     )
     """Use the compiled core where it was built at install: small all-reduces run in it (one C
     call per call), and a ``PremulSum`` is folded into the reduction (no pass of its own).

@@ -79,8 +79,15 @@ _SLICE = _Timespec(0, int(SLICE_S * 1e9))
 
 
 def fences_needed() -> bool:
-    """Whether flag stores need explicit fences: not on x86 unless ``FASTCOMM_SHM_FENCE=1``."""
-    return not _TSO or os.environ.get("FASTCOMM_SHM_FENCE", "").strip() not in ("", "0")
+    """Whether flag stores need explicit fences: not on x86 unless ``FASTCOMM_SHM_FENCE=1``.
+
+    Raises:
+        ValueError: ``FASTCOMM_SHM_FENCE`` is set to something other than 0 or 1.
+    """
+    text = os.environ.get("FASTCOMM_SHM_FENCE", "").strip()
+    if text not in ("", "0", "1"):
+        raise ValueError(f"FASTCOMM_SHM_FENCE={text!r}: must be 0 or 1 (or unset)")
+    return not _TSO or text == "1"
 
 
 def fence_supported() -> bool:

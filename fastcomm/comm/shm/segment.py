@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import secrets
 import struct
 import time
@@ -59,6 +60,7 @@ __all__ = [
 
 SHM_DIR = "/dev/shm"
 PREFIX = "fastcomm-"
+_NAME = re.compile(r"fastcomm-[0-9a-f-]+")  # what segment_name makes: digits, hex, dashes
 # the protocol's version: 002 added descriptor B, the two-step tag and every rank's check
 MAGIC = int.from_bytes(b"FCSHM002", "little")
 LINE = 128  # two 64-byte lines: the adjacent-line prefetcher moves lines in pairs
@@ -243,8 +245,9 @@ class Segment:
         mbox_bytes: int,
         timeout: timedelta,
     ) -> Segment:
-        """Rank 0 creates the segment and publishes its name; every rank maps it; rank 0 unlinks
-        it once all have mapped it (or on any failure).
+        """Rank 0 creates the segment and publishes its name; every rank maps it and unlinks it
+        once all have mapped it (rank 0 also on any failure). A name read back from the store
+        must look like one :func:`segment_name` makes, since it is joined into a path.
 
         A rank whose layout differs from the segment's (another slot size, mailbox size or rank
         count) says so in the store before it raises, so every rank raises with its message
@@ -266,8 +269,14 @@ class Segment:
                 mm = _create(path, layout)
                 store.set("shm/name", name)
             else:
-                name = store.get("shm/name", timeout).decode()
+                raw = store.get("shm/name", timeout)
+                name = raw.decode("ascii", "replace")
                 try:
+                    if not _NAME.fullmatch(name):  # joined into a path: ours or nothing
+                        raise FastcommError(
+                            f"rank {rank}: the store's shm/name {raw[:80]!r} is not a segment "
+                            f"name (expected {_NAME.pattern})"
+                        )
                     mm = _attach(os.path.join(SHM_DIR, name), layout, rank)
                 except FastcommError as exc:
                     store.set(keys[rank], f"error: {exc}")
