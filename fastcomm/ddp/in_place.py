@@ -9,6 +9,12 @@ declares the dtype in ``capabilities.premul_dtypes`` folds into its reduction, a
 runs as ``mul_`` before a ``SUM``) and packs only its small gradients, into a staging buffer of
 their own reduced by one collective. The unpack then copies only the small ones.
 
+That trade pays where the communicator folds the multiply into its reduction (shm: the large
+gradients cost no pass at all) and its collectives cost tens of microseconds. Elsewhere (Gloo:
+``mul_`` first, hundreds of microseconds a collective) in place saves only the unpack's copy, so
+a bucket goes in place there only as a single collective (one large gradient alone in its
+bucket): a weight and its bias in one bucket are packed, as torch DDP packs them.
+
 Same results: every element is still ``sum over ranks of (grad * scale)`` with the same scale
 and the same reduction order, because the in-place path is taken only where the communicator
 declares ``capabilities.layout_free``: the reduced value of an element does not depend on where
@@ -53,6 +59,13 @@ __all__ = [
 
 # A collective costs tens of microseconds of sequencing; one pass over a MiB, a few hundred.
 IN_PLACE_MIN_BYTES = 1 << 20
+# Most collectives a bucket may take in place on a communicator that does not fold the
+# PremulSum into its reduction (Gloo). There the large gradients take a ``mul_`` pass anyway,
+# so in place saves only the unpack's copy (about 100 us a MiB), while each collective beyond
+# the packed bucket's one costs more than that (Gloo: 100-700 us of issue, wake-ups and
+# round trip on two cores; in one run a 1.6M-parameter MLP went from 1.01x to 1.28x torch DDP
+# with a second, 2 KiB collective per bucket for its bias).
+UNFOLDED_MAX_COLLECTIVES = 1
 # dtypes whose CPU pack is the same torch multiply as the in-place scaling (fp16/bf16 packs go
 # through the kernels' fp32 arithmetic, which may round twice where the multiply rounds once)
 _SAME_SCALING_DTYPES = (torch.float32, torch.float64)
@@ -82,7 +95,8 @@ class InPlacePlan:
 
 def in_place_plan(bucket: Bucket, comm) -> InPlacePlan | None:
     """The plan of `bucket` on `comm`, or ``None`` when it is packed as a whole (sparse, CUDA,
-    fp16/bf16, a layout-dependent reduction, or no gradient of ``IN_PLACE_MIN_BYTES``)."""
+    fp16/bf16, a layout-dependent reduction, no gradient of ``IN_PLACE_MIN_BYTES``, or more
+    than ``UNFOLDED_MAX_COLLECTIVES`` collectives where `comm` does not fold the multiply)."""
     if (
         bucket.sparse
         or bucket.device.type != "cpu"
@@ -94,7 +108,15 @@ def in_place_plan(bucket: Bucket, comm) -> InPlacePlan | None:
     large = [
         k for k, p in enumerate(bucket.params) if p.numel() * esize >= IN_PLACE_MIN_BYTES
     ]
-    return InPlacePlan(bucket, large) if large else None
+    if not large:
+        return None
+    collectives = len(large) + (len(large) < len(bucket.params))
+    if (
+        bucket.dtype not in comm.capabilities.premul_dtypes
+        and collectives > UNFOLDED_MAX_COLLECTIVES
+    ):
+        return None
+    return InPlacePlan(bucket, large)
 
 
 class InPlaceReduction:

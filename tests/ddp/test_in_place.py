@@ -24,6 +24,10 @@ from tests.ddp.common import build
 from tests.harness import RankPool, rank_comm
 
 SMALL_THRESHOLD = 512  # bytes: the test models' weights are above it, their biases below
+# Gloo does not fold the PremulSum, so by default it takes a bucket in place only as one
+# collective; the checks lift that limit to run mixed buckets (weights in place, biases
+# staged) on Gloo as well
+ANY_COLLECTIVES = 1 << 30
 
 
 # ---------------------------------------------------------------------- checks (every rank)
@@ -39,13 +43,13 @@ def run_in_place(check_name: str, module: str, *args, threshold: int = SMALL_THR
         launches.append(grads is None)
         return real_launch(bucket, plan, grads, *rest)
 
-    saved = in_place.IN_PLACE_MIN_BYTES
-    in_place.IN_PLACE_MIN_BYTES = threshold
+    saved = in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MAX_COLLECTIVES
+    in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MAX_COLLECTIVES = threshold, ANY_COLLECTIVES
     in_place.launch_in_place = counting_launch
     try:
         getattr(checks, check_name)(*args)
     finally:
-        in_place.IN_PLACE_MIN_BYTES = saved
+        in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MAX_COLLECTIVES = saved
         in_place.launch_in_place = real_launch
     return len(launches), sum(launches)  # (launches, of which a joined rank's shadows)
 
@@ -59,8 +63,8 @@ def check_plan_follows_layout_independence():
     params = list(model.parameters())
     names = [str(i) for i in range(len(params))]
     bucket = Bucket(0, list(range(len(params))), params, names)
-    saved = in_place.IN_PLACE_MIN_BYTES
-    in_place.IN_PLACE_MIN_BYTES = SMALL_THRESHOLD
+    saved = in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MAX_COLLECTIVES
+    in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MAX_COLLECTIVES = SMALL_THRESHOLD, 1 << 30
     try:
         gloo = rank_comm("gloo")
         plan = in_place.in_place_plan(bucket, gloo)
@@ -85,6 +89,43 @@ def check_plan_follows_layout_independence():
         assert in_place.in_place_plan(half_bucket, gloo) is None, "fp16 packs with the kernels"
         in_place.IN_PLACE_MIN_BYTES = 1 << 40
         assert in_place.in_place_plan(bucket, gloo) is None, "no large gradient: packed"
+    finally:
+        in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MAX_COLLECTIVES = saved
+    return True
+
+
+def check_plan_counts_collectives_where_multiply_is_a_pass():
+    """Where the communicator does not fold the multiply (Gloo), a bucket goes in place only
+    as one collective (a large gradient alone); one that folds it (shm) takes mixed plans."""
+    from fastcomm.comm import Capabilities
+    from fastcomm.ddp import in_place
+    from fastcomm.ddp.bucket import Bucket
+
+    params = list(build("mlp").parameters())  # weight, bias, weight, bias, ...
+    names = [str(i) for i in range(len(params))]
+    mixed = Bucket(0, list(range(len(params))), params, names)
+    weights = Bucket(1, [0, 2], params, names)
+    alone = Bucket(2, [0], params, names)
+
+    class Declares:  # the plan asks the communicator, never its name
+        def __init__(self, premul_dtypes):
+            self.capabilities = Capabilities(layout_free=True, premul_dtypes=premul_dtypes)
+
+    unfolded, folded = Declares(frozenset()), Declares(frozenset({torch.float32}))
+    saved = in_place.IN_PLACE_MIN_BYTES
+    in_place.IN_PLACE_MIN_BYTES = SMALL_THRESHOLD
+    try:
+        assert in_place.UNFOLDED_MAX_COLLECTIVES == 1
+        assert in_place.in_place_plan(mixed, unfolded) is None, "weights + staged biases"
+        assert in_place.in_place_plan(weights, unfolded) is None, "two collectives for one"
+        plan = in_place.in_place_plan(alone, unfolded)
+        assert plan is not None and plan.large == [0] and plan.small == []
+        assert in_place.in_place_plan(mixed, folded) is not None
+        assert in_place.in_place_plan(weights, folded).large == [0, 1]
+        gloo = rank_comm("gloo")
+        assert torch.float32 not in gloo.capabilities.premul_dtypes
+        assert in_place.in_place_plan(mixed, gloo) is None
+        assert in_place.in_place_plan(alone, gloo) is not None
     finally:
         in_place.IN_PLACE_MIN_BYTES = saved
     return True
@@ -112,13 +153,15 @@ def check_large_gradients_go_as_premul(backend: str, bucket_view: bool = False):
         multiplies[0] += 1
         return real_premultiplied(task, tensor, factor)
 
-    saved = in_place.IN_PLACE_MIN_BYTES
-    in_place.IN_PLACE_MIN_BYTES = saved if bucket_view else SMALL_THRESHOLD
+    saved = in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MAX_COLLECTIVES
+    if not bucket_view:
+        in_place.IN_PLACE_MIN_BYTES = SMALL_THRESHOLD
+        in_place.UNFOLDED_MAX_COLLECTIVES = ANY_COLLECTIVES
     comm.all_reduce, base._premultiplied = recording, counting
     try:
         ours, theirs = train_both("mlp", steps=3, comm=comm, gradient_as_bucket_view=bucket_view)
     finally:
-        in_place.IN_PLACE_MIN_BYTES = saved
+        in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MAX_COLLECTIVES = saved
         del comm.all_reduce  # the class's method again
         base._premultiplied = real_premultiplied
     assert_same_state(ours, theirs)
@@ -203,6 +246,10 @@ def test_torch_group_and_gloo_communicator(pool):
 
 def test_plan_follows_layout_independence(pool):
     assert pool.run(check_plan_follows_layout_independence) == [True, True]
+
+
+def test_plan_counts_collectives_where_multiply_is_a_pass(pool):
+    assert pool.run(check_plan_counts_collectives_where_multiply_is_a_pass) == [True, True]
 
 
 @pytest.mark.parametrize("bucket_view", [False, True], ids=["in-place", "bucket-view"])
