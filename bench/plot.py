@@ -10,6 +10,8 @@ Charts, each written when the JSON holds its benchmarks:
 - ``collectives_busbw.png``: bus bandwidth of every op on one page, the smallest world's rows;
 - ``ddp_step.png``: training-step time per provider and the speedup over torch DDP
   (``bench/test_ddp.py``);
+- ``torch_backend.png``: torch DDP and FSDP2 steps on the ``fastcomm`` torch.distributed
+  backend against Gloo, from the interleaved rounds (``bench/test_torch_backend.py``);
 - ``kernels.png``: pack/unpack/quantize GB/s per provider and bucket, against the one-buffer
   copy bandwidth (``bench/test_kernels.py``);
 - ``compression.png``: bytes on the wire per step and break-even link bandwidth per hook
@@ -224,6 +226,46 @@ def _ddp_pairs(ax, medians: dict[str, float], names: list[str], title: str) -> N
                             ha="center", fontsize=7, color="white")
 
 
+def load_torch_backend(paths: list[Path]) -> list[dict]:
+    """The interleaved rows ``bench/test_torch_backend.py`` adds to its JSON."""
+    rows: list[dict] = []
+    for path in paths:
+        rows += json.loads(path.read_text()).get("torch_backend", [])
+    return rows
+
+
+def plot_torch_backend(rows: list[dict], out: Path, title: str) -> Path | None:
+    """Step time of each workload on backend fastcomm beside Gloo, labelled with the ratio."""
+    steps = [r for r in rows if "ratio" in r]
+    if not steps:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    width = 0.38
+    for i, r in enumerate(steps):
+        for dx, key, color, name in ((-width / 2, "gloo_ms", "#888", "Gloo"),
+                                     (width / 2, "fastcomm_ms", "#2a7", "fastcomm")):
+            ax.bar(i + dx, r[key], width, color=color, label=name if i == 0 else None)
+        ax.annotate(f"{r['ratio']:.2f}x", (i + width / 2, r["fastcomm_ms"]), ha="center",
+                    va="bottom", fontsize=8)
+    labels = [f"{r['what']}\n{r['params'] / 1e6:.1f}M params" for r in steps]
+    ax.set_xticks(range(len(steps)), labels, fontsize=7)
+    ax.set_ylabel("median training step (ms)")
+    ax.legend(fontsize=8)
+    calls = [r for r in rows if "adapter_us" in r]
+    sub = ""
+    if calls:
+        c = calls[-1]
+        sub = (f"\n4 KiB all_reduce: comm {c['comm_us']:.1f} us, group {c['pg_us']:.1f} us, "
+               f"dist on fastcomm {c['fastcomm_us']:.1f} us, dist on Gloo {c['gloo_us']:.0f} us")
+    ax.set_title("torch DDP and FSDP2, backend fastcomm vs Gloo, 2 ranks" + sub, fontsize=8)
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    path = out / "torch_backend.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_kernels(benchmarks: list[dict], out: Path, title: str) -> Path | None:
     rows = [b for b in benchmarks if b["name"].startswith(("test_pack", "test_unpack",
                                                           "test_quantize", "test_dequantize"))]
@@ -299,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         plot_collectives(collectives, out, title),
         *plot_collective_ops(collectives, out, title),
         plot_ddp(benchmarks, out, title),
+        plot_torch_backend(load_torch_backend(args.json), out, title),
         plot_kernels(benchmarks, out, title),
         plot_compression(benchmarks, out, title),
     ]

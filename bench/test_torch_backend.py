@@ -314,11 +314,16 @@ def test_ratios(ranks):
 
 
 class _RatiosTable:
-    """Prints ``test_ratios``'s figures at the end of the session (registered by ``ranks``)."""
+    """Prints ``test_ratios``'s figures at the end of the session and adds them to
+    ``--benchmark-json`` as ``"torch_backend"`` (registered by ``ranks``)."""
 
     def pytest_terminal_summary(self, terminalreporter):
         if _RATIOS:
             _write_ratios(terminalreporter)
+
+    def pytest_benchmark_update_json(self, config, benchmarks, output_json):
+        if _RATIOS:  # the interleaved figures, charted by bench/plot.py
+            output_json["torch_backend"] = list(_RATIOS)
 
 
 def _write_ratios(terminalreporter) -> None:
