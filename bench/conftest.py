@@ -76,8 +76,8 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
         bench.get("stats", {}).pop("data", None)
 
 
-_OP_ORDER = ["copy", "all_reduce", "all_gather", "all_gather_list", "reduce_scatter",
-             "reduce_scatter_list", "broadcast", "all_to_all", "send_recv"]
+_OP_ORDER = ["copy", "all_reduce", "all_reduce_async", "all_gather", "all_gather_list",
+             "reduce_scatter", "reduce_scatter_list", "broadcast", "all_to_all", "send_recv"]
 
 
 class _CollectivesTable:

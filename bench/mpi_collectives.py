@@ -30,12 +30,12 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-OPS = ("all_reduce", "all_gather", "all_gather_list", "reduce_scatter", "reduce_scatter_list",
-       "broadcast", "all_to_all", "send_recv")
+OPS = ("all_reduce", "all_reduce_async", "all_gather", "all_gather_list", "reduce_scatter",
+       "reduce_scatter_list", "broadcast", "all_to_all", "send_recv")
 
 
 def bus_factor(op: str, n: int) -> float:
-    if op == "all_reduce":
+    if op in ("all_reduce", "all_reduce_async"):
         return 2 * (n - 1) / n
     return 1.0 if op in ("broadcast", "send_recv") else (n - 1) / n
 
@@ -73,6 +73,7 @@ def make_call(comm: MPI.Comm, op: str, nbytes: int):
 
     calls = {
         "all_reduce": lambda: comm.Allreduce(MPI.IN_PLACE, big, op=MPI.SUM),
+        "all_reduce_async": lambda: comm.Iallreduce(MPI.IN_PLACE, big, op=MPI.SUM).Wait(),
         "all_gather": lambda: comm.Allgather(part, big),
         "all_gather_list": all_gather_list,
         "reduce_scatter": lambda: comm.Reduce_scatter_block(big, part, op=MPI.SUM),

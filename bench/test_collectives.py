@@ -4,6 +4,8 @@ Ops, on fp32 CPU tensors from 4 KiB to 64 MiB (``nbytes`` is the whole buffer, a
 counts it: the all-gather output, the reduce-scatter input, the all-to-all input):
 
 - ``all_reduce`` (in place), ``broadcast`` (from rank 0);
+- ``all_reduce_async``: the same all-reduce issued with ``async_op=True`` and waited on at once
+  (MPI: ``Iallreduce`` then ``Wait``), the cost of the asynchronous path;
 - ``all_gather`` (into one tensor: ``dist.all_gather_into_tensor``) and ``all_gather_list``
   (``dist.all_gather`` into ``n`` separate tensors);
 - ``reduce_scatter`` (from one tensor: ``dist.reduce_scatter_tensor``) and
@@ -100,8 +102,8 @@ from fastcomm.comm import GlooCommunicator, ShmCommunicator, ShmOptions, Store, 
 
 QUICK = bool(os.environ.get("FASTCOMM_BENCH_QUICK")) or "--benchmark-disable" in sys.argv
 KIB, MIB = 1 << 10, 1 << 20
-ALL_OPS = ["all_reduce", "all_gather", "all_gather_list", "reduce_scatter", "reduce_scatter_list",
-           "broadcast", "all_to_all", "send_recv"]
+ALL_OPS = ["all_reduce", "all_reduce_async", "all_gather", "all_gather_list", "reduce_scatter",
+           "reduce_scatter_list", "broadcast", "all_to_all", "send_recv"]
 ALL_PROVIDERS = ["fastcomm-shm", "fastcomm-shm-python", "torch-gloo", "mpich", "fastcomm-gloo",
                  "fastcomm-ipc"]
 DEFAULT_PROVIDERS = "fastcomm-shm,fastcomm-shm-python,torch-gloo" + ("" if QUICK else ",mpich")
@@ -158,7 +160,7 @@ else:
 
 
 def bus_factor(op: str, n: int) -> float:
-    if op == "all_reduce":
+    if op in ("all_reduce", "all_reduce_async"):
         return 2 * (n - 1) / n
     return 1.0 if op in ("broadcast", "send_recv") else (n - 1) / n
 
@@ -201,6 +203,7 @@ def _check_once(op: str, rank: int, n: int, big, out, part, parts, message) -> N
     senders = torch.arange(1, n + 1, dtype=torch.float32).unsqueeze(1)  # row j came from j
     expected = {
         "all_reduce": (big, torch.full_like(big, total)),
+        "all_reduce_async": (big, torch.full_like(big, total)),
         "all_gather": (big.view(n, -1), senders.expand(n, big.numel() // n)),
         "all_gather_list": (torch.stack(parts), senders.expand(n, part.numel())),
         "reduce_scatter": (part, torch.full_like(part, total)),
@@ -285,6 +288,7 @@ class Rank:
             send, recv = dist.send, dist.recv
             calls = {
                 "all_reduce": lambda: dist.all_reduce(big),
+                "all_reduce_async": lambda: dist.all_reduce(big, async_op=True).wait(),
                 "all_gather": lambda: gather(big, part),
                 "all_gather_list": lambda: dist.all_gather(parts, part),
                 "reduce_scatter": lambda: scatter(part, big),
@@ -306,6 +310,7 @@ class Rank:
 
             calls = {
                 "all_reduce": lambda: comm.all_reduce(big),
+                "all_reduce_async": lambda: comm.all_reduce(big, async_op=True).wait(),
                 "all_gather": lambda: comm.all_gather(big, part),
                 "all_gather_list": all_gather_list,
                 "reduce_scatter": lambda: comm.reduce_scatter(part, big),
