@@ -1,54 +1,10 @@
-"""fastcomm as a ``torch.distributed`` backend: ``dist.init_process_group("fastcomm")``.
-
-``import fastcomm`` registers the backend name ``"fastcomm"`` (CPU and CUDA, torch's extended
-API). For every group of that backend torch calls :func:`create_process_group`, which returns a
-:class:`FastcommProcessGroup`: a Python ``dist.ProcessGroup`` that torch keeps as the group
-itself (the default group, ``new_group``, a ``DeviceMesh`` dimension). Each c10d method maps the
-call onto the :class:`~.base.Communicator` contract; nothing here moves or reduces data.
-
-Which object does what:
-
-- ``group.communicator``: the CPU communicator ``fastcomm.init()`` would build on the group's
-  store (``communicator_for``: shm on one host, hier across hosts, else Gloo). Built at group
-  creation. ``fastcomm.ddp.DDP`` given the group uses it directly (no second wrap).
-- CUDA tensors: the CUDA transport is built on the group's first CUDA operation, which every
-  member must issue (a collective, not a send/recv): the fastcomm CUDA communicator
-  (``communicator_for(device=cuda)``: NCCL through CuPy, or ``ipc``), or, for the device-map
-  form ``"cpu:fastcomm,cuda:nccl"``, torch's own backend of that name, to which CUDA calls
-  are forwarded unchanged.
-- ``group.gloo``: a ``ProcessGroupGloo`` over the same ranks, built at group creation (a
-  send/recv involves two ranks only, so it cannot be built lazily); the CPU communicator's own
-  Gloo part when it has one. It takes what the contract has no fast path for: ``gather``,
-  ``scatter``, ``send``/``recv``/``recv_anysource``, ``alltoall`` (lists), ``all_to_all_single``
-  with explicit split sizes, ``allgather`` / ``reduce_scatter`` lists of unequal sizes,
-  ``allgather_coalesced``, bitwise ops (``BAND``/``BOR``/``BXOR``), reductions of dtypes the
-  contract lacks (``bool``, ...), several tensors per call, and non-contiguous tensors other
-  than the one tensor of ``allreduce``/``broadcast``/``reduce`` (those run on a contiguous copy
-  written back).
-  It is also the group's registered C++ backend, so torch's introspection
-  (``group._device_types``, ``group._get_backend``) sees a CPU backend. A collective handed to
-  it is first compared across the ranks through the communicator (what each rank sends to and
-  expects from each other, the dtype, root and reduce op): Gloo aborts the process when ranks
-  disagree on sizes, fastcomm raises ``ValueError`` on every rank and the group stays usable.
-
-Work: a call torch issues synchronously (``opts.asyncOp`` false: ``dist.all_reduce(t)``) runs
-on the caller's thread, on the communicator's synchronous lane, and returns a
-:class:`FinishedWork`; an asynchronous one (``async_op=True``, DDP's buckets, FSDP2) returns a
-:class:`FastcommWork` over the communicator's (or Gloo's) own work. Both are ``dist._Work``
-subclasses; their futures' value is the list of output tensors, as torch's own backends give
-it; errors are raised by ``wait()`` and carried by the future, naming the rank and the
-operation (and, for a call handed to Gloo, the group and the peer of a send or receive).
-
-Complex tensors go through their real view; data that is only moved (``broadcast``, gathers,
-``all_to_all``) goes through a byte view whatever its dtype.
-"""
+"""The process group of backend ``fastcomm`` (see the package docstring)."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -57,20 +13,19 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-from .base import Communicator
-from .errors import FastcommError
-from .store import Store
-from .types import SUPPORTED_DTYPES, PremulSum, ReduceOp
-from .work import wrap_error
-from .world import communicator_for
-
-__all__ = ["BACKEND_NAME", "FastcommProcessGroup", "FastcommWork", "create_process_group"]
+from ..base import Communicator
+from ..errors import FastcommError
+from ..store import Store
+from ..types import SUPPORTED_DTYPES, PremulSum, ReduceOp
+from ..work import wrap_error
+from ..world import communicator_for
+from .agree import _OP_CODES, _RED, _as_list, _descriptor, _disagreement, _kind_of
+from .works import FastcommWork, _finished
 
 BACKEND_NAME = "fastcomm"
 
 _DTYPES = frozenset(SUPPORTED_DTYPES)
 _STRIDED = torch.strided
-_RED = dist.ReduceOp.RedOpType
 # keyed by the enum's value: hashing and comparing pybind11 enum members costs ~1 us a lookup
 _OPS = {
     _RED.SUM.value: ReduceOp.SUM,
@@ -81,10 +36,6 @@ _OPS = {
 }
 _PREMUL = _RED.PREMUL_SUM.value
 
-
-def _kind_of(reduce_op: Any) -> int:
-    """The value of a ``dist.ReduceOp``'s kind (``RedOpType``)."""
-    return getattr(reduce_op, "op", reduce_op).value
 
 
 # torch 2.13 hashes a ReduceOp to its kind's value, 5x cheaper than reading `.op.value`; used
@@ -144,217 +95,6 @@ def _staged(tensor: torch.Tensor) -> torch.Tensor | None:
         return tensor.contiguous()
     return None
 
-
-def _seconds(timeout: Any) -> float | None:
-    """A wait's limit in seconds; ``None`` or zero (C++'s ``kNoTimeout``) means none."""
-    if timeout is None:
-        return None
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-    return seconds if seconds > 0 else None
-
-
-class FinishedWork(dist._Work):
-    """The handle of a call that finished before it returned (torch issued it synchronously):
-    ``wait()`` returns at once, the future is already completed with the outputs. Made by
-    :func:`_finished` (no ``__init__`` of its own: it is made on every synchronous call)."""
-
-    __slots__ = ("_outputs",)
-
-    def wait(self, timeout: timedelta | float | None = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-    def exception(self) -> BaseException | None:
-        return None
-
-    def result(self) -> list:
-        return self._outputs
-
-    def synchronize(self) -> None:
-        pass
-
-    def get_future(self) -> torch.futures.Future:
-        future = torch.futures.Future()
-        future.set_result(self._outputs)
-        return future
-
-    def __repr__(self) -> str:
-        return "FinishedWork()"
-
-
-def _finished(outputs: list) -> FinishedWork:
-    work = FinishedWork()
-    work._outputs = outputs
-    return work
-
-
-class FastcommWork(dist._Work):
-    """The handle of a call still in flight: over the communicator's ``Work`` (or Gloo's), with
-    the step that completes the call afterwards (copying a packed result out), run once by
-    whichever of ``wait()``, ``is_completed()`` and the future comes first.
-
-    Args:
-        op: the operation's name, for errors.
-        rank: this rank in the group, for errors.
-        outputs: the tensors the future resolves to (torch's convention: a list).
-        inner: the pending works the call is made of.
-        post: what runs once they are done, or ``None``.
-    """
-
-    __slots__ = (
-        "_op", "_rank", "_outputs", "_inner", "_post", "_start", "_finished", "_error",
-        "_future", "_lock",
-    )
-
-    def __init__(
-        self,
-        op: str,
-        rank: int,
-        outputs: list,
-        inner: Sequence[Any],
-        post: Callable[[], None] | None = None,
-    ) -> None:
-        super().__init__()
-        self._op = op
-        self._rank = rank
-        self._outputs = outputs
-        self._inner = inner
-        self._post = post
-        self._start = time.monotonic()
-        self._finished = False
-        self._error: BaseException | None = None
-        self._future: torch.futures.Future | None = None
-        self._lock = threading.Lock()
-
-    def _settle(self, error: BaseException | None) -> None:
-        """Records the outcome once: runs ``post`` after the inner works succeeded."""
-        with self._lock:
-            if self._finished:
-                return
-            try:
-                if error is not None:
-                    raise error
-                if self._post is not None:
-                    self._post()
-            except BaseException as exc:  # kept for every later wait() and the future
-                self._error = wrap_error(self._op, self._rank, self._start, exc)
-            self._finished = True
-
-    def wait(self, timeout: timedelta | float | None = None) -> bool:
-        """Blocks until the call is done and raises its error.
-
-        Args:
-            timeout: a limit for this wait (``None`` or zero: the group's own timeout ends a
-                call that cannot finish). When it passes, ``CommTimeoutError`` is raised and
-                the operation is left running.
-
-        Returns:
-            ``True``, as torch's ``Work.wait``.
-        """
-        if not self._finished:
-            limit = _seconds(timeout)
-            try:
-                for work in self._inner:
-                    if limit is None:
-                        work.wait()
-                    elif isinstance(work, dist._Work):
-                        work.wait(timedelta(seconds=limit))
-                    else:
-                        work.wait(limit)
-            except BaseException as exc:
-                if limit is not None and not all(w.is_completed() for w in self._inner):
-                    raise wrap_error(self._op, self._rank, self._start, exc) from exc
-                self._settle(exc)
-            else:
-                self._settle(None)
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def is_completed(self) -> bool:
-        if not self._finished and all(w.is_completed() for w in self._inner):
-            try:
-                self.wait()
-            except BaseException:  # noqa: BLE001 - reported by exception() and wait()
-                pass
-        return self._finished
-
-    def is_success(self) -> bool:
-        return self.is_completed() and self._error is None
-
-    def exception(self) -> BaseException | None:
-        return self._error if self.is_completed() else None
-
-    def result(self) -> list:
-        """Waits, then returns the output tensors."""
-        self.wait()
-        return self._outputs
-
-    def _source_rank(self) -> int:
-        """The sender of a ``recv_anysource`` (torch reads it as ``work._source_rank()``)."""
-        return self._inner[0]._source_rank()
-
-    source_rank = _source_rank
-
-    def synchronize(self) -> None:
-        self.wait()
-
-    def get_future(self) -> torch.futures.Future:
-        """A ``torch.futures.Future`` whose value is the list of output tensors."""
-        if self._future is None:
-            futures = [_future_of(w) for w in self._inner]
-            if len(futures) == 1:
-                joined = futures[0]
-            else:  # several works, or none (a call whose data was in place at once)
-                joined = torch.futures.collect_all(futures)
-            self._future = joined.then(self._resolve)
-        return self._future
-
-    def _resolve(self, joined: torch.futures.Future) -> list:
-        try:
-            value = joined.value()
-            for part in value if len(self._inner) > 1 else ():
-                part.value()
-        except BaseException as exc:  # the call failed: so does every chained future
-            self._settle(exc)
-        else:
-            self._settle(None)
-        if self._error is not None:
-            raise self._error
-        return self._outputs
-
-    def __repr__(self) -> str:
-        state = "done" if self._finished else "pending"
-        return f"FastcommWork({self._op}, rank={self._rank}, {state})"
-
-
-def _future_of(work: Any) -> torch.futures.Future:
-    """``work``'s future; for a torch handle without one (Gloo's send, recv, gather...), one
-    completed by a thread of its own once the handle is done (never on a communicator's
-    executor: a receive waiting there would stall the collectives queued behind it)."""
-    try:
-        return work.get_future()
-    except RuntimeError:
-        pass
-    future = torch.futures.Future()
-
-    def wait() -> None:
-        try:
-            work.wait()
-        except BaseException as exc:  # noqa: BLE001 - delivered through the future
-            future.set_exception(exc)
-        else:
-            future.set_result(None)
-
-    threading.Thread(target=wait, name="fastcomm-c10d-future", daemon=True).start()
-    return future
-
-
 def _gloo_of(comm: Communicator) -> dist.ProcessGroupGloo | None:
     """The ``ProcessGroupGloo`` over all of ``comm``'s ranks that it already holds, if any
     (asked of what the communicator or its fallback holds, not of its class)."""
@@ -390,9 +130,6 @@ def _options(opts: Any, cls: type) -> Any:
     return made
 
 
-def _as_list(tensors: Any) -> list:
-    return [tensors] if isinstance(tensors, torch.Tensor) else tensors
-
 
 def _scaled(tensor: torch.Tensor, op: ReduceOp | PremulSum) -> tuple[torch.Tensor, ReduceOp]:
     """A reduction other than ``all_reduce`` given a ``PremulSum``: a scaled copy and ``SUM``
@@ -406,140 +143,6 @@ def _copy_rows(flat: torch.Tensor, outputs: list, dtype: torch.dtype) -> None:
     """Copies row ``i`` of the gathered ``flat`` into ``outputs[i]`` (its dtype and shape)."""
     for row, out in zip(flat, outputs, strict=True):
         out.copy_(row.view(dtype).view(out.shape))
-
-
-# ---------------------------------------------------------------------- Gloo-path agreement
-# Gloo aborts the process (gloo::EnforceNotMet from its own thread) when the ranks of a call
-# disagree on sizes, so a collective handed to it is first described on every rank and the
-# descriptions are compared through the communicator: a disagreement is a ValueError on every
-# rank, as on the fast path. Point-to-point calls involve two ranks only and are not checked.
-_DTYPE_LIST = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)},
-                           key=str))
-_DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPE_LIST)}
-_CHECKED_OPS = (
-    "allreduce", "allreduce_coalesced", "reduce", "broadcast", "allgather",
-    "all_gather_single", "all_gather_single_coalesced", "allgather_coalesced",
-    "reduce_scatter", "reduce_scatter_single", "reduce_scatter_single_coalesced",
-    "all_to_all_single", "alltoall", "gather", "scatter",
-)
-_OP_CODES = {op: code for code, op in enumerate(_CHECKED_OPS)}
-_SYMMETRIC = frozenset(("allreduce", "allreduce_coalesced", "reduce", "broadcast"))
-_HEAD = 5  # op, root, reduce op, dtype, layout; then elements sent to / expected from each rank
-
-
-def _numel(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(t.numel() for t in tensors)
-
-
-def _per_rank(sizes: list[int], size: int) -> list[int]:
-    """``sizes`` if it has an entry per rank, else ``-1`` for each (a list of the wrong
-    length, which Gloo refuses itself when every rank passes one)."""
-    return sizes if len(sizes) == size else [-1] * size
-
-
-def _even(numel: int, size: int) -> int:
-    return numel // size if numel % size == 0 else -1
-
-
-def _flows(op: str, size: int, args: tuple) -> tuple[list, list[int], list[int]]:
-    """What a collective handed to Gloo moves: ``(this rank's tensors, sent_to,
-    expected_from)``, the elements this rank sends to each rank and expects from each. The
-    ranks' calls agree when rank ``r``'s ``sent_to[j]`` is rank ``j``'s ``expected_from[r]``.
-
-    Args:
-        op: the group method's name (one of ``_CHECKED_OPS``).
-        size: the group's size.
-        args: the arguments handed to Gloo, options last.
-    """
-    *tensors, opts = args
-    if op in _SYMMETRIC:  # (tensors, opts): the same tensors on every rank
-        mine = tensors[0]
-        return mine, [_numel(mine)] * size, [_numel(mine)] * size
-    if op == "gather":  # ([[t per rank]] on the root, else []), [t]
-        outputs, mine = tensors
-        sent = [0] * size
-        sent[opts.rootRank % size] = _numel(mine)
-        expected = [t.numel() for t in outputs[0]] if outputs else [0] * size
-        return mine, sent, _per_rank(expected, size)
-    if op == "scatter":  # [t], ([[t per rank]] on the root, else [])
-        mine, inputs = tensors
-        expected = [0] * size
-        expected[opts.rootRank % size] = _numel(mine)
-        sent = [t.numel() for t in inputs[0]] if inputs else [0] * size
-        return mine, _per_rank(sent, size), expected
-    if op == "allgather":  # [[t per rank]], [t]
-        outputs, mine = tensors
-        expected = [t.numel() for t in outputs[0]] if outputs else []
-        return mine, [_numel(mine)] * size, _per_rank(expected, size)
-    if op == "allgather_coalesced":  # [[t per input] per rank], [t per input]
-        outputs, mine = tensors
-        return mine, [_numel(mine)] * size, _per_rank([_numel(row) for row in outputs], size)
-    if op == "reduce_scatter":  # [t], [[t per rank]]
-        mine, inputs = tensors
-        sent = [t.numel() for t in inputs[0]] if inputs else []
-        return mine, _per_rank(sent, size), [_numel(mine)] * size
-    if op == "alltoall":  # [t per rank], [t per rank]
-        outputs, inputs = tensors
-        sent = _per_rank([t.numel() for t in inputs], size)
-        return inputs, sent, _per_rank([t.numel() for t in outputs], size)
-    if op == "all_to_all_single":  # output, input, output splits, input splits
-
-        def split(t: torch.Tensor, splits: Sequence[int]) -> list[int]:
-            if not splits:
-                return [_even(t.numel(), size)] * size
-            row = t[0].numel() if t.dim() and len(t) else 0
-            return _per_rank([n * row for n in splits], size)
-
-        output, input, out_splits, in_splits = tensors
-        return [input], split(input, in_splits), split(output, out_splits)
-    # all_gather_single / reduce_scatter_single and their coalesced forms: output(s), input(s)
-    outputs, inputs = (_as_list(t) for t in tensors)
-    if "gather" in op:
-        return inputs, [_numel(inputs)] * size, [_even(_numel(outputs), size)] * size
-    return inputs, [_even(_numel(inputs), size)] * size, [_numel(outputs)] * size
-
-
-def _descriptor(op: str, size: int, args: tuple) -> torch.Tensor:
-    """This rank's description of a collective handed to Gloo (``int64``: ``_HEAD`` fields,
-    then the elements it sends to each rank and expects from each)."""
-    tensors, sent, expected = _flows(op, size, args)
-    opts = args[-1]
-    reduce_op = getattr(opts, "reduceOp", None)
-    dtype = _DTYPE_CODES.get(tensors[0].dtype, -1) if tensors else -1
-    # symmetric ops: every tensor's size agrees, not only the total (hash of ints: the same
-    # in every process)
-    layout = hash(tuple(t.numel() for t in tensors)) if op in _SYMMETRIC else 0
-    head = [_OP_CODES[op], getattr(opts, "rootRank", -1),
-            -1 if reduce_op is None else _kind_of(reduce_op), dtype, layout]
-    return torch.tensor(head + sent + expected, dtype=torch.int64)
-
-
-def _disagreement(rows: list[list[int]]) -> str | None:
-    """The first way the ranks' descriptors disagree, in words, or ``None``."""
-    size = len(rows)
-    for r, row in enumerate(rows):
-        if row[:_HEAD] != rows[0][:_HEAD]:
-            return f"rank 0 called {_describe(rows[0])} but rank {r} called {_describe(row)}"
-    for r, row in enumerate(rows):
-        for j in range(size):
-            if row[_HEAD + j] != rows[j][_HEAD + size + r]:
-                return (f"rank {r} sends {row[_HEAD + j]} elements to rank {j}, which expects "
-                        f"{rows[j][_HEAD + size + r]} from it (rank {r}: {_describe(row)}; "
-                        f"rank {j}: {_describe(rows[j])})")
-    return None
-
-
-def _describe(row: list[int]) -> str:
-    """One rank's descriptor, in words."""
-    op, root, reduce_kind, dtype, _ = row[:_HEAD]
-    kind = str(_DTYPE_LIST[dtype]).removeprefix("torch.") if 0 <= dtype < len(_DTYPE_LIST) \
-        else "no tensor"
-    size = (len(row) - _HEAD) // 2
-    extra = f", root {root}" if root >= 0 else ""
-    if reduce_kind >= 0:
-        extra += f", op {_RED(reduce_kind).name}"
-    return (f"{_CHECKED_OPS[op]}({kind}{extra}, sending {row[_HEAD:_HEAD + size]}, expecting "
-            f"{row[_HEAD + size:]})")
 
 
 class FastcommProcessGroup(dist.ProcessGroup):

@@ -1,0 +1,155 @@
+"""Agreement of a collective handed to Gloo: every rank describes its call, the
+descriptions are compared through the communicator, and a disagreement is a ``ValueError`` on
+every rank (Gloo itself would abort the process)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_RED = dist.ReduceOp.RedOpType
+
+def _kind_of(reduce_op: Any) -> int:
+    """The value of a ``dist.ReduceOp``'s kind (``RedOpType``)."""
+    return getattr(reduce_op, "op", reduce_op).value
+
+
+def _as_list(tensors: Any) -> list:
+    return [tensors] if isinstance(tensors, torch.Tensor) else tensors
+
+
+# ---------------------------------------------------------------------- Gloo-path agreement
+# Gloo aborts the process (gloo::EnforceNotMet from its own thread) when the ranks of a call
+# disagree on sizes, so a collective handed to it is first described on every rank and the
+# descriptions are compared through the communicator: a disagreement is a ValueError on every
+# rank, as on the fast path. Point-to-point calls involve two ranks only and are not checked.
+_DTYPE_LIST = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)},
+                           key=str))
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPE_LIST)}
+_CHECKED_OPS = (
+    "allreduce", "allreduce_coalesced", "reduce", "broadcast", "allgather",
+    "all_gather_single", "all_gather_single_coalesced", "allgather_coalesced",
+    "reduce_scatter", "reduce_scatter_single", "reduce_scatter_single_coalesced",
+    "all_to_all_single", "alltoall", "gather", "scatter",
+)
+_OP_CODES = {op: code for code, op in enumerate(_CHECKED_OPS)}
+_SYMMETRIC = frozenset(("allreduce", "allreduce_coalesced", "reduce", "broadcast"))
+_HEAD = 5  # op, root, reduce op, dtype, layout; then elements sent to / expected from each rank
+
+
+def _numel(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() for t in tensors)
+
+
+def _per_rank(sizes: list[int], size: int) -> list[int]:
+    """``sizes`` if it has an entry per rank, else ``-1`` for each (a list of the wrong
+    length, which Gloo refuses itself when every rank passes one)."""
+    return sizes if len(sizes) == size else [-1] * size
+
+
+def _even(numel: int, size: int) -> int:
+    return numel // size if numel % size == 0 else -1
+
+
+def _flows(op: str, size: int, args: tuple) -> tuple[list, list[int], list[int]]:
+    """What a collective handed to Gloo moves: ``(this rank's tensors, sent_to,
+    expected_from)``, the elements this rank sends to each rank and expects from each. The
+    ranks' calls agree when rank ``r``'s ``sent_to[j]`` is rank ``j``'s ``expected_from[r]``.
+
+    Args:
+        op: the group method's name (one of ``_CHECKED_OPS``).
+        size: the group's size.
+        args: the arguments handed to Gloo, options last.
+    """
+    *tensors, opts = args
+    if op in _SYMMETRIC:  # (tensors, opts): the same tensors on every rank
+        mine = tensors[0]
+        return mine, [_numel(mine)] * size, [_numel(mine)] * size
+    if op == "gather":  # ([[t per rank]] on the root, else []), [t]
+        outputs, mine = tensors
+        sent = [0] * size
+        sent[opts.rootRank % size] = _numel(mine)
+        expected = [t.numel() for t in outputs[0]] if outputs else [0] * size
+        return mine, sent, _per_rank(expected, size)
+    if op == "scatter":  # [t], ([[t per rank]] on the root, else [])
+        mine, inputs = tensors
+        expected = [0] * size
+        expected[opts.rootRank % size] = _numel(mine)
+        sent = [t.numel() for t in inputs[0]] if inputs else [0] * size
+        return mine, _per_rank(sent, size), expected
+    if op == "allgather":  # [[t per rank]], [t]
+        outputs, mine = tensors
+        expected = [t.numel() for t in outputs[0]] if outputs else []
+        return mine, [_numel(mine)] * size, _per_rank(expected, size)
+    if op == "allgather_coalesced":  # [[t per input] per rank], [t per input]
+        outputs, mine = tensors
+        return mine, [_numel(mine)] * size, _per_rank([_numel(row) for row in outputs], size)
+    if op == "reduce_scatter":  # [t], [[t per rank]]
+        mine, inputs = tensors
+        sent = [t.numel() for t in inputs[0]] if inputs else []
+        return mine, _per_rank(sent, size), [_numel(mine)] * size
+    if op == "alltoall":  # [t per rank], [t per rank]
+        outputs, inputs = tensors
+        sent = _per_rank([t.numel() for t in inputs], size)
+        return inputs, sent, _per_rank([t.numel() for t in outputs], size)
+    if op == "all_to_all_single":  # output, input, output splits, input splits
+
+        def split(t: torch.Tensor, splits: Sequence[int]) -> list[int]:
+            if not splits:
+                return [_even(t.numel(), size)] * size
+            row = t[0].numel() if t.dim() and len(t) else 0
+            return _per_rank([n * row for n in splits], size)
+
+        output, input, out_splits, in_splits = tensors
+        return [input], split(input, in_splits), split(output, out_splits)
+    # all_gather_single / reduce_scatter_single and their coalesced forms: output(s), input(s)
+    outputs, inputs = (_as_list(t) for t in tensors)
+    if "gather" in op:
+        return inputs, [_numel(inputs)] * size, [_even(_numel(outputs), size)] * size
+    return inputs, [_even(_numel(inputs), size)] * size, [_numel(outputs)] * size
+
+
+def _descriptor(op: str, size: int, args: tuple) -> torch.Tensor:
+    """This rank's description of a collective handed to Gloo (``int64``: ``_HEAD`` fields,
+    then the elements it sends to each rank and expects from each)."""
+    tensors, sent, expected = _flows(op, size, args)
+    opts = args[-1]
+    reduce_op = getattr(opts, "reduceOp", None)
+    dtype = _DTYPE_CODES.get(tensors[0].dtype, -1) if tensors else -1
+    # symmetric ops: every tensor's size agrees, not only the total (hash of ints: the same
+    # in every process)
+    layout = hash(tuple(t.numel() for t in tensors)) if op in _SYMMETRIC else 0
+    head = [_OP_CODES[op], getattr(opts, "rootRank", -1),
+            -1 if reduce_op is None else _kind_of(reduce_op), dtype, layout]
+    return torch.tensor(head + sent + expected, dtype=torch.int64)
+
+
+def _disagreement(rows: list[list[int]]) -> str | None:
+    """The first way the ranks' descriptors disagree, in words, or ``None``."""
+    size = len(rows)
+    for r, row in enumerate(rows):
+        if row[:_HEAD] != rows[0][:_HEAD]:
+            return f"rank 0 called {_describe(rows[0])} but rank {r} called {_describe(row)}"
+    for r, row in enumerate(rows):
+        for j in range(size):
+            if row[_HEAD + j] != rows[j][_HEAD + size + r]:
+                return (f"rank {r} sends {row[_HEAD + j]} elements to rank {j}, which expects "
+                        f"{rows[j][_HEAD + size + r]} from it (rank {r}: {_describe(row)}; "
+                        f"rank {j}: {_describe(rows[j])})")
+    return None
+
+
+def _describe(row: list[int]) -> str:
+    """One rank's descriptor, in words."""
+    op, root, reduce_kind, dtype, _ = row[:_HEAD]
+    kind = str(_DTYPE_LIST[dtype]).removeprefix("torch.") if 0 <= dtype < len(_DTYPE_LIST) \
+        else "no tensor"
+    size = (len(row) - _HEAD) // 2
+    extra = f", root {root}" if root >= 0 else ""
+    if reduce_kind >= 0:
+        extra += f", op {_RED(reduce_kind).name}"
+    return (f"{_CHECKED_OPS[op]}({kind}{extra}, sending {row[_HEAD:_HEAD + size]}, expecting "
+            f"{row[_HEAD + size:]})")
