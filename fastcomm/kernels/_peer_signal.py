@@ -1,34 +1,50 @@
 """A barrier between ranks through flags in each other's memory: the sync kernel of the kernel
-collectives.
+collectives, and the check that the ranks are in the same call.
 
-Every rank owns a *flag area* of ``n_ranks`` int64 words in its workspace; word ``p`` of rank
-``q``'s area is written by rank ``p`` alone and holds the last barrier epoch ``p`` announced to
-``q``. ``peer_signal(bases, ...)`` runs one barrier of epoch ``e`` on the launching stream:
+Every rank owns a *flag area* of ``3 * n_ranks`` int64 words (`flag_area_words`) in its
+workspace. Word ``p`` of rank ``q``'s area is written by rank ``p`` alone and holds the last
+barrier epoch ``p`` announced to ``q``; words ``n_ranks + 2 * p`` and ``n_ranks + 2 * p + 1``,
+also written by ``p`` alone, hold the *descriptor* ``p`` passed to its barriers of even and
+odd epochs (an opaque int64: the transport packs its call's op, element count, dtype and
+reduce op into it). ``peer_signal(bases, ...)`` runs one barrier of epoch ``e`` on the
+launching stream:
 
-1. unless the control words below already say "stop" or "failed", it writes ``e`` into its own
-   word of every rank's flag area (``atomic_xchg``, release, system scope: the writes of the
-   kernels before it on the stream are visible to a peer that sees the flag);
+1. unless the control words below already say "stop" or "failed", it writes its descriptor
+   into its descriptor word of parity ``e % 2`` and then ``e`` into its epoch word of every
+   rank's flag area (``atomic_xchg``, release, system scope: the descriptor and the writes of
+   the kernels before it on the stream are visible to a peer that sees the flag);
 2. it spins reading its own flag area (``atomic_add`` of 0, acquire, system scope: the kernels
    after it read the peers' data only once every peer has announced ``e``) until every word
-   is ``>= e``.
+   is ``>= e``;
+3. it reads every peer's descriptor of parity ``e % 2`` and compares it with its own.
 
 Epochs only grow, so ``>=`` is right even when a fast peer has already announced the next
-barrier (it cannot get two ahead: that barrier waits for this rank).
+barrier (it cannot get two ahead: that barrier waits for this rank). Such a peer has written
+its next descriptor into the other parity's word, so the word read in step 3 is still the one
+of barrier ``e``; the peer only overwrites it at barrier ``e + 2``, which waits for this
+rank's announcement of ``e + 1``, made after this barrier ended. Agreement costs one store per
+peer and one read per peer after the wait: no extra round trip. When descriptors differ, every
+rank sees a peer whose descriptor differs from its own (equality is transitive), so every rank
+reports the disagreement at the same barrier.
 
 A spinning kernel cannot time out by itself, so the spin is bounded twice, both reported
-through three int64 *control words* the host can read without synchronizing (on a GPU they
-sit in pinned host memory, mapped into the device's address space):
+through `CONTROL_WORDS` int64 *control words* the host can read without synchronizing (on a
+GPU they sit in pinned host memory, mapped into the device's address space):
 
 - ``control[0]`` (written by the host): nonzero asks every barrier to stop: a spinning one
   leaves its loop (checked every ``STOP_EVERY`` spins) and later ones return at once;
-- ``control[1]`` (written by the kernel): the bit mask of the ranks that had not arrived when a
-  barrier gave up (after ``max_spins`` spins or a stop), ``0`` while all is well;
-- ``control[2]``: the epoch of that barrier.
+- ``control[1]`` (written by the kernel): the *report*, ``0`` while all is well. After a
+  barrier gave up (``max_spins`` spins or a stop) it is the bit mask of the ranks that had not
+  arrived (bits 0..62); after a disagreement it has bit 63 set (`DISAGREE`, so it is negative)
+  and the bits of the peers whose descriptor differs;
+- ``control[2]``: the epoch of that barrier;
+- ``control[3]`` and ``control[4]``, after a disagreement: this rank's descriptor and that of
+  the lowest disagreeing peer (enough for the host to name both calls).
 
 A failed barrier is sticky: once ``control[1]`` is set every later barrier returns at once, so
-a stream of collectives behind a missing rank drains in one spin bound instead of one per
-barrier. The data written after a failed barrier is garbage; the transport reports the
-failure and refuses further collectives.
+a stream of collectives behind a missing rank or a disagreement drains in one spin bound
+instead of one per barrier. The data written after a failed barrier is garbage; the transport
+reports the failure and refuses further collectives.
 
 The torch reference (`peer_signal_reference`) runs the same protocol over a list of flag-area
 tensors (every rank's, in rank order) instead of an address table.
@@ -42,20 +58,33 @@ from ._launch import check_tensor, kernel_backend, runnable, tl, triton
 
 __all__ = [
     "CONTROL_WORDS",
+    "DISAGREE",
     "MAX_RANKS",
     "check_peer_signal",
+    "disagreeing_ranks",
+    "flag_area_words",
     "launch_peer_signal",
     "peer_signal",
     "peer_signal_reference",
     "missing_ranks",
 ]
 
-#: int64 words of the control block (stop request, missing-rank mask, failed epoch).
-CONTROL_WORDS = 3
+#: int64 words of the control block (stop request, report, failed epoch, this rank's and the
+#: first disagreeing peer's descriptor).
+CONTROL_WORDS = 5
+#: Bit 63 of the report (``control[1]``): the ranks disagree (the other bits name the peers).
+DISAGREE = -(1 << 63)
 #: Most ranks one barrier spans (the missing-rank mask is one int64).
 MAX_RANKS = 63
 #: Spins between two reads of the host's stop word (a read of host memory costs a PCIe trip).
 STOP_EVERY = 64
+#: int64 words of a flag area per rank: its epoch word and its two descriptor words.
+WORDS_PER_RANK = 3
+
+
+def flag_area_words(n_ranks: int) -> int:
+    """int64 words of a flag area for `n_ranks` ranks (see the module docstring)."""
+    return WORDS_PER_RANK * n_ranks
 
 
 @triton.jit
@@ -65,6 +94,7 @@ def _peer_signal_kernel(
     control_addr,  # address of the CONTROL_WORDS int64 control block
     rank,  # this rank
     epoch,  # the barrier's epoch (> every earlier one)
+    descriptor,  # int64 every rank must pass equal (the call it is part of)
     max_spins,  # spins before giving up
     N_RANKS: tl.constexpr,  # ranks in the barrier
     BLOCK_R: tl.constexpr,  # N_RANKS rounded up to a power of two
@@ -76,8 +106,16 @@ def _peer_signal_kernel(
     stop = tl.load(control, volatile=True)
     failed = tl.load(control + 1, volatile=True)
     if (stop == 0) & (failed == 0):
+        parity = epoch % 2
         bases = tl.load(base_table + peers, mask=mask, other=0)
         mine_there = (bases + flags_offset + rank * 8).to(tl.pointer_type(tl.int64))
+        # descriptor word of this parity: N_RANKS + 2 * rank + parity of every area
+        desc_there = mine_there + (N_RANKS + rank + parity)
+        descs = tl.zeros([BLOCK_R], tl.int64) + descriptor
+        tl.store(desc_there, descs, mask=mask)
+        # the release below then publishes the descriptor with the epoch, whichever thread
+        # of the block stored it
+        tl.debug_barrier()
         epochs = tl.zeros([BLOCK_R], tl.int64) + epoch
         tl.atomic_xchg(mine_there, epochs, mask=mask, sem="release", scope="sys")
         own = (tl.load(base_table + rank) + flags_offset).to(tl.pointer_type(tl.int64))
@@ -93,13 +131,26 @@ def _peer_signal_kernel(
             spins += 1
             if spins % STOP_EVERY == 0:
                 stop = tl.load(control, volatile=True)
+        bits = tl.full([BLOCK_R], 1, tl.int64) << peers.to(tl.int64)
         if n_missing > 0:
-            bits = tl.full([BLOCK_R], 1, tl.int64) << peers.to(tl.int64)
             tl.store(control + 2, epoch)
             tl.store(control + 1, tl.sum(tl.where(missing, bits, 0)))
+        else:
+            # every peer announced >= epoch after storing its descriptor of this parity
+            theirs = tl.load(own + N_RANKS + 2 * peers + parity, mask=mask, other=0,
+                             volatile=True)
+            differ = mask & (theirs != descriptor)
+            if tl.sum(differ.to(tl.int32)) > 0:
+                first = tl.min(tl.where(differ, peers, BLOCK_R))
+                tl.store(control + 2, epoch)
+                tl.store(control + 3, descriptor)
+                tl.store(control + 4, tl.sum(tl.where(peers == first, theirs, 0)))
+                sign = tl.full([], 1, tl.int64) << 63
+                tl.store(control + 1, tl.sum(tl.where(differ, bits, 0)) | sign)
 
 
-def _check_common(n_ranks: int, rank: int, epoch: int, max_spins: int, control) -> None:
+def _check_common(n_ranks: int, rank: int, epoch: int, max_spins: int, control,
+                  descriptor: int) -> None:
     if not 1 <= n_ranks <= MAX_RANKS:
         raise ValueError(f"a barrier spans 1..{MAX_RANKS} ranks, got {n_ranks}")
     if not 0 <= rank < n_ranks:
@@ -108,6 +159,8 @@ def _check_common(n_ranks: int, rank: int, epoch: int, max_spins: int, control) 
         raise ValueError(f"epoch must be >= 1 (flag words start at 0), got {epoch}")
     if max_spins < 0:
         raise ValueError(f"max_spins must be >= 0, got {max_spins}")
+    if not -(1 << 63) <= descriptor < 1 << 63:
+        raise ValueError(f"descriptor must fit an int64, got {descriptor}")
     check_tensor("control", control, dtypes=(torch.int64,))
     if control.numel() < CONTROL_WORDS:
         raise ValueError(f"control has {control.numel()} words; needs {CONTROL_WORDS}")
@@ -121,26 +174,33 @@ def peer_signal(
     epoch: int,
     control: torch.Tensor,
     max_spins: int,
+    descriptor: int = 1,
 ) -> None:
     """Enqueues one barrier of `epoch` among the ranks of `base_table` (see module docstring).
 
     Args:
         base_table: int64 ``[n_ranks]``, the address of every rank's workspace as mapped in this
             process, in rank order, on the device the kernel runs on.
-        flags_offset: byte offset of the flag area (``n_ranks`` int64 words, 8-byte aligned)
-            in every workspace.
+        flags_offset: byte offset of the flag area (`flag_area_words` int64 words, 8-byte
+            aligned) in every workspace.
         rank: this rank.
         epoch: the barrier's epoch, greater than every earlier one of this rank.
         control: int64 control block of `CONTROL_WORDS` words the kernel can address
             (pinned host memory for a CUDA launch).
         max_spins: spins before the barrier gives up and reports the missing ranks.
+        descriptor: an int64 every rank of this barrier must pass equal; a peer's differing
+            one is reported in the control block. A transport keeps it odd and at least
+            ``2**56`` on a GPU: Triton compiles a variant per integer class of an argument
+            (equal to 1, divisible by 16, 32- or 64-bit), and a barrier should not compile
+            mid-collective while its peers spin.
 
     Raises:
         TypeError: `base_table` or `control` is not an int64 tensor.
-        ValueError: a rank, epoch, spin bound or offset out of range.
+        ValueError: a rank, epoch, spin bound, descriptor or offset out of range.
     """
-    check_peer_signal(base_table, flags_offset, rank, epoch, control, max_spins)
-    launch_peer_signal(base_table, flags_offset, control.data_ptr(), rank, epoch, max_spins)
+    check_peer_signal(base_table, flags_offset, rank, epoch, control, max_spins, descriptor)
+    launch_peer_signal(base_table, flags_offset, control.data_ptr(), rank, epoch, max_spins,
+                       descriptor)
 
 
 def check_peer_signal(
@@ -150,11 +210,12 @@ def check_peer_signal(
     epoch: int,
     control: torch.Tensor,
     max_spins: int,
+    descriptor: int = 1,
 ) -> None:
     """`peer_signal`'s argument checks, for a transport that makes them once at setup and
     then launches every barrier through `launch_peer_signal` (raises as `peer_signal`)."""
     check_tensor("base_table", base_table, dtypes=(torch.int64,))
-    _check_common(base_table.numel(), rank, epoch, max_spins, control)
+    _check_common(base_table.numel(), rank, epoch, max_spins, control, descriptor)
     if flags_offset < 0 or flags_offset % 8:
         raise ValueError(f"flags_offset must be a non-negative multiple of 8, got {flags_offset}")
     if kernel_backend(base_table) != "triton":
@@ -172,6 +233,7 @@ def launch_peer_signal(
     rank: int,
     epoch: int,
     max_spins: int,
+    descriptor: int = 1,
 ) -> None:
     """Launches one barrier with no argument checks (see `check_peer_signal`): the hot call
     of a collective, a few per round."""
@@ -182,6 +244,7 @@ def launch_peer_signal(
         control_addr,
         rank,
         epoch,
+        descriptor,
         max_spins,
         N_RANKS=n_ranks,
         BLOCK_R=max(2, triton.next_power_of_2(n_ranks)),
@@ -197,22 +260,28 @@ def peer_signal_reference(
     epoch: int,
     control: torch.Tensor,
     max_spins: int,
+    descriptor: int = 1,
 ) -> None:
     """`peer_signal` over every rank's flag area as an int64 tensor (same protocol, on CPU).
 
     Args:
-        flag_areas: rank order; ``flag_areas[q][p]`` is the word rank ``p`` writes to rank ``q``.
-        rank, epoch, control, max_spins: as for `peer_signal`.
+        flag_areas: rank order; ``flag_areas[q]`` is rank ``q``'s flag area (at least
+            `flag_area_words` words), ``flag_areas[q][p]`` the epoch word rank ``p`` writes
+            to rank ``q``.
+        rank, epoch, control, max_spins, descriptor: as for `peer_signal`.
     """
     n_ranks = len(flag_areas)
-    _check_common(n_ranks, rank, epoch, max_spins, control)
+    _check_common(n_ranks, rank, epoch, max_spins, control, descriptor)
+    words = flag_area_words(n_ranks)
     for i, area in enumerate(flag_areas):
         check_tensor(f"flag_areas[{i}]", area, dtypes=(torch.int64,))
-        if area.numel() < n_ranks:
-            raise ValueError(f"flag_areas[{i}] has {area.numel()} words; needs {n_ranks}")
+        if area.numel() < words:
+            raise ValueError(f"flag_areas[{i}] has {area.numel()} words; needs {words}")
     if control[0].item() or control[1].item():
         return
+    parity = epoch % 2
     for area in flag_areas:
+        area[n_ranks + 2 * rank + parity] = descriptor
         area[rank] = epoch
     own = flag_areas[rank][:n_ranks]
     spins = 0
@@ -225,8 +294,22 @@ def peer_signal_reference(
     if bool(missing.any()):
         control[2] = epoch
         control[1] = sum(1 << p for p in missing.nonzero().flatten().tolist())
+        return
+    theirs = flag_areas[rank][n_ranks + parity : n_ranks + 2 * n_ranks : 2].tolist()
+    differ = [p for p, d in enumerate(theirs) if d != descriptor]
+    if differ:
+        control[2] = epoch
+        control[3] = descriptor
+        control[4] = theirs[differ[0]]
+        control[1] = DISAGREE | sum(1 << p for p in differ)
 
 
 def missing_ranks(mask: int) -> list[int]:
     """The ranks of a missing-rank mask (``control[1]``), ascending."""
     return [p for p in range(MAX_RANKS) if mask >> p & 1]
+
+
+def disagreeing_ranks(report: int) -> list[int]:
+    """The peers of a disagreement report (``control[1]`` with `DISAGREE` set), ascending;
+    empty for any other report."""
+    return missing_ranks(report) if report < 0 else []

@@ -6,10 +6,13 @@
   executes the transport's own steps (`all_reduce_steps` through `run_steps`) with the same
   kernels (`peer_signal`, `peer_reduce_table`, in Triton's interpreter) and plain memory copies
   in place of ``cudaMemcpyAsync``: all ops, dtypes and size classes (1 element, not divisible by
-  the world size, larger than the workspace) against the torch reference, and a rank that never
-  arrives. Only the CUDA calls differ on a GPU.
+  the world size, larger than the workspace, empty) against the torch reference, ranks whose
+  calls differ in element count, dtype or reduce op (every rank gets the error naming both
+  calls, with the barrier kernel and with its torch reference), and a rank that never arrives.
+  Only the CUDA calls differ on a GPU.
 - GPU (``@pytest.mark.gpu``, skipped without CUDA): 2 ranks sharing GPU 0 through
-  `CudaIpcTransport` itself, a missing rank timing out, and nothing leaked.
+  `CudaIpcTransport` itself, a missing rank timing out, a disagreement raising on both ranks,
+  and nothing leaked.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import time
 import pytest
 import torch
 
+from fastcomm.comm.errors import CommAbortedError, FastcommError
 from fastcomm.comm.ipc import cuda as ipc_cuda
 from fastcomm.comm.ipc.cuda import (
     Barrier,
@@ -35,6 +39,7 @@ from fastcomm.comm.ipc.cuda import (
     workspace_layout,
 )
 from fastcomm.comm.types import ReduceOp
+from fastcomm.kernels._peer_signal import CONTROL_WORDS, DISAGREE, flag_area_words
 from tests.harness import STATE, RankPool, map_peer_files, rank_store
 
 pytestmark = pytest.mark.timeout(300)
@@ -68,11 +73,11 @@ def test_layout_areas_are_aligned_and_disjoint(size, sizes):
         (layout.data_offsets[0], layout.buffer_bytes),
         (layout.data_offsets[1], layout.buffer_bytes),
         (layout.result_offset, layout.result_bytes),
-        (layout.flags_offset, 8 * size),
+        (layout.flags_offset, 8 * flag_area_words(size)),
     ]
     for (start, n), (nxt, _) in zip(areas, areas[1:], strict=False):
         assert start % ipc_cuda.ALIGN == 0 and start + n <= nxt
-    assert layout.flags_offset + 8 * size <= layout.total_bytes
+    assert layout.flags_offset + 8 * flag_area_words(size) <= layout.total_bytes
     assert layout.buffer_bytes * 2 == options.workspace_bytes
     # every one-shot round fits the result buffer
     assert layout.result_bytes >= min(options.two_shot_bytes, layout.buffer_bytes)
@@ -130,8 +135,9 @@ def test_steps_alternate_buffers_and_number_barriers_across_calls():
         Reduce(1024, layout.result_offset, 3, False),
         CopyOut(layout.result_offset, 0, 12),
     ]
-    assert all_reduce_steps(0, 4, 1, 3, layout, options.two_shot_bytes, clock) == []
-    assert (clock.epoch, clock.rounds) == (7, 4)
+    # an empty call meets the peers' call at one barrier (and is compared with it)
+    assert all_reduce_steps(0, 4, 1, 3, layout, options.two_shot_bytes, clock) == [Barrier(8)]
+    assert (clock.epoch, clock.rounds) == (8, 4)
 
 
 def test_a_rank_with_an_empty_chunk_still_meets_both_barriers():
@@ -149,6 +155,67 @@ def test_spin_bound_and_timeout_message():
     assert "rank(s) [1, 3] never reached barrier 9" in text
 
 
+def test_call_descriptor_packs_every_field_into_one_odd_word():
+    from fastcomm.comm.ipc.cuda import call_descriptor, describe_call
+
+    base = call_descriptor("all_reduce", 1024, torch.float32, ReduceOp.SUM)
+    variants = [
+        base,
+        call_descriptor("all_reduce", 1000, torch.float32, ReduceOp.SUM),
+        call_descriptor("all_reduce", 1024 + (1 << 39), torch.float32, ReduceOp.SUM),
+        call_descriptor("all_reduce", 0, torch.float32, ReduceOp.SUM),
+        call_descriptor("all_reduce", 1024, torch.float16, ReduceOp.SUM),
+        call_descriptor("all_reduce", 1024, torch.bfloat16, ReduceOp.SUM),
+        call_descriptor("all_reduce", 1024, torch.float32, ReduceOp.AVG),
+        call_descriptor("all_reduce", 1024, torch.float32, ReduceOp.MIN),
+        ipc_cuda.SETUP_DESCRIPTOR,
+    ]
+    assert len(set(variants)) == len(variants)  # any one field differing is seen
+    for d in variants:
+        # one compiled barrier for all: odd, 64-bit, positive (see the layout's comment)
+        assert d % 2 == 1 and 1 << 56 <= d < 1 << 63, hex(d)
+    assert describe_call(base) == "all_reduce of 1024 float32 SUM"
+    assert describe_call(variants[2]) == f"all_reduce of {1024 + (1 << 39)} float32 SUM"
+    assert describe_call(variants[5]) == "all_reduce of 1024 bfloat16 SUM"
+    assert describe_call(variants[7]) == "all_reduce of 1024 float32 MIN"
+    assert describe_call(ipc_cuda.SETUP_DESCRIPTOR) == "the setup barrier"
+
+
+def test_disagreement_message_names_both_calls():
+    from fastcomm.comm.ipc.cuda import call_descriptor
+
+    mine = call_descriptor("all_reduce", 1024, torch.float32, ReduceOp.SUM)
+    theirs = call_descriptor("all_reduce", 1000, torch.float32, ReduceOp.SUM)
+    text = ipc_cuda.disagreement_message(0, DISAGREE | 0b10, 5, mine, theirs)
+    assert text.startswith("rank 0: all_reduce disagrees with rank 1: rank 0 called all_reduce "
+                           "of 1024 float32 SUM, rank 1 called all_reduce of 1000 float32 SUM")
+    text = ipc_cuda.disagreement_message(1, DISAGREE | 0b101, 5, theirs, mine)
+    assert "with rank 0 (ranks [0, 2] disagree with it)" in text
+
+
+def test_transport_verdict_on_a_control_block():
+    """The transport's own failure methods over a control block as the barrier leaves it (no
+    GPU here to build a whole transport: the object holds only what they read)."""
+    from fastcomm.comm.ipc.cuda import CudaIpcTransport, call_descriptor
+
+    mine = call_descriptor("all_reduce", 8, torch.float32, ReduceOp.SUM)
+    theirs = call_descriptor("all_reduce", 8, torch.float32, ReduceOp.MAX)
+    words = (ctypes.c_int64 * CONTROL_WORDS)()
+    t = CudaIpcTransport.__new__(CudaIpcTransport)
+    t.rank, t._words, t._failure, t._closed = 1, words, None, False
+    assert t.failure() is None and t._barrier_report() is None
+    words[1], words[2], words[3] = DISAGREE | 1, 4, mine  # the peer's word not seen yet
+    assert t.failure() is None
+    words[4] = theirs
+    error = t._barrier_report()
+    assert isinstance(error, FastcommError) and "rank 0 called all_reduce of 8 float32 MAX" in (
+        str(error))
+    assert t.failure() is error  # sticky
+    with pytest.raises(CommAbortedError, match="aborted CUDA IPC transport: rank 1: all_reduce "
+                       "disagrees with rank 0"):
+        t._raise_if_unusable("all_reduce")
+
+
 def test_operands_are_checked_before_anything_is_enqueued():
     check, cpu = ipc_cuda.check_all_reduce, torch.device("cpu")
     assert check(torch.ones(2), "avg", cpu) is ReduceOp.AVG
@@ -160,52 +227,75 @@ def test_operands_are_checked_before_anything_is_enqueued():
         check(torch.ones(4, 4).t(), "sum", cpu)
     with pytest.raises(ValueError, match="this transport runs on cuda:0"):
         check(torch.ones(2), "sum", torch.device("cuda", 0))
+    meta = torch.device("meta")  # a tensor of 2**40 elements without the memory
+    with pytest.raises(ValueError, match="1099511627776 elements.*fewer than 2"):
+        check(torch.empty(1 << 40, device=meta), "sum", meta)
+    assert check(torch.empty((1 << 40) - 1, device=meta), "sum", meta) is ReduceOp.SUM
 
 
 # ---------------------------------------------------------------------- CPU twin, processes
 class _ShmOps:
-    """`StepOps` over mapped shared memory: the transport's steps with CPU copies."""
+    """`StepOps` over mapped shared memory: the transport's steps with CPU copies, the barrier
+    by the kernel or, over the flag areas as tensors (`areas`), by its torch reference."""
 
-    def __init__(self, bases, rank, layout, control, max_spins):
+    def __init__(self, bases, rank, layout, control, max_spins, areas=None):
         self.bases, self.rank, self.layout = bases, rank, layout
-        self.control, self.max_spins = control, max_spins
+        self.control, self.max_spins, self.areas = control, max_spins, areas
         self.dtype, self.op = torch.float32, "sum"
+        self.descriptor = ipc_cuda.SETUP_DESCRIPTOR
 
     def copy(self, dst_addr, src_addr, nbytes):
         ctypes.memmove(dst_addr, src_addr, nbytes)
 
     def barrier(self, epoch):
-        from fastcomm.kernels import peer_signal
+        from fastcomm.kernels import peer_signal, peer_signal_reference
 
+        if self.areas is not None:
+            peer_signal_reference(self.areas, rank=self.rank, epoch=epoch, control=self.control,
+                                  max_spins=self.max_spins, descriptor=self.descriptor)
+            return
         peer_signal(self.bases, flags_offset=self.layout.flags_offset, rank=self.rank,
-                    epoch=epoch, control=self.control, max_spins=self.max_spins)
+                    epoch=epoch, control=self.control, max_spins=self.max_spins,
+                    descriptor=self.descriptor)
 
     def reduce(self, step):
         own = self.bases[self.rank : self.rank + 1]
         ipc_cuda.reduce_step(step, self.bases, own, self.dtype, self.op)
 
 
-def _twin_open(name: str) -> None:
-    """Maps every rank's workspace (zero-filled, as cudaMemset leaves the GPU's) into this rank."""
+def _twin_state(name: str, impl: str = "kernel") -> dict:
+    """Maps every rank's workspace (zero-filled, as cudaMemset leaves the GPU's) into this rank;
+    `impl`: the barrier's kernel or its reference."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     options = IpcCudaOptions(**SMALL)
     layout = workspace_layout(options, world)
     maps = map_peer_files(name, "ipctwin", layout.total_bytes)
     raw = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
     bases = torch.tensor([t.data_ptr() for t in raw], dtype=torch.int64)
-    control = torch.zeros(3, dtype=torch.int64)
-    STATE["twin"] = {
+    control = torch.zeros(CONTROL_WORDS, dtype=torch.int64)
+    areas = None
+    if impl == "reference":
+        flags = slice(layout.flags_offset, layout.flags_offset + 8 * flag_area_words(world))
+        areas = [t[flags].view(torch.int64) for t in raw]
+    return {
         "maps": maps, "raw": raw, "options": options, "layout": layout, "clock": EpochClock(),
-        "ops": _ShmOps(bases, rank, layout, control, max_spins=10**9),
+        "ops": _ShmOps(bases, rank, layout, control, max_spins=10**9, areas=areas),
     }
 
 
-def _twin_close() -> None:
-    twin = STATE.pop("twin", None)
+def _twin_open(name: str) -> None:
+    STATE["twin"] = _twin_state(name)
+
+
+def _close_state(twin: dict | None) -> None:
     if twin is not None:
         del twin["raw"], twin["ops"]
         for m in twin["maps"]:
             m.close()
+
+
+def _twin_close() -> None:
+    _close_state(STATE.pop("twin", None))
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -218,7 +308,6 @@ def _inputs(world, numel, dtype, seed):
 
 def twin_all_reduce(dtype_name: str, cases: list) -> list:
     """Runs each (op, numel, seed) through the transport's steps; returns (got, want) bits."""
-    from fastcomm.comm.ipc.cuda import all_reduce_steps, run_steps
     from fastcomm.kernels import peer_reduce_reference
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -228,16 +317,47 @@ def twin_all_reduce(dtype_name: str, cases: list) -> list:
     for op, numel, seed in cases:
         inputs = _inputs(world, numel, dtype, seed)
         tensor = inputs[rank].clone()
-        steps = all_reduce_steps(numel, tensor.element_size(), rank, world, twin["layout"],
-                                 twin["options"].two_shot_bytes, twin["clock"])
-        ops.dtype, ops.op = dtype, op
-        run_steps(steps, ops, tensor.data_ptr(), int(ops.bases[rank]))
+        _twin_call(twin, tensor, op)
         want = torch.empty(numel, dtype=dtype)
         peer_reduce_reference(inputs, [want], op=op)
         as_int = torch.int16 if dtype.itemsize == 2 else torch.int32
         out.append((tensor.view(as_int).tolist(), want.view(as_int).tolist()))
-    assert ops.control.tolist() == [0, 0, 0]
+    assert ops.control.tolist() == [0] * CONTROL_WORDS
     return out
+
+
+def _twin_call(twin: dict, tensor: torch.Tensor, op: str) -> None:
+    """One allreduce of `tensor` as the transport runs it (its steps, its call's descriptor)."""
+    from fastcomm.comm.ipc.cuda import all_reduce_steps, call_descriptor, run_steps
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    ops = twin["ops"]
+    steps = all_reduce_steps(tensor.numel(), tensor.element_size(), rank, world,
+                             twin["layout"], twin["options"].two_shot_bytes, twin["clock"])
+    ops.dtype, ops.op = tensor.dtype, op
+    ops.descriptor = call_descriptor("all_reduce", tensor.numel(), tensor.dtype,
+                                     ReduceOp.coerce(op))
+    run_steps(steps, ops, tensor.data_ptr(), int(ops.bases[rank]))
+
+
+def twin_disagree(name: str, impl: str, op: str, numel: int, dtype_name: str):
+    """On fresh workspaces: an agreed allreduce, then this rank's (`op`, `numel`, dtype); returns
+    the error the transport would raise (its text), the seconds from the call to the verdict,
+    the control block and the call's result."""
+    rank = int(os.environ["RANK"])
+    twin = _twin_state(name, impl)
+    try:
+        control = twin["ops"].control
+        _twin_call(twin, torch.ones(4), "sum")  # the ranks start the next call together
+        assert control.tolist() == [0] * CONTROL_WORDS
+        start = time.monotonic()
+        tensor = torch.ones(numel, dtype=DTYPES[dtype_name])
+        _twin_call(twin, tensor, op)
+        error = ipc_cuda.disagreement_error(rank, control)
+        elapsed = time.monotonic() - start
+        return (None if error is None else str(error)), elapsed, control.tolist()
+    finally:
+        _close_state(twin)
 
 
 def twin_without(absent: int, max_spins: int):
@@ -270,7 +390,7 @@ def twin(request):
 
 # 1 element, fewer than the ranks, one-shot not divisible, two-shot not divisible,
 # larger than the workspace (several rounds, the last one one-shot for fp32)
-SIZES = [1, 2, 61, 101, 570]
+SIZES = [1, 2, 61, 101, 570, 0]
 OPS = ["sum", "avg", "max", "min"]
 
 
@@ -285,9 +405,47 @@ def test_twin_all_reduce_matches_reference(twin, dtype_name):
             assert results[k][0] == got0, f"{what}: ranks disagree"
         if dtype_name == "bfloat16" and op in ("sum", "avg"):
             # the interpreter truncates fp32 -> bf16: at most 1 ulp toward zero
-            assert max(abs(a - b) for a, b in zip(got0, want, strict=True)) <= 1, what
+            assert max((abs(a - b) for a, b in zip(got0, want, strict=True)), default=0) <= 1, (
+                what)
         else:
             assert got0 == want, what
+
+
+@pytest.mark.parametrize("impl", ["kernel", "reference"])
+@pytest.mark.parametrize(
+    ("agreed", "other"),
+    [
+        (("sum", 1024, "float32"), ("sum", 1000, "float32")),
+        (("avg", 300, "float32"), ("avg", 300, "float16")),
+        (("sum", 64, "bfloat16"), ("max", 64, "bfloat16")),
+        (("min", 0, "float16"), ("min", 5, "float16")),  # an empty call against a real one
+    ],
+    ids=["count", "dtype", "op", "empty"],
+)
+def test_twin_disagreement_raises_on_every_rank_naming_both(twin, impl, agreed, other,
+                                                            unique_name):
+    from fastcomm.comm.ipc.cuda import call_descriptor, describe_call
+
+    world = twin.world_size
+    calls = [agreed] * (world - 1) + [other]  # the last rank differs
+
+    def text(call):
+        op, numel, dtype_name = call
+        return describe_call(call_descriptor("all_reduce", numel, DTYPES[dtype_name],
+                                             ReduceOp.coerce(op)))
+
+    results = twin.run(twin_disagree, unique_name, impl,
+                       per_rank=[tuple(call) for call in calls])
+    for rank, (message, elapsed, control) in enumerate(results):
+        assert message is not None, f"rank {rank} saw no disagreement: {control}"
+        peer = 0 if rank == world - 1 else world - 1
+        assert message.startswith(f"rank {rank}: all_reduce disagrees with rank {peer}"), message
+        assert f"rank {rank} called {text(calls[rank])}" in message, message
+        assert f"rank {peer} called {text(calls[peer])}" in message, message
+        # at the call's first barrier (epoch 2: no setup barrier, one agreed call before), long
+        # before the spin bound (minutes): the comparison, not a timeout, ended the wait
+        assert control[2] == 2, control
+        assert elapsed < 10, (rank, elapsed)
 
 
 def test_twin_rank_that_never_arrives_is_named(twin):

@@ -4,7 +4,7 @@ Every rank allocates one *workspace* on its GPU (``cudaMalloc``, once), exports 
 handle through the store and opens every peer's (its own is used directly), so each process
 holds the address of every rank's workspace; an int64 table of them lives on the device.
 A workspace (`WorkspaceLayout`) holds two data buffers (alternating between rounds), a result
-buffer for one-shot rounds and a flag area (one int64 word per rank, see
+buffer for one-shot rounds and a flag area (three int64 words per rank, see
 `fastcomm.kernels.peer_signal`).
 
 An allreduce is a list of rounds of at most one data buffer each (`plan_rounds`), and each
@@ -19,7 +19,17 @@ round a list of steps (`all_reduce_steps`, pure host logic, tested on CPU):
 Round ``k`` uses data buffer ``k % 2``. Rank ``q`` overwrites its buffer of round ``k`` in round
 ``k + 2``, after the first barrier of round ``k + 1``, which every peer reaches only after its
 reads and its copy out of round ``k``: so no barrier is needed after a round, and a small
-allreduce costs one barrier.
+allreduce costs one barrier. An empty allreduce is one barrier and nothing else, so that it
+meets the peers' call and is compared with it like any other.
+
+Agreement: ranks must make the same calls, or a peer reads past the other's data or waits at
+a barrier the other never reaches. Every barrier of a call carries the call's *descriptor*
+(`call_descriptor`: op, element count, dtype and reduce op in one int64), which the barrier
+stores next to its flag and compares with every peer's once they arrived (no extra round).
+A difference is reported in the control block at the call's first barrier on every rank; the
+host then raises a `FastcommError` naming both calls (`disagreement_message`) on every rank,
+and the transport is aborted as after a timeout (every later barrier returns at once, every
+later call is refused).
 
 `run_steps` turns steps into calls on a `StepOps`; the CUDA ones (memcpy, `peer_signal`,
 `peer_reduce_table` on the transport's stream) are the only part that needs a GPU. The tests
@@ -63,6 +73,8 @@ from ...kernels._peer_reduce import MAX_PEERS, launch_peer_reduce_table
 from ...kernels._peer_signal import (
     CONTROL_WORDS,
     check_peer_signal,
+    disagreeing_ranks,
+    flag_area_words,
     launch_peer_signal,
     missing_ranks,
 )
@@ -78,6 +90,10 @@ __all__ = [
     "IpcCudaOptions",
     "WorkspaceLayout",
     "all_reduce_steps",
+    "call_descriptor",
+    "describe_call",
+    "disagreement_error",
+    "disagreement_message",
     "plan_rounds",
     "two_shot_chunk",
     "workspace_layout",
@@ -93,6 +109,18 @@ CUDA_OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX, ReduceOp.MIN)
 #: Alignment of every area of a workspace and of two-shot chunks (bytes): 128-bit accesses.
 ALIGN = 256
 CHUNK_ALIGN = 16
+
+# A call's descriptor (one int64, compared by every barrier of the call): opcode in bits
+# 56..62, dtype in 48..55, reduce op in 41..47, element count in 1..40 and bit 0 set. It is
+# odd and >= 2**56 whatever the call, so Triton compiles one variant of the barrier for all
+# of them (it specializes integers equal to 1, divisible by 16, or past 32 bits).
+_OPCODES = {"barrier": 1, "all_reduce": 2}
+_DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(CUDA_DTYPES)}
+_REDOP_CODES = {op: i + 1 for i, op in enumerate(CUDA_OPS)}
+#: Element counts a descriptor holds (2**40 fp16 elements are 2 TiB: past any GPU's memory).
+MAX_NUMEL = 1 << 40
+#: The descriptor of the setup barrier, which is part of no collective.
+SETUP_DESCRIPTOR = (_OPCODES["barrier"] << 56) | 1
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -149,7 +177,7 @@ class WorkspaceLayout(NamedTuple):
     data_offsets: tuple[int, int]  # data buffer of even and odd rounds
     result_offset: int  # one-shot result (read and written by its own rank only)
     result_bytes: int
-    flags_offset: int  # one int64 word per rank
+    flags_offset: int  # three int64 words per rank (epoch, two descriptors)
     total_bytes: int
 
 
@@ -163,7 +191,7 @@ def workspace_layout(options: IpcCudaOptions, size: int) -> WorkspaceLayout:
     result_bytes = _align(min(options.two_shot_bytes, buffer_bytes))
     result_offset = 2 * buffer_bytes
     flags_offset = result_offset + result_bytes
-    total = flags_offset + _align(8 * size)
+    total = flags_offset + _align(8 * flag_area_words(size))
     return WorkspaceLayout(
         buffer_bytes, (0, buffer_bytes), result_offset, result_bytes, flags_offset, total
     )
@@ -258,7 +286,11 @@ def all_reduce_steps(
     two_shot_bytes: int,
     clock: EpochClock,
 ) -> list:
-    """The steps of one allreduce on `rank` (see the module docstring); advances `clock`."""
+    """The steps of one allreduce on `rank` (see the module docstring); advances `clock`.
+
+    An empty allreduce is a single barrier: it meets the peers' call (and its descriptor)."""
+    if not numel:
+        return [Barrier(clock.next_epoch())]
     steps: list = []
     for rnd in plan_rounds(numel, itemsize, layout, two_shot_bytes):
         data = layout.data_offsets[clock.next_parity()]
@@ -333,6 +365,69 @@ def timeout_message(rank: int, op: str, elapsed: float, limit: float, mask: int,
     )
 
 
+def call_descriptor(name: str, numel: int = 0, dtype: torch.dtype | None = None,
+                    op: ReduceOp | None = None) -> int:
+    """The descriptor of a call (layout above `_OPCODES`): what every rank's barriers of the
+    call compare. `numel` must be below `MAX_NUMEL` (`check_all_reduce` makes sure)."""
+    return (
+        (_OPCODES[name] << 56)
+        | (_DTYPE_CODES.get(dtype, 0) << 48)
+        | (_REDOP_CODES.get(op, 0) << 41)
+        | (numel << 1)
+        | 1
+    )
+
+
+def describe_call(descriptor: int) -> str:
+    """A descriptor in words: ``all_reduce of 1024 float32 SUM``, ``the setup barrier``."""
+    names = {v: k for k, v in _OPCODES.items()}
+    dtypes = {v: str(k).removeprefix("torch.") for k, v in _DTYPE_CODES.items()}
+    ops = {v: k.name for k, v in _REDOP_CODES.items()}
+    opcode = (descriptor >> 56) & 0x7F
+    name = names.get(opcode, f"op {opcode}")
+    if name == "barrier":
+        return "the setup barrier"
+    numel = (descriptor >> 1) & (MAX_NUMEL - 1)
+    dtype, redop = (descriptor >> 48) & 0xFF, (descriptor >> 41) & 0x7F
+    return (f"{name} of {numel} {dtypes.get(dtype, f'dtype {dtype}')} "
+            f"{ops.get(redop, f'op {redop}')}")
+
+
+def disagreement_message(rank: int, report: int, epoch: int, mine: int, theirs: int) -> str:
+    """The text of the error a barrier's disagreement report raises (names both calls).
+
+    Args:
+        rank: this rank.
+        report: ``control[1]``, `DISAGREE` and the disagreeing peers' bits.
+        epoch: the barrier (``control[2]``).
+        mine, theirs: this rank's and the lowest disagreeing peer's descriptor.
+    """
+    peers = disagreeing_ranks(report)
+    peer = peers[0] if peers else -1
+    also = f" (ranks {peers} disagree with it)" if len(peers) > 1 else ""
+    names = {v: k for k, v in _OPCODES.items()}
+    op = names.get((mine >> 56) & 0x7F, "a collective")
+    return (
+        f"rank {rank}: {op} disagrees with rank {peer}{also}: rank {rank} called "
+        f"{describe_call(mine)}, "
+        f"rank {peer} called {describe_call(theirs)} (barrier {epoch}); every rank must make "
+        "the same calls in the same order; the CUDA IPC transport is aborted"
+    )
+
+
+def disagreement_error(rank: int, control) -> FastcommError | None:
+    """The error of a disagreement reported in the control block `control` (a sequence of
+    its words), or None when it holds none (yet).
+
+    The descriptors (never 0) are stored before the report, but the host may see the words of
+    pinned memory land in another order: until both have, there is no verdict.
+    """
+    report, epoch, mine, theirs = (int(control[i]) for i in range(1, 5))
+    if report >= 0 or not (mine and theirs):
+        return None
+    return FastcommError(disagreement_message(rank, report, epoch, mine, theirs))
+
+
 def check_all_reduce(tensor: torch.Tensor, op, device: torch.device) -> ReduceOp:
     """Validates an allreduce's operands; returns the op as a `ReduceOp`."""
     if not isinstance(tensor, torch.Tensor):
@@ -345,6 +440,9 @@ def check_all_reduce(tensor: torch.Tensor, op, device: torch.device) -> ReduceOp
     if not tensor.is_contiguous():
         raise ValueError(f"tensor (shape {tuple(tensor.shape)}, strides {tensor.stride()}) "
                          "is not contiguous")
+    if tensor.numel() >= MAX_NUMEL:
+        raise ValueError(f"tensor has {tensor.numel()} elements; the CUDA IPC allreduce takes "
+                         f"fewer than 2**40")
     op = ReduceOp.coerce(op)
     if op not in CUDA_OPS:
         allowed = ", ".join(o.name for o in CUDA_OPS)
@@ -476,6 +574,7 @@ class CudaIpcTransport:
         """
         start = time.monotonic()
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            self._ops.descriptor = SETUP_DESCRIPTOR
             self._ops.barrier(self._clock.next_epoch())
         done = torch.cuda.Event()
         done.record(self.stream)
@@ -533,7 +632,9 @@ class CudaIpcTransport:
             ready = self._caller_ready
             ready.record(torch.cuda.current_stream(self.device))
             self.stream.wait_event(ready)
-            self._ops.dtype, self._ops.op = tensor.dtype, op.value
+            ops = self._ops
+            ops.dtype, ops.op = tensor.dtype, op.value
+            ops.descriptor = call_descriptor("all_reduce", tensor.numel(), tensor.dtype, op)
             try:
                 with torch.cuda.stream(self.stream):
                     run_steps(steps, self._ops, tensor.data_ptr(), self._base)
@@ -564,6 +665,9 @@ class CudaIpcTransport:
     def failure(self) -> BaseException | None:
         """The error that aborted the transport, if any (reads the barrier's report)."""
         words = self._words
+        if self._failure is None and words[1] < 0:
+            self._failure = disagreement_error(self.rank, words)
+            return self._failure
         if self._failure is None and (words[1] or words[0]):
             op, elapsed = self._timed_out or ("all_reduce", None)
             pending = self._watchdog.pending
@@ -575,7 +679,8 @@ class CudaIpcTransport:
         return self._failure
 
     def _barrier_report(self) -> BaseException | None:
-        """The watchdog's poll: a barrier that ran out of spins reported missing ranks."""
+        """The watchdog's poll: a barrier that ran out of spins reported missing ranks, or one
+        found a peer in another call."""
         return self.failure() if self._words[1] else None
 
     def _stuck(self, work: EventWork) -> BaseException:
@@ -627,24 +732,26 @@ class CudaIpcTransport:
 class _CudaOps:
     """`StepOps` on the transport's stream (the current stream while steps run)."""
 
-    __slots__ = ("t", "dtype", "op", "_memcpy", "_stream", "_own", "_signal_args")
+    __slots__ = ("t", "dtype", "op", "descriptor", "_memcpy", "_stream", "_own", "_signal_args")
 
     def __init__(self, transport: CudaIpcTransport) -> None:
         t = self.t = transport
         self.dtype = torch.float32
         self.op = "sum"
+        self.descriptor = SETUP_DESCRIPTOR  # of the call whose steps run (set per call)
         self._memcpy = t._rt.memcpyAsync
         self._stream = t.stream.cuda_stream
         self._own = t._bases[t.rank : t.rank + 1]
         # the barrier's arguments, checked here once: every barrier then launches unchecked
-        check_peer_signal(t._bases, t.layout.flags_offset, t.rank, 1, t._control, t._max_spins)
+        check_peer_signal(t._bases, t.layout.flags_offset, t.rank, 1, t._control, t._max_spins,
+                          SETUP_DESCRIPTOR)
         self._signal_args = (t._bases, t.layout.flags_offset, t._control.data_ptr(), t.rank)
 
     def copy(self, dst_addr: int, src_addr: int, nbytes: int) -> None:
         self._memcpy(dst_addr, src_addr, nbytes, 3, self._stream)  # 3: device to device
 
     def barrier(self, epoch: int) -> None:
-        launch_peer_signal(*self._signal_args, epoch, self.t._max_spins)
+        launch_peer_signal(*self._signal_args, epoch, self.t._max_spins, self.descriptor)
 
     def reduce(self, step: Reduce) -> None:
         reduce_step(step, self.t._bases, self._own, self.dtype, self.op)
