@@ -15,8 +15,15 @@ other backend:
 ``all_reduce`` = reduce to the leader in the host, all-reduce across leaders, broadcast in the
 host (``AVG`` sums and the leader divides once, so integers truncate as elsewhere).
 ``broadcast`` = in the source's host to its leader, across leaders, then in every other host.
-``barrier`` = in host, across leaders, in host. Hierarchical calls run in issue order on the
-communicator's executor (as ``shm``'s do); ``flat`` calls are ordered by Gloo itself.
+Agreement: every collective first compares its call (op, dtype, element count, reduce op,
+src/root: :func:`_descriptor`) across all ranks in the same three steps (gathered in the host
+over shm, one verdict per host gathered across leaders over Gloo, the table broadcast in the
+host), so ranks that disagree all raise ``FastcommError`` naming both calls before any data
+moves; the communicator stays usable. Without it a mismatch between hosts would hang a
+leader in Gloo (or abort the process) and a disagreeing ``reduce`` root would go unnoticed.
+That exchange is itself a full barrier, so ``barrier`` is the exchange alone. Every collective
+runs in issue order on the communicator's executor (as ``shm``'s do), the ``flat`` ones too
+(their agreement uses the host and leader parts).
 """
 
 from __future__ import annotations
@@ -26,12 +33,54 @@ from datetime import timedelta
 import torch
 
 from .base import Communicator
+from .errors import FastcommError
 from .store import Store
 from .topology import HostLayout
-from .types import Capabilities, ReduceOp, divide_
+from .types import SUPPORTED_DTYPES, Capabilities, ReduceOp, divide_
 from .work import Task
 
 __all__ = ["HierCommunicator"]
+
+_OPS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all",
+        "barrier")
+_OP_CODES = {name: i for i, name in enumerate(_OPS)}
+_DTYPE_CODES = {dtype: i for i, dtype in enumerate(SUPPORTED_DTYPES)}
+_REDUCE_OPS = list(ReduceOp)
+_REDUCE_CODES = {op._name_: i for i, op in enumerate(_REDUCE_OPS)}
+# a descriptor row: the caller's rank, then the call (op, dtype, elements, reduce op, src/root;
+# -1 where a field does not apply)
+_WIDTH = 6
+
+
+def _descriptor(
+    op: str,
+    tensor: torch.Tensor | None = None,
+    reduce_op: ReduceOp | None = None,
+    root: int = -1,
+) -> tuple[int, ...]:
+    """A call's fields for the agreement (``tensor``: the one whose count the ranks share: the
+    input of ``all_gather`` and ``all_to_all``, the output of ``reduce_scatter``)."""
+    return (
+        _OP_CODES[op],
+        -1 if tensor is None else _DTYPE_CODES[tensor.dtype],
+        -1 if tensor is None else tensor.numel(),
+        -1 if reduce_op is None else _REDUCE_CODES[reduce_op._name_],
+        root,
+    )
+
+
+def _describe(row: list[int]) -> str:
+    """A descriptor row in words, as shm words its own: ``all_reduce(float32, 10 elements, op
+    sum)``, ``broadcast(int8, 3 elements, src 1)``."""
+    op, dtype, numel, reduce_op, root = row[1:]
+    what = []
+    if dtype >= 0:
+        what += [str(SUPPORTED_DTYPES[dtype]).removeprefix("torch."), f"{numel} elements"]
+    if reduce_op >= 0:
+        what.append(f"op {_REDUCE_OPS[reduce_op].name.lower()}")
+    if root >= 0:
+        what.append(f"{'src' if _OPS[op] == 'broadcast' else 'root'} {root}")
+    return f"{_OPS[op]}({', '.join(what)})"
 
 
 class HierCommunicator(Communicator):
@@ -88,6 +137,58 @@ class HierCommunicator(Communicator):
         """CPU: the tensors this communicator moves itself (CUDA ones take ``flat``)."""
         return torch.device("cpu")
 
+    # ------------------------------------------------------------------ agreement
+    def _agree(self, call: tuple[int, ...]) -> None:
+        """Compares ``call`` (:func:`_descriptor`) across every rank; raises on every rank
+        alike, naming both calls, where any two differ.
+
+        Three steps, each the same fixed-size call on every rank whatever the collective (so
+        they never disagree themselves): the host's rows gathered over shm; the leader keeps
+        its host's first row and the first one that differs from it, and the leaders gather
+        those pairs over Gloo; the leader broadcasts the table in its host.
+
+        Raises:
+            FastcommError: the ranks' calls differ (or a step failed: timeout, peer gone).
+        """
+        mine = torch.tensor((self.rank, *call), dtype=torch.int64)
+        intra = self.intra
+        if intra is not None:
+            rows = mine.new_empty((intra.size, _WIDTH))
+            intra.all_gather(rows, mine)
+        else:
+            rows = mine.view(1, _WIDTH)
+        table = mine.new_empty((self.num_hosts, 2, _WIDTH))
+        if self.is_leader:
+            host_rows = rows.tolist()
+            first = host_rows[0]
+            other = next((r for r in host_rows if r[1:] != first[1:]), first)
+            pair = torch.tensor([first, other], dtype=torch.int64)
+            if self.leaders is not None:
+                self.leaders.all_gather(table, pair)
+            else:
+                table.copy_(pair.view(table.shape))
+        if intra is not None:
+            intra.broadcast(table, 0)
+        seen = table.view(-1, _WIDTH).tolist()
+        first = seen[0]
+        for row in seen:
+            if row[1:] != first[1:]:
+                raise FastcommError(
+                    f"rank {self.rank}: collective mismatch: rank {first[0]} called "
+                    f"{_describe(first)} but rank {row[0]} called {_describe(row)}; every rank "
+                    "must issue the same collectives in the same order with the same sizes, "
+                    "dtypes, ops and roots"
+                )
+
+    def _agreed(self, op: str, output: torch.Tensor | None, call: tuple[int, ...], run) -> Task:
+        """A task for the executor: the agreement on ``call``, then ``run()``."""
+
+        def agree_then_run():
+            self._agree(call)
+            return run()
+
+        return Task(op, output, agree_then_run, self._executor)
+
     # ------------------------------------------------------------------ hierarchical ops
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
         inner = ReduceOp.SUM if op is ReduceOp.AVG else op
@@ -110,34 +211,42 @@ class HierCommunicator(Communicator):
         if self.intra is not None and self.host != src_host:
             self.intra.broadcast(tensor, 0)
 
-    def _barrier(self) -> None:
-        if self.intra is not None:
-            self.intra.barrier()
-        if self.leaders is not None:
-            self.leaders.barrier()
-        if self.intra is not None:
-            self.intra.barrier()
+    def _reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp) -> None:
+        # the all-reduce of a copy off the root: only the root's tensor changes
+        self._all_reduce(tensor if self.rank == root else tensor.clone(), op)
 
     def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Task:
-        return self._task("all_reduce", tensor, lambda: self._all_reduce(tensor, op))
+        call = _descriptor("all_reduce", tensor, op)
+        return self._agreed("all_reduce", tensor, call, lambda: self._all_reduce(tensor, op))
+
+    def _impl_reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp) -> Task:
+        call = _descriptor("reduce", tensor, op, root)
+        return self._agreed("reduce", tensor, call, lambda: self._reduce(tensor, root, op))
 
     def _impl_broadcast(self, tensor: torch.Tensor, src: int) -> Task:
-        return self._task("broadcast", tensor, lambda: self._broadcast(tensor, src))
+        call = _descriptor("broadcast", tensor, root=src)
+        return self._agreed("broadcast", tensor, call, lambda: self._broadcast(tensor, src))
 
     def _impl_barrier(self) -> Task:
-        return self._task("barrier", None, self._barrier)
+        # the agreement waits for every rank: it is the barrier
+        return self._agreed("barrier", None, _descriptor("barrier"), lambda: None)
 
     # ------------------------------------------------------------------ flat ops (Gloo)
+    # agreed first: Gloo given calls that differ hangs, aborts the process or returns garbage
     def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Task:
-        return self.flat._impl_all_gather(output, input)
+        task = self.flat._impl_all_gather(output, input)
+        return self._agreed("all_gather", output, _descriptor("all_gather", input), task.run)
 
     def _impl_reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp
     ) -> Task:
-        return self.flat._impl_reduce_scatter(output, input, op)
+        task = self.flat._impl_reduce_scatter(output, input, op)
+        call = _descriptor("reduce_scatter", output, op)
+        return self._agreed("reduce_scatter", output, call, task.run)
 
     def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Task:
-        return self.flat._impl_all_to_all(output, input)
+        task = self.flat._impl_all_to_all(output, input)
+        return self._agreed("all_to_all", output, _descriptor("all_to_all", input), task.run)
 
     def _impl_send(self, tensor: torch.Tensor, dst: int) -> Task:
         return self.flat._impl_send(tensor, dst)
