@@ -8,7 +8,9 @@ One iteration, as the reducer sees it:
    ``_finalize`` on the autograd engine and marks the unused parameters ready. When bucket
    ``next`` has every parameter ready, its strategy launches its reduction asynchronously
    (by default: packed, averaging folded into the fused pack, and allreduced); buckets launch
-   strictly in index order, the same order on every rank, so the collectives match.
+   strictly in index order, the same order on every rank, so the collectives match. A packed
+   CPU bucket of a few gradients scales each into its bucket view in its hook, as it arrives
+   (still in cache; torch's reducer copies it there then too); its launch only issues.
 3. ``_finalize`` (end of backward) waits for each bucket in order and its strategy writes the
    reduced values into ``.grad`` (the unpack; nothing to unpack with
    ``gradient_as_bucket_view``).
@@ -51,7 +53,7 @@ from .bucket import Bucket
 from .config import DDPConfig
 from .in_place import InPlaceAllReduce, InPlaceReduction, in_place_plan
 from .sparse import SPARSE, build_buckets
-from .strategy import PACKED, VIEW, BucketStrategy, CommHook
+from .strategy import ARRIVAL_PACKED, PACKED, VIEW, BucketStrategy, CommHook, packs_on_arrival
 
 __all__ = ["Reducer", "choose_strategy", "find_unused"]
 
@@ -144,11 +146,13 @@ class Reducer:
             self.params, self.names, order, self.config.bucket_caps_bytes, self.sparse
         )
         self._bucket_of = [0] * len(self.params)
+        self._position = [0] * len(self.params)  # each parameter's place in its bucket
         # each parameter's view into its bucket (None for a sparse parameter)
         self.grad_views: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
         for bucket in self.buckets:
-            for i, view in zip(bucket.param_indices, bucket.views, strict=True):
+            for k, (i, view) in enumerate(zip(bucket.param_indices, bucket.views, strict=True)):
                 self._bucket_of[i] = bucket.index
+                self._position[i] = k
                 self.grad_views[i] = view
         self._choose_strategies()
         if self.bucket_view and old:
@@ -176,6 +180,8 @@ class Reducer:
     def _choose_strategies(self) -> None:
         hook, comm, view = self._comm_hook, self.comm, self.bucket_view
         self.strategies = [choose_strategy(b, comm, hook, view) for b in self.buckets]
+        self._on_arrival = [s.packs_on_arrival for s in self.strategies]
+        self._arrived = [0] * len(self.buckets)  # gradients packed on arrival, this iteration
 
     def bucket_indices(self) -> list[list[int]]:
         """Each bucket's parameter indices, in launch order (for tests and logging)."""
@@ -234,6 +240,7 @@ class Reducer:
         n = len(self.params)
         self._ready = bytearray(n)
         self._pending = [len(b.params) for b in self.buckets]
+        self._arrived = [0] * len(self.buckets)
         self.next_bucket = 0  # index of the next bucket to launch, in launch order
         self._results = [None] * len(self.buckets)
         self._started = False
@@ -280,8 +287,12 @@ class Reducer:
                 "its bucket was reduced without it (it was marked unused: unreachable from the "
                 "forward's outputs, or unused in the first iteration of a static_graph DDP)"
             )
+        b = self._bucket_of[i]
+        if self._on_arrival[b] and self.strategies[b].pack_one(
+            self, self.buckets[b], self._position[i], param.grad
+        ):
+            self._arrived[b] += 1
         if state == _WAITING:
-            b = self._bucket_of[i]
             self._pending[b] -= 1
             if b == self.next_bucket and self._pending[b] == 0 and not self._delay:
                 self._launch_ready()
@@ -400,6 +411,10 @@ class Reducer:
             return None
         return self.strategies[bucket.index].wait(self, bucket, result)
 
+    def packed_on_arrival(self, bucket: Bucket) -> bool:
+        """Whether every gradient of `bucket` was packed as it arrived this iteration."""
+        return self._arrived[bucket.index] == len(bucket.params)
+
     def grad_targets(self, bucket: Bucket, unused: frozenset[int]) -> list[torch.Tensor | None]:
         """Where `bucket`'s reduced gradients go: each parameter's ``.grad`` (made when it has
         none), ``None`` for the parameters in `unused` (no rank produced their gradient)."""
@@ -466,7 +481,9 @@ def choose_strategy(
     if bucket_view:  # no pack or unpack to save by reducing in place
         return VIEW
     plan = in_place_plan(bucket, comm)
-    return PACKED if plan is None else InPlaceAllReduce(plan)
+    if plan is not None:
+        return InPlaceAllReduce(plan)
+    return ARRIVAL_PACKED if packs_on_arrival(bucket) else PACKED
 
 
 def _make_grad_hook(ref: weakref.ref, i: int):

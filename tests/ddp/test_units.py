@@ -160,7 +160,8 @@ def test_each_bucket_gets_its_strategy(comm, monkeypatch, bucket_view):
     ref.load_state_dict(net.state_dict())
     # a 1-byte cap: one parameter per bucket
     model = DDP(net, comm=comm, bucket_cap_mb=1e-6, gradient_as_bucket_view=bucket_view)
-    dense = "ViewAllReduce" if bucket_view else "PackedAllReduce"
+    # a CPU fp32 bucket packs each gradient as it arrives
+    dense = "ViewAllReduce" if bucket_view else "ArrivalPackedAllReduce"
     expected = {
         "head.bias": dense,
         "head.weight": dense,  # 512 bytes: below the threshold
@@ -183,11 +184,13 @@ def test_each_bucket_gets_its_strategy(comm, monkeypatch, bucket_view):
             torch.testing.assert_close(p.grad.to_dense(), q.grad.to_dense(), atol=0, rtol=0)
     assert model.reducer.rebuilt and _strategy_kinds(model) == expected
 
-    # a comm hook wraps every bucket's plain strategy (no in-place: the hook packs)
+    # a comm hook wraps every bucket's plain strategy (no in-place, no pack on arrival: the
+    # hook packs)
     hooked = DDP(_Mixed(), comm=comm, bucket_cap_mb=1e-6, gradient_as_bucket_view=bucket_view)
     hooked.register_comm_hook(None, hooks.allreduce_hook)
+    plain = "ViewAllReduce" if bucket_view else "PackedAllReduce"
     wrapped = {
-        name: "CommHook:" + (kind if kind == "SparseAllReduce" else dense)
+        name: "CommHook:" + (kind if kind == "SparseAllReduce" else plain)
         for name, kind in expected.items()
     }
     assert _strategy_kinds(hooked) == wrapped
@@ -213,3 +216,49 @@ def test_half_built_reducer_is_deleted_quietly(comm, monkeypatch):
     gc.collect()
     assert unraisable == [], [u.exc_value for u in unraisable]
     assert not leaf._post_accumulate_grad_hooks, "the half-built reducer removed its hook"
+
+
+class _Branch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 2)
+        self.extra = nn.Linear(8, 2)  # reached only with use_extra
+
+    def forward(self, x, use_extra=True):
+        h = torch.tanh(self.a(x))
+        out = self.b(h)
+        return (out + self.extra(h) if use_extra else out).square().sum()
+
+
+@pytest.mark.filterwarnings("ignore:Using DistributedDataParallel with create_graph")
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph")
+def test_cpu_buckets_pack_each_gradient_as_it_arrives(comm):
+    """A CPU fp32 bucket is packed gradient by gradient during backward; a bucket with a
+    gradient that did not arrive (an unused parameter) or a ``create_graph`` backward is packed
+    whole at launch; torch's gradients either way, and a bucket of more gradients than the pack
+    multiplies one by one keeps the plain pack."""
+    from fastcomm.ddp import strategy
+
+    torch.manual_seed(0)
+    net, ref = _Branch(), _Branch()
+    ref.load_state_dict(net.state_dict())
+    model = DDP(net, comm=comm, find_unused_parameters=True)  # one bucket: 6 gradients
+    assert all(isinstance(s, strategy.ArrivalPackedAllReduce) for s in model.reducer.strategies)
+    seen = []
+    real = model.reducer.packed_on_arrival
+    model.reducer.packed_on_arrival = lambda bucket: seen.append(real(bucket)) or seen[-1]
+    x = torch.randn(3, 4)
+    for use_extra, create_graph in ((True, False), (False, False), (True, True), (True, False)):
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+            m(x, use_extra).backward(create_graph=create_graph)
+        for p, q in zip(model.module.parameters(), ref.parameters(), strict=True):
+            if q.grad is None:
+                assert p.grad is None
+            else:
+                torch.testing.assert_close(p.grad.detach(), q.grad.detach(), atol=0, rtol=0)
+    assert seen == [True, False, False, True]
+
+    many = DDP(nn.Sequential(*[nn.Linear(2, 2) for _ in range(20)]), comm=comm)  # 40 grads
+    assert [type(s) for s in many.reducer.strategies] == [strategy.PackedAllReduce]
