@@ -15,15 +15,20 @@ other backend:
 ``all_reduce`` = reduce to the leader in the host, all-reduce across leaders, broadcast in the
 host (``AVG`` sums and the leader divides once, so integers truncate as elsewhere).
 ``broadcast`` = in the source's host to its leader, across leaders, then in every other host.
+
 Agreement: every collective first compares its call (op, dtype, element count, reduce op,
-src/root: :func:`_descriptor`) across all ranks in the same three steps (gathered in the host
-over shm, one verdict per host gathered across leaders over Gloo, the table broadcast in the
-host), so ranks that disagree all raise ``FastcommError`` naming both calls before any data
-moves; the communicator stays usable. Without it a mismatch between hosts would hang a
-leader in Gloo (or abort the process) and a disagreeing ``reduce`` root would go unnoticed.
-That exchange is itself a full barrier, so ``barrier`` is the exchange alone. Every collective
-runs in issue order on the communicator's executor (as ``shm``'s do), the ``flat`` ones too
-(their agreement uses the host and leader parts).
+src/root: :func:`_descriptor`) across all ranks in three steps of one size whatever the call
+(the host's rows gathered over shm; each host's verdict, with room for 4 KiB of data, gathered
+across leaders over Gloo; the table broadcast in the host), so ranks that disagree all raise
+``FastcommError`` naming both calls before any caller's tensor changes, and the communicator
+stays usable. Without it a mismatch between hosts hung a leader in Gloo (or aborted the
+process) and a disagreeing ``reduce`` root went unnoticed. An ``all_reduce`` (or ``reduce``)
+of at most 4 KiB rides in that exchange: the host's sum (into a copy on the leader) travels with
+the verdict, the leaders fold the hosts' sums in host order (two hosts: the bits Gloo's
+all-reduce gives) and the result comes back with the table, so a small call still crosses the
+hosts once. The exchange is a full barrier, so ``barrier`` is the exchange alone. Every
+collective runs in issue order on the communicator's executor (as ``shm``'s do), the ``flat``
+ones too (their agreement uses the host and leader parts).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import torch
 
 from .base import Communicator
 from .errors import FastcommError
+from .reduction import reduce_into
 from .store import Store
 from .topology import HostLayout
 from .types import SUPPORTED_DTYPES, Capabilities, ReduceOp, divide_
@@ -50,6 +56,10 @@ _REDUCE_CODES = {op._name_: i for i, op in enumerate(_REDUCE_OPS)}
 # a descriptor row: the caller's rank, then the call (op, dtype, elements, reduce op, src/root;
 # -1 where a field does not apply)
 _WIDTH = 6
+_PAIR_BYTES = 2 * _WIDTH * 8  # a host's verdict in the leaders' exchange: two rows
+# the largest all-reduce whose hosts' sums ride in the agreement's exchange across leaders (a
+# Gloo gather of this much costs about what the Gloo all-reduce of it does)
+_RIDE_BYTES = 4096
 
 
 def _descriptor(
@@ -67,6 +77,17 @@ def _descriptor(
         -1 if reduce_op is None else _REDUCE_CODES[reduce_op._name_],
         root,
     )
+
+
+def _mismatch(table: torch.Tensor) -> str | None:
+    """The first two calls that differ in the leaders' table (bytes of rows), in words."""
+    rows = table.view(torch.int64).view(-1, _WIDTH).tolist()
+    first = rows[0]
+    for row in rows:
+        if row[1:] != first[1:]:
+            return f"rank {first[0]} called {_describe(first)} but rank {row[0]} called " \
+                f"{_describe(row)}"
+    return None
 
 
 def _describe(row: list[int]) -> str:
@@ -138,47 +159,79 @@ class HierCommunicator(Communicator):
         return torch.device("cpu")
 
     # ------------------------------------------------------------------ agreement
-    def _agree(self, call: tuple[int, ...]) -> None:
+    def _agree(self, call: tuple[int, ...], ride: tuple | None = None) -> bool:
         """Compares ``call`` (:func:`_descriptor`) across every rank; raises on every rank
         alike, naming both calls, where any two differ.
 
-        Three steps, each the same fixed-size call on every rank whatever the collective (so
-        they never disagree themselves): the host's rows gathered over shm; the leader keeps
-        its host's first row and the first one that differs from it, and the leaders gather
-        those pairs over Gloo; the leader broadcasts the table in its host.
+        Three steps, each of one size on every rank whatever the collective (so they never
+        disagree themselves): the host's rows gathered over shm; the leaders gather, over Gloo,
+        each host's first row and the first one that differs from it (with room for
+        ``_RIDE_BYTES`` of data); the leader broadcasts the table (and that data) in its host.
+
+        Args:
+            call: this rank's call.
+            ride: ``(flat tensor, op)`` of an all-reduce of at most ``_RIDE_BYTES``: where the
+                host agrees it is reduced to the leader first, and the hosts' sums ride in the
+                leaders' exchange, folded in host order and divided there for ``AVG`` (what the
+                Gloo all-reduce they replace computes, without its extra round trip): the
+                small all-reduce costs one shm gather more than it did without agreement.
+
+        Returns:
+            Whether ``ride``'s tensor now holds the all-reduced values.
 
         Raises:
             FastcommError: the ranks' calls differ (or a step failed: timeout, peer gone).
         """
-        mine = torch.tensor((self.rank, *call), dtype=torch.int64)
         intra = self.intra
         if intra is not None:
+            mine = torch.tensor((self.rank, *call), dtype=torch.int64)
             rows = mine.new_empty((intra.size, _WIDTH))
             intra.all_gather(rows, mine)
-        else:
-            rows = mine.view(1, _WIDTH)
-        table = mine.new_empty((self.num_hosts, 2, _WIDTH))
-        if self.is_leader:
             host_rows = rows.tolist()
-            first = host_rows[0]
-            other = next((r for r in host_rows if r[1:] != first[1:]), first)
-            pair = torch.tensor([first, other], dtype=torch.int64)
+        else:
+            host_rows = [[self.rank, *call]]
+        first = host_rows[0]
+        other = next((r for r in host_rows if r[1:] != first[1:]), first)
+        # the same on every rank of this host: they all hold the same rows
+        riding = ride is not None and other is first
+        if riding:
+            flat, op = ride
+            nbytes = flat.numel() * flat.element_size()
+            inner = ReduceOp.SUM if op is ReduceOp.AVG else op
+            if intra is not None:
+                intra.reduce(flat, 0, inner)
+        head = self.num_hosts * _PAIR_BYTES
+        out = torch.empty(head + _RIDE_BYTES, dtype=torch.uint8)
+        if self.is_leader:
+            send = torch.empty(_PAIR_BYTES + _RIDE_BYTES, dtype=torch.uint8)
+            send[:_PAIR_BYTES].view(torch.int64).copy_(
+                torch.tensor(first + other, dtype=torch.int64)
+            )
+            if riding:
+                send[_PAIR_BYTES:_PAIR_BYTES + nbytes].copy_(flat.view(torch.uint8))
             if self.leaders is not None:
-                self.leaders.all_gather(table, pair)
+                gathered = send.new_empty((self.num_hosts, send.numel()))
+                self.leaders.all_gather(gathered, send)
             else:
-                table.copy_(pair.view(table.shape))
+                gathered = send.view(1, -1)
+            out[:head].view(self.num_hosts, _PAIR_BYTES).copy_(gathered[:, :_PAIR_BYTES])
+            if riding and _mismatch(out[:head]) is None:
+                result = out[head:head + nbytes].view(flat.dtype)
+                terms = [g[_PAIR_BYTES:_PAIR_BYTES + nbytes].view(flat.dtype) for g in gathered]
+                reduce_into(result, terms, inner)
+                if op is ReduceOp.AVG:
+                    divide_(result, self.size)
         if intra is not None:
-            intra.broadcast(table, 0)
-        seen = table.view(-1, _WIDTH).tolist()
-        first = seen[0]
-        for row in seen:
-            if row[1:] != first[1:]:
-                raise FastcommError(
-                    f"rank {self.rank}: collective mismatch: rank {first[0]} called "
-                    f"{_describe(first)} but rank {row[0]} called {_describe(row)}; every rank "
-                    "must issue the same collectives in the same order with the same sizes, "
-                    "dtypes, ops and roots"
-                )
+            intra.broadcast(out, 0)
+        problem = _mismatch(out[:head])
+        if problem is not None:
+            raise FastcommError(
+                f"rank {self.rank}: collective mismatch: {problem}; every rank must issue the "
+                "same collectives in the same order with the same sizes, dtypes, ops and roots"
+            )
+        if riding:
+            flat.copy_(out[head:head + nbytes].view(flat.dtype))
+        return riding
 
     def _agreed(self, op: str, output: torch.Tensor | None, call: tuple[int, ...], run) -> Task:
         """A task for the executor: the agreement on ``call``, then ``run()``."""
@@ -190,7 +243,18 @@ class HierCommunicator(Communicator):
         return Task(op, output, agree_then_run, self._executor)
 
     # ------------------------------------------------------------------ hierarchical ops
-    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, call: tuple[int, ...]) -> None:
+        if tensor.numel() * tensor.element_size() <= _RIDE_BYTES:
+            # the leader's host sum goes into a copy: a call that fails leaves its tensor be
+            flat = tensor.view(-1)
+            if self.is_leader and self.intra is not None:
+                flat = flat.clone()
+            if self._agree(call, (flat, op)):
+                if flat.data_ptr() != tensor.data_ptr():
+                    tensor.view(-1).copy_(flat)
+                return
+        else:
+            self._agree(call)
         inner = ReduceOp.SUM if op is ReduceOp.AVG else op
         if self.intra is not None:
             self.intra.reduce(tensor, 0, inner)
@@ -211,17 +275,17 @@ class HierCommunicator(Communicator):
         if self.intra is not None and self.host != src_host:
             self.intra.broadcast(tensor, 0)
 
-    def _reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp) -> None:
+    def _reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp, call) -> None:
         # the all-reduce of a copy off the root: only the root's tensor changes
-        self._all_reduce(tensor if self.rank == root else tensor.clone(), op)
+        self._all_reduce(tensor if self.rank == root else tensor.clone(), op, call)
 
     def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Task:
         call = _descriptor("all_reduce", tensor, op)
-        return self._agreed("all_reduce", tensor, call, lambda: self._all_reduce(tensor, op))
+        return self._task("all_reduce", tensor, lambda: self._all_reduce(tensor, op, call))
 
     def _impl_reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp) -> Task:
         call = _descriptor("reduce", tensor, op, root)
-        return self._agreed("reduce", tensor, call, lambda: self._reduce(tensor, root, op))
+        return self._task("reduce", tensor, lambda: self._reduce(tensor, root, op, call))
 
     def _impl_broadcast(self, tensor: torch.Tensor, src: int) -> Task:
         call = _descriptor("broadcast", tensor, root=src)

@@ -10,8 +10,10 @@ naming both calls.
 - ``hier`` (4 ranks as 2 hosts x 2, interleaved, and 3 ranks as a host of 2 and a lone rank,
   the layouts of ``test_hier.py``): the disagreeing rank is the last one (a non-leader of the
   second host, or a lone leader) and then rank 1 (that host's leader, or a non-leader of the
-  first host). hier compares the call before any data moves, so one communicator serves every
-  case and must still give the right sum after each.
+  first host). hier compares the call before any caller's tensor changes, so one communicator
+  serves every case and must still give the right sum after each. Its all-reduce of at most
+  4 KiB rides in that comparison: a count on either side of 4 KiB is a case too, and ``reduce``
+  (which now keeps its root) is checked for torch's bits on every root, on both sides of 4 KiB.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import time
 import pytest
 import torch
 
+from fastcomm import ReduceOp
 from fastcomm.comm import FastcommError, ShmOptions, new_communicator
 from fastcomm.comm.shm.segment import SHM_DIR
+from tests.comm.test_collectives import exact, make_input, reduce_reference
 from tests.comm.test_hier import LAYOUTS, set_host
 from tests.comm.test_shm import SMALL
 from tests.comm.test_shm_agree import CASES, _assert_all_raised, ones
@@ -56,7 +60,16 @@ EMPTY_CASES = {
                          lambda c, n: c.all_to_all(torch.empty(n), ones(n)),
                          lambda n: ["0 elements", f"{n} elements"]),
 }
-ALL_CASES = {k: v for k, v in CASES.items() if not k.endswith("/empty")} | EMPTY_CASES
+# hier sends an all-reduce of at most 4 KiB with its agreement and a larger one after it
+RIDE_CASES = {
+    "all_reduce/count across 4 KiB": (lambda c, n: c.all_reduce(ones(1024)),
+                                      lambda c, n: c.all_reduce(ones(1025)),
+                                      ["1024 elements", "1025 elements"]),
+    "reduce/root past 4 KiB": (lambda c, n: c.reduce(ones(1500), 0),
+                               lambda c, n: c.reduce(ones(1500), 1), ["root 0", "root 1"]),
+}
+ALL_CASES = {k: v for k, v in CASES.items() if not k.endswith("/empty")} | EMPTY_CASES \
+    | RIDE_CASES
 
 
 # ------------------------------------------------------------------ checks (run on every rank)
@@ -116,6 +129,22 @@ def check_hier_disagreements(odd_rank: int) -> tuple[dict, list[str]]:
     return outcomes, broken
 
 
+def check_hier_reduce() -> int:
+    """``reduce`` to every root, at sizes that ride with the agreement and past it: torch's
+    bits on the root, every other rank's tensor unchanged."""
+    comm = hier_comm()
+    checked = 0
+    for root in range(comm.size):
+        for salt, numel in enumerate((7, 1031, 5000)):
+            for op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX):
+                inputs = [make_input(r, (numel,), torch.float32, salt) for r in range(comm.size)]
+                t = inputs[comm.rank].clone()
+                comm.reduce(t, root, op)
+                exact(t, reduce_reference(inputs, op) if comm.rank == root else inputs[comm.rank])
+                checked += 1
+    return checked
+
+
 # ------------------------------------------------------------------ pytest side
 def _assert_cases(outcomes_per_rank: list[dict], n: int, what: str) -> None:
     for case, (_, _, names) in ALL_CASES.items():
@@ -149,3 +178,8 @@ def test_hier_ranks_that_disagree_all_raise_naming_both_calls(hier_pool, odd):
     _assert_cases([outcomes for outcomes, _ in results], n, f"hier ({odd} rank differs)")
     for rank, (_, broken) in enumerate(results):
         assert not broken, f"rank {rank}: wrong sums after a mismatch: {broken}"
+
+
+def test_hier_reduce_gives_the_root_torch_bits_and_leaves_the_others(hier_pool):
+    counts = hier_pool.run(check_hier_reduce)
+    assert counts == [hier_pool.world_size * 9] * hier_pool.world_size
