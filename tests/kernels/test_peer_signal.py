@@ -323,8 +323,8 @@ def test_a_differing_descriptor_is_reported_by_every_rank(pool, impl):
                                                 else [world - 1]), (rank, report)
         assert report[3:] == ([other, agreed] if last else [agreed, other]), (rank, report)
         epochs.add(report[2])
-        # the spin bound is minutes: the report came from the comparison, not a timeout
-        assert elapsed < 10, (rank, elapsed)
+        # within a second where the spin bound is minutes: the comparison ended the wait
+        assert elapsed < 1.0, (rank, elapsed)
     assert len(epochs) == 1
 
 
