@@ -173,8 +173,8 @@ class HierCommunicator(Communicator):
             ride: ``(flat tensor, op)`` of an all-reduce of at most ``_RIDE_BYTES``: where the
                 host agrees it is reduced to the leader first, and the hosts' sums ride in the
                 leaders' exchange, folded in host order and divided there for ``AVG`` (what the
-                Gloo all-reduce they replace computes, without its extra round trip): the
-                small all-reduce costs one shm gather more than it did without agreement.
+                Gloo all-reduce they replace computes): a small all-reduce still crosses the
+                hosts once, its steps those of the call without agreement plus one shm gather.
 
         Returns:
             Whether ``ride``'s tensor now holds the all-reduced values.
