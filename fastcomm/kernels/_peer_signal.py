@@ -23,7 +23,8 @@ barrier (it cannot get two ahead: that barrier waits for this rank). Such a peer
 its next descriptor into the other parity's word, so the word read in step 3 is still the one
 of barrier ``e``; the peer only overwrites it at barrier ``e + 2``, which waits for this
 rank's announcement of ``e + 1``, made after this barrier ended. Agreement costs one store per
-peer and one read per peer after the wait: no extra round trip. When descriptors differ, every
+peer before the announcement (and a sync of the block, one warp, so that the release covers
+it), and one read per peer after the wait: no extra round trip. When descriptors differ, every
 rank sees a peer whose descriptor differs from its own (equality is transitive), so every rank
 reports the disagreement at the same barrier.
 
