@@ -14,8 +14,9 @@
   elementwise and write the result into one or more buffers, one launch: the data step of
   the kernel collectives. ``peer_reduce_table(src_table, dst_table, *, numel, dtype, ...)``:
   the same over address tables a transport keeps, with byte offsets per round.
-- ``peer_signal(base_table, *, flags_offset, rank, epoch, control, max_spins)``: a barrier
-  through flags in the peers' memory, bounded and reporting the ranks that never arrived
+- ``peer_signal(base_table, *, flags_offset, rank, epoch, control, max_spins, descriptor)``: a
+  barrier through flags in the peers' memory, bounded and reporting the ranks that never
+  arrived, and those whose call ``descriptor`` differs from this rank's
   (``peer_signal_reference`` runs the protocol over tensors; ``missing_ranks`` decodes it).
 - ``PackPlan(tensors)``: a bucket's pack/unpack planned once (views, block tables, the
   implementation); its ``pack``/``unpack`` give the same bits at a fraction of the host cost.
