@@ -239,7 +239,7 @@ def plot_torch_backend(rows: list[dict], out: Path, title: str) -> Path | None:
     steps = [r for r in rows if "ratio" in r]
     if not steps:
         return None
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    fig, ax = plt.subplots(figsize=(7.2, 4.0))
     width = 0.38
     for i, r in enumerate(steps):
         for dx, key, color, name in ((-width / 2, "gloo_ms", "#888", "Gloo"),
@@ -247,7 +247,8 @@ def plot_torch_backend(rows: list[dict], out: Path, title: str) -> Path | None:
             ax.bar(i + dx, r[key], width, color=color, label=name if i == 0 else None)
         ax.annotate(f"{r['ratio']:.2f}x", (i + width / 2, r["fastcomm_ms"]), ha="center",
                     va="bottom", fontsize=8)
-    labels = [f"{r['what']}\n{r['params'] / 1e6:.1f}M params" for r in steps]
+    labels = [f"{r['what'].replace(', ', chr(10))}\n{r['params'] / 1e6:.1f}M params"
+              for r in steps]
     ax.set_xticks(range(len(steps)), labels, fontsize=7)
     ax.set_ylabel("median training step (ms)")
     ax.legend(fontsize=8)
