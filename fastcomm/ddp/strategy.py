@@ -32,6 +32,7 @@ scale between iterations.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -79,7 +80,7 @@ class ReducerLike(Protocol):
     def packed_on_arrival(self, bucket: Bucket) -> bool: ...
 
 
-class BucketStrategy:
+class BucketStrategy(ABC):
     """How one bucket's gradients are reduced and written back (see the module docstring).
 
     Attributes:
@@ -99,6 +100,7 @@ class BucketStrategy:
         arrives; whether it did (else :meth:`launch` does it)."""
         return False
 
+    @abstractmethod
     def launch(self, reducer: ReducerLike, bucket: Bucket, grads: Grads) -> Any:
         """Starts the bucket's reduction; returns what :meth:`wait` takes.
 
@@ -108,23 +110,22 @@ class BucketStrategy:
             grads: its parameters' gradients in bucket order (detached under ``create_graph``;
                 ``None`` for a parameter without one).
         """
-        raise NotImplementedError
 
+    @abstractmethod
     def wait(self, reducer: ReducerLike, bucket: Bucket, result: Any) -> Any:
         """Waits for :meth:`launch`'s `result`; the reduced value :meth:`write_back` takes."""
-        raise NotImplementedError
 
+    @abstractmethod
     def write_back(
         self, reducer: ReducerLike, bucket: Bucket, value: Any, unused: frozenset[int]
     ) -> None:
         """Puts the reduced `value` into ``.grad`` (not for the parameter indices in `unused`:
         no rank produced their gradient)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def shadow(self, reducer: ReducerLike, bucket: Bucket) -> Any:
         """A joined rank's side of the bucket's collectives, zeros for gradients; something
         with ``wait()``."""
-        raise NotImplementedError
 
     # what a comm hook wrapping this strategy needs ------------------------------------
     def hook_gradients(self, bucket: Bucket, grads: Grads) -> Grads:

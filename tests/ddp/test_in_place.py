@@ -25,9 +25,9 @@ from tests.harness import RankPool, rank_comm
 
 SMALL_THRESHOLD = 512  # bytes: the test models' weights are above it, their biases below
 # Gloo does not fold the PremulSum, so by default it takes a bucket in place only as one
-# collective; the checks lift that limit to run mixed buckets (weights in place, biases
-# staged) on Gloo as well
-ANY_COLLECTIVES = 1 << 30
+# collective or with 4 MiB in place per extra one; the checks lift that limit (no bytes needed)
+# to run mixed buckets (weights in place, biases staged) on Gloo as well
+ANY_COLLECTIVES = 0
 
 
 # ---------------------------------------------------------------------- checks (every rank)
@@ -43,13 +43,13 @@ def run_in_place(check_name: str, module: str, *args, threshold: int = SMALL_THR
         launches.append(grads is None)
         return real_launch(bucket, plan, grads, *rest)
 
-    saved = in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MAX_COLLECTIVES
-    in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MAX_COLLECTIVES = threshold, ANY_COLLECTIVES
+    saved = in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MIN_BYTES_PER_EXTRA
+    in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MIN_BYTES_PER_EXTRA = threshold, ANY_COLLECTIVES
     in_place.launch_in_place = counting_launch
     try:
         getattr(checks, check_name)(*args)
     finally:
-        in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MAX_COLLECTIVES = saved
+        in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MIN_BYTES_PER_EXTRA = saved
         in_place.launch_in_place = real_launch
     return len(launches), sum(launches)  # (launches, of which a joined rank's shadows)
 
@@ -63,8 +63,8 @@ def check_plan_follows_layout_independence():
     params = list(model.parameters())
     names = [str(i) for i in range(len(params))]
     bucket = Bucket(0, list(range(len(params))), params, names)
-    saved = in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MAX_COLLECTIVES
-    in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MAX_COLLECTIVES = SMALL_THRESHOLD, 1 << 30
+    saved = in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MIN_BYTES_PER_EXTRA
+    in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MIN_BYTES_PER_EXTRA = SMALL_THRESHOLD, 0
     try:
         gloo = rank_comm("gloo")
         plan = in_place.in_place_plan(bucket, gloo)
@@ -90,13 +90,14 @@ def check_plan_follows_layout_independence():
         in_place.IN_PLACE_MIN_BYTES = 1 << 40
         assert in_place.in_place_plan(bucket, gloo) is None, "no large gradient: packed"
     finally:
-        in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MAX_COLLECTIVES = saved
+        in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MIN_BYTES_PER_EXTRA = saved
     return True
 
 
 def check_plan_counts_collectives_where_multiply_is_a_pass():
-    """Where the communicator does not fold the multiply (Gloo), a bucket goes in place only
-    as one collective (a large gradient alone); one that folds it (shm) takes mixed plans."""
+    """Where the communicator does not fold the multiply (Gloo), a bucket goes in place as one
+    collective (a large gradient alone), or with ``UNFOLDED_MIN_BYTES_PER_EXTRA`` in place per
+    extra collective; one that folds it (shm) takes mixed plans."""
     from fastcomm.comm import Capabilities
     from fastcomm.ddp import in_place
     from fastcomm.ddp.bucket import Bucket
@@ -115,11 +116,19 @@ def check_plan_counts_collectives_where_multiply_is_a_pass():
     saved = in_place.IN_PLACE_MIN_BYTES
     in_place.IN_PLACE_MIN_BYTES = SMALL_THRESHOLD
     try:
-        assert in_place.UNFOLDED_MAX_COLLECTIVES == 1
+        assert in_place.UNFOLDED_MIN_BYTES_PER_EXTRA == 4 << 20
         assert in_place.in_place_plan(mixed, unfolded) is None, "weights + staged biases"
         assert in_place.in_place_plan(weights, unfolded) is None, "two collectives for one"
         plan = in_place.in_place_plan(alone, unfolded)
         assert plan is not None and plan.large == [0] and plan.small == []
+        # enough bytes in place per extra collective: the copies saved pay for it
+        both = (params[0].numel() + params[2].numel()) * params[0].element_size()
+        in_place.UNFOLDED_MIN_BYTES_PER_EXTRA = both
+        assert in_place.in_place_plan(weights, unfolded).large == [0, 1], "2 weights, 1 extra"
+        assert in_place.in_place_plan(mixed, unfolded) is None, "3 weights, 3 extra: short"
+        in_place.UNFOLDED_MIN_BYTES_PER_EXTRA = both + 1
+        assert in_place.in_place_plan(weights, unfolded) is None
+        in_place.UNFOLDED_MIN_BYTES_PER_EXTRA = 4 << 20
         assert in_place.in_place_plan(mixed, folded) is not None
         assert in_place.in_place_plan(weights, folded).large == [0, 1]
         gloo = rank_comm("gloo")
@@ -153,15 +162,15 @@ def check_large_gradients_go_as_premul(backend: str, bucket_view: bool = False):
         multiplies[0] += 1
         return real_premultiplied(task, tensor, factor)
 
-    saved = in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MAX_COLLECTIVES
+    saved = in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MIN_BYTES_PER_EXTRA
     if not bucket_view:
         in_place.IN_PLACE_MIN_BYTES = SMALL_THRESHOLD
-        in_place.UNFOLDED_MAX_COLLECTIVES = ANY_COLLECTIVES
+        in_place.UNFOLDED_MIN_BYTES_PER_EXTRA = ANY_COLLECTIVES
     comm.all_reduce, base._premultiplied = recording, counting
     try:
         ours, theirs = train_both("mlp", steps=3, comm=comm, gradient_as_bucket_view=bucket_view)
     finally:
-        in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MAX_COLLECTIVES = saved
+        in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MIN_BYTES_PER_EXTRA = saved
         del comm.all_reduce  # the class's method again
         base._premultiplied = real_premultiplied
     assert_same_state(ours, theirs)
