@@ -208,6 +208,26 @@ def test_job_goes_on_without_a_killed_node(tmp_path):
             victim.kill()
 
 
+def _host_and_survivor(tmp_path, path, nnodes: str):
+    """Two agents of one job on a free port: the host, serving the rendezvous store (its
+    workers' TMPDIR is `tmp_path`), and the survivor (TMPDIR `tmp_path/survivor_tmp`, returned
+    as `mine`). Returns ``(port, mine, host, survivor)``."""
+    port = free_port()
+    conf = "last_call_timeout=30"
+    mine = tmp_path / "survivor_tmp"
+    mine.mkdir()
+    agents = [
+        start(
+            [*_flags(port, nnodes, "1", "--max-restarts", "3", "--rdzv-conf",
+                     f"{conf},is_host={is_host}"), path, tmp_path],
+            tmp_path,
+            env=clean_env(TMPDIR=str(tmp_path if is_host else mine)),
+        )
+        for is_host in (1, 0)
+    ]
+    return port, mine, *agents
+
+
 @pytest.mark.timeout(60)
 def test_losing_the_rendezvous_store_restarts_nothing(tmp_path):
     """The agent serving the rendezvous store is SIGKILLed mid-job: the other agent names the
@@ -223,22 +243,7 @@ def test_losing_the_rendezvous_store_restarts_nothing(tmp_path):
     time.sleep(30)
 """,
     )
-    port = free_port()
-    conf = "last_call_timeout=30"
-    mine = tmp_path / "survivor_tmp"
-    mine.mkdir()
-    host = start(
-        [*_flags(port, "1:2", "1", "--max-restarts", "3", "--rdzv-conf", conf + ",is_host=1"),
-         path, tmp_path],
-        tmp_path,
-        env=clean_env(TMPDIR=str(tmp_path)),
-    )
-    survivor = start(
-        [*_flags(port, "1:2", "1", "--max-restarts", "3", "--rdzv-conf", conf + ",is_host=0"),
-         path, tmp_path],
-        tmp_path,
-        env=clean_env(TMPDIR=str(mine)),
-    )
+    port, mine, host, survivor = _host_and_survivor(tmp_path, path, "1:2")
     pids = []
     try:
         pids = [int(f.read_text()) for f in wait_files(tmp_path, "pid_*", 2, proc=survivor)]
@@ -277,22 +282,7 @@ def test_losing_the_store_after_a_node_finished_restarts_nothing(tmp_path):
         open(os.path.join(out, "finished_%s" % env["RANK"]), "w").close()
 """,
     )
-    port = free_port()
-    conf = "last_call_timeout=30"
-    mine = tmp_path / "survivor_tmp"
-    mine.mkdir()
-    host = start(
-        [*_flags(port, "2", "1", "--max-restarts", "3", "--rdzv-conf", conf + ",is_host=1"),
-         path, tmp_path],
-        tmp_path,
-        env=clean_env(TMPDIR=str(tmp_path)),
-    )
-    survivor = start(
-        [*_flags(port, "2", "1", "--max-restarts", "3", "--rdzv-conf", conf + ",is_host=0"),
-         path, tmp_path],
-        tmp_path,
-        env=clean_env(TMPDIR=str(mine)),
-    )
+    port, mine, host, survivor = _host_and_survivor(tmp_path, path, "2")
     pids = []
     try:
         pids = [int(f.read_text()) for f in wait_files(tmp_path, "pid_*", 2, proc=survivor)]
