@@ -31,6 +31,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def _save(fig, path: Path, title: str | None = None, fontsize: int = 9) -> Path:
+    """Writes `fig` to `path` (120 dpi, titled `title` when given) and closes it."""
+    if title is not None:
+        fig.suptitle(title, fontsize=fontsize)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def load(paths: list[Path]) -> tuple[list[dict], list[dict], dict]:
     """All benchmarks, all collectives rows, and the machine info of the first file."""
     benchmarks, collectives, machine = [], [], {}
@@ -75,12 +85,7 @@ def plot_collectives(rows: list[dict], out: Path, title: str) -> Path | None:
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(ops):]:
         ax.set_visible(False)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path = out / "collectives_busbw.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "collectives_busbw.png", title)
 
 
 _OPS = ["all_reduce", "all_gather", "all_gather_list", "reduce_scatter", "reduce_scatter_list",
@@ -140,11 +145,7 @@ def plot_collective_ops(rows: list[dict], out: Path, title: str) -> list[Path]:
         lat.set_title(f"{op}: latency", fontsize=9)
         bw.set_title(f"{op}: bus bandwidth", fontsize=9)
         bw.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
-        fig.suptitle(title, fontsize=9)
-        fig.tight_layout()
-        path = out / f"collectives_{op}.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        path = _save(fig, out / f"collectives_{op}.png", title)
         paths.append(path)
     return paths
 
@@ -207,12 +208,7 @@ def plot_ddp(benchmarks: list[dict], out: Path, title: str) -> Path | None:
         else:
             _ddp_panel(ax, medians, names, base, sub)
     axes[0][0].set_ylabel("median training step (ms)")
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path = out / "ddp_step.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "ddp_step.png", title)
 
 
 def _ddp_pairs(ax, medians: dict[str, float], names: list[str], title: str) -> None:
@@ -259,12 +255,7 @@ def plot_torch_backend(rows: list[dict], out: Path, title: str) -> Path | None:
         sub = (f"\n4 KiB all_reduce: comm {c['comm_us']:.1f} us, group {c['pg_us']:.1f} us, "
                f"dist on fastcomm {c['fastcomm_us']:.1f} us, dist on Gloo {c['gloo_us']:.0f} us")
     ax.set_title("torch DDP and FSDP2, backend fastcomm vs Gloo, 2 ranks" + sub, fontsize=8)
-    fig.suptitle(title, fontsize=8)
-    fig.tight_layout()
-    path = out / "torch_backend.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "torch_backend.png", title, 8)
 
 
 def plot_kernels(benchmarks: list[dict], out: Path, title: str) -> Path | None:
@@ -295,11 +286,7 @@ def plot_kernels(benchmarks: list[dict], out: Path, title: str) -> Path | None:
     ax.set_ylabel("GB/s (bytes read + written)")
     ax.legend(fontsize=7, ncol=2)
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    path = out / "kernels.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "kernels.png")
 
 
 def plot_compression(benchmarks: list[dict], out: Path, title: str) -> Path | None:
@@ -321,11 +308,7 @@ def plot_compression(benchmarks: list[dict], out: Path, title: str) -> Path | No
     ax.set_yscale("log")
     ax.set_ylabel("pays off below this link bandwidth (GB/s)")
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    path = out / "compression.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "compression.png")
 
 
 def main(argv: list[str] | None = None) -> int:

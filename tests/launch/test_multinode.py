@@ -228,6 +228,22 @@ def _host_and_survivor(tmp_path, path, nnodes: str):
     return port, mine, *agents
 
 
+def _kill_host(host, survivor, tmp_path, mine, pids):
+    """SIGKILLs the host agent; the survivor exits 1 having started no rank a second time, and
+    leaves no worker and nothing in its TMPDIR. Returns the survivor's result."""
+    host.kill()
+    finish(host, timeout=10)
+    result = finish(survivor, timeout=30)
+    assert result.returncode == 1, result.stderr
+    assert sorted(p.name for p in tmp_path.glob("*_try*.json")) == [
+        "ws2_rank0_try0.json",
+        "ws2_rank1_try0.json",
+    ]
+    assert wait_gone(pids, timeout=5) == []
+    assert sorted(mine.iterdir()) == []
+    return result
+
+
 @pytest.mark.timeout(60)
 def test_losing_the_rendezvous_store_restarts_nothing(tmp_path):
     """The agent serving the rendezvous store is SIGKILLed mid-job: the other agent names the
@@ -247,17 +263,8 @@ def test_losing_the_rendezvous_store_restarts_nothing(tmp_path):
     pids = []
     try:
         pids = [int(f.read_text()) for f in wait_files(tmp_path, "pid_*", 2, proc=survivor)]
-        host.kill()
-        finish(host, timeout=10)
-        result = finish(survivor, timeout=30)
-        assert result.returncode == 1, result.stderr
+        result = _kill_host(host, survivor, tmp_path, mine, pids)
         assert f"lost the connection to the store at 127.0.0.1:{port}" in result.stderr
-        assert sorted(p.name for p in tmp_path.glob("*_try*.json")) == [
-            "ws2_rank0_try0.json",
-            "ws2_rank1_try0.json",
-        ]
-        assert wait_gone(pids, timeout=5) == []
-        assert sorted(mine.iterdir()) == []
     finally:
         kill_all(pids)
         if host.poll() is None:
@@ -289,17 +296,8 @@ def test_losing_the_store_after_a_node_finished_restarts_nothing(tmp_path):
         [done] = wait_files(tmp_path, "finished_*", 1, proc=survivor)
         survivor_pid = int((tmp_path / done.name.replace("finished", "pid")).read_text())
         assert wait_gone([survivor_pid], timeout=10) == []
-        host.kill()
-        finish(host, timeout=10)
-        result = finish(survivor, timeout=30)
-        assert result.returncode == 1, result.stderr
+        result = _kill_host(host, survivor, tmp_path, mine, pids)
         assert f"127.0.0.1:{port}" in result.stderr and "store" in result.stderr, result.stderr
-        assert sorted(p.name for p in tmp_path.glob("*_try*.json")) == [
-            "ws2_rank0_try0.json",
-            "ws2_rank1_try0.json",
-        ]
-        assert wait_gone(pids, timeout=5) == []
-        assert sorted(mine.iterdir()) == []
     finally:
         kill_all(pids)
         if host.poll() is None:
