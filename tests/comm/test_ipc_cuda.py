@@ -507,8 +507,17 @@ def gpu_all_reduce(name: str, dtype_name: str, cases: list, sizes: dict) -> list
     return out
 
 
+def _next_call_refused(transport) -> bool:
+    """Whether a transport that failed refuses its next allreduce (``CommAbortedError``)."""
+    try:
+        transport.all_reduce(torch.ones(4, device="cuda"), "sum")
+    except CommAbortedError:
+        return True
+    return False
+
+
 def gpu_missing_rank(name: str, timeout: float):
-    from fastcomm.comm.errors import CommAbortedError, CommTimeoutError
+    from fastcomm.comm.errors import CommTimeoutError
 
     rank = int(os.environ["RANK"])
     transport = _transport(name, timeout=timeout, **GPU_SMALL)
@@ -525,12 +534,7 @@ def gpu_missing_rank(name: str, timeout: float):
             elapsed, text = time.monotonic() - start, str(exc)
         else:
             raise AssertionError("an allreduce without its peer completed")
-        try:
-            transport.all_reduce(torch.ones(4, device="cuda"), "sum")
-        except CommAbortedError:
-            refused = True
-        else:
-            refused = False
+        refused = _next_call_refused(transport)
         store.set("failed", b"1")
         return elapsed, text, refused
     finally:
@@ -552,12 +556,7 @@ def gpu_disagree(name: str, numel: int):
             elapsed, text = time.monotonic() - start, str(exc)
         else:
             raise AssertionError(f"rank {rank}: an allreduce its peer called otherwise completed")
-        try:
-            transport.all_reduce(torch.ones(4, device="cuda"), "sum")
-        except CommAbortedError:
-            refused = True
-        else:
-            refused = False
+        refused = _next_call_refused(transport)
         return text, elapsed, refused
     finally:
         transport.close()

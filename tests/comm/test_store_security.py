@@ -8,6 +8,7 @@ and dies. Ranks are threads with their own connections, as in ``test_store.py``.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
@@ -280,11 +281,17 @@ def test_store_server_is_not_on_every_interface(no_secret):
     assert listening(server.port) == ["127.0.0.1"]
 
 
-def test_port_in_use_is_named_not_a_timeout(no_secret):
+@contextlib.contextmanager
+def _held_port():
+    """A loopback port held by a listener that accepts and never answers (not a store)."""
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
-        port = holder.getsockname()[1]
+        yield holder.getsockname()[1]
+
+
+def test_port_in_use_is_named_not_a_timeout(no_secret):
+    with _held_port() as port:
         start = time.monotonic()
         with pytest.raises(FastcommError) as info:
             Store("127.0.0.1", port, is_server=True, timeout=5, rank=0)
@@ -297,10 +304,7 @@ def test_port_in_use_is_named_not_a_timeout(no_secret):
 def test_a_listener_that_is_not_a_store_is_named_not_waited_for(no_secret):
     """A port held by a program that accepts connections and never answers: torch's client
     handshake alone would wait forever; the client raises within its timeout + 2 s."""
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        port = holder.getsockname()[1]
+    with _held_port() as port:
         start = time.monotonic()
         with pytest.raises(FastcommError) as info:
             Store("127.0.0.1", port, timeout=2, rank=1)
