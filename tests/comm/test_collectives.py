@@ -189,6 +189,41 @@ def check_wait_timeout_then_complete(backend):
     exact(t, torch.full((8,), float(comm.size)))
 
 
+def check_unwaited_async_progresses(backend, park: bool):
+    """An ``async_op=True`` call nobody waits on still runs: the peers' synchronous calls
+    return while its rank only sleeps, with the executor's thread polling, or parked
+    (``park``: idle past ``PARK_S``, so the call must wake it)."""
+    import time
+
+    from fastcomm.comm import work as work_module
+    from tests.harness import STATE
+
+    comm = rank_comm(backend)
+    STATE["unwaited"] = STATE.get("unwaited", 0) + 1
+    key = f"unwaited/{STATE['unwaited']}"
+    t = torch.full((16,), float(comm.rank))
+    if comm.rank == 0:
+        saved = work_module.PARK_S
+        work_module.PARK_S = 0.05 if park else saved
+        try:
+            comm.all_reduce(torch.ones(1), async_op=True).wait()  # the thread is up
+            time.sleep(0.3 if park else 0.0)
+            work = comm.all_reduce(t, async_op=True)
+            deadline = time.monotonic() + 30
+            # never wait(), is_completed() or get_future(): those start it themselves
+            while not comm.store.check([f"{key}/{r}" for r in range(1, comm.size)]):
+                assert time.monotonic() < deadline, "the peers' all_reduce never returned"
+                time.sleep(0.01)
+            work.wait(timeout=30)
+        finally:
+            work_module.PARK_S = saved
+    else:
+        comm.all_reduce(torch.ones(1))
+        comm.all_reduce(t)
+        comm.store.set(f"{key}/{comm.rank}", "1")
+    exact(t, torch.full((16,), float(sum(range(comm.size)))))
+
+
 def check_split(backend):
     comm = rank_comm(backend)
     color = comm.rank % 2
@@ -254,6 +289,12 @@ def test_barrier(pool, backend):
 def test_async_work_and_futures(pool, backend):
     pool.run(check_async_in_order, backend)
     pool.run(check_async_every_op, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("park", [False, True], ids=["polling", "parked"])
+def test_unwaited_async_call_progresses(pool, backend, park):
+    pool.run(check_unwaited_async_progresses, backend, park)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -88,3 +88,72 @@ def test_lazy_future_races_with_completion_resolve_exactly_once():
             assert work.wait(10.0)
     finally:
         assert executor.close(10.0)
+
+
+def _recording_task(ran_on: list, done: threading.Event | None = None) -> Task:
+    def run() -> None:
+        ran_on.append(threading.current_thread().name)
+        if done is not None:
+            done.set()
+
+    return Task("all_reduce", None, run)
+
+
+def test_async_task_waited_on_at_once_runs_on_the_caller():
+    # the thread is not woken for it (a wake costs a switch each way): wait() runs it here
+    executor = OrderedExecutor("fastcomm-test-executor", 0, lambda task, start: task.run())
+    ran_on: list[str] = []
+    try:
+        executor.run(_recording_task(ran_on), async_op=True).wait()  # starts the thread
+        for _ in range(20):
+            executor.run(_recording_task(ran_on), async_op=True).wait()
+        here = threading.current_thread().name
+        # the thread polls every POLL_S and may take one between run() and wait()
+        assert ran_on[1:].count(here) >= 10, ran_on
+    finally:
+        assert executor.close(10.0)
+
+
+@pytest.mark.parametrize("how", ["poll", "is_completed", "get_future", "wait_timeout"])
+def test_async_task_nobody_helps_runs_on_the_thread(how):
+    executor = OrderedExecutor("fastcomm-test-executor", 0, lambda task, start: task.run())
+    ran_on: list[str] = []
+    done = threading.Event()
+    try:
+        executor.run(_recording_task(ran_on), async_op=True).wait()
+        work = executor.run(_recording_task(ran_on, done), async_op=True)
+        if how == "poll":  # untouched: the thread's next poll takes it
+            assert done.wait(10.0)
+        elif how == "is_completed":
+            for _ in range(10_000):
+                if work.is_completed():
+                    break
+                done.wait(0.001)
+            assert work.is_completed()
+        elif how == "get_future":
+            assert work.get_future().wait() is None
+        else:
+            assert work.wait(timeout=10.0)
+        assert work.wait(10.0) and ran_on[-1] == "fastcomm-test-executor"
+    finally:
+        assert executor.close(10.0)
+
+
+def test_parked_thread_is_woken_by_the_next_task(monkeypatch):
+    from fastcomm.comm import work as work_module
+
+    monkeypatch.setattr(work_module, "PARK_S", 0.02)
+    executor = OrderedExecutor("fastcomm-test-executor", 0, lambda task, start: task.run())
+    ran_on: list[str] = []
+    done = threading.Event()
+    try:
+        executor.run(_recording_task(ran_on), async_op=True).wait()
+        for _ in range(1000):  # idle past PARK_S: the thread stops polling
+            if executor._parked:
+                break
+            done.wait(0.005)
+        assert executor._parked
+        executor.run(_recording_task(ran_on, done), async_op=True)
+        assert done.wait(10.0) and ran_on[-1] == "fastcomm-test-executor"
+    finally:
+        assert executor.close(10.0)
