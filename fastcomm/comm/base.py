@@ -405,6 +405,12 @@ class Communicator(abc.ABC):
         returns ``False`` having done nothing (then its task runs). Default: no such lane."""
         return False
 
+    def _sync_p2p(self, op: str, tensor: torch.Tensor, peer: int) -> bool:
+        """A backend's lane for a synchronous ``send`` or ``recv`` (``op``) of ``tensor`` with
+        rank ``peer``, as :meth:`_sync` is for collectives: finishes it on the caller's thread
+        and returns ``True``, or returns ``False`` having done nothing. Default: no such lane."""
+        return False
+
     def _all_reduce_sparse(self, tensor: torch.Tensor, op: object, async_op: bool):
         """``all_reduce`` of a sparse COO tensor: natively where the backend declares it
         (``sparse_all_reduce``), else densified, reduced and made sparse again (rows that are
@@ -559,7 +565,10 @@ class Communicator(abc.ABC):
         """
         self._check_p2p(tensor, dst, "send", "dst", "send to")
         self.stats.record("send", tensor)
-        return self._run(self._target(tensor, "send")._impl_send(tensor, dst), async_op)
+        target = self._target(tensor, "send")
+        if not async_op and target._sync_p2p("send", tensor, dst):
+            return None
+        return self._run(target._impl_send(tensor, dst), async_op)
 
     def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Work | None:
         """Receives into ``tensor`` from rank ``src``.
@@ -574,7 +583,10 @@ class Communicator(abc.ABC):
         """
         self._check_p2p(tensor, src, "recv", "src", "receive from")
         self.stats.record("recv", None)
-        return self._run(self._target(tensor, "recv")._impl_recv(tensor, src), async_op)
+        target = self._target(tensor, "recv")
+        if not async_op and target._sync_p2p("recv", tensor, src):
+            return None
+        return self._run(target._impl_recv(tensor, src), async_op)
 
     def barrier(self, async_op: bool = False) -> Work | None:
         """Returns once every rank has entered the barrier."""

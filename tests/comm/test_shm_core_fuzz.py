@@ -1,8 +1,9 @@
 """Hostile input: the compiled core's Python API under hypothesis, in a child process.
 
-The child drives every entry point of ``_core`` (``reduce``, ``SmallCore(...)`` and each of its
-collectives, an uninitialised and a re-initialised ``SmallCore``) with random kinds, ops, counts,
-slot sizes, world sizes, term counts, stages, halves, roots and peer states, and with invalid
+The child drives every entry point of ``_core`` (``reduce``, ``SmallCore(...)`` with and without
+its mailboxes, each of its collectives and its ``send``/``recv``, an uninitialised and a
+re-initialised ``SmallCore``) with random kinds, ops, counts, slot and mailbox sizes, world
+sizes, term counts, stages, halves, roots, chunk numbers and peer states, and with invalid
 values in any one argument (out of range as the C type, past 32 or 64 bits, not an int, a null
 address, a wrong argument count). Addresses always point to real buffers of the bytes the call
 names (the core's contract, ``_core.c``), except where a call names 0 bytes: then any address
@@ -90,7 +91,7 @@ def _child(core_path: str, log_path: str) -> None:  # noqa: C901 - one generator
             return
         if not valid:
             raise AssertionError(f"an invalid call returned {result!r}: {record!r}")
-        if fn is not core.reduce and result not in (0, 1, 2, 3):
+        if fn is not core.reduce and result not in range(7):
             raise AssertionError(f"status {result!r}: {record!r}")
 
     def bad_int(lo: int, hi: int):
@@ -168,6 +169,84 @@ def _child(core_path: str, log_path: str) -> None:  # noqa: C901 - one generator
             valid = False
         code_b = {"all_reduce": root + 1, "broadcast": src + 1}.get(what, 0)
         return what, args, code_b, valid, keep
+
+    @st.composite
+    def p2p_call(draw, size: int, rank: int, mbox_bytes: int):
+        """A send or recv and its arguments, the header the peer's chunk will hold, and
+        whether the arguments are valid."""
+        what = draw(st.sampled_from(["send", "recv"]))
+        room = mbox_bytes - 64
+        nbytes = draw(st.integers(0, room) | st.sampled_from([0, room]))
+        total = draw(st.sampled_from([nbytes, 0, 2**63 - 1]) | st.integers(0, 2**63 - 1))
+        peers = [p for p in range(size) if p != rank]
+        peer = draw(st.sampled_from(peers)) if peers else 0
+        k = draw(st.sampled_from([0, 1, 2, 3, 2**64 - 1]) | st.integers(0, 2**64 - 1))
+        spin = draw(st.sampled_from([0, 0, 0, 1000]))
+        args = [address(draw, nbytes), nbytes, total, peer, k, spin]
+        valid = bool(peers)
+        bounds = ["u64", (0, room), (0, 2**63 - 1), (0, size - 1), "u64", (0, core.MAX_SPIN_NS)]
+        mode = draw(st.sampled_from(["valid"] * 6 + ["bad value", "bad count", "null", "self"]))
+        if mode == "bad value":
+            i = draw(st.integers(0, len(args) - 1))
+            args[i] = draw(bad_u64 if bounds[i] == "u64" else bad_int(*bounds[i]))
+            valid = False
+        elif mode == "bad count":
+            args = args + [0] if draw(st.booleans()) else args[1:]
+            valid = False
+        elif mode == "null" and nbytes > 0:
+            args[0], valid = 0, False
+        elif mode == "self":
+            args[3], valid = rank, False
+        return what, args, total, valid
+
+    @settings(max_examples=MAX_EXAMPLES // 2, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(data=st.data(), size=st.integers(1, 8), mbox_bytes=st.sampled_from([72, 128, 4096]))
+    def fuzz_p2p(data, size, mbox_bytes):
+        # a segment: per rank 8 control words (seq, waiting_on, descriptors 2 .. 5), then
+        # 4 x 2 counter words (each counter, then its announcement) per peer; then one 8-byte
+        # slot per half and rank, then 4 mailboxes per rank
+        rank = data.draw(st.integers(0, size - 1))
+        counters = 8 * size
+        nwords = 8 * size + 8 * size + 2 * size + 4 * size * mbox_bytes // 8
+        words = np.zeros(nwords, dtype=np.int64).view(np.uint64)
+        slots = [8 * (16 * size + i) for i in range(2 * size)]
+        boxes = [8 * (18 * size) + i * mbox_bytes for i in range(4 * size)]
+        p2p_idx = [counters + 2 * i for i in range(4 * size)]
+        layout = [[8 * p for p in range(size)], [8 * p + 1 for p in range(size)],
+                  [8 * p + j for p in range(size) for j in (2, 3, 4, 5)], slots, 8]
+        if rank == 0 or data.draw(st.booleans()):  # no mailboxes: send and recv refuse
+            bare_p2p = core.SmallCore(words, rank, *layout)
+            call(bare_p2p.send, addresses[0], 0, 0, (rank + 1) % size, 0, 0, valid=False)
+        extra = [p2p_idx, boxes, mbox_bytes]
+        small = core.SmallCore(words, rank, *layout, *extra)
+        i = data.draw(st.integers(0, 3))
+        bad_extra = list(extra)
+        if i == 3:  # two of the three
+            bad_extra = bad_extra[:2]
+        elif i == 2:
+            bad_extra[2] = data.draw(st.sampled_from([64, 0, nwords * 8 + 1, -1, 2**64, 1.5]))
+        else:
+            n = len(extra[i])
+            past = nwords - 1 if i == 0 else nwords * 8 - mbox_bytes + 1
+            bad_extra[i] = data.draw(st.sampled_from(
+                [[past] * n, [-1] * n, extra[i][:-1], [2**70] * n, [1.5] * n, None, [4] * n]
+                if i == 1 else [[past] * n, [-1] * n, extra[i][:-1], [2**70] * n, None]))
+        call(core.SmallCore, words, rank, *layout, *bad_extra, valid=False)
+        bare = core.SmallCore.__new__(core.SmallCore)
+        call(bare.recv, addresses[0], 0, 0, 0, 0, 0, valid=False)
+        for _ in range(SPECS_PER_EXAMPLE):
+            what, args, total, valid = data.draw(p2p_call(size, rank, mbox_bytes))
+            fn = getattr(small, what)
+            peer = args[3] if len(args) == 6 and isinstance(args[3], int) else 0
+            for arrived, same in itertools.product((0, 1), (0, 1)):
+                for r in range(size):  # every counter reached or not
+                    for j in range(4):
+                        words[counters + 8 * r + 2 * j] = 2**63 if arrived else 0
+                if 0 <= peer < size:  # the peer's chunks hold this call's total or not
+                    for j in (2, 3):
+                        words[boxes[4 * peer + j] // 8] = total if same else total ^ 1
+                call(fn, *args, valid=valid)
 
     @st.composite
     def reduce_call(draw):
@@ -251,6 +330,7 @@ def _child(core_path: str, log_path: str) -> None:  # noqa: C901 - one generator
         terms = (addresses[1:] * nterms)[:nterms]
         call(core.reduce, addresses[0], terms, numel, kind, op, 1.0, valid=True)
     fuzz()
+    fuzz_p2p()
     print(f"calls={calls[0]}")
 
 

@@ -17,6 +17,19 @@
  * finishes. B is computed here: the root + 1 of a reduce (0 for an all-reduce), the source + 1
  * of a broadcast, 0 otherwise (a small round has fewer than 2**40 elements).
  *
+ * Send/recv of a message chunk that fits one mailbox slot (schedules.py, "Point to point"):
+ * chunk k of the ordered pair (s, d) goes into mailbox slot k % 2 of the pair: the sender waits
+ * until d's `acked` counter reached k - 1 (the slot's previous chunk was taken; no wait for
+ * k < 2), writes the message's total byte count in the slot's 64-byte header and the chunk
+ * after it, then publishes `sent` = k + 1; the receiver waits until `sent` reached k + 1,
+ * compares the header's count with its own (SIZE_MISMATCH: nothing copied, nothing
+ * acknowledged), copies the chunk out and publishes `acked` = k + 1. The caller keeps k (one
+ * counter per peer and direction). A waiter about to sleep on a peer's counter announces itself
+ * in the word after its own counter of that pair (the sender after its `sent`, the receiver
+ * after its `acked`); a publisher wakes the counter's futex only when that announcement is set,
+ * after a full fence, so the usual message costs no system call and a sleeper never misses its
+ * wakeup (the kernel's futex_wait fences between the announcement and its read of the word).
+ *
  * Contract of the arguments. A SmallCore holds the segment itself (a buffer export: the mapping
  * cannot go away under it) and checks every word index and slot of its layout against it at
  * construction; every later argument is checked against the C type it is used as (ValueError
@@ -49,6 +62,10 @@
 enum { K_F32, K_F64, K_I8, K_U8, K_I32, K_I64, K_COUNT };
 enum { OP_SUM, OP_PRODUCT, OP_AVG, OP_COUNT }; /* AVG: the sum, divided by the term count */
 enum { DONE = 0, ENTER_WAIT = 1, EXCHANGE_WAIT = 2, MISMATCH = 3 };
+/* send/recv: the slot is not free yet, no message yet (nothing written either way), the
+ * message's byte count differs from the receiver's (nothing copied) */
+enum { SLOT_WAIT = 4, MESSAGE_WAIT = 5, SIZE_MISMATCH = 6 };
+#define MBOX_HEADER 64 /* bytes of a mailbox slot before the chunk: the total byte count */
 
 static const size_t KIND_SIZE[K_COUNT] = {4, 8, 1, 1, 4, 8};
 /* Below this many bytes of input, a reduction keeps the GIL (releasing costs more). */
@@ -335,6 +352,12 @@ typedef struct {
     Py_ssize_t *desc_idx; /* [size][4]: A of half 0, A of half 1, B of half 0, B of half 1 */
     char **slots;         /* [2][size] */
     char **terms;         /* [size]: scratch for one reduction's term addresses */
+    int p2p;              /* 1 when built with the mailboxes (send and recv) */
+    size_t mbox_bytes;
+    /* [size][4] words: this rank's sent to r, r's acked of ours, r's sent to us, our acked of
+     * r's; the word after each is its owner's announcement (module docstring) */
+    Py_ssize_t *p2p_idx;
+    char **mbox;          /* [size][4]: slot 0 and 1 to r, slot 0 and 1 from r */
 } SmallCore;
 
 static void SmallCore_dealloc(SmallCore *self) {
@@ -345,6 +368,8 @@ static void SmallCore_dealloc(SmallCore *self) {
     PyMem_Free(self->desc_idx);
     PyMem_Free(self->slots);
     PyMem_Free(self->terms);
+    PyMem_Free(self->p2p_idx);
+    PyMem_Free(self->mbox);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -379,10 +404,19 @@ static int read_indices(PyObject *seq, Py_ssize_t count, Py_ssize_t limit, Py_ss
  * half 1, B of half 0, B of half 1), rank 0 first; `slots` lists the byte offsets of the slots
  * of half 0 for every rank, then of half 1, each 8-byte aligned and `slot_bytes` long inside
  * the buffer. Initialised once: a second __init__ raises (a concurrent call may be using the
- * layout with the GIL released). */
+ * layout with the GIL released).
+ *
+ * Send and recv need three more arguments, all or none: `p2p_idx`, for every rank r in rank
+ * order, the word indices of this rank's `sent` to r, r's `acked` of this rank's, r's `sent` to
+ * this rank and this rank's `acked` of r's (the word after each is its owner's announcement, so
+ * each index is below the segment's last word); `mailboxes`, for every r, the byte offsets of
+ * this rank's two mailbox slots to r, then of r's two to this rank, each 8-byte aligned and
+ * `mbox_bytes` long inside the buffer (entries of r = rank are checked, never used); and
+ * `mbox_bytes` (more than the 64-byte header). */
 static int SmallCore_init(SmallCore *self, PyObject *args, PyObject *kwds) {
     PyObject *segment, *rank_obj, *seq_idx, *wait_idx, *desc_idx, *slots, *slot_bytes_obj;
-    long long rank, slot_bytes;
+    PyObject *p2p_obj = NULL, *mbox_obj = NULL, *mbox_bytes_obj = NULL;
+    long long rank, slot_bytes, mbox_bytes = 0;
     if (self->ready) {
         PyErr_SetString(PyExc_ValueError, "SmallCore is already initialised");
         return -1;
@@ -391,9 +425,15 @@ static int SmallCore_init(SmallCore *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_TypeError, "SmallCore takes no keyword arguments");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "OOOOOOO", &segment, &rank_obj, &seq_idx, &wait_idx, &desc_idx,
-                          &slots, &slot_bytes_obj))
+    if (!PyArg_ParseTuple(args, "OOOOOOO|OOO", &segment, &rank_obj, &seq_idx, &wait_idx,
+                          &desc_idx, &slots, &slot_bytes_obj, &p2p_obj, &mbox_obj,
+                          &mbox_bytes_obj))
         return -1;
+    if ((p2p_obj != NULL) != (mbox_bytes_obj != NULL)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "SmallCore takes p2p_idx, mailboxes and mbox_bytes together or none");
+        return -1;
+    }
     Py_ssize_t size = PySequence_Size(seq_idx);
     if (size < 1 || size > MAX_RANKS) {
         if (!PyErr_Occurred())
@@ -421,7 +461,14 @@ static int SmallCore_init(SmallCore *self, PyObject *args, PyObject *kwds) {
     Py_ssize_t *offsets = PyMem_Malloc(sizeof(Py_ssize_t) * 2 * (size_t)size);
     char **slot_addr = PyMem_Malloc(sizeof(char *) * 2 * (size_t)size);
     char **terms = PyMem_Malloc(sizeof(char *) * (size_t)size);
-    if (!seq || !wait || !desc || !offsets || !slot_addr || !terms) {
+    Py_ssize_t *p2p = NULL;
+    char **mbox = NULL;
+    if (p2p_obj) {
+        p2p = PyMem_Malloc(sizeof(Py_ssize_t) * 4 * (size_t)size);
+        mbox = PyMem_Malloc(sizeof(char *) * 4 * (size_t)size);
+    }
+    if (!seq || !wait || !desc || !offsets || !slot_addr || !terms ||
+        (p2p_obj && (!p2p || !mbox))) {
         PyErr_NoMemory();
         goto fail;
     }
@@ -453,6 +500,27 @@ static int SmallCore_init(SmallCore *self, PyObject *args, PyObject *kwds) {
         }
         slot_addr[i] = (char *)view.buf + offsets[i];
     }
+    if (p2p_obj) {
+        if (arg_range(mbox_bytes_obj, MBOX_HEADER + 1, view.len, "mbox_bytes", &mbox_bytes) < 0 ||
+            read_indices(p2p_obj, 4 * size, nwords - 1, p2p, "p2p_idx") < 0)
+            goto fail;
+        PyMem_Free(offsets);
+        offsets = PyMem_Malloc(sizeof(Py_ssize_t) * 4 * (size_t)size);
+        if (!offsets) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        if (read_indices(mbox_obj, 4 * size, view.len - mbox_bytes + 1, offsets, "mailboxes") < 0)
+            goto fail;
+        for (Py_ssize_t i = 0; i < 4 * size; i++) {
+            if (offsets[i] % 8) {
+                PyErr_Format(PyExc_ValueError, "mailboxes: offset %zd is not 8-byte aligned",
+                             offsets[i]);
+                goto fail;
+            }
+            mbox[i] = (char *)view.buf + offsets[i];
+        }
+    }
     PyMem_Free(offsets);
     offsets = NULL;
     if (self->ready) { /* another thread's __init__ won while ours ran Python code */
@@ -469,9 +537,15 @@ static int SmallCore_init(SmallCore *self, PyObject *args, PyObject *kwds) {
     self->desc_idx = desc;
     self->slots = slot_addr;
     self->terms = terms;
+    self->p2p = p2p_obj != NULL;
+    self->mbox_bytes = (size_t)mbox_bytes;
+    self->p2p_idx = p2p;
+    self->mbox = mbox;
     self->ready = 1;
     return 0;
 fail:
+    PyMem_Free(p2p);
+    PyMem_Free(mbox);
     PyMem_Free(seq);
     PyMem_Free(wait);
     PyMem_Free(desc);
@@ -510,6 +584,30 @@ static int peers_reached(SmallCore *self, uint64_t target, int64_t spin_ns) {
                 break;
             }
         }
+    }
+    Py_END_ALLOW_THREADS
+    return reached;
+}
+
+/* Whether `*word` reached `target` within `spin_ns` (GIL released while spinning). */
+static int word_reached(const uint64_t *word, uint64_t target, int64_t spin_ns) {
+    if (load_acquire(word) >= target)
+        return 1;
+    if (spin_ns <= 0)
+        return 0;
+    int reached = 0;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t end = now_ns() + spin_ns;
+    while (!reached) {
+        for (int i = 0; i < 64; i++) {
+            if (load_acquire(word) >= target) {
+                reached = 1;
+                break;
+            }
+            cpu_relax();
+        }
+        if (!reached && now_ns() > end)
+            break;
     }
     Py_END_ALLOW_THREADS
     return reached;
@@ -793,6 +891,109 @@ static PyObject *SmallCore_barrier(SmallCore *self, PyObject *const *args, Py_ss
     return run_round(self, &r);
 }
 
+/* ------------------------------------------------------------------- point to point */
+
+/* Stores `value` in this rank's counter `idx` (release: the chunk's bytes, or its reads, come
+ * first) and wakes the counter's sleepers when its waiter announced itself in `announce_idx`.
+ * The fence orders the store before that read: a waiter that announced before it is woken, one
+ * that announces after it sees the value (futex_wait fences and re-reads the word). */
+static void post_counter(uint64_t *words, Py_ssize_t idx, uint64_t value,
+                         Py_ssize_t announce_idx) {
+    __atomic_store_n(&words[idx], value, __ATOMIC_RELEASE);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&words[announce_idx], __ATOMIC_RELAXED))
+        syscall(SYS_futex, &words[idx], FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+/* The arguments send and recv share: user, nbytes, total, peer, k, spin_ns. */
+typedef struct {
+    char *user;
+    size_t nbytes;
+    uint64_t total, k;
+    int peer;
+    int64_t spin_ns;
+} Chunk;
+
+static int parse_chunk(SmallCore *self, const char *name, PyObject *const *args,
+                       Py_ssize_t nargs, Chunk *c) {
+    long long nbytes, total, peer, spin;
+    if (check_ready(self) < 0 || check_nargs(name, nargs, 6) < 0)
+        return -1;
+    if (!self->p2p) {
+        PyErr_Format(PyExc_ValueError, "%s: this SmallCore was built without mailboxes", name);
+        return -1;
+    }
+    if (arg_range(args[1], 0, (long long)(self->mbox_bytes - MBOX_HEADER), "nbytes", &nbytes) < 0 ||
+        arg_range(args[2], 0, LLONG_MAX, "total", &total) < 0 ||
+        arg_range(args[3], 0, self->size - 1, "peer", &peer) < 0 ||
+        arg_u64(args[4], "k", &c->k) < 0 ||
+        arg_range(args[5], 0, MAX_SPIN_NS, "spin_ns", &spin) < 0)
+        return -1;
+    if (peer == self->rank) {
+        PyErr_Format(PyExc_ValueError, "%s: peer %lld is this rank", name, peer);
+        return -1;
+    }
+    c->nbytes = (size_t)nbytes;
+    c->total = (uint64_t)total;
+    c->peer = (int)peer;
+    c->spin_ns = spin;
+    return arg_address(args[0], "user", c->nbytes, &c->user);
+}
+
+/* A copy of a whole mailbox slot may release the GIL (as a large reduction does). */
+static void copy_chunk(char *dst, const char *src, size_t n) {
+    if (n < NOGIL_BYTES) {
+        copy_bytes(dst, src, n);
+        return;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    memcpy(dst, src, n);
+    Py_END_ALLOW_THREADS
+}
+
+/* send(user, nbytes, total, dst, k, spin_ns): chunk k (`nbytes` at `user`) of a message of
+ * `total` bytes to rank `dst` (module docstring). */
+static PyObject *SmallCore_send(SmallCore *self, PyObject *const *args, Py_ssize_t nargs) {
+    Chunk c;
+    if (parse_chunk(self, "send", args, nargs, &c) < 0)
+        return NULL;
+    const Py_ssize_t *idx = self->p2p_idx + 4 * c.peer;
+    uint64_t *words = self->words;
+    if (c.k >= 2 && !word_reached(&words[idx[1]], c.k - 1, c.spin_ns))
+        return PyLong_FromLong(SLOT_WAIT);
+    char *box = self->mbox[4 * c.peer + (c.k & 1)];
+    int64_t header = (int64_t)c.total;
+    memcpy(box, &header, sizeof header);
+    copy_chunk(box + MBOX_HEADER, c.user, c.nbytes);
+    post_counter(words, idx[0], c.k + 1, idx[1] + 1);
+    return PyLong_FromLong(DONE);
+}
+
+/* recv(user, nbytes, total, src, k, spin_ns): chunk k of a message from rank `src` into
+ * `nbytes` at `user`, when the message's header says `total` bytes (module docstring). */
+static PyObject *SmallCore_recv(SmallCore *self, PyObject *const *args, Py_ssize_t nargs) {
+    Chunk c;
+    if (parse_chunk(self, "recv", args, nargs, &c) < 0)
+        return NULL;
+    const Py_ssize_t *idx = self->p2p_idx + 4 * c.peer;
+    uint64_t *words = self->words;
+    if (!word_reached(&words[idx[2]], c.k + 1, c.spin_ns))
+        return PyLong_FromLong(MESSAGE_WAIT);
+    const char *box = self->mbox[4 * c.peer + 2 + (c.k & 1)];
+    int64_t header;
+    memcpy(&header, box, sizeof header);
+    if ((uint64_t)header != c.total)
+        return PyLong_FromLong(SIZE_MISMATCH);
+    copy_chunk(c.user, box + MBOX_HEADER, c.nbytes);
+    post_counter(words, idx[3], c.k + 1, idx[2] + 1);
+    return PyLong_FromLong(DONE);
+}
+
+#define P2P_DOC                                                                               \
+    "Returns DONE (0), SLOT_WAIT (4: send: the slot's last chunk not taken yet), MESSAGE_WAIT " \
+    "(5: recv: no chunk yet) or SIZE_MISMATCH (6: recv: the header's total differs; nothing "  \
+    "copied). Nothing is written before a wait status (module source)."
+
 #define METHOD(name, doc)                                                                     \
     { #name, (PyCFunction)(void (*)(void))SmallCore_##name, METH_FASTCALL, doc STATUS_DOC }
 
@@ -808,6 +1009,12 @@ static PyMethodDef SmallCore_methods[] = {
     METHOD(all_to_all, "all_to_all(out, flat, row_bytes, code_a, half, enter, target, stage, "
                        "spin_ns) -> status. "),
     METHOD(barrier, "barrier(code_a, half, enter, target, stage, spin_ns) -> status. "),
+    {"send", (PyCFunction)(void (*)(void))SmallCore_send, METH_FASTCALL,
+     "send(user, nbytes, total, dst, k, spin_ns) -> status: chunk k of a message of total "
+     "bytes. " P2P_DOC},
+    {"recv", (PyCFunction)(void (*)(void))SmallCore_recv, METH_FASTCALL,
+     "recv(user, nbytes, total, src, k, spin_ns) -> status: chunk k of a message of total "
+     "bytes. " P2P_DOC},
     {NULL, NULL, 0, NULL},
 };
 
@@ -828,7 +1035,8 @@ static PyTypeObject SmallCoreType = {
     .tp_basicsize = sizeof(SmallCore),
     .tp_dealloc = (destructor)SmallCore_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "The small collectives (one round each) of one rank over a mapped shm segment.",
+    .tp_doc = "The small collectives (one round each) and the one-slot send/recv chunks of one "
+              "rank over a mapped shm segment.",
     .tp_methods = SmallCore_methods,
     .tp_getset = SmallCore_getset,
     .tp_init = (initproc)SmallCore_init,
@@ -866,10 +1074,12 @@ PyMODINIT_FUNC PyInit__core(void) {
     static const char *names[] = {"KIND_F32", "KIND_F64", "KIND_I8", "KIND_U8", "KIND_I32",
                                   "KIND_I64", "OP_SUM", "OP_PRODUCT", "OP_AVG", "DONE",
                                   "ENTER_WAIT", "EXCHANGE_WAIT", "MISMATCH", "MAX_TERMS",
-                                  "MAX_SPIN_NS"};
+                                  "MAX_SPIN_NS", "SLOT_WAIT", "MESSAGE_WAIT", "SIZE_MISMATCH",
+                                  "MBOX_HEADER"};
     static const long long values[] = {K_F32, K_F64, K_I8, K_U8, K_I32, K_I64, OP_SUM,
                                        OP_PRODUCT, OP_AVG, DONE, ENTER_WAIT, EXCHANGE_WAIT,
-                                       MISMATCH, MAX_TERMS, MAX_SPIN_NS};
+                                       MISMATCH, MAX_TERMS, MAX_SPIN_NS, SLOT_WAIT,
+                                       MESSAGE_WAIT, SIZE_MISMATCH, MBOX_HEADER};
     for (size_t i = 0; i < sizeof(values) / sizeof(values[0]); i++) {
         PyObject *value = PyLong_FromLongLong(values[i]);
         int failed = !value || PyModule_AddObjectRef(m, names[i], value) < 0;

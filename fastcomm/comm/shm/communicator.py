@@ -11,7 +11,10 @@ Invariants:
 - Collectives run in issue order on one executor: synchronous calls on the caller's thread when
   no asynchronous work is pending, otherwise (and ``async_op=True`` calls always) on the
   executor's thread. Sends to and receives from each peer have executors of their own, so a
-  blocked send never stalls a collective (as with Gloo). One thread issues a communicator's calls.
+  blocked send never stalls a collective (as with Gloo); a synchronous send or recv runs on the
+  caller's thread, with no task or ``Work`` built, when that peer's executor has nothing pending
+  (``_sync_p2p``: a message that fits one mailbox slot is then one C call on either side). One
+  thread issues a communicator's calls.
 - A failed operation (timeout, peer gone, mismatch) marks this rank ABORTED in the segment, so
   peers waiting on it raise at once naming it; every later call raises ``CommAbortedError``.
 - Nothing of the segment outlives setup in ``/dev/shm`` (see ``segment``). At interpreter
@@ -320,6 +323,26 @@ class ShmCommunicator(Communicator):
         except BaseException as exc:
             self._abort(op, start, exc)
 
+    def _sync_p2p(self, op: str, tensor: torch.Tensor, peer: int) -> bool:
+        """A synchronous send or recv runs on the caller's thread, with no ``Work`` or task
+        built, when nothing is pending on that peer's executor of ``op`` (so messages keep their
+        issue order); any size, as the executor would run it there. (Routing sent only CPU
+        tensors here.)"""
+        if self._broken is not None or type(tensor) is not torch.Tensor:
+            return False
+        executor = self._p2p.get((op, peer))
+        if executor is not None and executor.busy:
+            return False
+        start = time.monotonic()
+        try:
+            if op == "send":
+                self._schedules.send(tensor, peer, start)
+            else:
+                self._schedules.recv(tensor, peer, start)
+        except BaseException as exc:
+            self._abort(op, start, exc)
+        return True
+
     def _small_first(self, op: str, general: Callable[..., None], *args) -> Task:
         """A task running ``general(*args)``, or the op's small-message entry where it applies
         (an asynchronous call takes it too)."""
@@ -365,13 +388,11 @@ class ShmCommunicator(Communicator):
         return self._small_first("all_to_all", general, output, input)
 
     def _impl_send(self, tensor: torch.Tensor, dst: int) -> Task:
-        data = tensor.view(-1).view(torch.uint8)
-        run = lambda: self._schedules.send(data, dst)  # noqa: E731
+        run = lambda: self._schedules.send(tensor, dst)  # noqa: E731
         return Task("send", tensor, run, self._p2p_executor("send", dst))
 
     def _impl_recv(self, tensor: torch.Tensor, src: int) -> Task:
-        data = tensor.view(-1).view(torch.uint8)
-        run = lambda: self._schedules.recv(data, src)  # noqa: E731
+        run = lambda: self._schedules.recv(tensor, src)  # noqa: E731
         return Task("recv", tensor, run, self._p2p_executor("recv", src))
 
     def _impl_barrier(self) -> Task:

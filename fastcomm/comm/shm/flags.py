@@ -3,7 +3,10 @@
 Every rank owns its progress words in the segment and is their only writer (no locks, no atomic
 read-modify-write): ``seq`` advances by one at every publish of a collective, identically on all
 ranks, so "rank p reached step s" is ``seq[p] >= s``. Point-to-point transfers use the per-pair
-``sent``/``acked`` counters instead, which only the two ranks involved advance.
+``sent``/``acked`` counters instead, which only the two ranks involved advance; a rank about to
+sleep on its peer's counter announces itself in the word after its own counter of the pair
+(``segment``), and the publisher of a counter wakes its futex only then
+(:meth:`PeerFlags.set_word`).
 
 Waiting never burns a core for long: a waiter reads the word in a tight loop for ``spin_us``
 (0 when there are more ranks than cores), then polls it between ``sched_yield()`` calls for
@@ -183,12 +186,17 @@ class PeerFlags:
                 break
         return value
 
-    def set_word(self, idx: int, value: int) -> None:
-        """Stores ``value`` in one of this rank's own words and always wakes its sleepers."""
+    def set_word(self, idx: int, value: int, announce_idx: int) -> None:
+        """Stores ``value`` in one of this rank's own words (a send/recv counter) and wakes its
+        sleepers when its waiter announced itself in word ``announce_idx`` (module docstring:
+        without a fence between the store and that read, a waiter announcing itself meanwhile
+        may sleep one slice before it sees the value; the compiled core fences)."""
         if self.fenced:
             fence()
-        self.words[idx] = value
-        self._wake(idx)
+        words = self.words
+        words[idx] = value
+        if words[announce_idx]:
+            self._wake(idx)
 
     def _wake(self, idx: int) -> None:
         addr = ctypes.c_void_p(self.base_address + 8 * idx)
@@ -243,8 +251,13 @@ class PeerFlags:
         *,
         announce: bool = False,
         group: list[int] | None = None,
+        announce_idx: int | None = None,
     ) -> None:
         """Waits until word ``idx`` (owned by ``peer``) reaches ``target``.
+
+        Before it sleeps, a waiter announces itself: ``announce`` (a ``seq`` wait) stores
+        ``peer + 1`` in this rank's ``waiting_on`` word; ``announce_idx`` (a send/recv counter)
+        stores 1 in that word of this rank's. Either is cleared on return.
 
         Raises:
             CommTimeoutError: the operation's timeout passed; names the ranks not arrived.
@@ -272,6 +285,8 @@ class PeerFlags:
         addr = ctypes.c_void_p(self.base_address + 8 * idx)
         if announce:
             words[self.wait_idx[self.rank]] = peer + 1
+        elif announce_idx is not None:
+            words[announce_idx] = 1
         try:
             while True:
                 value = words[idx]
@@ -309,6 +324,8 @@ class PeerFlags:
         finally:
             if announce:
                 words[self.wait_idx[self.rank]] = 0
+            elif announce_idx is not None:
+                words[announce_idx] = 0
 
     def _peer_gone(self, peer: int, op: str, start: float) -> CommAbortedError:
         state = self.words[self.state_idx[peer]]

@@ -49,7 +49,14 @@ dtype, size), so a repeated call slices nothing. A call that fits one slot (one 
 the compiled core where it was built (``_core.c``): the same round, in one C call when the peers
 are there within the spin; data movement for every dtype, reductions (``SUM``, ``AVG``,
 ``PRODUCT``) for the dtypes whose torch bits it reproduces. Send/recv stream through two mailbox
-slots per ordered pair of ranks, counted by the pair's ``sent``/``acked`` words.
+slots per ordered pair of ranks, counted by the pair's ``sent``/``acked`` words: chunk ``k`` of the
+pair's traffic goes into slot ``k % 2`` (a 64-byte header holding the message's total bytes, then
+at most ``mbox_bytes - 64`` of it) once the receiver took chunk ``k - 2``; a receiver whose own
+size differs from the header's raises, naming both, without taking the chunk. Each chunk is one
+C call where the compiled core is built (the spin without the GIL, the copy, the counter, and a
+futex wake only when the peer announced that it sleeps), so a message that fits one slot costs
+one call on either side when the peer is there; longer waits finish in Python
+(:meth:`~.flags.PeerFlags.wait_word`) and the call resumes. Either side may run either path.
 """
 
 from __future__ import annotations
@@ -64,7 +71,7 @@ import torch
 from ..errors import FastcommError
 from ..reduction import _BINARY, Reduction, reduce_into, torch_reduce
 from ..types import SUPPORTED_DTYPES, PremulSum, ReduceOp, divide_
-from .flags import PeerFlags
+from .flags import PeerFlags, fence
 from .segment import Layout
 
 try:  # built at install where a C compiler is found
@@ -144,6 +151,18 @@ def _code_b(numel: int, root: int | None = None) -> int:
     """A call's descriptor word B (module docstring): the element count past 40 bits and the
     source or root + 1."""
     return ((numel >> 40) << 32) | (0 if root is None else root + 1)
+
+
+def _p2p_words(layout: Layout, rank: int, peer: int) -> tuple[int, int, int, int]:
+    """Word indices of the counters of ``rank``'s traffic with ``peer``: ``rank``'s ``sent`` to
+    ``peer``, ``peer``'s ``acked`` of those, ``peer``'s ``sent`` to ``rank``, ``rank``'s ``acked``
+    of those. The word after each is its owner's announcement (``segment``)."""
+    return (
+        layout.sent(rank, peer) // 8,
+        layout.acked(peer, rank) // 8,
+        layout.sent(peer, rank) // 8,
+        layout.acked(rank, peer) // 8,
+    )
 
 
 def _overlap(a: int, a_bytes: int, b: int, b_bytes: int) -> bool:
@@ -229,6 +248,19 @@ class SegmentSchedules:
         self._core_plans: dict[tuple, tuple | bool] = {}  # by (dtype, numel)
         if compiled and _core is not None and self._inline_torch:
             n = self.size
+            p2p = []  # send/recv's counters and mailboxes (one rank has none)
+            if n > 1:
+                me = self.rank
+                boxes = [
+                    [0] * 4 if r == me else [layout.mailbox(me, r, 0), layout.mailbox(me, r, 1),
+                                             layout.mailbox(r, me, 0), layout.mailbox(r, me, 1)]
+                    for r in range(n)
+                ]
+                p2p = [
+                    [idx for r in range(n) for idx in _p2p_words(layout, me, r)],
+                    [offset for four in boxes for offset in four],
+                    layout.mbox_bytes,
+                ]
             self._core = _core.SmallCore(
                 flags.segment.mm,  # held by the core: the mapping outlives it
                 self.rank,
@@ -237,6 +269,7 @@ class SegmentSchedules:
                 [idx for r in range(n) for idx in flags.desc_idx[r]],
                 [layout.slot(h, r) for h in range(2) for r in range(n)],
                 layout.slot_bytes,
+                *p2p,
             )
         # this rank's one_shot_max, for the message when ranks disagree on it (module docstring)
         flags.words[layout.misc(self.rank, _ONE_SHOT_WORD) // 8] = min(one_shot_max, 2**64 - 1)
@@ -247,6 +280,8 @@ class SegmentSchedules:
         self._prev_first = 0  # seq of the first publish of the previous round
         self._sent = [0] * self.size  # chunks sent to / received from each peer
         self._received = [0] * self.size
+        self._p2p_idx = [_p2p_words(layout, self.rank, r) for r in range(self.size)]
+        self._mbox_room = layout.mbox_bytes - _MBOX_HEADER  # bytes of a chunk
 
     # ------------------------------------------------------------------ plumbing
     def slots(self, half: int, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -1081,39 +1116,109 @@ class SegmentSchedules:
         return 1
 
     # ------------------------------------------------------------------ point to point
+    # Any contiguous CPU tensor goes as its bytes. A chunk (at most one mailbox slot) is one C
+    # call where the compiled core is built: it spins without the GIL for the spin budget and
+    # says when the wait is not over; the wait is then finished here (timeouts, peer checks,
+    # futex sleep) and the call resumed, as a collective's round is (_core_round).
     def _mailbox(self, src: int, dst: int, k: int) -> torch.Tensor:
         offset = self.layout.mailbox(src, dst, k)
         return self._u8[offset : offset + self.layout.mbox_bytes]
 
-    def send(self, data: torch.Tensor, dst: int) -> None:
-        """Streams ``data`` (bytes) through the two mailbox slots of (this rank, ``dst``)."""
-        start, flags, layout = time.monotonic(), self.flags, self.layout
-        room = layout.mbox_bytes - _MBOX_HEADER
-        acked_idx = layout.acked(dst, self.rank) // 8
-        for offset, count in self._chunks(data.numel(), room):
+    def send(self, data: torch.Tensor, dst: int, start: float | None = None) -> None:
+        """Streams the bytes of ``data`` (contiguous, on the CPU) through the two mailbox slots
+        of (this rank, ``dst``), one chunk of at most ``mbox_bytes - 64`` per slot; ``start``:
+        when the call began (default: now)."""
+        if start is None:
+            start = time.monotonic()
+        core = self._core
+        if core is None or data.requires_grad:
+            self._send_python(data.view(-1).view(torch.uint8), dst, start)
+            return
+        flags = self.flags
+        total = data.numel() * data.element_size()
+        addr, room, offset = data.data_ptr(), self._mbox_room, 0
+        while True:
+            count = min(room, total - offset)
+            k = self._sent[dst]
+            if core.send(addr + offset, count, total, dst, k, flags.spin_budget_ns()):
+                sent_idx, acked_idx = self._p2p_idx[dst][:2]
+                flags.wait_word(acked_idx, k - 1, dst, "send", start, announce_idx=sent_idx + 1)
+                status = core.send(addr + offset, count, total, dst, k, 0)
+                if status:
+                    raise AssertionError(f"the compiled core's send returned status {status}")
+            self._sent[dst] = k + 1
+            offset += count
+            if offset >= total:
+                return
+
+    def recv(self, data: torch.Tensor, src: int, start: float | None = None) -> None:
+        """Receives the bytes of ``data`` (contiguous, on the CPU) from ``src`` (as
+        :meth:`send` streams them).
+
+        Raises:
+            FastcommError: ``src`` sent another number of bytes (nothing is copied).
+        """
+        if start is None:
+            start = time.monotonic()
+        core = self._core
+        if core is None or data.requires_grad:
+            self._recv_python(data.view(-1).view(torch.uint8), src, start)
+            return
+        flags = self.flags
+        total = data.numel() * data.element_size()
+        addr, room, offset = data.data_ptr(), self._mbox_room, 0
+        while True:
+            count = min(room, total - offset)
+            k = self._received[src]
+            status = core.recv(addr + offset, count, total, src, k, flags.spin_budget_ns())
+            if status == _core.MESSAGE_WAIT:
+                sent_idx, acked_idx = self._p2p_idx[src][2:]
+                flags.wait_word(sent_idx, k + 1, src, "recv", start, announce_idx=acked_idx + 1)
+                status = core.recv(addr + offset, count, total, src, k, 0)
+            if status:
+                if status == _core.SIZE_MISMATCH:
+                    self._size_mismatch(total, src, k)
+                raise AssertionError(f"the compiled core's recv returned status {status}")
+            self._received[src] = k + 1
+            offset += count
+            if offset >= total:
+                break
+        _increment_version((data,))
+
+    def _size_mismatch(self, expected: int, src: int, k: int) -> None:
+        """Raises for a message whose header (chunk ``k`` from ``src``) holds another size."""
+        sent = self.flags.words[self.layout.mailbox(src, self.rank, k & 1) // 8]
+        raise FastcommError(
+            f"rank {self.rank}: recv from rank {src} expected {expected} bytes but rank {src} "
+            f"sent {sent}"
+        )
+
+    def _send_python(self, data: torch.Tensor, dst: int, start: float) -> None:
+        """:meth:`send` of ``data`` (bytes) without the compiled core: the same protocol."""
+        flags = self.flags
+        sent_idx, acked_idx = self._p2p_idx[dst][:2]
+        for offset, count in self._chunks(data.numel(), self._mbox_room):
             k = self._sent[dst]
             if k >= 2:  # slot k % 2 is free once the receiver took chunk k - 2
-                flags.wait_word(acked_idx, k - 1, dst, "send", start)
+                flags.wait_word(acked_idx, k - 1, dst, "send", start, announce_idx=sent_idx + 1)
             box = self._mailbox(self.rank, dst, k & 1)
             box[:8].view(torch.int64)[0] = data.numel()
             box[_MBOX_HEADER : _MBOX_HEADER + count].copy_(data[offset : offset + count])
             self._sent[dst] = k + 1
-            flags.set_word(layout.sent(self.rank, dst) // 8, k + 1)
+            flags.set_word(sent_idx, k + 1, acked_idx + 1)
 
-    def recv(self, data: torch.Tensor, src: int) -> None:
-        start, flags, layout = time.monotonic(), self.flags, self.layout
-        room = layout.mbox_bytes - _MBOX_HEADER
-        sent_idx = layout.sent(src, self.rank) // 8
-        for offset, count in self._chunks(data.numel(), room):
+    def _recv_python(self, data: torch.Tensor, src: int, start: float) -> None:
+        """:meth:`recv` into ``data`` (bytes) without the compiled core: the same protocol."""
+        flags = self.flags
+        sent_idx, acked_idx = self._p2p_idx[src][2:]
+        for offset, count in self._chunks(data.numel(), self._mbox_room):
             k = self._received[src]
-            flags.wait_word(sent_idx, k + 1, src, "recv", start)
+            flags.wait_word(sent_idx, k + 1, src, "recv", start, announce_idx=acked_idx + 1)
+            if flags.fenced:  # the chunk's bytes after the counter (module docstring of flags)
+                fence()
             box = self._mailbox(src, self.rank, k & 1)
-            total = int(box[:8].view(torch.int64)[0])
-            if total != data.numel():
-                raise FastcommError(
-                    f"rank {self.rank}: recv from rank {src} expected {data.numel()} bytes but "
-                    f"rank {src} sent {total}"
-                )
+            if int(box[:8].view(torch.int64)[0]) != data.numel():
+                self._size_mismatch(data.numel(), src, k)
             data[offset : offset + count].copy_(box[_MBOX_HEADER : _MBOX_HEADER + count])
             self._received[src] = k + 1
-            flags.set_word(layout.acked(self.rank, src) // 8, k + 1)
+            flags.set_word(acked_idx, k + 1, sent_idx + 1)

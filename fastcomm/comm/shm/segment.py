@@ -10,8 +10,10 @@ a cache line, and the adjacent-line prefetcher does not pair them either)::
                              PremulSum factors [2] (float64 bits), call descriptors B [2],
                              one_shot_max (schedules.py: what a descriptor holds)
                 message      why the rank aborted (UTF-8), written before state = ABORTED
-                sent[d]      chunks this rank has put in its mailbox to rank d
-                acked[s]     chunks this rank has taken from rank s's mailbox to it
+                sent[d]      chunks this rank has put in its mailbox to rank d; the next
+                             word: 1 while this rank sleeps until d acknowledges one
+                acked[s]     chunks this rank has taken from rank s's mailbox to it; the next
+                             word: 1 while this rank sleeps until s sends one
     data      2 halves x (size + 1) slots x slot_bytes: slot (h, r) is written by rank r only;
               slot (h, size) holds reduced results, each rank writing its own 64-byte-aligned
               slice of it (so one copy brings a whole chunk's result out)
@@ -61,8 +63,9 @@ __all__ = [
 SHM_DIR = "/dev/shm"
 PREFIX = "fastcomm-"
 _NAME = re.compile(r"fastcomm-[0-9a-f-]+")  # what segment_name makes: digits, hex, dashes
-# the protocol's version: 002 added descriptor B, the two-step tag and every rank's check
-MAGIC = int.from_bytes(b"FCSHM002", "little")
+# the protocol's version: 002 added descriptor B, the two-step tag and every rank's check;
+# 003 the send/recv waiters' announcement words (a counter's sleepers are woken only then)
+MAGIC = int.from_bytes(b"FCSHM003", "little")
 LINE = 128  # two 64-byte lines: the adjacent-line prefetcher moves lines in pairs
 PAGE = 4096
 MESSAGE_BYTES = 256
@@ -114,11 +117,13 @@ class Layout:
         return self.ctrl(rank) + 2 * LINE
 
     def sent(self, rank: int, dst: int) -> int:
-        """Offset of the count of messages ``rank`` has put in its mailboxes to ``dst``."""
+        """Offset of the count of messages ``rank`` has put in its mailboxes to ``dst`` (the
+        word after it: ``rank``'s announcement that it sleeps on ``dst``'s ``acked``)."""
         return self.ctrl(rank) + 4 * LINE + dst * LINE
 
     def acked(self, rank: int, src: int) -> int:
-        """Offset of the count of messages from ``src`` that ``rank`` has taken."""
+        """Offset of the count of messages from ``src`` that ``rank`` has taken (the word after
+        it: ``rank``'s announcement that it sleeps on ``src``'s ``sent``)."""
         return self.ctrl(rank) + 4 * LINE + (self.size + src) * LINE
 
     @property
