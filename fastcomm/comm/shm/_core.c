@@ -940,9 +940,12 @@ static int parse_chunk(SmallCore *self, const char *name, PyObject *const *args,
     return arg_address(args[0], "user", c->nbytes, &c->user);
 }
 
-/* A copy of a whole mailbox slot may release the GIL (as a large reduction does). */
+/* A chunk of 64 KiB or more is copied without the GIL (tens of microseconds: the other lanes'
+ * threads, a send and a recv in both directions at once, copy meanwhile); a smaller one keeps it
+ * (releasing costs more than the copy). */
+#define NOGIL_COPY_BYTES (64 * 1024)
 static void copy_chunk(char *dst, const char *src, size_t n) {
-    if (n < NOGIL_BYTES) {
+    if (n < NOGIL_COPY_BYTES) {
         copy_bytes(dst, src, n);
         return;
     }

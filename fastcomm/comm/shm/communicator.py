@@ -128,8 +128,9 @@ class ShmOptions:
     compiled: bool = field(
         default_factory=lambda: _env_flag("FASTCOMM_SHM_COMPILED", True)
     )
-    """Use the compiled core where it was built at install: small all-reduces run in it (one C
-    call per call), and a ``PremulSum`` is folded into the reduction (no pass of its own).
+    """Use the compiled core where it was built at install: small collectives run in it (one C
+    call per call), so does each send/recv chunk (one mailbox slot), and a ``PremulSum`` is
+    folded into the reduction (no pass of its own).
     ``FASTCOMM_SHM_COMPILED=0`` turns it off; without a C compiler at install the pure-Python
     path runs either way."""
 
