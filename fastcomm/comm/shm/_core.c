@@ -37,7 +37,8 @@
  * checked are the raw addresses of the caller's memory (all_reduce's `user`, `out` and `flat`,
  * reduce's `out` and `terms`, send's and recv's `user`): each must point to at least the bytes
  * the call names (0 bytes: any address), readable and, where written, writable for the whole
- * call, and outside the segment. schedules.py only passes the data pointers of contiguous CPU tensors it checked.
+ * call, and outside the segment. schedules.py only passes the data pointers of contiguous CPU
+ * tensors it checked.
  *
  * Memory ordering: flags are loaded with acquire and stored with release semantics, so data
  * stores before a publish are visible to a peer that sees the flag, on every architecture.
