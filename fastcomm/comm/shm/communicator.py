@@ -9,12 +9,13 @@ Invariants:
   (``fastcomm.comm.world`` builds a Gloo communicator beside it on the same store), so every
   call that works on the Gloo communicator works here; without one, CUDA tensors raise.
 - Collectives run in issue order on one executor: synchronous calls on the caller's thread when
-  no asynchronous work is pending, otherwise (and ``async_op=True`` calls always) on the
-  executor's thread. Sends to and receives from each peer have executors of their own, so a
-  blocked send never stalls a collective (as with Gloo); a synchronous send or recv runs on the
-  caller's thread, with no task or ``Work`` built, when that peer's executor has nothing pending
-  (``_sync_p2p``: a message that fits one mailbox slot is then one C call on either side). One
-  thread issues a communicator's calls.
+  no asynchronous work is pending; ``async_op=True`` calls are queued and run by the first of
+  the caller's ``wait()`` and the executor's thread, which polls its queue every millisecond
+  while calls are being queued (see ``OrderedExecutor``). Sends to and receives from each peer
+  have executors of their own, so a blocked send never stalls a collective (as with Gloo); a
+  synchronous send or recv runs on the caller's thread, with no task or ``Work`` built, when
+  that peer's executor has nothing pending (``_sync_p2p``: a message that fits one mailbox slot
+  is then one C call on either side). One thread issues a communicator's calls.
 - A failed operation (timeout, peer gone, mismatch) marks this rank ABORTED in the segment, so
   peers waiting on it raise at once naming it; every later call raises ``CommAbortedError``.
 - Nothing of the segment outlives setup in ``/dev/shm`` (see ``segment``). At interpreter
