@@ -359,8 +359,8 @@ class OrderedExecutor:
             with self._lock:
                 taken = self._take()
                 while taken is None and not (self._closed and not self._queue):
-                    # parked only with nothing queued: a queued task is running on a helper
-                    # (its _finish notifies), or waits for this poll
+                    # parked only with nothing queued: a queued task is left to a
+                    # waiter's help() or to this poll
                     if not self._queue and time.monotonic() - self._last_queued > PARK_S:
                         self._parked = True
                         cond.wait()
