@@ -1130,26 +1130,10 @@ class SegmentSchedules:
         when the call began (default: now)."""
         if start is None:
             start = time.monotonic()
-        core = self._core
-        if core is None or data.requires_grad:
+        if self._core is None or data.requires_grad:
             self._send_python(data.view(-1).view(torch.uint8), dst, start)
-            return
-        flags = self.flags
-        total = data.numel() * data.element_size()
-        addr, room, offset = data.data_ptr(), self._mbox_room, 0
-        while True:
-            count = min(room, total - offset)
-            k = self._sent[dst]
-            if core.send(addr + offset, count, total, dst, k, flags.spin_budget_ns()):
-                sent_idx, acked_idx = self._p2p_idx[dst][:2]
-                flags.wait_word(acked_idx, k - 1, dst, "send", start, announce_idx=sent_idx + 1)
-                status = core.send(addr + offset, count, total, dst, k, 0)
-                if status:
-                    raise AssertionError(f"the compiled core's send returned status {status}")
-            self._sent[dst] = k + 1
-            offset += count
-            if offset >= total:
-                return
+        else:
+            self._stream_core("send", data, dst, start)
 
     def recv(self, data: torch.Tensor, src: int, start: float | None = None) -> None:
         """Receives the bytes of ``data`` (contiguous, on the CPU) from ``src`` (as
@@ -1160,30 +1144,42 @@ class SegmentSchedules:
         """
         if start is None:
             start = time.monotonic()
-        core = self._core
-        if core is None or data.requires_grad:
+        if self._core is None or data.requires_grad:
             self._recv_python(data.view(-1).view(torch.uint8), src, start)
-            return
-        flags = self.flags
+        else:
+            self._stream_core("recv", data, src, start)
+            _increment_version((data,))
+
+    def _stream_core(self, op: str, data: torch.Tensor, peer: int, start: float) -> None:
+        """:meth:`send` or :meth:`recv` (``op``) on the compiled core, one call per chunk. A
+        send waits for the slot (the peer's ``acked`` of the pair reaching ``k - 1``), a recv
+        for the chunk (the peer's ``sent`` reaching ``k + 1``); each announces itself in the
+        word after its own counter of the pair while it sleeps."""
+        core, flags = self._core, self.flags
+        idx = self._p2p_idx[peer]  # the pair's four counters (_p2p_words)
+        if op == "send":
+            call, counters, waiting = core.send, self._sent, _core.SLOT_WAIT
+            word, announce, ahead = idx[1], idx[0] + 1, -1
+        else:
+            call, counters, waiting = core.recv, self._received, _core.MESSAGE_WAIT
+            word, announce, ahead = idx[2], idx[3] + 1, 1
         total = data.numel() * data.element_size()
         addr, room, offset = data.data_ptr(), self._mbox_room, 0
         while True:
             count = min(room, total - offset)
-            k = self._received[src]
-            status = core.recv(addr + offset, count, total, src, k, flags.spin_budget_ns())
-            if status == _core.MESSAGE_WAIT:
-                sent_idx, acked_idx = self._p2p_idx[src][2:]
-                flags.wait_word(sent_idx, k + 1, src, "recv", start, announce_idx=acked_idx + 1)
-                status = core.recv(addr + offset, count, total, src, k, 0)
+            k = counters[peer]
+            status = call(addr + offset, count, total, peer, k, flags.spin_budget_ns())
+            if status == waiting:
+                flags.wait_word(word, k + ahead, peer, op, start, announce_idx=announce)
+                status = call(addr + offset, count, total, peer, k, 0)
             if status:
                 if status == _core.SIZE_MISMATCH:
-                    self._size_mismatch(total, src, k)
-                raise AssertionError(f"the compiled core's recv returned status {status}")
-            self._received[src] = k + 1
+                    self._size_mismatch(total, peer, k)
+                raise AssertionError(f"the compiled core's {op} returned status {status}")
+            counters[peer] = k + 1
             offset += count
             if offset >= total:
-                break
-        _increment_version((data,))
+                return
 
     def _size_mismatch(self, expected: int, src: int, k: int) -> None:
         """Raises for a message whose header (chunk ``k`` from ``src``) holds another size."""
