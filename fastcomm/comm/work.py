@@ -28,7 +28,7 @@ import torch
 
 from .errors import CommTimeoutError, FastcommError
 
-__all__ = ["OrderedExecutor", "Task", "Work", "completed_work", "wrap_error"]
+__all__ = ["OrderedExecutor", "SettledByWait", "Task", "Work", "completed_work", "wrap_error"]
 
 # Orders a Work's completion against the lazy creation of its future (held for a few
 # attribute reads: one lock for all works costs less than one per work).
@@ -193,6 +193,31 @@ class Work:
     def __repr__(self) -> str:
         state = "done" if self.is_completed() else "pending"
         return f"Work({self.op}, rank={self.rank}, {state})"
+
+
+class SettledByWait:
+    """``is_completed``, ``is_success`` and ``exception`` of a handle over other works whose
+    outcome its own ``wait()`` settles (sets ``_finished`` and ``_error``) once they are done
+    (``_inner_done()``): asking whether it completed settles it too."""
+
+    __slots__ = ()
+
+    def _inner_done(self) -> bool:
+        raise NotImplementedError
+
+    def is_completed(self) -> bool:
+        if not self._finished and self._inner_done():
+            try:
+                self.wait()
+            except BaseException:  # noqa: BLE001 - reported by exception() and wait()
+                pass
+        return self._finished
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error if self.is_completed() else None
 
 
 def completed_work(op: str, rank: int, output: torch.Tensor | None) -> Work:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..work import wrap_error
+from ..work import SettledByWait, wrap_error
 
 
 def _seconds(timeout: Any) -> float | None:
@@ -64,7 +64,7 @@ def _finished(outputs: list) -> FinishedWork:
     return work
 
 
-class FastcommWork(dist._Work):
+class FastcommWork(SettledByWait, dist._Work):
     """The handle of a call still in flight: over the communicator's ``Work`` (or Gloo's), with
     the step that completes the call afterwards (copying a packed result out), run once by
     whichever of ``wait()``, ``is_completed()`` and the future comes first.
@@ -147,19 +147,8 @@ class FastcommWork(dist._Work):
             raise self._error
         return True
 
-    def is_completed(self) -> bool:
-        if not self._finished and all(w.is_completed() for w in self._inner):
-            try:
-                self.wait()
-            except BaseException:  # noqa: BLE001 - reported by exception() and wait()
-                pass
-        return self._finished
-
-    def is_success(self) -> bool:
-        return self.is_completed() and self._error is None
-
-    def exception(self) -> BaseException | None:
-        return self._error if self.is_completed() else None
+    def _inner_done(self) -> bool:
+        return all(w.is_completed() for w in self._inner)
 
     def result(self) -> list:
         """Waits, then returns the output tensors."""

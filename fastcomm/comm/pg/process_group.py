@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ..base import Communicator
 from ..store import as_timedelta
 from ..types import ReduceOp, divide_
-from ..work import Task, Work, wrap_error
+from ..work import SettledByWait, Task, Work, wrap_error
 
 __all__ = ["PGWork", "ProcessGroupCommunicator"]
 
@@ -39,7 +39,7 @@ _TORCH_OPS = {
 }
 
 
-class PGWork(Work):
+class PGWork(SettledByWait, Work):
     """A ``Work`` over a torch handle, finished on the thread that first needs it done.
 
     ``Work.__init__`` is not called: its latch would be built on every call for nothing; the
@@ -98,19 +98,8 @@ class PGWork(Work):
             raise self._error
         return True
 
-    def is_completed(self) -> bool:
-        if not self._finished and self._handle.is_completed():
-            try:
-                self.wait()
-            except BaseException:  # noqa: BLE001 - reported by exception()
-                pass
-        return self._finished
-
-    def is_success(self) -> bool:
-        return self.is_completed() and self._error is None
-
-    def exception(self) -> BaseException | None:
-        return self._error if self.is_completed() else None
+    def _inner_done(self) -> bool:
+        return self._handle.is_completed()
 
     def get_future(self) -> torch.futures.Future:
         if self._future is None:
