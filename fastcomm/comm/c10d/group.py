@@ -313,6 +313,13 @@ class FastcommProcessGroup(dist.ProcessGroup):
             self._coalescing.append(handle)
         return handle
 
+    def _coalesced(self, op: str, outputs: list, inputs: list, opts, calls: list):
+        """A coalesced op of output/input pairs: the pairs' communicator calls as one work, or
+        the whole op handed on (:meth:`_forward`) when any pair has none."""
+        if any(call is None for call in calls):
+            return self._forward(op, outputs, inputs[0], outputs, inputs, opts)
+        return self._issue_all(op, outputs, opts.asyncOp, calls)
+
     def _forward(self, op: str, outputs: list, tensor: torch.Tensor | None, *args,
                  peer: int | None = None) -> FastcommWork:
         """Hands the call to the torch backend beside the communicator (Gloo; for CUDA tensors
@@ -453,10 +460,7 @@ class FastcommProcessGroup(dist.ProcessGroup):
         opts = _options(opts, dist.ReduceScatterOptions)
         op = _reduce_op(opts.reduceOp)
         calls = [self._reduce_scatter_call(o, i, op) for o, i in zip(outputs, inputs, strict=True)]
-        if any(call is None for call in calls):
-            return self._forward("reduce_scatter_single_coalesced", outputs, inputs[0], outputs,
-                                 inputs, opts)
-        return self._issue_all("reduce_scatter_single_coalesced", outputs, opts.asyncOp, calls)
+        return self._coalesced("reduce_scatter_single_coalesced", outputs, inputs, opts, calls)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -513,10 +517,7 @@ class FastcommProcessGroup(dist.ProcessGroup):
     def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> FastcommWork:
         opts = _options(opts, AllgatherOptions)
         calls = [self._gather_call(o, i) for o, i in zip(outputs, inputs, strict=True)]
-        if any(call is None for call in calls):
-            return self._forward("all_gather_single_coalesced", outputs, inputs[0], outputs,
-                                 inputs, opts)
-        return self._issue_all("all_gather_single_coalesced", outputs, opts.asyncOp, calls)
+        return self._coalesced("all_gather_single_coalesced", outputs, inputs, opts, calls)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
