@@ -171,6 +171,17 @@ def message_sizes(dtype: torch.dtype) -> list[int]:
     return [0, 1, ROOM // esize, ROOM // esize + 1, 3 * ROOM // esize + 5]
 
 
+def echo(comm, message: torch.Tensor, got: torch.Tensor, peer: int) -> None:
+    """Rank 0 sends ``message`` and receives it back into ``got``; rank 1 receives into ``got``
+    and sends that back."""
+    if comm.rank == 0:
+        comm.send(message, peer)
+        comm.recv(got, peer)
+    else:
+        comm.recv(got, peer)
+        comm.send(got, peer)
+
+
 def check_messages(name: str, sides: tuple[bool, bool]):
     """Rank 0 sends every message to rank 1, rank 1 echoes it back; both compare bytes."""
     rank = int(os.environ["RANK"])
@@ -184,24 +195,14 @@ def check_messages(name: str, sides: tuple[bool, bool]):
             seed += 1
             expected = payload(dtype, numel, seed)
             got = torch.full_like(expected.view(torch.uint8), 0xA5).view(dtype)
-            if rank == 0:
-                comm.send(expected, peer)
-                comm.recv(got, peer)
-            else:
-                comm.recv(got, peer)
-                comm.send(got, peer)
+            echo(comm, expected, got, peer)
             assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)), (dtype, numel)
             chunks += max(1, -(-expected.nbytes // ROOM))
     shaped = payload(torch.float32, 12, 99).view(3, 4)  # any shape goes as its bytes
     scalar = torch.tensor(7, dtype=torch.int64)  # a 0-dim tensor: one element
     for t in (shaped, scalar):
         got = torch.zeros_like(t)
-        if rank == 0:
-            comm.send(t, peer)
-            comm.recv(got, peer)
-        else:
-            comm.recv(got, peer)
-            comm.send(got, peer)
+        echo(comm, t, got, peer)
         assert torch.equal(got, t)
     assert comm._p2p == {}, "a synchronous send/recv started an executor"
     assert sched._sent[peer] == sched._received[peer] == chunks + 2
