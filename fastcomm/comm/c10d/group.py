@@ -19,6 +19,7 @@ from ..store import Store
 from ..types import SUPPORTED_DTYPES, PremulSum, ReduceOp
 from ..work import wrap_error
 from ..world import communicator_for
+from . import p2p as _p2p
 from .agree import _OP_CODES, _RED, _as_list, _descriptor, _disagreement, _kind_of
 from .works import FastcommWork, _finished
 
@@ -197,6 +198,7 @@ class FastcommProcessGroup(dist.ProcessGroup):
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
         self._cuda: tuple[Communicator | None, Any] | None = None
         self._coalescing: list | None = None
+        self._mailboxes = None  # the communicator's tagged send/recv engine (p2p.py), or False
         self._cuda_lock = threading.Lock()
         # collectives handed to Gloo whose sizes the ranks compared first, by op
         self.agreed: Counter[str] = Counter()
@@ -582,14 +584,16 @@ class FastcommProcessGroup(dist.ProcessGroup):
         return self._forward("scatter", output_tensors, output_tensors[0], output_tensors,
                              input_tensors, opts)
 
-    def send(self, tensors, dstRank, tag=0) -> FastcommWork:  # noqa: N803 - torch's names
-        return self._forward("send", tensors, tensors[0], tensors, dstRank, tag, peer=dstRank)
+    # ------------------------------------------------------------------ point to point
+    # On shm: the communicator's tagged engine; else handed to Gloo (p2p.py).
+    def send(self, tensors, dstRank, tag=0):  # noqa: N803 - torch's names
+        return _p2p.send(self, tensors, dstRank, tag)
 
-    def recv(self, tensors, srcRank, tag=0) -> FastcommWork:  # noqa: N803
-        return self._forward("recv", tensors, tensors[0], tensors, srcRank, tag, peer=srcRank)
+    def recv(self, tensors, srcRank, tag=0):  # noqa: N803
+        return _p2p.recv(self, tensors, srcRank, tag)
 
-    def recv_anysource(self, tensors, tag=0) -> FastcommWork:
-        return self._forward("recv_anysource", tensors, tensors[0], tensors, tag)
+    def recv_anysource(self, tensors, tag=0):
+        return _p2p.recv(self, tensors, None, tag)
 
     # ------------------------------------------------------------------ lifetime
     def shutdown(self) -> None:

@@ -20,10 +20,11 @@
  * Send/recv of a message chunk that fits one mailbox slot (schedules.py, "Point to point"):
  * chunk k of the ordered pair (s, d) goes into mailbox slot k % 2 of the pair: the sender waits
  * until d's `acked` counter reached k - 1 (the slot's previous chunk was taken; no wait for
- * k < 2), writes the message's total byte count in the slot's 64-byte header and the chunk
- * after it, then publishes `sent` = k + 1; the receiver waits until `sent` reached k + 1,
- * compares the header's count with its own (SIZE_MISMATCH: nothing copied, nothing
- * acknowledged), copies the chunk out and publishes `acked` = k + 1. The caller keeps k (one
+ * k < 2), writes the message's total byte count, tag and dtype code in the slot's 64-byte
+ * header and the chunk after it, then publishes `sent` = k + 1; the receiver waits until `sent`
+ * reached k + 1, compares the header's tag (TAG_OTHER), then count and dtype (SIZE_MISMATCH) with
+ * its own (either way nothing copied, nothing acknowledged), copies the chunk out and publishes
+ * `acked` = k + 1. The caller keeps k (one
  * counter per peer and direction). A waiter about to sleep on a peer's counter announces itself
  * in the word after its own counter of that pair (the sender after its `sent`, the receiver
  * after its `acked`); a publisher wakes the counter's futex only when that announcement is set,
@@ -66,7 +67,11 @@ enum { DONE = 0, ENTER_WAIT = 1, EXCHANGE_WAIT = 2, MISMATCH = 3 };
 /* send/recv: the slot is not free yet, no message yet (nothing written either way), the
  * message's byte count differs from the receiver's (nothing copied) */
 enum { SLOT_WAIT = 4, MESSAGE_WAIT = 5, SIZE_MISMATCH = 6 };
-#define MBOX_HEADER 64 /* bytes of a mailbox slot before the chunk: the total byte count */
+/* recv: the waiting message carries another tag (nothing copied: the caller sets it aside) */
+enum { TAG_OTHER = 7 };
+/* bytes of a mailbox slot before the chunk: words 0 the message's total byte count, 1 its tag,
+ * 2 its dtype code (0: not said; p2p.py) */
+#define MBOX_HEADER 64
 
 static const size_t KIND_SIZE[K_COUNT] = {4, 8, 1, 1, 4, 8};
 /* Below this many bytes of input, a reduction keeps the GIL (releasing costs more). */
@@ -906,11 +911,12 @@ static void post_counter(uint64_t *words, Py_ssize_t idx, uint64_t value,
         syscall(SYS_futex, &words[idx], FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 }
 
-/* The arguments send and recv share: user, nbytes, total, peer, k, spin_ns. */
+/* The arguments send and recv share: user, nbytes, total, peer, k, spin_ns and, optionally
+ * (both or neither; 0 when left out), the message's tag and dtype code. */
 typedef struct {
     char *user;
     size_t nbytes;
-    uint64_t total, k;
+    uint64_t total, k, tag, dtype;
     int peer;
     int64_t spin_ns;
 } Chunk;
@@ -918,7 +924,7 @@ typedef struct {
 static int parse_chunk(SmallCore *self, const char *name, PyObject *const *args,
                        Py_ssize_t nargs, Chunk *c) {
     long long nbytes, total, peer, spin;
-    if (check_ready(self) < 0 || check_nargs(name, nargs, 6) < 0)
+    if (check_ready(self) < 0 || check_nargs(name, nargs, nargs == 8 ? 8 : 6) < 0)
         return -1;
     if (!self->p2p) {
         PyErr_Format(PyExc_ValueError, "%s: this SmallCore was built without mailboxes", name);
@@ -929,6 +935,10 @@ static int parse_chunk(SmallCore *self, const char *name, PyObject *const *args,
         arg_range(args[3], 0, self->size - 1, "peer", &peer) < 0 ||
         arg_u64(args[4], "k", &c->k) < 0 ||
         arg_range(args[5], 0, MAX_SPIN_NS, "spin_ns", &spin) < 0)
+        return -1;
+    c->tag = c->dtype = 0;
+    if (nargs == 8 && (arg_u64(args[6], "tag", &c->tag) < 0 ||
+                       arg_u64(args[7], "dtype", &c->dtype) < 0))
         return -1;
     if (peer == self->rank) {
         PyErr_Format(PyExc_ValueError, "%s: peer %lld is this rank", name, peer);
@@ -966,8 +976,8 @@ static PyObject *SmallCore_send(SmallCore *self, PyObject *const *args, Py_ssize
     if (c.k >= 2 && !word_reached(&words[idx[1]], c.k - 1, c.spin_ns))
         return PyLong_FromLong(SLOT_WAIT);
     char *box = self->mbox[4 * c.peer + (c.k & 1)];
-    int64_t header = (int64_t)c.total;
-    memcpy(box, &header, sizeof header);
+    uint64_t header[3] = {c.total, c.tag, c.dtype};
+    memcpy(box, header, sizeof header);
     copy_chunk(box + MBOX_HEADER, c.user, c.nbytes);
     post_counter(words, idx[0], c.k + 1, idx[1] + 1);
     return PyLong_FromLong(DONE);
@@ -984,9 +994,12 @@ static PyObject *SmallCore_recv(SmallCore *self, PyObject *const *args, Py_ssize
     if (!word_reached(&words[idx[2]], c.k + 1, c.spin_ns))
         return PyLong_FromLong(MESSAGE_WAIT);
     const char *box = self->mbox[4 * c.peer + 2 + (c.k & 1)];
-    int64_t header;
-    memcpy(&header, box, sizeof header);
-    if ((uint64_t)header != c.total)
+    uint64_t header[3];
+    memcpy(header, box, sizeof header);
+    if (header[1] != c.tag)
+        return PyLong_FromLong(TAG_OTHER);
+    /* a dtype code of 0 on either side is not compared (the communicator's untagged calls) */
+    if (header[0] != c.total || (c.dtype && header[2] && header[2] != c.dtype))
         return PyLong_FromLong(SIZE_MISMATCH);
     copy_chunk(c.user, box + MBOX_HEADER, c.nbytes);
     post_counter(words, idx[3], c.k + 1, idx[2] + 1);
@@ -995,8 +1008,9 @@ static PyObject *SmallCore_recv(SmallCore *self, PyObject *const *args, Py_ssize
 
 #define P2P_DOC                                                                               \
     "Returns DONE (0), SLOT_WAIT (4: send: the slot's last chunk not taken yet), MESSAGE_WAIT " \
-    "(5: recv: no chunk yet) or SIZE_MISMATCH (6: recv: the header's total differs; nothing "  \
-    "copied). Nothing is written before a wait status (module source)."
+    "(5: recv: no chunk yet), SIZE_MISMATCH (6: recv: the header's total or dtype differs; "    \
+    "nothing copied) or TAG_OTHER (7: recv: the header's tag differs; nothing copied). Nothing " \
+    "is written before a wait status (module source)."
 
 #define METHOD(name, doc)                                                                     \
     { #name, (PyCFunction)(void (*)(void))SmallCore_##name, METH_FASTCALL, doc STATUS_DOC }
@@ -1014,11 +1028,11 @@ static PyMethodDef SmallCore_methods[] = {
                        "spin_ns) -> status. "),
     METHOD(barrier, "barrier(code_a, half, enter, target, stage, spin_ns) -> status. "),
     {"send", (PyCFunction)(void (*)(void))SmallCore_send, METH_FASTCALL,
-     "send(user, nbytes, total, dst, k, spin_ns) -> status: chunk k of a message of total "
-     "bytes. " P2P_DOC},
+     "send(user, nbytes, total, dst, k, spin_ns[, tag, dtype]) -> status: chunk k of a message "
+     "of total bytes. " P2P_DOC},
     {"recv", (PyCFunction)(void (*)(void))SmallCore_recv, METH_FASTCALL,
-     "recv(user, nbytes, total, src, k, spin_ns) -> status: chunk k of a message of total "
-     "bytes. " P2P_DOC},
+     "recv(user, nbytes, total, src, k, spin_ns[, tag, dtype]) -> status: chunk k of a message "
+     "of total bytes. " P2P_DOC},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1079,11 +1093,11 @@ PyMODINIT_FUNC PyInit__core(void) {
                                   "KIND_I64", "OP_SUM", "OP_PRODUCT", "OP_AVG", "DONE",
                                   "ENTER_WAIT", "EXCHANGE_WAIT", "MISMATCH", "MAX_TERMS",
                                   "MAX_SPIN_NS", "SLOT_WAIT", "MESSAGE_WAIT", "SIZE_MISMATCH",
-                                  "MBOX_HEADER"};
+                                  "MBOX_HEADER", "TAG_OTHER"};
     static const long long values[] = {K_F32, K_F64, K_I8, K_U8, K_I32, K_I64, OP_SUM,
                                        OP_PRODUCT, OP_AVG, DONE, ENTER_WAIT, EXCHANGE_WAIT,
                                        MISMATCH, MAX_TERMS, MAX_SPIN_NS, SLOT_WAIT,
-                                       MESSAGE_WAIT, SIZE_MISMATCH, MBOX_HEADER};
+                                       MESSAGE_WAIT, SIZE_MISMATCH, MBOX_HEADER, TAG_OTHER};
     for (size_t i = 0; i < sizeof(values) / sizeof(values[0]); i++) {
         PyObject *value = PyLong_FromLongLong(values[i]);
         int failed = !value || PyModule_AddObjectRef(m, names[i], value) < 0;

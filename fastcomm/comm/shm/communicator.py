@@ -46,6 +46,7 @@ from ..topology import host_id
 from ..types import Capabilities, PremulSum, ReduceOp
 from ..work import OrderedExecutor, Task, wrap_error
 from .flags import PeerFlags, fence_supported
+from .p2p import Mailboxes
 from .schedules import _PREMUL_KINDS, Reduction, SegmentSchedules
 from .segment import ABORTED, CLOSED, Segment, shm_supported
 
@@ -231,6 +232,7 @@ class ShmCommunicator(Communicator):
         )
         self._lanes = self._small_lanes()
         self._p2p: dict[tuple[str, int], OrderedExecutor] = {}
+        self._mailboxes: Mailboxes | None = None
         self._broken: BaseException | None = None
         # every element is summed in rank order whatever its place (layout free); a
         # PremulSum is folded into the compiled core's reduction (float32/float64)
@@ -255,6 +257,19 @@ class ShmCommunicator(Communicator):
     def _new_child(self, store: Store, rank: int, size: int, timeout: timedelta):
         return ShmCommunicator(store, rank, size, timeout, options=self.options,
                                reduce=self._reduce)
+
+    @property
+    def mailboxes(self) -> Mailboxes:
+        """The tagged send/recv engine (``p2p``: tags, any-source receives, one progress loop
+        for many operations), built on first use; the torch backend's point-to-point runs on
+        it. It shares the mailbox streams with :meth:`send`/:meth:`recv`: use one or the
+        other on a communicator."""
+        engine = self._mailboxes
+        if engine is None:
+            engine = self._mailboxes = Mailboxes(
+                self._schedules, self.timeout.total_seconds(), self._abort
+            )
+        return engine
 
     # ------------------------------------------------------------------ execution
     def _p2p_executor(self, kind: str, peer: int) -> OrderedExecutor:
@@ -409,6 +424,8 @@ class ShmCommunicator(Communicator):
             self._flags.mark(CLOSED, "closed")
         executors = [self._executor, *self._p2p.values()]
         stopped = all([executor.close(timeout=5.0) for executor in executors])
+        if self._mailboxes is not None:
+            stopped = self._mailboxes.close(timeout=5.0) and stopped
         if stopped:  # no thread can touch the mapping any more: unmap it now
             self._schedules = None
             self._flags.release()

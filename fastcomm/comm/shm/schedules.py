@@ -1198,7 +1198,8 @@ class SegmentSchedules:
             if k >= 2:  # slot k % 2 is free once the receiver took chunk k - 2
                 flags.wait_word(acked_idx, k - 1, dst, "send", start, announce_idx=sent_idx + 1)
             box = self._mailbox(self.rank, dst, k & 1)
-            box[:8].view(torch.int64)[0] = data.numel()
+            header = box[:24].view(torch.int64)  # total bytes, tag 0, dtype not said (p2p.py)
+            header[0], header[1], header[2] = data.numel(), 0, 0
             box[_MBOX_HEADER : _MBOX_HEADER + count].copy_(data[offset : offset + count])
             self._sent[dst] = k + 1
             flags.set_word(sent_idx, k + 1, acked_idx + 1)

@@ -1,0 +1,394 @@
+"""Point-to-point of backend ``fastcomm`` on the shm communicator, against Gloo, on 2 and 3 ranks.
+
+Every call (``send``/``recv``, ``isend``/``irecv``, ``recv(src=None)``, ``batch_isend_irecv``)
+runs on a fastcomm default group and on a Gloo group over the same ranks, and the values must be
+equal bit for bit (and equal to the values computed locally), for every dtype and a
+non-contiguous tensor; the fastcomm group's methods are counted so that no call reaches Gloo.
+Then what Gloo cannot be compared on: tags received out of order (a message of several
+mailbox chunks set aside), any-source receives, a size or dtype mismatch raising on both ranks
+naming both and leaving the group usable, 64 MiB exchanged both ways in one batch, a peer that
+never sends; and torch's pipelining schedules trained on each backend to the same parameters.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from contextlib import contextmanager
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fastcomm  # noqa: F401 - registers the backend
+from tests.harness import STATE, RankPool, rank_store
+
+pytestmark = pytest.mark.timeout(240)
+
+DTYPES = ["float32", "float64", "bfloat16", "float16", "int64", "int32", "int16", "int8",
+          "uint8", "bool", "complex64", "complex128"]
+
+
+def _rank() -> int:
+    return int(os.environ["RANK"])
+
+
+def _world() -> int:
+    return int(os.environ["WORLD_SIZE"])
+
+
+def _groups():
+    """``(fastcomm default group, Gloo group)``, made once per rank."""
+    if "p2p_groups" not in STATE:
+        store = dist.PrefixStore("c10d-p2p", rank_store().torch_store)
+        dist.init_process_group("fastcomm", rank=_rank(), world_size=_world(), store=store,
+                                timeout=timedelta(seconds=60))
+        STATE["p2p_groups"] = (dist.group.WORLD, dist.new_group(backend="gloo"))
+    return STATE["p2p_groups"]
+
+
+@contextmanager
+def _counting(group):
+    """Counts the fastcomm group's p2p methods torch calls and the calls handed to Gloo."""
+    cls = type(group)
+    names = ("send", "recv", "recv_anysource", "_forward", "_start_coalescing",
+             "_end_coalescing")
+    saved = {name: cls.__dict__[name] for name in names}
+    calls = Counter()
+
+    def counted(name, fn):
+        def wrapper(self, *args, **kwargs):
+            calls[name] += 1
+            return fn(self, *args, **kwargs)
+        return wrapper
+
+    for name, fn in saved.items():
+        setattr(cls, name, counted(name, fn))
+    try:
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            setattr(cls, name, fn)
+
+
+def _value(rank: int, numel: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * rank + salt)
+    if dtype is torch.bool:
+        return torch.rand(numel, generator=gen) > 0.5
+    if dtype.is_complex:
+        return torch.randn(numel, generator=gen, dtype=dtype)
+    if dtype.is_floating_point:
+        return torch.randn(numel, generator=gen).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(info.min, info.max, (numel,), generator=gen, dtype=torch.int64).to(dtype)
+
+
+def _calls(group, dtype: torch.dtype, numel: int) -> list[torch.Tensor]:
+    """Every p2p call on ``group``: a ring of send/recv, of isend/irecv, of one batch; any-source
+    receives on rank 0; a non-contiguous tensor each way. Returns what this rank received."""
+    r, n = _rank(), _world()
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    got = []
+    out = torch.empty(numel, dtype=dtype)
+    if r % 2 == 0:  # sync: evens send first (a Gloo send of a big message waits for its recv)
+        dist.send(_value(r, numel, dtype, 1), nxt, group=group)
+        dist.recv(out, prv, group=group)
+    else:
+        dist.recv(out, prv, group=group)
+        dist.send(_value(r, numel, dtype, 1), nxt, group=group)
+    got.append(out.clone())
+    out = torch.empty(numel, dtype=dtype)
+    works = [dist.irecv(out, prv, group=group), dist.isend(_value(r, numel, dtype, 2), nxt,
+                                                           group=group)]
+    for work in works:
+        work.wait()
+    got.append(out.clone())
+    outs = [torch.empty(numel, dtype=dtype) for _ in range(2)]
+    ops = [dist.P2POp(dist.isend, _value(r, numel, dtype, 3), nxt, group=group),
+           dist.P2POp(dist.irecv, outs[0], prv, group=group),
+           dist.P2POp(dist.isend, _value(r, numel, dtype, 4), prv, group=group),
+           dist.P2POp(dist.irecv, outs[1], nxt, group=group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    got.extend(outs)
+    if r == 0:  # any source (a tag of its own): one message from every other rank
+        rows = {}
+        for _ in range(n - 1):
+            row = torch.empty(numel, dtype=dtype)
+            src = dist.recv(row, group=group, tag=5)
+            rows[src] = row
+        got.extend(rows[s] for s in range(1, n))
+        got.append(torch.tensor(sorted(rows)))
+    else:
+        dist.send(_value(r, numel, dtype, 5), 0, group=group, tag=5)
+    # non-contiguous: a transposed view each way (Gloo refuses them: it gets copies)
+    square = _value(r, 16, dtype, 6).view(4, 4).t()
+    into = torch.zeros(4, 4, dtype=dtype).t()
+    if group is not dist.group.WORLD:
+        square, into = square.contiguous(), into.contiguous()
+    works = [dist.isend(square, nxt, group=group), dist.irecv(into, prv, group=group)]
+    for work in works:
+        work.wait()
+    got.append(into.contiguous().view(-1))
+    return got
+
+
+def _expected(dtype: torch.dtype, numel: int) -> list[torch.Tensor]:
+    r, n = _rank(), _world()
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    want = [_value(prv, numel, dtype, 1), _value(prv, numel, dtype, 2),
+            _value(prv, numel, dtype, 3), _value(nxt, numel, dtype, 4)]
+    if r == 0:
+        want.extend(_value(s, numel, dtype, 5) for s in range(1, n))
+        want.append(torch.arange(1, n))
+    want.append(_value(prv, 16, dtype, 6).view(4, 4).t().contiguous().view(-1))
+    return want
+
+
+def check_calls_against_gloo(dtype_name: str, numel: int):
+    dtype = getattr(torch, dtype_name)
+    fast, gloo = _groups()
+    with _counting(fast) as calls:
+        mine = _calls(fast, dtype, numel)
+    want = _expected(dtype, numel)
+    # Gloo's any-source receive refuses an empty tensor (its enforce "offset < size")
+    theirs = _calls(gloo, dtype, numel) if numel else want
+    for a, b, c in zip(mine, theirs, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), (dtype_name, a, b)
+        assert torch.equal(a, c.to(a.dtype))
+    n = _world()
+    sends = 1 + 1 + 2 + (0 if _rank() == 0 else 1) + 1
+    recvs = 1 + 1 + 2 + 1
+    expected = {"send": sends, "recv": recvs}
+    if _rank() == 0:
+        expected |= {"recv_anysource": n - 1}
+    assert dict(calls) == expected, calls  # nothing handed to Gloo, no coalescing
+    return "ok"
+
+
+def check_tags_out_of_order(numel: int):
+    """Rank 0 sends tags 1, 2, 3 to rank 1, which receives 3, 1 then 2 (sync and async)."""
+    fast, _ = _groups()
+    r = _rank()
+    if r == 0:
+        for tag in (1, 2, 3):
+            dist.isend(_value(0, numel, torch.float32, tag), 1, group=fast, tag=tag)
+        dist.send(_value(0, 3, torch.int16, 9), 1, group=fast, tag=-7)
+        dist.barrier(group=fast)
+        return "ok"
+    if r == 1:
+        got = {tag: torch.empty(numel) for tag in (1, 2, 3)}
+        dist.recv(got[3], 0, group=fast, tag=3)
+        first = dist.irecv(got[1], 0, group=fast, tag=1)
+        second = dist.irecv(got[2], 0, group=fast, tag=2)
+        second.wait()
+        first.wait()
+        small = torch.empty(3, dtype=torch.int16)
+        dist.recv(small, 0, group=fast, tag=-7)
+        for tag, t in got.items():
+            assert torch.equal(t, _value(0, numel, torch.float32, tag)), tag
+        assert torch.equal(small, _value(0, 3, torch.int16, 9))
+    dist.barrier(group=fast)
+    return "ok"
+
+
+def check_any_source_sources():
+    """Every rank but 0 sends its rank to 0 twice under two tags; rank 0 receives tag 2 from any
+    source first, and ``irecv(src=None)``'s work reports the sender."""
+    fast, _ = _groups()
+    r, n = _rank(), _world()
+    if r:
+        dist.send(torch.tensor([r, 1]), 0, group=fast, tag=1)
+        dist.send(torch.tensor([r, 2]), 0, group=fast, tag=2)
+        return []
+    seen = []
+    for tag in (2, 1):
+        for _ in range(n - 1):
+            t = torch.empty(2, dtype=torch.int64)
+            work = dist.irecv(t, group=fast, tag=tag)
+            work.wait()
+            src = work._source_rank()
+            assert t.tolist() == [src, tag], (t, src, tag)
+            seen.append(src)
+    return seen
+
+
+def check_mismatch(kind: str):
+    """Rank 0 sends, rank 1 receives another size (or dtype): both raise, naming both; then
+    the pair still works."""
+    fast, _ = _groups()
+    r = _rank()
+    message = None
+    if r == 0:
+        dist.send(torch.ones(10), 1, group=fast)
+    elif r == 1:
+        into = torch.empty(12) if kind == "size" else torch.empty(10, dtype=torch.int32)
+        try:
+            dist.recv(into, 0, group=fast)
+        except ValueError as exc:
+            message = str(exc)
+    dist.barrier(group=fast)
+    if r == 0:  # the notice was written before rank 1 reached the barrier
+        try:
+            dist.recv(torch.empty(2), 1, group=fast)
+        except ValueError as exc:
+            message = str(exc)
+    if r in (0, 1):  # still usable, both ways
+        peer = 1 - r
+        out = torch.empty(2)
+        works = [dist.isend(torch.full((2,), float(r)), peer, group=fast),
+                 dist.irecv(out, peer, group=fast)]
+        for w in works:
+            w.wait()
+        assert out.tolist() == [float(peer)] * 2
+    dist.barrier(group=fast)
+    return message
+
+
+def check_large_both_ways(mib: int):
+    """One batch of ``mib`` MiB each way between every pair of neighbours."""
+    fast, gloo = _groups()
+    r, n = _rank(), _world()
+    numel = mib << 18
+    results = []
+    for group in (fast, gloo):
+        outs = [torch.empty(numel) for _ in range(2)]
+        ops = [dist.P2POp(dist.isend, _value(r, numel, torch.float32, 7), (r + 1) % n,
+                          group=group),
+               dist.P2POp(dist.irecv, outs[0], (r - 1) % n, group=group),
+               dist.P2POp(dist.isend, _value(r, numel, torch.float32, 8), (r - 1) % n,
+                          group=group),
+               dist.P2POp(dist.irecv, outs[1], (r + 1) % n, group=group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        results.append(outs)
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(results[0][0], _value((r - 1) % n, numel, torch.float32, 7))
+    return "ok"
+
+
+def check_peer_never_sends(timeout_s: float):
+    """A receive nobody answers raises within the group's timeout, naming rank, op and peer."""
+    _groups()
+    group = dist.new_group(timeout=timedelta(seconds=timeout_s))
+    message = None
+    if _rank() == 0:
+        try:
+            dist.recv(torch.empty(2), 1, group=group)
+        except RuntimeError as exc:
+            message = str(exc)
+    rank_store().barrier(f"p2p-never/{STATE.setdefault('never', 0)}", _world(), 60)
+    STATE["never"] += 1
+    dist.destroy_process_group(group)
+    return message
+
+
+# ---------------------------------------------------------------------- pipelining
+def _pipeline(backend_group, schedule_name: str, steps: int = 3):
+    """Trains an 8-layer MLP split over the ranks with ``schedule_name``; returns this rank's
+    parameters and losses."""
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    r, n = _rank(), _world()
+    per_rank = 2 if schedule_name == "ScheduleInterleaved1F1B" else 1
+    stages_total = n * per_rank
+    width, layers_per_stage = 16, 2
+    torch.manual_seed(0)
+    full = [torch.nn.Linear(width, width) for _ in range(stages_total * layers_per_stage)]
+    mods, stages = [], []
+    for local in range(per_rank):
+        index = r + local * n
+        block = torch.nn.Sequential(*[m for i in range(layers_per_stage)
+                                      for m in (full[index * layers_per_stage + i],
+                                                torch.nn.GELU())])
+        mods.append(block)
+        stages.append(PipelineStage(block, index, stages_total, torch.device("cpu"),
+                                    group=backend_group))
+    cls = getattr(schedules, schedule_name)
+    loss_fn = torch.nn.MSELoss()
+    schedule = cls(stages if per_rank > 1 else stages[0], n_microbatches=4, loss_fn=loss_fn)
+    params = [p for m in mods for p in m.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(16, width, generator=gen)
+        y = torch.randn(16, width, generator=gen)
+        opt.zero_grad()
+        step_losses = []
+        if r == 0:
+            schedule.step(x, target=y, losses=step_losses)
+        elif r == n - 1:
+            schedule.step(target=y, losses=step_losses)
+        else:
+            schedule.step()
+        opt.step()
+        losses.append([float(v) for v in step_losses])
+    return [p.detach().clone() for p in params], losses
+
+
+def check_pipeline(schedule_name: str):
+    fast, gloo = _groups()
+    with _counting(fast) as calls:
+        fast_params, fast_losses = _pipeline(fast, schedule_name)
+    gloo_params, gloo_losses = _pipeline(gloo, schedule_name)
+    assert calls["_forward"] == 0 and calls["send"] + calls["recv"] > 0, calls
+    for a, b in zip(fast_params, gloo_params, strict=True):
+        assert torch.equal(a, b)
+    assert fast_losses == gloo_losses
+    return "ok"
+
+
+# ---------------------------------------------------------------------- the checks
+@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+def pool(request):
+    with RankPool(request.param, timeout=180, env={"OMP_NUM_THREADS": "1"}) as p:
+        yield p
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_call_equals_gloo(pool, dtype):
+    assert pool.run(check_calls_against_gloo, dtype, 37) == ["ok"] * pool.world_size
+
+
+@pytest.mark.parametrize("numel", [0, 1, 1 << 10, 300_000])  # 300k floats: several chunks
+def test_every_call_equals_gloo_by_size(pool, numel):
+    assert pool.run(check_calls_against_gloo, "float32", numel) == ["ok"] * pool.world_size
+
+
+@pytest.mark.parametrize("numel", [5, 200_000])
+def test_tags_out_of_order(pool, numel):
+    pool.run(check_tags_out_of_order, numel)
+
+
+def test_any_source_reports_the_sender(pool):
+    seen = pool.run(check_any_source_sources)[0]
+    n = pool.world_size
+    assert sorted(seen[: n - 1]) == list(range(1, n)) and sorted(seen[n - 1:]) == list(range(1, n))
+
+
+@pytest.mark.parametrize("kind", ["size", "dtype"])
+def test_mismatch_raises_on_both_ranks_naming_both(pool, kind):
+    messages = pool.run(check_mismatch, kind)
+    sender, receiver = messages[0], messages[1]
+    theirs = "12 x float32 (48 bytes)" if kind == "size" else "10 x int32 (40 bytes)"
+    assert receiver.startswith("rank 1: recv from rank 0") and "10 x float32 (40 bytes)" in \
+        receiver and theirs in receiver, receiver
+    assert sender.startswith("rank 0: send to rank 1") and "10 x float32 (40 bytes)" in sender \
+        and theirs in sender, sender
+
+
+def test_64_mib_both_ways_in_one_batch(pool):
+    pool.run(check_large_both_ways, 64)
+
+
+def test_a_peer_that_never_sends_times_out(pool):
+    message = pool.run(check_peer_never_sends, 2.0)[0]
+    assert message.startswith("rank 0: recv from rank 1") and "timed out" in message, message
+
+
+@pytest.mark.parametrize("schedule", ["ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B"])
+def test_pipeline_schedules_train_to_gloos_parameters(pool, schedule):
+    pool.run(check_pipeline, schedule)
