@@ -19,15 +19,20 @@ CUDA backend) unchanged, as before.
 
 from __future__ import annotations
 
+import threading
+from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from ..errors import CommAbortedError
-from ..shm.p2p import MessageMismatchError, dtype_code
-from .works import FastcommWork, FinishedWork, _finished
+from ..errors import CommAbortedError, CommTimeoutError
+from ..shm.p2p import DTYPE_CODES as _CODES
+from ..shm.p2p import MessageMismatchError
+from .works import FinishedWork, _finished, _seconds
 
-__all__ = ["MessageMismatchError", "recv", "send"]
+__all__ = ["MessageMismatchError", "MessageWork", "recv", "send"]
 
 _STRIDED = torch.strided
 _TAG_MIN, _TAG_MAX = -(1 << 63), (1 << 63) - 1
@@ -45,31 +50,111 @@ class _Received(FinishedWork):
     source_rank = _source_rank
 
 
-class _MessageWork:
-    """One engine operation as the inner work of a :class:`FastcommWork`."""
+class MessageWork(dist._Work):
+    """The handle of a send or receive still in flight on the engine: ``wait()`` moves every
+    pending operation until this one is done (``post`` then completes a receive: the copy
+    into a non-contiguous tensor, autograd's version counter), raising its error naming the
+    rank, the operation and the peer. ``_source_rank()`` is the sender of a receive."""
 
-    __slots__ = ("_engine", "_op")
+    __slots__ = ("_engine", "_op", "_outputs", "_post", "_error", "_finished", "_future")
 
-    def __init__(self, engine, op) -> None:
+    def __init__(self, engine, op, outputs: list, post) -> None:
+        super().__init__()
         self._engine = engine
         self._op = op
+        self._outputs = outputs
+        self._post = post
+        self._error: BaseException | None = None
+        self._finished = False
+        self._future: torch.futures.Future | None = None
 
-    def wait(self, timeout: float | None = None) -> bool:
-        self._engine.wait(self._op, timeout)
+    def wait(self, timeout: timedelta | float | None = None) -> bool:
+        """Blocks until the operation is done and raises its error.
+
+        Args:
+            timeout: a limit for this wait (``None`` or zero: the group's timeout ends an
+                operation whose peer never comes, aborting the communicator); when it passes,
+                ``CommTimeoutError`` is raised and the operation is left pending.
+        """
+        if not self._finished:
+            try:
+                self._engine.wait(self._op, _seconds(timeout))
+            except CommTimeoutError:
+                if not self._op.done:  # this wait's own limit: the operation goes on
+                    raise
+                self._settle()
+                raise
+            except BaseException as exc:
+                self._error = exc
+                self._finished = True
+                raise
+            self._settle()
+        if self._error is not None:
+            raise self._error
         return True
 
+    def _settle(self) -> None:
+        if self._finished:
+            return
+        error = self._op.error
+        if error is None and self._post is not None:
+            try:
+                self._post()
+            except BaseException as exc:  # kept for every later wait() and the future
+                error = exc
+        self._error = error
+        self._finished = True
+
     def is_completed(self) -> bool:
-        op = self._op
-        if not op.done:
-            with self._engine._lock:
-                self._engine._progress()
-        return op.done
+        if not self._finished:
+            engine = self._engine
+            if not self._op.done:
+                with engine._lock:
+                    engine._progress()
+            if self._op.done:
+                self._settle()
+        return self._finished
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error if self.is_completed() else None
+
+    def result(self) -> list:
+        self.wait()
+        return self._outputs
+
+    def synchronize(self) -> None:
+        self.wait()
 
     def _source_rank(self) -> int:
+        """The sender of a receive (torch reads it as ``work._source_rank()``)."""
+        self.wait()
         return self._op.source
 
+    source_rank = _source_rank
+
     def get_future(self) -> torch.futures.Future:
-        raise RuntimeError("no future of its own: FastcommWork waits on a thread")
+        """A future of the output tensors, completed by a thread of its own that waits."""
+        if self._future is None:
+            future = self._future = torch.futures.Future()
+
+            def wait() -> None:
+                try:
+                    self.wait()
+                except BaseException as exc:  # noqa: BLE001 - delivered through the future
+                    future.set_exception(exc)
+                else:
+                    future.set_result(self._outputs)
+
+            threading.Thread(target=wait, name="fastcomm-p2p-future", daemon=True).start()
+        return self._future
+
+    def __repr__(self) -> str:
+        op = self._op
+        where = "any rank" if op.peer is None else f"rank {op.peer}"
+        return f"MessageWork({op.kind} {where}, {'done' if self._finished else 'pending'})"
 
 
 def _engine(group, tensor: torch.Tensor):
@@ -88,18 +173,24 @@ def _engine(group, tensor: torch.Tensor):
 
 def _checked(group, tensors: Any, peer: int | None, tag: Any, op: str) -> torch.Tensor:
     """The one tensor of a send or receive, after the checks torch leaves to the group."""
+    if tensors.__class__ is list and len(tensors) == 1 and peer.__class__ is int and (
+            tag.__class__ is int and 0 <= peer < group._size and peer != group._rank
+            and _TAG_MIN <= tag <= _TAG_MAX):
+        tensor = tensors[0]
+        if tensor.__class__ is torch.Tensor:
+            return tensor  # the usual call, checked without building any message
     if isinstance(tensors, torch.Tensor):
         tensors = [tensors]
     if len(tensors) != 1 or not isinstance(tensors[0], torch.Tensor):
         raise ValueError(f"rank {group._rank}: {op} takes a list of one tensor, got "
                          f"{len(tensors)} items")
-    if peer is not None and (not isinstance(peer, int) or not 0 <= peer < group._size
-                             or peer == group._rank):
+    if peer is not None and (not isinstance(peer, int) or isinstance(peer, bool)
+                             or not 0 <= peer < group._size or peer == group._rank):
         raise ValueError(
             f"rank {group._rank}: {op}: peer rank {peer!r} must be another rank of the group "
             f"(0..{group._size - 1}, not {group._rank})"
         )
-    if not isinstance(tag, int) or not _TAG_MIN <= tag <= _TAG_MAX:
+    if not isinstance(tag, int) or isinstance(tag, bool) or not _TAG_MIN <= tag <= _TAG_MAX:
         raise ValueError(f"rank {group._rank}: {op}: tag {tag!r} must be an int in "
                          f"[-2**63, 2**63)")
     return tensors[0]
@@ -108,16 +199,27 @@ def _checked(group, tensors: Any, peer: int | None, tag: Any, op: str) -> torch.
 def _check_usable(group, op: str) -> None:
     """Raises when the communicator was closed or failed earlier (nothing is issued)."""
     comm = group.communicator
-    comm._check_open(op)
-    if comm._broken is not None:
+    if comm._closed or comm._broken is not None:
+        comm._check_open(op)
         raise CommAbortedError(
             f"rank {group._rank}: {op} refused: this group's shm communicator failed earlier "
             f"({comm._broken})"
         )
 
 
-def _pending(group, op_name: str, tensors: list, engine, op, post) -> FastcommWork:
-    handle = FastcommWork(op_name, group._rank, tensors, (_MessageWork(engine, op),), post)
+def _issued(group, tensors: list, engine, op, post) -> Any:
+    """The handle of an operation the engine took: finished already, or pending."""
+    if op.done and group._coalescing is None:
+        if op.error is not None:
+            raise op.error
+        if post is not None:
+            post()
+        if op.kind == "send":
+            return _finished(tensors)
+        work = _Received()
+        work._outputs, work._src = tensors, op.source
+        return work
+    handle = MessageWork(engine, op, tensors, post)
     if group._coalescing is not None:
         group._coalescing.append(handle)
     return handle
@@ -126,46 +228,55 @@ def _pending(group, op_name: str, tensors: list, engine, op, post) -> FastcommWo
 def send(group, tensors: list, dst: int, tag: int) -> Any:
     """The group's ``send``: see the module docstring."""
     tensor = _checked(group, tensors, dst, tag, "send")
-    engine = _engine(group, tensor)
-    if engine is None:
-        return group._forward("send", tensors, tensor, tensors, dst, tag, peer=dst)
+    engine = group._mailboxes
+    if not engine or not tensor.is_cpu or tensor.layout is not _STRIDED:
+        engine = _engine(group, tensor)
+        if engine is None:
+            return group._forward("send", tensors, tensor, tensors, dst, tag, peer=dst)
     _check_usable(group, "send")
     group.communicator.stats.record("send", tensor)
-    data = tensor if tensor.is_contiguous() else tensor.contiguous()
-    op = engine.isend(data, dst, tag, dtype_code(tensor.dtype))
-    if op.done and op.error is None and group._coalescing is None:
-        return _finished(tensors)
-    return _pending(group, f"send to rank {dst}", tensors, engine, op, None)
+    engine.check_rejects(dst, "send to")
+    code = _CODES[tensor.dtype]
+    if tensor.is_contiguous():
+        if group._coalescing is None and engine.send_now(
+                tensor.data_ptr(), tensor.numel() * tensor.element_size(), dst, tag, code):
+            return _finished(tensors)
+        data = tensor
+    else:
+        data = tensor.contiguous()
+    return _issued(group, tensors, engine, engine.isend(data, dst, tag, code), None)
 
 
 def recv(group, tensors: list, src: int | None, tag: int) -> Any:
     """The group's ``recv`` (``src``: a rank) and ``recv_anysource`` (``src``: ``None``)."""
     name = "recv" if src is not None else "recv_anysource"
     tensor = _checked(group, tensors, src, tag, name)
-    engine = _engine(group, tensor)
-    if engine is None:
-        if src is None:
-            return group._forward(name, tensors, tensor, tensors, tag)
-        return group._forward(name, tensors, tensor, tensors, src, tag, peer=src)
+    engine = group._mailboxes
+    if not engine or not tensor.is_cpu or tensor.layout is not _STRIDED:
+        engine = _engine(group, tensor)
+        if engine is None:
+            if src is None:
+                return group._forward(name, tensors, tensor, tensors, tag)
+            return group._forward(name, tensors, tensor, tensors, src, tag, peer=src)
     _check_usable(group, name)
     group.communicator.stats.record("recv", None)
-    data = tensor if tensor.is_contiguous() else torch.empty_like(
-        tensor, memory_format=torch.contiguous_format)
+    code = _CODES[tensor.dtype]
+    if tensor.is_contiguous():
+        if src is not None:
+            engine.check_rejects(src, "receive from")
+            if group._coalescing is None and engine.recv_now(
+                    tensor.data_ptr(), tensor.numel() * tensor.element_size(), src, tag, code):
+                _increment_version((tensor,))  # written behind autograd's back
+                work = _Received()
+                work._outputs, work._src = tensors, src
+                return work
+        data, post = tensor, partial(_increment_version, (tensor,))
+    else:
+        data = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        post = partial(_copy_back, tensor, data)
+    return _issued(group, tensors, engine, engine.irecv(data, src, tag, code), post)
 
-    def post() -> None:  # the bytes were written behind autograd's back
-        if data is not tensor:
-            with torch.no_grad():
-                tensor.copy_(data)
-        else:
-            _increment_version((tensor,))
 
-    op = engine.irecv(data, src, tag, dtype_code(tensor.dtype))
-    if op.done and group._coalescing is None:
-        if op.error is not None:
-            raise op.error
-        post()
-        work = _Received()
-        work._outputs, work._src = tensors, op.source
-        return work
-    where = "any rank" if src is None else f"rank {src}"
-    return _pending(group, f"{name} from {where}", tensors, engine, op, post)
+def _copy_back(tensor: torch.Tensor, data: torch.Tensor) -> None:
+    with torch.no_grad():
+        tensor.copy_(data)

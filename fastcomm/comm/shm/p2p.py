@@ -59,9 +59,10 @@ from ..errors import CommAbortedError, CommClosedError, CommTimeoutError, Fastco
 from .flags import _FUTEX_WAIT, _MASK32, _syscall, _Timespec, fence
 from .segment import process_alive
 
-__all__ = ["MessageMismatchError", "Mailboxes", "dtype_code"]
+__all__ = ["DTYPE_CODES", "MessageMismatchError", "Mailboxes", "dtype_code"]
 
 POLL_S = 0.001  # the engine's thread: how often it moves operations nobody waits on
+PARK_S = 0.05  # ... and how long it polls after the last operation left pending
 _SLEEP_ONE = _Timespec(0, 2_000_000)  # one pair to wake us: sleep in 2 ms slices
 _SLEEP_MANY = _Timespec(0, 100_000)  # several pairs (only one futex wakes us): 100 us slices
 _LIVENESS_S = 0.05
@@ -69,7 +70,7 @@ _HEADER = 64
 _U64 = (1 << 64) - 1
 _DTYPE_LIST = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)},
                            key=str))
-_DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(_DTYPE_LIST)}
+DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(_DTYPE_LIST)}
 _ELEMENT = {dtype: dtype.itemsize for dtype in _DTYPE_LIST}
 
 
@@ -80,7 +81,7 @@ class MessageMismatchError(FastcommError, ValueError):
 
 def dtype_code(dtype: torch.dtype) -> int:
     """The dtype's code in a message header (module docstring)."""
-    return _DTYPE_CODES[dtype]
+    return DTYPE_CODES[dtype]
 
 
 def _what(code: int, nbytes: int) -> str:
@@ -179,11 +180,13 @@ class Mailboxes:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._liveness = 0.0  # when the peers' processes were last looked at
+        self._parked = False  # the thread waits on the condition: _kick must notify it
+        self._last_pending = 0.0  # when an operation was last left pending at its issue
 
     # ------------------------------------------------------------------ issuing
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, dtype: int) -> _Op:
         """Queues the send of ``tensor``'s bytes (contiguous, CPU) and moves what it can now."""
-        self._check_rejects(dst, "send to")
+        self.check_rejects(dst, "send to")
         op = _Op("send", dst, tag & _U64, tensor, dtype, time.monotonic())
         with self._lock:
             self._sends[dst].append(op)
@@ -198,7 +201,7 @@ class Mailboxes:
         """Posts a receive into ``tensor`` (contiguous, CPU) from ``src`` (``None``: any) and
         moves what it can now."""
         if src is not None:
-            self._check_rejects(src, "receive from")
+            self.check_rejects(src, "receive from")
         op = _Op("recv", src, tag & _U64, tensor, dtype, time.monotonic())
         with self._lock:
             self.pending += 1
@@ -212,6 +215,44 @@ class Mailboxes:
         if not op.done:
             self._kick()
         return op
+
+    def send_now(self, addr: int, nbytes: int, dst: int, tag: int, dtype: int) -> bool:
+        """A message of one chunk sent at once, with no operation built, when nothing is
+        queued to ``dst`` and its slot is free (the caller checked the rejects); else
+        ``False`` having done nothing."""
+        core = self._core
+        if core is None or nbytes > self._room or self._sends[dst]:
+            return False
+        with self._lock:
+            s = self._s
+            k = s._sent[dst]
+            if self._sends[dst] or core.send(addr, nbytes, nbytes, dst, k, 0, tag & _U64, dtype):
+                return False
+            s._sent[dst] = k + 1
+        return True
+
+    def recv_now(self, addr: int, nbytes: int, src: int, tag: int, dtype: int) -> bool:
+        """A message of one chunk from ``src`` received at once, with no operation built,
+        when it is there, has ``tag`` and fits, and no earlier receive could claim it; else
+        ``False`` having done nothing (the general path then decides: wait, set aside,
+        mismatch)."""
+        core = self._core
+        if (core is None or nbytes > self._room or self._wanted_any or self._wanted[src]
+                or self._incoming[src] is not None or self._stash[src]):
+            return False
+        with self._lock:
+            s = self._s
+            k = s._received[src]
+            if self._incoming[src] is not None or core.recv(
+                    addr, nbytes, nbytes, src, k, 0, tag & _U64, dtype):
+                return False
+            s._received[src] = k + 1
+        return True
+
+    def check_rejects(self, peer: int, verb: str) -> None:
+        """Raises the notice of a message of ours ``peer`` rejected, once (module docstring)."""
+        if self._words[self._idx[peer][1] + 2] != self._rejects_seen[peer]:
+            self._check_rejects(peer, verb)
 
     def _check_rejects(self, peer: int, verb: str) -> None:
         """Raises the notice of a message of ours ``peer`` rejected, once (module docstring)."""
@@ -423,7 +464,7 @@ class Mailboxes:
         if op.error is not None:
             raise op.error
         if op.kind == "send":
-            self._check_rejects(op.peer, "send to")
+            self.check_rejects(op.peer, "send to")
 
     def _wait(self, op: _Op, limit_s: float | None) -> None:
         flags = self._flags
@@ -431,13 +472,24 @@ class Mailboxes:
         spin_end = now_ns() + flags.spin_budget_ns()
         yield_end = spin_end + flags.yield_ns
         lock = self._lock
+        # one pending operation with a known peer: poll its peer's counter, a word read,
+        # and progress only once it moved
+        watch = None
+        if self.pending == 1 and op.peer is not None and self._incoming[op.peer] is None:
+            peer, s = op.peer, self._s
+            if op.kind == "send":
+                watch = (self._idx[peer][1], lambda: s._sent[peer] - 1)
+            else:
+                watch = (self._idx[peer][2], lambda: s._received[peer] + 1)
         self._waiters += 1
         try:
+            words = self._words
             while True:
-                with lock:
-                    self._progress()
-                if op.done:
-                    return
+                if watch is None or words[watch[0]] >= watch[1]():
+                    with lock:
+                        self._progress()
+                    if op.done:
+                        return
                 now = now_ns()
                 if now < spin_end:
                     continue
@@ -540,24 +592,33 @@ class Mailboxes:
 
     # ------------------------------------------------------------------ the thread
     def _kick(self) -> None:
-        """Has the engine's thread move pending operations nobody waits on."""
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._loop, name=f"fastcomm-shm-r{self.rank}-p2p", daemon=True
-                )
-                self._thread.start()
-            else:
+        """Has the engine's thread move pending operations nobody waits on: started on first
+        use, woken only when parked. A running thread polls (``POLL_S``) rather than being
+        woken per operation: a woken thread takes the GIL and a core from the caller that is
+        about to wait on the operation anyway (as ``OrderedExecutor``'s does)."""
+        self._last_pending = time.monotonic()
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._loop, name=f"fastcomm-shm-r{self.rank}-p2p", daemon=True
+                    )
+                    self._thread.start()
+        elif self._parked:
+            with self._lock:
                 self._cond.notify()
 
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self.pending and not self._closed:
+                while not self._closed and not self.pending and (
+                        time.monotonic() - self._last_pending > PARK_S):
+                    self._parked = True
                     self._cond.wait()
+                    self._parked = False
                 if self._closed:
                     return
-                moved = False if self._waiters else self._progress()
+                moved = self.pending and not self._waiters and self._progress()
             time.sleep(0 if moved else POLL_S)
 
     def close(self, timeout: float = 5.0) -> bool:
