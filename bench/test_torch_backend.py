@@ -202,6 +202,68 @@ def call_rounds(rounds: int, calls: int) -> dict[str, list[float]]:
     return {name: values[1:] for name, values in per_call.items()}
 
 
+# pipeline parallelism: Schedule1F1B over the two ranks (stage r on rank r)
+PIPE_WIDTH, PIPE_LAYERS, PIPE_MICROBATCHES, PIPE_ROWS = 256, 4, 8, 8
+
+
+def _pipelines() -> dict:
+    """Per backend: ``(schedule, optimizer, stage module)``, built on first use."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    b = STATE["torch_backend"]
+    if "pipelines" not in b:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        b["pipelines"] = {}
+        for backend, group in b["groups"].items():
+            torch.manual_seed(rank)
+            block = torch.nn.Sequential(*[m for _ in range(PIPE_LAYERS) for m in (
+                torch.nn.Linear(PIPE_WIDTH, PIPE_WIDTH), torch.nn.GELU())])
+            stage = PipelineStage(block, rank, world, torch.device("cpu"), group=group)
+            schedule = Schedule1F1B(stage, n_microbatches=PIPE_MICROBATCHES,
+                                    loss_fn=torch.nn.MSELoss())
+            b["pipelines"][backend] = (schedule, torch.optim.SGD(block.parameters(), lr=1e-3),
+                                       block)
+        gen = torch.Generator().manual_seed(7)
+        rows = PIPE_MICROBATCHES * PIPE_ROWS
+        b["pipe_batch"] = (torch.randn(rows, PIPE_WIDTH, generator=gen),
+                           torch.randn(rows, PIPE_WIDTH, generator=gen))
+        for backend in b["pipelines"]:  # warm-up: shapes exchanged, buffers allocated
+            pipeline_step(backend)
+    return b["pipelines"]
+
+
+def pipeline_step(backend: str) -> float:
+    """One Schedule1F1B training step on ``backend``'s group; seconds."""
+    schedule, opt, _ = _pipelines()[backend]
+    x, y = STATE["torch_backend"]["pipe_batch"]
+    rank = int(os.environ["RANK"])
+    start = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    if rank == 0:
+        schedule.step(x)
+    else:
+        schedule.step(target=y, losses=[])
+    opt.step()
+    return time.perf_counter() - start
+
+
+def pipeline_rounds(rounds: int) -> dict[str, list[float]]:
+    """``rounds`` rounds of one step on each backend in turn, a barrier before each."""
+    import torch.distributed as dist
+
+    _pipelines()
+    times = {backend: [] for backend in BACKENDS}
+    for _ in range(rounds):
+        for backend in BACKENDS:
+            dist.barrier(group=STATE["torch_backend"]["groups"]["gloo"])
+            times[backend].append(pipeline_step(backend))
+    return times
+
+
+def pipeline_params() -> int:
+    return sum(p.numel() for p in _pipelines()["fastcomm"][2].parameters())
+
+
 def teardown_ranks() -> None:
     import torch.distributed as dist
 
@@ -284,6 +346,39 @@ def test_all_reduce_call(benchmark, ranks, way):
                        warmup_rounds=0 if quick_mode else 1)
     benchmark.extra_info.update(provider=way, calls_per_round=calls,
                                 us_per_call=round(statistics.median(per_call), 2))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pipeline_step(benchmark, ranks, backend):
+    """One ``Schedule1F1B`` step (2 stages of 4 ``Linear(256)`` + GELU, 8 microbatches of 8
+    rows) on each backend, the other backend's step before each round, untimed."""
+    pool, _, quick_mode = ranks
+    other = BACKENDS[1 - BACKENDS.index(backend)]
+    per_rank: list[float] = []
+
+    def step() -> None:
+        per_rank.append(max(pool.run(pipeline_step, backend)))
+
+    def setup() -> None:
+        pool.run(pipeline_step, other)
+
+    benchmark.pedantic(step, setup=setup,
+                       rounds=2 if quick_mode else 15, iterations=1,
+                       warmup_rounds=0 if quick_mode else 1)
+    benchmark.extra_info.update(provider=backend,
+                                rank_step_ms=round(statistics.median(per_rank) * 1e3, 3))
+
+
+def test_pipeline_ratio(ranks):
+    """Schedule1F1B step, fastcomm over Gloo, the two stepped in turn in the same rounds."""
+    pool, _, quick_mode = ranks
+    per_rank = pool.run(pipeline_rounds, 3 if quick_mode else 40)
+    medians = {b: slowest_rank_median([r[b] for r in per_rank]) for b in BACKENDS}
+    params = sum(pool.run(pipeline_params))
+    _RATIOS.append(dict(what="Schedule1F1B step, 2x4 Linear(256)", params=params,
+                        fastcomm_ms=medians["fastcomm"] * 1e3, gloo_ms=medians["gloo"] * 1e3,
+                        ratio=medians["fastcomm"] / medians["gloo"]))
+    assert medians["fastcomm"] > 0 and medians["gloo"] > 0
 
 
 PAIRS = [

@@ -342,9 +342,14 @@ def check_pipeline(schedule_name: str):
 
 
 # ---------------------------------------------------------------------- the checks
-@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+# 2 and 3 ranks on the compiled core; 2 ranks on the pure-Python path of the same protocol
+# (FASTCOMM_SHM_COMPILED=0: what runs where no C compiler was found at install)
+@pytest.fixture(scope="module", params=[(2, "1"), (3, "1"), (2, "0")],
+                ids=["2ranks", "3ranks", "2ranks-python"])
 def pool(request):
-    with RankPool(request.param, timeout=180, env={"OMP_NUM_THREADS": "1"}) as p:
+    size, compiled = request.param
+    env = {"OMP_NUM_THREADS": "1", "FASTCOMM_SHM_COMPILED": compiled}
+    with RankPool(size, timeout=180, env=env) as p:
         yield p
 
 
@@ -392,3 +397,17 @@ def test_a_peer_that_never_sends_times_out(pool):
 @pytest.mark.parametrize("schedule", ["ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B"])
 def test_pipeline_schedules_train_to_gloos_parameters(pool, schedule):
     pool.run(check_pipeline, schedule)
+
+
+def check_engine_path() -> bool:
+    fast, _ = _groups()
+    return fast.communicator.mailboxes._core is not None
+
+
+def test_the_pool_runs_the_path_it_names(pool):
+    compiled = pool.env["FASTCOMM_SHM_COMPILED"] == "1"
+    from fastcomm.comm.shm import schedules
+
+    if schedules._core is None:
+        pytest.skip("the compiled core was not built (no C compiler at install)")
+    assert pool.run(check_engine_path) == [compiled] * pool.world_size

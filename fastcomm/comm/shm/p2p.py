@@ -481,7 +481,8 @@ class Mailboxes:
                 watch = (self._idx[peer][1], lambda: s._sent[peer] - 1)
             else:
                 watch = (self._idx[peer][2], lambda: s._received[peer] + 1)
-        self._waiters += 1
+        with lock:  # a future's thread may wait beside the issuing one
+            self._waiters += 1
         try:
             words = self._words
             while True:
@@ -500,7 +501,8 @@ class Mailboxes:
                 if op.done:
                     return
         finally:
-            self._waiters -= 1
+            with lock:
+                self._waiters -= 1
 
     def _sleep(self, op: _Op, limit_s: float | None) -> None:
         """One futex sleep on a word ``op`` waits on (announced), after the checks that end a
