@@ -42,7 +42,7 @@ from .errors import CommClosedError
 from .reduction import torch_reduce
 from .store import DEFAULT_TIMEOUT, Store, as_timedelta
 from .types import SUPPORTED_DTYPES, Capabilities, PremulSum, ReduceOp
-from .vcoll import check_v, default_task, overlaps
+from .vcoll import check_v, default_task
 from .work import OrderedExecutor, Task, Work, completed_work, wrap_error
 
 __all__ = ["Communicator", "CommStats", "reject_premul"]
@@ -671,16 +671,14 @@ class Communicator(abc.ABC):
         return self._run(self._v_task(kind, root, outputs, inputs), async_op)
 
     def _v_task(self, kind: str, root: int, outputs, inputs) -> Task:
-        """Checks a v-call, counts it and builds its task on the communicator that moves it."""
+        """Checks a v-call, counts it and builds its task on the communicator that moves it
+        (which stages inputs that overlap outputs where its schedule needs it)."""
         outputs, inputs = check_v(self, kind, outputs, inputs)
-        seen: dict[int, torch.Tensor] = {}
-        for t in inputs:
-            seen.setdefault(id(t), t)
-        self.stats.count(kind, sum(t.nbytes for t in seen.values()))
-        target = self._target(inputs[0], kind)
-        if overlaps(outputs, inputs):  # a piece received may land on one not yet sent
-            copies = {key: t.clone() for key, t in seen.items()}
-            inputs = [copies[id(t)] for t in inputs]
+        first = inputs[0]
+        nbytes = first.nbytes if all(t is first for t in inputs) else sum(
+            t.nbytes for t in inputs)
+        self.stats.count(kind, nbytes)
+        target = self if first.is_cpu and self._cpu_native else self.route(first.device, kind)
         return target._impl_v_call(kind, root, outputs, inputs)
 
     def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> Work | None:

@@ -26,7 +26,7 @@ import torch
 from .errors import FastcommError
 from .work import Task
 
-__all__ = ["KINDS", "SizesDisagreement", "check_v", "default_task", "disagreement"]
+__all__ = ["KINDS", "SizesDisagreement", "check_v", "default_task", "disagreement", "overlaps"]
 
 #: the v-calls, by the code their rows carry
 KINDS = ("gather", "scatter", "all_to_all", "all_gather", "reduce_scatter", "all_gather_coalesced")
@@ -34,6 +34,7 @@ KIND_CODES = {name: code for code, name in enumerate(KINDS)}
 _DTYPE_LIST = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)},
                            key=str))
 DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPE_LIST)}
+_STRIDED = torch.strided
 HEAD = 4  # kind, root (-1: none), dtype, element size; then bytes sent to / expected from each
 
 
@@ -98,17 +99,25 @@ def check_v(comm, op: str, outputs: Sequence, inputs: Sequence) -> tuple[list, l
     """
     comm._check_open(op)
     outputs, inputs = list(outputs), list(inputs)
+    size = comm.size
+    if len(outputs) == size and len(inputs) == size:
+        first = inputs[0]
+        if type(first) is torch.Tensor:  # the usual call, checked in one pass
+            dtype, device = first.dtype, first.device
+            if all(type(t) is torch.Tensor and t.dtype is dtype and t.layout is _STRIDED
+                   and t.is_contiguous() and t.device == device for t in outputs + inputs):
+                return outputs, inputs
     for name, pieces in (("outputs", outputs), ("inputs", inputs)):
-        if len(pieces) != comm.size:
+        if len(pieces) != size:
             raise ValueError(f"{op}: {name} has {len(pieces)} tensors; expected one per rank "
-                             f"({comm.size})")
+                             f"({size})")
     first = inputs[0] if isinstance(inputs[0], torch.Tensor) else None
     for name, pieces in (("outputs", outputs), ("inputs", inputs)):
         for i, t in enumerate(pieces):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{op}: {name}[{i}] must be a torch.Tensor, got "
                                 f"{type(t).__name__}")
-            if t.layout is not torch.strided:
+            if t.layout is not _STRIDED:
                 raise ValueError(f"{op}: {name}[{i}] has layout {t.layout}; dense tensors only")
             if not t.is_contiguous():
                 raise ValueError(f"{op}: {name}[{i}] must be contiguous (shape "
@@ -122,12 +131,13 @@ def check_v(comm, op: str, outputs: Sequence, inputs: Sequence) -> tuple[list, l
     return outputs, inputs
 
 
-def overlaps(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> bool:
-    """Whether the span of the outputs' bytes meets the span of the inputs' (a cheap, safe
-    over-estimate: a v-call then stages its inputs)."""
+def overlaps(outputs: Sequence[tuple[int, int]], inputs: Sequence[tuple[int, int]]) -> bool:
+    """Whether the span of the outputs' bytes meets the span of the inputs' (``(address,
+    bytes)`` pairs; a cheap, safe over-estimate: a schedule that writes outputs while inputs
+    are still to be sent then stages its inputs)."""
 
     def span(pieces):
-        live = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in pieces if t.nbytes]
+        live = [(a, a + n) for a, n in pieces if n]
         return (min(a for a, _ in live), max(b for _, b in live)) if live else None
 
     a, b = span(outputs), span(inputs)

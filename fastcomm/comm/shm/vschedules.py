@@ -1,14 +1,15 @@
 """The shm schedule of a v-call (``fastcomm.comm.vcoll``): pieces of any size from every rank
 to every rank through the segment's slots, the sizes agreed inside the call's first round.
 
-Round 0: every rank writes a header at the start of its slot -- its row (``vcoll.row_of``: op,
-root, dtype, the bytes it sends to each rank and expects from each), then, per destination, the
-index of the buffer it sends there -- and the first chunk of each distinct buffer it sends to a
-peer, publishes, and waits for every peer (descriptor word A, compared as every shm collective
-compares it, carries only the opcode: the op, root, dtype and sizes are compared from the
-headers, so a disagreement on them is a :class:`~..vcoll.SizesDisagreement` on every rank
-with the same message, and since every rank took part in the round the communicator stays
-usable). Every rank then holds every row, so every rank computes the same number of rounds.
+Round 0: every rank writes a header at the start of its slot -- its row (``vcoll.row_of``:
+op, root, dtype, the bytes it sends to each rank and expects from each), then, per
+destination, the slot offset of the buffer it sends there (-1: none) -- and the first chunk of
+each distinct buffer it sends to a peer, publishes, and waits for every peer. Descriptor word
+A, compared as every shm collective compares it, carries only the opcode: the op, root, dtype
+and sizes are compared from the headers, so a disagreement on them is a
+:class:`~..vcoll.SizesDisagreement` on every rank with the same message, and since every rank
+took part in the round the communicator stays usable. Every rank then holds every row, so
+every rank computes the same number of rounds.
 
 Chunks: rank ``q`` with ``m`` distinct buffers to send (an ``all_gather_v`` sends one buffer to
 everyone, a ``scatter`` root one per rank) gives each of them ``c_q = (slot_bytes - header) //
@@ -25,12 +26,19 @@ An output's version counter is bumped as a torch in-place op would.
 from __future__ import annotations
 
 import ctypes
+import struct
 import time
 
-import numpy as np
 import torch
 
-from ..vcoll import HEAD, disagreement, raise_disagreement, row_of
+from ..vcoll import (
+    DTYPE_CODES,
+    HEAD,
+    KIND_CODES,
+    disagreement,
+    overlaps,
+    raise_disagreement,
+)
 from .schedules import _OPCODES, SegmentSchedules
 
 __all__ = ["VSchedule"]
@@ -55,91 +63,111 @@ class VSchedule:
         self.width = HEAD + 3 * n  # a header's words: the row, then the buffer per destination
         self.header = -(-8 * self.width // 64) * 64
         self.slot_bytes = layout.slot_bytes
+        # bytes of a slot each of m distinct buffers gets per round, by m
+        self.rooms = [(self.slot_bytes - self.header) // max(m, 1) // 64 * 64
+                      for m in range(n + 1)]
         base = schedules._u8.data_ptr()
         self.slots = [[base + layout.slot(h, r) for r in range(n)] for h in range(2)]
-        words = schedules._u8.numpy().view(np.int64)
-        # every rank's header in each half as one (size, width) view: one tolist() reads all
-        self.headers = [
-            np.lib.stride_tricks.as_strided(
-                words[layout.slot(h, 0) // 8 :], (n, self.width), (layout.slot_bytes, 8)
-            )
-            for h in range(2)
-        ]
+        # headers are packed and unpacked in place in the mapping (a struct call each: a
+        # fraction of a NumPy assignment's cost)
+        self._mm = schedules.flags.segment.mm
+        self._header = struct.Struct(f"<{self.width}q")
+        self._offsets = [[layout.slot(h, r) for r in range(n)] for h in range(2)]
 
     def fits(self) -> bool:
         """Whether a header leaves every peer 64 bytes of a slot (up to ~40 ranks at 4 KiB
         slots, thousands at the default 1 MiB)."""
-        return self._room(self.size) >= 64
+        return self.rooms[-1] >= 64
 
     def run(self, kind: str, root: int, outputs: list, inputs: list) -> None:
         """One v-call: ``inputs[r]`` to rank ``r``, ``outputs[q]`` from rank ``q`` (contiguous
         CPU tensors, one dtype; checked by the communicator)."""
         start = time.monotonic()
-        s, n, me = self.s, self.size, self.rank
+        s, n, me, head = self.s, self.size, self.rank, self.header
         flags = s.flags
-        esize = inputs[0].element_size()
-        row = row_of(kind, root, inputs[0].dtype, esize, outputs, inputs)
-        # the distinct buffers sent to peers, indexed in order of first use
-        slots_of: dict[int, int] = {}
-        buffers: list[tuple[int, int]] = []  # (address, bytes)
-        where = [-1] * n
-        for r, t in enumerate(inputs):
-            nbytes = row[HEAD + r]
-            if r == me or not nbytes:
+        first = inputs[0]
+        esize = first.element_size()
+        sent = [t.nbytes for t in inputs]
+        expected = [t.nbytes for t in outputs]
+        # the distinct buffers sent to peers, in order of first use, each at its slot offset
+        buffers: list[list[int]] = []  # [address, bytes]
+        offsets = [-1] * n
+        seen: dict[int, int] = {}
+        for r in range(n):
+            if r == me or not sent[r]:
                 continue
-            index = slots_of.get(id(t))
-            if index is None:
-                index = slots_of[id(t)] = len(buffers)
-                buffers.append((t.data_ptr(), nbytes))
-            where[r] = index
-        room = self._room(len(buffers))
-        name = kind
-        half = s._enter(name, start, _CODE)
-        self.headers[half][me] = row + where
-        mine = self.slots[half][me] + self.header
+            t = inputs[r]
+            i = seen.get(id(t))
+            if i is None:
+                i = seen[id(t)] = len(buffers)
+                buffers.append([t.data_ptr(), sent[r]])
+            offsets[r] = i
+        room = self.rooms[len(buffers)]
+        offsets = [-1 if i < 0 else head + i * room for i in offsets]
+        half = s._enter(kind, start, _CODE)
+        self._header.pack_into(self._mm, self._offsets[half][me], KIND_CODES[kind], root,
+                               DTYPE_CODES[first.dtype], esize, *sent, *expected, *offsets)
+        mine = self.slots[half][me]
         for i, (addr, nbytes) in enumerate(buffers):
-            _memmove(mine + i * room, addr, min(room, nbytes))
+            _memmove(mine + head + i * room, addr, nbytes if nbytes < room else room)
         s._first_publish()
-        flags.wait_all(flags.seq, name, start)
+        flags.wait_all(flags.seq, kind, start)
         s._check(half, _CODE)
-        table = self.headers[half].tolist()
-        problem = disagreement([t[: HEAD + 2 * n] for t in table])
-        if problem is not None:
-            raise_disagreement(me, kind, problem)
-        # what comes from each peer: (its room per buffer, the slot offset of our piece, bytes)
+        unpack, mm = self._header.unpack_from, self._mm
+        table = [unpack(mm, offset) for offset in self._offsets[half]]
+        if not self._agree(table):
+            raise_disagreement(me, kind, disagreement([t[: HEAD + 2 * n] for t in table]))
+        # per peer sending us a piece: (its room per buffer, our piece's slot offset, bytes,
+        # where it lands); and how many rounds the longest buffer of any rank takes
         sources = []
         rounds = 1
         for q, theirs in enumerate(table):
-            index = theirs[HEAD + 2 * n :]
-            used = len({i for i in index if i >= 0})
-            q_room = self._room(used)
-            longest = max((theirs[HEAD + r] for r in range(n) if index[r] >= 0), default=0)
-            rounds = max(rounds, -(-longest // q_room))
-            nbytes = theirs[HEAD + me]
-            if q != me and nbytes:
-                sources.append((q, q_room, self.header + index[me] * q_room, nbytes,
-                                outputs[q].data_ptr()))
+            where = theirs[HEAD + 2 * n :]
+            q_room = self.rooms[len({o for o in where if o >= 0})]
+            for r in range(n):
+                if where[r] >= 0 and theirs[HEAD + r] > rounds * q_room:
+                    rounds = -(-theirs[HEAD + r] // q_room)
+            if q != me and expected[q]:
+                sources.append((q, q_room, where[me], expected[q], outputs[q].data_ptr()))
+        if rounds > 1 and overlaps([(t.data_ptr(), t.nbytes) for t in outputs],
+                                   [(addr, nbytes) for addr, nbytes in buffers]):
+            # later rounds still read the inputs: received pieces must not land on them
+            keep = [torch.empty(nbytes, dtype=torch.uint8) for _, nbytes in buffers]
+            for piece, entry in zip(keep, buffers, strict=True):
+                _memmove(piece.data_ptr(), entry[0], entry[1])
+                entry[0] = piece.data_ptr()
+        else:
+            keep = None
+        if expected[me]:  # first: the peers' pieces may land on our own input
+            _memmove(outputs[me].data_ptr(), inputs[me].data_ptr(), expected[me])
         self._copy_out(half, sources, 0)
-        own = row[HEAD + me]
-        if own:
-            _memmove(outputs[me].data_ptr(), inputs[me].data_ptr(), own)
         for k in range(1, rounds):
-            half = s._enter(name, start, _CODE)
-            mine = self.slots[half][me] + self.header
+            half = s._enter(kind, start, _CODE)
+            mine = self.slots[half][me] + head
+            lo = k * room
             for i, (addr, nbytes) in enumerate(buffers):
-                lo = k * room
                 if lo < nbytes:
                     _memmove(mine + i * room, addr + lo, min(room, nbytes - lo))
             s._first_publish()
-            flags.wait_all(flags.seq, name, start)
+            flags.wait_all(flags.seq, kind, start)
             self._copy_out(half, sources, k)
+        del keep
         changed = tuple(t for t in outputs if t.nbytes)
         if changed:
             _increment_version(changed)
 
-    def _room(self, buffers: int) -> int:
-        """Bytes of a slot each of ``buffers`` distinct buffers gets per round."""
-        return (self.slot_bytes - self.header) // max(buffers, 1) // 64 * 64
+    def _agree(self, table: list) -> bool:
+        """Whether every rank called the same op, root and dtype, and every piece is the size
+        its receiver expects."""
+        n, first = self.size, table[0]
+        for q, row in enumerate(table):
+            if row[0] != first[0] or row[1] != first[1] or row[2] != first[2]:
+                return False
+            for r in range(n):
+                if row[HEAD + r] != table[r][HEAD + n + q]:
+                    return False
+        return True
+
 
     def _copy_out(self, half: int, sources: list, k: int) -> None:
         slots = self.slots[half]
