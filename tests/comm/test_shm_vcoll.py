@@ -31,15 +31,19 @@ def _rank() -> int:
 
 
 def _comm(backend: str):
-    if backend != "shm_small":
+    """``backend``'s communicator; ``shm_small``: 4 KiB slots (several rounds), ``shm_mixed``:
+    the compiled core on even ranks only (the two paths interoperate)."""
+    if backend not in ("shm_small", "shm_mixed"):
         return rank_comm(backend)
-    comm = STATE.get("shm_small")
+    comm = STATE.get(backend)
     if comm is None or comm.closed:
         rank = _rank()
         STATE["gen"] = STATE.get("gen", 0) + 1
-        comm = STATE["shm_small"] = ShmCommunicator(
-            rank_store().prefixed(f"shm-small-{STATE['gen']}", rank=rank), rank,
-            int(os.environ["WORLD_SIZE"]), 30.0, options=ShmOptions(**SMALL),
+        options = ShmOptions(**SMALL) if backend == "shm_small" else ShmOptions(
+            compiled=rank % 2 == 0)
+        comm = STATE[backend] = ShmCommunicator(
+            rank_store().prefixed(f"{backend}-{STATE['gen']}", rank=rank), rank,
+            int(os.environ["WORLD_SIZE"]), 30.0, options=options,
         )
     return comm
 
@@ -156,13 +160,38 @@ def check_overlap():
     return "ok"
 
 
+def check_compiled_core_taken():
+    """A v-call whose pieces from this rank fit one round starts in the compiled core where it
+    was built (the core says when a peer's pieces need more rounds); on 4 KiB slots at scale
+    1500 some ranks' pieces do not fit, and those ranks run round 0 in Python."""
+    from fastcomm.comm.shm import schedules
+
+    if schedules._core is None:
+        pytest.skip("the compiled core was not built")
+    taken = []
+    me, n = _rank(), int(os.environ["WORLD_SIZE"])
+    for backend, scale in (("shm", 1), ("shm_small", 1500)):
+        v = _comm(backend)._v
+        pieces = [_numel(me, r, scale) * 4 for r in range(n) if r != me and _numel(me, r, scale)]
+        rounds = int(all(b <= v.rooms[len(pieces)] for b in pieces))
+        inner = v._core_round
+        v._core_round = lambda *a, inner=inner: taken.append(a) or inner(*a)
+        try:
+            check_all_to_all_v(backend, "float32", scale, False)
+        finally:
+            del v._core_round
+        assert len(taken) == rounds, (backend, taken)
+        taken.clear()
+    return "ok"
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
 def pool(request):
     with RankPool(request.param, timeout=120, env={"OMP_NUM_THREADS": "1"}) as p:
         yield p
 
 
-BACKENDS = ["shm", "shm_small", "gloo", "hier"]
+BACKENDS = ["shm", "shm_small", "shm_mixed", "gloo", "hier"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -175,8 +204,9 @@ def test_all_to_all_v_values(pool, backend, scale):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_all_to_all_v_every_dtype(pool, dtype):
-    for backend in ("shm", "shm_small"):
-        pool.run(check_all_to_all_v, backend, dtype, 700, False)
+    for backend in ("shm", "shm_small", "shm_mixed"):
+        for scale in (1, 700):
+            pool.run(check_all_to_all_v, backend, dtype, scale, False)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -193,7 +223,7 @@ def test_all_gather_v_and_reduce_scatter_v(pool, backend):
         pool.run(check_all_gather_and_reduce_scatter_v, backend, scale)
 
 
-@pytest.mark.parametrize("backend", ["shm", "shm_small", "gloo"])
+@pytest.mark.parametrize("backend", ["shm", "shm_small", "shm_mixed", "gloo"])
 @pytest.mark.parametrize("what", ["size", "root", "dtype"])
 def test_disagreement_raises_on_every_rank(pool, backend, what):
     messages = pool.run(check_disagreement, backend, what)
@@ -205,6 +235,10 @@ def test_disagreement_raises_on_every_rank(pool, backend, what):
         assert "root 0" in text and "root 1" in text
     else:
         assert "float32" in text and "int32" in text
+
+
+def test_compiled_core_taken(pool):
+    pool.run(check_compiled_core_taken)
 
 
 def test_bad_input_and_overlap(pool):

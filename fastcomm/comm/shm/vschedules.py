@@ -18,8 +18,13 @@ each. Rounds run until the longest buffer of any rank is through, at least one (
 nothing is the header's round alone). Readers copy their piece of every peer's slot straight
 into their output; a rank's piece to itself is one local copy, after the check.
 
-Bytes move with ``ctypes.memmove`` between the caller's tensors and the segment: at 4 KiB a
-torch ``copy_`` (dispatcher, TensorIterator) costs more than the bytes, and any dtype moves.
+Round 0 of a call whose pieces from this rank fit it runs in the compiled core where it was
+built (``_core.c``, ``v_call``): the header and the pieces copied in, the publish, the wait,
+both checks and the copy-out in one C call, as every small shm collective; when the ranks
+disagree, or a peer's piece needs more rounds, it returns having copied nothing out and the
+call goes on here. Otherwise bytes move with ``ctypes.memmove`` between the caller's tensors
+and the segment: at 4 KiB a torch ``copy_`` (dispatcher, TensorIterator) costs more than the
+bytes, and any dtype moves. Ranks with and without the core interoperate (the same words).
 An output's version counter is bumped as a torch in-place op would.
 """
 
@@ -39,13 +44,14 @@ from ..vcoll import (
     overlaps,
     raise_disagreement,
 )
-from .schedules import _OPCODES, SegmentSchedules
+from .schedules import _OPCODES, SegmentSchedules, _core
 
 __all__ = ["VSchedule"]
 
 _memmove = ctypes.memmove
 _increment_version = torch._C._increment_version
 _CODE = _OPCODES["all_to_all_v"] << 56
+_V_DISAGREE, _V_MORE = 7, 8  # the compiled core's v_call statuses beyond a round's own
 
 
 class VSchedule:
@@ -73,6 +79,10 @@ class VSchedule:
         self._mm = schedules.flags.segment.mm
         self._header = struct.Struct(f"<{self.width}q")
         self._offsets = [[layout.slot(h, r) for r in range(n)] for h in range(2)]
+        # the compiled core's plan: the header, then every output's and input's address
+        self._plan_struct = struct.Struct(f"<{self.width + 2 * n}q")
+        self._plan = (ctypes.c_int64 * (self.width + 2 * n))()
+        self._plan_address = ctypes.addressof(self._plan)
 
     def fits(self) -> bool:
         """Whether a header leaves every peer 64 bytes of a slot (up to ~40 ranks at 4 KiB
@@ -104,15 +114,29 @@ class VSchedule:
             offsets[r] = i
         room = self.rooms[len(buffers)]
         offsets = [-1 if i < 0 else head + i * room for i in offsets]
-        half = s._enter(kind, start, _CODE)
-        self._header.pack_into(self._mm, self._offsets[half][me], KIND_CODES[kind], root,
-                               DTYPE_CODES[first.dtype], esize, *sent, *expected, *offsets)
-        mine = self.slots[half][me]
-        for i, (addr, nbytes) in enumerate(buffers):
-            _memmove(mine + head + i * room, addr, nbytes if nbytes < room else room)
-        s._first_publish()
-        flags.wait_all(flags.seq, kind, start)
-        s._check(half, _CODE)
+        words = (KIND_CODES[kind], root, DTYPE_CODES[first.dtype], esize, *sent, *expected,
+                 *offsets)
+        if s._core is not None and all(nbytes <= room for _, nbytes in buffers):
+            # the round in one C call; it returns having copied nothing out when the ranks
+            # disagree or a peer's piece needs more rounds (then on as below)
+            self._plan_struct.pack_into(self._plan, 0, *words,
+                                        *[t.data_ptr() for t in outputs],
+                                        *[t.data_ptr() for t in inputs])
+            half, status = self._core_round(kind, start)
+            if status == _core.DONE:
+                changed = tuple(t for t in outputs if t.nbytes)
+                if changed:
+                    _increment_version(changed)
+                return
+        else:
+            half = s._enter(kind, start, _CODE)
+            self._header.pack_into(self._mm, self._offsets[half][me], *words)
+            mine = self.slots[half][me]
+            for i, (addr, nbytes) in enumerate(buffers):
+                _memmove(mine + head + i * room, addr, nbytes if nbytes < room else room)
+            s._first_publish()
+            flags.wait_all(flags.seq, kind, start)
+            s._check(half, _CODE)
         unpack, mm = self._header.unpack_from, self._mm
         table = [unpack(mm, offset) for offset in self._offsets[half]]
         if not self._agree(table):
@@ -155,6 +179,34 @@ class VSchedule:
         changed = tuple(t for t in outputs if t.nbytes)
         if changed:
             _increment_version(changed)
+
+    def _core_round(self, kind: str, start: float) -> tuple[int, int]:
+        """Round 0 in the compiled core, from the plan packed in ``self._plan``: ``(half,
+        status)``; waits the core gave up on are finished here and the core resumed (as
+        ``SegmentSchedules._core_round`` does)."""
+        s = self.s
+        flags, call = s.flags, s._core.v_call
+        half = s._round & 1
+        s._round += 1
+        target = flags.seq + 1
+        args = [self._plan_address, _CODE, half, s._prev_first, target, 0,
+                flags.spin_budget_ns()]
+        status = call(*args)
+        while status in (_core.ENTER_WAIT, _core.EXCHANGE_WAIT):
+            if status == _core.ENTER_WAIT:
+                flags.wait_all(args[3], kind, start)
+                args[5] = 1
+            else:  # published: this rank's seq moved on whatever happens next
+                flags.seq = s._prev_first = target
+                flags.wait_all(target, kind, start)
+                args[5] = 2
+            status = call(*args)
+        flags.seq = s._prev_first = target
+        if status == _core.MISMATCH:
+            s._check(half, _CODE)
+        if status not in (_core.DONE, _V_DISAGREE, _V_MORE):
+            raise AssertionError(f"the compiled core's v_call returned status {status}")
+        return half, status
 
     def _agree(self, table: list) -> bool:
         """Whether every rank called the same op, root and dtype, and every piece is the size
