@@ -15,7 +15,11 @@ the whole buffer (the all-gather output, the reduce-scatter and all-to-all input
 - ``all_gather_list`` / ``reduce_scatter_list``: MPI has no list form, so the flat call plus the
   copies torch's backends make for one (rows copied into ``n`` arrays; ``n`` arrays packed
   first), timed with it;
-- ``send_recv``: ping-pong of pairs (0, 1), (2, 3)... at once; ``us`` is half a round trip.
+- ``send_recv``: ping-pong of pairs (0, 1), (2, 3)... at once; ``us`` is half a round trip;
+- the v-forms of ``bench/test_torch_vcoll.py`` (``nbytes``: the root's whole buffer, or each
+  rank's input): ``v_gather`` (``Gatherv`` to rank 0), ``v_scatter`` (``Scatterv`` from rank
+  0), ``v_all_to_all_uneven`` (``Alltoallv``, rank ``q`` sending rank ``r`` one or two units
+  by ``(q + r) % 2``), ``v_all_to_all_list`` (``Alltoallv`` of equal counts).
 
 Rank 0 writes a JSON list of rows ``{op, provider: "mpich", bytes, world, us, algbw, busbw}``.
 """
@@ -31,7 +35,8 @@ import numpy as np
 from mpi4py import MPI
 
 OPS = ("all_reduce", "all_reduce_async", "all_gather", "all_gather_list", "reduce_scatter",
-       "reduce_scatter_list", "broadcast", "all_to_all", "send_recv")
+       "reduce_scatter_list", "broadcast", "all_to_all", "send_recv", "v_gather", "v_scatter",
+       "v_all_to_all_uneven", "v_all_to_all_list")
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -81,10 +86,46 @@ def make_call(comm: MPI.Comm, op: str, nbytes: int):
         "broadcast": lambda: comm.Bcast(big, root=0),
         "all_to_all": lambda: comm.Alltoall(big, out),
         "send_recv": send_recv,
+        **_v_calls(comm, nbytes),
     }
     if op not in calls:
         raise ValueError(f"unknown op {op!r}; allowed: {', '.join(OPS)}")
     return calls[op]
+
+
+def uneven_counts(numel: int, n: int) -> list[list[int]]:
+    """Elements rank ``q`` sends rank ``r`` (``[q][r]``) in ``v_all_to_all_uneven``: one unit or
+    two by ``(q + r) % 2``, about ``numel`` in all per rank (``bench/test_torch_vcoll.py`` uses
+    the same rule)."""
+    unit = max(1, numel // sum(1 + r % 2 for r in range(n)))
+    return [[unit * (1 + (q + r) % 2) for r in range(n)] for q in range(n)]
+
+
+def _v_calls(comm: MPI.Comm, nbytes: int) -> dict:
+    """The v-forms (module docstring), buffers allocated here."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    numel = nbytes // 4 // n * n
+    big = np.full(numel, rank + 1.0, dtype=np.float32)
+    part = np.full(numel // n, rank + 1.0, dtype=np.float32)
+    even = [numel // n] * n
+    displs = [i * (numel // n) for i in range(n)]
+    counts = uneven_counts(numel, n)
+    sends, recvs = counts[rank], [counts[q][rank] for q in range(n)]
+    out = np.empty(sum(recvs), dtype=np.float32)
+    inp = np.full(sum(sends), rank + 1.0, dtype=np.float32)
+    landing = np.empty_like(big)
+
+    def starts(sizes: list[int]) -> list[int]:
+        return [sum(sizes[:i]) for i in range(len(sizes))]
+
+    return {
+        "v_gather": lambda: comm.Gatherv(part, [big, even, displs, MPI.FLOAT], root=0),
+        "v_scatter": lambda: comm.Scatterv([big, even, displs, MPI.FLOAT], part, root=0),
+        "v_all_to_all_uneven": lambda: comm.Alltoallv(
+            [inp, sends, starts(sends), MPI.FLOAT], [out, recvs, starts(recvs), MPI.FLOAT]),
+        "v_all_to_all_list": lambda: comm.Alltoallv(
+            [big, even, displs, MPI.FLOAT], [landing, even, displs, MPI.FLOAT]),
+    }
 
 
 def default_rounds(nbytes: int) -> tuple[int, int, int]:

@@ -8,6 +8,11 @@ the fastcomm backend with a Gloo group beside it (``new_group(backend="gloo")``)
 - ``test_fsdp2_step``: ``fully_shard`` on every ``Linear`` and the root of an MLP: 512 x 6
   (~1.6M parameters, 6 units) and 1024 x 10 (~10.5M, 10 units), Adam, on a ``DeviceMesh`` of
   either group.
+- ``test_moe_step``: a mixture-of-experts layer, one expert per rank: a replicated gate routes
+  each of 128 tokens (width 128) to one expert, ``all_to_all_single`` with the uneven splits
+  (torch's autograd form, ``torch.distributed.nn.functional``) takes them there and back, the
+  expert is ``Linear(128, 256) + GELU + Linear(256, 128)``, the gate's gradients are
+  all-reduced; fastcomm and Gloo stepped in turn, 30 rounds, the slower rank's median.
 - ``test_all_reduce_call``: one 4 KiB all-reduce four ways: the group's communicator called
   directly (``comm``: ``group.communicator.all_reduce``), the group's own method as torch calls
   it (``pg-fastcomm``: ``group.allreduce([t], opts)``), ``dist.all_reduce`` on the fastcomm
@@ -264,6 +269,78 @@ def pipeline_params() -> int:
     return sum(p.numel() for p in _pipelines()["fastcomm"][2].parameters())
 
 
+# MoE: tokens per rank, model width, expert hidden width; one expert per rank (2 at 2 ranks)
+MOE_SHAPE = (128, 128, 256)
+MOE_QUICK_SHAPE = (32, 32, 64)
+
+
+def _moe_layers() -> dict:
+    """Per backend: ``(gate, expert, optimizer, batch, target)``, the same seeds on both."""
+    b = STATE["torch_backend"]
+    if "moe" not in b:
+        import torch.distributed as dist
+
+        tokens, width, hidden = MOE_QUICK_SHAPE if b["quick"] else MOE_SHAPE
+        rank, world = dist.get_rank(), dist.get_world_size()
+        b["moe"] = {}
+        for backend in BACKENDS:
+            torch.manual_seed(0)
+            gate = torch.nn.Linear(width, world)
+            torch.manual_seed(1 + rank)
+            expert = torch.nn.Sequential(torch.nn.Linear(width, hidden), torch.nn.GELU(),
+                                         torch.nn.Linear(hidden, width))
+            opt = torch.optim.SGD([*gate.parameters(), *expert.parameters()], lr=1e-2)
+            torch.manual_seed(100 + rank)
+            batch = torch.randn(tokens, width), torch.randn(tokens, width)
+            b["moe"][backend] = (gate, expert, opt, *batch)
+    return b["moe"]
+
+
+def moe_step(backend: str) -> float:
+    """One training step of a mixture-of-experts layer: a replicated gate routes each token
+    to one expert (uneven splits), ``all_to_all_single`` (torch's autograd form) takes the
+    tokens there and back, the gate's gradients are all-reduced. Returns seconds."""
+    import torch.distributed as dist
+    import torch.distributed.nn.functional as dist_fn
+
+    group = STATE["torch_backend"]["groups"][backend]
+    gate, expert, opt, x, target = _moe_layers()[backend]
+    world = dist.get_world_size()
+    start = time.perf_counter()
+    scores = gate(x).softmax(-1)
+    choice = scores.argmax(-1)
+    order = torch.argsort(choice, stable=True)
+    sends = torch.bincount(choice, minlength=world)
+    recvs = torch.empty_like(sends)
+    dist.all_to_all_single(recvs, sends, group=group)
+    sends, recvs = sends.tolist(), recvs.tolist()
+    width = x.shape[1]
+    arrived = dist_fn.all_to_all_single(torch.empty(sum(recvs), width), x[order], recvs, sends,
+                                        group=group)
+    back = dist_fn.all_to_all_single(torch.empty(len(x), width), expert(arrived), sends, recvs,
+                                     group=group)
+    out = torch.empty_like(back).index_copy(0, order, back) * scores.gather(1, choice[:, None])
+    torch.nn.functional.mse_loss(out, target).backward()
+    for p in gate.parameters():
+        dist.all_reduce(p.grad, group=group)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def moe_rounds(rounds: int) -> dict[str, list[float]]:
+    """``rounds`` rounds of one MoE step per backend in turn (after one untimed), a barrier
+    before each."""
+    import torch.distributed as dist
+
+    times = {backend: [] for backend in BACKENDS}
+    for _ in range(rounds + 1):
+        for backend in BACKENDS:
+            dist.barrier(group=STATE["torch_backend"]["groups"]["gloo"])
+            times[backend].append(moe_step(backend))
+    return {backend: values[1:] for backend, values in times.items()}
+
+
 def teardown_ranks() -> None:
     import torch.distributed as dist
 
@@ -406,6 +483,26 @@ def test_ratios(ranks):
                         gloo_us=per_way["dist-gloo"],
                         adapter_us=per_way["pg-fastcomm"] - per_way["comm"]))
     assert all(r.get("ratio", 1) > 0 for r in _RATIOS)
+
+
+def test_moe_step(benchmark, ranks):
+    """An MoE step (``moe_step``) on fastcomm and on Gloo in the same rounds; the ratio joins
+    ``test_ratios``'s table."""
+    pool, _, quick_mode = ranks
+    per_rank: list[dict] = []
+    benchmark.pedantic(lambda: per_rank.extend(pool.run(moe_rounds, 2 if quick_mode else 30)),
+                       rounds=1, iterations=1)
+    count = len(per_rank[0]["fastcomm"])
+    medians = {b: statistics.median(max(r[b][i] for r in per_rank) for i in range(count))
+               for b in BACKENDS}
+    tokens, width, hidden = MOE_QUICK_SHAPE if quick_mode else MOE_SHAPE
+    params = width * len(per_rank) + len(per_rank) + 2 * width * hidden + hidden + width
+    _RATIOS.append(dict(what=f"MoE step {tokens} tok {width}x{hidden}", params=params,
+                        fastcomm_ms=medians["fastcomm"] * 1e3, gloo_ms=medians["gloo"] * 1e3,
+                        ratio=medians["fastcomm"] / medians["gloo"]))
+    benchmark.extra_info.update(fastcomm_ms=round(medians["fastcomm"] * 1e3, 3),
+                                gloo_ms=round(medians["gloo"] * 1e3, 3),
+                                ratio=round(medians["fastcomm"] / medians["gloo"], 3))
 
 
 class _RatiosTable:

@@ -39,8 +39,10 @@ from typing import Any
 import torch
 
 from .errors import CommClosedError
+from .reduction import torch_reduce
 from .store import DEFAULT_TIMEOUT, Store, as_timedelta
 from .types import SUPPORTED_DTYPES, Capabilities, PremulSum, ReduceOp
+from .vcoll import check_v, default_task
 from .work import OrderedExecutor, Task, Work, completed_work, wrap_error
 
 __all__ = ["Communicator", "CommStats", "reject_premul"]
@@ -89,6 +91,19 @@ def _premultiplied(task: Task, tensor: torch.Tensor, factor: float) -> Task:
         return reduce()
 
     return Task(task.op, task.output, run, task.executor)
+
+
+_EMPTY: dict[tuple, torch.Tensor] = {}
+
+
+def _nothing(like: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of ``like``'s dtype and device (the piece a rank neither sends nor
+    receives), made once per dtype and device."""
+    key = (like.dtype, like.device)
+    empty = _EMPTY.get(key)
+    if empty is None:
+        empty = _EMPTY[key] = like.new_empty(0)
+    return empty
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -588,6 +603,84 @@ class Communicator(abc.ABC):
             return input
         return input.clone()
 
+    # ------------------------------------------------------------------ unequal sizes
+    # One v-call each (see ``vcoll``): every rank sends a piece of any size to every rank; the
+    # ranks' sizes are compared inside the call, a disagreement a ValueError on every rank.
+    def all_to_all_v(self, outputs: list, inputs: list, async_op: bool = False) -> Work | None:
+        """Sends ``inputs[r]`` to rank ``r``; ``outputs[q]`` receives what rank ``q`` sends
+        this rank. Pieces of any size (empty too), one dtype.
+
+        Raises:
+            TypeError, ValueError: bad pieces (:func:`~.vcoll.check_v`).
+            SizesDisagreement: (a ``ValueError``) on every rank, when a piece's size differs
+                from what its receiver expects.
+        """
+        return self._v_call("all_to_all", -1, outputs, inputs, async_op)
+
+    def gather(self, outputs: list | None, input: torch.Tensor, root: int = 0,
+               async_op: bool = False) -> Work | None:
+        """Writes every rank's ``input`` into ``outputs[q]`` of rank ``root`` (``outputs``:
+        one tensor per rank on the root, ignored elsewhere; sizes may differ by rank)."""
+        self._check_peer(root, "gather", "root")
+        empty = _nothing(input)
+        pieces = [empty] * self.size
+        pieces[root] = input
+        if self.rank != root:
+            outputs = [empty] * self.size
+        elif outputs is None:
+            raise ValueError(f"gather: rank {root} is the root and needs one output per rank")
+        return self._v_call("gather", root, outputs, pieces, async_op)
+
+    def scatter(self, output: torch.Tensor, inputs: list | None, root: int = 0,
+                async_op: bool = False) -> Work | None:
+        """Writes ``inputs[r]`` of rank ``root`` into ``output`` of rank ``r`` (``inputs``:
+        one tensor per rank on the root, ignored elsewhere)."""
+        self._check_peer(root, "scatter", "root")
+        empty = _nothing(output)
+        outputs = [empty] * self.size
+        outputs[root] = output
+        if self.rank != root:
+            inputs = [empty] * self.size
+        elif inputs is None:
+            raise ValueError(f"scatter: rank {root} is the root and needs one input per rank")
+        return self._v_call("scatter", root, outputs, inputs, async_op)
+
+    def all_gather_v(self, outputs: list, input: torch.Tensor,
+                     async_op: bool = False) -> Work | None:
+        """Writes every rank's ``input`` into ``outputs[q]`` of every rank (sizes may differ
+        by rank, as NCCL's ``all_gather`` of a list allows)."""
+        return self._v_call("all_gather", -1, outputs, [input] * self.size, async_op)
+
+    def reduce_scatter_v(self, output: torch.Tensor, inputs: list,
+                         op: ReduceOp | str = ReduceOp.SUM, async_op: bool = False,
+                         ) -> Work | None:
+        """Reduces ``inputs[r]`` of every rank into ``output`` of rank ``r``, in rank order
+        (sizes may differ by rank: ``inputs[r]`` has ``output``'s size on rank ``r``).
+
+        Raises:
+            TypeError: a ``PremulSum``; as for :meth:`all_to_all_v`.
+        """
+        op = ReduceOp.coerce(op)
+        reject_premul(op, "reduce_scatter")
+        self._check_tensor(output, "reduce_scatter", "output")
+        terms = [torch.empty_like(output) for _ in range(self.size)]
+        task = self._v_task("reduce_scatter", -1, terms, inputs)
+        return self._run(_then(task, lambda: torch_reduce(output, terms, op)), async_op)
+
+    def _v_call(self, kind: str, root: int, outputs, inputs, async_op: bool) -> Work | None:
+        return self._run(self._v_task(kind, root, outputs, inputs), async_op)
+
+    def _v_task(self, kind: str, root: int, outputs, inputs) -> Task:
+        """Checks a v-call, counts it and builds its task on the communicator that moves it
+        (which stages inputs that overlap outputs where its schedule needs it)."""
+        outputs, inputs = check_v(self, kind, outputs, inputs)
+        first = inputs[0]
+        nbytes = first.nbytes if all(t is first for t in inputs) else sum(
+            t.nbytes for t in inputs)
+        self.stats.count(kind, nbytes)
+        target = self if first.is_cpu and self._cpu_native else self.route(first.device, kind)
+        return target._impl_v_call(kind, root, outputs, inputs)
+
     def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> Work | None:
         """Sends ``tensor`` to rank ``dst`` (which must call ``recv`` with ``src`` = us).
 
@@ -794,6 +887,12 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Task: ...
+
+    def _impl_v_call(self, kind: str, root: int, outputs: list, inputs: list) -> Task:
+        """A v-call (``vcoll``): ``inputs[r]`` to rank ``r``, ``outputs[q]`` from rank ``q``.
+        Default: its rows gathered and compared, then a padded ``all_to_all``
+        (:func:`~.vcoll.default_task`)."""
+        return default_task(self, kind, root, outputs, inputs)
 
     @abc.abstractmethod
     def _impl_send(self, tensor: torch.Tensor, dst: int) -> Task: ...

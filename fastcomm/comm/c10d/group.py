@@ -21,6 +21,7 @@ from ..work import wrap_error
 from ..world import communicator_for
 from . import p2p as _p2p
 from .agree import _OP_CODES, _RED, _as_list, _descriptor, _disagreement, _kind_of
+from .vcoll import VCollOps
 from .works import FastcommWork, _finished
 
 BACKEND_NAME = "fastcomm"
@@ -146,7 +147,7 @@ def _copy_rows(flat: torch.Tensor, outputs: list, dtype: torch.dtype) -> None:
         out.copy_(row.view(dtype).view(out.shape))
 
 
-class FastcommProcessGroup(dist.ProcessGroup):
+class FastcommProcessGroup(VCollOps, dist.ProcessGroup):
     """A torch process group whose collectives run on fastcomm communicators.
 
     Built by :func:`create_process_group` (torch calls it for ``init_process_group``,
@@ -479,8 +480,8 @@ class FastcommProcessGroup(dist.ProcessGroup):
                 call = self._reduce_scatter_call(output, packed, _reduce_op(opts.reduceOp))
                 if call is not None:
                     return self._issue("reduce_scatter", output_tensors, opts.asyncOp, *call)
-        return self._forward("reduce_scatter", output_tensors, output_tensors[0],
-                             output_tensors, input_tensors, opts)
+        return self._reduce_scatter_v(output_tensors, input_tensors,
+                                      _reduce_op(opts.reduceOp), opts)
 
     # ------------------------------------------------------------------ data movement
     def broadcast(self, tensors, opts=None) -> FastcommWork:
@@ -539,8 +540,7 @@ class FastcommProcessGroup(dist.ProcessGroup):
                 post = lambda: _copy_rows(flat, outputs, input.dtype)  # noqa: E731
                 return self._issue("allgather", output_tensors, opts.asyncOp, comm.all_gather,
                                    flat, in_view, post=post)
-        return self._forward("allgather", output_tensors, input_tensors[0], output_tensors,
-                             input_tensors, opts)
+        return self._allgather_v(output_tensors, input_tensors, opts)
 
     def all_to_all_single(
         self, output, input, output_split_sizes, input_split_sizes, opts=None
@@ -553,8 +553,7 @@ class FastcommProcessGroup(dist.ProcessGroup):
                     and output.dtype == input.dtype):
                 return self._issue("all_to_all_single", [output], opts.asyncOp,
                                    comm.all_to_all, out_view, in_view)
-        return self._forward("all_to_all_single", [output], input, output, input,
-                             output_split_sizes, input_split_sizes, opts)
+        return self._all_to_all_split(output, input, output_split_sizes, input_split_sizes, opts)
 
     alltoall_base = all_to_all_single
 
@@ -564,25 +563,7 @@ class FastcommProcessGroup(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ Gloo's ops
     # No fast path in the contract: handed to Gloo (or a device map's CUDA backend) unchanged.
-    def alltoall(self, output_tensors, input_tensors, opts=None) -> FastcommWork:
-        opts = _options(opts, dist.AllToAllOptions)
-        return self._forward("alltoall", output_tensors, input_tensors[0], output_tensors,
-                             input_tensors, opts)
-
-    def allgather_coalesced(self, output_lists, input_list, opts=None) -> FastcommWork:
-        opts = _options(opts, AllgatherOptions)
-        return self._forward("allgather_coalesced", output_lists, input_list[0], output_lists,
-                             input_list, opts)
-
-    def gather(self, output_tensors, input_tensors, opts=None) -> FastcommWork:
-        opts = _options(opts, dist.GatherOptions)
-        return self._forward("gather", output_tensors, input_tensors[0], output_tensors,
-                             input_tensors, opts)
-
-    def scatter(self, output_tensors, input_tensors, opts=None) -> FastcommWork:
-        opts = _options(opts, dist.ScatterOptions)
-        return self._forward("scatter", output_tensors, output_tensors[0], output_tensors,
-                             input_tensors, opts)
+    # (gather, scatter, alltoall, allgather_coalesced and the unequal sizes: VCollOps.)
 
     # ------------------------------------------------------------------ point to point
     # On shm: the communicator's tagged engine; else handed to Gloo (p2p.py).

@@ -619,7 +619,12 @@ static int word_reached(const uint64_t *word, uint64_t target, int64_t spin_ns) 
     return reached;
 }
 
-enum { C_ALL_REDUCE, C_BROADCAST, C_ALL_GATHER, C_REDUCE_SCATTER, C_ALL_TO_ALL, C_BARRIER };
+enum { C_ALL_REDUCE, C_BROADCAST, C_ALL_GATHER, C_REDUCE_SCATTER, C_ALL_TO_ALL, C_BARRIER,
+       C_V_CALL };
+/* v_call: the ranks' headers disagree (nothing copied out), or some rank's piece needs more
+ * than one round (nothing copied out: Python reads the headers and goes on) */
+enum { V_DISAGREE = 7, V_MORE = 8 };
+#define V_HEAD 4 /* a v-call header's fixed words (vcoll.py: kind, root, dtype, element size) */
 
 /* One round of a small collective (every field checked by its method). */
 typedef struct {
@@ -631,6 +636,7 @@ typedef struct {
     int kind, op;
     int root;        /* all_reduce: the root or -1 (every rank); broadcast: the source */
     uint64_t code_a; /* descriptor word A; B is computed (module docstring) */
+    const int64_t *plan; /* v_call: header (V_HEAD + 3 size words), out addresses, in addresses */
     int half;
     uint64_t enter, target;
     int stage;
@@ -698,14 +704,79 @@ static void copy_in(SmallCore *self, const Round *r, char **slots) {
     case C_ALL_TO_ALL:
         copy_bytes(mine, r->in, r->nbytes * (size_t)size);
         break;
+    case C_V_CALL: { /* the header, then each distinct buffer sent to a peer at its offset */
+        const int64_t *plan = r->plan, *sent = plan + V_HEAD, *offs = plan + V_HEAD + 2 * size;
+        const int64_t *ins = plan + V_HEAD + 4 * size;
+        memcpy(mine, plan, (size_t)(V_HEAD + 3 * size) * 8);
+        for (int d = 0; d < size; d++) {
+            if (d == rank || offs[d] < 0 || sent[d] <= 0)
+                continue;
+            int seen = 0; /* an all_gather_v sends one buffer to everyone: copied once */
+            for (int e = 0; e < d && !seen; e++)
+                seen = e != rank && offs[e] == offs[d] && sent[e] > 0;
+            if (!seen)
+                copy_bytes(mine + offs[d], (const char *)(intptr_t)ins[d], (size_t)sent[d]);
+        }
+        break;
+    }
     }
 }
 
-/* Copies out or reduces (stage 2, after every descriptor matched). */
-static void finish(SmallCore *self, const Round *r, char **slots) {
+/* Bytes of a v-call header: its words, on whole 64-byte lines (vschedules.py). */
+static inline size_t v_header_bytes(int size) {
+    return ((size_t)(V_HEAD + 3 * size) * 8 + 63) / 64 * 64;
+}
+
+/* A v-call's copy-out once every header is in (vschedules.py): V_DISAGREE when the ranks'
+ * calls differ, V_MORE when a rank's piece needs more than this round, else DONE. */
+static int finish_v(SmallCore *self, const Round *r, char **slots) {
+    int rank = self->rank, size = self->size;
+    const int64_t *plan = r->plan, *h0 = (const int64_t *)slots[0];
+    size_t room_all = self->slot_bytes - v_header_bytes(size);
+    for (int q = 0; q < size; q++) {
+        const int64_t *hq = (const int64_t *)slots[q];
+        if (hq[0] != h0[0] || hq[1] != h0[1] || hq[2] != h0[2])
+            return V_DISAGREE;
+        for (int d = 0; d < size; d++)
+            if (hq[V_HEAD + d] != ((const int64_t *)slots[d])[V_HEAD + size + q])
+                return V_DISAGREE;
+    }
+    for (int q = 0; q < size; q++) {
+        const int64_t *hq = (const int64_t *)slots[q], *offs = hq + V_HEAD + 2 * size;
+        int distinct = 0;
+        for (int d = 0; d < size; d++) {
+            int seen = offs[d] < 0;
+            for (int e = 0; e < d && !seen; e++)
+                seen = offs[e] == offs[d];
+            distinct += !seen;
+        }
+        size_t room = room_all / (size_t)(distinct ? distinct : 1) / 64 * 64;
+        for (int d = 0; d < size; d++)
+            if (offs[d] >= 0 && (size_t)hq[V_HEAD + d] > room)
+                return V_MORE;
+    }
+    const int64_t *expected = plan + V_HEAD + size, *outs = plan + V_HEAD + 3 * size;
+    const int64_t *ins = outs + size;
+    if (expected[rank] > 0) /* first: the peers' pieces may land on our own input */
+        memmove((char *)(intptr_t)outs[rank], (const char *)(intptr_t)ins[rank],
+                (size_t)expected[rank]);
+    for (int q = 0; q < size; q++) {
+        if (q == rank || expected[q] <= 0)
+            continue;
+        const int64_t *hq = (const int64_t *)slots[q];
+        copy_bytes((char *)(intptr_t)outs[q], slots[q] + hq[V_HEAD + 2 * size + rank],
+                   (size_t)expected[q]);
+    }
+    return DONE;
+}
+
+/* Copies out or reduces (stage 2, after every descriptor matched); returns the status. */
+static int finish(SmallCore *self, const Round *r, char **slots) {
     int rank = self->rank, size = self->size;
     size_t row = r->nbytes;
     switch (r->what) {
+    case C_V_CALL:
+        return finish_v(self, r, slots);
     case C_ALL_REDUCE:
         if (r->root < 0 || r->root == rank)
             reduce_any(r->out, slots, size, r->numel, r->kind, r->op, 1.0);
@@ -732,6 +803,7 @@ static void finish(SmallCore *self, const Round *r, char **slots) {
             copy_bytes(r->out + row * (size_t)q, slots[q] + row * (size_t)rank, row);
         break;
     }
+    return DONE;
 }
 
 /* Runs (or resumes, from r->stage) one round: the module docstring's stages. */
@@ -778,8 +850,7 @@ static PyObject *run_round(SmallCore *self, Round *r) {
             __atomic_load_n(&words[desc[4 * p + 2 + half]], __ATOMIC_RELAXED) != code_b)
             return PyLong_FromLong(MISMATCH);
     }
-    finish(self, r, slots);
-    return PyLong_FromLong(DONE);
+    return PyLong_FromLong(finish(self, r, slots));
 }
 
 #define STATUS_DOC                                                                            \
@@ -886,6 +957,40 @@ static PyObject *SmallCore_all_to_all(SmallCore *self, PyObject *const *args, Py
     if (arg_address(args[0], "out", r.nbytes * (size_t)self->size, &r.out) < 0 ||
         arg_address(args[1], "flat", r.nbytes * (size_t)self->size, &r.in) < 0)
         return NULL;
+    return run_round(self, &r);
+}
+
+/* v_call(plan, <tail>): a v-call that fits one round on this rank (vschedules.py). `plan`: the
+ * address of V_HEAD + 5 size int64 words: this rank's header (kind, root, dtype, element size;
+ * bytes sent to each rank; bytes expected from each; the slot offset of the buffer sent to each,
+ * -1 for none), then each output's address, then each input's. Every buffer sent to a peer
+ * must lie inside the slot after the header (checked); the addresses as the module docstring
+ * says. */
+static PyObject *SmallCore_v_call(SmallCore *self, PyObject *const *args, Py_ssize_t nargs) {
+    Round r = {.what = C_V_CALL};
+    uint64_t plan;
+    if (check_ready(self) < 0 || check_nargs("v_call", nargs, 7) < 0 ||
+        arg_u64(args[0], "plan", &plan) < 0 || parse_tail(args + 1, &r) < 0)
+        return NULL;
+    if (!plan) {
+        PyErr_SetString(PyExc_ValueError, "v_call: plan is a null address");
+        return NULL;
+    }
+    r.plan = (const int64_t *)(intptr_t)plan;
+    int size = self->size;
+    size_t lo = v_header_bytes(size);
+    for (int d = 0; d < size; d++) {
+        int64_t sent = r.plan[V_HEAD + d], off = r.plan[V_HEAD + 2 * size + d];
+        if (sent < 0 || r.plan[V_HEAD + size + d] < 0 ||
+            (d != self->rank && sent > 0 &&
+             (off < (int64_t)lo || (uint64_t)off + (uint64_t)sent > self->slot_bytes))) {
+            PyErr_Format(PyExc_ValueError,
+                         "v_call: the piece for rank %d (%lld bytes at slot offset %lld) is not "
+                         "inside the slot after the header (%zu..%zu)", d, (long long)sent,
+                         (long long)off, lo, self->slot_bytes);
+            return NULL;
+        }
+    }
     return run_round(self, &r);
 }
 
@@ -1027,6 +1132,9 @@ static PyMethodDef SmallCore_methods[] = {
     METHOD(all_to_all, "all_to_all(out, flat, row_bytes, code_a, half, enter, target, stage, "
                        "spin_ns) -> status. "),
     METHOD(barrier, "barrier(code_a, half, enter, target, stage, spin_ns) -> status. "),
+    METHOD(v_call, "v_call(plan, code_a, half, enter, target, stage, spin_ns) -> status: a "
+                   "v-call of one round; also V_DISAGREE (7) or V_MORE (8), nothing copied "
+                   "out. "),
     {"send", (PyCFunction)(void (*)(void))SmallCore_send, METH_FASTCALL,
      "send(user, nbytes, total, dst, k, spin_ns[, tag, dtype]) -> status: chunk k of a message "
      "of total bytes. " P2P_DOC},

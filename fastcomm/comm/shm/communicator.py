@@ -44,11 +44,13 @@ from ..errors import CommAbortedError, CommClosedError, FastcommError
 from ..store import Store
 from ..topology import host_id
 from ..types import Capabilities, PremulSum, ReduceOp
+from ..vcoll import SizesDisagreement, default_task
 from ..work import OrderedExecutor, Task, wrap_error
 from .flags import PeerFlags, fence_supported
 from .p2p import Mailboxes
 from .schedules import _PREMUL_KINDS, Reduction, SegmentSchedules
 from .segment import ABORTED, CLOSED, Segment, shm_supported
+from .vschedules import VSchedule
 
 __all__ = ["ShmCommunicator", "ShmOptions", "shm_available"]
 
@@ -231,6 +233,7 @@ class ShmCommunicator(Communicator):
             self._flags, self._seg.layout, u8, one_shot, reduce, compiled=opts.compiled
         )
         self._lanes = self._small_lanes()
+        self._v = VSchedule(self._schedules)
         self._p2p: dict[tuple[str, int], OrderedExecutor] = {}
         self._mailboxes: Mailboxes | None = None
         self._broken: BaseException | None = None
@@ -295,6 +298,8 @@ class ShmCommunicator(Communicator):
             )
         try:
             task.run()
+        except SizesDisagreement:
+            raise  # every rank raised after the same round: the segment is still in step
         except BaseException as exc:
             self._abort(task.op, start, exc)
 
@@ -415,6 +420,12 @@ class ShmCommunicator(Communicator):
     def _impl_barrier(self) -> Task:
         return self._small_first("barrier", self._schedules.barrier)
 
+    def _impl_v_call(self, kind: str, root: int, outputs: list, inputs: list) -> Task:
+        if not self._v.fits():  # more ranks than a slot has headers for
+            return default_task(self, kind, root, outputs, inputs)
+        run = self._v.run
+        return self._task(kind, outputs[self.rank], lambda: run(kind, root, outputs, inputs))
+
     # ------------------------------------------------------------------ lifetime
     def _impl_close(self) -> None:
         _LIVE.discard(self)
@@ -427,7 +438,7 @@ class ShmCommunicator(Communicator):
         if self._mailboxes is not None:
             stopped = self._mailboxes.close(timeout=5.0) and stopped
         if stopped:  # no thread can touch the mapping any more: unmap it now
-            self._schedules = None
+            self._schedules = self._v = None
             self._flags.release()
             self._seg.close()
 

@@ -85,7 +85,7 @@ _OPCODES = {
     name: i + 1
     for i, name in enumerate(
         ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "barrier",
-         "reduce"]
+         "reduce", "all_to_all_v"]
     )
 }
 _TWO_STEP = 0x80  # opcode flag: an all-reduce/reduce past one_shot_max (two publishes a round)

@@ -1,0 +1,185 @@
+"""Collectives of unequal sizes (``gather``, ``scatter``, ``all_to_all_v``, ``all_gather_v``,
+``reduce_scatter_v``): what every backend shares.
+
+Every one of them is one *v-call*: rank ``q`` sends ``inputs[r]`` to every rank ``r`` and
+receives ``outputs[q]`` from every rank ``q``, each piece of any size (empty included), so a
+``gather`` is a v-call whose non-root ranks send one piece to the root, an ``all_gather_v`` one
+whose ranks send the same tensor to everyone. Pieces move as bytes, so any dtype moves; the
+ranks must agree on the dtype all the same.
+
+Agreement: each rank describes its call in one row (the op, the root, the dtype, the bytes it
+sends to each rank and the bytes it expects from each; :func:`describe_row`), the rows are
+compared on every rank (:func:`disagreement`) and any difference raises
+:class:`SizesDisagreement` -- a ``ValueError`` -- on every rank with the same message, before
+any output changes; the communicator stays usable (every rank took part in the exchange).
+``shm`` folds the rows into the call's first round (``shm/vschedules.py``); every other
+backend uses :func:`default_task`: the rows gathered with its own ``all_gather``, then one
+``all_to_all`` of the pieces padded to the largest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .errors import FastcommError
+from .work import Task
+
+__all__ = ["KINDS", "SizesDisagreement", "check_v", "default_task", "disagreement", "overlaps"]
+
+#: the v-calls, by the code their rows carry
+KINDS = ("gather", "scatter", "all_to_all", "all_gather", "reduce_scatter", "all_gather_coalesced")
+KIND_CODES = {name: code for code, name in enumerate(KINDS)}
+_DTYPE_LIST = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)},
+                           key=str))
+DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPE_LIST)}
+_STRIDED = torch.strided
+HEAD = 4  # kind, root (-1: none), dtype, element size; then bytes sent to / expected from each
+
+
+class SizesDisagreement(FastcommError, ValueError):
+    """The ranks of a v-call disagree on its op, root, dtype or sizes (raised on every rank,
+    the communicator still usable)."""
+
+
+def row_of(kind: str, root: int, dtype: torch.dtype, esize: int, outputs, inputs) -> list[int]:
+    """This rank's description of a v-call (module docstring)."""
+    return ([KIND_CODES[kind], root, DTYPE_CODES[dtype], esize]
+            + [t.numel() * esize for t in inputs] + [t.numel() * esize for t in outputs])
+
+
+def describe_row(row: Sequence[int]) -> str:
+    """One rank's row in words: ``gather(float32, root 0, sending [0, 4], expecting [0, 0])``
+    (elements)."""
+    kind, root, dtype, esize = row[:HEAD]
+    size = (len(row) - HEAD) // 2
+    esize = max(esize, 1)
+    name = str(_DTYPE_LIST[dtype]).removeprefix("torch.")
+    extra = f", root {root}" if root >= 0 else ""
+    sent = [b // esize for b in row[HEAD:HEAD + size]]
+    expected = [b // esize for b in row[HEAD + size:HEAD + 2 * size]]
+    return f"{KINDS[kind]}({name}{extra}, sending {sent}, expecting {expected})"
+
+
+def disagreement(rows: Sequence[Sequence[int]]) -> str | None:
+    """The first way the ranks' rows disagree, in words, or ``None``: the same text on every
+    rank (every rank holds every row)."""
+    size = len(rows)
+    first = rows[0]
+    for r, row in enumerate(rows):
+        if row[:HEAD] != first[:HEAD]:
+            return f"rank 0 called {describe_row(first)} but rank {r} called {describe_row(row)}"
+    esize = max(first[3], 1)
+    for q, row in enumerate(rows):
+        for r in range(size):
+            sent, expected = row[HEAD + r], rows[r][HEAD + size + q]
+            if sent != expected:
+                return (f"rank {q} sends {sent // esize} elements to rank {r}, which expects "
+                        f"{expected // esize} from it (rank {q}: {describe_row(row)}; rank {r}: "
+                        f"{describe_row(rows[r])})")
+    return None
+
+
+def raise_disagreement(rank: int, kind: str, problem: str) -> None:
+    raise SizesDisagreement(
+        f"rank {rank}: {kind}: the ranks' calls disagree: {problem}; every rank must issue the "
+        "same collectives with sizes, dtypes and roots that match"
+    )
+
+
+def check_v(comm, op: str, outputs: Sequence, inputs: Sequence) -> tuple[list, list]:
+    """Checks a v-call's pieces (before anything is sent): lists of ``size`` tensors, dense,
+    contiguous, one dtype, on one device. Returns them as lists.
+
+    Raises:
+        TypeError: not tensors, or dtypes that differ.
+        ValueError: lists of the wrong length, non-contiguous or sparse pieces, devices that
+            differ.
+    """
+    comm._check_open(op)
+    outputs, inputs = list(outputs), list(inputs)
+    size = comm.size
+    if len(outputs) == size and len(inputs) == size:
+        first = inputs[0]
+        if type(first) is torch.Tensor:  # the usual call, checked in one pass
+            dtype, device = first.dtype, first.device
+            if all(type(t) is torch.Tensor and t.dtype is dtype and t.layout is _STRIDED
+                   and t.is_contiguous() and t.device == device for t in outputs + inputs):
+                return outputs, inputs
+    for name, pieces in (("outputs", outputs), ("inputs", inputs)):
+        if len(pieces) != size:
+            raise ValueError(f"{op}: {name} has {len(pieces)} tensors; expected one per rank "
+                             f"({size})")
+    first = inputs[0] if isinstance(inputs[0], torch.Tensor) else None
+    for name, pieces in (("outputs", outputs), ("inputs", inputs)):
+        for i, t in enumerate(pieces):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{op}: {name}[{i}] must be a torch.Tensor, got "
+                                f"{type(t).__name__}")
+            if t.layout is not _STRIDED:
+                raise ValueError(f"{op}: {name}[{i}] has layout {t.layout}; dense tensors only")
+            if not t.is_contiguous():
+                raise ValueError(f"{op}: {name}[{i}] must be contiguous (shape "
+                                 f"{tuple(t.shape)}, strides {t.stride()})")
+            if first is not None and t.dtype != first.dtype:
+                raise TypeError(f"{op}: {name}[{i}] has dtype {t.dtype}, inputs[0] "
+                                f"{first.dtype}; one dtype per call")
+            if first is not None and t.device != first.device:
+                raise ValueError(f"{op}: {name}[{i}] is on {t.device}, inputs[0] on "
+                                 f"{first.device}")
+    return outputs, inputs
+
+
+def overlaps(outputs: Sequence[tuple[int, int]], inputs: Sequence[tuple[int, int]]) -> bool:
+    """Whether the span of the outputs' bytes meets the span of the inputs' (``(address,
+    bytes)`` pairs; a cheap, safe over-estimate: a schedule that writes outputs while inputs
+    are still to be sent then stages its inputs)."""
+
+    def span(pieces):
+        live = [(a, a + n) for a, n in pieces if n]
+        return (min(a for a, _ in live), max(b for _, b in live)) if live else None
+
+    a, b = span(outputs), span(inputs)
+    return a is not None and b is not None and a[0] < b[1] and b[0] < a[1]
+
+
+def _wait(task: Task) -> None:
+    work = task.run()
+    if work is not None:
+        work.wait()
+
+
+def default_task(comm, kind: str, root: int, outputs: list, inputs: list) -> Task:
+    """A v-call on a backend without a schedule of its own: the rows exchanged by its
+    ``all_gather`` and compared, then one ``all_to_all`` of the pieces padded to the largest
+    (bytes). Ordered as the backend orders its own calls (the executor of its tasks)."""
+    size, rank = comm.size, comm.rank
+    dtype = inputs[0].dtype
+    esize = inputs[0].element_size()
+    mine = torch.tensor(row_of(kind, root, dtype, esize, outputs, inputs), dtype=torch.int64)
+    device = inputs[0].device
+    mine = mine.to(device)
+    rows = mine.new_empty((size, mine.numel()))
+    gather = comm._impl_all_gather(rows, mine)
+
+    def run() -> None:
+        _wait(gather)
+        table = rows.tolist()
+        problem = disagreement(table)
+        if problem is not None:
+            raise_disagreement(rank, kind, problem)
+        widest = max(max(row[HEAD:]) for row in table)
+        if widest == 0:
+            return
+        sent = torch.zeros((size, widest), dtype=torch.uint8, device=device)
+        for r, t in enumerate(inputs):
+            if t.nbytes:
+                sent[r, : t.nbytes].copy_(t.reshape(-1).view(torch.uint8))
+        got = torch.empty_like(sent)
+        _wait(comm._impl_all_to_all(got, sent))
+        for q, t in enumerate(outputs):
+            if t.nbytes:
+                t.reshape(-1).view(torch.uint8).copy_(got[q, : t.nbytes])
+
+    return Task(kind, outputs[rank] if outputs else None, run, gather.executor)
