@@ -27,6 +27,7 @@ __all__ = [
     "get_world",
     "init",
     "is_initialized",
+    "monitored_barrier",
     "shutdown",
 ]
 

@@ -18,6 +18,7 @@ _LAZY: dict[str, str] = {
     "CommTimeoutError": ".errors",
     "FastcommError": ".errors",
     "FastcommProcessGroup": ".c10d",  # the torch.distributed backend "fastcomm"
+    "monitored_barrier": ".c10d",  # dist.monitored_barrier for the backend's groups
     "StoreTimeoutError": ".errors",
     "GlooCommunicator": ".pg.gloo",
     "HierCommunicator": ".hier",
@@ -64,6 +65,7 @@ __all__ = [
     "group_communicator",
     "init",
     "is_initialized",
+    "monitored_barrier",
     "new_communicator",
     "shutdown",
 ]

@@ -39,9 +39,17 @@ from typing import Any
 import torch
 
 from .errors import CommClosedError
-from .reduction import torch_reduce
+from .reduction import reduce_gathered, torch_reduce
 from .store import DEFAULT_TIMEOUT, Store, as_timedelta
-from .types import SUPPORTED_DTYPES, Capabilities, PremulSum, ReduceOp
+from .types import (
+    BITWISE_OPS,
+    EXTRA_DTYPES,
+    SUPPORTED_DTYPES,
+    Capabilities,
+    PremulSum,
+    ReduceOp,
+    check_reduction,
+)
 from .vcoll import check_v, default_task
 from .work import OrderedExecutor, Task, Work, completed_work, wrap_error
 
@@ -50,7 +58,21 @@ __all__ = ["Communicator", "CommStats", "reject_premul"]
 logger = logging.getLogger("fastcomm")
 
 _DTYPES = frozenset(SUPPORTED_DTYPES)
+_REDUCED_ORDER = SUPPORTED_DTYPES + EXTRA_DTYPES
+_REDUCED_DTYPES = frozenset(_REDUCED_ORDER)  # all_reduce / reduce take these
 _STRIDED = torch.strided
+
+
+def _untracked(tensor: Any) -> Any:
+    """``tensor``, or where autograd tracks it (``requires_grad``) a detached alias of the same
+    storage: a collective writes its result in place without recording the write in the graph,
+    as Gloo and NCCL do (with grad mode on, torch refuses ``out=`` ops on such a tensor, and an
+    in-place op would add the communicator's arithmetic to the graph; ``.numpy()`` refuses it
+    always). Every tensor enters the contract through here, so no backend sees a tracked one.
+    Anything else (a bad argument) passes through to the checks that name it."""
+    if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+        return tensor.detach()
+    return tensor
 
 
 def reject_premul(op: ReduceOp | PremulSum, name: str) -> None:
@@ -254,13 +276,21 @@ class Communicator(abc.ABC):
         if self._closed:
             raise CommClosedError(f"{self._where()}: {op} called after close()")
 
-    def _check_tensor(self, t: object, op: str, name: str = "tensor") -> torch.Tensor:
+    def _check_tensor(
+        self, t: object, op: str, name: str = "tensor", dtypes: frozenset = _DTYPES
+    ) -> torch.Tensor:
         if type(t) is torch.Tensor and t.dtype in _DTYPES and t.is_contiguous():
             return t  # the usual case, checked without building any message
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in _DTYPES:
-            allowed = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+        if t.dtype not in dtypes and t.dtype in _REDUCED_DTYPES:
+            raise TypeError(
+                f"{op}: {name} has dtype {t.dtype}, which all_reduce and reduce take; "
+                f"{op} moves these: {', '.join(str(d).removeprefix('torch.') for d in dtypes)}"
+            )
+        if t.dtype not in dtypes:
+            allowed = ", ".join(str(d).removeprefix("torch.") for d in
+                                (SUPPORTED_DTYPES if dtypes is _DTYPES else _REDUCED_ORDER))
             raise TypeError(f"{op}: {name} has dtype {t.dtype}; allowed: {allowed}")
         if t.layout is not _STRIDED:
             raise TypeError(
@@ -284,8 +314,9 @@ class Communicator(abc.ABC):
 
     def _plain_pair(self, output: object, input: object) -> bool:
         """Whether ``output`` and ``input`` are the usual operands (open communicator, plain
-        contiguous CPU tensors of one supported dtype, moved by this communicator): then every
-        check of :meth:`_check_pair` holds, tested in a fraction of its time."""
+        contiguous CPU tensors of one supported dtype that autograd does not track, moved by this
+        communicator): then every check of :meth:`_check_pair` holds, tested in a fraction of
+        its time."""
         return (
             type(output) is torch.Tensor
             and type(input) is torch.Tensor
@@ -295,6 +326,8 @@ class Communicator(abc.ABC):
             and self._cpu_native
             and output.dtype is input.dtype
             and input.dtype in _DTYPES
+            and not output.requires_grad
+            and not input.requires_grad
             and output.is_contiguous()
             and input.is_contiguous()
         )
@@ -392,6 +425,7 @@ class Communicator(abc.ABC):
             type(tensor) is torch.Tensor
             and op.__class__ is ReduceOp
             and not self._closed
+            and not tensor.requires_grad
             and tensor.layout is _STRIDED
             and tensor.dtype in _DTYPES
             and tensor.is_contiguous()
@@ -407,11 +441,13 @@ class Communicator(abc.ABC):
 
     def _all_reduce_general(self, tensor, op, async_op: bool) -> Work | None:
         """:meth:`all_reduce` of anything but a plain dense tensor with a :class:`ReduceOp`:
-        every check, sparse tensors, op names and torch's ops, ``PremulSum``."""
+        every check, sparse tensors, op names and torch's ops, ``PremulSum``, tensors that
+        require grad."""
+        tensor = _untracked(tensor)
         self._check_open("all_reduce")
         if isinstance(tensor, torch.Tensor) and tensor.layout is torch.sparse_coo:
             return self._all_reduce_sparse(tensor, op, async_op)
-        self._check_tensor(tensor, "all_reduce")
+        self._check_tensor(tensor, "all_reduce", dtypes=_REDUCED_DTYPES)
         op = ReduceOp.coerce(op)
         if op.__class__ is PremulSum and not tensor.is_floating_point():
             raise TypeError(
@@ -421,6 +457,10 @@ class Communicator(abc.ABC):
         self.stats.record("all_reduce", tensor)
         target = self._target(tensor, "all_reduce")
         if op.__class__ is not PremulSum:
+            if (op in BITWISE_OPS or tensor.dtype not in _DTYPES) and not self._extended(
+                target, tensor, op, "all_reduce"
+            ):
+                return self._run(self._gathered(target, tensor, op, None), async_op)
             if not async_op and target._sync("all_reduce", tensor, op):
                 return None
             return self._run(target._impl_all_reduce(tensor, op), async_op)
@@ -430,6 +470,29 @@ class Communicator(abc.ABC):
         if op.factor != 1.0:  # x * 1.0 == x: no pass needed
             task = _premultiplied(task, tensor, op.factor)
         return self._run(task, async_op)
+
+    @staticmethod
+    def _extended(target: Communicator, tensor: torch.Tensor, op: ReduceOp, name: str) -> bool:
+        """For a bitwise op or a dtype of :data:`~.types.EXTRA_DTYPES`: raises unless the
+        contract reduces the pair (before anything is sent), then whether ``target`` reduces it
+        itself (``Capabilities.extended_reductions``)."""
+        check_reduction(tensor.dtype, op, name)
+        return target.capabilities.extended_reductions
+
+    def _gathered(self, target: Communicator, tensor: torch.Tensor, op: ReduceOp,
+                  root: int | None) -> Task:
+        """A reduction ``target`` does not do itself: an ``all_gather`` of every rank's bytes,
+        then the terms reduced in rank order (:func:`~.reduction.reduce_gathered`) on every rank,
+        or on ``root`` only. One round of the backend's own all-gather, ``size`` times the
+        tensor's bytes of scratch."""
+        flat = tensor.view(-1).view(torch.uint8)
+        rows = flat.new_empty((self.size, flat.numel()))
+        task = target._impl_all_gather(rows, flat)
+        name = "all_reduce" if root is None else "reduce"
+        if root is not None and root != self.rank:
+            return Task(name, tensor, task.run, task.executor)
+        return Task(name, tensor, _then(task, lambda: reduce_gathered(rows, tensor, op)).run,
+                    task.executor)
 
     def _sync(self, op: str, *args: Any) -> bool:
         """A backend's lane for a synchronous call of ``op`` (``args`` as its ``_impl_*``
@@ -475,13 +538,18 @@ class Communicator(abc.ABC):
         Raises:
             TypeError, ValueError: as for :meth:`all_reduce`; ``root`` out of range.
         """
+        tensor = _untracked(tensor)
         self._check_open("reduce")
-        self._check_tensor(tensor, "reduce")
+        self._check_tensor(tensor, "reduce", dtypes=_REDUCED_DTYPES)
         self._check_peer(root, "reduce", "root")
         op = ReduceOp.coerce(op)
         reject_premul(op, "reduce")
         self.stats.record("reduce", tensor)
         target = self._target(tensor, "reduce")
+        if (op in BITWISE_OPS or tensor.dtype not in _DTYPES) and not self._extended(
+            target, tensor, op, "reduce"
+        ):
+            return self._run(self._gathered(target, tensor, op, root), async_op)
         if not async_op and target._sync("reduce", tensor, root, op):
             return None
         return self._run(target._impl_reduce(tensor, root, op), async_op)
@@ -499,11 +567,13 @@ class Communicator(abc.ABC):
             and src.__class__ is int
             and 0 <= src < self.size
             and not self._closed
+            and not tensor.requires_grad
             and tensor.is_cpu
             and self._cpu_native
             and tensor.dtype in _DTYPES
             and tensor.is_contiguous()
         ):
+            tensor = _untracked(tensor)
             self._check_open("broadcast")
             self._check_tensor(tensor, "broadcast")
             self._check_peer(src, "broadcast", "src")
@@ -525,6 +595,7 @@ class Communicator(abc.ABC):
             TypeError, ValueError: as for :meth:`all_reduce`; mismatched dtypes, devices or sizes.
         """
         if not self._plain_pair(output, input):
+            output, input = _untracked(output), _untracked(input)
             self._check_open("all_gather")
             self._check_pair(output, input, "all_gather")
         if output.numel() != self.size * input.numel():
@@ -554,11 +625,16 @@ class Communicator(abc.ABC):
             TypeError, ValueError: as for :meth:`all_gather`; unknown op.
         """
         if not self._plain_pair(output, input):
+            output, input = _untracked(output), _untracked(input)
             self._check_open("reduce_scatter")
             self._check_pair(output, input, "reduce_scatter")
         if op.__class__ is not ReduceOp:
             op = ReduceOp.coerce(op)
             reject_premul(op, "reduce_scatter")
+            if op.__class__ is not ReduceOp:
+                raise TypeError(
+                    f"reduce_scatter: {op.name} is reduced by all_reduce and reduce only"
+                )
         if input.numel() != self.size * output.numel():
             raise ValueError(
                 f"reduce_scatter: input has {input.numel()} elements; expected size * "
@@ -582,6 +658,7 @@ class Communicator(abc.ABC):
             TypeError, ValueError: as for :meth:`all_gather`.
         """
         if not self._plain_pair(output, input):
+            output, input = _untracked(output), _untracked(input)
             self._check_open("all_to_all")
             self._check_pair(output, input, "all_to_all")
         if output.numel() != input.numel() or input.numel() % self.size:
@@ -705,6 +782,7 @@ class Communicator(abc.ABC):
         Raises:
             TypeError, ValueError: as for :meth:`all_reduce`; ``src`` out of range or this rank.
         """
+        tensor = _untracked(tensor)
         self._check_p2p(tensor, src, "recv", "src", "receive from")
         self.stats.record("recv", None)
         target = self._target(tensor, "recv")

@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import torch
 
-from .types import ReduceOp, divide_
+from .types import BitwiseOp, ReduceOp, divide_
 
-__all__ = ["Reduction", "reduce_into", "torch_reduce"]
+__all__ = ["Reduction", "reduce_gathered", "reduce_into", "torch_reduce"]
 
 _BINARY = {
     ReduceOp.SUM: torch.add,
@@ -25,6 +25,9 @@ _BINARY = {
     ReduceOp.PRODUCT: torch.mul,
     ReduceOp.MAX: torch.maximum,
     ReduceOp.MIN: torch.minimum,
+    BitwiseOp.BAND: torch.bitwise_and,
+    BitwiseOp.BOR: torch.bitwise_or,
+    BitwiseOp.BXOR: torch.bitwise_xor,
 }
 
 #: ``reduce(out, terms, op)``: ``out = terms[0] (op) terms[1] (op) ...`` in rank order, ``AVG``
@@ -53,3 +56,12 @@ def torch_reduce(out: torch.Tensor, terms: list[torch.Tensor], op: ReduceOp) -> 
     reduce_into(out, terms, op)  # a module-level lookup per call: tests may wrap reduce_into
     if op is ReduceOp.AVG:
         divide_(out, len(terms))
+
+
+def reduce_gathered(rows: torch.Tensor, out: torch.Tensor, op: ReduceOp) -> None:
+    """``out = rows[0] (op) rows[1] (op) ...``: the reduction of a gathered ``(size, nbytes)``
+    ``uint8`` block whose row ``r`` holds rank ``r``'s bytes of a tensor of ``out``'s dtype
+    (the contract's reduction for a backend that does not reduce the dtype or op itself), in
+    rank order, as :func:`torch_reduce`."""
+    flat = out.view(-1)
+    torch_reduce(flat, [row.view(out.dtype) for row in rows], op)

@@ -10,14 +10,19 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["Capabilities", "PremulSum", "ReduceOp", "SUPPORTED_DTYPES", "divide_"]
+__all__ = [
+    "BITWISE_OPS", "BitwiseOp", "Capabilities", "EXTRA_DTYPES", "PremulSum", "ReduceOp",
+    "SUPPORTED_DTYPES", "check_reduction", "divide_",
+]
 
 
 class ReduceOp(enum.Enum):
     """Element-wise reductions of ``all_reduce`` / ``reduce_scatter``.
 
     ``AVG`` is the sum divided by the communicator's size; on integer tensors the division
-    truncates toward zero (as NCCL's ``ncclAvg`` does).
+    truncates toward zero (as NCCL's ``ncclAvg`` does). On ``bool`` tensors ``SUM`` and
+    ``MAX`` are a logical or, ``PRODUCT`` and ``MIN`` a logical and (Gloo's values). The bitwise
+    reductions are :class:`BitwiseOp`; :func:`check_reduction` says which op each dtype takes.
     """
 
     SUM = "sum"
@@ -27,16 +32,17 @@ class ReduceOp(enum.Enum):
     PRODUCT = "product"
 
     @classmethod
-    def coerce(cls, op: object) -> ReduceOp | PremulSum:
-        """Accepts a ``ReduceOp``, its name (``"sum"``) or torch's ``dist.ReduceOp`` value; a
-        :class:`PremulSum` passes through unchanged."""
-        if isinstance(op, (ReduceOp, PremulSum)):
+    def coerce(cls, op: object) -> ReduceOp | BitwiseOp | PremulSum:
+        """Accepts a ``ReduceOp`` or :class:`BitwiseOp`, its name (``"sum"``, ``"band"``) or
+        torch's ``dist.ReduceOp`` value; a :class:`PremulSum` passes through unchanged."""
+        if isinstance(op, (ReduceOp, BitwiseOp, PremulSum)):
             return op
         if isinstance(op, str):
-            try:
-                return cls[op.upper()]
-            except KeyError:
-                pass
+            for kind in (cls, BitwiseOp):
+                try:
+                    return kind[op.upper()]
+                except KeyError:
+                    pass
         else:
             torch_ops = {
                 dist.ReduceOp.SUM: cls.SUM,
@@ -44,6 +50,9 @@ class ReduceOp(enum.Enum):
                 dist.ReduceOp.MAX: cls.MAX,
                 dist.ReduceOp.MIN: cls.MIN,
                 dist.ReduceOp.PRODUCT: cls.PRODUCT,
+                dist.ReduceOp.BAND: BitwiseOp.BAND,
+                dist.ReduceOp.BOR: BitwiseOp.BOR,
+                dist.ReduceOp.BXOR: BitwiseOp.BXOR,
             }
             try:
                 found = torch_ops.get(op)
@@ -51,8 +60,20 @@ class ReduceOp(enum.Enum):
                 found = None
             if found is not None:
                 return found
-        allowed = ", ".join(m.name for m in cls) + ", PremulSum(factor)"
+        allowed = ", ".join(m.name for m in (*cls, *BitwiseOp)) + ", PremulSum(factor)"
         raise ValueError(f"unsupported reduce op {op!r}; allowed: {allowed}")
+
+
+class BitwiseOp(enum.Enum):
+    """The bitwise reductions of ``all_reduce`` / ``reduce`` (torch's ``BAND``, ``BOR``,
+    ``BXOR``), on integer and ``bool`` tensors only, as Gloo takes them. Apart from
+    :class:`ReduceOp` because no other collective and not every backend computes them: the
+    contract checks the dtype (:func:`check_reduction`) and runs them where the backend does
+    not (:attr:`Capabilities.extended_reductions`)."""
+
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +129,61 @@ SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
 )
 
 
+#: Dtypes the contract reduces beyond :data:`SUPPORTED_DTYPES` (``all_reduce``/``reduce`` only;
+#: the other collectives move them as bytes): ``bool`` and ``int16`` with every op but ``bool``'s
+#: ``AVG``; the unsigned ones with the ops torch computes for them on the CPU (``PRODUCT`` and the
+#: bitwise ones). A backend that reduces them itself says so
+#: (:attr:`Capabilities.extended_reductions`); elsewhere the contract gathers the ranks' bytes
+#: and reduces them in rank order.
+EXTRA_DTYPES: tuple[torch.dtype, ...] = (
+    torch.bool, torch.int16, torch.uint16, torch.uint32, torch.uint64,
+)
+
+#: The bitwise reductions (integer and ``bool`` tensors only).
+BITWISE_OPS = frozenset(BitwiseOp)
+
+_ARITHMETIC = frozenset((ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PRODUCT))
+_BITWISE_ONLY = frozenset((ReduceOp.PRODUCT, *BITWISE_OPS))
+# every dtype the contract reduces -> the ops it takes on it
+_REDUCE_OPS: dict[torch.dtype, frozenset] = {
+    **{d: _ARITHMETIC for d in SUPPORTED_DTYPES if d.is_floating_point},
+    **{d: _ARITHMETIC | BITWISE_OPS for d in SUPPORTED_DTYPES if not d.is_floating_point},
+    torch.bool: _ARITHMETIC - {ReduceOp.AVG} | BITWISE_OPS,
+    torch.int16: _ARITHMETIC | BITWISE_OPS,
+    torch.uint16: _BITWISE_ONLY,
+    torch.uint32: _BITWISE_ONLY,
+    torch.uint64: _BITWISE_ONLY,
+}
+
+
+def check_reduction(dtype: torch.dtype, op: ReduceOp | BitwiseOp, name: str) -> None:
+    """Raises unless the contract reduces ``dtype`` with ``op`` (before anything is sent, so
+    every rank raises alike).
+
+    Raises:
+        TypeError: a dtype it does not reduce, or an op the dtype does not take (the bitwise
+            ops of a floating-point tensor: Gloo's ``Cannot use ReduceOp.BAND with non-integral
+            dtype``; ``AVG`` of a ``bool`` tensor).
+    """
+    ops = _REDUCE_OPS.get(dtype)
+    if ops is not None and op in ops:
+        return
+    if ops is None:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in _REDUCE_OPS)
+        raise TypeError(f"{name}: cannot reduce dtype {dtype}; reduced dtypes: {allowed}")
+    if op in BITWISE_OPS and dtype.is_floating_point:
+        raise TypeError(
+            f"{name}: Cannot use ReduceOp.{op.name} with non-integral dtype {dtype}; the bitwise "
+            "ops take integer and bool tensors"
+        )
+    allowed = ", ".join(sorted(o.name for o in ops))
+    raise TypeError(f"{name}: ReduceOp.{op.name} of dtype {dtype} is not supported; "
+                    f"{str(dtype).removeprefix('torch.')} takes {allowed}")
+
+
 # integer dtypes by their largest value: an AVG over more ranks than that divides in int64
-_INT_MAX = {d: torch.iinfo(d).max for d in SUPPORTED_DTYPES if not d.is_floating_point}
+_INT_MAX = {d: torch.iinfo(d).max for d in (*SUPPORTED_DTYPES, torch.int16)
+            if not d.is_floating_point}
 
 
 def divide_(tensor: torch.Tensor, size: int) -> None:
@@ -154,6 +228,11 @@ class Capabilities:
     premul_dtypes: frozenset[torch.dtype] = frozenset()
     """Dtypes whose :class:`PremulSum` it folds into the reduction (no pass of its own, the
     bits of ``mul_`` then ``SUM``); others are multiplied first."""
+
+    extended_reductions: bool = False
+    """Reduces the bitwise ops and :data:`EXTRA_DTYPES` itself (with the ops
+    :func:`check_reduction` allows); elsewhere the contract runs such a reduction as an
+    ``all_gather`` of the ranks' bytes and a reduction in rank order on every rank."""
 
     in_place: bool = True
     """``all_gather`` and ``all_to_all`` accept an output that overlaps the input (torch's

@@ -135,7 +135,7 @@ _METHODS = (
 def _counting(group):
     """Counts, while inside, the group's methods torch calls, the communicator's operations
     and the calls handed to Gloo: ``(methods, comm_ops, gloo_ops, agreed)``. A collective handed
-    to Gloo is preceded by a comparison of its sizes across the ranks, an ``all_gather`` of the
+    to Gloo is preceded by a comparison of its sizes across the ranks, an ``all_reduce`` of the
     communicator counted in ``agreed`` (by op), not in ``comm_ops``."""
     cls = type(group)
     saved = {name: getattr(cls, name) for name in _METHODS + ("_forward",)}
@@ -164,7 +164,7 @@ def _counting(group):
                 delattr(cls, name)
         agreed.update(Counter(group.agreed) - agreed_before)
         comm_ops.update(Counter(group.communicator.stats.calls) - before)
-        comm_ops.subtract({"all_gather": agreed.total()})
+        comm_ops.subtract({"all_reduce": agreed.total()})
         for op in [op for op, count in comm_ops.items() if count == 0]:
             del comm_ops[op]  # in place: the caller holds this object
 
@@ -225,7 +225,7 @@ def case_all_reduce_sparse(r, n):
     return t.to_dense(), want
 
 
-def case_all_reduce_bool_band(r, n):  # the contract has neither: both to Gloo
+def case_all_reduce_bool_band(r, n):  # extra dtype, bitwise op: on the communicator
     flags = torch.tensor([True, r == 0, False])
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     bits = torch.tensor([0b111, 0b101 if r == 0 else 0b110])
@@ -391,7 +391,7 @@ CASES = {
     case_all_reduce_premul: ({"allreduce": 2}, {"all_reduce": 2}),
     case_all_reduce_complex: ({"allreduce": 1}, {"all_reduce": 1}),
     case_all_reduce_sparse: ({"allreduce": 1}, {"all_reduce": 1}),
-    case_all_reduce_bool_band: ({"allreduce": 2}, {"gloo:allreduce": 2}),
+    case_all_reduce_bool_band: ({"allreduce": 2}, {"all_reduce": 2}),
     case_non_contiguous: (
         {"allreduce": 1, "broadcast": 1, "reduce": 1},
         {"all_reduce": 1, "broadcast": 1, "reduce": 1},
@@ -567,14 +567,14 @@ DISAGREEMENTS = {
         ["mismatch", "float32", "float64"]),
     "broadcast_size": (lambda r, g: dist.broadcast(_sized(r), 0, group=g),
                        ["mismatch", "4 elements", "5 elements"]),
-    "gloo_all_reduce_bool_size": (
+    "all_reduce_bool_size": (
         lambda r, g: dist.all_reduce(_sized(r, torch.bool), group=g),
-        ["allreduce (through gloo", "rank 0 called allreduce(bool, op SUM, sending [4, 4]",
-         "rank 1 called allreduce(bool, op SUM, sending [5, 5]"]),
-    "gloo_all_reduce_band_dtype": (
+        ["mismatch", "all_reduce(bool, 4 elements", "all_reduce(bool, 5 elements"]),
+    "all_reduce_band_dtype": (
         lambda r, g: dist.all_reduce(torch.ones(3, dtype=torch.int32 if r else torch.int64),
                                      op=dist.ReduceOp.BAND, group=g),
-        ["rank 0 called allreduce(int64, op BAND", "rank 1 called allreduce(int32, op BAND"]),
+        ["mismatch", "all_reduce(int64, 3 elements, op band",
+         "all_reduce(int32, 3 elements, op band"]),
     "v_gather_size": (
         lambda r, g: dist.gather(_sized(r), [torch.empty(4)] * 2 if r == 0 else None, 0,
                                  group=g),

@@ -44,8 +44,10 @@ Complex tensors go through their real view; data that is only moved (``broadcast
 """
 
 from .group import BACKEND_NAME, FastcommProcessGroup, create_process_group
+from .monitored import monitored_barrier
 from .works import FastcommWork, FinishedWork
 
 __all__ = [
     "BACKEND_NAME", "FastcommProcessGroup", "FastcommWork", "FinishedWork", "create_process_group",
+    "monitored_barrier",
 ]

@@ -1,6 +1,19 @@
 """Agreement of a collective handed to Gloo: every rank describes its call, the
 descriptions are compared through the communicator, and a disagreement is a ``ValueError`` on
-every rank (Gloo itself would abort the process)."""
+every rank (Gloo itself would abort the process).
+
+The comparison is one ``all_reduce`` (``SUM``) of 14 ``int64`` values whatever the group's
+size (:func:`_fingerprint`): the call's head fields (op, root, reduce op, dtype, layout) and
+their squares -- every rank's field is the same exactly when ``(sum x)^2 == size * sum x^2`` --
+and two checksums of what the ranks send to and expect from each other, ``sum over (r, j) of
+w(r, j) * (sent_r[j] - expected_j[r])`` modulo the prime ``2^61 - 1`` for two fixed pseudo-random
+weight tables ``w`` (each rank's term sent as two halves, so the sum over any number of ranks
+is exact in ``int64``): zero when every rank ``j`` expects what rank ``r`` sends it; where one
+count differs (by less than ``2^61``), never zero; where several do, zero for both tables with
+probability about ``2^-122``. On the shared-memory
+communicator that is one small-message round in its compiled core; on ``hier`` it rides in the
+agreement exchange its own collectives make anyway. Only where the ranks disagree are the full
+descriptions gathered (:func:`_disagreement`), for a message naming both calls."""
 
 from __future__ import annotations
 
@@ -38,6 +51,10 @@ _CHECKED_OPS = (
 _OP_CODES = {op: code for code, op in enumerate(_CHECKED_OPS)}
 _SYMMETRIC = frozenset(("allreduce", "allreduce_coalesced", "reduce", "broadcast"))
 _HEAD = 5  # op, root, reduce op, dtype, layout; then elements sent to / expected from each rank
+_LAYOUT_MASK = (1 << 20) - 1  # a layout hash small enough that its square sums exactly in int64
+_PRIME = (1 << 61) - 1  # the checksums' modulus
+_HALF = 31  # a checksum term goes as (term >> 31, term & (2^31 - 1)): each sums exactly in int64
+_WEIGHTS: dict[int, tuple[list[list[int]], list[list[int]]]] = {}  # by group size
 
 
 def _numel(tensors: Sequence[torch.Tensor]) -> int:
@@ -112,19 +129,64 @@ def _flows(op: str, size: int, args: tuple) -> tuple[list, list[int], list[int]]
     return inputs, [_even(_numel(inputs), size)] * size, [_numel(outputs)] * size
 
 
-def _descriptor(op: str, size: int, args: tuple) -> torch.Tensor:
-    """This rank's description of a collective handed to Gloo (``int64``: ``_HEAD`` fields,
-    then the elements it sends to each rank and expects from each)."""
+def _row(op: str, size: int, args: tuple) -> list[int]:
+    """This rank's description of a collective handed to Gloo: ``_HEAD`` fields, then the
+    elements it sends to each rank and expects from each."""
     tensors, sent, expected = _flows(op, size, args)
     opts = args[-1]
     reduce_op = getattr(opts, "reduceOp", None)
     dtype = _DTYPE_CODES.get(tensors[0].dtype, -1) if tensors else -1
     # symmetric ops: every tensor's size agrees, not only the total (hash of ints: the same
     # in every process)
-    layout = hash(tuple(t.numel() for t in tensors)) if op in _SYMMETRIC else 0
+    layout = hash(tuple(t.numel() for t in tensors)) & _LAYOUT_MASK if op in _SYMMETRIC else 0
     head = [_OP_CODES[op], getattr(opts, "rootRank", -1),
             -1 if reduce_op is None else _kind_of(reduce_op), dtype, layout]
-    return torch.tensor(head + sent + expected, dtype=torch.int64)
+    return head + sent + expected
+
+
+def _weights(size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Two ``size x size`` tables of weights in ``[1, 2^61 - 1)``, the same in every process
+    (a splitmix64 step of the pair's index; made once per group size)."""
+    tables = _WEIGHTS.get(size)
+    if tables is None:
+        mask = (1 << 64) - 1
+
+        def weight(index: int) -> int:
+            x = (index * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & mask
+            x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+            x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+            return 1 + (x ^ (x >> 31)) % (_PRIME - 1)
+
+        tables = _WEIGHTS[size] = tuple(
+            [[weight((k * size + r) * size + j) for j in range(size)] for r in range(size)]
+            for k in (0, 1)
+        )
+    return tables
+
+
+def _fingerprint(rank: int, size: int, row: list[int]) -> list[int]:
+    """This rank's 14 terms of the agreement's ``SUM`` (module docstring) for its ``row``."""
+    head = row[:_HEAD]
+    sent, expected = row[_HEAD:_HEAD + size], row[_HEAD + size:]
+    sums = []
+    for table in _weights(size):
+        out = sum(w * n for w, n in zip(table[rank], sent, strict=True))
+        back = sum(table[i][rank] * n for i, n in enumerate(expected))
+        term = (out - back) % _PRIME
+        sums += [term >> _HALF, term & ((1 << _HALF) - 1)]
+    return head + [h * h for h in head] + sums
+
+
+def _agrees(total: list[int], size: int) -> bool:
+    """Whether the ranks' summed fingerprints (:func:`_fingerprint`) say they agree."""
+    heads_equal = all(
+        total[f] * total[f] == size * total[_HEAD + f] for f in range(_HEAD)
+    )
+    halves = total[2 * _HEAD:]
+    return heads_equal and all(
+        ((hi << _HALF) + lo) % _PRIME == 0 for hi, lo in zip(halves[::2], halves[1::2],
+                                                             strict=True)
+    )
 
 
 def _disagreement(rows: list[list[int]]) -> str | None:

@@ -15,12 +15,23 @@ from torch._C._distributed_c10d import AllgatherOptions
 
 from ..base import Communicator
 from ..errors import FastcommError
+from ..reduction import reduce_into
 from ..store import Store
-from ..types import SUPPORTED_DTYPES, PremulSum, ReduceOp
+from ..types import SUPPORTED_DTYPES, BitwiseOp, PremulSum, ReduceOp
 from ..work import wrap_error
 from ..world import communicator_for
+from . import monitored
 from . import p2p as _p2p
-from .agree import _OP_CODES, _RED, _as_list, _descriptor, _disagreement, _kind_of
+from .agree import (
+    _OP_CODES,
+    _RED,
+    _agrees,
+    _as_list,
+    _disagreement,
+    _fingerprint,
+    _kind_of,
+    _row,
+)
 from .vcoll import VCollOps
 from .works import FastcommWork, _finished
 
@@ -37,6 +48,14 @@ _OPS = {
     _RED.PRODUCT.value: ReduceOp.PRODUCT,
 }
 _PREMUL = _RED.PREMUL_SUM.value
+# allreduce and reduce also take the bitwise ops and the contract's extra dtypes (bool, int16,
+# unsigned); the other reductions (reduce-scatter) take _OPS on _DTYPES
+_ALL_OPS = {
+    **_OPS,
+    _RED.BAND.value: BitwiseOp.BAND,
+    _RED.BOR.value: BitwiseOp.BOR,
+    _RED.BXOR.value: BitwiseOp.BXOR,
+}
 
 
 
@@ -72,6 +91,51 @@ def _reduce_op(reduce_op: Any) -> ReduceOp | PremulSum | None:
     return found
 
 
+def _all_reduce_op(reduce_op: Any) -> ReduceOp | BitwiseOp | PremulSum | None:
+    """:func:`_reduce_op` for ``allreduce``/``reduce``, which also take the bitwise ops."""
+    found = _ALL_OPS.get(_kind_of(reduce_op))
+    return found if found is not None else _reduce_op(reduce_op)
+
+
+def _all_reducible(t: torch.Tensor) -> torch.Tensor | None:
+    """:func:`_reducible` for ``allreduce``/``reduce``, which also take the contract's extra
+    dtypes: every dense real tensor goes to the communicator, which checks whether it reduces
+    the dtype with the op (on every rank alike, before anything is sent)."""
+    if t.layout is _STRIDED and t.is_contiguous() and not t.is_complex():
+        return t  # a dtype the contract does not reduce (float8...): its TypeError, on every rank
+    return _reducible(t)
+
+
+def _same_tensors(rank: int, what: str, tensors: list) -> None:
+    """Raises unless every tensor of a multi-tensor call matches the first (dtype, shape,
+    device), as Gloo requires."""
+    first = tensors[0]
+    for i, t in enumerate(tensors):
+        if t.dtype != first.dtype or t.shape != first.shape or t.device != first.device:
+            raise ValueError(
+                f"rank {rank}: {what}: tensor {i} is {t.dtype} {tuple(t.shape)} on {t.device}, "
+                f"tensor 0 {first.dtype} {tuple(first.shape)} on {first.device}; the tensors "
+                "of one call must match"
+            )
+
+
+def _combined(tensors: list, op: ReduceOp | PremulSum) -> torch.Tensor:
+    """This rank's tensors reduced into one contiguous scratch in list order (``AVG`` and a
+    ``PremulSum`` summed: the division and the factor belong to the ranks' reduction)."""
+    local = ReduceOp.SUM if op is ReduceOp.AVG or op.__class__ is PremulSum else op
+    scratch = tensors[0].detach().contiguous().clone()
+    terms = [scratch] + [t.detach() for t in tensors[1:]]
+    if len(terms) > 1:
+        reduce_into(scratch.view(-1), [t.reshape(-1) for t in terms], local)
+    return scratch
+
+
+def _copy_to_all(result: torch.Tensor, tensors: list) -> None:
+    """Writes ``result`` into every tensor of a multi-tensor call (outside autograd)."""
+    for t in tensors:
+        t.detach().copy_(result)
+
+
 def _reducible(t: torch.Tensor) -> torch.Tensor | None:
     """``t``, or its real view when complex, if the contract reduces it (else ``None``)."""
     if t.dtype in _DTYPES and t.layout is _STRIDED and t.is_contiguous():
@@ -94,8 +158,15 @@ def _staged(tensor: torch.Tensor) -> torch.Tensor | None:
     """A contiguous copy of a dense non-contiguous ``tensor`` (an in-place call runs on it and
     copies the result back), else ``None``."""
     if tensor.layout is _STRIDED and not tensor.is_contiguous():
-        return tensor.contiguous()
+        return tensor.detach().contiguous()
     return None
+
+
+def _copier(tensor: torch.Tensor, result: torch.Tensor) -> partial:
+    """The step that writes a staged ``result`` back into the caller's ``tensor``, outside
+    autograd (as Gloo writes it): a tensor that requires grad is written through a detached
+    alias, so the write neither fails (a leaf) nor enters the graph (a non-leaf)."""
+    return partial(tensor.detach().copy_, result)
 
 def _gloo_of(comm: Communicator) -> dist.ProcessGroupGloo | None:
     """The ``ProcessGroupGloo`` over all of ``comm``'s ranks that it already holds, if any
@@ -137,14 +208,14 @@ def _scaled(tensor: torch.Tensor, op: ReduceOp | PremulSum) -> tuple[torch.Tenso
     """A reduction other than ``all_reduce`` given a ``PremulSum``: a scaled copy and ``SUM``
     (the input is left as it was, as NCCL leaves it)."""
     if op.__class__ is PremulSum:
-        return tensor * op.factor, ReduceOp.SUM
+        return tensor.detach() * op.factor, ReduceOp.SUM
     return tensor, op
 
 
 def _copy_rows(flat: torch.Tensor, outputs: list, dtype: torch.dtype) -> None:
     """Copies row ``i`` of the gathered ``flat`` into ``outputs[i]`` (its dtype and shape)."""
     for row, out in zip(flat, outputs, strict=True):
-        out.copy_(row.view(dtype).view(out.shape))
+        out.detach().copy_(row.view(dtype).view(out.shape))
 
 
 class FastcommProcessGroup(VCollOps, dist.ProcessGroup):
@@ -353,21 +424,27 @@ class FastcommProcessGroup(VCollOps, dist.ProcessGroup):
 
     def _agree(self, what: str, op: str, args: tuple) -> None:
         """Compares the call's descriptor across the ranks (through the communicator, within
-        the group's timeout); raises ``ValueError`` on every rank when they disagree."""
-        mine = _descriptor(op, self._size, args)
-        rows = mine.new_empty((self._size, mine.numel()))
+        the group's timeout): one small ``all_reduce`` of its fingerprint (see ``agree``), and
+        only where that says the ranks differ, an ``all_gather`` of the descriptors for the
+        message; raises ``ValueError`` on every rank when they disagree."""
+        row = _row(op, self._size, args)
+        total = torch.tensor(_fingerprint(self._rank, self._size, row), dtype=torch.int64)
         self.agreed[op] += 1
         try:
+            self.communicator.all_reduce(total)
+            if _agrees(total.tolist(), self._size):
+                return
+            mine = torch.tensor(row, dtype=torch.int64)
+            rows = mine.new_empty((self._size, mine.numel()))
             self.communicator.all_gather(rows, mine)
         except FastcommError as exc:
             raise type(exc)(f"rank {self._rank}: {what}: comparing the ranks' sizes: {exc}") \
                 from exc
-        problem = _disagreement(rows.tolist())
-        if problem is not None:
-            raise ValueError(
-                f"rank {self._rank}: {what}: the ranks' calls disagree: {problem}; every rank "
-                "must issue the same collectives with sizes and dtypes that match"
-            )
+        problem = _disagreement(rows.tolist()) or "their calls' fingerprints differ"
+        raise ValueError(
+            f"rank {self._rank}: {what}: the ranks' calls disagree: {problem}; every rank "
+            "must issue the same collectives with sizes and dtypes that match"
+        )
 
     def _start_coalescing(self, device: torch.device) -> None:
         self._coalescing = []
@@ -386,7 +463,7 @@ class FastcommProcessGroup(VCollOps, dist.ProcessGroup):
         if len(tensors) == 1:
             tensor = tensors[0]
             reduce_op = opts.reduceOp
-            op = _OPS.get(_op_kind(reduce_op)) or _reduce_op(reduce_op)
+            op = _OPS.get(_op_kind(reduce_op)) or _all_reduce_op(reduce_op)
             comm = self.communicator if tensor.is_cpu else self._comm_for(tensor)
             if comm is not None and op is not None:
                 if tensor.layout is _STRIDED and tensor.dtype in _DTYPES and tensor.is_contiguous():
@@ -394,26 +471,57 @@ class FastcommProcessGroup(VCollOps, dist.ProcessGroup):
                 elif tensor.layout is torch.sparse_coo:
                     view = tensor if op is ReduceOp.SUM else None
                 else:
-                    view = _reducible(tensor)
+                    view = _all_reducible(tensor)
                     staged = _staged(tensor) if view is None else None
-                    if staged is not None and _reducible(staged) is not None:
+                    if staged is not None and _all_reducible(staged) is not None:
                         return self._issue("allreduce", tensors, opts.asyncOp, comm.all_reduce,
-                                           _reducible(staged), op, post=partial(tensor.copy_,
-                                                                                staged))
+                                           _all_reducible(staged), op,
+                                           post=_copier(tensor, staged))
                 if view is not None:
                     if opts.asyncOp or self._coalescing is not None:
                         return self._issue("allreduce", tensors, True, comm.all_reduce, view, op)
                     comm.all_reduce(view, op, False)
                     return _finished(tensors)
+        elif tensors:
+            handle = self._many("allreduce", tensors, opts, -1)
+            if handle is not None:
+                return handle
         return self._forward("allreduce", tensors, tensors[0], tensors, opts)
+
+    def _many(self, what: str, tensors: list, opts, root: int) -> dist._Work | None:
+        """``allreduce`` (``root`` -1) or ``reduce`` of several tensors in one call, as one
+        work: every tensor of every rank reduced (Gloo's multi-tensor ``allreduce``), this
+        rank's in list order first, then across the ranks on the communicator; the result is
+        written into every tensor (``reduce``: the root's ``tensors[opts.rootTensor]``).
+        ``None`` where the communicator cannot take it (a torch backend's device)."""
+        _same_tensors(self._rank, what, tensors)
+        comm = self._comm_for(tensors[0])
+        op = _all_reduce_op(opts.reduceOp)
+        if comm is None or op is None or tensors[0].layout is not _STRIDED:
+            return None
+        scratch = _combined(tensors, op)
+        view = _all_reducible(scratch)
+        if view is None:
+            return None
+        if root < 0:
+            return self._issue(what, tensors, opts.asyncOp, comm.all_reduce, view, op,
+                               post=partial(_copy_to_all, scratch, tensors))
+        if not 0 <= opts.rootTensor < len(tensors):
+            raise ValueError(f"rank {self._rank}: reduce: rootTensor {opts.rootTensor} out of "
+                             f"range for {len(tensors)} tensors")
+        if op.__class__ is PremulSum:
+            scratch, op = _scaled(scratch, op)
+            view = _all_reducible(scratch)
+        post = _copier(tensors[opts.rootTensor], scratch) if self._rank == root else None
+        return self._issue(what, tensors, opts.asyncOp, comm.reduce, view, root, op, post=post)
 
     def allreduce_coalesced(self, tensors, opts=None) -> FastcommWork:
         opts = _options(opts, dist.AllreduceCoalescedOptions)
-        op = _reduce_op(opts.reduceOp)
+        op = _all_reduce_op(opts.reduceOp)
         calls = []
         for tensor in tensors:
             comm = self._comm_for(tensor)
-            view = _reducible(tensor)
+            view = _all_reducible(tensor)
             if comm is None or op is None or view is None:
                 return self._forward("allreduce_coalesced", tensors, tensor, tensors, opts)
             calls.append((comm.all_reduce, view, op))
@@ -425,18 +533,25 @@ class FastcommProcessGroup(VCollOps, dist.ProcessGroup):
         if len(tensors) == 1:
             tensor = tensors[0]
             comm = self._comm_for(tensor)
-            op = _reduce_op(opts.reduceOp)
+            op = _all_reduce_op(opts.reduceOp)
+            if tensor.is_complex() and op not in (ReduceOp.SUM, ReduceOp.AVG, None) \
+                    and op.__class__ is not PremulSum:  # Gloo's refusal, without Gloo
+                raise ValueError(f"reduce does not support {op.name} on complex tensors")
             scratch = _staged(tensor)
             if op.__class__ is PremulSum:  # reduced from a scaled copy
                 scratch, op = _scaled(tensor, op)
-            view = _reducible(tensor if scratch is None else scratch)
+            view = _all_reducible(tensor if scratch is None else scratch)
             if comm is not None and op is not None and view is not None:
                 # the root's result is copied back (the others' tensors are left as they were)
                 post = None
                 if scratch is not None and self._rank == opts.rootRank:
-                    post = partial(tensor.copy_, scratch)
+                    post = _copier(tensor, scratch)
                 return self._issue("reduce", tensors, opts.asyncOp, comm.reduce, view,
                                    opts.rootRank, op, post=post)
+        elif tensors:
+            handle = self._many("reduce", tensors, opts, opts.rootRank)
+            if handle is not None:
+                return handle
         return self._forward("reduce", tensors, tensors[0], tensors, opts)
 
     def _reduce_scatter_call(self, output, input, op):
@@ -493,10 +608,31 @@ class FastcommProcessGroup(VCollOps, dist.ProcessGroup):
             staged = _staged(tensor)
             view = _movable(tensor if staged is None else staged)
             if comm is not None and view is not None:
-                post = None if staged is None else partial(tensor.copy_, staged)
+                post = None if staged is None else _copier(tensor, staged)
                 return self._issue("broadcast", tensors, opts.asyncOp, comm.broadcast, view,
                                    opts.rootRank, post=post)
+        elif tensors:
+            handle = self._broadcast_many(tensors, opts)
+            if handle is not None:
+                return handle
         return self._forward("broadcast", tensors, tensors[0], tensors, opts)
+
+    def _broadcast_many(self, tensors: list, opts) -> dist._Work | None:
+        """``broadcast`` with several tensors (or a ``rootTensor`` other than 0), as one work:
+        the root's ``tensors[opts.rootTensor]`` into every tensor of every rank (Gloo's
+        semantics). ``None`` where the communicator cannot take it."""
+        _same_tensors(self._rank, "broadcast", tensors)
+        if not 0 <= opts.rootTensor < len(tensors):
+            raise ValueError(f"rank {self._rank}: broadcast: rootTensor {opts.rootTensor} out of "
+                             f"range for {len(tensors)} tensors")
+        source = tensors[opts.rootTensor if self._rank == opts.rootRank else 0]
+        comm = self._comm_for(source)
+        if comm is None or source.layout is not _STRIDED:
+            return None
+        scratch = source.detach().contiguous().clone()
+        view = _movable(scratch)
+        return self._issue("broadcast", tensors, opts.asyncOp, comm.broadcast, view,
+                           opts.rootRank, post=partial(_copy_to_all, scratch, tensors))
 
     def _gather_call(self, output, input):
         """``(fn, output view, input view)`` for one flat all-gather, or ``None``."""
@@ -560,6 +696,25 @@ class FastcommProcessGroup(VCollOps, dist.ProcessGroup):
     def barrier(self, opts=None) -> FastcommWork:
         opts = _options(opts, dist.BarrierOptions)
         return self._issue("barrier", [], opts.asyncOp, self.communicator.barrier)
+
+    def monitored_barrier(self, timeout: timedelta | float | None = None,
+                          wait_all_ranks: bool = False) -> None:
+        """A barrier that names the ranks that did not reach it within ``timeout`` (torch's
+        ``dist.monitored_barrier``, which refuses this backend by name; see
+        :func:`~.monitored.monitored_barrier`).
+
+        Raises:
+            CommTimeoutError: naming the ranks that did not arrive (or rank 0, on the ranks
+                that waited for its verdict).
+        """
+        if timeout is None:
+            timeout = self._timeout
+        elif not isinstance(timeout, timedelta):
+            timeout = timedelta(seconds=float(timeout))
+        # numbered per group, the same on every rank that calls
+        self._monitored_seq = getattr(self, "_monitored_seq", 0) + 1
+        monitored.run(self._c10d_store, self._rank, self._size, self._monitored_seq, timeout,
+                      wait_all_ranks, f"group {self._name!r} of {self._size} ranks")
 
     # ------------------------------------------------------------------ Gloo's ops
     # No fast path in the contract: handed to Gloo (or a device map's CUDA backend) unchanged.

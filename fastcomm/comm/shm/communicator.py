@@ -242,7 +242,11 @@ class ShmCommunicator(Communicator):
         premul = frozenset(
             d for d in _PREMUL_KINDS if self._schedules.fuses_premul(torch.empty(0, dtype=d))
         )
-        self.capabilities = Capabilities(layout_free=True, premul_dtypes=premul)
+        # the schedules reduce the bitwise ops and the extra dtypes with torch ops over typed
+        # slot views (the default reduction; a custom one, ipc's kernel, may not cover them)
+        self.capabilities = Capabilities(
+            layout_free=True, premul_dtypes=premul, extended_reductions=reduce is None
+        )
         self._reduce = reduce
         self._pid = os.getpid()
         _LIVE.add(self)

@@ -70,7 +70,7 @@ import torch
 
 from ..errors import FastcommError
 from ..reduction import _BINARY, Reduction, reduce_into, torch_reduce
-from ..types import SUPPORTED_DTYPES, PremulSum, ReduceOp, divide_
+from ..types import EXTRA_DTYPES, SUPPORTED_DTYPES, BitwiseOp, PremulSum, ReduceOp, divide_
 from .flags import PeerFlags, fence
 from .segment import Layout
 
@@ -92,7 +92,8 @@ _TWO_STEP = 0x80  # opcode flag: an all-reduce/reduce past one_shot_max (two pub
 _OPCODE_MASK = (1 << 56) - 1  # a descriptor A without its opcode
 _NUMEL_BITS = (1 << 40) - 1
 _ONE_SHOT_WORD = 10  # misc word 10 of a rank's control block: its one_shot_max (messages)
-_DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(SUPPORTED_DTYPES)}
+# the extra dtypes come after the contract's own, so the codes of those never change
+_DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(SUPPORTED_DTYPES + EXTRA_DTYPES)}
 # by dtype: (element size, the dtype's field of descriptor A), for the one-slot entries
 _DTYPE_INFO = {
     dtype: (torch.empty((), dtype=dtype).element_size(), code << 48)
@@ -100,6 +101,7 @@ _DTYPE_INFO = {
 }
 _OP_CODES = {op: i + 1 for i, op in enumerate(ReduceOp)}
 _PREMUL_CODE = len(_OP_CODES) + 1  # a PremulSum's op code in the call descriptor
+_OP_CODES.update({op: _PREMUL_CODE + 1 + i for i, op in enumerate(BitwiseOp)})
 # the compiled core's dtype kinds
 _CORE_KINDS = {} if _core is None else {
     torch.float32: _core.KIND_F32,
@@ -115,7 +117,7 @@ _FACTOR_WORD = 6  # misc words 6 and 7 of a rank's control block: its PremulSum 
 _FLOAT_BITS, _FLOAT_BITS_D = struct.Struct("<Q"), struct.Struct("<d")  # a float64 as a word
 # by the member's name: an Enum member hashes through a Python-level __hash__ (~0.3 us), a str
 # through its cached hash; the small-message path looks these up on every call
-_OP_ARGS = {op._name_: (_OP_CODES[op], _BINARY[op]) for op in ReduceOp}
+_OP_ARGS = {op._name_: (_OP_CODES[op], _BINARY[op]) for op in (*ReduceOp, *BitwiseOp)}
 _MBOX_HEADER = 64  # first bytes of a mailbox slot: the message's total byte count
 # The small-message fast path moves and reduces the bytes with NumPy: a NumPy ufunc call costs
 # well under a microsecond where a torch op costs 2-3 (dispatcher, TensorIterator setup), and at
