@@ -155,6 +155,12 @@ class Capabilities:
     """Dtypes whose :class:`PremulSum` it folds into the reduction (no pass of its own, the
     bits of ``mul_`` then ``SUM``); others are multiplied first."""
 
+    shared_buckets: bool = False
+    """Hands DDP bucket memory that every rank reads in place, and all-reduces a bucket there
+    out of the peers' copies, nothing staged (``bucket_region(...)``, a collective returning a
+    :class:`~fastcomm.comm.shm.buckets.BucketRegion`, or the reason it cannot). Elsewhere DDP's
+    buckets are ordinary memory reduced by ``all_reduce``."""
+
     in_place: bool = True
     """``all_gather`` and ``all_to_all`` accept an output that overlaps the input (torch's
     ``all_gather_into_tensor`` with the input a slice of the output, as FSDP2 calls it);

@@ -45,6 +45,7 @@ from ..store import Store
 from ..topology import host_id
 from ..types import Capabilities, PremulSum, ReduceOp
 from ..work import OrderedExecutor, Task, wrap_error
+from .buckets import BucketRegion
 from .flags import PeerFlags, fence_supported
 from .schedules import _PREMUL_KINDS, Reduction, SegmentSchedules
 from .segment import ABORTED, CLOSED, Segment, shm_supported
@@ -237,7 +238,11 @@ class ShmCommunicator(Communicator):
         premul = frozenset(
             d for d in _PREMUL_KINDS if self._schedules.fuses_premul(torch.empty(0, dtype=d))
         )
-        self.capabilities = Capabilities(layout_free=True, premul_dtypes=premul)
+        self.capabilities = Capabilities(
+            layout_free=True, premul_dtypes=premul, shared_buckets=reduce is None
+        )
+        self._regions = 0  # bucket regions made: each its own store keys
+        self._live_regions: weakref.WeakSet[BucketRegion] = weakref.WeakSet()
         self._reduce = reduce
         self._pid = os.getpid()
         _LIVE.add(self)
@@ -251,6 +256,36 @@ class ShmCommunicator(Communicator):
     def segment_name(self) -> str:
         """The segment's name under ``/dev/shm`` while it was being set up."""
         return self._seg.name
+
+    def bucket_region(
+        self, area_bytes: int, max_buckets: int, cap_bytes: int | None = None
+    ) -> BucketRegion | str:
+        """Shared DDP bucket memory over this communicator's ranks (``capabilities.
+        shared_buckets``; a collective: every rank calls it with the same arguments).
+
+        Args:
+            area_bytes: bytes of each rank's area (a multiple of 4096).
+            max_buckets: the most buckets the region will hold.
+            cap_bytes: the most bytes of ``/dev/shm`` the region may take (``None``: no cap).
+
+        Returns:
+            The region (:class:`~.buckets.BucketRegion`), or on every rank the reason it was
+            not made (over the cap, ``/dev/shm`` too small): the caller keeps its own buffers.
+        """
+        self._check_open("bucket_region")
+        self._regions += 1
+        opts = self.options
+        spin = opts.spin_us
+        if spin is None:
+            spin = 20.0 if self.size <= len(os.sched_getaffinity(0)) else 0.0
+        region = BucketRegion.setup(
+            self.store, f"shm/buckets/{self._regions}", self.rank, self.size, area_bytes,
+            max_buckets, self.timeout, cap_bytes=cap_bytes, spin_us=spin,
+            yield_us=opts.yield_us,
+        )
+        if not isinstance(region, str):
+            self._live_regions.add(region)  # closed with the communicator: peers fail fast
+        return region
 
     def _new_child(self, store: Store, rank: int, size: int, timeout: timedelta):
         return ShmCommunicator(store, rank, size, timeout, options=self.options,
@@ -407,6 +442,8 @@ class ShmCommunicator(Communicator):
             return  # a forked child: the mapping and the rank's state belong to the parent
         if self._broken is None:
             self._flags.mark(CLOSED, "closed")
+        for region in list(self._live_regions):
+            region.close()
         executors = [self._executor, *self._p2p.values()]
         stopped = all([executor.close(timeout=5.0) for executor in executors])
         if stopped:  # no thread can touch the mapping any more: unmap it now
