@@ -13,10 +13,24 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from tests.ddp.common import assert_same_state, batches, build, init_torch_dist, loss_of, step
+from tests.ddp import test_ddp as base
+from tests.ddp import test_health as health
+from tests.ddp import test_torch_parity as parity
+from tests.ddp.common import (
+    assert_same_state,
+    batches,
+    build,
+    init_torch_dist,
+    loss_of,
+    step,
+    wrap_pair,
+)
 from tests.harness import RankPool, rank_comm
+
+TIMEOUT = 30.0
 
 
 # ---------------------------------------------------------------------- checks (every rank)
@@ -77,6 +91,116 @@ def check_fallback_under_cap():
     return messages
 
 
+def run_shared(check_name: str, module: str, *args):
+    """Runs `check_name` of `module` (fastcomm DDP on the default group: shm, shared buckets)
+    counting the shared buckets launched: ``(launches, of which a joined rank's shadows)``."""
+    from fastcomm.comm.shm.buckets import BucketRegion
+
+    checks = {"base": base, "parity": parity, "health": health}[module]
+    launches = []
+    real_launch = BucketRegion.launch
+    real_comm = checks.rank_comm  # the health checks' Gloo communicator becomes shm here
+    checks.rank_comm = lambda backend="gloo", **kw: rank_comm("shm", **kw)
+
+    def counting_launch(self, bucket, factor):
+        launches.append(bool(torch.count_nonzero(bucket.flat) == 0 and factor == 1.0))
+        return real_launch(self, bucket, factor)
+
+    BucketRegion.launch = counting_launch
+    try:
+        getattr(checks, check_name)(*args)
+    finally:
+        BucketRegion.launch = real_launch
+        checks.rank_comm = real_comm
+    return len(launches), sum(launches)
+
+
+def check_default_dropin_is_shared():
+    ours, _ = wrap_pair("mlp")
+    return ours.comm.backend, ours.shared_buckets, ours.grads_are_bucket_views, (
+        ours.gradient_as_bucket_view
+    )
+
+
+def check_hook_gets_the_shared_bucket(hook_name: str):
+    """A comm hook gets the shared bucket as its buffer (and may return another tensor)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ours, theirs = _pair("mlp")
+    seen = []
+    hook = getattr(default_hooks, hook_name)
+
+    def spying_hook(state, bucket):
+        seen.append(_in_region(ours, bucket.buffer()))
+        return hook(state, bucket)
+
+    ours.register_comm_hook(dist.group.WORLD, spying_hook)
+    theirs.register_comm_hook(dist.group.WORLD, hook)
+    opts = [(m, torch.optim.SGD(m.parameters(), lr=0.1)) for m in (ours, theirs)]
+    for x, y in batches("mlp", 3):
+        for model, opt in opts:
+            step(model, opt, "mlp", x, y)
+    assert_same_state(ours, theirs)
+    assert seen and all(seen), seen
+    return len(seen)
+
+
+def check_deepcopy_and_save():
+    import copy
+    import io
+
+    ours, theirs = wrap_pair("mlp")
+    opts = [(m, torch.optim.SGD(m.parameters(), lr=0.1)) for m in (ours, theirs)]
+    for x, y in batches("mlp", 2):
+        for model, opt in opts:
+            step(model, opt, "mlp", x, y)
+    twin = copy.deepcopy(ours)  # a new DDP: its own shared region (a collective)
+    buf = io.BytesIO()
+    torch.save(ours, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert twin.shared_buckets and loaded.shared_buckets
+    opts = [(m, torch.optim.SGD(m.parameters(), lr=0.1)) for m in (twin, loaded, theirs)]
+    for x, y in batches("mlp", 2, seed=5):
+        for model, opt in opts:
+            step(model, opt, "mlp", x, y)
+    assert_same_state(twin, theirs)
+    assert_same_state(loaded, theirs)
+
+
+def check_rank_killed_mid_step(name: str):
+    """The last rank SIGKILLs itself in backward once its second bucket is published: the
+    others raise from their backward, naming it, well before the timeout."""
+    import os
+    import signal
+    import time
+
+    from fastcomm.comm.shm.buckets import BucketRegion
+    from fastcomm.ddp import DDP
+    from tests.harness import fresh_comm
+
+    comm = fresh_comm("shm", name, timeout=TIMEOUT)
+    model = DDP(build("mlp"), comm=comm, bucket_cap_mb=0.001)  # a bucket per parameter
+    assert model.shared_buckets
+    x, y = batches("mlp", 1)[0]
+    step(model, torch.optim.SGD(model.parameters(), lr=0.1), "mlp", x, y)
+    if comm.rank == comm.size - 1:
+        real_launch = BucketRegion.launch
+
+        def dying_launch(self, bucket, factor):
+            real_launch(self, bucket, factor)
+            if bucket.index == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        BucketRegion.launch = dying_launch
+    start = time.monotonic()
+    try:
+        loss_of("mlp", model(x), y).backward()
+    except Exception as exc:  # the error the peer's death raised, for the pytest side
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    raise AssertionError("backward finished although the peer died mid-step")
+
+
 # ---------------------------------------------------------------------- tests (pytest side)
 @pytest.fixture(scope="module")
 def pool():
@@ -99,3 +223,74 @@ def test_trains_like_torch_without_staging(pool, model_name, set_to_none):
 def test_cap_falls_back_with_a_warning(pool):
     for messages in pool.run(check_fallback_under_cap):
         assert any("no shared-memory buckets" in m and "cap" in m for m in messages), messages
+
+
+def test_default_dropin_on_one_host_shares_its_buckets(pool):
+    for backend, shared, views, argument in pool.run(check_default_dropin_is_shared):
+        # .grad aliases the bucket; the attribute reports the argument, as torch's does
+        assert (backend, shared, views, argument) == ("shm", True, True, False)
+
+
+BASE_CHECKS = [
+    ("check_plain_mlp",),
+    ("check_many_small_buckets",),
+    ("check_bucket_cap_list",),
+    ("check_conv_batchnorm",),
+    ("check_unused_parameters", False),
+    ("check_unused_parameters", True),
+    ("check_static_graph",),
+    ("check_no_sync",),
+    ("check_gradient_as_bucket_view",),
+    ("check_tied_weights",),
+    ("check_state_dict_roundtrip",),
+]
+PARITY_CHECKS = [
+    ("check_create_graph", True),
+    ("check_no_sync_unused", True, "none", 2),
+    ("check_no_sync_unused", True, "none", 3),
+    ("check_pickle_roundtrip", True),
+    ("check_set_static_graph",),
+]
+HEALTH_CHECKS = [
+    ("check_clip_matches_torch", "few", True, "none", False),
+    ("check_clip_matches_torch", "each", True, "none", True),
+    ("check_nonfinite", True, False),
+]
+
+
+@pytest.mark.parametrize(
+    "module, check",
+    [("base", c) for c in BASE_CHECKS] + [("parity", c) for c in PARITY_CHECKS]
+    + [("health", c) for c in HEALTH_CHECKS],
+    ids=lambda c: c if isinstance(c, str) else "-".join(map(str, c)),
+)
+def test_torch_results_with_shared_buckets(pool, module, check):
+    launches = pool.run(run_shared, check[0], module, *check[1:])
+    assert all(n > 0 for n, _ in launches), launches
+
+
+@pytest.mark.parametrize("divide_by_initial", [True, False])
+def test_join_shadows_shared_buckets(pool, divide_by_initial):
+    launches = pool.run(run_shared, "check_join_uneven", "base", divide_by_initial)
+    # rank 0 runs out of data first: its shadow steps take part in the shared reductions
+    assert launches[0][1] > 0 and launches[1][0] > 0, launches
+
+
+@pytest.mark.parametrize("hook_name", ["allreduce_hook", "fp16_compress_hook"])
+def test_comm_hook_gets_the_shared_bucket(pool, hook_name):
+    assert min(pool.run(check_hook_gets_the_shared_bucket, hook_name)) > 0
+
+
+def test_deepcopy_and_torch_save_of_a_shared_model(pool):
+    pool.run(check_deepcopy_and_save)
+
+
+def test_rank_killed_mid_step_fails_the_others_fast(pool, unique_name):
+    failure = pool.expect_failure(check_rank_killed_mid_step, unique_name)
+    dead = pool.world_size - 1
+    assert list(failure.errors) == [dead] and "died" in failure.errors[dead]
+    for rank in range(dead):
+        kind, message, elapsed = failure.results[rank]
+        assert kind == "CommAbortedError", message
+        assert f"rank {dead}" in message and "exited" in message and "bucket" in message
+        assert elapsed < TIMEOUT / 3, (elapsed, message)
