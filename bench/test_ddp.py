@@ -82,6 +82,8 @@ def setup_models(width: int, depth: int, batch: int, gpu: bool) -> int:
         models["fastcomm-nccl"] = DDP(mlp(), comm=rank_comm("nccl"))
     else:
         models["fastcomm-shm"] = DDP(mlp(), comm=rank_comm("shm"))
+        # the same communicator without shared buckets: the path before them (A/B)
+        models["fastcomm-shm-staged"] = DDP(mlp(), comm=rank_comm("shm"), shared_buckets=False)
         models["fastcomm-gloo"] = DDP(mlp(), comm=rank_comm("gloo"))
     models["torch"] = torch_ddp(mlp())
     if not gpu:
@@ -165,7 +167,7 @@ def ranks(request):
 
 
 MAIN = ["no-comm", "fastcomm-nccl", "torch"] if ON_GPU else [
-    "no-comm", "fastcomm-shm", "fastcomm-gloo", "torch"
+    "no-comm", "fastcomm-shm", "fastcomm-shm-staged", "fastcomm-gloo", "torch"
 ]
 DROPIN = [name for cap in CAPS for name in (f"fastcomm-dropin-{cap}", f"torch-{cap}")]
 TINY = ["tiny-no-comm", "tiny-fastcomm-shm", "tiny-torch"]

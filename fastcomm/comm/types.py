@@ -233,6 +233,11 @@ class Capabilities:
     """Reduces the bitwise ops and :data:`EXTRA_DTYPES` itself (with the ops
     :func:`check_reduction` allows); elsewhere the contract runs such a reduction as an
     ``all_gather`` of the ranks' bytes and a reduction in rank order on every rank."""
+    shared_buckets: bool = False
+    """Hands DDP bucket memory that every rank reads in place, and all-reduces a bucket there
+    out of the peers' copies, nothing staged (``bucket_region(...)``, a collective returning a
+    :class:`~fastcomm.comm.shm.buckets.BucketRegion`, or the reason it cannot). Elsewhere DDP's
+    buckets are ordinary memory reduced by ``all_reduce``."""
 
     in_place: bool = True
     """``all_gather`` and ``all_to_all`` accept an output that overlaps the input (torch's

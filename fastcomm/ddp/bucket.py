@@ -76,7 +76,7 @@ class Bucket:
 
     __slots__ = (
         "index", "param_indices", "params", "names", "offsets", "numel", "dtype", "device",
-        "flat", "views", "scratch", "_plan",
+        "flat", "views", "scratch", "_plan", "shared",
     )
     sparse = False  # see sparse.SparseBucket
 
@@ -100,6 +100,21 @@ class Bucket:
         ]
         self.scratch: dict[object, torch.Tensor] = {}
         self._plan: kernels.PackPlan | None = None
+        self.shared = None  # its place in shared bucket memory (shared.py), if any
+
+    def use_flat(self, flat: torch.Tensor) -> None:
+        """Makes `flat` (same dtype, device and size) the bucket's buffer, views re-cut."""
+        if flat.dtype != self.dtype or flat.device != self.device or flat.numel() != self.numel:
+            raise ValueError(
+                f"bucket {self.index}: a flat buffer of {flat.numel()} x {flat.dtype} on "
+                f"{flat.device} cannot replace {self.numel} x {self.dtype} on {self.device}"
+            )
+        self.flat = flat
+        self.views = [
+            flat[o : o + p.numel()].view(p.shape)
+            for o, p in zip(self.offsets, self.params, strict=True)
+        ]
+        self._plan = None
 
     @property
     def plan(self) -> kernels.PackPlan:

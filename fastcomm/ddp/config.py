@@ -8,6 +8,7 @@ left at its default.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -45,9 +46,25 @@ class DDPConfig:
     """Traverse the autograd graph from the forward's outputs each iteration and mark the
     parameters it does not reach ready, so their buckets do not wait for them."""
 
-    gradient_as_bucket_view: bool = False
+    gradient_as_bucket_view: bool | None = None
     """Make every ``.grad`` a view into its bucket's flat buffer: no pack/unpack copies, and
-    one buffer instead of two."""
+    one buffer instead of two. ``None`` (default): on where the buckets go into shared memory
+    (``shared_buckets``), else off, torch's default."""
+
+    shared_buckets: bool = field(
+        default_factory=lambda: os.environ.get("FASTCOMM_DDP_SHARED_BUCKETS", "1").strip() != "0"
+    )
+    """Put the buckets in memory the communicator's ranks share and reduce them in place out of
+    the peers' buckets, where the communicator offers it (``capabilities.shared_buckets``:
+    ``shm``) and ``gradient_as_bucket_view`` is not ``False`` (see ``fastcomm.ddp.shared``).
+    Default on; ``FASTCOMM_DDP_SHARED_BUCKETS=0`` turns it off."""
+
+    shared_bucket_cap_mb: float | None = field(
+        default_factory=lambda: _env_cap("FASTCOMM_DDP_SHARED_CAP_MB")
+    )
+    """The most MiB of ``/dev/shm`` the shared buckets may take (every rank's buckets: the
+    world size times the gradients' bytes); over it, today's buffers with a warning. ``None``
+    (default, or ``FASTCOMM_DDP_SHARED_CAP_MB``): no cap but ``/dev/shm``'s free space."""
 
     static_graph: bool = False
     """The set of used parameters and the order gradients arrive in never change: the first
@@ -79,9 +96,18 @@ class DDPConfig:
     ``bucket_cap_mb_list`` are both ``None``."""
 
     def __post_init__(self) -> None:
+        if self.gradient_as_bucket_view is not None and not isinstance(
+            self.gradient_as_bucket_view, bool
+        ):
+            raise TypeError(
+                "gradient_as_bucket_view must be a bool or None, got "
+                f"{type(self.gradient_as_bucket_view).__name__} {self.gradient_as_bucket_view!r}"
+            )
+        if self.shared_bucket_cap_mb is not None:
+            _check_cap("shared_bucket_cap_mb", self.shared_bucket_cap_mb)
         for name in (
             "find_unused_parameters",
-            "gradient_as_bucket_view",
+            "shared_buckets",
             "static_graph",
             "forward_sync_buffers",
             "init_sync",
@@ -125,6 +151,16 @@ class DDPConfig:
         """Whether buckets are rebuilt once in arrival order (torch: not with a dynamic
         unused set, whose arrival order may change every iteration)."""
         return self.static_graph or not self.find_unused_parameters
+
+
+def _env_cap(name: str) -> float | None:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected a number of MiB") from None
 
 
 def _check_cap(name: str, value: object) -> None:

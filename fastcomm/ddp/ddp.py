@@ -75,7 +75,9 @@ class DDP(nn.Module):
         bucket_cap_mb: bucket cap in MiB (default 25, with a 1 MiB first bucket).
         find_unused_parameters: mark the parameters unreachable from the outputs ready.
         check_reduction: deprecated in torch; ignored.
-        gradient_as_bucket_view: ``.grad`` are views into the bucket buffers.
+        gradient_as_bucket_view: ``.grad`` are views into the bucket buffers. ``None``
+            (default): where the buckets go into shared memory (``shared_buckets``), else
+            ``False`` as torch's.
         static_graph: learn the unused set once; no graph traversal after that.
         delay_all_reduce_named_params, param_to_hook_all_reduce: torch's delayed-allreduce
             feature; not supported (``ValueError`` when given).
@@ -93,6 +95,13 @@ class DDP(nn.Module):
         check_finite: raise ``FloatingPointError`` on every rank at the end of a
             synchronized backward whose averaged gradients hold NaN or Inf, naming the
             parameters and the step (see `fastcomm.ddp.health`).
+        shared_buckets: put the buckets in memory the ranks share and all-reduce them in place
+            out of the peers' buckets, where the communicator offers it (``shm``) and
+            ``gradient_as_bucket_view`` is not ``False`` (see `fastcomm.ddp.shared`). Default
+            on (``FASTCOMM_DDP_SHARED_BUCKETS=0``: off).
+        shared_bucket_cap_mb: the most MiB of ``/dev/shm`` those buckets may take (default:
+            ``FASTCOMM_DDP_SHARED_CAP_MB``, else no cap); over it, or when ``/dev/shm`` is too
+            small, a warning and the communicator's own buffers.
 
     Raises:
         RuntimeError: no communicator can be found, or no parameter requires a gradient.
@@ -114,7 +123,7 @@ class DDP(nn.Module):
         bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
         check_reduction: bool = False,
-        gradient_as_bucket_view: bool = False,
+        gradient_as_bucket_view: bool | None = None,
         static_graph: bool = False,
         delay_all_reduce_named_params: list | None = None,
         param_to_hook_all_reduce: nn.Parameter | None = None,
@@ -127,6 +136,8 @@ class DDP(nn.Module):
         *,
         comm: Communicator | None = None,
         check_finite: bool = False,
+        shared_buckets: bool | None = None,
+        shared_bucket_cap_mb: float | None = None,
     ) -> None:
         super().__init__()
         _check_arguments(module, dim, broadcast_buffers, forward_sync_buffers, process_group)
@@ -150,6 +161,12 @@ class DDP(nn.Module):
             bucket_cap_mb_list=bucket_cap_mb_list,
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
+            # None: the config's defaults (FASTCOMM_DDP_SHARED_BUCKETS, _CAP_MB)
+            **{
+                k: v for k, v in (("shared_buckets", shared_buckets),
+                                  ("shared_bucket_cap_mb", shared_bucket_cap_mb))
+                if v is not None
+            },
             static_graph=static_graph,
             forward_sync_buffers=forward_sync,
             init_sync=init_sync,
@@ -241,8 +258,21 @@ class DDP(nn.Module):
 
     @property
     def gradient_as_bucket_view(self) -> bool:
-        """Whether ``param.grad`` is a view of its bucket's flat gradient."""
-        return self.config.gradient_as_bucket_view
+        """The argument, as torch reports it (``None``, the default, reads ``False``); whether
+        ``.grad`` aliases the buckets is :attr:`grads_are_bucket_views`."""
+        return bool(self.config.gradient_as_bucket_view)
+
+    @property
+    def grads_are_bucket_views(self) -> bool:
+        """Whether each ``param.grad`` is a view of its bucket (``gradient_as_bucket_view``,
+        or the default on shared buckets: :attr:`shared_buckets`)."""
+        return self.reducer.bucket_view
+
+    @property
+    def shared_buckets(self) -> bool:
+        """Whether the buckets live in memory the ranks share, reduced in place out of the
+        peers' buckets (see `fastcomm.ddp.shared`)."""
+        return self.reducer.shared is not None
 
     @property
     def static_graph(self) -> bool:

@@ -52,6 +52,7 @@ from fastcomm.comm.work import Work
 from .bucket import Bucket
 from .config import DDPConfig
 from .in_place import InPlaceAllReduce, InPlaceReduction, in_place_plan
+from .shared import SHARED_VIEW, SharedBuckets
 from .sparse import SPARSE, build_buckets
 from .strategy import ARRIVAL_PACKED, PACKED, VIEW, BucketStrategy, CommHook, packs_on_arrival
 
@@ -96,7 +97,20 @@ class Reducer:
         self.names = list(names)
         self.comm = comm
         self.config = config
-        self.bucket_view = config.gradient_as_bucket_view
+        # shared bucket memory (shared.py): where the communicator offers it, unless the
+        # user asked for torch's default aliasing (gradient_as_bucket_view=False)
+        self.shared: SharedBuckets | None = None
+        if (
+            config.shared_buckets
+            and config.gradient_as_bucket_view is not False
+            and comm.size > 1
+            and getattr(comm.capabilities, "shared_buckets", False)
+        ):
+            self.shared = SharedBuckets.create(
+                comm, self.params, self.sparse, config.shared_bucket_cap_mb
+            )
+        view = config.gradient_as_bucket_view
+        self.bucket_view = self.shared is not None if view is None else view
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
         self.scale = 1.0 / comm.size
         self._comm_hook: Callable | None = None
@@ -145,6 +159,14 @@ class Reducer:
         self.buckets = build_buckets(
             self.params, self.names, order, self.config.bucket_caps_bytes, self.sparse
         )
+        kept: dict[int, torch.Tensor] = {}
+        if self.shared is not None:
+            if self.bucket_view and old:  # the new buckets overlap the old ones: keep values
+                kept = {
+                    i: p.grad.clone() for i, p in enumerate(self.params)
+                    if p.grad is not None and not p.grad.is_sparse and i not in self.sparse
+                }
+            self.shared.place(self.buckets)
         self._bucket_of = [0] * len(self.params)
         self._position = [0] * len(self.params)  # each parameter's place in its bucket
         # each parameter's view into its bucket (None for a sparse parameter)
@@ -163,7 +185,7 @@ class Reducer:
                 if g is None or g.is_sparse or i in self.sparse:
                     continue
                 if g.numel() and g.data_ptr() in old_ptrs:
-                    self.grad_views[i].copy_(g)
+                    self.grad_views[i].copy_(kept.get(i, g))
                     p.grad = self.grad_views[i]
 
     @property
@@ -384,6 +406,8 @@ class Reducer:
             if value is not None:
                 strategy.write_back(self, bucket, value, global_unused)
         self._results = []
+        if self.shared is not None:  # no write to a bucket a peer still reads (shared.py)
+            self.shared.settle()
         self._after_synced_iteration()
         if health is not None:
             health.end_step()
@@ -439,6 +463,8 @@ class Reducer:
             results.append(self.comm.all_reduce(used, async_op=True))
         for r in results:
             r.wait()
+        if self.shared is not None:
+            self.shared.settle()
         self._after_synced_iteration()
 
     # ------------------------------------------------------------------ errors / lifetime
@@ -479,7 +505,7 @@ def choose_strategy(
     if bucket.sparse:
         return SPARSE
     if bucket_view:  # no pack or unpack to save by reducing in place
-        return VIEW
+        return VIEW if bucket.shared is None else SHARED_VIEW
     plan = in_place_plan(bucket, comm)
     if plan is not None:
         return InPlaceAllReduce(plan)

@@ -52,6 +52,7 @@ class SparseBucket:
         "flat", "views", "scratch", "reduced",
     )
     sparse = True
+    shared = None  # never in shared bucket memory (shared.py)
 
     def __init__(self, index: int, param_index: int, params, names) -> None:
         p = params[param_index]

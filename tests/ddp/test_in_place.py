@@ -205,7 +205,8 @@ def check_norm_from_write_back():
 # ---------------------------------------------------------------------- tests (parent)
 @pytest.fixture(scope="module")
 def pool():
-    with RankPool(2, timeout=90) as p:
+    # the in-place path is what runs where the buckets are not shared (shm's default: shared)
+    with RankPool(2, env={"FASTCOMM_DDP_SHARED_BUCKETS": "0"}, timeout=90) as p:
         yield p
 
 

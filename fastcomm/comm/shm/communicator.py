@@ -46,6 +46,7 @@ from ..topology import host_id
 from ..types import Capabilities, PremulSum, ReduceOp
 from ..vcoll import SizesDisagreement, default_task
 from ..work import OrderedExecutor, Task, wrap_error
+from .buckets import BucketRegion
 from .flags import PeerFlags, fence_supported
 from .p2p import Mailboxes
 from .schedules import _PREMUL_KINDS, Reduction, SegmentSchedules
@@ -245,8 +246,11 @@ class ShmCommunicator(Communicator):
         # the schedules reduce the bitwise ops and the extra dtypes with torch ops over typed
         # slot views (the default reduction; a custom one, ipc's kernel, may not cover them)
         self.capabilities = Capabilities(
-            layout_free=True, premul_dtypes=premul, extended_reductions=reduce is None
+            layout_free=True, premul_dtypes=premul, extended_reductions=reduce is None,
+            shared_buckets=reduce is None,
         )
+        self._regions = 0  # bucket regions made: each its own store keys
+        self._live_regions: weakref.WeakSet[BucketRegion] = weakref.WeakSet()
         self._reduce = reduce
         self._pid = os.getpid()
         _LIVE.add(self)
@@ -260,6 +264,36 @@ class ShmCommunicator(Communicator):
     def segment_name(self) -> str:
         """The segment's name under ``/dev/shm`` while it was being set up."""
         return self._seg.name
+
+    def bucket_region(
+        self, area_bytes: int, max_buckets: int, cap_bytes: int | None = None
+    ) -> BucketRegion | str:
+        """Shared DDP bucket memory over this communicator's ranks (``capabilities.
+        shared_buckets``; a collective: every rank calls it with the same arguments).
+
+        Args:
+            area_bytes: bytes of each rank's area (a multiple of 4096).
+            max_buckets: the most buckets the region will hold.
+            cap_bytes: the most bytes of ``/dev/shm`` the region may take (``None``: no cap).
+
+        Returns:
+            The region (:class:`~.buckets.BucketRegion`), or on every rank the reason it was
+            not made (over the cap, ``/dev/shm`` too small): the caller keeps its own buffers.
+        """
+        self._check_open("bucket_region")
+        self._regions += 1
+        opts = self.options
+        spin = opts.spin_us
+        if spin is None:
+            spin = 20.0 if self.size <= len(os.sched_getaffinity(0)) else 0.0
+        region = BucketRegion.setup(
+            self.store, f"shm/buckets/{self._regions}", self.rank, self.size, area_bytes,
+            max_buckets, self.timeout, cap_bytes=cap_bytes, spin_us=spin,
+            yield_us=opts.yield_us,
+        )
+        if not isinstance(region, str):
+            self._live_regions.add(region)  # closed with the communicator: peers fail fast
+        return region
 
     def _new_child(self, store: Store, rank: int, size: int, timeout: timedelta):
         return ShmCommunicator(store, rank, size, timeout, options=self.options,
@@ -437,6 +471,8 @@ class ShmCommunicator(Communicator):
             return  # a forked child: the mapping and the rank's state belong to the parent
         if self._broken is None:
             self._flags.mark(CLOSED, "closed")
+        for region in list(self._live_regions):
+            region.close()
         executors = [self._executor, *self._p2p.values()]
         stopped = all([executor.close(timeout=5.0) for executor in executors])
         if self._mailboxes is not None:

@@ -1,0 +1,563 @@
+"""DDP bucket memory in shared memory, all-reduced in place out of the peers' buckets.
+
+A :class:`BucketRegion` is a second segment per DDP model (``ShmCommunicator.bucket_region``):
+one area per rank, written by that rank alone (autograd accumulates the gradients there, or
+the reducer copies a fresh gradient in as it arrives), read by every rank. An all-reduce of a
+bucket then copies nothing in: rank ``r`` reduces slice ``r`` of the bucket straight out of
+every rank's area into its own area (one pass; each term multiplied by its rank's factor,
+rounded, then added in rank order: the bits of ``mul_`` then the ``shm`` communicator's SUM),
+and copies every other slice out of the area of the rank that reduced it.
+
+Layout (byte offsets)::
+
+    header    as a communicator segment's (``segment.py``), written once by rank 0
+    control   one block per rank, written by that rank alone: the segment's state words
+              (closed/aborted, pid, start time, message) and three counters, each on its own
+              line with the next word saying that the rank sleeps on a peer's counter:
+                ready      buckets whose gradients are in place (phase 1)
+                reduced    buckets whose own slice is reduced (phase 2)
+                released   buckets whose other slices are copied out (phase 3)
+              and one factor word per bucket (its ``PremulSum`` factor: a bucket is launched
+              again only after every peer released it, so the word is read before it changes)
+    areas     one per rank, ``area_bytes`` each: every bucket at a 64-byte boundary
+
+Ordering: a rank publishes ``ready`` after its gradient stores (so nobody reads a half-written
+bucket), reduces slice ``r`` once every peer is ``ready``, publishes ``reduced``, copies slice
+``p`` once peer ``p`` has ``reduced`` it (which also says ``p`` has finished reading this
+rank's raw slice ``p``: the copy may overwrite it), and publishes ``released``. Buckets pass
+each phase in the same order on every rank, so each counter is a plain count. A bucket a peer
+may still be reading is not written again: before the next backward writes its area, a rank
+waits (:meth:`BucketRegion.settle`) until every peer has ``released`` every bucket. Every wait
+is :meth:`~.flags.PeerFlags.wait_word`'s: bounded by the communicator's timeout, and failing
+fast, naming the rank, when a peer closed, aborted or died.
+
+Lifetime: as a communicator segment's, the file is unlinked as soon as every rank has mapped
+it, so nothing is left in ``/dev/shm`` and the memory goes with the last process that maps it.
+Its pages are reserved at creation (``posix_fallocate``): a ``/dev/shm`` too small, or a
+segment over the caller's cap, makes every rank fall back (``None`` and the reason) instead of
+dying of ``SIGBUS`` on the first gradient.
+
+Traffic (``stats``): per bucket of ``B`` bytes, rank ``r`` reads ``size`` slices of ``~B/size``
+bytes and writes one (the reduction), then reads and writes the ``size - 1`` other slices (the
+copies): ``B`` bytes written and ``2 (size - 1) B / size`` read from the peers' areas, against
+the communicator's two-step schedule's ``2 B`` written (the peers' slices staged into its
+slot, its slice reduced into the result slot, the whole result copied back) and
+``2 (size - 1) B / size`` read from the peers.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import struct
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from ..errors import CommAbortedError, FastcommError
+from ..store import Store
+from .flags import PeerFlags, fence
+from .segment import (
+    _NAME,
+    ABORTED,
+    CLOSED,
+    LINE,
+    MAGIC,
+    PAGE,
+    SHM_DIR,
+    Layout,
+    Segment,
+    _attach,
+    _round_up,
+    _unlink,
+    pid_start_time,
+    segment_name,
+    sweep_stale,
+)
+
+try:  # built at install where a C compiler is found
+    from . import _core
+except ImportError:
+    _core = None
+
+__all__ = ["ALIGN", "BucketRegion", "RegionStats", "SharedBucket"]
+
+ALIGN = 64  # every bucket and every slice boundary: no two ranks write one cache line
+_READY, _REDUCED, _RELEASED = 0, 1, 2
+_MBOX = 4096  # the Layout's mailbox size: a region has no send/recv, the smallest allowed
+_CORE_KINDS = {} if _core is None else {torch.float32: _core.KIND_F32,
+                                        torch.float64: _core.KIND_F64}
+_BITS, _BITS_D = struct.Struct("<Q"), struct.Struct("<d")
+_increment_version = torch._C._increment_version
+#: dtypes a region holds (those whose PremulSum reduction is the communicator's own bits)
+DTYPES = (torch.float32, torch.float64)
+
+
+@dataclass(frozen=True, slots=True)
+class _RegionLayout(Layout):
+    """A communicator segment's control blocks, then one area of ``area_bytes`` per rank."""
+
+    area_bytes: int = 0
+    max_buckets: int = 1
+
+    @property
+    def ctrl_stride(self) -> int:
+        """Bytes of one rank's control block: the segment's lines, then the factor words."""
+        return _round_up(max(4 + 2 * self.size, 8) * LINE + 8 * self.max_buckets, PAGE)
+
+    def counter(self, rank: int, kind: int) -> int:
+        """Offset of ``rank``'s counter ``kind`` (the word after it: its sleep announcement)."""
+        return self.ctrl(rank) + 4 * LINE + kind * LINE
+
+    def factor(self, rank: int, index: int) -> int:
+        """Offset of ``rank``'s factor word of bucket ``index``."""
+        return self.ctrl(rank) + max(4 + 2 * self.size, 8) * LINE + 8 * index
+
+    def area(self, rank: int) -> int:
+        """Offset of ``rank``'s area."""
+        return self.data + rank * self.area_bytes
+
+    @property
+    def total(self) -> int:
+        return self.data + self.size * self.area_bytes
+
+
+class RegionStats:
+    """Bytes this rank's in-place all-reduces moved (see the module docstring).
+
+    Attributes:
+        buckets: bucket all-reduces run.
+        gradient_bytes: their bytes together.
+        written: bytes written (reductions and copies).
+        read: bytes read, this rank's own area included.
+        peer_read: bytes read out of the peers' areas.
+    """
+
+    __slots__ = ("buckets", "gradient_bytes", "written", "read", "peer_read")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets every count."""
+        self.buckets = self.gradient_bytes = self.written = self.read = self.peer_read = 0
+
+    def per_gradient_byte(self) -> dict[str, float]:
+        """Written, read, peer-read and moved (written + peer-read) bytes per gradient byte."""
+        g = max(1, self.gradient_bytes)
+        return {
+            "written": self.written / g,
+            "read": self.read / g,
+            "peer_read": self.peer_read / g,
+            "moved": (self.written + self.peer_read) / g,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"RegionStats(buckets={self.buckets}, gradient_bytes={self.gradient_bytes}, "
+            f"written={self.written}, read={self.read}, peer_read={self.peer_read})"
+        )
+
+
+class SharedBucket:
+    """One bucket's place in the region: ``flat`` (this rank's, where its gradients live),
+    every rank's copy of each slice, and where this iteration's reduction stands.
+
+    Attributes:
+        index: the bucket's position in launch order.
+        flat: this rank's bucket (a view of its area).
+        nbytes: the bucket's bytes.
+    """
+
+    __slots__ = ("index", "flat", "nbytes", "mine", "slices", "terms", "numel_mine", "phase",
+                 "serial", "kind", "region")
+
+    def __init__(self, region: BucketRegion, index: int, views: list[torch.Tensor]) -> None:
+        self.region = region
+        self.index = index
+        me, n = region.rank, region.size
+        self.flat = views[me]
+        self.nbytes = self.flat.numel() * self.flat.element_size()
+        esize = self.flat.element_size()
+        count = self.flat.numel()
+        align = ALIGN // esize
+        bounds = [0] + [(p * count // n) // align * align for p in range(1, n)] + [count]
+        sizes = [bounds[p + 1] - bounds[p] for p in range(n)]
+        # slices[q][p]: slice p of rank q's bucket
+        self.slices = [v.split(sizes) for v in views]
+        self.mine = self.flat.split(sizes)
+        self.terms = [self.slices[q][me] for q in range(n)]
+        self.numel_mine = sizes[me]
+        self.kind = _CORE_KINDS.get(self.flat.dtype)
+        self.phase = 3  # 0 launched, 1 ready published, 2 reduced, 3 released (idle)
+        self.serial = 0  # this bucket's place in the region's count of launches
+
+    def wait(self) -> None:
+        """Finishes this bucket's reduction (blocking)."""
+        self.region.finish(self)
+
+
+class BucketRegion:
+    """The shared bucket memory of one DDP model over an ``shm`` communicator's ranks.
+
+    Build with :meth:`setup` on every rank (a collective); see the module docstring.
+
+    Attributes:
+        stats: bytes moved by this rank's reductions (:class:`RegionStats`).
+        nbytes: bytes of the whole segment (every rank's area and the control blocks).
+    """
+
+    def __init__(self, name: str, layout: _RegionLayout, mm, rank: int, timeout_s: float,
+                 spin_us: float, yield_us: float) -> None:
+        self.name = name
+        self.layout = layout
+        self.rank = rank
+        self.size = layout.size
+        self.nbytes = layout.total
+        self._mm = mm
+        seg = Segment(name, layout, mm)  # the flags read a Segment's mapping and identities
+        seg._put(layout.misc(rank, 2), os.getpid())
+        seg._put(layout.misc(rank, 3), pid_start_time(os.getpid()) or 0)
+        self._seg = seg
+        self._timeout_s = timeout_s
+        self._spin_us, self._yield_us = spin_us, yield_us
+        self.flags: PeerFlags | None = None  # made once every rank recorded its identity
+        self._u8 = torch.frombuffer(mm, dtype=torch.uint8)
+        self.stats = RegionStats()
+        self._launched = 0  # buckets launched (= this rank's ready counter once published)
+        self._done = [0, 0, 0]  # this rank's counters
+        self._queue: list[SharedBucket] = []  # launched, not yet released, in order
+        self._broken: BaseException | None = None
+        self._pid = os.getpid()
+
+    # ------------------------------------------------------------------ setup
+    @classmethod
+    def setup(
+        cls,
+        store: Store,
+        key: str,
+        rank: int,
+        size: int,
+        area_bytes: int,
+        max_buckets: int,
+        timeout: timedelta,
+        *,
+        cap_bytes: int | None = None,
+        spin_us: float = 0.0,
+        yield_us: float = 1000.0,
+    ) -> BucketRegion | str:
+        """Every rank maps rank 0's segment of ``size`` areas of ``area_bytes``; rank 0 unlinks
+        its name once all have. Returns the region, or on every rank the reason it could not be
+        made (over ``cap_bytes``, ``/dev/shm`` too small): the caller falls back.
+
+        Args:
+            store: the communicator's store namespace.
+            key: a store key prefix unique to this region (the same on every rank).
+            rank: this rank.
+            size: the number of ranks.
+            area_bytes: bytes of each rank's area (a multiple of 4096).
+            max_buckets: the most buckets it will hold (one factor word each).
+            timeout: limit of every wait (setup and the reductions).
+            cap_bytes: the most bytes the segment may take (``None``: no cap).
+            spin_us, yield_us: the waits' polling (:class:`~.flags.PeerFlags`).
+
+        Raises:
+            FastcommError: a rank could not map the segment rank 0 made.
+            StoreTimeoutError: a rank did not answer within ``timeout``.
+        """
+        if area_bytes < 0 or area_bytes % PAGE:
+            raise ValueError(f"area_bytes must be a multiple of {PAGE} >= 0, got {area_bytes}")
+        if max_buckets < 1:
+            raise ValueError(f"max_buckets must be >= 1, got {max_buckets}")
+        layout = _RegionLayout(size, PAGE, _MBOX, area_bytes, max_buckets)
+        keys = [f"{key}/mapped/{r}" for r in range(size)]
+        path = None
+        try:
+            if rank == 0:
+                name, mm, why = _create_region(layout, cap_bytes)
+                if mm is None:
+                    store.set(f"{key}/name", f"fallback: {why}")
+                    return why
+                path = os.path.join(SHM_DIR, name)
+                store.set(f"{key}/name", name)
+            else:
+                raw = store.get(f"{key}/name", timeout).decode("utf-8", "replace")
+                if raw.startswith("fallback: "):
+                    return raw.removeprefix("fallback: ")
+                if not _NAME.fullmatch(raw):
+                    raise FastcommError(
+                        f"rank {rank}: the store's {key}/name {raw[:80]!r} is not a segment name"
+                    )
+                name = raw
+                try:
+                    mm = _attach(os.path.join(SHM_DIR, name), layout, rank)
+                except FastcommError as exc:
+                    store.set(keys[rank], f"error: {exc}")
+                    raise
+            region = cls(name, layout, mm, rank, timeout.total_seconds(), spin_us, yield_us)
+            store.set(keys[rank], b"1")
+            store.wait(keys, timeout, op="shm bucket region setup")
+            path = os.path.join(SHM_DIR, name)
+            for r in range(size):
+                value = store.get(keys[r], timeout)
+                if value != b"1":
+                    raise FastcommError(
+                        f"rank {rank}: shm bucket region setup failed on rank {r}: "
+                        f"{value.decode('utf-8', 'replace').removeprefix('error: ')}"
+                    )
+            region.flags = PeerFlags(
+                region._seg, rank, region._timeout_s, spin_us, yield_us
+            )
+            return region
+        finally:
+            if path is not None:
+                _unlink(path)
+
+    def views(self, offset: int, dtype: torch.dtype, numel: int) -> list[torch.Tensor]:
+        """Every rank's ``numel`` elements of ``dtype`` at byte ``offset`` of its area."""
+        esize = torch.empty((), dtype=dtype).element_size()
+        if offset % ALIGN or offset + numel * esize > self.layout.area_bytes:
+            raise ValueError(
+                f"a bucket of {numel} x {dtype} at offset {offset} does not fit an area of "
+                f"{self.layout.area_bytes} bytes at {ALIGN}-byte alignment"
+            )
+        out = []
+        for r in range(self.size):
+            start = self.layout.area(r) + offset
+            out.append(self._u8[start : start + numel * esize].view(dtype))
+        return out
+
+    def bucket(self, index: int, offset: int, dtype: torch.dtype, numel: int) -> SharedBucket:
+        """The bucket ``index`` at byte ``offset`` of every area."""
+        if dtype not in DTYPES:
+            raise TypeError(f"a shared bucket holds {DTYPES}, got {dtype}")
+        if not 0 <= index < self.layout.max_buckets:
+            raise ValueError(
+                f"bucket index {index} out of range: the region holds {self.layout.max_buckets}"
+            )
+        return SharedBucket(self, index, self.views(offset, dtype, numel))
+
+    # ------------------------------------------------------------------ the all-reduce
+    def launch(self, bucket: SharedBucket, factor: float) -> SharedBucket:
+        """Publishes that ``bucket``'s gradients are in place (its term is ``flat * factor``)
+        and advances what can advance without waiting. Every rank launches the same buckets in
+        the same order."""
+        self._check_usable("launch")
+        if bucket.phase != 3:
+            raise RuntimeError(
+                f"rank {self.rank}: shared bucket {bucket.index} launched twice in one iteration"
+            )
+        flags, layout = self.flags, self.layout
+        bucket.serial = self._launched = self._launched + 1
+        bucket.phase = 0
+        flags.words[layout.factor(self.rank, bucket.index) // 8] = _BITS.unpack(
+            _BITS_D.pack(float(factor))
+        )[0]
+        self._publish(_READY, bucket.serial)
+        bucket.phase = 1
+        self._queue.append(bucket)
+        self.poll()
+        return bucket
+
+    def poll(self) -> None:
+        """Advances the launched buckets, in order, as far as the peers allow without waiting."""
+        try:
+            while self._queue and self._step(self._queue[0], block=False):
+                pass
+        except BaseException as exc:
+            self._abort("shm bucket all_reduce", exc)
+
+    def finish(self, bucket: SharedBucket) -> None:
+        """Waits until ``bucket`` (and every bucket launched before it) is reduced here."""
+        try:
+            while bucket.phase != 3:
+                self._step(self._queue[0], block=True)
+        except BaseException as exc:
+            self._abort("shm bucket all_reduce", exc)
+
+    def settle(self) -> None:
+        """Waits until every peer has copied out of every bucket this rank launched, so that the
+        next backward may write this rank's area (module docstring)."""
+        self._check_usable("settle")
+        target = self._launched
+        if not target:
+            return
+        idx = [self.layout.counter(p, _RELEASED) // 8 for p in range(self.size)]
+        announce = self.layout.counter(self.rank, _RELEASED) // 8 + 1
+        start = time.monotonic()
+        try:
+            for p in self.flags.peers:
+                if self.flags.words[idx[p]] < target:
+                    self.flags.wait_word(idx[p], target, p, "shm bucket release", start,
+                                         announce_idx=announce)
+        except BaseException as exc:
+            self._abort("shm bucket release", exc)
+
+    def _step(self, bucket: SharedBucket, block: bool) -> bool:
+        """Moves the head bucket one phase on; False when it would have to wait."""
+        kind = _REDUCED if bucket.phase == 2 else _READY
+        if not self._peers_reached(kind, bucket.serial, bucket.index, block):
+            return False
+        if bucket.phase == 1:
+            self._reduce(bucket)
+            self._publish(_REDUCED, bucket.serial)
+            bucket.phase = 2
+        else:
+            self._copy_out(bucket)
+            self._publish(_RELEASED, bucket.serial)
+            bucket.phase = 3
+            self._queue.pop(0)
+        return True
+
+    def _peers_reached(self, kind: int, target: int, index: int, block: bool) -> bool:
+        flags, layout = self.flags, self.layout
+        words = flags.words
+        start = time.monotonic()
+        for p in flags.peers:
+            idx = layout.counter(p, kind) // 8
+            if words[idx] >= target:
+                continue
+            if not block:
+                return False
+            what = "ready" if kind == _READY else "reduced"
+            flags.wait_word(
+                idx, target, p, f"shm bucket all_reduce (bucket {index}: waiting for {what})",
+                start, announce_idx=layout.counter(self.rank, kind) // 8 + 1,
+            )
+        if flags.fenced:
+            fence()
+        return True
+
+    def _publish(self, kind: int, value: int) -> None:
+        """Stores this rank's counter ``kind`` (after its data stores) and wakes the peers
+        that announced they sleep on it."""
+        flags, layout = self.flags, self.layout
+        idx = layout.counter(self.rank, kind) // 8
+        for p in flags.peers:
+            flags.set_word(idx, value, layout.counter(p, kind) // 8 + 1)
+        self._done[kind] = value
+
+    def _factors(self, index: int) -> list[float]:
+        words, layout = self.flags.words, self.layout
+        return [
+            _BITS_D.unpack(_BITS.pack(words[layout.factor(q, index) // 8]))[0]
+            for q in range(self.size)
+        ]
+
+    def _reduce(self, bucket: SharedBucket) -> None:
+        """Slice ``rank`` of this rank's bucket = the sum over ranks, in rank order, of each
+        rank's slice times its factor (each product rounded in the dtype)."""
+        out, terms, n = bucket.mine[self.rank], bucket.terms, self.size
+        numel = bucket.numel_mine
+        factors = self._factors(bucket.index)
+        esize = out.element_size()
+        st = self.stats
+        st.buckets += 1
+        st.gradient_bytes += bucket.nbytes
+        st.read += n * numel * esize
+        st.peer_read += (n - 1) * numel * esize
+        st.written += numel * esize
+        if not numel:
+            return
+        same = all(f == factors[0] for f in factors)
+        # the compiled core writes `out` element by element after reading every term; its
+        # loop may alias out with terms[0] or terms[1] only (two ranks, or ranks 0 and 1)
+        if same and bucket.kind is not None and self.rank < 2:
+            _core.reduce(out.data_ptr(), [t.data_ptr() for t in terms], numel, bucket.kind,
+                         _core.OP_SUM, factors[0])
+            _increment_version((out,))  # the core wrote the bytes behind torch's back
+            return
+        acc = terms[0] * factors[0]
+        for term, factor in zip(terms[1:], factors[1:], strict=True):
+            acc.add_(term * factor)
+        out.copy_(acc)
+
+    def _copy_out(self, bucket: SharedBucket) -> None:
+        """Every other slice, out of the area of the rank that reduced it."""
+        st = self.stats
+        for p in self.flags.peers:
+            dst = bucket.mine[p]
+            dst.copy_(bucket.slices[p][p])
+            nbytes = dst.numel() * dst.element_size()
+            st.read += nbytes
+            st.peer_read += nbytes
+            st.written += nbytes
+
+    # ------------------------------------------------------------------ failure, lifetime
+    def _check_usable(self, op: str) -> None:
+        if self._broken is not None:
+            raise CommAbortedError(
+                f"rank {self.rank}: {op} refused: this shm bucket region failed earlier "
+                f"({self._broken})"
+            )
+
+    def _abort(self, op: str, exc: BaseException) -> None:
+        """Marks this rank ABORTED in the region (the peers then fail fast) and re-raises."""
+        if self._broken is None:
+            self._broken = exc
+            if self.flags is not None and os.getpid() == self._pid:
+                self.flags.mark(ABORTED, f"{op} failed: {type(exc).__name__}: {exc}")
+                for kind in (_READY, _REDUCED, _RELEASED):
+                    self.flags._wake(self.layout.counter(self.rank, kind) // 8)
+        raise exc
+
+    def close(self) -> None:
+        """Marks this rank closed in the region (peers waiting on it raise at once)."""
+        if self.flags is not None and self._broken is None and os.getpid() == self._pid:
+            self.flags.mark(CLOSED, "closed")
+            for kind in (_READY, _REDUCED, _RELEASED):
+                self.flags._wake(self.layout.counter(self.rank, kind) // 8)
+            self._broken = CommAbortedError(f"rank {self.rank}: the bucket region was closed")
+
+
+def _create_region(layout: _RegionLayout, cap_bytes: int | None):
+    """Rank 0's segment: ``(name, mapping, "")``, or ``(None, None, why)`` when it is over the
+    cap or ``/dev/shm`` cannot hold it (its pages are reserved here, not on first touch)."""
+    import mmap
+
+    total = layout.total
+    if cap_bytes is not None and total > cap_bytes:
+        return None, None, (
+            f"the shared buckets need {total} bytes of /dev/shm, over the cap of {cap_bytes}"
+        )
+    sweep_stale()
+    name = segment_name(f"b{secrets.token_hex(6)}")
+    path = os.path.join(SHM_DIR, name)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        return None, None, f"cannot create {path}: {exc}"
+    try:
+        os.ftruncate(fd, total)
+        try:
+            os.posix_fallocate(fd, 0, total)
+        except OSError as exc:
+            _unlink(path)
+            free = _shm_free()
+            return None, None, (
+                f"/dev/shm cannot hold the shared buckets' {total} bytes ({free} free): {exc}"
+            )
+        mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as exc:
+        _unlink(path)
+        return None, None, f"cannot map {path} ({total} bytes): {exc}"
+    finally:
+        os.close(fd)
+    struct.pack_into("<5Q", mm, 0, MAGIC, layout.size, layout.slot_bytes, layout.mbox_bytes,
+                     total)
+    return name, mm, ""
+
+
+def _shm_free() -> int:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return -1
+    return st.f_bavail * st.f_frsize
+
+
+def area_bytes_for(nbytes: list[int]) -> int:
+    """The area that holds buckets of ``nbytes`` each at ``ALIGN``, rounded up to a page."""
+    return _round_up(sum(_round_up(b, ALIGN) for b in nbytes), PAGE)

@@ -1,0 +1,173 @@
+"""shm bucket regions (``fastcomm/comm/shm/buckets.py``): in-place all-reduce of buckets that
+live in shared memory, read straight out of the peers' buckets.
+
+Real ranks and real shared memory (2 and 3 ranks: with 3, ranks 0 and 1 reduce in the compiled
+core and rank 2 through torch ops, which must give the same bits). Every rank builds every
+rank's data from the same seeds, so the reference is computed locally: the sum in rank order of
+each rank's data times its factor, each product rounded in the dtype (``atol=0``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from fastcomm.comm import CommAbortedError, CommTimeoutError
+from fastcomm.comm.shm.buckets import ALIGN, BucketRegion, area_bytes_for
+from fastcomm.comm.shm.segment import SHM_DIR
+from tests.harness import RankPool, fresh_comm
+
+TIMEOUT = 30.0
+OP_TIMEOUT = 2.0
+# (numel, dtype): sizes off the 64-byte grid, an empty bucket, and one of a few MiB
+BUCKETS = [(1000, torch.float32), (0, torch.float32), (77, torch.float64), (1 << 20, torch.float32)]
+
+
+def _data(rank: int, it: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * it + 10 * rank + numel % 7)
+    return torch.randn(numel, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def _region(comm, specs):
+    area = area_bytes_for([n * torch.empty((), dtype=d).element_size() for n, d in specs])
+    region = comm.bucket_region(area, len(specs))
+    assert isinstance(region, BucketRegion), region
+    buckets, offset = [], 0
+    for i, (numel, dtype) in enumerate(specs):
+        buckets.append(region.bucket(i, offset, dtype, numel))
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        offset += -(-nbytes // ALIGN) * ALIGN
+    return region, buckets
+
+
+# ---------------------------------------------------------------------- checks (every rank)
+def check_reduce_in_place(name: str, iterations: int, factors: list[float]):
+    torch.set_num_threads(1)
+    comm = fresh_comm("shm", name, timeout=TIMEOUT)
+    region, buckets = _region(comm, BUCKETS)
+    leftover = os.path.exists(os.path.join(SHM_DIR, region.name))
+    n, me = comm.size, comm.rank
+    for it in range(iterations):
+        for bucket, (numel, dtype) in zip(buckets, BUCKETS, strict=True):
+            bucket.flat.copy_(_data(me, it, numel, dtype))
+        for bucket in buckets:  # launched in order; the reductions advance as peers arrive
+            region.launch(bucket, factors[me])
+        for bucket, (numel, dtype) in zip(buckets, BUCKETS, strict=True):
+            bucket.wait()
+            expected = _data(0, it, numel, dtype) * factors[0]
+            for q in range(1, n):
+                expected = expected + _data(q, it, numel, dtype) * factors[q]
+            assert torch.equal(bucket.flat, expected), (it, numel, dtype)
+        region.settle()
+    stats = region.stats.per_gradient_byte()
+    comm.close()
+    return leftover, stats, region.stats.buckets
+
+
+def check_cap_and_full_dev_shm(name: str):
+    comm = fresh_comm("shm", name, timeout=TIMEOUT)
+    over_cap = comm.bucket_region(1 << 20, 4, cap_bytes=1 << 20)  # control blocks push it over
+    real = os.posix_fallocate
+    if comm.rank == 0:  # only the creator reserves the pages: /dev/shm "full" there
+
+        def full(fd, offset, length):
+            raise OSError(28, "No space left on device")
+
+        os.posix_fallocate = full
+    try:
+        no_room = comm.bucket_region(1 << 20, 4)
+    finally:
+        os.posix_fallocate = real
+    fine = comm.bucket_region(1 << 20, 4)  # the next one is made again
+    comm.close()
+    return over_cap, no_room, isinstance(fine, BucketRegion)
+
+
+def check_peer_killed(name: str):
+    torch.set_num_threads(1)
+    comm = fresh_comm("shm", name, timeout=TIMEOUT)
+    region, buckets = _region(comm, BUCKETS[:1])
+    dead = comm.size - 1
+    if comm.rank == dead:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        region.launch(buckets[0], 1.0).wait()
+    except CommAbortedError as exc:
+        return str(exc), time.monotonic() - start
+    raise AssertionError("the reduction finished although a peer died")
+
+
+def check_peer_absent_times_out(name: str):
+    comm = fresh_comm("shm", name, timeout=TIMEOUT)
+    region, buckets = _region(comm, BUCKETS[:1])
+    region.flags.timeout_s = OP_TIMEOUT
+    absent = comm.size - 1
+    if comm.rank == absent:  # stays away until every other rank has timed out
+        comm.store.wait([f"timed-out/{r}" for r in range(absent)], timeout=TIMEOUT)
+        comm.close()
+        return None
+    start = time.monotonic()
+    try:
+        region.launch(buckets[0], 1.0).wait()
+    except CommTimeoutError as exc:
+        result = str(exc), time.monotonic() - start
+    comm.store.set(f"timed-out/{comm.rank}", "1")
+    # this region failed: it says so at once, and the peer learns it too
+    try:
+        region.launch(buckets[0], 1.0)
+    except CommAbortedError as exc:
+        again = str(exc)
+    comm.close()
+    return result, again
+
+
+# ---------------------------------------------------------------------- tests (pytest side)
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"world{n}")
+def pool(request):
+    with RankPool(request.param, timeout=90) as p:
+        yield p
+
+
+@pytest.mark.parametrize("factors", [[0.5, 0.5, 0.5], [0.25, 1.0, 1 / 3]], ids=["same", "mixed"])
+def test_buckets_reduce_in_place_with_the_communicators_bits(pool, unique_name, factors):
+    n = pool.world_size
+    results = pool.run(check_reduce_in_place, unique_name, 3, factors[:n])
+    for leftover, stats, buckets in results:
+        assert not leftover  # unlinked once every rank mapped it
+        assert buckets == 3 * len(BUCKETS)
+        # B written and 2 (n - 1) B / n read from the peers, per gradient byte B (64-byte
+        # slice boundaries move a few bytes between ranks)
+        assert stats["written"] == pytest.approx(1.0, abs=0.01)
+        assert stats["peer_read"] == pytest.approx(2 * (n - 1) / n, abs=0.02)
+
+
+def test_cap_or_full_dev_shm_falls_back_on_every_rank(pool, unique_name):
+    for over_cap, no_room, fine in pool.run(check_cap_and_full_dev_shm, unique_name):
+        assert isinstance(over_cap, str) and "over the cap" in over_cap, over_cap
+        assert isinstance(no_room, str) and "/dev/shm cannot hold" in no_room, no_room
+        assert fine
+
+
+def test_peer_killed_mid_reduction_fails_the_others_fast(pool, unique_name):
+    failure = pool.expect_failure(check_peer_killed, unique_name)
+    dead = pool.world_size - 1
+    assert list(failure.errors) == [dead] and "died" in failure.errors[dead]
+    for rank in range(dead):
+        message, elapsed = failure.results[rank]
+        assert f"rank {dead}" in message and "exited" in message and "bucket" in message
+        assert elapsed < TIMEOUT / 3, (elapsed, message)
+
+
+def test_absent_peer_is_named_in_the_timeout(pool, unique_name):
+    absent = pool.world_size - 1
+    for result in pool.run(check_peer_absent_times_out, unique_name)[:-1]:
+        (message, elapsed), again = result
+        assert "timed out" in message and "bucket 0" in message, message
+        assert str(absent) in message
+        assert OP_TIMEOUT - 0.1 <= elapsed < TIMEOUT / 2, (elapsed, message)
+        assert "failed earlier" in again, again
