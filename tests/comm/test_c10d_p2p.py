@@ -411,3 +411,21 @@ def test_the_pool_runs_the_path_it_names(pool):
     if schedules._core is None:
         pytest.skip("the compiled core was not built (no C compiler at install)")
     assert pool.run(check_engine_path) == [compiled] * pool.world_size
+
+
+def check_send_to_self():
+    """``isend`` to this rank (torch's ``isend`` lets it through; Gloo fails it with "Pair is
+    not connected"): a ValueError naming the rank and the peer, before anything is sent."""
+    fast, _ = _groups()
+    r = _rank()
+    with pytest.raises(ValueError) as info:
+        dist.isend(torch.ones(5), r, group=fast)
+    assert str(info.value).startswith(f"rank {r}: send: peer rank {r} must be another rank")
+    out = torch.ones(2)  # nothing was sent: the group still works
+    dist.all_reduce(out, group=fast)
+    assert out.tolist() == [float(_world())] * 2
+    return "ok"
+
+
+def test_send_to_self_is_refused(pool):
+    pool.run(check_send_to_self)
