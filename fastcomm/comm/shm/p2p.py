@@ -243,8 +243,9 @@ class Mailboxes:
         with self._lock:
             s = self._s
             k = s._received[src]
-            if self._incoming[src] is not None or core.recv(
-                    addr, nbytes, nbytes, src, k, 0, tag & _U64, dtype):
+            if (self._incoming[src] is not None or self._stash[src] or self._wanted_any
+                    or self._wanted[src] or core.recv(addr, nbytes, nbytes, src, k, 0,
+                                                      tag & _U64, dtype)):
                 return False
             s._received[src] = k + 1
         return True
