@@ -239,7 +239,7 @@ def send(group, tensors: list, dst: int, tag: int) -> Any:
     code = _CODES[tensor.dtype]
     if tensor.is_contiguous():
         if group._coalescing is None and engine.send_now(
-                tensor.data_ptr(), tensor.numel() * tensor.element_size(), dst, tag, code):
+                tensor.data_ptr(), tensor.nbytes, dst, tag, code):
             return _finished(tensors)
         data = tensor
     else:
@@ -265,7 +265,7 @@ def recv(group, tensors: list, src: int | None, tag: int) -> Any:
         if src is not None:
             engine.check_rejects(src, "receive from")
             if group._coalescing is None and engine.recv_now(
-                    tensor.data_ptr(), tensor.numel() * tensor.element_size(), src, tag, code):
+                    tensor.data_ptr(), tensor.nbytes, src, tag, code):
                 _increment_version((tensor,))  # written behind autograd's back
                 work = _Received()
                 work._outputs, work._src = tensors, src
