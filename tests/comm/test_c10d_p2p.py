@@ -275,10 +275,17 @@ def check_peer_never_sends(timeout_s: float):
     group = dist.new_group(timeout=timedelta(seconds=timeout_s))
     message = None
     if _rank() == 0:
+        work = dist.irecv(torch.empty(2), 1, group=group)
+        with pytest.raises(TimeoutError, match="passed after"):  # this wait's own limit
+            work.wait(timedelta(seconds=0.2))
+        assert not work.is_completed()
         try:
-            dist.recv(torch.empty(2), 1, group=group)
+            work.wait()  # the group's timeout: the operation fails
         except RuntimeError as exc:
             message = str(exc)
+        with pytest.raises(RuntimeError) as again:  # and stays failed
+            work.wait()
+        assert str(again.value) == message and work.is_completed() and not work.is_success()
     rank_store().barrier(f"p2p-never/{STATE.setdefault('never', 0)}", _world(), 60)
     STATE["never"] += 1
     dist.destroy_process_group(group)

@@ -14,7 +14,9 @@ any dtype moves as its bytes through the communicator's tagged engine
 mismatch raised on both ranks, no deadlock in either direction); a non-contiguous tensor through
 a contiguous copy (a receive copies back once the data is in). Anything else (CUDA tensors,
 sparse ones, a ``hier`` or ``gloo`` communicator) is handed to the Gloo group (or a device map's
-CUDA backend) unchanged, as before.
+CUDA backend) unchanged, as before. A send to or receive from this rank itself is refused with a
+``ValueError`` (torch's ``isend`` lets it through; Gloo fails it: its pair is not connected).
+torch hands a complex tensor over as its real view, on both sides alike.
 """
 
 from __future__ import annotations

@@ -578,7 +578,11 @@ class Mailboxes:
         """Fails ``op`` and aborts the communicator (``on_fail`` raises)."""
         with self._lock:
             self._drop(op)
-        self._on_fail(name, op.start, error)
+        try:
+            self._on_fail(name, op.start, error)
+        except BaseException as exc:  # the operation's outcome for every later wait()
+            op.error = exc
+            raise
 
     def _drop(self, op: _Op) -> None:
         """Takes a failed ``op`` out of the queues (call with the lock held)."""
