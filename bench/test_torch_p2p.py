@@ -10,8 +10,10 @@ Pairs of ranks (0, 1), (2, 3)... at once, fp32 CPU tensors of 4 KiB to 64 MiB, 2
 
 Providers, in the same rank processes (the default group of backend fastcomm, a Gloo group
 beside it): ``fastcomm`` (the calls on the fastcomm group), ``gloo`` (the same calls on the
-Gloo group), ``comm`` (``torch_send_recv`` only: the group's shm communicator called directly,
-``comm.send``/``comm.recv``, what torch's layer and the adapter add nothing to), and ``mpich``
+Gloo group), ``pg`` and ``comm`` (``torch_send_recv`` only: the fastcomm group's own
+``send``/``recv`` methods called as torch calls them, ``.wait()`` included, without torch's
+``dist`` layer; and the group's shm communicator called directly, ``comm.send``/``comm.recv``,
+the untagged lane with neither the adapter nor torch's layer), and ``mpich``
 (one ``mpiexec -n N`` run of ``bench/mpi_p2p.py`` per op and size: ``Send``/``Recv``,
 ``Isend``/``Irecv`` + ``Waitall``, the same block length and rounds).
 
@@ -51,7 +53,7 @@ KIB, MIB = 1 << 10, 1 << 20
 OPS = [op for op in os.environ.get("FASTCOMM_BENCH_P2P_OPS", "torch_send_recv,torch_exchange")
        .split(",") if op]
 ALL_SIZES = "4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB"
-PROVIDERS = {"torch_send_recv": ("fastcomm", "gloo", "comm"),
+PROVIDERS = {"torch_send_recv": ("fastcomm", "gloo", "pg", "comm"),
              "torch_exchange": ("fastcomm", "gloo")}
 TIMEOUT = 300.0
 MPI_MAX_SECONDS = 2.0
@@ -119,6 +121,10 @@ def _call(provider: str, op: str, nbytes: int):
         comm = groups["fastcomm"].communicator
         send = lambda t, p: comm.send(t, p)  # noqa: E731
         recv = lambda t, p: comm.recv(t, p)  # noqa: E731
+    elif provider == "pg":  # the group's methods as torch calls them, without torch's layer
+        pg = groups["fastcomm"]
+        send = lambda t, p: pg.send([t], p, 0).wait()  # noqa: E731
+        recv = lambda t, p: pg.recv([t], p, 0).wait()  # noqa: E731
     else:
         group = groups[provider]
         send = lambda t, p: dist.send(t, p, group=group)  # noqa: E731

@@ -275,10 +275,17 @@ def check_peer_never_sends(timeout_s: float):
     group = dist.new_group(timeout=timedelta(seconds=timeout_s))
     message = None
     if _rank() == 0:
+        work = dist.irecv(torch.empty(2), 1, group=group)
+        with pytest.raises(TimeoutError, match="passed after"):  # this wait's own limit
+            work.wait(timedelta(seconds=0.2))
+        assert not work.is_completed()
         try:
-            dist.recv(torch.empty(2), 1, group=group)
+            work.wait()  # the group's timeout: the operation fails
         except RuntimeError as exc:
             message = str(exc)
+        with pytest.raises(RuntimeError) as again:  # and stays failed
+            work.wait()
+        assert str(again.value) == message and work.is_completed() and not work.is_success()
     rank_store().barrier(f"p2p-never/{STATE.setdefault('never', 0)}", _world(), 60)
     STATE["never"] += 1
     dist.destroy_process_group(group)
@@ -411,3 +418,21 @@ def test_the_pool_runs_the_path_it_names(pool):
     if schedules._core is None:
         pytest.skip("the compiled core was not built (no C compiler at install)")
     assert pool.run(check_engine_path) == [compiled] * pool.world_size
+
+
+def check_send_to_self():
+    """``isend`` to this rank (torch's ``isend`` lets it through; Gloo fails it with "Pair is
+    not connected"): a ValueError naming the rank and the peer, before anything is sent."""
+    fast, _ = _groups()
+    r = _rank()
+    with pytest.raises(ValueError) as info:
+        dist.isend(torch.ones(5), r, group=fast)
+    assert str(info.value).startswith(f"rank {r}: send: peer rank {r} must be another rank")
+    out = torch.ones(2)  # nothing was sent: the group still works
+    dist.all_reduce(out, group=fast)
+    assert out.tolist() == [float(_world())] * 2
+    return "ok"
+
+
+def test_send_to_self_is_refused(pool):
+    pool.run(check_send_to_self)

@@ -19,7 +19,8 @@ Which object does what:
 - ``group.gloo``: a ``ProcessGroupGloo`` over the same ranks, built at group creation (a
   send/recv involves two ranks only, so it cannot be built lazily); the CPU communicator's own
   Gloo part when it has one. It takes what the contract has no fast path for: ``gather``,
-  ``scatter``, ``send``/``recv``/``recv_anysource``, ``alltoall`` (lists), ``all_to_all_single``
+  ``scatter``, ``send``/``recv``/``recv_anysource`` where the CPU communicator is not shm
+  (``p2p``: on shm they run on its tagged mailboxes), ``alltoall`` (lists), ``all_to_all_single``
   with explicit split sizes, ``allgather`` / ``reduce_scatter`` lists of unequal sizes,
   ``allgather_coalesced``, bitwise ops (``BAND``/``BOR``/``BXOR``), reductions of dtypes the
   contract lacks (``bool``, ...), several tensors per call, and non-contiguous tensors other

@@ -14,7 +14,9 @@ any dtype moves as its bytes through the communicator's tagged engine
 mismatch raised on both ranks, no deadlock in either direction); a non-contiguous tensor through
 a contiguous copy (a receive copies back once the data is in). Anything else (CUDA tensors,
 sparse ones, a ``hier`` or ``gloo`` communicator) is handed to the Gloo group (or a device map's
-CUDA backend) unchanged, as before.
+CUDA backend) unchanged, as before. A send to or receive from this rank itself is refused with a
+``ValueError`` (torch's ``isend`` lets it through; Gloo fails it: its pair is not connected).
+torch hands a complex tensor over as its real view, on both sides alike.
 """
 
 from __future__ import annotations
@@ -239,7 +241,7 @@ def send(group, tensors: list, dst: int, tag: int) -> Any:
     code = _CODES[tensor.dtype]
     if tensor.is_contiguous():
         if group._coalescing is None and engine.send_now(
-                tensor.data_ptr(), tensor.numel() * tensor.element_size(), dst, tag, code):
+                tensor.data_ptr(), tensor.nbytes, dst, tag, code):
             return _finished(tensors)
         data = tensor
     else:
@@ -265,7 +267,7 @@ def recv(group, tensors: list, src: int | None, tag: int) -> Any:
         if src is not None:
             engine.check_rejects(src, "receive from")
             if group._coalescing is None and engine.recv_now(
-                    tensor.data_ptr(), tensor.numel() * tensor.element_size(), src, tag, code):
+                    tensor.data_ptr(), tensor.nbytes, src, tag, code):
                 _increment_version((tensor,))  # written behind autograd's back
                 work = _Received()
                 work._outputs, work._src = tensors, src

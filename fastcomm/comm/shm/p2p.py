@@ -218,24 +218,27 @@ class Mailboxes:
 
     def send_now(self, addr: int, nbytes: int, dst: int, tag: int, dtype: int) -> bool:
         """A message of one chunk sent at once, with no operation built, when nothing is
-        queued to ``dst`` and its slot is free (the caller checked the rejects); else
-        ``False`` having done nothing."""
+        queued to ``dst`` and its slot is free within the spin budget (the caller checked the
+        rejects); else ``False`` having done nothing."""
         core = self._core
         if core is None or nbytes > self._room or self._sends[dst]:
             return False
         with self._lock:
             s = self._s
             k = s._sent[dst]
-            if self._sends[dst] or core.send(addr, nbytes, nbytes, dst, k, 0, tag & _U64, dtype):
+            if self._sends[dst] or core.send(addr, nbytes, nbytes, dst, k,
+                                             self._flags.spin_budget_ns(), tag & _U64, dtype):
                 return False
             s._sent[dst] = k + 1
         return True
 
     def recv_now(self, addr: int, nbytes: int, src: int, tag: int, dtype: int) -> bool:
         """A message of one chunk from ``src`` received at once, with no operation built,
-        when it is there, has ``tag`` and fits, and no earlier receive could claim it; else
-        ``False`` having done nothing (the general path then decides: wait, set aside,
-        mismatch)."""
+        when it is there within the spin budget (the peer is usually about to send it: the
+        core spins without the GIL, as the communicator's own ``recv`` does; a bounded wait,
+        so ``irecv`` still returns at once), has ``tag`` and fits, and no earlier receive
+        could claim it; else ``False`` having done nothing (the general path then decides:
+        wait, set aside, mismatch)."""
         core = self._core
         if (core is None or nbytes > self._room or self._wanted_any or self._wanted[src]
                 or self._incoming[src] is not None or self._stash[src]):
@@ -243,8 +246,10 @@ class Mailboxes:
         with self._lock:
             s = self._s
             k = s._received[src]
-            if self._incoming[src] is not None or core.recv(
-                    addr, nbytes, nbytes, src, k, 0, tag & _U64, dtype):
+            if (self._incoming[src] is not None or self._stash[src] or self._wanted_any
+                    or self._wanted[src] or core.recv(addr, nbytes, nbytes, src, k,
+                                                      self._flags.spin_budget_ns(),
+                                                      tag & _U64, dtype)):
                 return False
             s._received[src] = k + 1
         return True
@@ -573,7 +578,11 @@ class Mailboxes:
         """Fails ``op`` and aborts the communicator (``on_fail`` raises)."""
         with self._lock:
             self._drop(op)
-        self._on_fail(name, op.start, error)
+        try:
+            self._on_fail(name, op.start, error)
+        except BaseException as exc:  # the operation's outcome for every later wait()
+            op.error = exc
+            raise
 
     def _drop(self, op: _Op) -> None:
         """Takes a failed ``op`` out of the queues (call with the lock held)."""
