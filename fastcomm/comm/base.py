@@ -668,18 +668,32 @@ class Communicator(abc.ABC):
         return self._run(_then(task, lambda: torch_reduce(output, terms, op)), async_op)
 
     def _v_call(self, kind: str, root: int, outputs, inputs, async_op: bool) -> Work | None:
-        return self._run(self._v_task(kind, root, outputs, inputs), async_op)
+        target, outputs, inputs = self._v_target(kind, outputs, inputs)
+        if not async_op and target._sync_v(kind, root, outputs, inputs):
+            return None
+        return self._run(target._impl_v_call(kind, root, outputs, inputs), async_op)
 
     def _v_task(self, kind: str, root: int, outputs, inputs) -> Task:
-        """Checks a v-call, counts it and builds its task on the communicator that moves it
-        (which stages inputs that overlap outputs where its schedule needs it)."""
+        """A checked and counted v-call's task on the communicator that moves it."""
+        target, outputs, inputs = self._v_target(kind, outputs, inputs)
+        return target._impl_v_call(kind, root, outputs, inputs)
+
+    def _v_target(self, kind: str, outputs, inputs) -> tuple[Communicator, list, list]:
+        """Checks a v-call and counts it: ``(the communicator that moves it, outputs,
+        inputs)`` (that one stages inputs overlapping outputs where its schedule needs it)."""
         outputs, inputs = check_v(self, kind, outputs, inputs)
         first = inputs[0]
         nbytes = first.nbytes if all(t is first for t in inputs) else sum(
             t.nbytes for t in inputs)
         self.stats.count(kind, nbytes)
         target = self if first.is_cpu and self._cpu_native else self.route(first.device, kind)
-        return target._impl_v_call(kind, root, outputs, inputs)
+        return target, outputs, inputs
+
+    def _sync_v(self, kind: str, root: int, outputs: list, inputs: list) -> bool:
+        """A backend's lane for a synchronous v-call, as :meth:`_sync` is for the other
+        collectives: finishes it on the caller's thread and returns ``True``, or returns
+        ``False`` having done nothing. Default: no such lane."""
+        return False
 
     def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> Work | None:
         """Sends ``tensor`` to rank ``dst`` (which must call ``recv`` with ``src`` = us).

@@ -405,6 +405,21 @@ class ShmCommunicator(Communicator):
     def _impl_barrier(self) -> Task:
         return self._small_first("barrier", self._schedules.barrier)
 
+    def _sync_v(self, kind: str, root: int, outputs: list, inputs: list) -> bool:
+        """A synchronous v-call with no asynchronous work pending runs on the caller's thread
+        with no task or ``Work`` built (as :meth:`_sync`); a disagreement leaves the
+        communicator usable (every rank raised after the same round)."""
+        if self._executor.busy or self._broken is not None or not self._v.fits():
+            return False
+        start = time.monotonic()
+        try:
+            self._v.run(kind, root, outputs, inputs)
+        except SizesDisagreement:
+            raise
+        except BaseException as exc:
+            self._abort(kind, start, exc)
+        return True
+
     def _impl_v_call(self, kind: str, root: int, outputs: list, inputs: list) -> Task:
         if not self._v.fits():  # more ranks than a slot has headers for
             return default_task(self, kind, root, outputs, inputs)
