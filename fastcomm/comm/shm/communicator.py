@@ -420,6 +420,20 @@ class ShmCommunicator(Communicator):
             self._abort(kind, start, exc)
         return True
 
+    def _sync_v_split(self, output: torch.Tensor, input: torch.Tensor, out_bytes: list[int],
+                      in_bytes: list[int]) -> bool:
+        """:meth:`_sync_v` of consecutive pieces of one tensor each side (no view made)."""
+        if self._executor.busy or self._broken is not None or not self._v.fits():
+            return False
+        start = time.monotonic()
+        try:
+            self._v.run_split(output, input, out_bytes, in_bytes)
+        except SizesDisagreement:
+            raise
+        except BaseException as exc:
+            self._abort("all_to_all", start, exc)
+        return True
+
     def _impl_v_call(self, kind: str, root: int, outputs: list, inputs: list) -> Task:
         if not self._v.fits():  # more ranks than a slot has headers for
             return default_task(self, kind, root, outputs, inputs)
