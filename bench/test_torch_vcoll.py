@@ -17,6 +17,10 @@ time per call, so the two backends' figures come from the same rounds (ratios in
 MPICH's row is one ``mpiexec -n N`` run of ``bench/mpi_collectives.py`` right after, with the
 same block length. ``busbw = nbytes / time * (n - 1) / n``.
 
+``test_call_cost``: where a 4 KiB all-to-all's time goes on the fastcomm group (the
+communicator's even call, its v-call, ``dist.all_to_all_single`` without and with split sizes),
+200 calls a round, 15 rounds, in ``extra_info["us_per_call"]``.
+
 Filters: ``FASTCOMM_BENCH_VCOLL_OPS``, ``FASTCOMM_BENCH_WORLDS`` (default ``2,4``),
 ``FASTCOMM_BENCH_SIZES`` (default 4 KiB, 64 KiB, 1 MiB, 16 MiB, 64 MiB). Quick mode
 (``--benchmark-disable``): 4 KiB, 2 ranks, one round of one call, no MPICH. Rows go to the
@@ -130,6 +134,36 @@ def rounds(op: str, nbytes: int, count: int, calls: int) -> dict[str, list[float
     return {name: values[1:] for name, values in times.items()}
 
 
+def call_costs(count: int, calls: int) -> dict[str, list[float]]:
+    """Where a 4 KiB all-to-all's time goes on the fastcomm group, per call: the communicator's
+    even ``all_to_all`` (one C call), its ``all_to_all_v`` of the same pieces as tensors (one
+    C call for the round, the plan in Python), ``dist.all_to_all_single`` without and with
+    split sizes (torch's layer and the adapter on top of each)."""
+    import torch.distributed as dist
+
+    group = STATE["vcoll"]["fastcomm"]
+    comm, n = group.communicator, dist.get_world_size()
+    inp, out = torch.ones(1024), torch.empty(1024)
+    ins, outs = list(inp.split(1024 // n)), list(out.split(1024 // n))
+    splits = [1024 // n] * n
+    ways = {
+        "comm.all_to_all": lambda: comm.all_to_all(out, inp),
+        "comm.all_to_all_v": lambda: comm.all_to_all_v(outs, ins),
+        "dist even": lambda: dist.all_to_all_single(out, inp, group=group),
+        "dist split sizes": lambda: dist.all_to_all_single(out, inp, splits, splits,
+                                                            group=group),
+    }
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for _ in range(count + 1):
+        for name, fn in ways.items():
+            dist.barrier(group=STATE["vcoll"]["gloo"])
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {name: values[1:] for name, values in times.items()}
+
+
 # ---------------------------------------------------------------------- pytest side
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda n: f"{n}ranks")
 def ranks(request):
@@ -185,3 +219,15 @@ def test_vcoll(benchmark, ranks, collectives_report, op, nbytes):
             op=op, provider=provider if provider == "mpich" else f"torch-{provider}",
             bytes=nbytes, world=world, us=round(value, 1), algbw=algbw,
             busbw=algbw * (world - 1) / world))
+
+
+def test_call_cost(benchmark, ranks):
+    """The 4 KiB all-to-all four ways (``call_costs``), in the same rounds."""
+    pool, world = ranks
+    count, calls = (1, 2) if QUICK else (15, 200)
+    per_rank: list[dict] = []
+    benchmark.pedantic(lambda: per_rank.extend(pool.run(call_costs, count, calls)),
+                       rounds=1, iterations=1)
+    us = {name: round(statistics.median(max(r[name][i] for r in per_rank)
+                                        for i in range(count)), 1) for name in per_rank[0]}
+    benchmark.extra_info.update(world=world, us_per_call=us)

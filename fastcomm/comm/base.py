@@ -694,6 +694,39 @@ class Communicator(abc.ABC):
         """
         return self._v_call("all_to_all", -1, outputs, inputs, async_op)
 
+    def all_to_all_split(self, output: torch.Tensor, input: torch.Tensor,
+                         output_splits: list[int], input_splits: list[int],
+                         async_op: bool = False) -> Work | None:
+        """:meth:`all_to_all_v` of consecutive row blocks of one tensor each side, as torch's
+        ``all_to_all_single`` with split sizes: rows ``input_splits[r]`` of ``input`` (along
+        dim 0, in rank order) go to rank ``r``; ``output_splits[q]`` rows of ``output`` come from
+        rank ``q``. No tensor is made per piece where the backend takes the offsets
+        (``_sync_v_split``).
+
+        Raises:
+            TypeError, ValueError: as for :meth:`all_to_all_v`; splits that are not ``size``
+                non-negative ints summing to the tensor's rows.
+        """
+        outputs, inputs = check_v(self, "all_to_all", [output] * self.size, [input] * self.size)
+        byte_splits = []
+        for name, t, splits in (("output", output, output_splits), ("input", input, input_splits)):
+            rows = t.shape[0] if t.dim() else -1
+            if (rows < 0 or len(splits) != self.size or sum(splits) != rows
+                    or min(splits) < 0):
+                raise ValueError(
+                    f"all_to_all: {name}_splits {list(splits)} must be {self.size} sizes >= 0 "
+                    f"summing to the {name}'s {rows} rows (shape {tuple(t.shape)})")
+            row_bytes = t.nbytes // rows if rows else 0
+            byte_splits.append([n * row_bytes for n in splits])
+        self.stats.count("all_to_all", input.nbytes)
+        target = self if input.is_cpu and self._cpu_native else self.route(input.device,
+                                                                          "all_to_all")
+        if not async_op and target._sync_v_split(output, input, *byte_splits):
+            return None
+        outputs = list(output.split_with_sizes(list(output_splits)))
+        inputs = list(input.split_with_sizes(list(input_splits)))
+        return self._run(target._impl_v_call("all_to_all", -1, outputs, inputs), async_op)
+
     def gather(self, outputs: list | None, input: torch.Tensor, root: int = 0,
                async_op: bool = False) -> Work | None:
         """Writes every rank's ``input`` into ``outputs[q]`` of rank ``root`` (``outputs``:
@@ -745,18 +778,38 @@ class Communicator(abc.ABC):
         return self._run(_then(task, lambda: torch_reduce(output, terms, op)), async_op)
 
     def _v_call(self, kind: str, root: int, outputs, inputs, async_op: bool) -> Work | None:
-        return self._run(self._v_task(kind, root, outputs, inputs), async_op)
+        target, outputs, inputs = self._v_target(kind, outputs, inputs)
+        if not async_op and target._sync_v(kind, root, outputs, inputs):
+            return None
+        return self._run(target._impl_v_call(kind, root, outputs, inputs), async_op)
 
     def _v_task(self, kind: str, root: int, outputs, inputs) -> Task:
-        """Checks a v-call, counts it and builds its task on the communicator that moves it
-        (which stages inputs that overlap outputs where its schedule needs it)."""
+        """A checked and counted v-call's task on the communicator that moves it."""
+        target, outputs, inputs = self._v_target(kind, outputs, inputs)
+        return target._impl_v_call(kind, root, outputs, inputs)
+
+    def _v_target(self, kind: str, outputs, inputs) -> tuple[Communicator, list, list]:
+        """Checks a v-call and counts it: ``(the communicator that moves it, outputs,
+        inputs)`` (that one stages inputs overlapping outputs where its schedule needs it)."""
         outputs, inputs = check_v(self, kind, outputs, inputs)
         first = inputs[0]
         nbytes = first.nbytes if all(t is first for t in inputs) else sum(
             t.nbytes for t in inputs)
         self.stats.count(kind, nbytes)
         target = self if first.is_cpu and self._cpu_native else self.route(first.device, kind)
-        return target._impl_v_call(kind, root, outputs, inputs)
+        return target, outputs, inputs
+
+    def _sync_v_split(self, output: torch.Tensor, input: torch.Tensor, out_bytes: list[int],
+                      in_bytes: list[int]) -> bool:
+        """:meth:`_sync_v` for :meth:`all_to_all_split` (each piece's bytes, in rank order).
+        Default: no such lane."""
+        return False
+
+    def _sync_v(self, kind: str, root: int, outputs: list, inputs: list) -> bool:
+        """A backend's lane for a synchronous v-call, as :meth:`_sync` is for the other
+        collectives: finishes it on the caller's thread and returns ``True``, or returns
+        ``False`` having done nothing. Default: no such lane."""
+        return False
 
     def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> Work | None:
         """Sends ``tensor`` to rank ``dst`` (which must call ``recv`` with ``src`` = us).

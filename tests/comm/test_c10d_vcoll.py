@@ -151,6 +151,26 @@ def check_same_as_gloo(case: str, *args):
     return "ok"
 
 
+def check_split_forms():
+    """Split sizes given on one side only (the other even, as torch allows), and a call that
+    moves nothing at all (every split zero): the same as Gloo, without Gloo."""
+    fast, gloo = _groups()
+    me, n = _rank(), _world()
+    results = []
+    for group in (gloo, fast):
+        with _no_gloo(group) if group is fast else contextmanager(lambda: (yield))():
+            inp = torch.arange(2.0 * n) + 10 * me  # two rows to each rank
+            out = torch.zeros(2 * n)
+            dist.all_to_all_single(out, inp, [2] * n, None, group=group)
+            out2 = torch.zeros(2 * n)
+            dist.all_to_all_single(out2, inp, None, [2] * n, group=group)
+            nothing = torch.zeros(0)
+            dist.all_to_all_single(nothing, torch.zeros(0), [0] * n, [0] * n, group=group)
+        results.append(torch.cat([out, out2]))
+    assert torch.equal(results[0], results[1]), results
+    return "ok"
+
+
 def check_every_dtype(dtype_name: str):
     """Every dtype through all_to_all_single, all_to_all and gather/scatter, against what the
     senders made (Gloo lacks some of these dtypes)."""
@@ -298,6 +318,10 @@ def test_all_to_all_same_as_gloo(pool, async_op, contiguous):
 def test_gather_scatter_same_as_gloo(pool, async_op):
     for root in range(pool.world_size):
         pool.run(check_same_as_gloo, "gather_scatter", "float32", async_op, root)
+
+
+def test_split_forms_same_as_gloo(pool):
+    pool.run(check_split_forms)
 
 
 def test_all_gather_coalesced_same_as_gloo(pool):

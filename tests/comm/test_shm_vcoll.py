@@ -75,6 +75,28 @@ def check_all_to_all_v(backend: str, dtype_name: str, scale: int, async_op: bool
     return "ok"
 
 
+def check_all_to_all_split(backend: str, scale: int, in_place: bool):
+    """Row blocks of one tensor each side (torch's all_to_all_single with split sizes), rows of
+    width 3; in place: one tensor as both (equal splits both ways)."""
+    comm, me = _comm(backend), _rank()
+    n = comm.size
+    sends = [_numel(me, r, scale) for r in range(n)]
+    recvs = [_numel(q, me, scale) for q in range(n)]
+    if in_place:
+        sends = recvs = [scale] * n
+    def block(q: int, r: int, count: int) -> torch.Tensor:  # rows rank q sends rank r
+        return (torch.arange(count * 3, dtype=torch.float32) + 1000 * q + 100 * r).view(-1, 3)
+
+    rows = torch.cat([block(me, r, sends[r]) for r in range(n)])
+    out = rows if in_place else torch.full((sum(recvs), 3), -1.0)
+    comm.all_to_all_split(out, rows, recvs, sends)
+    want = torch.cat([block(q, me, count) for q, count in enumerate(recvs)])
+    assert torch.equal(out, want)
+    with pytest.raises(ValueError, match="input_splits"):
+        comm.all_to_all_split(out, rows, recvs, [count + 1 for count in sends])
+    return "ok"
+
+
 def check_gather_scatter(backend: str, dtype_name: str, scale: int, root: int):
     comm, me = _comm(backend), _rank()
     n = comm.size
@@ -200,6 +222,13 @@ def test_all_to_all_v_values(pool, backend, scale):
     for async_op in (False, True):
         assert pool.run(check_all_to_all_v, backend, "float32", scale, async_op) == ["ok"] * \
             pool.world_size
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_to_all_split(pool, backend):
+    for scale in (1, 500):
+        for in_place in (False, True):
+            pool.run(check_all_to_all_split, backend, scale, in_place)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

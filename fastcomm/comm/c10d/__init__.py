@@ -18,14 +18,15 @@ Which object does what:
   are forwarded unchanged.
 - ``group.gloo``: a ``ProcessGroupGloo`` over the same ranks, built at group creation (a
   send/recv involves two ranks only, so it cannot be built lazily); the CPU communicator's own
-  Gloo part when it has one. It takes what the contract has no fast path for: ``gather``,
-  ``scatter``, ``send``/``recv``/``recv_anysource`` where the CPU communicator is not shm
-  (``p2p``: on shm they run on its tagged mailboxes), ``alltoall`` (lists), ``all_to_all_single``
-  with explicit split sizes, ``allgather`` / ``reduce_scatter`` lists of unequal sizes,
-  ``allgather_coalesced``, bitwise ops (``BAND``/``BOR``/``BXOR``), reductions of dtypes the
-  contract lacks (``bool``, ...), several tensors per call, and non-contiguous tensors other
-  than the one tensor of ``allreduce``/``broadcast``/``reduce`` (those run on a contiguous copy
-  written back).
+  Gloo part when it has one. It takes what the contract has no fast path for:
+  ``send``/``recv``/``recv_anysource`` where the CPU communicator is not shm (``p2p``: on shm
+  they run on its tagged mailboxes), bitwise ops (``BAND``/``BOR``/``BXOR``), reductions of
+  dtypes the contract lacks (``bool``, ...), several tensors per call, and non-contiguous
+  tensors of ``all_gather_single``/``reduce_scatter_single`` (those of ``allreduce``/
+  ``broadcast``/``reduce`` and of the calls of unequal sizes run on a contiguous copy).
+  ``gather``, ``scatter``, ``alltoall`` (lists), ``all_to_all_single`` with split sizes,
+  ``allgather`` / ``reduce_scatter`` lists of unequal sizes and ``allgather_coalesced`` are
+  the communicator's v-calls (``vcoll.py``), their sizes agreed inside the call.
   It is also the group's registered C++ backend, so torch's introspection
   (``group._device_types``, ``group._get_backend``) sees a CPU backend. A collective handed to
   it is first compared across the ranks through the communicator (what each rank sends to and

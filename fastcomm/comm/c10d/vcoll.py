@@ -59,19 +59,19 @@ def _receivable(tensors: list) -> tuple[list, Any]:
     return [staged.get(id(t), t) for t in tensors], post
 
 
-def _split(t: torch.Tensor, splits, size: int) -> list | None:
-    """``t`` split along dim 0 by ``splits`` (empty: evenly); ``None`` where torch's
-    ``all_to_all_single`` would refuse (then Gloo's error is the user's)."""
+def _splits(t: torch.Tensor, splits, size: int) -> list | None:
+    """The rows ``t`` gives each rank along dim 0 (``splits``; empty: evenly), or ``None``
+    where torch's ``all_to_all_single`` would refuse (then Gloo's error is the user's)."""
     if t.dim() == 0:
         return None
     rows = t.shape[0]
     if not splits:
         if rows % size:
             return None
-        splits = [rows // size] * size
+        return [rows // size] * size
     if len(splits) != size or sum(splits) != rows or min(splits) < 0:
         return None
-    return list(t.split(list(splits)))
+    return list(splits)
 
 
 class VCollOps:
@@ -126,12 +126,12 @@ class VCollOps:
         if comm is not None and output.layout is _STRIDED and input.layout is _STRIDED:
             send = input if input.is_contiguous() else input.contiguous()
             recv = output if output.is_contiguous() else output.contiguous()
-            ins = _split(send, input_split_sizes, self._size)
-            outs = _split(recv, output_split_sizes, self._size)
-            if ins is not None and outs is not None:
+            ins = _splits(send, input_split_sizes, self._size)
+            outs = _splits(recv, output_split_sizes, self._size)
+            if ins is not None and outs is not None and send.dtype == recv.dtype:
                 post = None if recv is output else (lambda: output.copy_(recv))
-                return self._v_issue("all_to_all_single", [output], opts, comm.all_to_all_v,
-                                     outs, ins, post=post)
+                return self._v_issue("all_to_all_single", [output], opts,
+                                     comm.all_to_all_split, recv, send, outs, ins, post=post)
         return self._forward("all_to_all_single", [output], input, output, input,
                              output_split_sizes, input_split_sizes, opts)
 

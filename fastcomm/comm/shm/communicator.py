@@ -458,6 +458,35 @@ class ShmCommunicator(Communicator):
     def _impl_barrier(self) -> Task:
         return self._small_first("barrier", self._schedules.barrier)
 
+    def _sync_v(self, kind: str, root: int, outputs: list, inputs: list) -> bool:
+        """A synchronous v-call with no asynchronous work pending runs on the caller's thread
+        with no task or ``Work`` built (as :meth:`_sync`); a disagreement leaves the
+        communicator usable (every rank raised after the same round)."""
+        if self._executor.busy or self._broken is not None or not self._v.fits():
+            return False
+        start = time.monotonic()
+        try:
+            self._v.run(kind, root, outputs, inputs)
+        except SizesDisagreement:
+            raise
+        except BaseException as exc:
+            self._abort(kind, start, exc)
+        return True
+
+    def _sync_v_split(self, output: torch.Tensor, input: torch.Tensor, out_bytes: list[int],
+                      in_bytes: list[int]) -> bool:
+        """:meth:`_sync_v` of consecutive pieces of one tensor each side (no view made)."""
+        if self._executor.busy or self._broken is not None or not self._v.fits():
+            return False
+        start = time.monotonic()
+        try:
+            self._v.run_split(output, input, out_bytes, in_bytes)
+        except SizesDisagreement:
+            raise
+        except BaseException as exc:
+            self._abort("all_to_all", start, exc)
+        return True
+
     def _impl_v_call(self, kind: str, root: int, outputs: list, inputs: list) -> Task:
         if not self._v.fits():  # more ranks than a slot has headers for
             return default_task(self, kind, root, outputs, inputs)

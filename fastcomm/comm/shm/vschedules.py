@@ -91,40 +91,60 @@ class VSchedule:
 
     def run(self, kind: str, root: int, outputs: list, inputs: list) -> None:
         """One v-call: ``inputs[r]`` to rank ``r``, ``outputs[q]`` from rank ``q`` (contiguous
-        CPU tensors, one dtype; checked by the communicator)."""
+        CPU tensors, one dtype; checked by the communicator). A tensor given for several
+        destinations goes into the slot once."""
+        first = inputs[0]
+        self._run(kind, root, first.dtype, first.element_size(),
+                  [t.nbytes for t in inputs], [t.nbytes for t in outputs],
+                  [t.data_ptr() for t in inputs], [t.data_ptr() for t in outputs],
+                  [id(t) for t in inputs], tuple(t for t in outputs if t.nbytes))
+
+    def run_split(self, output: torch.Tensor, input: torch.Tensor, out_bytes: list[int],
+                  in_bytes: list[int]) -> None:
+        """An ``all_to_all`` v-call of consecutive pieces of one tensor each side (``out_bytes``
+        and ``in_bytes``: each piece's bytes, in rank order; contiguous CPU tensors of one
+        dtype, checked by the communicator), with no tensor made per piece."""
+        out_addrs, in_addrs = [], []
+        address = output.data_ptr()
+        for nbytes in out_bytes:
+            out_addrs.append(address)
+            address += nbytes
+        address = input.data_ptr()
+        for nbytes in in_bytes:
+            in_addrs.append(address)
+            address += nbytes
+        self._run("all_to_all", -1, input.dtype, input.element_size(), in_bytes, out_bytes,
+                  in_addrs, out_addrs, range(self.size), (output,) if output.nbytes else ())
+
+    def _run(self, kind: str, root: int, dtype: torch.dtype, esize: int, sent: list,
+             expected: list, in_addrs: list, out_addrs: list, keys, changed: tuple) -> None:
+        """A v-call of pieces given as addresses and bytes; ``keys[r]``: the identity of the
+        buffer sent to rank ``r`` (equal keys: one buffer); ``changed``: the tensors whose
+        version counters the call bumps."""
         start = time.monotonic()
         s, n, me, head = self.s, self.size, self.rank, self.header
         flags = s.flags
-        first = inputs[0]
-        esize = first.element_size()
-        sent = [t.nbytes for t in inputs]
-        expected = [t.nbytes for t in outputs]
         # the distinct buffers sent to peers, in order of first use, each at its slot offset
         buffers: list[list[int]] = []  # [address, bytes]
         offsets = [-1] * n
         seen: dict[int, int] = {}
-        for r in range(n):
+        for r, key in enumerate(keys):
             if r == me or not sent[r]:
                 continue
-            t = inputs[r]
-            i = seen.get(id(t))
+            i = seen.get(key)
             if i is None:
-                i = seen[id(t)] = len(buffers)
-                buffers.append([t.data_ptr(), sent[r]])
+                i = seen[key] = len(buffers)
+                buffers.append([in_addrs[r], sent[r]])
             offsets[r] = i
         room = self.rooms[len(buffers)]
         offsets = [-1 if i < 0 else head + i * room for i in offsets]
-        words = (KIND_CODES[kind], root, DTYPE_CODES[first.dtype], esize, *sent, *expected,
-                 *offsets)
+        words = (KIND_CODES[kind], root, DTYPE_CODES[dtype], esize, *sent, *expected, *offsets)
         if s._core is not None and all(nbytes <= room for _, nbytes in buffers):
             # the round in one C call; it returns having copied nothing out when the ranks
             # disagree or a peer's piece needs more rounds (then on as below)
-            self._plan_struct.pack_into(self._plan, 0, *words,
-                                        *[t.data_ptr() for t in outputs],
-                                        *[t.data_ptr() for t in inputs])
+            self._plan_struct.pack_into(self._plan, 0, *words, *out_addrs, *in_addrs)
             half, status = self._core_round(kind, start)
             if status == _core.DONE:
-                changed = tuple(t for t in outputs if t.nbytes)
                 if changed:
                     _increment_version(changed)
                 return
@@ -152,8 +172,8 @@ class VSchedule:
                 if where[r] >= 0 and theirs[HEAD + r] > rounds * q_room:
                     rounds = -(-theirs[HEAD + r] // q_room)
             if q != me and expected[q]:
-                sources.append((q, q_room, where[me], expected[q], outputs[q].data_ptr()))
-        if rounds > 1 and overlaps([(t.data_ptr(), t.nbytes) for t in outputs],
+                sources.append((q, q_room, where[me], expected[q], out_addrs[q]))
+        if rounds > 1 and overlaps(list(zip(out_addrs, expected, strict=True)),
                                    [(addr, nbytes) for addr, nbytes in buffers]):
             # later rounds still read the inputs: received pieces must not land on them
             keep = [torch.empty(nbytes, dtype=torch.uint8) for _, nbytes in buffers]
@@ -163,7 +183,7 @@ class VSchedule:
         else:
             keep = None
         if expected[me]:  # first: the peers' pieces may land on our own input
-            _memmove(outputs[me].data_ptr(), inputs[me].data_ptr(), expected[me])
+            _memmove(out_addrs[me], in_addrs[me], expected[me])
         self._copy_out(half, sources, 0)
         for k in range(1, rounds):
             half = s._enter(kind, start, _CODE)
@@ -176,7 +196,6 @@ class VSchedule:
             flags.wait_all(flags.seq, kind, start)
             self._copy_out(half, sources, k)
         del keep
-        changed = tuple(t for t in outputs if t.nbytes)
         if changed:
             _increment_version(changed)
 
