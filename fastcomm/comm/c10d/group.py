@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import Counter
@@ -24,6 +25,7 @@ from . import monitored
 from .agree import (
     _OP_CODES,
     _RED,
+    FINGERPRINT,
     _agrees,
     _as_list,
     _disagreement,
@@ -31,7 +33,7 @@ from .agree import (
     _kind_of,
     _row,
 )
-from .works import FastcommWork, _finished
+from .works import FastcommWork, FinishedWork, _finished
 
 BACKEND_NAME = "fastcomm"
 
@@ -46,6 +48,7 @@ _OPS = {
     _RED.PRODUCT.value: ReduceOp.PRODUCT,
 }
 _PREMUL = _RED.PREMUL_SUM.value
+_refcount = sys.getrefcount
 # allreduce and reduce also take the bitwise ops and the contract's extra dtypes (bool, int16,
 # unsigned); the other reductions (reduce-scatter) take _OPS on _DTYPES
 _ALL_OPS = {
@@ -369,10 +372,25 @@ class FastcommProcessGroup(dist.ProcessGroup):
             fn(*args, False)
             if post is not None:
                 post()
-            handle = _finished(outputs)
+            handle = self._done(outputs)
         if self._coalescing is not None:
             self._coalescing.append(handle)
         return handle
+
+    _last_done: FinishedWork | None = None
+
+    def _done(self, outputs: list) -> FinishedWork:
+        """The handle of a call that finished before it returned: the group's previous one
+        when nothing holds that any more (torch's ``dist.all_reduce`` drops it once ``wait()``
+        returned), else a new one. Making a ``dist._Work`` costs more than the rest of the
+        adapter's part of a call; a handle someone still holds (a caller, C++, a coalescing
+        list) is never reused, so each holder keeps its own outputs."""
+        work = self._last_done
+        if _refcount(work) == 3:  # the attribute, `work` and the argument: no one else
+            work._outputs = outputs
+            return work
+        work = self._last_done = _finished(outputs)
+        return work
 
     def _issue_all(self, op: str, outputs: list, async_op: bool, calls: list):
         """Several communicator calls (a coalesced op) as one work."""
@@ -419,17 +437,24 @@ class FastcommProcessGroup(dist.ProcessGroup):
             self._coalescing.append(handle)
         return handle
 
+    _agree_buffer: tuple | None = None  # (int64 tensor, its NumPy view), made on first use
+
     def _agree(self, what: str, op: str, args: tuple) -> None:
         """Compares the call's descriptor across the ranks (through the communicator, within
         the group's timeout): one small ``all_reduce`` of its fingerprint (see ``agree``), and
         only where that says the ranks differ, an ``all_gather`` of the descriptors for the
         message; raises ``ValueError`` on every rank when they disagree."""
         row = _row(op, self._size, args)
-        total = torch.tensor(_fingerprint(self._rank, self._size, row), dtype=torch.int64)
+        total = self._agree_buffer
+        if total is None:  # one buffer per group, filled through NumPy (no tensor per call)
+            buf = torch.zeros(FINGERPRINT, dtype=torch.int64)
+            total = self._agree_buffer = (buf, buf.numpy())
+        buf, values = total
+        values[:] = _fingerprint(self._rank, self._size, row)
         self.agreed[op] += 1
         try:
-            self.communicator.all_reduce(total)
-            if _agrees(total.tolist(), self._size):
+            self.communicator.all_reduce(buf)
+            if _agrees(values.tolist(), self._size):
                 return
             mine = torch.tensor(row, dtype=torch.int64)
             rows = mine.new_empty((self._size, mine.numel()))
@@ -478,7 +503,7 @@ class FastcommProcessGroup(dist.ProcessGroup):
                     if opts.asyncOp or self._coalescing is not None:
                         return self._issue("allreduce", tensors, True, comm.all_reduce, view, op)
                     comm.all_reduce(view, op, False)
-                    return _finished(tensors)
+                    return self._done(tensors)
         elif tensors:
             handle = self._many("allreduce", tensors, opts, -1)
             if handle is not None:
