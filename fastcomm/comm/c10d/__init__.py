@@ -21,15 +21,21 @@ Which object does what:
   Gloo part when it has one. It takes what the contract has no fast path for: ``gather``,
   ``scatter``, ``send``/``recv``/``recv_anysource``, ``alltoall`` (lists), ``all_to_all_single``
   with explicit split sizes, ``allgather`` / ``reduce_scatter`` lists of unequal sizes,
-  ``allgather_coalesced``, bitwise ops (``BAND``/``BOR``/``BXOR``), reductions of dtypes the
-  contract lacks (``bool``, ...), several tensors per call, and non-contiguous tensors other
-  than the one tensor of ``allreduce``/``broadcast``/``reduce`` (those run on a contiguous copy
-  written back).
+  ``allgather_coalesced``, and non-contiguous tensors other than those of
+  ``allreduce``/``broadcast``/``reduce`` (those run on a contiguous copy written back). The
+  bitwise ops, the extra dtypes (``bool``, ``int16``, unsigned) and several tensors in one
+  ``allreduce``/``reduce``/``broadcast`` run on the communicator.
   It is also the group's registered C++ backend, so torch's introspection
   (``group._device_types``, ``group._get_backend``) sees a CPU backend. A collective handed to
   it is first compared across the ranks through the communicator (what each rank sends to and
   expects from each other, the dtype, root and reduce op): Gloo aborts the process when ranks
   disagree on sizes, fastcomm raises ``ValueError`` on every rank and the group stays usable.
+
+``dist.monitored_barrier`` refuses every backend but Gloo by name; :func:`monitored_barrier`
+(``fastcomm.monitored_barrier``) is the same call for these groups, over the group's store.
+
+Autograd: tensors that require grad are written through detached aliases (the communicator's
+entry detaches them), so a collective never enters or breaks the autograd graph.
 
 Work: a call torch issues synchronously (``opts.asyncOp`` false: ``dist.all_reduce(t)``) runs
 on the caller's thread, on the communicator's synchronous lane, and returns a
