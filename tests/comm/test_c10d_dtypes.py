@@ -374,6 +374,26 @@ def check_communicator_tracked_tensors():
     return "ok"
 
 
+def check_sync_handles():
+    """A synchronous call's handle: each one a caller holds keeps its own outputs; one nobody
+    holds any more is reused (torch's ``dist.all_reduce`` drops it after ``wait()``)."""
+    fast, _ = _groups()
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False
+    a, b = torch.ones(2), torch.ones(3)
+    first = fast.allreduce([a], opts)
+    second = fast.allreduce([b], opts)
+    assert first is not second
+    assert first.result()[0] is a and second.result()[0] is b
+    assert first.get_future().value()[0] is a and first.wait() and first.is_completed()
+    del first, second
+    held = id(fast.allreduce([a], opts))  # dropped at once
+    again = fast.allreduce([b], opts)
+    assert id(again) == held and again.result()[0] is b
+    assert a.tolist() == [_world() ** 2] * 2 and b.tolist() == [_world() ** 2] * 3
+    return "ok"
+
+
 # ---------------------------------------------------------------------- monitored barrier
 def check_monitored_barrier():
     """``fastcomm.monitored_barrier``: every rank passes when all arrive; when the last rank
@@ -435,6 +455,10 @@ def test_monitored_barrier_names_the_missing_ranks(pool):
         assert texts[False].startswith(f"rank {rank}: monitored_barrier of group"), texts
         assert first in texts[False], texts
         assert every in texts[True], texts
+
+
+def test_synchronous_handles_keep_their_outputs(pool):
+    assert pool.run(check_sync_handles) == ["ok"] * pool.world_size
 
 
 def test_several_tensors_in_one_call(pool):

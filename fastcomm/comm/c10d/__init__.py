@@ -20,18 +20,25 @@ Which object does what:
   send/recv involves two ranks only, so it cannot be built lazily); the CPU communicator's own
   Gloo part when it has one. It takes what the contract has no fast path for:
   ``send``/``recv``/``recv_anysource`` where the CPU communicator is not shm (``p2p``: on shm
-  they run on its tagged mailboxes), bitwise ops (``BAND``/``BOR``/``BXOR``), reductions of
-  dtypes the contract lacks (``bool``, ...), several tensors per call, and non-contiguous
-  tensors of ``all_gather_single``/``reduce_scatter_single`` (those of ``allreduce``/
-  ``broadcast``/``reduce`` and of the calls of unequal sizes run on a contiguous copy).
-  ``gather``, ``scatter``, ``alltoall`` (lists), ``all_to_all_single`` with split sizes,
-  ``allgather`` / ``reduce_scatter`` lists of unequal sizes and ``allgather_coalesced`` are
-  the communicator's v-calls (``vcoll.py``), their sizes agreed inside the call.
+  they run on its tagged mailboxes), and non-contiguous tensors of
+  ``all_gather_single``/``reduce_scatter_single`` (those of ``allreduce``/``broadcast``/
+  ``reduce`` and of the calls of unequal sizes run on a contiguous copy). The bitwise ops, the
+  extra dtypes (``bool``, ``int16``, unsigned) and several tensors in one
+  ``allreduce``/``reduce``/``broadcast`` run on the communicator. ``gather``, ``scatter``,
+  ``alltoall`` (lists), ``all_to_all_single`` with split sizes, ``allgather`` /
+  ``reduce_scatter`` lists of unequal sizes and ``allgather_coalesced`` are the
+  communicator's v-calls (``vcoll.py``), their sizes agreed inside the call.
   It is also the group's registered C++ backend, so torch's introspection
   (``group._device_types``, ``group._get_backend``) sees a CPU backend. A collective handed to
   it is first compared across the ranks through the communicator (what each rank sends to and
   expects from each other, the dtype, root and reduce op): Gloo aborts the process when ranks
   disagree on sizes, fastcomm raises ``ValueError`` on every rank and the group stays usable.
+
+``dist.monitored_barrier`` refuses every backend but Gloo by name; :func:`monitored_barrier`
+(``fastcomm.monitored_barrier``) is the same call for these groups, over the group's store.
+
+Autograd: tensors that require grad are written through detached aliases (the communicator's
+entry detaches them), so a collective never enters or breaks the autograd graph.
 
 Work: a call torch issues synchronously (``opts.asyncOp`` false: ``dist.all_reduce(t)``) runs
 on the caller's thread, on the communicator's synchronous lane, and returns a

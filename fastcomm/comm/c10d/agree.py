@@ -18,6 +18,7 @@ descriptions gathered (:func:`_disagreement`), for a message naming both calls."
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import mul
 from typing import Any
 
 import torch
@@ -54,7 +55,11 @@ _HEAD = 5  # op, root, reduce op, dtype, layout; then elements sent to / expecte
 _LAYOUT_MASK = (1 << 20) - 1  # a layout hash small enough that its square sums exactly in int64
 _PRIME = (1 << 61) - 1  # the checksums' modulus
 _HALF = 31  # a checksum term goes as (term >> 31, term & (2^31 - 1)): each sums exactly in int64
+_LOW = (1 << _HALF) - 1
 _WEIGHTS: dict[int, tuple[list[list[int]], list[list[int]]]] = {}  # by group size
+_RANK_WEIGHTS: dict[tuple[int, int], list] = {}  # by (rank, size)
+#: the fingerprint's length: the head, its squares, two checksums of two halves each
+FINGERPRINT = 2 * _HEAD + 4
 
 
 def _numel(tensors: Sequence[torch.Tensor]) -> int:
@@ -164,29 +169,35 @@ def _weights(size: int) -> tuple[list[list[int]], list[list[int]]]:
     return tables
 
 
+def _rank_weights(rank: int, size: int) -> list[tuple[list[int], list[int]]]:
+    """Per table: ``rank``'s row (weights of what it sends) and column (of what it expects)."""
+    key = (rank, size)
+    found = _RANK_WEIGHTS.get(key)
+    if found is None:
+        found = _RANK_WEIGHTS[key] = [
+            (table[rank], [table[i][rank] for i in range(size)]) for table in _weights(size)
+        ]
+    return found
+
+
 def _fingerprint(rank: int, size: int, row: list[int]) -> list[int]:
     """This rank's 14 terms of the agreement's ``SUM`` (module docstring) for its ``row``."""
     head = row[:_HEAD]
     sent, expected = row[_HEAD:_HEAD + size], row[_HEAD + size:]
-    sums = []
-    for table in _weights(size):
-        out = sum(w * n for w, n in zip(table[rank], sent, strict=True))
-        back = sum(table[i][rank] * n for i, n in enumerate(expected))
-        term = (out - back) % _PRIME
-        sums += [term >> _HALF, term & ((1 << _HALF) - 1)]
-    return head + [h * h for h in head] + sums
+    terms = head + [h * h for h in head]
+    for out, back in _rank_weights(rank, size):
+        term = (sum(map(mul, out, sent)) - sum(map(mul, back, expected))) % _PRIME
+        terms += (term >> _HALF, term & _LOW)
+    return terms
 
 
 def _agrees(total: list[int], size: int) -> bool:
     """Whether the ranks' summed fingerprints (:func:`_fingerprint`) say they agree."""
-    heads_equal = all(
-        total[f] * total[f] == size * total[_HEAD + f] for f in range(_HEAD)
-    )
-    halves = total[2 * _HEAD:]
-    return heads_equal and all(
-        ((hi << _HALF) + lo) % _PRIME == 0 for hi, lo in zip(halves[::2], halves[1::2],
-                                                             strict=True)
-    )
+    for f in range(_HEAD):
+        if total[f] * total[f] != size * total[_HEAD + f]:
+            return False
+    hi0, lo0, hi1, lo1 = total[2 * _HEAD:]
+    return ((hi0 << _HALF) + lo0) % _PRIME == 0 and ((hi1 << _HALF) + lo1) % _PRIME == 0
 
 
 def _disagreement(rows: list[list[int]]) -> str | None:

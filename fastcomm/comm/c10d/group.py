@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import Counter
@@ -15,7 +16,6 @@ from torch._C._distributed_c10d import AllgatherOptions
 
 from ..base import Communicator
 from ..errors import FastcommError
-from ..reduction import reduce_into
 from ..store import Store
 from ..types import SUPPORTED_DTYPES, BitwiseOp, PremulSum, ReduceOp
 from ..work import wrap_error
@@ -25,6 +25,7 @@ from . import p2p as _p2p
 from .agree import (
     _OP_CODES,
     _RED,
+    FINGERPRINT,
     _agrees,
     _as_list,
     _disagreement,
@@ -32,8 +33,9 @@ from .agree import (
     _kind_of,
     _row,
 )
+from .multi import _combined, _copier, _copy_to_all, _same_tensors
 from .vcoll import VCollOps
-from .works import FastcommWork, _finished
+from .works import FastcommWork, FinishedWork, _finished
 
 BACKEND_NAME = "fastcomm"
 
@@ -48,6 +50,7 @@ _OPS = {
     _RED.PRODUCT.value: ReduceOp.PRODUCT,
 }
 _PREMUL = _RED.PREMUL_SUM.value
+_refcount = sys.getrefcount
 # allreduce and reduce also take the bitwise ops and the contract's extra dtypes (bool, int16,
 # unsigned); the other reductions (reduce-scatter) take _OPS on _DTYPES
 _ALL_OPS = {
@@ -106,36 +109,6 @@ def _all_reducible(t: torch.Tensor) -> torch.Tensor | None:
     return _reducible(t)
 
 
-def _same_tensors(rank: int, what: str, tensors: list) -> None:
-    """Raises unless every tensor of a multi-tensor call matches the first (dtype, shape,
-    device), as Gloo requires."""
-    first = tensors[0]
-    for i, t in enumerate(tensors):
-        if t.dtype != first.dtype or t.shape != first.shape or t.device != first.device:
-            raise ValueError(
-                f"rank {rank}: {what}: tensor {i} is {t.dtype} {tuple(t.shape)} on {t.device}, "
-                f"tensor 0 {first.dtype} {tuple(first.shape)} on {first.device}; the tensors "
-                "of one call must match"
-            )
-
-
-def _combined(tensors: list, op: ReduceOp | PremulSum) -> torch.Tensor:
-    """This rank's tensors reduced into one contiguous scratch in list order (``AVG`` and a
-    ``PremulSum`` summed: the division and the factor belong to the ranks' reduction)."""
-    local = ReduceOp.SUM if op is ReduceOp.AVG or op.__class__ is PremulSum else op
-    scratch = tensors[0].detach().contiguous().clone()
-    terms = [scratch] + [t.detach() for t in tensors[1:]]
-    if len(terms) > 1:
-        reduce_into(scratch.view(-1), [t.reshape(-1) for t in terms], local)
-    return scratch
-
-
-def _copy_to_all(result: torch.Tensor, tensors: list) -> None:
-    """Writes ``result`` into every tensor of a multi-tensor call (outside autograd)."""
-    for t in tensors:
-        t.detach().copy_(result)
-
-
 def _reducible(t: torch.Tensor) -> torch.Tensor | None:
     """``t``, or its real view when complex, if the contract reduces it (else ``None``)."""
     if t.dtype in _DTYPES and t.layout is _STRIDED and t.is_contiguous():
@@ -161,12 +134,6 @@ def _staged(tensor: torch.Tensor) -> torch.Tensor | None:
         return tensor.detach().contiguous()
     return None
 
-
-def _copier(tensor: torch.Tensor, result: torch.Tensor) -> partial:
-    """The step that writes a staged ``result`` back into the caller's ``tensor``, outside
-    autograd (as Gloo writes it): a tensor that requires grad is written through a detached
-    alias, so the write neither fails (a leaf) nor enters the graph (a non-leaf)."""
-    return partial(tensor.detach().copy_, result)
 
 def _gloo_of(comm: Communicator) -> dist.ProcessGroupGloo | None:
     """The ``ProcessGroupGloo`` over all of ``comm``'s ranks that it already holds, if any
@@ -372,10 +339,25 @@ class FastcommProcessGroup(VCollOps, dist.ProcessGroup):
             fn(*args, False)
             if post is not None:
                 post()
-            handle = _finished(outputs)
+            handle = self._done(outputs)
         if self._coalescing is not None:
             self._coalescing.append(handle)
         return handle
+
+    _last_done: FinishedWork | None = None
+
+    def _done(self, outputs: list) -> FinishedWork:
+        """The handle of a call that finished before it returned: the group's previous one
+        when nothing holds that any more (torch's ``dist.all_reduce`` drops it once ``wait()``
+        returned), else a new one. Making a ``dist._Work`` costs more than the rest of the
+        adapter's part of a call; a handle someone still holds (a caller, C++, a coalescing
+        list) is never reused, so each holder keeps its own outputs."""
+        work = self._last_done
+        if _refcount(work) == 3:  # the attribute, `work` and the argument: no one else
+            work._outputs = outputs
+            return work
+        work = self._last_done = _finished(outputs)
+        return work
 
     def _issue_all(self, op: str, outputs: list, async_op: bool, calls: list):
         """Several communicator calls (a coalesced op) as one work."""
@@ -422,17 +404,24 @@ class FastcommProcessGroup(VCollOps, dist.ProcessGroup):
             self._coalescing.append(handle)
         return handle
 
+    _agree_buffer: tuple | None = None  # (int64 tensor, its NumPy view), made on first use
+
     def _agree(self, what: str, op: str, args: tuple) -> None:
         """Compares the call's descriptor across the ranks (through the communicator, within
         the group's timeout): one small ``all_reduce`` of its fingerprint (see ``agree``), and
         only where that says the ranks differ, an ``all_gather`` of the descriptors for the
         message; raises ``ValueError`` on every rank when they disagree."""
         row = _row(op, self._size, args)
-        total = torch.tensor(_fingerprint(self._rank, self._size, row), dtype=torch.int64)
+        total = self._agree_buffer
+        if total is None:  # one buffer per group, filled through NumPy (no tensor per call)
+            buf = torch.zeros(FINGERPRINT, dtype=torch.int64)
+            total = self._agree_buffer = (buf, buf.numpy())
+        buf, values = total
+        values[:] = _fingerprint(self._rank, self._size, row)
         self.agreed[op] += 1
         try:
-            self.communicator.all_reduce(total)
-            if _agrees(total.tolist(), self._size):
+            self.communicator.all_reduce(buf)
+            if _agrees(values.tolist(), self._size):
                 return
             mine = torch.tensor(row, dtype=torch.int64)
             rows = mine.new_empty((self._size, mine.numel()))
@@ -481,7 +470,7 @@ class FastcommProcessGroup(VCollOps, dist.ProcessGroup):
                     if opts.asyncOp or self._coalescing is not None:
                         return self._issue("allreduce", tensors, True, comm.all_reduce, view, op)
                     comm.all_reduce(view, op, False)
-                    return _finished(tensors)
+                    return self._done(tensors)
         elif tensors:
             handle = self._many("allreduce", tensors, opts, -1)
             if handle is not None:
