@@ -192,7 +192,8 @@ def plot_ddp(benchmarks: list[dict], out: Path, title: str) -> Path | None:
         return None
     dropin = _ddp_medians(benchmarks, "test_ddp_dropin_step")
     tiny = _ddp_medians(benchmarks, "test_ddp_tiny_params_step")
-    panels = [(main, ["torch", "fastcomm-gloo", "fastcomm-shm", "fastcomm-nccl", "no-comm"],
+    panels = [(main, ["torch", "fastcomm-gloo", "fastcomm-shm-staged", "fastcomm-shm",
+                      "fastcomm-nccl", "no-comm"],
                "torch", "MLP: x torch DDP's time")]
     if dropin:
         caps = sorted({n.rsplit("-", 1)[1] for n in dropin}, key=float)

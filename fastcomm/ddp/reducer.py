@@ -298,7 +298,19 @@ class Reducer:
             g = param.grad
             view = self.grad_views[i]  # None for a sparse parameter: its gradient stays its own
             if view is not None and g is not None and g.data_ptr() != view.data_ptr():
-                view.copy_(g.detach() if self.create_graph else g)
+                g = g.detach() if self.create_graph else g
+                b = self._bucket_of[i]
+                bucket = self.buckets[b]
+                if (
+                    self.strategies[b] is SHARED_VIEW
+                    and type(g) is torch.Tensor
+                    and g.dtype == view.dtype
+                    and g.shape == view.shape
+                    and g.is_contiguous()
+                ):  # its own slice is read where autograd left it (fastcomm.ddp.shared)
+                    bucket.shared.stage(bucket.offsets[self._position[i]], g)
+                else:
+                    view.copy_(g)
                 param.grad = view
         if self._recording:
             self._arrivals.append(i)
