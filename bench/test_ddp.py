@@ -98,6 +98,9 @@ def setup_models(width: int, depth: int, batch: int, gpu: bool) -> int:
             models[f"torch-{cap}"] = torch_ddp(mlp(), bucket_cap_mb=cap)
         models["tiny-no-comm"] = tiny()
         models["tiny-fastcomm-shm"] = DDP(tiny(), comm=rank_comm("shm"))
+        models["tiny-fastcomm-shm-staged"] = DDP(
+            tiny(), comm=rank_comm("shm"), shared_buckets=False
+        )
         models["tiny-torch"] = torch_ddp(tiny())
     inputs = {"mlp": rank_batch(batch, width, device), "tiny": rank_batch(batch, 16, device)}
     STATE["bench"] = {
@@ -180,12 +183,13 @@ MAIN = ["no-comm", "fastcomm-nccl", "torch"] if ON_GPU else [
     "no-comm", "fastcomm-shm", "fastcomm-shm-staged", "fastcomm-gloo", "torch"
 ]
 DROPIN = [name for cap in CAPS for name in (f"fastcomm-dropin-{cap}", f"torch-{cap}")]
-TINY = ["tiny-no-comm", "tiny-fastcomm-shm", "tiny-torch"]
+TINY = ["tiny-no-comm", "tiny-fastcomm-shm", "tiny-fastcomm-shm-staged", "tiny-torch"]
 # each fastcomm provider's reference: torch DDP with the same bucket cap
 REFERENCE = {
     **{name: "torch" for name in MAIN if name.startswith("fastcomm")},
     **{f"fastcomm-dropin-{cap}": f"torch-{cap}" for cap in CAPS},
     "tiny-fastcomm-shm": "tiny-torch",
+    "tiny-fastcomm-shm-staged": "tiny-torch",
 }
 NO_COMM = {name: "no-comm" for name in MAIN if name != "no-comm"}
 NO_COMM.update({name: "tiny-no-comm" for name in TINY if name != "tiny-no-comm"})

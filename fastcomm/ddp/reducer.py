@@ -52,7 +52,7 @@ from fastcomm.comm.work import Work
 from .bucket import Bucket
 from .config import DDPConfig
 from .in_place import InPlaceAllReduce, InPlaceReduction, in_place_plan
-from .shared import SHARED_VIEW, SharedBuckets
+from .shared import SHARED_VIEW, STAGE_MIN_BYTES, SharedBuckets, worth_sharing
 from .sparse import SPARSE, build_buckets
 from .strategy import ARRIVAL_PACKED, PACKED, VIEW, BucketStrategy, CommHook, packs_on_arrival
 
@@ -105,6 +105,7 @@ class Reducer:
             and config.gradient_as_bucket_view is not False
             and comm.size > 1
             and getattr(comm.capabilities, "shared_buckets", False)
+            and (config.gradient_as_bucket_view or worth_sharing(self.params, self.sparse))
         ):
             self.shared = SharedBuckets.create(
                 comm, self.params, self.sparse, config.shared_bucket_cap_mb
@@ -303,6 +304,7 @@ class Reducer:
                 bucket = self.buckets[b]
                 if (
                     self.strategies[b] is SHARED_VIEW
+                    and g.numel() * g.element_size() >= STAGE_MIN_BYTES
                     and type(g) is torch.Tensor
                     and g.dtype == view.dtype
                     and g.shape == view.shape
