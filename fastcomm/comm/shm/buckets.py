@@ -37,6 +37,10 @@ Its pages are reserved at creation (``posix_fallocate``): a ``/dev/shm`` too sma
 segment over the caller's cap, makes every rank fall back (``None`` and the reason) instead of
 dying of ``SIGBUS`` on the first gradient.
 
+A fresh gradient (one autograd allocated) need not be copied in whole: ``SharedBucket.stage``
+copies in the parts the peers reduce and leaves the part in this rank's own slice where it is;
+the reduction reads it there and writes the result into the area.
+
 Traffic (``stats``): per bucket of ``B`` bytes, rank ``r`` reads ``size`` slices of ``~B/size``
 bytes and writes one (the reduction), then reads and writes the ``size - 1`` other slices (the
 copies): ``B`` bytes written and ``2 (size - 1) B / size`` read from the peers' areas, against
@@ -248,7 +252,6 @@ class BucketRegion:
         self._u8 = torch.frombuffer(mm, dtype=torch.uint8)
         self.stats = RegionStats()
         self._launched = 0  # buckets launched (= this rank's ready counter once published)
-        self._done = [0, 0, 0]  # this rank's counters
         self._queue: list[SharedBucket] = []  # launched, not yet released, in order
         self._broken: BaseException | None = None
         self._pid = os.getpid()
@@ -458,7 +461,6 @@ class BucketRegion:
         idx = layout.counter(self.rank, kind) // 8
         for p in flags.peers:
             flags.set_word(idx, value, layout.counter(p, kind) // 8 + 1)
-        self._done[kind] = value
 
     def _factors(self, index: int) -> list[float]:
         words, layout = self.flags.words, self.layout
