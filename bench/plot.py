@@ -192,14 +192,16 @@ def plot_ddp(benchmarks: list[dict], out: Path, title: str) -> Path | None:
         return None
     dropin = _ddp_medians(benchmarks, "test_ddp_dropin_step")
     tiny = _ddp_medians(benchmarks, "test_ddp_tiny_params_step")
-    panels = [(main, ["torch", "fastcomm-gloo", "fastcomm-shm", "fastcomm-nccl", "no-comm"],
+    panels = [(main, ["torch", "fastcomm-gloo", "fastcomm-shm-staged", "fastcomm-shm",
+                      "fastcomm-nccl", "no-comm"],
                "torch", "MLP: x torch DDP's time")]
     if dropin:
         caps = sorted({n.rsplit("-", 1)[1] for n in dropin}, key=float)
         names = [f"{who}-{cap}" for cap in caps for who in ("torch", "fastcomm-dropin")]
         panels.append((dropin, names, None, "drop-in on torch's Gloo group, by bucket_cap_mb"))
     if tiny:
-        panels.append((tiny, ["tiny-torch", "tiny-fastcomm-shm", "tiny-no-comm"], "tiny-torch",
+        panels.append((tiny, ["tiny-torch", "tiny-fastcomm-shm-staged", "tiny-fastcomm-shm",
+                              "tiny-no-comm"], "tiny-torch",
                        "200 x Linear(16, 16)"))
     fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.6), squeeze=False)
     for ax, (medians, names, base, sub) in zip(axes[0], panels, strict=True):

@@ -5,8 +5,12 @@ Three groups of providers, every one a model of its own in the same 2 rank proce
 - ``test_ddp_train_step``: a stack of ``Linear(width, width) + ReLU`` layers (default 10 x
   1024, ~10.5M parameters, 42 MB of fp32 gradients; ``FASTCOMM_BENCH_DDP_MLP=512x6`` gives
   the 6.3 MB model of the host-cost measurements), batch 64, SGD. Providers: ``no-comm`` (the
-  same step without DDP: the limit), ``fastcomm-shm`` and ``fastcomm-gloo`` (fastcomm DDP on
-  the shared-memory and the Gloo communicator) and ``torch`` (torch DDP on its Gloo group).
+  same step without DDP: the limit), ``fastcomm-shm`` (fastcomm DDP on the shared-memory
+  communicator, as a drop-in user on one host gets it: shared buckets reduced in place),
+  ``fastcomm-shm-staged`` (the same with ``shared_buckets=False``: the path before shared
+  buckets, for the A/B), ``fastcomm-gloo`` (on fastcomm's Gloo communicator) and ``torch``
+  (torch DDP on its Gloo group). Each rank also reports the bytes its shared reductions moved
+  per gradient byte (``extra_info["shared_bytes_per_gradient_byte"]``).
 - ``test_ddp_dropin_step``: the drop-in user, ``fastcomm.ddp.DDP(model,
   process_group=<torch's Gloo group>, bucket_cap_mb=cap)`` against torch DDP at the same cap,
   for caps of 0.25, 1 and 25 MiB.
@@ -94,6 +98,9 @@ def setup_models(width: int, depth: int, batch: int, gpu: bool) -> int:
             models[f"torch-{cap}"] = torch_ddp(mlp(), bucket_cap_mb=cap)
         models["tiny-no-comm"] = tiny()
         models["tiny-fastcomm-shm"] = DDP(tiny(), comm=rank_comm("shm"))
+        models["tiny-fastcomm-shm-staged"] = DDP(
+            tiny(), comm=rank_comm("shm"), shared_buckets=False
+        )
         models["tiny-torch"] = torch_ddp(tiny())
     inputs = {"mlp": rank_batch(batch, width, device), "tiny": rank_batch(batch, 16, device)}
     STATE["bench"] = {
@@ -151,6 +158,12 @@ def interleaved_steps(group: list[str], rounds: int):
     return result
 
 
+def shared_traffic(name: str) -> dict[str, float] | None:
+    """Bytes the shared reductions of model `name` moved per gradient byte (None: not shared)."""
+    shared = getattr(getattr(STATE["bench"]["models"][name], "reducer", None), "shared", None)
+    return None if shared is None else shared.stats.per_gradient_byte()
+
+
 def teardown_models() -> None:
     STATE.pop("bench", None)
 
@@ -170,12 +183,13 @@ MAIN = ["no-comm", "fastcomm-nccl", "torch"] if ON_GPU else [
     "no-comm", "fastcomm-shm", "fastcomm-shm-staged", "fastcomm-gloo", "torch"
 ]
 DROPIN = [name for cap in CAPS for name in (f"fastcomm-dropin-{cap}", f"torch-{cap}")]
-TINY = ["tiny-no-comm", "tiny-fastcomm-shm", "tiny-torch"]
+TINY = ["tiny-no-comm", "tiny-fastcomm-shm", "tiny-fastcomm-shm-staged", "tiny-torch"]
 # each fastcomm provider's reference: torch DDP with the same bucket cap
 REFERENCE = {
     **{name: "torch" for name in MAIN if name.startswith("fastcomm")},
     **{f"fastcomm-dropin-{cap}": f"torch-{cap}" for cap in CAPS},
     "tiny-fastcomm-shm": "tiny-torch",
+    "tiny-fastcomm-shm-staged": "tiny-torch",
 }
 NO_COMM = {name: "no-comm" for name in MAIN if name != "no-comm"}
 NO_COMM.update({name: "tiny-no-comm" for name in TINY if name != "tiny-no-comm"})
@@ -207,6 +221,11 @@ def _measure(benchmark, ranks, group: list[str], provider: str) -> None:
         rank_median_step_ms=round(1e3 * median, 3),
         rank_median_cpu_ms=round(1e3 * cpu, 3),
     )
+    traffic = pool.run(shared_traffic, provider)[0] if provider.startswith("fastcomm") else None
+    if traffic is not None:
+        benchmark.extra_info["shared_bytes_per_gradient_byte"] = {
+            k: round(v, 3) for k, v in traffic.items()
+        }
     assert median > 0
     if provider == group[-1]:
         _report_interleaved(benchmark, pool, group, 2 if quick_mode else 15, device)

@@ -52,7 +52,7 @@ from fastcomm.comm.work import Work
 from .bucket import Bucket
 from .config import DDPConfig
 from .in_place import InPlaceAllReduce, InPlaceReduction, in_place_plan
-from .shared import SHARED_VIEW, SharedBuckets
+from .shared import SHARED_VIEW, STAGE_MIN_BYTES, SharedBuckets, worth_sharing
 from .sparse import SPARSE, build_buckets
 from .strategy import ARRIVAL_PACKED, PACKED, VIEW, BucketStrategy, CommHook, packs_on_arrival
 
@@ -105,6 +105,7 @@ class Reducer:
             and config.gradient_as_bucket_view is not False
             and comm.size > 1
             and getattr(comm.capabilities, "shared_buckets", False)
+            and (config.gradient_as_bucket_view or worth_sharing(self.params, self.sparse))
         ):
             self.shared = SharedBuckets.create(
                 comm, self.params, self.sparse, config.shared_bucket_cap_mb
@@ -298,7 +299,20 @@ class Reducer:
             g = param.grad
             view = self.grad_views[i]  # None for a sparse parameter: its gradient stays its own
             if view is not None and g is not None and g.data_ptr() != view.data_ptr():
-                view.copy_(g.detach() if self.create_graph else g)
+                g = g.detach() if self.create_graph else g
+                b = self._bucket_of[i]
+                bucket = self.buckets[b]
+                if (
+                    self.strategies[b] is SHARED_VIEW
+                    and g.numel() * g.element_size() >= STAGE_MIN_BYTES
+                    and type(g) is torch.Tensor
+                    and g.dtype == view.dtype
+                    and g.shape == view.shape
+                    and g.is_contiguous()
+                ):  # its own slice is read where autograd left it (fastcomm.ddp.shared)
+                    bucket.shared.stage(bucket.offsets[self._position[i]], g)
+                else:
+                    view.copy_(g)
                 param.grad = view
         if self._recording:
             self._arrivals.append(i)

@@ -3,22 +3,27 @@
 Where the communicator declares ``capabilities.shared_buckets`` (``shm``), the reducer asks it
 for one region of shared memory (``bucket_region``) and lays its dense fp32/fp64 CPU buckets
 out there instead of in private buffers. The ``.grad`` of each parameter is then its view in
-that memory (``gradient_as_bucket_view``): autograd accumulates into it, or, where ``.grad`` was
-``None`` (``zero_grad(set_to_none=True)``), the reducer copies the fresh gradient in as it
-arrives, while it is still in cache. `SharedViewAllReduce` all-reduces such a bucket in place:
-each rank reduces its slice straight out of every rank's bucket, the averaging factor folded in,
-then copies the other slices out of the peers' buckets (``fastcomm.comm.shm.buckets``): no pack,
-no staging into the communicator's slots, no copy back, no unpack.
+that memory (``gradient_as_bucket_view``): autograd accumulates into it, or, where ``.grad``
+was ``None`` (``zero_grad(set_to_none=True)``), the reducer copies the fresh gradient in as it
+arrives, still in cache -- for a gradient of ``STAGE_MIN_BYTES`` or more, only the parts the
+peers reduce: the reduction reads the part in this rank's own slice where autograd left it and
+writes the result into the bucket (``BucketRegion.stage``). `SharedViewAllReduce` all-reduces
+such a bucket in place: each rank reduces its slice straight out of every rank's bucket, the
+averaging factor folded in, then copies the other slices out of the peers' buckets
+(``fastcomm.comm.shm.buckets``): no pack, no staging into the communicator's slots, no copy
+back, no unpack.
 
 Results: every element is ``sum over ranks, in rank order, of (grad * scale)``, each product
 rounded in the dtype: the bits of the communicator's own ``PremulSum`` all-reduce, hence of the
 packed path and of torch DDP (``tests/ddp/test_torch_parity.py``).
 
-Default: on wherever the communicator offers it and ``gradient_as_bucket_view`` is left
-``None``; then ``.grad`` aliases the bucket as with torch's ``gradient_as_bucket_view=True``
-(``DDP.gradient_as_bucket_view`` says so). ``gradient_as_bucket_view=False`` keeps torch's
-default aliasing (a ``.grad`` of its own, reduced by the communicator's ``all_reduce``), and
-``shared_buckets=False`` turns the region off.
+Default: on where the communicator offers it and the gradients average
+``AUTO_MIN_MEAN_BYTES`` or more, with ``gradient_as_bucket_view`` left ``None``; always with
+``gradient_as_bucket_view=True``. ``.grad`` then aliases the bucket as with torch's
+``gradient_as_bucket_view=True`` (``DDP.grads_are_bucket_views``; ``DDP.gradient_as_bucket_view``
+reports the argument, as torch's does). ``gradient_as_bucket_view=False`` keeps torch's default
+aliasing (a ``.grad`` of its own, reduced by the communicator's ``all_reduce``), and
+``shared_buckets=False`` (or ``FASTCOMM_DDP_SHARED_BUCKETS=0``) turns the region off.
 
 Memory: the region holds every rank's buckets, ``size`` times the model's gradient bytes (the
 buckets' private buffers are not allocated: per rank the same bytes, now in ``/dev/shm``).
@@ -36,6 +41,7 @@ the others raise, naming it.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Sequence
 
@@ -44,7 +50,40 @@ import torch
 from .bucket import Bucket
 from .strategy import ViewAllReduce
 
-__all__ = ["SHARED_VIEW", "SharedBuckets", "SharedViewAllReduce", "eligible"]
+__all__ = [
+    "AUTO_MIN_MEAN_BYTES",
+    "SHARED_VIEW",
+    "STAGE_MIN_BYTES",
+    "SharedBuckets",
+    "SharedViewAllReduce",
+    "eligible",
+    "worth_sharing",
+]
+
+# A fresh gradient at least this large is staged (only the peers' parts copied in, its own
+# slice read where autograd left it); a smaller one is copied whole: the staging's few slicing
+# calls cost more than copying a few KiB (400 tiny gradients: ~1 ms a step).
+STAGE_MIN_BYTES = 64 << 10
+# By default (gradient_as_bucket_view=None) the buckets are shared only where the gradients
+# average this many bytes: a bucket view costs a copy and a `.grad` store per gradient in
+# Python (~2 us), which the packed path does in two foreach calls per bucket; with hundreds of
+# tiny gradients that outweighs the collective's saving (200 x Linear(16, 16): 2.5 ms a step
+# more CPU than the packed path on 2 ranks).
+# (``FASTCOMM_DDP_SHARED_MIN_MEAN_BYTES`` overrides it: 0 shares every model's buckets).
+AUTO_MIN_MEAN_BYTES = 16 << 10
+
+
+def worth_sharing(params: Sequence[torch.Tensor], sparse: frozenset[int]) -> bool:
+    """Whether the default puts `params`' buckets in shared memory (``AUTO_MIN_MEAN_BYTES``)."""
+    text = os.environ.get("FASTCOMM_DDP_SHARED_MIN_MEAN_BYTES", "").strip()
+    try:
+        least = int(text) if text else AUTO_MIN_MEAN_BYTES
+    except ValueError:
+        raise ValueError(
+            f"FASTCOMM_DDP_SHARED_MIN_MEAN_BYTES={text!r}: expected a number of bytes"
+        ) from None
+    sizes = [p.numel() * p.element_size() for i, p in enumerate(params) if i not in sparse]
+    return bool(sizes) and sum(sizes) >= least * len(sizes)
 
 
 def eligible(param: torch.Tensor) -> bool:

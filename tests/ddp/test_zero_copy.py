@@ -1,5 +1,6 @@
 """Zero-copy buckets (``fastcomm/ddp/shared.py``): DDP's buckets in shared memory, all-reduced
-in place out of the peers' buckets, on 2 CPU ranks over shm.
+in place out of the peers' buckets, on 2 CPU ranks over shm. The ranks share every model's
+buckets (``FASTCOMM_DDP_SHARED_MIN_MEAN_BYTES=0``), the test models' tiny ones included.
 
 Each check trains fastcomm DDP (the default on an shm communicator: shared buckets) and torch
 DDP over Gloo on identical models and compares the parameters with ``atol=0`` (two ranks: one
@@ -204,7 +205,9 @@ def check_rank_killed_mid_step(name: str):
 # ---------------------------------------------------------------------- tests (pytest side)
 @pytest.fixture(scope="module")
 def pool():
-    with RankPool(2, timeout=120) as pool:
+    # the test models' gradients are tiny: share their buckets anyway (shared.py's default
+    # shares only models whose gradients average 16 KiB or more)
+    with RankPool(2, env={"FASTCOMM_DDP_SHARED_MIN_MEAN_BYTES": "0"}, timeout=120) as pool:
         yield pool
 
 
@@ -294,3 +297,22 @@ def test_rank_killed_mid_step_fails_the_others_fast(pool, unique_name):
         assert kind == "CommAbortedError", message
         assert f"rank {dead}" in message and "exited" in message and "bucket" in message
         assert elapsed < TIMEOUT / 3, (elapsed, message)
+
+
+def check_default_follows_gradient_size():
+    import os
+
+    from fastcomm.ddp import DDP
+
+    os.environ.pop("FASTCOMM_DDP_SHARED_MIN_MEAN_BYTES")
+    try:
+        tiny = DDP(build("mlp"), comm=rank_comm("shm"))  # 16-32-32-4: bytes per gradient
+        large = DDP(build("mlp", sizes=(128, 128, 4)), comm=rank_comm("shm"))
+        forced = DDP(build("mlp"), comm=rank_comm("shm"), gradient_as_bucket_view=True)
+    finally:
+        os.environ["FASTCOMM_DDP_SHARED_MIN_MEAN_BYTES"] = "0"
+    return tiny.shared_buckets, large.shared_buckets, forced.shared_buckets
+
+
+def test_default_shares_models_whose_gradients_average_16_kib(pool):
+    assert pool.run(check_default_follows_gradient_size) == [(False, True, True)] * 2

@@ -37,6 +37,10 @@ Its pages are reserved at creation (``posix_fallocate``): a ``/dev/shm`` too sma
 segment over the caller's cap, makes every rank fall back (``None`` and the reason) instead of
 dying of ``SIGBUS`` on the first gradient.
 
+A fresh gradient (one autograd allocated) need not be copied in whole: ``SharedBucket.stage``
+copies in the parts the peers reduce and leaves the part in this rank's own slice where it is;
+the reduction reads it there and writes the result into the area.
+
 Traffic (``stats``): per bucket of ``B`` bytes, rank ``r`` reads ``size`` slices of ``~B/size``
 bytes and writes one (the reduction), then reads and writes the ``size - 1`` other slices (the
 copies): ``B`` bytes written and ``2 (size - 1) B / size`` read from the peers' areas, against
@@ -172,7 +176,7 @@ class SharedBucket:
     """
 
     __slots__ = ("index", "flat", "nbytes", "mine", "slices", "terms", "numel_mine", "phase",
-                 "serial", "kind", "region")
+                 "serial", "kind", "region", "lo", "hi", "sources")
 
     def __init__(self, region: BucketRegion, index: int, views: list[torch.Tensor]) -> None:
         self.region = region
@@ -190,6 +194,10 @@ class SharedBucket:
         self.mine = self.flat.split(sizes)
         self.terms = [self.slices[q][me] for q in range(n)]
         self.numel_mine = sizes[me]
+        self.lo, self.hi = bounds[me], bounds[me + 1]  # this rank's slice, in elements
+        # this iteration's pieces of this rank's slice whose terms are still in private memory
+        # (a fresh gradient): (start, flat tensor) in order, read in place by the reduction
+        self.sources: list[tuple[int, torch.Tensor]] = []
         self.kind = _CORE_KINDS.get(self.flat.dtype)
         self.phase = 3  # 0 launched, 1 ready published, 2 reduced, 3 released (idle)
         self.serial = 0  # this bucket's place in the region's count of launches
@@ -197,6 +205,23 @@ class SharedBucket:
     def wait(self) -> None:
         """Finishes this bucket's reduction (blocking)."""
         self.region.finish(self)
+
+    def stage(self, offset: int, grad: torch.Tensor) -> None:
+        """Puts ``grad`` (contiguous, the bucket's dtype) at element ``offset`` of this rank's
+        bucket before launch: the parts the peers reduce are copied in (they read them from
+        here); the part in this rank's own slice stays where it is and the reduction reads it
+        there, so it is neither copied in nor back."""
+        flat = grad.view(-1)
+        end = offset + flat.numel()
+        lo, hi = max(offset, self.lo), min(end, self.hi)
+        if lo >= hi:
+            self.flat[offset:end].copy_(flat)
+            return
+        if offset < lo:
+            self.flat[offset:lo].copy_(flat[: lo - offset])
+        if hi < end:
+            self.flat[hi:end].copy_(flat[hi - offset :])
+        self.sources.append((lo, flat[lo - offset : hi - offset]))
 
 
 class BucketRegion:
@@ -227,7 +252,6 @@ class BucketRegion:
         self._u8 = torch.frombuffer(mm, dtype=torch.uint8)
         self.stats = RegionStats()
         self._launched = 0  # buckets launched (= this rank's ready counter once published)
-        self._done = [0, 0, 0]  # this rank's counters
         self._queue: list[SharedBucket] = []  # launched, not yet released, in order
         self._broken: BaseException | None = None
         self._pid = os.getpid()
@@ -437,7 +461,6 @@ class BucketRegion:
         idx = layout.counter(self.rank, kind) // 8
         for p in flags.peers:
             flags.set_word(idx, value, layout.counter(p, kind) // 8 + 1)
-        self._done[kind] = value
 
     def _factors(self, index: int) -> list[float]:
         words, layout = self.flags.words, self.layout
@@ -460,12 +483,41 @@ class BucketRegion:
         st.peer_read += (n - 1) * numel * esize
         st.written += numel * esize
         if not numel:
+            bucket.sources.clear()
+            return
+        if not bucket.sources:
+            self._reduce_range(out, terms, factors, bucket.kind, aliased=True)
+            return
+        # pieces whose term is a private gradient, and the gaps between them (in the bucket)
+        lo, me = bucket.lo, self.rank
+        position = 0
+        bucket.sources.sort(key=lambda entry: entry[0])  # gradients arrive in any order
+        for start, source in bucket.sources:
+            if start - lo > position:
+                rng = slice(position, start - lo)
+                self._reduce_range(out[rng], [t[rng] for t in terms], factors, bucket.kind,
+                                   aliased=True)
+            position = start - lo + source.numel()
+            rng = slice(start - lo, position)
+            piece = [source if q == me else t[rng] for q, t in enumerate(terms)]
+            self._reduce_range(out[rng], piece, factors, bucket.kind, aliased=False)
+        if position < numel:
+            rng = slice(position, numel)
+            self._reduce_range(out[rng], [t[rng] for t in terms], factors, bucket.kind,
+                               aliased=True)
+        bucket.sources.clear()
+
+    def _reduce_range(self, out, terms, factors, kind, aliased: bool) -> None:
+        """``out = sum of terms[q] * factors[q]`` in rank order; ``aliased``: ``out`` is this
+        rank's own term."""
+        numel = out.numel()
+        if not numel:
             return
         same = all(f == factors[0] for f in factors)
         # the compiled core writes `out` element by element after reading every term; its
         # loop may alias out with terms[0] or terms[1] only (two ranks, or ranks 0 and 1)
-        if same and bucket.kind is not None and self.rank < 2:
-            _core.reduce(out.data_ptr(), [t.data_ptr() for t in terms], numel, bucket.kind,
+        if same and kind is not None and (self.rank < 2 or not aliased):
+            _core.reduce(out.data_ptr(), [t.data_ptr() for t in terms], numel, kind,
                          _core.OP_SUM, factors[0])
             _increment_version((out,))  # the core wrote the bytes behind torch's back
             return
