@@ -32,7 +32,10 @@ def check_bad_inputs_rejected_before_sending(backend):
     x = torch.ones(4, 4)
     _raises(lambda: comm.all_reduce(x.t()[0]), ValueError, "contiguous")
     _raises(lambda: comm.all_reduce([1.0]), TypeError, "torch.Tensor")
-    _raises(lambda: comm.all_reduce(torch.ones(2, dtype=torch.bool)), TypeError, "bool", "allowed")
+    _raises(lambda: comm.all_reduce(torch.ones(2, dtype=torch.float8_e4m3fn)), TypeError,
+            "float8_e4m3fn", "allowed")
+    _raises(lambda: comm.all_reduce(torch.ones(2, dtype=torch.bool), op=ReduceOp.AVG), TypeError,
+            "AVG", "bool takes")
     _raises(lambda: comm.all_reduce(torch.ones(2), op="median"), ValueError, "median", "SUM")
     _raises(lambda: comm.broadcast(torch.ones(2), src=n), ValueError, f"src={n}", "out of range")
     _raises(lambda: comm.broadcast(torch.ones(2), src=-1), ValueError, "src=-1")
