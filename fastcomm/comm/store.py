@@ -286,38 +286,86 @@ def _serve(host: str, port: int, timeout: timedelta, **kwargs) -> dist.TCPStore:
 
 # torch's client handshake waits for the server's reply without a timeout of its own
 _ANSWER_GRACE_S = 2.0
+# pause between two connection attempts to a port where nothing listens yet
+_REFUSED_RETRY_S = 0.1
+
+
+def _listening(host: str, port: int, limit: float) -> bool:
+    """Whether something accepts TCP connections at ``host:port`` (one attempt of at most
+    ``limit`` s; refused, unreachable or unanswered: ``False``)."""
+    try:
+        with socket.create_connection((host, port), timeout=max(0.05, limit)):
+            return True
+    except OSError:
+        return False
+
+
+def _wait_listening(host: str, port: int, timeout: timedelta) -> None:
+    """Returns once something listens at ``host:port``, retrying refused connections.
+
+    A node started before the rendezvous host sees its connections refused: that is "nothing
+    listening yet", to be retried by the caller until its own (join) timeout, never a verdict
+    on what listens there.
+
+    Raises:
+        StoreTimeoutError: nothing accepted a connection within ``timeout``.
+    """
+    start = time.monotonic()
+    deadline = start + timeout.total_seconds()
+    while True:
+        left = deadline - time.monotonic()
+        if _listening(host, port, min(1.0, left)):
+            return
+        if time.monotonic() >= deadline:
+            raise StoreTimeoutError(
+                f"nothing is listening at {host}:{port} yet (connection refused or unanswered "
+                f"for {time.monotonic() - start:.1f} s)"
+            )
+        time.sleep(min(_REFUSED_RETRY_S, max(0.0, deadline - time.monotonic())))
 
 
 def _connect(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
     """A ``TCPStore`` client of ``host:port``, or an error within ``timeout`` + 2 s.
 
-    torch's client retries refused connections until ``timeout`` but then waits for the
-    server's handshake reply forever: a port held by a program that accepts connections and
-    never answers (not a store) would block the caller for good. The client is therefore built
-    on a helper thread; if it has not returned by then, that thread is left blocked (a daemon)
-    and the port is reported as held by something that is not a store.
+    Refused connections are retried here until ``timeout`` (:func:`_wait_listening`): torch's
+    client takes about ``timeout`` + 2 s to give up on a refused port, which read as "not a
+    store" below. Once something accepts connections, torch's client is built on a helper
+    thread: it waits for the server's handshake reply forever, so a port held by a program
+    that accepts connections and never answers (not a store) would block the caller for good.
+    If it has not returned by ``timeout`` + 2 s, that thread is left blocked (a daemon) and
+    the port is reported as held by something that is not a store -- unless the port refuses
+    connections again by then (the server went away meanwhile: nothing listening).
 
     Raises:
+        StoreTimeoutError: nothing listened at ``host:port`` within ``timeout``.
         FastcommError: the listener accepted the connection but did not answer as a store.
-        RuntimeError: torch's own error (nothing listening within ``timeout``).
+        RuntimeError: torch's own error (the server went away during the handshake).
     """
+    start = time.monotonic()
+    _wait_listening(host, port, timeout)
+    left = timedelta(seconds=max(1.0, timeout.total_seconds() - (time.monotonic() - start)))
     outcome: dict[str, Any] = {}
 
     def connect() -> None:
         try:
             outcome["store"] = dist.TCPStore(
-                host, port, None, False, timeout, wait_for_workers=False
+                host, port, None, False, left, wait_for_workers=False
             )
         except BaseException as exc:  # handed to the caller's thread
             outcome["error"] = exc
 
     thread = threading.Thread(target=connect, name=f"fastcomm-store-{host}:{port}", daemon=True)
     thread.start()
-    thread.join(timeout.total_seconds() + _ANSWER_GRACE_S)
+    thread.join(left.total_seconds() + _ANSWER_GRACE_S)
     if thread.is_alive():
+        if not _listening(host, port, 1.0):
+            raise StoreTimeoutError(
+                f"nothing is listening at {host}:{port} any more (it accepted a connection "
+                f"{time.monotonic() - start:.1f} s ago, then refused)"
+            )
         raise FastcommError(
             f"port {port} on {host} is in use by a program that is not a store: it accepted the "
-            f"connection but did not answer within {timeout.total_seconds() + _ANSWER_GRACE_S:g} s"
+            f"connection but did not answer within {left.total_seconds() + _ANSWER_GRACE_S:g} s"
         )
     if "error" in outcome:
         raise outcome["error"]
@@ -386,6 +434,8 @@ class Store:
                     self._root = _serve(host, port, self.timeout)
                 else:
                     self._root = _connect(host, port, self.timeout)
+            except StoreTimeoutError as exc:
+                raise StoreTimeoutError(f"{self._who()}{exc}") from None
             except FastcommError as exc:
                 raise FastcommError(f"{self._who()}{exc}") from None
             except RuntimeError as exc:

@@ -71,6 +71,25 @@ def check_init_choice(hosts, forced):
     return backend, t.item()
 
 
+def _native_threads() -> set[str]:
+    """The ids of this process's OS threads (Python's and C++'s alike)."""
+    return set(os.listdir("/proc/self/task"))
+
+
+def check_shutdown_joins_gloo_threads():
+    """A leader's Gloo group is destroyed by ``shutdown()`` although the caller still holds the
+    communicator: its worker threads must not outlive it into the interpreter's exit (where a
+    thread releasing the last collective's tensors aborted the process)."""
+    before = _native_threads()
+    comm = fastcomm.init(timeout=30)
+    t = torch.full((2000,), comm.rank + 1.0)  # beyond the agreement's ride: Gloo's all-reduce
+    comm.all_reduce(t)
+    during = _native_threads() - before
+    fastcomm.shutdown()
+    left = (_native_threads() - before) & during
+    return comm.is_leader, bool(during), sorted(left), t[0].item()
+
+
 @pytest.fixture(scope="module", params=[4, 3], ids=lambda n: f"world{n}")
 def pool(request):
     # CPU tensors on simulated hosts; GPUs hidden so that init()'s choice checked below is the
@@ -135,3 +154,12 @@ def test_init_picks_backend_by_host_layout(pool, layout, forced, expected):
     n = pool.world_size
     results = pool.run(check_init_choice, layout(n), forced)
     assert results == [(expected, float(sum(range(1, n + 1))))] * n
+
+
+def test_shutdown_joins_the_gloo_threads_while_the_communicator_is_held(pool):
+    results = pool.run(check_shutdown_joins_gloo_threads)
+    total = float(sum(range(1, pool.world_size + 1)))
+    for rank, (leader, started, left, value) in enumerate(results):
+        assert value == total
+        assert started, f"rank {rank}: init started no thread (Gloo's own are expected)"
+        assert left == [], f"rank {rank} (leader {leader}): threads left after shutdown: {left}"
