@@ -115,6 +115,7 @@ class Agent:
         self._base_dir: str | None = None
         self._run_dir: str | None = None
         self._round: RoundInfo | None = None
+        self._watch: _RoundWatch | None = None
         self._env: dict[str, str] = {}
 
     # ------------------------------------------------------------------ logging
@@ -409,6 +410,7 @@ class Agent:
         self._start_workers(info)
         peers = [g for g in range(info.group_world_size) if g != info.group_rank]
         watch = _RoundWatch(peers=peers)
+        self._watch = watch
         kind, payload = self._monitor(info, watch)
         self._finish_round(info, kind, watch.failures)
         return kind, payload, watch.failures
@@ -515,6 +517,9 @@ class Agent:
         write_failures(info.store, f"failures/{info.group_rank}", failures)
 
     def _check_peers(self, info, peers, seen, now) -> Failure | None:
+        """The first of ``peers`` whose heartbeat count has not changed for the limit, as a
+        lost-node failure dated at its last beat seen (so it precedes, as the root cause, the
+        peer-loss errors it caused), or ``None``."""
         limit = self.config.keep_alive_interval * self.config.keep_alive_max_attempt
         for g in peers:
             count = info.store.add(f"hb/{g}", 0)
@@ -530,7 +535,7 @@ class Agent:
                     host=node.host,
                     pid=node.pid,
                     exitcode=1,
-                    timestamp=time.time(),
+                    timestamp=time.time() - (now - last[1]),
                     round=info.round,
                     role=node.role,
                     message=f"no heartbeat from the agent of node {g} for {now - last[1]:.0f} s",
@@ -546,19 +551,45 @@ class Agent:
         )
 
     def _give_up(self, info: RoundInfo, local: list[Failure]) -> int:
-        """Restarts are spent: gathers every node's failures, prints the report, exits 1."""
+        """Restarts are spent: gathers every node's failures, prints the report, exits 1.
+
+        A peer's failure record is waited for only while its agent heartbeats: a node whose
+        heartbeat stops for the limit (``keep_alive_interval * keep_alive_max_attempt``,
+        counted from the last beat this agent saw in the round) is named as lost -- the root
+        cause of the peer-loss errors of this node's workers -- and neither its record nor its
+        exit is waited for any longer.
+        """
         round_store = info.store
         end = self.rdzv.end_of(info.round)
         lost = []
         if end is not None and end[0] is RoundEnd.FAILURE:
             lost = [f for f in (end[1] or []) if f.rank < 0]
-        gone = {f.group_rank for f in lost}
-        keys = [f"failures/{g}" for g in range(info.group_world_size) if g not in gone]
+        watch = self._watch if self._watch is not None else _RoundWatch(peers=[])
         deadline = time.monotonic() + min(30.0, self.config.shutdown_timeout + 5.0)
-        while not round_store.check(keys) and time.monotonic() < deadline:
+        while True:
+            gone = {f.group_rank for f in lost}
+            waiting = [g for g in range(info.group_world_size) if g not in gone]
+            keys = [f"failures/{g}" for g in waiting]
+            if round_store.check(keys) or time.monotonic() >= deadline:
+                break
+            now = time.monotonic()
+            if now >= watch.next_beat:  # still alive to the peers while it waits for them
+                watch.next_beat = now + self.config.keep_alive_interval
+                round_store.add(f"hb/{info.group_rank}", 1)
+            silent = [
+                g for g in waiting
+                if g != info.group_rank and not round_store.check([f"failures/{g}"])
+            ]
+            found = self._check_peers(info, silent, watch.seen, now)
+            if found is not None:
+                self.log(f"node {found.group_rank} ({found.host}) was lost: {found.message}")
+                lost.append(found)
+                continue
+            self.check_stop()
             time.sleep(0.05)
+        gone = {f.group_rank for f in lost}
         failures: list[Failure] = list(lost)
-        for key in keys:
+        for key in (f"failures/{g}" for g in range(info.group_world_size) if g not in gone):
             if round_store.check([key]):
                 failures.extend(read_failures(round_store, key))
         if not failures:
@@ -573,7 +604,7 @@ class Agent:
             file=sys.stderr,
             flush=True,
         )
-        self.rdzv.exit_barrier(info, self.is_host)
+        self.rdzv.exit_barrier(info, self.is_host, lost=len(gone))
         return 1
 
     # ------------------------------------------------------------------ dirs

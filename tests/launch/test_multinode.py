@@ -4,6 +4,7 @@ and an elastic MIN:MAX job admitting a late node."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -302,3 +303,58 @@ def test_losing_the_store_after_a_node_finished_restarts_nothing(tmp_path):
         kill_all(pids)
         if host.poll() is None:
             host.kill()
+
+
+@pytest.mark.timeout(60)
+def test_a_lost_agent_is_named_within_the_heartbeat_limit_and_not_waited_for(tmp_path):
+    """Node 1's agent is SIGKILLed (its worker follows it); node 0's worker then fails with a
+    peer-loss error. Node 0 must name node 1 as lost -- by its heartbeat, within the limit --
+    not its own rank, and must not wait the 30 s for node 1's failure record nor the 30 s exit
+    barrier for node 1's exit."""
+    path = script(
+        tmp_path,
+        "peer_loss.py",
+        RECORD
+        + """
+    mine = os.path.join(out, "pid_%s" % env["GROUP_RANK"])
+    with open(mine, "w") as fh:
+        fh.write(str(os.getpid()))
+    if env["GROUP_RANK"] == "1":
+        time.sleep(50)
+    peer = os.path.join(out, "pid_1")
+    while not os.path.exists(peer):
+        time.sleep(0.05)
+    pid = int(open(peer).read())
+    while os.path.exists("/proc/%d" % pid) and open("/proc/%d/stat" % pid).read().split(
+            ")")[-1].split()[0] not in "ZX":
+        time.sleep(0.05)
+    raise ConnectionResetError(104, "Connection reset by peer")
+""",
+    )
+    port = free_port()
+    conf = "keep_alive_interval=0.25,keep_alive_max_attempt=4"
+    host, victim = (
+        start([*_flags(port, "2", "1", "--rdzv-conf", f"{conf},is_host={h}"), path, tmp_path],
+              tmp_path)
+        for h in (1, 0)
+    )
+    pids = []
+    try:
+        files = wait_files(tmp_path, "pid_*", 2, proc=host)
+        pids = [int(f.read_text()) for f in files]
+        victim.kill()
+        finish(victim, timeout=10)
+        killed = time.monotonic()
+        result = finish(host, timeout=40)
+        elapsed = time.monotonic() - killed
+        assert result.returncode == 1, result.stderr
+        assert "Root cause: node 1 (" in result.stderr, result.stderr
+        assert "was lost: no heartbeat from the agent of node 1" in result.stderr
+        # the limit is 1 s; the 30 s waits for node 1's record and its exit are gone
+        assert elapsed < 15, (elapsed, result.stderr)
+        assert wait_gone(pids, timeout=5) == []
+    finally:
+        kill_all(pids)
+        for agent in (host, victim):
+            if agent.poll() is None:
+                agent.kill()
