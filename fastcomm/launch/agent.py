@@ -37,7 +37,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from fastcomm.comm.errors import FastcommError
+from fastcomm.comm.errors import FastcommError, StoreTimeoutError
+from fastcomm.comm.store import Store
 
 from .config import SECRET_ENV, SECRET_FILE_ENV, LaunchConfig, read_job_secret, std_for
 from .errors import Failure, LaunchError, UsageError, format_report, headline, read_error_file
@@ -73,7 +74,16 @@ _VERBOSE = os.environ.get("LOGLEVEL", "").upper() in ("INFO", "DEBUG") or bool(
 
 def launch(config: LaunchConfig) -> int:
     """Runs this node's share of the job described by ``config``; returns the exit status."""
-    return Agent(config).run()
+    agent = Agent(config)
+    code = agent.run()
+    if agent.store is not None and agent.store.guard is not None and agent.store.guard.lost:
+        # A store call left unanswered still blocks a helper thread inside torch's client; if
+        # its answer came while the interpreter finalizes, that thread would abort the process
+        # (it cannot take the GIL back). Everything of this agent is cleaned up by now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 @dataclass(slots=True)
@@ -108,6 +118,8 @@ class Agent:
         self.host = default_host()
         self.group: WorkerGroup | None = None
         self.rdzv: Rendezvous | None = None
+        self.store: Store | None = None
+        """The rendezvous store (a client's answers bounded by the heartbeat limit)."""
         self.is_host = False
         self.group_rank: int | None = None
         self._signum: int | None = None
@@ -186,7 +198,15 @@ class Agent:
             self._stop_workers()
             self._tell_peers(f"the agent of node {self.group_rank} ({self.host}) failed: {exc}")
             return 1
-        except FastcommError as exc:  # a refused store value, or the store is gone
+        except StoreTimeoutError as exc:  # the rendezvous host stopped answering, or is gone
+            cfg = self.config
+            self.log(
+                f"error: lost the rendezvous store at {cfg.rdzv_host}:{cfg.rdzv_port} (the "
+                f"rendezvous host, {cfg.rdzv_host}): {exc}"
+            )
+            self._stop_workers()
+            return 1
+        except FastcommError as exc:  # a refused store value
             self.log(f"error: {exc}")
             self._stop_workers()
             return 1
@@ -261,6 +281,12 @@ class Agent:
                 f"no route to the rendezvous host {cfg.rdzv_host!r} ({exc}); give --local-addr"
             ) from None
         store, self.is_host = open_store(cfg, self.check_stop, listen=listen, secret=secret)
+        self.store = store
+        if not self.is_host:
+            # a silent rendezvous host (powered off) never answers: every call is bounded by
+            # the heartbeat limit, and a stop signal is seen while one waits
+            store.bound_answers(cfg.keep_alive_interval * cfg.keep_alive_max_attempt,
+                                self.check_stop)
         role = "served here" if self.is_host else "client"
         self.info(f"rendezvous store {store.address} ({role}); this node listens on {listen}")
         node = NodeInfo(

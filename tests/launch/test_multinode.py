@@ -4,6 +4,8 @@ and an elastic MIN:MAX job admitting a late node."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import pytest
@@ -358,3 +360,58 @@ def test_a_lost_agent_is_named_within_the_heartbeat_limit_and_not_waited_for(tmp
         for agent in (host, victim):
             if agent.poll() is None:
                 agent.kill()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("ending", ["heartbeat-limit", "sigterm"])
+def test_a_silent_rendezvous_host_never_blocks_the_other_agent(tmp_path, ending):
+    """The host agent is SIGSTOPped (a powered-off machine: connections stay open, nothing
+    answers). torch's client waits for an answer forever, so the other agent hung in a store
+    call from its monitor loop, deaf to SIGTERM. Now it exits 1 within the heartbeat limit
+    naming the rendezvous host, and a SIGTERM ends it at once (128 + 15)."""
+    path = script(
+        tmp_path,
+        "sleep.py",
+        RECORD
+        + """
+    with open(os.path.join(out, "pid_%s" % env["RANK"]), "w") as fh:
+        fh.write(str(os.getpid()))
+    time.sleep(50)
+""",
+    )
+    port = free_port()
+    conf = "keep_alive_interval=0.5,keep_alive_max_attempt=4" if ending == "heartbeat-limit" else ""
+    host, other = (
+        start([*_flags(port, "2", "1", "--rdzv-conf", f"{conf},is_host={h}".lstrip(",")),
+               path, tmp_path], tmp_path)
+        for h in (1, 0)
+    )
+    pids = []
+    try:
+        pids = [int(f.read_text()) for f in wait_files(tmp_path, "pid_*", 2, proc=other)]
+        time.sleep(0.5)
+        os.kill(host.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        if ending == "sigterm":
+            time.sleep(1.0)  # the other agent is now waiting on the silent store
+            other.send_signal(signal.SIGTERM)
+        result = finish(other, timeout=40)
+        elapsed = time.monotonic() - stopped
+        if ending == "sigterm":
+            assert result.returncode == 128 + signal.SIGTERM, result.stderr
+            assert elapsed < 1.0 + 5, (elapsed, result.stderr)
+        else:
+            assert result.returncode == 1, result.stderr
+            assert f"lost the rendezvous store at 127.0.0.1:{port}" in result.stderr
+            assert "no answer to store" in result.stderr, result.stderr
+            assert elapsed < 2 + 5, (elapsed, result.stderr)
+        # the other node's worker (rank 1) is gone with its agent; the host's is only stopped
+        assert wait_gone([pids[1]], timeout=5) == []
+    finally:
+        if host.poll() is None:
+            os.kill(host.pid, signal.SIGCONT)
+            host.kill()
+            host.communicate()
+        kill_all(pids)
+        if other.poll() is None:
+            other.kill()
