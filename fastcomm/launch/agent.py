@@ -42,7 +42,7 @@ from fastcomm.comm.store import Store
 
 from .config import SECRET_ENV, SECRET_FILE_ENV, LaunchConfig, read_job_secret, std_for
 from .errors import Failure, LaunchError, UsageError, format_report, headline, read_error_file
-from .net import listen_address
+from .net import interface_of, listen_address
 from .rendezvous import (
     Interrupted,
     JobEnded,
@@ -280,6 +280,7 @@ class Agent:
             raise UsageError(
                 f"no route to the rendezvous host {cfg.rdzv_host!r} ({exc}); give --local-addr"
             ) from None
+        self._gloo_interface(listen)
         store, self.is_host = open_store(cfg, self.check_stop, listen=listen, secret=secret)
         self.store = store
         if not self.is_host:
@@ -324,6 +325,20 @@ class Agent:
                     f"(round {info.round + 1}, not counted as a restart)"
                 )
             info = rdzv.next_round(from_round=info.round + 1, prev_group_rank=info.group_rank)
+
+    def _gloo_interface(self, listen: str) -> None:
+        """Has the workers' Gloo (fastcomm's and torch's) use the interface of ``listen``
+        (``--local-addr``, or the address that routes to the rendezvous host) in a job of
+        several nodes, unless ``GLOO_SOCKET_IFNAME`` is set already: by default Gloo binds
+        the address the hostname resolves to, loopback under a Debian ``/etc/hosts``."""
+        if self.config.max_nodes == 1 or self._env.get("GLOO_SOCKET_IFNAME"):
+            return
+        name = interface_of(listen)
+        if name is None:
+            self.log(f"no interface holds {listen}; Gloo picks its own (set GLOO_SOCKET_IFNAME)")
+            return
+        self._env["GLOO_SOCKET_IFNAME"] = name
+        self.info(f"workers' Gloo uses interface {name} ({listen})")
 
     def _job_secret(self) -> bytes | None:
         """The secret signing the stores' values (see the module docstring)."""

@@ -19,6 +19,7 @@ RECORD = """
            "GROUP_WORLD_SIZE", "LOCAL_WORLD_SIZE", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT",
            "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID")}
     env["SECRET"] = os.environ.get("FASTCOMM_JOB_SECRET")
+    env["GLOO_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME")
     name = "ws%s_rank%s_try%s.json" % (env["WORLD_SIZE"], env["RANK"],
                                        env["TORCHELASTIC_RESTART_COUNT"])
     with open(os.path.join(out, name), "w") as fh:
@@ -91,6 +92,9 @@ def test_two_agents_form_a_world_of_four(tmp_path, backend):
         assert int(r["GROUP_RANK"]) == int(r["RANK"]) // 2
         assert int(r["LOCAL_RANK"]) == int(r["RANK"]) % 2 and r["ROLE_RANK"] == r["RANK"]
         assert r["TORCHELASTIC_RUN_ID"] == ("job42" if backend == "c10d" else "none")
+        # Gloo on the interface of the address the nodes listen on (127.0.0.1 here), not on
+        # the one the hostname resolves to
+        assert r["GLOO_IFNAME"] == (os.environ.get("GLOO_SOCKET_IFNAME") or "lo")
     # one worker store for the whole world, served by the agent of group rank 0
     assert len({(r["MASTER_ADDR"], r["MASTER_PORT"]) for r in recs}) == 1
     if backend == "c10d":
