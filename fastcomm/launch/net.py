@@ -103,7 +103,16 @@ def listen_address(
         return rdzv_host if is_loopback(rdzv_host) else "127.0.0.1"
     if single_node:
         return rdzv_host
-    return route_address(rdzv_host, rdzv_port)
+    routed = route_address(rdzv_host, rdzv_port)
+    if is_loopback(routed):
+        # the rendezvous host is this machine under a loopback alias (Debian's /etc/hosts maps
+        # the own hostname to 127.0.1.1): the other nodes reach it at one of its other
+        # addresses, if the name has one
+        for info in socket.getaddrinfo(rdzv_host, None, type=socket.SOCK_STREAM):
+            addr = info[4][0]
+            if not is_loopback(addr) and is_local_address(addr):
+                return addr
+    return routed
 
 
 _SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
