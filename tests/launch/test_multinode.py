@@ -356,8 +356,9 @@ def test_a_lost_agent_is_named_within_the_heartbeat_limit_and_not_waited_for(tmp
         assert result.returncode == 1, result.stderr
         assert "Root cause: node 1 (" in result.stderr, result.stderr
         assert "was lost: no heartbeat from the agent of node 1" in result.stderr
-        # the limit is 1 s; the 30 s waits for node 1's record and its exit are gone
-        assert elapsed < 15, (elapsed, result.stderr)
+        # the limit is 1 s; the 30 s waits for node 1's record and its exit are gone (the
+        # bound leaves room for a loaded machine, well under the first 30 s wait)
+        assert elapsed < 25, (elapsed, result.stderr)
         assert wait_gone(pids, timeout=5) == []
     finally:
         kill_all(pids)
@@ -403,12 +404,12 @@ def test_a_silent_rendezvous_host_never_blocks_the_other_agent(tmp_path, ending)
         elapsed = time.monotonic() - stopped
         if ending == "sigterm":
             assert result.returncode == 128 + signal.SIGTERM, result.stderr
-            assert elapsed < 1.0 + 5, (elapsed, result.stderr)
+            assert elapsed < 1.0 + 10, (elapsed, result.stderr)  # it used to never end
         else:
             assert result.returncode == 1, result.stderr
             assert f"lost the rendezvous store at 127.0.0.1:{port}" in result.stderr
             assert "no answer to store" in result.stderr, result.stderr
-            assert elapsed < 2 + 5, (elapsed, result.stderr)
+            assert elapsed < 2 + 15, (elapsed, result.stderr)  # the limit is 2 s; was never
         # the other node's worker (rank 1) is gone with its agent; the host's is only stopped
         assert wait_gone([pids[1]], timeout=5) == []
     finally:

@@ -252,4 +252,4 @@ def test_a_lost_node_is_named_within_the_heartbeat_limit(nodes):
     elapsed = time.monotonic() - lost
     assert code == 1, err
     assert "node 1 (node1) was lost: no heartbeat from the agent of node 1" in err, err
-    assert elapsed < 2 + 10, (elapsed, err)  # the limit is 0.5 s x 4
+    assert elapsed < 2 + 20, (elapsed, err)  # the limit is 0.5 s x 4 (room for a loaded machine)
