@@ -34,10 +34,11 @@ import hashlib
 import hmac
 import json
 import os
+import queue
 import socket
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -49,6 +50,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "SECRET_ENV",
     "SECRET_FILE_ENV",
+    "AnswerGuard",
     "Store",
     "as_timedelta",
     "job_secret_from_env",
@@ -286,38 +288,86 @@ def _serve(host: str, port: int, timeout: timedelta, **kwargs) -> dist.TCPStore:
 
 # torch's client handshake waits for the server's reply without a timeout of its own
 _ANSWER_GRACE_S = 2.0
+# pause between two connection attempts to a port where nothing listens yet
+_REFUSED_RETRY_S = 0.1
+
+
+def _listening(host: str, port: int, limit: float) -> bool:
+    """Whether something accepts TCP connections at ``host:port`` (one attempt of at most
+    ``limit`` s; refused, unreachable or unanswered: ``False``)."""
+    try:
+        with socket.create_connection((host, port), timeout=max(0.05, limit)):
+            return True
+    except OSError:
+        return False
+
+
+def _wait_listening(host: str, port: int, timeout: timedelta) -> None:
+    """Returns once something listens at ``host:port``, retrying refused connections.
+
+    A node started before the rendezvous host sees its connections refused: that is "nothing
+    listening yet", to be retried by the caller until its own (join) timeout, never a verdict
+    on what listens there.
+
+    Raises:
+        StoreTimeoutError: nothing accepted a connection within ``timeout``.
+    """
+    start = time.monotonic()
+    deadline = start + timeout.total_seconds()
+    while True:
+        left = deadline - time.monotonic()
+        if _listening(host, port, min(1.0, left)):
+            return
+        if time.monotonic() >= deadline:
+            raise StoreTimeoutError(
+                f"nothing is listening at {host}:{port} yet (connection refused or unanswered "
+                f"for {time.monotonic() - start:.1f} s)"
+            )
+        time.sleep(min(_REFUSED_RETRY_S, max(0.0, deadline - time.monotonic())))
 
 
 def _connect(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
     """A ``TCPStore`` client of ``host:port``, or an error within ``timeout`` + 2 s.
 
-    torch's client retries refused connections until ``timeout`` but then waits for the
-    server's handshake reply forever: a port held by a program that accepts connections and
-    never answers (not a store) would block the caller for good. The client is therefore built
-    on a helper thread; if it has not returned by then, that thread is left blocked (a daemon)
-    and the port is reported as held by something that is not a store.
+    Refused connections are retried here until ``timeout`` (:func:`_wait_listening`): torch's
+    client takes about ``timeout`` + 2 s to give up on a refused port, which read as "not a
+    store" below. Once something accepts connections, torch's client is built on a helper
+    thread: it waits for the server's handshake reply forever, so a port held by a program
+    that accepts connections and never answers (not a store) would block the caller for good.
+    If it has not returned by ``timeout`` + 2 s, that thread is left blocked (a daemon) and
+    the port is reported as held by something that is not a store -- unless the port refuses
+    connections again by then (the server went away meanwhile: nothing listening).
 
     Raises:
+        StoreTimeoutError: nothing listened at ``host:port`` within ``timeout``.
         FastcommError: the listener accepted the connection but did not answer as a store.
-        RuntimeError: torch's own error (nothing listening within ``timeout``).
+        RuntimeError: torch's own error (the server went away during the handshake).
     """
+    start = time.monotonic()
+    _wait_listening(host, port, timeout)
+    left = timedelta(seconds=max(1.0, timeout.total_seconds() - (time.monotonic() - start)))
     outcome: dict[str, Any] = {}
 
     def connect() -> None:
         try:
             outcome["store"] = dist.TCPStore(
-                host, port, None, False, timeout, wait_for_workers=False
+                host, port, None, False, left, wait_for_workers=False
             )
         except BaseException as exc:  # handed to the caller's thread
             outcome["error"] = exc
 
     thread = threading.Thread(target=connect, name=f"fastcomm-store-{host}:{port}", daemon=True)
     thread.start()
-    thread.join(timeout.total_seconds() + _ANSWER_GRACE_S)
+    thread.join(left.total_seconds() + _ANSWER_GRACE_S)
     if thread.is_alive():
+        if not _listening(host, port, 1.0):
+            raise StoreTimeoutError(
+                f"nothing is listening at {host}:{port} any more (it accepted a connection "
+                f"{time.monotonic() - start:.1f} s ago, then refused)"
+            )
         raise FastcommError(
             f"port {port} on {host} is in use by a program that is not a store: it accepted the "
-            f"connection but did not answer within {timeout.total_seconds() + _ANSWER_GRACE_S:g} s"
+            f"connection but did not answer within {left.total_seconds() + _ANSWER_GRACE_S:g} s"
         )
     if "error" in outcome:
         raise outcome["error"]
@@ -333,6 +383,76 @@ def _close_if_ours(fd: int, sock: socket.socket) -> None:
         return
     if (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino):
         os.close(fd)
+
+
+class AnswerGuard:
+    """Bounds how long a client's store operations may wait for the server's answer.
+
+    torch's client waits for an answer without a limit of its own: a server that stops
+    answering without closing the connection (its machine powered off, its process stopped)
+    blocks the caller for good, signal handlers included (Python runs them between bytecodes,
+    and the call never returns). With a guard, each operation runs on one helper thread while
+    the caller waits at most ``limit`` s for it, calling ``interrupt`` every 0.1 s (which may
+    raise, e.g. on a stop signal). The first operation left unanswered marks the connection
+    lost: the helper thread stays blocked (a daemon) and every later operation fails at once,
+    since a late answer would be read as the reply to the wrong request.
+
+    Args:
+        limit: seconds an operation may wait for its answer.
+        interrupt: called while waiting; what it raises is raised by the operation.
+    """
+
+    def __init__(self, limit: float, interrupt: Callable[[], None] | None = None) -> None:
+        if not limit > 0:
+            raise ValueError(f"limit must be positive seconds, got {limit!r}")
+        self.limit = float(limit)
+        self.interrupt = interrupt
+        self.lost: str | None = None
+        """Why the connection is considered lost (``None`` while it answers)."""
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def _loop(self) -> None:
+        while True:
+            fn, args, box, done = self._jobs.get()
+            try:
+                box["value"] = fn(*args)
+            except BaseException as exc:  # handed to the waiting caller
+                box["error"] = exc
+            done.set()
+
+    def call(self, what: str, fn: Callable, *args, extra: float = 0.0):
+        """``fn(*args)`` on the helper thread, waited for at most ``limit`` + ``extra`` s
+        (``extra``: how long the operation itself may wait at the server, e.g. for a key).
+
+        Raises:
+            StoreTimeoutError: no answer within ``limit`` s (now, or to an earlier call).
+        """
+        if self.lost is not None:
+            raise StoreTimeoutError(self.lost)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="fastcomm-store-calls",
+                                            daemon=True)
+            self._thread.start()
+        box: dict[str, Any] = {}
+        done = threading.Event()
+        start = time.monotonic()
+        self._jobs.put((fn, args, box, done))
+        while not done.wait(0.1):
+            waited = time.monotonic() - start
+            if waited >= self.limit + extra:
+                self.lost = f"no answer to {what} for {waited:.1f} s"
+                raise StoreTimeoutError(self.lost)
+            if self.interrupt is not None:
+                try:
+                    self.interrupt()
+                except BaseException:
+                    # the call may still be answered, but nobody will read that answer
+                    self.lost = f"{what} was interrupted before its answer came"
+                    raise
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
 
 
 class Store:
@@ -368,8 +488,13 @@ class Store:
         _base: dist.Store | None = None,
         _root: dist.TCPStore | None = None,
         _secret: bytes | None | object = _FROM_ENV,
+        _guard: AnswerGuard | None = None,
     ) -> None:
         self.timeout = as_timedelta(timeout, DEFAULT_TIMEOUT)
+        self.guard = _guard
+        """The :class:`AnswerGuard` bounding this client's operations (``None``: unbounded);
+        set it with :meth:`bound_answers`, shared by every namespace made from this one
+        afterwards."""
         self.prefix = prefix
         self.rank = rank
         self._secret = job_secret_from_env() if _secret is _FROM_ENV else _secret
@@ -386,6 +511,8 @@ class Store:
                     self._root = _serve(host, port, self.timeout)
                 else:
                     self._root = _connect(host, port, self.timeout)
+            except StoreTimeoutError as exc:
+                raise StoreTimeoutError(f"{self._who()}{exc}") from None
             except FastcommError as exc:
                 raise FastcommError(f"{self._who()}{exc}") from None
             except RuntimeError as exc:
@@ -440,7 +567,14 @@ class Store:
             _base=dist.PrefixStore(prefix, self._store),
             _root=self._root,
             _secret=self._secret,
+            _guard=self.guard,
         )
+
+    def bound_answers(self, limit: float, interrupt: Callable[[], None] | None = None) -> None:
+        """Has every later operation of this view (and of the namespaces made from it
+        afterwards) wait at most ``limit`` s for the server's answer (see
+        :class:`AnswerGuard`)."""
+        self.guard = AnswerGuard(limit, interrupt)
 
     def __repr__(self) -> str:
         return f"Store({self.address}, prefix={self.prefix!r}, rank={self.rank})"
@@ -470,6 +604,9 @@ class Store:
         """Runs a raw c10d operation; a lost server is named (address, key, rank)."""
         start = time.monotonic()
         try:
+            if self.guard is not None:
+                names = ", ".join(repr(self._key_name(k)) for k in keys)
+                return self.guard.call(f"store {op} of {names} at {self.address}", fn, *args)
             return fn(*args)
         except dist.DistNetworkError as exc:
             raise self._timeout_error(keys, op, start, exc) from exc
@@ -497,7 +634,14 @@ class Store:
         limit = as_timedelta(timeout, self.timeout)
         start = time.monotonic()
         try:
-            self._store.wait(keys, limit)
+            if self.guard is not None:
+                names = ", ".join(repr(self._key_name(k)) for k in keys)
+                self.guard.call(f"store {op} of {names} at {self.address}", self._store.wait,
+                                keys, limit, extra=limit.total_seconds())
+            else:
+                self._store.wait(keys, limit)
+        except StoreTimeoutError:
+            raise
         except RuntimeError as exc:  # DistStoreError / DistNetworkError derive from it
             raise self._timeout_error(keys, op, start, exc) from exc
 

@@ -37,11 +37,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from fastcomm.comm.errors import FastcommError
+from fastcomm.comm.errors import FastcommError, StoreTimeoutError
+from fastcomm.comm.store import Store
 
 from .config import SECRET_ENV, SECRET_FILE_ENV, LaunchConfig, read_job_secret, std_for
 from .errors import Failure, LaunchError, UsageError, format_report, headline, read_error_file
-from .net import listen_address
+from .net import interface_of, listen_address
 from .rendezvous import (
     Interrupted,
     JobEnded,
@@ -73,7 +74,16 @@ _VERBOSE = os.environ.get("LOGLEVEL", "").upper() in ("INFO", "DEBUG") or bool(
 
 def launch(config: LaunchConfig) -> int:
     """Runs this node's share of the job described by ``config``; returns the exit status."""
-    return Agent(config).run()
+    agent = Agent(config)
+    code = agent.run()
+    if agent.store is not None and agent.store.guard is not None and agent.store.guard.lost:
+        # A store call left unanswered still blocks a helper thread inside torch's client; if
+        # its answer came while the interpreter finalizes, that thread would abort the process
+        # (it cannot take the GIL back). Everything of this agent is cleaned up by now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 @dataclass(slots=True)
@@ -108,6 +118,8 @@ class Agent:
         self.host = default_host()
         self.group: WorkerGroup | None = None
         self.rdzv: Rendezvous | None = None
+        self.store: Store | None = None
+        """The rendezvous store (a client's answers bounded by the heartbeat limit)."""
         self.is_host = False
         self.group_rank: int | None = None
         self._signum: int | None = None
@@ -115,6 +127,7 @@ class Agent:
         self._base_dir: str | None = None
         self._run_dir: str | None = None
         self._round: RoundInfo | None = None
+        self._watch: _RoundWatch | None = None
         self._env: dict[str, str] = {}
 
     # ------------------------------------------------------------------ logging
@@ -185,7 +198,15 @@ class Agent:
             self._stop_workers()
             self._tell_peers(f"the agent of node {self.group_rank} ({self.host}) failed: {exc}")
             return 1
-        except FastcommError as exc:  # a refused store value, or the store is gone
+        except StoreTimeoutError as exc:  # the rendezvous host stopped answering, or is gone
+            cfg = self.config
+            self.log(
+                f"error: lost the rendezvous store at {cfg.rdzv_host}:{cfg.rdzv_port} (the "
+                f"rendezvous host, {cfg.rdzv_host}): {exc}"
+            )
+            self._stop_workers()
+            return 1
+        except FastcommError as exc:  # a refused store value
             self.log(f"error: {exc}")
             self._stop_workers()
             return 1
@@ -259,7 +280,14 @@ class Agent:
             raise UsageError(
                 f"no route to the rendezvous host {cfg.rdzv_host!r} ({exc}); give --local-addr"
             ) from None
+        self._gloo_interface(listen)
         store, self.is_host = open_store(cfg, self.check_stop, listen=listen, secret=secret)
+        self.store = store
+        if not self.is_host:
+            # a silent rendezvous host (powered off) never answers: every call is bounded by
+            # the heartbeat limit, and a stop signal is seen while one waits
+            store.bound_answers(cfg.keep_alive_interval * cfg.keep_alive_max_attempt,
+                                self.check_stop)
         role = "served here" if self.is_host else "client"
         self.info(f"rendezvous store {store.address} ({role}); this node listens on {listen}")
         node = NodeInfo(
@@ -297,6 +325,20 @@ class Agent:
                     f"(round {info.round + 1}, not counted as a restart)"
                 )
             info = rdzv.next_round(from_round=info.round + 1, prev_group_rank=info.group_rank)
+
+    def _gloo_interface(self, listen: str) -> None:
+        """Has the workers' Gloo (fastcomm's and torch's) use the interface of ``listen``
+        (``--local-addr``, or the address that routes to the rendezvous host) in a job of
+        several nodes, unless ``GLOO_SOCKET_IFNAME`` is set already: by default Gloo binds
+        the address the hostname resolves to, loopback under a Debian ``/etc/hosts``."""
+        if self.config.max_nodes == 1 or self._env.get("GLOO_SOCKET_IFNAME"):
+            return
+        name = interface_of(listen)
+        if name is None:
+            self.log(f"no interface holds {listen}; Gloo picks its own (set GLOO_SOCKET_IFNAME)")
+            return
+        self._env["GLOO_SOCKET_IFNAME"] = name
+        self.info(f"workers' Gloo uses interface {name} ({listen})")
 
     def _job_secret(self) -> bytes | None:
         """The secret signing the stores' values (see the module docstring)."""
@@ -409,6 +451,7 @@ class Agent:
         self._start_workers(info)
         peers = [g for g in range(info.group_world_size) if g != info.group_rank]
         watch = _RoundWatch(peers=peers)
+        self._watch = watch
         kind, payload = self._monitor(info, watch)
         self._finish_round(info, kind, watch.failures)
         return kind, payload, watch.failures
@@ -515,6 +558,9 @@ class Agent:
         write_failures(info.store, f"failures/{info.group_rank}", failures)
 
     def _check_peers(self, info, peers, seen, now) -> Failure | None:
+        """The first of ``peers`` whose heartbeat count has not changed for the limit, as a
+        lost-node failure dated at its last beat seen (so it precedes, as the root cause, the
+        peer-loss errors it caused), or ``None``."""
         limit = self.config.keep_alive_interval * self.config.keep_alive_max_attempt
         for g in peers:
             count = info.store.add(f"hb/{g}", 0)
@@ -530,7 +576,7 @@ class Agent:
                     host=node.host,
                     pid=node.pid,
                     exitcode=1,
-                    timestamp=time.time(),
+                    timestamp=time.time() - (now - last[1]),
                     round=info.round,
                     role=node.role,
                     message=f"no heartbeat from the agent of node {g} for {now - last[1]:.0f} s",
@@ -546,19 +592,45 @@ class Agent:
         )
 
     def _give_up(self, info: RoundInfo, local: list[Failure]) -> int:
-        """Restarts are spent: gathers every node's failures, prints the report, exits 1."""
+        """Restarts are spent: gathers every node's failures, prints the report, exits 1.
+
+        A peer's failure record is waited for only while its agent heartbeats: a node whose
+        heartbeat stops for the limit (``keep_alive_interval * keep_alive_max_attempt``,
+        counted from the last beat this agent saw in the round) is named as lost -- the root
+        cause of the peer-loss errors of this node's workers -- and neither its record nor its
+        exit is waited for any longer.
+        """
         round_store = info.store
         end = self.rdzv.end_of(info.round)
         lost = []
         if end is not None and end[0] is RoundEnd.FAILURE:
             lost = [f for f in (end[1] or []) if f.rank < 0]
-        gone = {f.group_rank for f in lost}
-        keys = [f"failures/{g}" for g in range(info.group_world_size) if g not in gone]
+        watch = self._watch if self._watch is not None else _RoundWatch(peers=[])
         deadline = time.monotonic() + min(30.0, self.config.shutdown_timeout + 5.0)
-        while not round_store.check(keys) and time.monotonic() < deadline:
+        while True:
+            gone = {f.group_rank for f in lost}
+            waiting = [g for g in range(info.group_world_size) if g not in gone]
+            keys = [f"failures/{g}" for g in waiting]
+            if round_store.check(keys) or time.monotonic() >= deadline:
+                break
+            now = time.monotonic()
+            if now >= watch.next_beat:  # still alive to the peers while it waits for them
+                watch.next_beat = now + self.config.keep_alive_interval
+                round_store.add(f"hb/{info.group_rank}", 1)
+            silent = [
+                g for g in waiting
+                if g != info.group_rank and not round_store.check([f"failures/{g}"])
+            ]
+            found = self._check_peers(info, silent, watch.seen, now)
+            if found is not None:
+                self.log(f"node {found.group_rank} ({found.host}) was lost: {found.message}")
+                lost.append(found)
+                continue
+            self.check_stop()
             time.sleep(0.05)
+        gone = {f.group_rank for f in lost}
         failures: list[Failure] = list(lost)
-        for key in keys:
+        for key in (f"failures/{g}" for g in range(info.group_world_size) if g not in gone):
             if round_store.check([key]):
                 failures.extend(read_failures(round_store, key))
         if not failures:
@@ -573,7 +645,7 @@ class Agent:
             file=sys.stderr,
             flush=True,
         )
-        self.rdzv.exit_barrier(info, self.is_host)
+        self.rdzv.exit_barrier(info, self.is_host, lost=len(gone))
         return 1
 
     # ------------------------------------------------------------------ dirs

@@ -9,10 +9,19 @@ the rendezvous host (the address the other nodes reach this one at).
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import socket
+import struct
 
-__all__ = ["is_local_address", "is_loopback", "is_wildcard", "listen_address", "route_address"]
+__all__ = [
+    "interface_of",
+    "is_local_address",
+    "is_loopback",
+    "is_wildcard",
+    "listen_address",
+    "route_address",
+]
 
 _WILDCARDS = ("", "0.0.0.0", "::", "*")
 
@@ -94,4 +103,39 @@ def listen_address(
         return rdzv_host if is_loopback(rdzv_host) else "127.0.0.1"
     if single_node:
         return rdzv_host
-    return route_address(rdzv_host, rdzv_port)
+    routed = route_address(rdzv_host, rdzv_port)
+    if is_loopback(routed):
+        # the rendezvous host is this machine under a loopback alias (Debian's /etc/hosts maps
+        # the own hostname to 127.0.1.1): the other nodes reach it at one of its other
+        # addresses, if the name has one
+        for info in socket.getaddrinfo(rdzv_host, None, type=socket.SOCK_STREAM):
+            addr = info[4][0]
+            if not is_loopback(addr) and is_local_address(addr):
+                return addr
+    return routed
+
+
+_SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+
+
+def interface_of(addr: str) -> str | None:
+    """The name of this machine's network interface that holds the IPv4 address ``addr``
+    (``None``: no such interface, not an IPv4 address, or not Linux).
+
+    Gloo picks its interface by name (``GLOO_SOCKET_IFNAME``); without one it binds the
+    address the hostname resolves to, which a Debian ``/etc/hosts`` maps to 127.0.1.1 --
+    loopback, unreachable from the other nodes.
+    """
+    try:
+        wanted = ipaddress.IPv4Address(addr)
+    except ValueError:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()))
+            except OSError:
+                continue  # no IPv4 address on it
+            if ipaddress.IPv4Address(raw[20:24]) == wanted:
+                return name
+    return None

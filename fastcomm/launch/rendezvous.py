@@ -540,10 +540,12 @@ class Rendezvous:
         self._worker_store = None
 
     # ------------------------------------------------------------------ leaving
-    def exit_barrier(self, info: RoundInfo, is_host: bool, timeout: float | None = None) -> None:
+    def exit_barrier(
+        self, info: RoundInfo, is_host: bool, timeout: float | None = None, *, lost: int = 0
+    ) -> None:
         """Counts this agent out; the store host waits (``close_timeout``) for the others and
         for agents that waited to be admitted, so none loses the store before it read the
-        outcome."""
+        outcome. ``lost``: nodes of the round declared lost, not waited for."""
         round_store = info.store
         round_store.add("exited", 1)
         if not is_host:
@@ -551,7 +553,7 @@ class Rendezvous:
         nxt = self.round_store(info.round + 1)
         deadline = time.monotonic() + (self.config.close_timeout if timeout is None else timeout)
         while time.monotonic() < deadline:
-            if round_store.add("exited", 0) >= info.group_world_size and (
+            if round_store.add("exited", 0) >= info.group_world_size - lost and (
                 nxt.add("join", 0) <= nxt.add("left", 0)
             ):
                 return

@@ -71,6 +71,25 @@ def check_init_choice(hosts, forced):
     return backend, t.item()
 
 
+def _native_threads() -> set[str]:
+    """The ids of this process's OS threads (Python's and C++'s alike)."""
+    return set(os.listdir("/proc/self/task"))
+
+
+def check_shutdown_joins_gloo_threads():
+    """A leader's Gloo group is destroyed by ``shutdown()`` although the caller still holds the
+    communicator: its worker threads must not outlive it into the interpreter's exit (where a
+    thread releasing the last collective's tensors aborted the process)."""
+    before = _native_threads()
+    comm = fastcomm.init(timeout=30)
+    t = torch.full((2000,), comm.rank + 1.0)  # beyond the agreement's ride: Gloo's all-reduce
+    comm.all_reduce(t)
+    during = _native_threads() - before
+    fastcomm.shutdown()
+    left = (_native_threads() - before) & during
+    return comm.is_leader, bool(during), sorted(left), t[0].item()
+
+
 @pytest.fixture(scope="module", params=[4, 3], ids=lambda n: f"world{n}")
 def pool(request):
     # CPU tensors on simulated hosts; GPUs hidden so that init()'s choice checked below is the
@@ -135,3 +154,76 @@ def test_init_picks_backend_by_host_layout(pool, layout, forced, expected):
     n = pool.world_size
     results = pool.run(check_init_choice, layout(n), forced)
     assert results == [(expected, float(sum(range(1, n + 1))))] * n
+
+
+def test_shutdown_joins_the_gloo_threads_while_the_communicator_is_held(pool):
+    results = pool.run(check_shutdown_joins_gloo_threads)
+    total = float(sum(range(1, pool.world_size + 1)))
+    for rank, (leader, started, left, value) in enumerate(results):
+        assert value == total
+        assert started, f"rank {rank}: init started no thread (Gloo's own are expected)"
+        assert left == [], f"rank {rank} (leader {leader}): threads left after shutdown: {left}"
+
+
+MINIMAL = """
+import os
+os.environ["FASTCOMM_HOST_ID"] = "host%d" % (int(os.environ["RANK"]) // 2)
+import torch
+import fastcomm
+torch.set_num_threads(1)
+comm = fastcomm.init(timeout=60)
+t = torch.ones(4)
+comm.all_reduce(t)
+assert t.tolist() == [4.0] * 4, t
+fastcomm.shutdown()
+"""
+
+#: Runs of the minimal program (4 ranks, 2 faked hosts): a leader used to abort at exit in
+#: 10-36 % of them; 16 runs miss a 10 % rate with probability 0.9**16 < 19 %, a 20 % one < 3 %
+#: (check_shutdown_joins_gloo_threads above checks the cause itself, deterministically).
+EXIT_RUNS = int(os.environ.get("FASTCOMM_EXIT_RUNS", "16"))
+
+
+@pytest.mark.timeout(600)
+def test_leaders_exit_cleanly_after_shutdown(tmp_path):
+    """init with faked hosts, all_reduce, shutdown, end of script -- ``EXIT_RUNS`` times, 4 jobs
+    at a time: every rank exits 0 (a leader's Gloo thread released the last collective's
+    tensors during interpreter exit: ``terminate called without an active exception``)."""
+    import socket
+    import subprocess
+    import sys
+
+    program = tmp_path / "minimal.py"
+    program.write_text(MINIMAL)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def start_job():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FASTCOMM_")}
+        env.update(WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+                   PYTHONPATH=root + os.pathsep + env.get("PYTHONPATH", ""))
+        return [
+            subprocess.Popen([sys.executable, str(program)], env={**env, "RANK": str(r),
+                             "LOCAL_RANK": str(r % 2)}, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+            for r in range(4)
+        ]
+
+    failures, started, running = [], 0, []
+    while started < EXIT_RUNS or running:
+        while len(running) < 4 and started < EXIT_RUNS:
+            running.append(start_job())
+            started += 1
+        job = running.pop(0)
+        for rank, proc in enumerate(job):
+            try:
+                _, err = proc.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+            if proc.returncode != 0:
+                failures.append((rank, proc.returncode, err[-300:]))
+    assert failures == [], f"{len(failures)} rank exits failed in {EXIT_RUNS} runs: {failures}"

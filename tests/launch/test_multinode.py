@@ -4,6 +4,9 @@ and an elastic MIN:MAX job admitting a late node."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 
 import pytest
 
@@ -16,6 +19,7 @@ RECORD = """
            "GROUP_WORLD_SIZE", "LOCAL_WORLD_SIZE", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT",
            "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID")}
     env["SECRET"] = os.environ.get("FASTCOMM_JOB_SECRET")
+    env["GLOO_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME")
     name = "ws%s_rank%s_try%s.json" % (env["WORLD_SIZE"], env["RANK"],
                                        env["TORCHELASTIC_RESTART_COUNT"])
     with open(os.path.join(out, name), "w") as fh:
@@ -88,6 +92,9 @@ def test_two_agents_form_a_world_of_four(tmp_path, backend):
         assert int(r["GROUP_RANK"]) == int(r["RANK"]) // 2
         assert int(r["LOCAL_RANK"]) == int(r["RANK"]) % 2 and r["ROLE_RANK"] == r["RANK"]
         assert r["TORCHELASTIC_RUN_ID"] == ("job42" if backend == "c10d" else "none")
+        # Gloo on the interface of the address the nodes listen on (127.0.0.1 here), not on
+        # the one the hostname resolves to
+        assert r["GLOO_IFNAME"] == (os.environ.get("GLOO_SOCKET_IFNAME") or "lo")
     # one worker store for the whole world, served by the agent of group rank 0
     assert len({(r["MASTER_ADDR"], r["MASTER_PORT"]) for r in recs}) == 1
     if backend == "c10d":
@@ -302,3 +309,114 @@ def test_losing_the_store_after_a_node_finished_restarts_nothing(tmp_path):
         kill_all(pids)
         if host.poll() is None:
             host.kill()
+
+
+@pytest.mark.timeout(60)
+def test_a_lost_agent_is_named_within_the_heartbeat_limit_and_not_waited_for(tmp_path):
+    """Node 1's agent is SIGKILLed (its worker follows it); node 0's worker then fails with a
+    peer-loss error. Node 0 must name node 1 as lost -- by its heartbeat, within the limit --
+    not its own rank, and must not wait the 30 s for node 1's failure record nor the 30 s exit
+    barrier for node 1's exit."""
+    path = script(
+        tmp_path,
+        "peer_loss.py",
+        RECORD
+        + """
+    mine = os.path.join(out, "pid_%s" % env["GROUP_RANK"])
+    with open(mine, "w") as fh:
+        fh.write(str(os.getpid()))
+    if env["GROUP_RANK"] == "1":
+        time.sleep(50)
+    peer = os.path.join(out, "pid_1")
+    while not os.path.exists(peer):
+        time.sleep(0.05)
+    pid = int(open(peer).read())
+    while os.path.exists("/proc/%d" % pid) and open("/proc/%d/stat" % pid).read().split(
+            ")")[-1].split()[0] not in "ZX":
+        time.sleep(0.05)
+    raise ConnectionResetError(104, "Connection reset by peer")
+""",
+    )
+    port = free_port()
+    conf = "keep_alive_interval=0.25,keep_alive_max_attempt=4"
+    host, victim = (
+        start([*_flags(port, "2", "1", "--rdzv-conf", f"{conf},is_host={h}"), path, tmp_path],
+              tmp_path)
+        for h in (1, 0)
+    )
+    pids = []
+    try:
+        files = wait_files(tmp_path, "pid_*", 2, proc=host)
+        pids = [int(f.read_text()) for f in files]
+        victim.kill()
+        finish(victim, timeout=10)
+        killed = time.monotonic()
+        result = finish(host, timeout=40)
+        elapsed = time.monotonic() - killed
+        assert result.returncode == 1, result.stderr
+        assert "Root cause: node 1 (" in result.stderr, result.stderr
+        assert "was lost: no heartbeat from the agent of node 1" in result.stderr
+        # the limit is 1 s; the 30 s waits for node 1's record and its exit are gone (the
+        # bound leaves room for a loaded machine, well under the first 30 s wait)
+        assert elapsed < 25, (elapsed, result.stderr)
+        assert wait_gone(pids, timeout=5) == []
+    finally:
+        kill_all(pids)
+        for agent in (host, victim):
+            if agent.poll() is None:
+                agent.kill()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("ending", ["heartbeat-limit", "sigterm"])
+def test_a_silent_rendezvous_host_never_blocks_the_other_agent(tmp_path, ending):
+    """The host agent is SIGSTOPped (a powered-off machine: connections stay open, nothing
+    answers). torch's client waits for an answer forever, so the other agent hung in a store
+    call from its monitor loop, deaf to SIGTERM. Now it exits 1 within the heartbeat limit
+    naming the rendezvous host, and a SIGTERM ends it at once (128 + 15)."""
+    path = script(
+        tmp_path,
+        "sleep.py",
+        RECORD
+        + """
+    with open(os.path.join(out, "pid_%s" % env["RANK"]), "w") as fh:
+        fh.write(str(os.getpid()))
+    time.sleep(50)
+""",
+    )
+    port = free_port()
+    conf = "keep_alive_interval=0.5,keep_alive_max_attempt=4" if ending == "heartbeat-limit" else ""
+    host, other = (
+        start([*_flags(port, "2", "1", "--rdzv-conf", f"{conf},is_host={h}".lstrip(",")),
+               path, tmp_path], tmp_path)
+        for h in (1, 0)
+    )
+    pids = []
+    try:
+        pids = [int(f.read_text()) for f in wait_files(tmp_path, "pid_*", 2, proc=other)]
+        time.sleep(0.5)
+        os.kill(host.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        if ending == "sigterm":
+            time.sleep(1.0)  # the other agent is now waiting on the silent store
+            other.send_signal(signal.SIGTERM)
+        result = finish(other, timeout=40)
+        elapsed = time.monotonic() - stopped
+        if ending == "sigterm":
+            assert result.returncode == 128 + signal.SIGTERM, result.stderr
+            assert elapsed < 1.0 + 10, (elapsed, result.stderr)  # it used to never end
+        else:
+            assert result.returncode == 1, result.stderr
+            assert f"lost the rendezvous store at 127.0.0.1:{port}" in result.stderr
+            assert "no answer to store" in result.stderr, result.stderr
+            assert elapsed < 2 + 15, (elapsed, result.stderr)  # the limit is 2 s; was never
+        # the other node's worker (rank 1) is gone with its agent; the host's is only stopped
+        assert wait_gone([pids[1]], timeout=5) == []
+    finally:
+        if host.poll() is None:
+            os.kill(host.pid, signal.SIGCONT)
+            host.kill()
+            host.communicate()
+        kill_all(pids)
+        if other.poll() is None:
+            other.kill()

@@ -68,7 +68,18 @@ class GlooCommunicator(ProcessGroupCommunicator):
 
     def _impl_close(self) -> None:
         super()._impl_close()
+        # The group is destroyed here, not left to the garbage collector: the caller usually
+        # still holds this communicator (``comm = fastcomm.init()`` lives until the interpreter
+        # exits). A Gloo worker thread that finished the last collective still holds its work
+        # (and the tensors whose Python objects the caller dropped): releasing them takes the
+        # GIL. Left to the interpreter's exit, that thread asks for the GIL while the
+        # interpreter finalizes, is ended by pthread_exit inside a noexcept destructor, and the
+        # process dies of "terminate called without an active exception" (SIGABRT) after all
+        # its work succeeded. Destroying the group joins those threads now, with the GIL
+        # released (torch's binding drops it to destroy a group), so they finish first.
+        group, self.process_group = self.process_group, None
         try:
-            self.process_group.shutdown()
+            group.shutdown()
         except RuntimeError:
-            pass  # already torn down by a failed peer; nothing left to release
+            pass  # already torn down by a failed peer; the destruction below releases the rest
+        del group

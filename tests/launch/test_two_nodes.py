@@ -1,0 +1,255 @@
+"""Two real nodes on one machine: each in its own network, UTS, mount and PID namespace.
+
+The nodes are joined by one veth pair with no route out (10.213.34.1 and .2, a /30 that exists
+only inside the two namespaces), each has its own hostname (``node0``, ``node1``), its own
+tmpfs on ``/dev/shm`` and ``/tmp``, and a Debian-style ``/etc/hosts`` (its own name on
+127.0.1.1, the other's on the veth); ``FASTCOMM_HOST_ID`` is unset, so fastcomm tells the
+hosts apart as it would two machines. Root and ``ip netns`` are needed: skipped elsewhere.
+
+Everything made here (namespaces, the veth pair, mounts, processes) goes when the module ends,
+also on failure: each node runs under ``unshare --kill-child`` as PID 1 of its own PID
+namespace, so killing the outer process kills every process of the node, its mounts go with its
+mount namespace, and deleting the network namespaces deletes the veth pair.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from ._util import REPO, clean_env, script
+
+ADDRS = ("10.213.34.1", "10.213.34.2")
+PORT = 29534  # inside the namespaces only: nothing else listens there
+# short heartbeats keep the losses quick; the behaviour under test is the same at 5 s x 3
+FAST = "keep_alive_interval=0.5,keep_alive_max_attempt=4,last_call_timeout=1"
+
+
+def _why_not() -> str | None:
+    if os.name != "posix" or os.geteuid() != 0:
+        return "needs root (network, mount and PID namespaces)"
+    for tool in ("ip", "unshare", "mount"):
+        if shutil.which(tool) is None:
+            return f"needs {tool!r} (iproute2 / util-linux)"
+    probe = f"fcprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"`ip netns add` is not allowed here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+_REASON = _why_not()
+pytestmark = [
+    pytest.mark.skipif(_REASON is not None, reason=_REASON or ""),
+    pytest.mark.timeout(120),
+]
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+class Nodes:
+    """The two namespaced nodes; :meth:`start` runs a command as ``node<i>``."""
+
+    def __init__(self, shared: Path) -> None:
+        tag = f"{os.getpid() % 100000}"
+        self.netns = [f"fc34n0-{tag}", f"fc34n1-{tag}"]
+        self.veth = [f"fc34a{tag}", f"fc34b{tag}"]
+        self.shared = shared
+        self.procs: list[subprocess.Popen] = []
+
+    def build(self) -> None:
+        for ns in self.netns:
+            _ip("netns", "add", ns)
+        _ip("link", "add", self.veth[0], "type", "veth", "peer", "name", self.veth[1])
+        for i, (ns, dev) in enumerate(zip(self.netns, self.veth, strict=True)):
+            _ip("link", "set", dev, "netns", ns)
+            _ip("-n", ns, "addr", "add", f"{ADDRS[i]}/30", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            hosts = self.shared / f"hosts{i}"
+            hosts.write_text(
+                f"127.0.0.1 localhost\n127.0.1.1 node{i}\n"
+                f"{ADDRS[0]} node0\n{ADDRS[1]} node1\n"
+            )
+
+    def start(self, i: int, args: list[str], name: str) -> subprocess.Popen:
+        """``python -m fastcomm.launch *args`` on node ``i``; output in ``<name>.out/.err``."""
+        env = clean_env()
+        env.pop("FASTCOMM_HOST_ID", None)
+        env.pop("GLOO_SOCKET_IFNAME", None)
+        inner = (
+            f"hostname node{i} && mount --bind {self.shared} /mnt && "
+            "mount -t tmpfs tmpfs /tmp && mount -t tmpfs tmpfs /dev/shm && "
+            f"mount --bind /mnt/hosts{i} /etc/hosts && cd /mnt && "
+            f"exec python -m fastcomm.launch {' '.join(args)} "
+            f"> /mnt/{name}.out 2> /mnt/{name}.err"
+        )
+        cmd = [
+            "ip", "netns", "exec", self.netns[i],
+            "unshare", "--uts", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
+            "sh", "-c", inner,
+        ]
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def result(self, proc: subprocess.Popen, name: str, timeout: float) -> tuple[int, str]:
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill(proc)
+            message = f"{name} did not finish in {timeout} s:\n{self.err(name)}"
+            raise AssertionError(message) from None
+        return code, self.err(name)
+
+    def err(self, name: str) -> str:
+        path = self.shared / f"{name}.err"
+        return path.read_text() if path.exists() else ""
+
+    def out(self, name: str) -> str:
+        path = self.shared / f"{name}.out"
+        return path.read_text() if path.exists() else ""
+
+    @staticmethod
+    def kill(proc: subprocess.Popen) -> None:
+        """Ends a node: its unshare dies, its PID 1 gets SIGKILL, and every process with it."""
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+    def remove(self) -> None:
+        for proc in self.procs:
+            self.kill(proc)
+        for ns in self.netns:  # deleting a namespace deletes the veth end it holds
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    shared = tmp_path_factory.mktemp("two_nodes")
+    shared.chmod(0o755)
+    made = Nodes(shared)
+    try:
+        made.build()
+        yield made
+    finally:
+        made.remove()
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert not any(ns in listed for ns in made.netns), listed
+        links = subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
+        assert not any(dev in links for dev in made.veth), links
+
+
+def _job(*extra: str, nproc: int = 2, conf: str = FAST) -> list[str]:
+    return [
+        "--nnodes", "2", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"node0:{PORT}", "--rdzv-id", "two", "--job-secret-file",
+        "/mnt/secret", "--rdzv-conf", conf, *extra,
+    ]
+
+
+@pytest.fixture(autouse=True)
+def _secret(nodes):
+    (nodes.shared / "secret").write_text("two-nodes-secret\n")
+
+
+def _run_both(nodes, args, name, timeout=90, late: float = 0.0):
+    """Runs the job on node1 then (after ``late`` s) node0; returns both (code, stderr)."""
+    second = nodes.start(1, args, f"{name}1")
+    if late:
+        time.sleep(late)
+    first = nodes.start(0, args, f"{name}0")
+    return [nodes.result(first, f"{name}0", timeout), nodes.result(second, f"{name}1", timeout)]
+
+
+def test_the_readme_example_runs_on_two_nodes_with_hier(nodes):
+    shutil.copy(REPO / "examples" / "train.py", nodes.shared / "train.py")
+    results = _run_both(nodes, _job("train.py", "--steps", "5"), "train")
+    for code, err in results:
+        assert code == 0, err
+    out = nodes.out("train0")
+    assert "ranks=4" in out and "backend=hier" in out, out
+
+
+TORCH_OPS = """
+import os, socket, torch, torch.distributed as dist
+import fastcomm  # registers the "fastcomm" backend
+dist.init_process_group("fastcomm")
+rank, world = dist.get_rank(), dist.get_world_size()
+t = torch.arange(5, dtype=torch.int64) + 10 * rank
+dist.all_reduce(t)
+assert t.tolist() == [sum(k + 10 * r for r in range(world)) for k in range(5)], t
+out = [torch.empty(2, dtype=torch.float32) for _ in range(world)]
+dist.all_gather(out, torch.tensor([rank, rank + 0.5]))
+assert [o.tolist() for o in out] == [[r, r + 0.5] for r in range(world)], out
+b = torch.full((3,), float(rank))
+dist.broadcast(b, src=world - 1)
+assert b.tolist() == [world - 1.0] * 3
+print("host", socket.gethostname(), "rank", rank, "ok", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_torch_backend_ops_are_exact_across_the_nodes(nodes):
+    script(nodes.shared, "ops.py", TORCH_OPS)
+    results = _run_both(nodes, _job("ops.py"), "ops")
+    for code, err in results:
+        assert code == 0, err
+    assert nodes.out("ops0").count(" ok") == 2 and "host node1" in nodes.out("ops1")
+
+
+FAULT = """
+import os, sys, time
+if os.environ["RANK"] == "3" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    sys.exit(3)
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    time.sleep(30)  # stands for a collective stuck on the failed rank
+print("rank", os.environ["RANK"], "restart", os.environ["TORCHELASTIC_RESTART_COUNT"], flush=True)
+"""
+
+
+def test_a_late_rendezvous_host_and_a_rank_fault_restarted(nodes):
+    """node1 starts 10 s before node0 (nothing listens yet: it retries, it used to quit after
+    about 8 s calling the port 'not a store'); then rank 3 fails once and is restarted."""
+    script(nodes.shared, "fault.py", FAULT)
+    results = _run_both(nodes, _job("--max-restarts", "1", "fault.py"), "fault", late=10)
+    for code, err in results:
+        assert code == 0, err
+    assert "not a store" not in results[1][1]
+    assert "restart 1" in nodes.out("fault0") and "restart 1" in nodes.out("fault1")
+    assert "rank 3 (local_rank 1, host node1)" in results[0][1] + results[1][1]
+
+
+HANG = """
+import os, time
+open("/mnt/up_%s" % os.environ["RANK"], "w").close()
+time.sleep(60)
+"""
+
+
+def test_a_lost_node_is_named_within_the_heartbeat_limit(nodes):
+    script(nodes.shared, "hang.py", HANG)
+    for stale in nodes.shared.glob("up_*"):
+        stale.unlink()
+    node1 = nodes.start(1, _job("hang.py", nproc=1), "lost1")
+    node0 = nodes.start(0, _job("hang.py", nproc=1), "lost0")
+    deadline = time.monotonic() + 60
+    while len(list(nodes.shared.glob("up_*"))) < 2:
+        assert time.monotonic() < deadline and node0.poll() is None, nodes.err("lost0")
+        time.sleep(0.1)
+    nodes.kill(node1)  # node1 powered off: its agent and worker die at once
+    lost = time.monotonic()
+    code, err = nodes.result(node0, "lost0", 40)
+    elapsed = time.monotonic() - lost
+    assert code == 1, err
+    assert "node 1 (node1) was lost: no heartbeat from the agent of node 1" in err, err
+    assert elapsed < 2 + 20, (elapsed, err)  # the limit is 0.5 s x 4 (room for a loaded machine)
