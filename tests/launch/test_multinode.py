@@ -339,9 +339,10 @@ def test_a_lost_agent_is_named_within_the_heartbeat_limit_and_not_waited_for(tmp
     )
     port = free_port()
     conf = "keep_alive_interval=0.25,keep_alive_max_attempt=4"
+    # a SIGKILLed agent cannot remove its folder of error files: TMPDIR keeps it in tmp_path
     host, victim = (
         start([*_flags(port, "2", "1", "--rdzv-conf", f"{conf},is_host={h}"), path, tmp_path],
-              tmp_path)
+              tmp_path, env=clean_env(TMPDIR=str(tmp_path)))
         for h in (1, 0)
     )
     pids = []
@@ -388,7 +389,7 @@ def test_a_silent_rendezvous_host_never_blocks_the_other_agent(tmp_path, ending)
     conf = "keep_alive_interval=0.5,keep_alive_max_attempt=4" if ending == "heartbeat-limit" else ""
     host, other = (
         start([*_flags(port, "2", "1", "--rdzv-conf", f"{conf},is_host={h}".lstrip(",")),
-               path, tmp_path], tmp_path)
+               path, tmp_path], tmp_path, env=clean_env(TMPDIR=str(tmp_path)))
         for h in (1, 0)
     )
     pids = []
