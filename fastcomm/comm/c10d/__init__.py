@@ -52,8 +52,7 @@ Complex tensors go through their real view; data that is only moved (``broadcast
 ``all_to_all``) goes through a byte view whatever its dtype.
 """
 
-from .group import BACKEND_NAME, FastcommProcessGroup, create_process_group
-from .monitored import monitored_barrier
+from .group import BACKEND_NAME, FastcommProcessGroup, create_process_group, monitored_barrier
 from .works import FastcommWork, FinishedWork
 
 __all__ = [

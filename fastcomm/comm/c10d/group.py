@@ -739,6 +739,30 @@ class FastcommProcessGroup(VCollOps, dist.ProcessGroup):
     abort = shutdown
 
 
+def monitored_barrier(
+    group: Any = None, timeout: timedelta | float | None = None, wait_all_ranks: bool = False
+) -> None:
+    """A barrier that names the ranks that did not reach it within ``timeout`` (torch's
+    ``dist.monitored_barrier``, for groups of the ``fastcomm`` backend; any other group is
+    handed to torch's own).
+
+    Args:
+        group: the process group (``None``: the default group).
+        timeout: how long rank 0 waits for the others (``timedelta`` or seconds; ``None``: the
+            group's timeout).
+        wait_all_ranks: collect every missing rank instead of stopping at the first.
+
+    Raises:
+        CommTimeoutError: some rank did not arrive (named, with the elapsed time), or rank 0
+            never gave its verdict (on the ranks waiting for it).
+        ValueError: ``timeout`` is not positive.
+    """
+    pg = dist.distributed_c10d._get_default_group() if group is None else group
+    if not isinstance(pg, FastcommProcessGroup):
+        return dist.monitored_barrier(group, timeout, wait_all_ranks)
+    return pg.monitored_barrier(timeout, wait_all_ranks)
+
+
 def create_process_group(opts: Any, backend_options: Any = None) -> FastcommProcessGroup:
     """torch's creator for the ``fastcomm`` backend (``register_backend(extended_api=True)``).
 

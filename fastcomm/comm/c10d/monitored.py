@@ -2,8 +2,8 @@
 
 torch's ``dist.monitored_barrier`` refuses every backend but one by name (``ValueError:
 monitored_barrier is only implemented for GLOO backend``) before it reaches the group, so a
-fastcomm group offers the same call itself: :func:`monitored_barrier` (``fastcomm.
-monitored_barrier``, which hands any other group to torch's) and the group's own
+fastcomm group offers the same call itself: ``fastcomm.monitored_barrier`` (``group.py``,
+which hands any other group to torch's) and the group's own
 ``group.monitored_barrier(timeout, wait_all_ranks)``, the method torch would call.
 
 Protocol (Gloo's, over the group's store instead of its pairs): every rank but 0 writes its
@@ -18,42 +18,15 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Any
 
 import torch.distributed as dist
 
 from ..errors import CommTimeoutError
 
-__all__ = ["monitored_barrier"]
+__all__ = ["run"]
 
 _PREFIX = "fastcomm/monitored_barrier"
 _GRACE = 5.0  # seconds a waiting rank allows rank 0 beyond the timeout to write its verdict
-
-
-def monitored_barrier(
-    group: Any = None, timeout: timedelta | float | None = None, wait_all_ranks: bool = False
-) -> None:
-    """A barrier that names the ranks that did not reach it within ``timeout`` (torch's
-    ``dist.monitored_barrier``, for groups of the ``fastcomm`` backend; any other group is
-    handed to torch's own).
-
-    Args:
-        group: the process group (``None``: the default group).
-        timeout: how long rank 0 waits for the others (``timedelta`` or seconds; ``None``: the
-            group's timeout).
-        wait_all_ranks: collect every missing rank instead of stopping at the first.
-
-    Raises:
-        CommTimeoutError: some rank did not arrive (named, with the elapsed time), or rank 0
-            never gave its verdict (on the ranks waiting for it).
-        ValueError: ``timeout`` is not positive.
-    """
-    from .group import FastcommProcessGroup
-
-    pg = dist.distributed_c10d._get_default_group() if group is None else group
-    if not isinstance(pg, FastcommProcessGroup):
-        return dist.monitored_barrier(group, timeout, wait_all_ranks)
-    return pg.monitored_barrier(timeout, wait_all_ranks)
 
 
 def run(store: dist.Store, rank: int, size: int, seq: int, timeout: timedelta,
