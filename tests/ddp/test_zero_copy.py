@@ -221,6 +221,7 @@ def test_trains_like_torch_without_staging(pool, model_name, set_to_none):
         assert per_byte["peer_read"] == pytest.approx(1.0, abs=0.02)
         assert per_byte["moved"] <= 2.0 + 0.02
         assert "all_reduce" not in calls  # no collective staged the buckets
+        assert calls.get("shared_all_reduce", 0) > 0  # the region's reductions are counted
 
 
 def test_cap_falls_back_with_a_warning(pool):

@@ -251,6 +251,9 @@ class BucketRegion:
         self.flags: PeerFlags | None = None  # made once every rank recorded its identity
         self._u8 = torch.frombuffer(mm, dtype=torch.uint8)
         self.stats = RegionStats()
+        # the communicator's CommStats: each launched bucket counts as one
+        # "shared_all_reduce" of its bytes (set by ShmCommunicator.bucket_region)
+        self.comm_stats = None
         self._launched = 0  # buckets launched (= this rank's ready counter once published)
         self._queue: list[SharedBucket] = []  # launched, not yet released, in order
         self._broken: BaseException | None = None
@@ -374,6 +377,8 @@ class BucketRegion:
                 f"rank {self.rank}: shared bucket {bucket.index} launched twice in one iteration"
             )
         flags, layout = self.flags, self.layout
+        if self.comm_stats is not None:
+            self.comm_stats.count("shared_all_reduce", bucket.nbytes)
         bucket.serial = self._launched = self._launched + 1
         bucket.phase = 0
         flags.words[layout.factor(self.rank, bucket.index) // 8] = _BITS.unpack(

@@ -293,6 +293,7 @@ class ShmCommunicator(Communicator):
         )
         if not isinstance(region, str):
             self._live_regions.add(region)  # closed with the communicator: peers fail fast
+            region.comm_stats = self.stats  # the buckets' bytes count among this one's
         return region
 
     def _new_child(self, store: Store, rank: int, size: int, timeout: timedelta):
