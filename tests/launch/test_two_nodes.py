@@ -87,8 +87,12 @@ class Nodes:
         env.pop("FASTCOMM_HOST_ID", None)
         env.pop("GLOO_SOCKET_IFNAME", None)
         inner = (
+            # the checkout is held on /mnt/.repoN and bound back over the node's own /tmp, so a
+            # checkout (and an editable install) under /tmp stays importable on the node
             f"hostname node{i} && mount --bind {self.shared} /mnt && "
-            "mount -t tmpfs tmpfs /tmp && mount -t tmpfs tmpfs /dev/shm && "
+            f"mkdir -p /mnt/.repo{i} && mount --bind {REPO} /mnt/.repo{i} && "
+            f"mount -t tmpfs tmpfs /tmp && mkdir -p {REPO} && mount --bind /mnt/.repo{i} {REPO} && "
+            "mount -t tmpfs tmpfs /dev/shm && "
             f"mount --bind /mnt/hosts{i} /etc/hosts && cd /mnt && "
             f"exec python -m fastcomm.launch {' '.join(args)} "
             f"> /mnt/{name}.out 2> /mnt/{name}.err"
