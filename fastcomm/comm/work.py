@@ -202,8 +202,8 @@ class SettledByWait:
 
     __slots__ = ()
 
-    def _inner_done(self) -> bool:
-        raise NotImplementedError
+    # The class mixing this in defines ``_inner_done() -> bool`` (whether the works it holds
+    # are done) and the ``_finished`` / ``_error`` fields: PGWork, the c10d FastcommWork.
 
     def is_completed(self) -> bool:
         if not self._finished and self._inner_done():
