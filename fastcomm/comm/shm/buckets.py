@@ -60,6 +60,7 @@ from datetime import timedelta
 
 import torch
 
+from ..bucket_stats import RegionStats
 from ..errors import CommAbortedError, FastcommError
 from ..store import Store
 from .flags import PeerFlags, fence
@@ -126,43 +127,6 @@ class _RegionLayout(Layout):
     @property
     def total(self) -> int:
         return self.data + self.size * self.area_bytes
-
-
-class RegionStats:
-    """Bytes this rank's in-place all-reduces moved (see the module docstring).
-
-    Attributes:
-        buckets: bucket all-reduces run.
-        gradient_bytes: their bytes together.
-        written: bytes written (reductions and copies).
-        read: bytes read, this rank's own area included.
-        peer_read: bytes read out of the peers' areas.
-    """
-
-    __slots__ = ("buckets", "gradient_bytes", "written", "read", "peer_read")
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        """Forgets every count."""
-        self.buckets = self.gradient_bytes = self.written = self.read = self.peer_read = 0
-
-    def per_gradient_byte(self) -> dict[str, float]:
-        """Written, read, peer-read and moved (written + peer-read) bytes per gradient byte."""
-        g = max(1, self.gradient_bytes)
-        return {
-            "written": self.written / g,
-            "read": self.read / g,
-            "peer_read": self.peer_read / g,
-            "moved": (self.written + self.peer_read) / g,
-        }
-
-    def __repr__(self) -> str:
-        return (
-            f"RegionStats(buckets={self.buckets}, gradient_bytes={self.gradient_bytes}, "
-            f"written={self.written}, read={self.read}, peer_read={self.peer_read})"
-        )
 
 
 class SharedBucket:
