@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 __all__ = [
     "BITWISE_OPS", "BitwiseOp", "Capabilities", "EXTRA_DTYPES", "PremulSum", "ReduceOp",
-    "SUPPORTED_DTYPES", "check_reduction", "divide_",
+    "SHARED_BUCKET_DTYPES", "SUPPORTED_DTYPES", "check_reduction", "divide_",
 ]
 
 
@@ -199,6 +199,15 @@ def divide_(tensor: torch.Tensor, size: int) -> None:
         tensor.div_(size, rounding_mode="trunc")
 
 
+#: The dtypes a shared bucket region holds, per device type (``Capabilities.shared_buckets``):
+#: on CPU those whose ``PremulSum`` the compiled core reduces in the communicator's own bits,
+#: on CUDA those the ``peer_reduce`` kernel accumulates in fp32.
+SHARED_BUCKET_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
+    "cpu": (torch.float32, torch.float64),
+    "cuda": (torch.float32, torch.float16, torch.bfloat16),
+}
+
+
 @dataclass(frozen=True, slots=True)
 class Capabilities:
     """What a communicator can do, as data: DDP and the torch.distributed adapter ask these
@@ -233,11 +242,13 @@ class Capabilities:
     """Reduces the bitwise ops and :data:`EXTRA_DTYPES` itself (with the ops
     :func:`check_reduction` allows); elsewhere the contract runs such a reduction as an
     ``all_gather`` of the ranks' bytes and a reduction in rank order on every rank."""
-    shared_buckets: bool = False
-    """Hands DDP bucket memory that every rank reads in place, and all-reduces a bucket there
-    out of the peers' copies, nothing staged (``bucket_region(...)``, a collective returning a
-    :class:`~fastcomm.comm.shm.buckets.BucketRegion`, or the reason it cannot). Elsewhere DDP's
-    buckets are ordinary memory reduced by ``all_reduce``."""
+    shared_buckets: frozenset[str] = frozenset()
+    """Device types whose DDP bucket memory it hands out, memory every rank reads in place, and
+    whose buckets it all-reduces there out of the peers' copies, nothing staged
+    (``bucket_region(...)``, a collective returning a region, or the reason it cannot):
+    ``shm`` on CPU (:class:`~fastcomm.comm.shm.buckets.BucketRegion`), ``ipc`` on CUDA
+    (:class:`~fastcomm.comm.ipc.buckets.CudaBucketRegion`). Elsewhere DDP's buckets are
+    ordinary memory reduced by ``all_reduce``."""
 
     in_place: bool = True
     """``all_gather`` and ``all_to_all`` accept an output that overlaps the input (torch's

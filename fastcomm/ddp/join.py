@@ -115,6 +115,10 @@ class Join:
                     broadcast_tensors(ddp.comm, buffers, src=src)
             ddp.require_forward_param_sync = sync
             if sync:
+                if not self.divide_by_initial_world_size:
+                    # the training ranks' factor (notify_join): an ipc shared bucket applies it
+                    # to the sum, each rank to the chunk it reduces, this one's too
+                    reducer.scale = 1.0 / active
                 reducer.shadow_backward()
         # The last rank(s) to join hold the final model; the highest of them sends it.
         src = self.buffer_source(ddp, candidate=is_last_joiner)

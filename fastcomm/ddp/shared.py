@@ -1,21 +1,25 @@
 """Zero-copy buckets: gradients in communicator memory the peers read, reduced in place.
 
-Where the communicator declares ``capabilities.shared_buckets`` (``shm``), the reducer asks it
-for one region of shared memory (``bucket_region``) and lays its dense fp32/fp64 CPU buckets
-out there instead of in private buffers. The ``.grad`` of each parameter is then its view in
-that memory (``gradient_as_bucket_view``): autograd accumulates into it, or, where ``.grad``
-was ``None`` (``zero_grad(set_to_none=True)``), the reducer copies the fresh gradient in as it
-arrives, still in cache -- for a gradient of ``STAGE_MIN_BYTES`` or more, only the parts the
-peers reduce: the reduction reads the part in this rank's own slice where autograd left it and
-writes the result into the bucket (``BucketRegion.stage``). `SharedViewAllReduce` all-reduces
-such a bucket in place: each rank reduces its slice straight out of every rank's bucket, the
-averaging factor folded in, then copies the other slices out of the peers' buckets
-(``fastcomm.comm.shm.buckets``): no pack, no staging into the communicator's slots, no copy
-back, no unpack.
+Where the communicator declares ``capabilities.shared_buckets`` for the model's device
+(``shm``: CPU; ``ipc``: CUDA), the reducer asks it for one region of memory every rank maps
+(``bucket_region``) and lays its dense buckets (fp32/fp64 on CPU, fp32/fp16/bf16 on CUDA:
+``SHARED_BUCKET_DTYPES``) out there instead of in private buffers. The ``.grad`` of each
+parameter is then its view in that memory (``gradient_as_bucket_view``): autograd accumulates
+into it, or, where ``.grad`` was ``None`` (``zero_grad(set_to_none=True)``), the reducer copies
+the fresh gradient in as it arrives, still in cache -- on CPU, for a gradient of
+``STAGE_MIN_BYTES`` or more, only the parts the peers reduce: the reduction reads the part in
+this rank's own slice where autograd left it (``BucketRegion.stage``). `SharedViewAllReduce`
+all-reduces such a bucket in place: each rank reduces its slice straight out of every rank's
+bucket, the averaging factor folded in, and every rank ends with the whole result in its own
+bucket (``fastcomm.comm.shm.buckets`` on CPU; on CUDA ``fastcomm.comm.ipc.buckets``: one
+``peer_reduce`` kernel between two ``peer_signal`` barriers): no pack, no staging into the
+communicator's slots or workspace, no copy back, no unpack.
 
-Results: every element is ``sum over ranks, in rank order, of (grad * scale)``, each product
-rounded in the dtype: the bits of the communicator's own ``PremulSum`` all-reduce, hence of the
-packed path and of torch DDP (``tests/ddp/test_torch_parity.py``).
+Results: on CPU every element is ``sum over ranks, in rank order, of (grad * scale)``, each
+product rounded in the dtype: the bits of the communicator's own ``PremulSum`` all-reduce,
+hence of the packed path and of torch DDP (``tests/ddp/test_torch_parity.py``). On CUDA it is
+``(sum over ranks, in rank order, of grad) * scale``, accumulated in fp32 and rounded once (the
+same bits as on CPU where the scale is a power of two, as ``1 / world`` at 2, 4, 8 ranks).
 
 Default: on where the communicator offers it and the gradients average
 ``AUTO_MIN_MEAN_BYTES`` or more, with ``gradient_as_bucket_view`` left ``None``; always with
@@ -25,18 +29,21 @@ reports the argument, as torch's does). ``gradient_as_bucket_view=False`` keeps 
 aliasing (a ``.grad`` of its own, reduced by the communicator's ``all_reduce``), and
 ``shared_buckets=False`` (or ``FASTCOMM_DDP_SHARED_BUCKETS=0``) turns the region off.
 
-Memory: the region holds every rank's buckets, ``size`` times the model's gradient bytes (the
-buckets' private buffers are not allocated: per rank the same bytes, now in ``/dev/shm``).
-``shared_bucket_cap_mb`` (or ``FASTCOMM_DDP_SHARED_CAP_MB``) caps it; over the cap, or when
-``/dev/shm`` cannot hold it, every rank warns once and keeps today's buffers.
+Memory: on CPU the region holds every rank's buckets, ``size`` times the model's gradient
+bytes in ``/dev/shm`` (the buckets' private buffers are not allocated: per rank the same bytes,
+now shared); on CUDA each rank's buckets stay on its own GPU, the peers map them: the gradient
+bytes once per rank, as without sharing. ``shared_bucket_cap_mb`` (or
+``FASTCOMM_DDP_SHARED_CAP_MB``) caps it; over the cap, or when ``/dev/shm`` (the GPU) cannot
+hold it, every rank warns once and keeps today's buffers.
 
 Safety: a bucket is reduced only once every rank published that its gradients are in place;
-the end of a synchronized backward (and a joined rank's shadow step) waits until every peer has
-copied out of this rank's buckets (``BucketRegion.settle``), so that nothing (an optimizer's
-in-place clip, the next backward, ``zero_grad``) writes a bucket a peer still reads. A comm hook
-gets the bucket as with ``gradient_as_bucket_view`` (its ``buffer()`` is the shared bucket) and
-reduces it with the communicator's collectives, as before. A rank that dies or times out makes
-the others raise, naming it.
+the end of a synchronized backward (and a joined rank's shadow step) makes sure no peer reads
+or writes this rank's buckets any more (``settle``; on CUDA the bucket's last barrier already
+does, and the caller's stream waits for it), so that nothing (an optimizer's in-place clip,
+the next backward, ``zero_grad``) writes a bucket a peer still reads. A comm hook gets the
+bucket as with ``gradient_as_bucket_view`` (its ``buffer()`` is the shared bucket) and reduces
+it with the communicator's collectives, as before. A rank that dies or times out makes the
+others raise, naming it.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ import warnings
 from collections.abc import Sequence
 
 import torch
+
+from fastcomm.comm.types import SHARED_BUCKET_DTYPES
 
 from .bucket import Bucket
 from .strategy import ViewAllReduce
@@ -71,6 +80,10 @@ STAGE_MIN_BYTES = 64 << 10
 # more CPU than the packed path on 2 ranks).
 # (``FASTCOMM_DDP_SHARED_MIN_MEAN_BYTES`` overrides it: 0 shares every model's buckets).
 AUTO_MIN_MEAN_BYTES = 16 << 10
+# Every bucket starts at a multiple of this in the region: shm's cache lines (64) and the
+# ipc areas' aligned kernel accesses (256) alike.
+BUCKET_ALIGN = 256
+_PAGE = 4096  # shm's areas are whole pages
 
 
 def worth_sharing(params: Sequence[torch.Tensor], sparse: frozenset[int]) -> bool:
@@ -86,11 +99,14 @@ def worth_sharing(params: Sequence[torch.Tensor], sparse: frozenset[int]) -> boo
     return bool(sizes) and sum(sizes) >= least * len(sizes)
 
 
-def eligible(param: torch.Tensor) -> bool:
-    """Whether `param`'s gradient may live in shared bucket memory (dense fp32/fp64 CPU)."""
-    from fastcomm.comm.shm.buckets import DTYPES
+def eligible(param: torch.Tensor, device: torch.device) -> bool:
+    """Whether `param`'s gradient may live in shared bucket memory on `device` (dense fp32/fp64
+    on CPU, fp32/fp16/bf16 on CUDA: ``SHARED_BUCKET_DTYPES``)."""
+    return param.device == device and param.dtype in SHARED_BUCKET_DTYPES.get(device.type, ())
 
-    return param.device.type == "cpu" and param.dtype in DTYPES
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // BUCKET_ALIGN) * BUCKET_ALIGN
 
 
 class SharedBuckets:
@@ -102,8 +118,9 @@ class SharedBuckets:
         region: the communicator's ``BucketRegion``.
     """
 
-    def __init__(self, region) -> None:
+    def __init__(self, region, device: torch.device) -> None:
         self.region = region
+        self.device = device
 
     @classmethod
     def create(
@@ -113,46 +130,52 @@ class SharedBuckets:
         sparse: frozenset[int],
         cap_mb: float | None,
     ) -> SharedBuckets | None:
-        """The region for `params` (the dense eligible ones), or ``None`` with a warning when
-        the communicator cannot make it (over the cap, ``/dev/shm`` too small)."""
-        from fastcomm.comm.shm.buckets import ALIGN, area_bytes_for
-
-        chosen = [p for i, p in enumerate(params) if i not in sparse and eligible(p)]
+        """The region for `params` (the dense eligible ones on the device of the first of them
+        the communicator offers it for), or ``None`` with a warning when the communicator
+        cannot make it (over the cap, ``/dev/shm`` too small, the GPU out of memory)."""
+        offered = comm.capabilities.shared_buckets
+        dense = [p for i, p in enumerate(params) if i not in sparse]
+        devices = [p.device for p in dense if p.device.type in offered]
+        if not devices:
+            return None
+        device = devices[0]
+        chosen = [p for p in dense if eligible(p, device)]
         if not chosen:
             return None
-        # buckets start at ALIGN boundaries: sizing each parameter so bounds any grouping
-        area = area_bytes_for([-(-p.numel() * p.element_size() // ALIGN) * ALIGN for p in chosen])
+        # buckets start at BUCKET_ALIGN boundaries: padding each parameter so bounds any
+        # grouping
+        area = _padded(sum(_padded(p.numel() * p.element_size()) for p in chosen))
+        area = -(-area // _PAGE) * _PAGE
         cap = None if cap_mb is None else int(cap_mb * 1024 * 1024)
-        region = comm.bucket_region(area, len(chosen), cap)
+        region = comm.bucket_region(area, len(chosen), cap, device=device)
         if isinstance(region, str):
             warnings.warn(
                 f"fastcomm DDP (rank {comm.rank}): no shared-memory buckets ({region}); "
                 "reducing through the communicator's collectives instead (set "
-                "shared_bucket_cap_mb / FASTCOMM_DDP_SHARED_CAP_MB, or grow /dev/shm)",
+                "shared_bucket_cap_mb / FASTCOMM_DDP_SHARED_CAP_MB, or grow /dev/shm or free "
+                "GPU memory)",
                 RuntimeWarning,
                 stacklevel=4,
             )
             return None
-        return cls(region)
+        return cls(region, device)
 
     def place(self, buckets: Sequence[Bucket]) -> None:
         """Moves every eligible dense bucket's ``flat`` into the region (zeros), in order."""
-        from fastcomm.comm.shm.buckets import ALIGN
-
         offset = 0
         slot = 0
         for bucket in buckets:
             if bucket.sparse:
                 continue
             bucket.shared = None
-            if not eligible(bucket.params[0]):
+            if not eligible(bucket.params[0], self.device):
                 continue
             shared = self.region.bucket(slot, offset, bucket.dtype, bucket.numel)
             shared.flat.zero_()
             bucket.use_flat(shared.flat)
             bucket.shared = shared
             slot += 1
-            offset += -(-bucket.numel * bucket.flat.element_size() // ALIGN) * ALIGN
+            offset += _padded(bucket.numel * bucket.flat.element_size())
 
     def settle(self) -> None:
         """Waits until the peers have copied out of every bucket this rank launched."""
@@ -179,7 +202,9 @@ class SharedViewAllReduce(ViewAllReduce):
 
     def shadow(self, reducer, bucket: Bucket):
         bucket.flat.zero_()
-        return bucket.shared.region.launch(bucket.shared, 1.0)
+        # ipc applies the factor to the sum, each rank to the chunk it reduces: the joined
+        # rank passes the training ranks' factor (join.py keeps it)
+        return bucket.shared.region.launch(bucket.shared, reducer.scale)
 
 
 SHARED_VIEW = SharedViewAllReduce()

@@ -134,6 +134,7 @@ class IpcCommunicator(Communicator):
         self.capabilities = Capabilities(
             all_reduce_devices=frozenset({"cuda"}), layout_free=True,
             in_place=cpu.capabilities.in_place,
+            shared_buckets=frozenset({"cuda"}) | cpu.capabilities.shared_buckets,
         )
         self._cuda = None  # the CUDA transport, once built
         self._cuda_device: torch.device | None = None
@@ -258,6 +259,44 @@ class IpcCommunicator(Communicator):
             return Work("all_reduce", self.rank, tensor, devices=[tensor.device], completed=True)
 
         return Task("all_reduce", tensor, enqueue)  # issued at once: the stream orders it
+
+    # ------------------------------------------------------------------ shared DDP buckets
+    def bucket_region(
+        self, area_bytes: int, max_buckets: int, cap_bytes: int | None = None,
+        device: torch.device | str = "cpu",
+    ):
+        """DDP bucket memory the peers map, all-reduced in place (``capabilities.
+        shared_buckets``; a collective: every rank calls it alike).
+
+        CUDA: a :class:`~.buckets.CudaBucketRegion` of the CUDA transport (built here on first
+        use), reduced by the ``peer_reduce`` kernel out of the peers' areas. CPU: the shared-
+        memory communicator's region.
+
+        Args:
+            area_bytes: bytes of buckets per rank.
+            max_buckets: the most buckets it will hold.
+            cap_bytes: the most bytes of memory it may take per rank (``None``: no cap).
+            device: the device of the buckets (one CUDA device per communicator).
+
+        Returns:
+            The region, or on every rank the reason it was not made (no CUDA transport, over
+            the cap, out of memory): the caller keeps its own buffers.
+        """
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self.cpu.bucket_region(area_bytes, max_buckets, cap_bytes)
+        if device.type != "cuda":
+            raise ValueError(f"{self._where()}: bucket memory on cpu or cuda, got {device}")
+        self._check_open("bucket_region")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        transport = self._cuda_route(device)
+        if transport is None:
+            return "the CUDA IPC transport is unavailable here (see the warning above)"
+        region = transport.bucket_region(area_bytes, max_buckets, cap_bytes)
+        if not isinstance(region, str):
+            region.comm_stats = self.stats  # the buckets' bytes count among this one's
+        return region
 
     # ------------------------------------------------------------------ lifetime
     def _new_child(self, store: Store, rank: int, size: int, timeout: timedelta):

@@ -114,7 +114,7 @@ CHUNK_ALIGN = 16
 # 56..62, dtype in 48..55, reduce op in 41..47, element count in 1..40 and bit 0 set. It is
 # odd and >= 2**56 whatever the call, so Triton compiles one variant of the barrier for all
 # of them (it specializes integers equal to 1, divisible by 16, or past 32 bits).
-_OPCODES = {"barrier": 1, "all_reduce": 2}
+_OPCODES = {"barrier": 1, "all_reduce": 2, "bucket_all_reduce": 3}  # 3: buckets.py
 _DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(CUDA_DTYPES)}
 _REDOP_CODES = {op: i + 1 for i, op in enumerate(CUDA_OPS)}
 #: Element counts a descriptor holds (2**40 fp16 elements are 2 TiB: past any GPU's memory).
@@ -524,6 +524,9 @@ class CudaIpcTransport:
         self._timed_out: tuple[str, float] | None = None
         self._opened: list[int] = []
         self._base = 0
+        self._bus_ids: list[str] = []  # every rank's GPU, for the regions' mappings
+        self._regions: list = []  # bucket regions (buckets.py), closed before the workspace
+        self._region_count = 0
         # CuPy keeps its own current device (it may load another libcudart than torch's)
         self._cupy_device = cuda.Device(self.device.index)
         with torch.cuda.device(self.device), self._cupy_device:
@@ -539,6 +542,7 @@ class CudaIpcTransport:
                 )
                 # before any peer memory is opened: a differing layout would read past it
                 check_agreed_options(rank, [p[2] for p in peers])
+                self._bus_ids = [bus for _, bus, _ in peers]
                 bases = [self._open(r, h, bus) for r, (h, bus, _) in enumerate(peers)]
             except BaseException:
                 self._release()
@@ -594,6 +598,19 @@ class CudaIpcTransport:
     def _open(self, peer: int, handle: bytes, bus_id: str) -> int:
         if peer == self.rank:
             return self._base
+        ptr = self.map_peer(peer, handle, bus_id)
+        self._opened.append(ptr)
+        return ptr
+
+    def map_peer(self, peer: int, handle: bytes, bus_id: str | None = None) -> int:
+        """Opens rank ``peer``'s IPC ``handle`` (its GPU ``bus_id``, default the one it
+        reported at setup) and returns the address; the caller closes it
+        (``ipcCloseMemHandle``) once no kernel of any rank reads it.
+
+        Raises:
+            RuntimeError: the peer's GPU is not visible here or has no peer access.
+        """
+        bus_id = self._bus_ids[peer] if bus_id is None else bus_id
         here = self.device.index
         try:
             there = self._rt.deviceGetByPCIBusId(bus_id)
@@ -607,9 +624,7 @@ class CudaIpcTransport:
                 f"rank {self.rank}: rank {peer}'s GPU {bus_id} (device {there} here) cannot be "
                 f"accessed from device {here} (no peer access): the CUDA IPC transport needs it"
             )
-        ptr = self._rt.ipcOpenMemHandle(handle)  # lazily enables peer access
-        self._opened.append(ptr)
-        return ptr
+        return self._rt.ipcOpenMemHandle(handle)  # lazily enables peer access
 
     # ------------------------------------------------------------------ collective
     def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM):
@@ -652,6 +667,25 @@ class CudaIpcTransport:
                              self._future_stream, failure=self.failure)
             self._watchdog.track(work)
         return work
+
+    def bucket_region(self, area_bytes: int, max_buckets: int, cap_bytes: int | None = None):
+        """DDP bucket memory on this rank's GPU that every rank maps, all-reduced in place
+        (:class:`~.buckets.CudaBucketRegion`); a collective: every rank calls it alike.
+
+        Returns:
+            The region, or on every rank the reason it was not made (over ``cap_bytes``, the
+            GPU out of memory): the caller keeps its own buffers.
+        """
+        from .buckets import CudaBucketRegion
+
+        self._raise_if_unusable("bucket_region")
+        self._region_count += 1
+        region = CudaBucketRegion.setup(
+            self, area_bytes, max_buckets, cap_bytes, f"ipc_cuda/region/{self._region_count}"
+        )
+        if not isinstance(region, str):
+            self._regions.append(region)
+        return region
 
     # ------------------------------------------------------------------ failure
     def _raise_if_unusable(self, op: str) -> None:
@@ -706,6 +740,9 @@ class CudaIpcTransport:
             self.stream.synchronize()
         finally:
             self._closed = True
+        for region in self._regions:  # they use the stream, the control block and the store
+            region.close()
+        self._regions = []
         self._watchdog.close()
         name = "ipc_cuda/closed"
         if self.failure() is None:

@@ -247,7 +247,7 @@ class ShmCommunicator(Communicator):
         # slot views (the default reduction; a custom one, ipc's kernel, may not cover them)
         self.capabilities = Capabilities(
             layout_free=True, premul_dtypes=premul, extended_reductions=reduce is None,
-            shared_buckets=reduce is None,
+            shared_buckets=frozenset({"cpu"}) if reduce is None else frozenset(),
         )
         self._regions = 0  # bucket regions made: each its own store keys
         self._live_regions: weakref.WeakSet[BucketRegion] = weakref.WeakSet()
@@ -266,7 +266,8 @@ class ShmCommunicator(Communicator):
         return self._seg.name
 
     def bucket_region(
-        self, area_bytes: int, max_buckets: int, cap_bytes: int | None = None
+        self, area_bytes: int, max_buckets: int, cap_bytes: int | None = None,
+        device: torch.device | str = "cpu",
     ) -> BucketRegion | str:
         """Shared DDP bucket memory over this communicator's ranks (``capabilities.
         shared_buckets``; a collective: every rank calls it with the same arguments).
@@ -275,11 +276,16 @@ class ShmCommunicator(Communicator):
             area_bytes: bytes of each rank's area (a multiple of 4096).
             max_buckets: the most buckets the region will hold.
             cap_bytes: the most bytes of ``/dev/shm`` the region may take (``None``: no cap).
+            device: where the buckets live: CPU only.
 
         Returns:
             The region (:class:`~.buckets.BucketRegion`), or on every rank the reason it was
             not made (over the cap, ``/dev/shm`` too small): the caller keeps its own buffers.
         """
+        if torch.device(device).type != "cpu":
+            raise ValueError(
+                f"{self._where()}: shm hands out bucket memory on cpu only, got {device}"
+            )
         self._check_open("bucket_region")
         self._regions += 1
         opts = self.options
