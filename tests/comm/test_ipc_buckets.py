@@ -318,9 +318,37 @@ def test_ddp_join_on_twin_buckets_like_torch(ddp_pool, unique_name, divide_by_in
     assert all(r[0] for r in results)
 
 
+def check_ipc_offers_cuda_buckets(name: str):
+    """The ipc communicator's offer, and what it answers where CUDA cannot run."""
+    from tests.harness import fresh_comm
+
+    comm = fresh_comm("ipc", name)
+    try:
+        offered = comm.capabilities.shared_buckets
+        try:
+            comm.bucket_region(4096, 1, device="meta")
+        except ValueError as exc:
+            refused = str(exc)
+        else:
+            raise AssertionError("a bucket region on the meta device was made")
+        # every rank gets the reason, none waits on a transport its peers lack
+        answer = comm.bucket_region(4096, 1, device="cuda:0") if not torch.cuda.is_available() \
+            else None
+        return sorted(offered), refused, answer
+    finally:
+        comm.close()
+
+
+def test_ipc_offers_cuda_buckets_and_falls_back_without_a_gpu(ddp_pool, unique_name):
+    for offered, refused, answer in ddp_pool.run(check_ipc_offers_cuda_buckets, unique_name):
+        assert offered == ["cuda"]
+        assert "bucket memory on cpu or cuda, got meta" in refused
+        if not torch.cuda.is_available():
+            assert isinstance(answer, str) and "CUDA IPC transport is unavailable" in answer
+
+
 # ---------------------------------------------------------------------- GPU
-GPU_ENV = {"FASTCOMM_TEST_DEVICE": "0", "CUDA_VISIBLE_DEVICES": os.environ.get(
-    "CUDA_VISIBLE_DEVICES", "0")}
+GPU_ENV = {"CUDA_VISIBLE_DEVICES": "0"}
 
 
 def gpu_ddp(name: str, dtype_name: str, steps: int):
