@@ -1,10 +1,11 @@
 """shm bucket regions (``fastcomm/comm/shm/buckets.py``): in-place all-reduce of buckets that
-live in shared memory, read straight out of the peers' buckets.
+live in shared memory, read straight out of the peers' buckets, each rank's slice of the result
+pushed into every rank's bucket.
 
-Real ranks and real shared memory (2 and 3 ranks: with 3, ranks 0 and 1 reduce in the compiled
-core and rank 2 through torch ops, which must give the same bits). Every rank builds every
-rank's data from the same seeds, so the reference is computed locally: the sum in rank order of
-each rank's data times its factor, each product rounded in the dtype (``atol=0``).
+Real ranks and real shared memory (2 and 3 ranks; equal factors reduce in the compiled core,
+mixed ones through torch ops, which must give the same bits). Every rank builds every rank's
+data from the same seeds, so the reference is computed locally: the sum in rank order of each
+rank's data times its factor, each product rounded in the dtype (``atol=0``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,13 @@ BUCKETS = [(1000, torch.float32), (0, torch.float32), (77, torch.float64), (1 <<
 def _data(rank: int, it: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1000 * it + 10 * rank + numel % 7)
     return torch.randn(numel, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def _expected(n: int, it: int, numel: int, dtype: torch.dtype, factors) -> torch.Tensor:
+    expected = _data(0, it, numel, dtype) * factors[0]
+    for q in range(1, n):
+        expected = expected + _data(q, it, numel, dtype) * factors[q]
+    return expected
 
 
 def _region(comm, specs):
@@ -58,14 +66,86 @@ def check_reduce_in_place(name: str, iterations: int, factors: list[float]):
             region.launch(bucket, factors[me])
         for bucket, (numel, dtype) in zip(buckets, BUCKETS, strict=True):
             bucket.wait()
-            expected = _data(0, it, numel, dtype) * factors[0]
-            for q in range(1, n):
-                expected = expected + _data(q, it, numel, dtype) * factors[q]
+            expected = _expected(n, it, numel, dtype, factors)
             assert torch.equal(bucket.flat, expected), (it, numel, dtype)
         region.settle()
     stats = region.stats.per_gradient_byte()
     comm.close()
     return leftover, stats, region.stats.buckets
+
+
+def _bounds(bucket) -> list[int]:
+    """Where each rank's slice of ``bucket`` starts and the last one ends, in elements."""
+    bounds = [0]
+    for piece in bucket.slices[0]:
+        bounds.append(bounds[-1] + piece.numel())
+    return bounds
+
+
+def check_push(name: str):
+    """Rank 0 launches last, so its launch reduces its slice at once and pushes it into every
+    rank's bucket while the peers still wait (they reduce nothing before rank 0 says so): the
+    peers' buckets then hold the result in slice 0 and their raw gradients elsewhere. Each
+    rank's bucket 0 is staged: its own slice half in the bucket, half a fresh gradient (the
+    bucket holds inf there, which the reduction must not read)."""
+    torch.set_num_threads(1)
+    comm = fresh_comm("shm", name, timeout=TIMEOUT)
+    specs = [(1 << 18, torch.float32), (77, torch.float64)]  # 1 MiB: many of the core's chunks
+    region, buckets = _region(comm, specs)
+    n, me = comm.size, comm.rank
+    factors = [0.5] * n
+
+    def raw_area(q: int, b: int) -> torch.Tensor:
+        """What rank ``q`` wrote into bucket ``b`` of its area before launching it."""
+        data = _data(q, 0, *specs[b])
+        if b == 0:
+            lo, hi = _bounds(buckets[0])[q : q + 2]
+            data[(lo + hi) // 2 : hi] = float("inf")
+        return data
+
+    for b, bucket in enumerate(buckets):
+        bucket.flat.copy_(raw_area(me, b))
+    lo, hi = buckets[0].lo, buckets[0].hi
+    fresh = _data(me, 0, *specs[0])[(lo + hi) // 2 :].clone()
+    buckets[0].stage((lo + hi) // 2, fresh)
+    if me != 0:
+        for bucket in buckets:
+            region.launch(bucket, factors[me])
+        comm.store.set(f"launched/{me}", "1")
+        comm.store.wait(["pushed"], timeout=TIMEOUT)
+    else:
+        comm.store.wait([f"launched/{r}" for r in range(1, n)], timeout=TIMEOUT)
+        for bucket in buckets:
+            region.launch(bucket, factors[me])
+        # the head bucket is reduced and pushed, not finished: no peer has reduced it yet
+        assert buckets[0].phase == 2 and buckets[1].phase == 1
+        expected = _expected(n, 0, *specs[0], factors)
+        bounds = _bounds(buckets[0])
+        for q in range(n):
+            area = buckets[0].slices[q]
+            assert torch.equal(area[0], expected[: bounds[1]]), q  # pushed by rank 0
+            for p in range(1, n):  # not reduced yet: what rank q wrote
+                assert torch.equal(area[p], raw_area(q, 0)[bounds[p] : bounds[p + 1]]), (q, p)
+        # counted by the push itself: slice 0 written n times, read out of n - 1 peers
+        slice_bytes = bounds[1] * 4
+        assert (region.stats.written, region.stats.peer_read) == (
+            n * slice_bytes,
+            (n - 1) * slice_bytes,
+        )
+        comm.store.set("pushed", "1")
+    for b, bucket in enumerate(buckets):
+        bucket.wait()
+        expected = _expected(n, 0, *specs[b], factors)
+        # every slice of every rank's bucket holds the result: nothing is left to copy
+        for q in range(n):
+            assert torch.equal(torch.cat(bucket.slices[q]), expected), (b, q)
+    region.settle()
+    assert torch.equal(fresh, _data(me, 0, *specs[0])[(lo + hi) // 2 :])  # read, not written
+    stats = region.stats
+    result = (stats.per_gradient_byte(), stats.written, stats.peer_read)
+    comm.barrier()  # no rank closes (marks itself closed) while a peer still checks
+    comm.close()
+    return result
 
 
 def check_cap_and_full_dev_shm(name: str):
@@ -140,10 +220,24 @@ def test_buckets_reduce_in_place_with_the_communicators_bits(pool, unique_name, 
     for leftover, stats, buckets in results:
         assert not leftover  # unlinked once every rank mapped it
         assert buckets == 3 * len(BUCKETS)
-        # B written and 2 (n - 1) B / n read from the peers, per gradient byte B (64-byte
+        # B written and (n - 1) B / n read from the peers, per gradient byte B (64-byte
         # slice boundaries move a few bytes between ranks)
         assert stats["written"] == pytest.approx(1.0, abs=0.01)
-        assert stats["peer_read"] == pytest.approx(2 * (n - 1) / n, abs=0.02)
+        assert stats["peer_read"] == pytest.approx((n - 1) / n, abs=0.02)
+        assert stats["moved"] == pytest.approx(1 + (n - 1) / n, abs=0.02)
+
+
+def test_each_rank_pushes_its_slice_into_every_bucket(pool, unique_name):
+    n = pool.world_size
+    results = pool.run(check_push, unique_name)
+    for stats, written, peer_read in results:
+        # each slice of ~B/n written n times, (n - 1) of the n terms read out of the peers
+        assert stats["written"] == pytest.approx(1.0, abs=0.01)
+        assert stats["peer_read"] == pytest.approx((n - 1) / n, abs=0.02)
+        assert stats["moved"] == pytest.approx(1 + (n - 1) / n, abs=0.02)
+        assert peer_read * n == written * (n - 1)  # at rank order: exact, slice for slice
+    if n == 2:
+        assert all(r[0]["moved"] == pytest.approx(1.5, abs=0.01) for r in results)
 
 
 def test_cap_or_full_dev_shm_falls_back_on_every_rank(pool, unique_name):
