@@ -83,9 +83,10 @@ def _bounds(bucket) -> list[int]:
 
 
 def check_push(name: str):
-    """Rank 0 launches last, so its launch reduces its slice at once and pushes it into every
-    rank's bucket while the peers still wait (they reduce nothing before rank 0 says so): the
-    peers' buckets then hold the result in slice 0 and their raw gradients elsewhere. Each
+    """Rank 0 launches last, so its launches reduce its slice of each bucket at once and push
+    it into every rank's bucket while the peers still wait (they reduce nothing before rank 0
+    says so): the peers' buckets then hold the result in slice 0 and their raw gradients
+    elsewhere, and rank 0's buckets are reduced but not finished. Each
     rank's bucket 0 is staged: its own slice half in the bucket, half a fresh gradient (the
     bucket holds inf there, which the reduction must not read)."""
     torch.set_num_threads(1)
@@ -117,17 +118,20 @@ def check_push(name: str):
         comm.store.wait([f"launched/{r}" for r in range(1, n)], timeout=TIMEOUT)
         for bucket in buckets:
             region.launch(bucket, factors[me])
-        # the head bucket is reduced and pushed, not finished: no peer has reduced it yet
-        assert buckets[0].phase == 2 and buckets[1].phase == 1
-        expected = _expected(n, 0, *specs[0], factors)
-        bounds = _bounds(buckets[0])
-        for q in range(n):
-            area = buckets[0].slices[q]
-            assert torch.equal(area[0], expected[: bounds[1]]), q  # pushed by rank 0
-            for p in range(1, n):  # not reduced yet: what rank q wrote
-                assert torch.equal(area[p], raw_area(q, 0)[bounds[p] : bounds[p + 1]]), (q, p)
+        # reduced and pushed, not finished: no peer has reduced them yet
+        assert [b.phase for b in buckets] == [2, 2]
+        slice_bytes = 0
+        for b, bucket in enumerate(buckets):
+            expected = _expected(n, 0, *specs[b], factors)
+            bounds = _bounds(bucket)
+            for q in range(n):
+                area = bucket.slices[q]
+                assert torch.equal(area[0], expected[: bounds[1]]), (b, q)  # pushed by rank 0
+                for p in range(1, n):  # not reduced yet: what rank q wrote
+                    raw = raw_area(q, b)[bounds[p] : bounds[p + 1]]
+                    assert torch.equal(area[p], raw), (b, q, p)
+            slice_bytes += bounds[1] * bucket.flat.element_size()
         # counted by the push itself: slice 0 written n times, read out of n - 1 peers
-        slice_bytes = bounds[1] * 4
         assert (region.stats.written, region.stats.peer_read) == (
             n * slice_bytes,
             (n - 1) * slice_bytes,

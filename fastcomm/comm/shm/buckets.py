@@ -227,7 +227,11 @@ class BucketRegion:
         # "shared_all_reduce" of its bytes (set by ShmCommunicator.bucket_region)
         self.comm_stats = None
         self._launched = 0  # buckets launched (= this rank's ready counter once published)
-        self._queue: list[SharedBucket] = []  # launched, not yet finished, in order
+        # launched buckets in order: not yet reduced here, and reduced here but not finished
+        # (waiting for a peer's push); a bucket is reduced as soon as every peer is ready for
+        # it, whether or not the buckets before it are finished
+        self._unreduced: list[SharedBucket] = []
+        self._unfinished: list[SharedBucket] = []
         self._broken: BaseException | None = None
         self._pid = os.getpid()
 
@@ -358,23 +362,33 @@ class BucketRegion:
         )[0]
         self._publish(_READY, bucket.serial)
         bucket.phase = 1
-        self._queue.append(bucket)
+        self._unreduced.append(bucket)
         self.poll()
         return bucket
 
     def poll(self) -> None:
-        """Advances the launched buckets, in order, as far as the peers allow without waiting."""
+        """Reduces the launched buckets, in order, as far as the peers are ready, and finishes
+        those every peer has pushed, without waiting."""
         try:
-            while self._queue and self._step(self._queue[0], block=False):
-                pass
+            self._advance()
         except BaseException as exc:
             self._abort("shm bucket all_reduce", exc)
 
     def finish(self, bucket: SharedBucket) -> None:
         """Waits until ``bucket`` (and every bucket launched before it) is reduced here."""
         try:
-            while bucket.phase != 3:
-                self._step(self._queue[0], block=True)
+            while True:
+                self._advance()
+                if bucket.phase == 3:
+                    return
+                # wait for what comes first in the order every rank follows: the peers'
+                # `ready` of the next bucket to reduce (while this one is not reduced), then
+                # their `reduced` of the oldest unfinished one (they need nothing more of us)
+                if bucket.phase == 1:
+                    head, kind = self._unreduced[0], _READY
+                else:
+                    head, kind = self._unfinished[0], _REDUCED
+                self._peers_reached(kind, head.serial, head.index, block=True)
         except BaseException as exc:
             self._abort("shm bucket all_reduce", exc)
 
@@ -384,22 +398,28 @@ class BucketRegion:
         finished here, which says every peer has pushed its slice of it. Nothing to wait for
         after every bucket's ``wait()``."""
         self._check_usable("settle")
-        if self._queue:
-            self.finish(self._queue[-1])
+        last = self._unreduced or self._unfinished
+        if last:
+            self.finish(last[-1])
 
-    def _step(self, bucket: SharedBucket, block: bool) -> bool:
-        """Moves the head bucket one phase on; False when it would have to wait."""
-        kind = _REDUCED if bucket.phase == 2 else _READY
-        if not self._peers_reached(kind, bucket.serial, bucket.index, block):
-            return False
-        if bucket.phase == 1:
+    def _advance(self) -> None:
+        """Reduces every launched bucket the peers are ready for, then finishes every reduced
+        one the peers have pushed (each in launch order), without waiting."""
+        unreduced, unfinished = self._unreduced, self._unfinished
+        while unreduced:
+            bucket = unreduced[0]
+            if not self._peers_reached(_READY, bucket.serial, bucket.index, block=False):
+                break
             self._reduce(bucket)
             self._publish(_REDUCED, bucket.serial)
             bucket.phase = 2
-        else:  # every peer pushed its slice into this rank's area
-            bucket.phase = 3
-            self._queue.pop(0)
-        return True
+            unfinished.append(unreduced.pop(0))
+        while unfinished:
+            bucket = unfinished[0]
+            if not self._peers_reached(_REDUCED, bucket.serial, bucket.index, block=False):
+                break
+            bucket.phase = 3  # every peer pushed its slice into this rank's area
+            unfinished.pop(0)
 
     def _peers_reached(self, kind: int, target: int, index: int, block: bool) -> bool:
         flags, layout = self.flags, self.layout
