@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fastcomm.comm import CommAbortedError, CommTimeoutError
-from fastcomm.comm.shm.buckets import ALIGN, BucketRegion, area_bytes_for
+from fastcomm.comm.shm.buckets import ALIGN, BucketRegion, _core, area_bytes_for
 from fastcomm.comm.shm.segment import SHM_DIR
 from tests.harness import RankPool, fresh_comm
 
@@ -211,6 +211,35 @@ def check_peer_absent_times_out(name: str):
 
 
 # ---------------------------------------------------------------------- tests (pytest side)
+@pytest.mark.skipif(_core is None, reason="the compiled core is not built")
+@pytest.mark.parametrize("numel", [0, 1, 77, (64 << 10) // 4 * 3 + 5])  # chunks and a tail
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("nterms", [2, 3])
+def test_core_reduce_pushes_each_chunk_into_outs(numel, dtype, nterms):
+    """``_core.reduce(..., outs)``, as a region's push calls it: the result lands in ``out``
+    (terms[0] itself) and in every one of ``outs`` (the other terms themselves, and a buffer of
+    its own), with the bits of the reduction alone, each term times the scale."""
+    kind = {torch.float32: _core.KIND_F32, torch.float64: _core.KIND_F64}[dtype]
+    terms = [_data(q, 5, numel, dtype) for q in range(nterms)]
+    expected = terms[0] * 0.5
+    for term in terms[1:]:
+        expected = expected + term * 0.5
+    spare = torch.full((numel,), float("nan"), dtype=dtype)
+    outs = [*terms[1:], spare]
+    _core.reduce(terms[0].data_ptr(), [t.data_ptr() for t in terms], numel, kind, _core.OP_SUM,
+                 0.5, [o.data_ptr() for o in outs])
+    for got in (terms[0], *outs):
+        assert torch.equal(got, expected)
+    one = torch.ones(1, dtype=dtype)
+    with pytest.raises(ValueError, match="outs must not hold out"):
+        _core.reduce(one.data_ptr(), [one.data_ptr()], 1, kind, _core.OP_SUM, 1.0,
+                     [one.data_ptr()])
+    with pytest.raises(ValueError, match="an out is a null address"):
+        _core.reduce(one.data_ptr(), [one.data_ptr()], 1, kind, _core.OP_SUM, 1.0, [0])
+    with pytest.raises(TypeError, match="sequences of addresses"):
+        _core.reduce(one.data_ptr(), [one.data_ptr()], 1, kind, _core.OP_SUM, 1.0, 5)
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"world{n}")
 def pool(request):
     with RankPool(request.param, timeout=90) as p:

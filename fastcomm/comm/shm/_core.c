@@ -315,10 +315,10 @@ static void reduce_push(char *out, char *const *terms, char **chunk, int nterms,
     }
 }
 
-/* `*addrs` (`*count` entries, PyMem_Malloc'd) from the sequence `seq` of at least `lo`
- * addresses of `nbytes` each; -1 with an exception set. */
-static int addresses(PyObject *seq, const char *what, int lo, size_t nbytes, Py_ssize_t *count,
-                     char ***addrs) {
+/* `*addrs` (`*count` entries, PyMem_Malloc'd) from the sequence `seq` (named `what`, each
+ * entry `item` in errors) of at least `lo` addresses of `nbytes` each; -1 with an exception. */
+static int addresses(PyObject *seq, const char *what, const char *item, int lo, size_t nbytes,
+                     Py_ssize_t *count, char ***addrs) {
     PyObject *fast = PySequence_Fast(seq, "terms and outs must be sequences of addresses");
     if (!fast)
         return -1;
@@ -336,7 +336,7 @@ static int addresses(PyObject *seq, const char *what, int lo, size_t nbytes, Py_
         return -1;
     }
     for (Py_ssize_t t = 0; t < len; t++) {
-        if (arg_address(PySequence_Fast_GET_ITEM(fast, t), what, nbytes, &out[t]) < 0) {
+        if (arg_address(PySequence_Fast_GET_ITEM(fast, t), item, nbytes, &out[t]) < 0) {
             PyMem_Free(out);
             Py_DECREF(fast);
             return -1;
@@ -365,10 +365,10 @@ static PyObject *py_reduce(PyObject *self, PyObject *args) {
     size_t n = (size_t)numel, nbytes = n * KIND_SIZE[kind];
     char *out, **terms = NULL, **outs = NULL, **chunk = NULL;
     Py_ssize_t nterms = 0, nouts = 0;
-    if (addresses(seq, "terms", 1, nbytes, &nterms, &terms) < 0)
+    if (addresses(seq, "terms", "a term", 1, nbytes, &nterms, &terms) < 0)
         return NULL;
     if (outs_obj && outs_obj != Py_None &&
-        addresses(outs_obj, "outs", 0, nbytes, &nouts, &outs) < 0)
+        addresses(outs_obj, "outs", "an out", 0, nbytes, &nouts, &outs) < 0)
         goto fail;
     if (arg_address(out_obj, "out", nbytes, &out) < 0)
         goto fail;
