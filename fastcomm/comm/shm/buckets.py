@@ -375,7 +375,8 @@ class BucketRegion:
             self._abort("shm bucket all_reduce", exc)
 
     def finish(self, bucket: SharedBucket) -> None:
-        """Waits until ``bucket`` (and every bucket launched before it) is reduced here."""
+        """Waits until ``bucket`` (and every bucket launched before it) is finished here: its
+        slice reduced and pushed by every rank, the whole result in this rank's area."""
         try:
             while True:
                 self._advance()
