@@ -1,10 +1,11 @@
 """shm bucket regions (``fastcomm/comm/shm/buckets.py``): in-place all-reduce of buckets that
-live in shared memory, read straight out of the peers' buckets.
+live in shared memory, read straight out of the peers' buckets, each rank's slice of the result
+pushed into every rank's bucket.
 
-Real ranks and real shared memory (2 and 3 ranks: with 3, ranks 0 and 1 reduce in the compiled
-core and rank 2 through torch ops, which must give the same bits). Every rank builds every
-rank's data from the same seeds, so the reference is computed locally: the sum in rank order of
-each rank's data times its factor, each product rounded in the dtype (``atol=0``).
+Real ranks and real shared memory (2 and 3 ranks; equal factors reduce in the compiled core,
+mixed ones through torch ops, which must give the same bits). Every rank builds every rank's
+data from the same seeds, so the reference is computed locally: the sum in rank order of each
+rank's data times its factor, each product rounded in the dtype (``atol=0``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from fastcomm.comm import CommAbortedError, CommTimeoutError
-from fastcomm.comm.shm.buckets import ALIGN, BucketRegion, area_bytes_for
+from fastcomm.comm.shm.buckets import ALIGN, BucketRegion, _core, area_bytes_for
 from fastcomm.comm.shm.segment import SHM_DIR
 from tests.harness import RankPool, fresh_comm
 
@@ -30,6 +31,13 @@ BUCKETS = [(1000, torch.float32), (0, torch.float32), (77, torch.float64), (1 <<
 def _data(rank: int, it: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1000 * it + 10 * rank + numel % 7)
     return torch.randn(numel, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def _expected(n: int, it: int, numel: int, dtype: torch.dtype, factors) -> torch.Tensor:
+    expected = _data(0, it, numel, dtype) * factors[0]
+    for q in range(1, n):
+        expected = expected + _data(q, it, numel, dtype) * factors[q]
+    return expected
 
 
 def _region(comm, specs):
@@ -58,14 +66,90 @@ def check_reduce_in_place(name: str, iterations: int, factors: list[float]):
             region.launch(bucket, factors[me])
         for bucket, (numel, dtype) in zip(buckets, BUCKETS, strict=True):
             bucket.wait()
-            expected = _data(0, it, numel, dtype) * factors[0]
-            for q in range(1, n):
-                expected = expected + _data(q, it, numel, dtype) * factors[q]
+            expected = _expected(n, it, numel, dtype, factors)
             assert torch.equal(bucket.flat, expected), (it, numel, dtype)
         region.settle()
     stats = region.stats.per_gradient_byte()
     comm.close()
     return leftover, stats, region.stats.buckets
+
+
+def _bounds(bucket) -> list[int]:
+    """Where each rank's slice of ``bucket`` starts and the last one ends, in elements."""
+    bounds = [0]
+    for piece in bucket.slices[0]:
+        bounds.append(bounds[-1] + piece.numel())
+    return bounds
+
+
+def check_push(name: str):
+    """Rank 0 launches last, so its launches reduce its slice of each bucket at once and push
+    it into every rank's bucket while the peers still wait (they reduce nothing before rank 0
+    says so): the peers' buckets then hold the result in slice 0 and their raw gradients
+    elsewhere, and rank 0's buckets are reduced but not finished. Each
+    rank's bucket 0 is staged: its own slice half in the bucket, half a fresh gradient (the
+    bucket holds inf there, which the reduction must not read)."""
+    torch.set_num_threads(1)
+    comm = fresh_comm("shm", name, timeout=TIMEOUT)
+    specs = [(1 << 18, torch.float32), (77, torch.float64)]  # 1 MiB: many of the core's chunks
+    region, buckets = _region(comm, specs)
+    n, me = comm.size, comm.rank
+    factors = [0.5] * n
+
+    def raw_area(q: int, b: int) -> torch.Tensor:
+        """What rank ``q`` wrote into bucket ``b`` of its area before launching it."""
+        data = _data(q, 0, *specs[b])
+        if b == 0:
+            lo, hi = _bounds(buckets[0])[q : q + 2]
+            data[(lo + hi) // 2 : hi] = float("inf")
+        return data
+
+    for b, bucket in enumerate(buckets):
+        bucket.flat.copy_(raw_area(me, b))
+    lo, hi = buckets[0].lo, buckets[0].hi
+    fresh = _data(me, 0, *specs[0])[(lo + hi) // 2 :].clone()
+    buckets[0].stage((lo + hi) // 2, fresh)
+    if me != 0:
+        for bucket in buckets:
+            region.launch(bucket, factors[me])
+        comm.store.set(f"launched/{me}", "1")
+        comm.store.wait(["pushed"], timeout=TIMEOUT)
+    else:
+        comm.store.wait([f"launched/{r}" for r in range(1, n)], timeout=TIMEOUT)
+        for bucket in buckets:
+            region.launch(bucket, factors[me])
+        # reduced and pushed, not finished: no peer has reduced them yet
+        assert [b.phase for b in buckets] == [2, 2]
+        slice_bytes = 0
+        for b, bucket in enumerate(buckets):
+            expected = _expected(n, 0, *specs[b], factors)
+            bounds = _bounds(bucket)
+            for q in range(n):
+                area = bucket.slices[q]
+                assert torch.equal(area[0], expected[: bounds[1]]), (b, q)  # pushed by rank 0
+                for p in range(1, n):  # not reduced yet: what rank q wrote
+                    raw = raw_area(q, b)[bounds[p] : bounds[p + 1]]
+                    assert torch.equal(area[p], raw), (b, q, p)
+            slice_bytes += bounds[1] * bucket.flat.element_size()
+        # counted by the push itself: slice 0 written n times, read out of n - 1 peers
+        assert (region.stats.written, region.stats.peer_read) == (
+            n * slice_bytes,
+            (n - 1) * slice_bytes,
+        )
+        comm.store.set("pushed", "1")
+    for b, bucket in enumerate(buckets):
+        bucket.wait()
+        expected = _expected(n, 0, *specs[b], factors)
+        # every slice of every rank's bucket holds the result: nothing is left to copy
+        for q in range(n):
+            assert torch.equal(torch.cat(bucket.slices[q]), expected), (b, q)
+    region.settle()
+    assert torch.equal(fresh, _data(me, 0, *specs[0])[(lo + hi) // 2 :])  # read, not written
+    stats = region.stats
+    result = (stats.per_gradient_byte(), stats.written, stats.peer_read)
+    comm.barrier()  # no rank closes (marks itself closed) while a peer still checks
+    comm.close()
+    return result
 
 
 def check_cap_and_full_dev_shm(name: str):
@@ -127,6 +211,35 @@ def check_peer_absent_times_out(name: str):
 
 
 # ---------------------------------------------------------------------- tests (pytest side)
+@pytest.mark.skipif(_core is None, reason="the compiled core is not built")
+@pytest.mark.parametrize("numel", [0, 1, 77, (64 << 10) // 4 * 3 + 5])  # chunks and a tail
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("nterms", [2, 3])
+def test_core_reduce_pushes_each_chunk_into_outs(numel, dtype, nterms):
+    """``_core.reduce(..., outs)``, as a region's push calls it: the result lands in ``out``
+    (terms[0] itself) and in every one of ``outs`` (the other terms themselves, and a buffer of
+    its own), with the bits of the reduction alone, each term times the scale."""
+    kind = {torch.float32: _core.KIND_F32, torch.float64: _core.KIND_F64}[dtype]
+    terms = [_data(q, 5, numel, dtype) for q in range(nterms)]
+    expected = terms[0] * 0.5
+    for term in terms[1:]:
+        expected = expected + term * 0.5
+    spare = torch.full((numel,), float("nan"), dtype=dtype)
+    outs = [*terms[1:], spare]
+    _core.reduce(terms[0].data_ptr(), [t.data_ptr() for t in terms], numel, kind, _core.OP_SUM,
+                 0.5, [o.data_ptr() for o in outs])
+    for got in (terms[0], *outs):
+        assert torch.equal(got, expected)
+    one = torch.ones(1, dtype=dtype)
+    with pytest.raises(ValueError, match="outs must not hold out"):
+        _core.reduce(one.data_ptr(), [one.data_ptr()], 1, kind, _core.OP_SUM, 1.0,
+                     [one.data_ptr()])
+    with pytest.raises(ValueError, match="an out is a null address"):
+        _core.reduce(one.data_ptr(), [one.data_ptr()], 1, kind, _core.OP_SUM, 1.0, [0])
+    with pytest.raises(TypeError, match="sequences of addresses"):
+        _core.reduce(one.data_ptr(), [one.data_ptr()], 1, kind, _core.OP_SUM, 1.0, 5)
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"world{n}")
 def pool(request):
     with RankPool(request.param, timeout=90) as p:
@@ -140,10 +253,24 @@ def test_buckets_reduce_in_place_with_the_communicators_bits(pool, unique_name, 
     for leftover, stats, buckets in results:
         assert not leftover  # unlinked once every rank mapped it
         assert buckets == 3 * len(BUCKETS)
-        # B written and 2 (n - 1) B / n read from the peers, per gradient byte B (64-byte
+        # B written and (n - 1) B / n read from the peers, per gradient byte B (64-byte
         # slice boundaries move a few bytes between ranks)
         assert stats["written"] == pytest.approx(1.0, abs=0.01)
-        assert stats["peer_read"] == pytest.approx(2 * (n - 1) / n, abs=0.02)
+        assert stats["peer_read"] == pytest.approx((n - 1) / n, abs=0.02)
+        assert stats["moved"] == pytest.approx(1 + (n - 1) / n, abs=0.02)
+
+
+def test_each_rank_pushes_its_slice_into_every_bucket(pool, unique_name):
+    n = pool.world_size
+    results = pool.run(check_push, unique_name)
+    for stats, written, peer_read in results:
+        # each slice of ~B/n written n times, (n - 1) of the n terms read out of the peers
+        assert stats["written"] == pytest.approx(1.0, abs=0.01)
+        assert stats["peer_read"] == pytest.approx((n - 1) / n, abs=0.02)
+        assert stats["moved"] == pytest.approx(1 + (n - 1) / n, abs=0.02)
+        assert peer_read * n == written * (n - 1)  # at rank order: exact, slice for slice
+    if n == 2:
+        assert all(r[0]["moved"] == pytest.approx(1.5, abs=0.01) for r in results)
 
 
 def test_cap_or_full_dev_shm_falls_back_on_every_rank(pool, unique_name):

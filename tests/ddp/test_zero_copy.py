@@ -7,7 +7,8 @@ DDP over Gloo on identical models and compares the parameters with ``atol=0`` (t
 addition per element, see ``tests/ddp/common.py``). It also proves that the shared path ran and
 that nothing was staged: the gradients live in the region, the communicator's ``all_reduce``
 was not called for them (``CommStats``), and the region's counters show ``B`` bytes written and
-``B`` read from the peer per gradient byte ``B`` (today's two-step schedule writes ``2 B``).
+``B / 2`` read from the peer per gradient byte ``B``: ``1.5 B`` moved (each rank's slice of the
+result is pushed into the peer's bucket; the communicator's two-step schedule writes ``2 B``).
 """
 
 from __future__ import annotations
@@ -171,8 +172,10 @@ def check_deepcopy_and_save():
 
 
 def check_rank_killed_mid_step(name: str):
-    """The last rank SIGKILLs itself in backward once its second bucket is published: the
-    others raise from their backward, naming it, well before the timeout."""
+    """The last rank SIGKILLs itself in backward once its first of two buckets is published:
+    the others raise from their backward, naming it, well before the timeout. (Not after the
+    last one: a rank that published every bucket may have reduced and pushed its slice of each
+    into the peers' buckets already, its whole part of the step; the peers then finish it.)"""
     import os
     import signal
     import time
@@ -186,12 +189,13 @@ def check_rank_killed_mid_step(name: str):
     assert model.shared_buckets
     x, y = batches("mlp", 1)[0]
     step(model, torch.optim.SGD(model.parameters(), lr=0.1), "mlp", x, y)
+    assert len(model.reducer.buckets) >= 2  # the death comes before the last bucket
     if comm.rank == comm.size - 1:
         real_launch = BucketRegion.launch
 
         def dying_launch(self, bucket, factor):
             real_launch(self, bucket, factor)
-            if bucket.index == 1:
+            if bucket.index == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         BucketRegion.launch = dying_launch
@@ -218,11 +222,15 @@ def test_trains_like_torch_without_staging(pool, model_name, set_to_none):
     results = pool.run(check_trains_like_torch, model_name, 4, set_to_none)
     for reduced, expected, per_byte, calls in results:
         assert reduced == expected  # every gradient byte went through the region
-        assert per_byte["written"] == pytest.approx(1.0, abs=0.02)
-        assert per_byte["peer_read"] == pytest.approx(1.0, abs=0.02)
-        assert per_byte["moved"] <= 2.0 + 0.02
+        # its slice written into both buckets, read out of the peer's once
+        assert per_byte["peer_read"] == pytest.approx(per_byte["written"] / 2, rel=1e-12)
         assert "all_reduce" not in calls  # no collective staged the buckets
         assert calls.get("shared_all_reduce", 0) > 0  # the region's reductions are counted
+    # a rank's slice of a tiny bucket may be empty (64-byte boundaries), the other's all of
+    # it: together the ranks write B and read B / 2 out of the peer per gradient byte B
+    for key, value in (("written", 1.0), ("peer_read", 0.5), ("moved", 1.5)):
+        mean = sum(r[2][key] for r in results) / len(results)
+        assert mean == pytest.approx(value, rel=1e-9), (key, [r[2] for r in results])
 
 
 def test_cap_falls_back_with_a_warning(pool):

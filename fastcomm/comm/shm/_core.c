@@ -77,6 +77,8 @@ static const size_t KIND_SIZE[K_COUNT] = {4, 8, 1, 1, 4, 8};
 /* Below this many bytes of input, a reduction keeps the GIL (releasing costs more). */
 #define NOGIL_BYTES (256 * 1024)
 #define MAX_TERMS 4096
+/* reduce_push's chunk: its terms, result and copies stay in L2 (512 KiB a core on EPYC) */
+#define PUSH_BYTES (64 * 1024)
 #define MAX_RANKS 65536
 #define MAX_SPIN_NS 10000000000LL /* 10 s: far beyond any spin budget flags.py hands out */
 
@@ -293,55 +295,111 @@ static void reduce_any(char *out, char *const *terms, int nterms, size_t n, int 
     }
 }
 
-/* reduce(out, terms, numel, kind, op, scale=1.0): module docstring of reduce_terms. */
+/* reduce_any into `out`, then the result copied into every one of `outs`, PUSH_BYTES at a
+ * time: each chunk is copied out while it is still in cache, so the copies do not read the
+ * result back from memory. Aliasing: `out` as reduce_terms; each of `outs` is one of the terms
+ * (the same address: every term of a chunk is read before any output of that chunk is
+ * written, and no chunk reads another's elements) or overlaps no term, `out` nor another out.
+ * `chunk` is scratch for nterms term pointers. */
+static void reduce_push(char *out, char *const *terms, char **chunk, int nterms,
+                        char *const *outs, int nouts, size_t n, int kind, int op,
+                        double scale) {
+    size_t esize = KIND_SIZE[kind], step = PUSH_BYTES / esize;
+    for (size_t start = 0; start < n; start += step) {
+        size_t count = n - start < step ? n - start : step, off = start * esize;
+        for (int t = 0; t < nterms; t++)
+            chunk[t] = terms[t] + off;
+        reduce_any(out + off, chunk, nterms, count, kind, op, scale);
+        for (int k = 0; k < nouts; k++)
+            memcpy(outs[k] + off, out + off, count * esize);
+    }
+}
+
+/* `*addrs` (`*count` entries, PyMem_Malloc'd) from the sequence `seq` (named `what`, each
+ * entry `item` in errors) of at least `lo` addresses of `nbytes` each; -1 with an exception. */
+static int addresses(PyObject *seq, const char *what, const char *item, int lo, size_t nbytes,
+                     Py_ssize_t *count, char ***addrs) {
+    PyObject *fast = PySequence_Fast(seq, "terms and outs must be sequences of addresses");
+    if (!fast)
+        return -1;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(fast);
+    if (len < lo || len > MAX_TERMS) {
+        PyErr_Format(PyExc_ValueError, "%s must hold %d to %d addresses, got %zd", what, lo,
+                     MAX_TERMS, len);
+        Py_DECREF(fast);
+        return -1;
+    }
+    char **out = PyMem_Malloc(sizeof(char *) * (size_t)(len ? len : 1));
+    if (!out) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t t = 0; t < len; t++) {
+        if (arg_address(PySequence_Fast_GET_ITEM(fast, t), item, nbytes, &out[t]) < 0) {
+            PyMem_Free(out);
+            Py_DECREF(fast);
+            return -1;
+        }
+    }
+    Py_DECREF(fast);
+    *count = len;
+    *addrs = out;
+    return 0;
+}
+
+/* reduce(out, terms, numel, kind, op, scale=1.0, outs=()): module docstring of reduce_terms;
+ * with `outs`, reduce_push. */
 static PyObject *py_reduce(PyObject *self, PyObject *args) {
-    PyObject *out_obj, *seq, *numel_obj, *kind_obj, *op_obj;
+    PyObject *out_obj, *seq, *numel_obj, *kind_obj, *op_obj, *outs_obj = NULL;
     double scale = 1.0;
     long long numel, kind, op;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOOOO|d", &out_obj, &seq, &numel_obj, &kind_obj, &op_obj,
-                          &scale))
+    if (!PyArg_ParseTuple(args, "OOOOO|dO", &out_obj, &seq, &numel_obj, &kind_obj, &op_obj,
+                          &scale, &outs_obj))
         return NULL;
     if (arg_range(kind_obj, 0, K_COUNT - 1, "kind", &kind) < 0 ||
         arg_range(op_obj, 0, OP_COUNT - 1, "op", &op) < 0 || check_kind_op(kind, op, scale) < 0 ||
         arg_range(numel_obj, 0, PY_SSIZE_T_MAX / 8, "numel", &numel) < 0)
         return NULL;
     size_t n = (size_t)numel, nbytes = n * KIND_SIZE[kind];
-    char *out;
-    PyObject *fast = PySequence_Fast(seq, "terms must be a sequence of addresses");
-    if (!fast)
+    char *out, **terms = NULL, **outs = NULL, **chunk = NULL;
+    Py_ssize_t nterms = 0, nouts = 0;
+    if (addresses(seq, "terms", "a term", 1, nbytes, &nterms, &terms) < 0)
         return NULL;
-    Py_ssize_t nterms = PySequence_Fast_GET_SIZE(fast);
-    if (nterms < 1 || nterms > MAX_TERMS) {
-        Py_DECREF(fast);
-        PyErr_Format(PyExc_ValueError, "terms must hold 1 to %d addresses, got %zd", MAX_TERMS,
-                     nterms);
-        return NULL;
-    }
-    char **terms = PyMem_Malloc(sizeof(char *) * (size_t)nterms);
-    if (!terms) {
-        Py_DECREF(fast);
-        return PyErr_NoMemory();
-    }
-    for (Py_ssize_t t = 0; t < nterms; t++) {
-        if (arg_address(PySequence_Fast_GET_ITEM(fast, t), "a term", nbytes, &terms[t]) < 0) {
-            PyMem_Free(terms);
-            Py_DECREF(fast);
-            return NULL;
+    if (outs_obj && outs_obj != Py_None &&
+        addresses(outs_obj, "outs", "an out", 0, nbytes, &nouts, &outs) < 0)
+        goto fail;
+    if (arg_address(out_obj, "out", nbytes, &out) < 0)
+        goto fail;
+    for (Py_ssize_t k = 0; k < nouts; k++) {
+        if (nbytes && outs[k] == out) {
+            PyErr_SetString(PyExc_ValueError, "outs must not hold out itself");
+            goto fail;
         }
     }
-    Py_DECREF(fast);
-    if (arg_address(out_obj, "out", nbytes, &out) < 0) {
-        PyMem_Free(terms);
-        return NULL;
+    if (nouts && !(chunk = PyMem_Malloc(sizeof(char *) * (size_t)nterms))) {
+        PyErr_NoMemory();
+        goto fail;
     }
-    int release = nbytes >= NOGIL_BYTES;
+    int release = nbytes * (size_t)(1 + nouts) >= NOGIL_BYTES;
     PyThreadState *state = release ? PyEval_SaveThread() : NULL;
-    reduce_any(out, terms, (int)nterms, n, (int)kind, (int)op, scale);
+    if (nouts)
+        reduce_push(out, terms, chunk, (int)nterms, outs, (int)nouts, n, (int)kind, (int)op,
+                    scale);
+    else
+        reduce_any(out, terms, (int)nterms, n, (int)kind, (int)op, scale);
     if (release)
         PyEval_RestoreThread(state);
+    PyMem_Free(chunk);
+    PyMem_Free(outs);
     PyMem_Free(terms);
     Py_RETURN_NONE;
+fail:
+    PyMem_Free(chunk);
+    PyMem_Free(outs);
+    PyMem_Free(terms);
+    return NULL;
 }
 
 /* --------------------------------------------------------------- the small collectives */
@@ -1171,9 +1229,11 @@ static PyTypeObject SmallCoreType = {
 
 static PyMethodDef module_methods[] = {
     {"reduce", py_reduce, METH_VARARGS,
-     "reduce(out, terms, numel, kind, op, scale=1.0): out = terms[0] op terms[1] ... in order "
-     "(each term times scale first, when scale != 1; AVG divides by len(terms)). out may alias "
-     "terms[0] or terms[1], no later term."},
+     "reduce(out, terms, numel, kind, op, scale=1.0, outs=()): out = terms[0] op terms[1] ... "
+     "in order (each term times scale first, when scale != 1; AVG divides by len(terms)). out "
+     "may alias terms[0] or terms[1], no later term. The result is also copied into every "
+     "address of outs, chunk by chunk after every term of the chunk was read: each of outs is "
+     "a term's address or overlaps no term, out nor another of outs."},
     {NULL, NULL, 0, NULL},
 };
 

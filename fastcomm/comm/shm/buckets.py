@@ -1,35 +1,40 @@
 """DDP bucket memory in shared memory, all-reduced in place out of the peers' buckets.
 
 A :class:`BucketRegion` is a second segment per DDP model (``ShmCommunicator.bucket_region``):
-one area per rank, written by that rank alone (autograd accumulates the gradients there, or
-the reducer copies a fresh gradient in as it arrives), read by every rank. An all-reduce of a
-bucket then copies nothing in: rank ``r`` reduces slice ``r`` of the bucket straight out of
-every rank's area into its own area (one pass; each term multiplied by its rank's factor,
-rounded, then added in rank order: the bits of ``mul_`` then the ``shm`` communicator's SUM),
-and copies every other slice out of the area of the rank that reduced it.
+one area per rank, where autograd accumulates that rank's gradients (or the reducer copies a
+fresh gradient in as it arrives), read by every rank. An all-reduce of a bucket then copies
+nothing in and nothing out: rank ``r`` reduces slice ``r`` of the bucket straight out of every
+rank's area (one pass; each term multiplied by its rank's factor, rounded, then added in rank
+order: the bits of ``mul_`` then the ``shm`` communicator's SUM) and pushes the result into
+slice ``r`` of every rank's area, its own and each peer's (reduce-scatter and all-gather in one
+pass: each 64 KiB chunk of the result is copied into the peers' areas while still in cache).
 
 Layout (byte offsets)::
 
     header    as a communicator segment's (``segment.py``), written once by rank 0
     control   one block per rank, written by that rank alone: the segment's state words
-              (closed/aborted, pid, start time, message) and three counters, each on its own
+              (closed/aborted, pid, start time, message) and two counters, each on its own
               line with the next word saying that the rank sleeps on a peer's counter:
-                ready      buckets whose gradients are in place (phase 1)
-                reduced    buckets whose own slice is reduced (phase 2)
-                released   buckets whose other slices are copied out (phase 3)
+                ready      buckets whose gradients are in place
+                reduced    buckets whose slice this rank reduced and pushed to every area
               and one factor word per bucket (its ``PremulSum`` factor: a bucket is launched
-              again only after every peer released it, so the word is read before it changes)
-    areas     one per rank, ``area_bytes`` each: every bucket at a 64-byte boundary
+              again only once it finished, after every peer reduced it, so the word is read
+              before it changes)
+    areas     one per rank, ``area_bytes`` each: every bucket at a 64-byte boundary; slice
+              ``p`` of an area is written by its owner (gradients, before ``ready``) and by rank
+              ``p`` (the result, between everyone's ``ready`` and ``p``'s ``reduced``)
 
 Ordering: a rank publishes ``ready`` after its gradient stores (so nobody reads a half-written
-bucket), reduces slice ``r`` once every peer is ``ready``, publishes ``reduced``, copies slice
-``p`` once peer ``p`` has ``reduced`` it (which also says ``p`` has finished reading this
-rank's raw slice ``p``: the copy may overwrite it), and publishes ``released``. Buckets pass
-each phase in the same order on every rank, so each counter is a plain count. A bucket a peer
-may still be reading is not written again: before the next backward writes its area, a rank
-waits (:meth:`BucketRegion.settle`) until every peer has ``released`` every bucket. Every wait
-is :meth:`~.flags.PeerFlags.wait_word`'s: bounded by the communicator's timeout, and failing
-fast, naming the rank, when a peer closed, aborted or died.
+bucket); once every peer is ``ready``, it reduces slice ``r`` and writes the result into slice
+``r`` of every area, and publishes ``reduced``. Writing a peer's slice ``r`` is safe then: only
+rank ``r`` reads it (in this same pass, every term of an element read before any copy of it is
+written), and its owner wrote its gradients before ``ready``. A bucket is finished on a rank
+once every peer has ``reduced`` it: every slice of its area then holds the result. From then
+on no peer reads or writes this rank's area for that bucket, so the next backward may write it
+as soon as every bucket finished (:meth:`BucketRegion.settle`, free after every ``wait()``).
+Buckets pass each phase in the same order on every rank, so each counter is a plain count.
+Every wait is :meth:`~.flags.PeerFlags.wait_word`'s: bounded by the communicator's timeout, and
+failing fast, naming the rank, when a peer closed, aborted or died.
 
 Lifetime: as a communicator segment's, the file is unlinked as soon as every rank has mapped
 it, so nothing is left in ``/dev/shm`` and the memory goes with the last process that maps it.
@@ -39,14 +44,16 @@ dying of ``SIGBUS`` on the first gradient.
 
 A fresh gradient (one autograd allocated) need not be copied in whole: ``SharedBucket.stage``
 copies in the parts the peers reduce and leaves the part in this rank's own slice where it is;
-the reduction reads it there and writes the result into the area.
+the reduction reads it there and writes the result into this rank's area and the peers'.
 
 Traffic (``stats``): per bucket of ``B`` bytes, rank ``r`` reads ``size`` slices of ``~B/size``
-bytes and writes one (the reduction), then reads and writes the ``size - 1`` other slices (the
-copies): ``B`` bytes written and ``2 (size - 1) B / size`` read from the peers' areas, against
-the communicator's two-step schedule's ``2 B`` written (the peers' slices staged into its
-slot, its slice reduced into the result slot, the whole result copied back) and
-``2 (size - 1) B / size`` read from the peers.
+bytes (``(size - 1) B / size`` of them out of the peers' areas) and writes its result ``size``
+times: ``B`` bytes written and ``(size - 1) B / size`` read from the peers, ``1.5 B`` moved at
+two ranks. The three-phase schedule before it (reduce into its own area, then copy each other
+slice out of the peer that reduced it) wrote ``B`` and read ``2 (size - 1) B / size`` from the
+peers (``2 B`` at two ranks); the communicator's two-step schedule writes ``2 B`` (the peers'
+slices staged into its slot, its slice reduced into the result slot, the whole result copied
+back) and reads ``2 (size - 1) B / size`` from the peers.
 """
 
 from __future__ import annotations
@@ -90,7 +97,7 @@ except ImportError:
 __all__ = ["ALIGN", "BucketRegion", "RegionStats", "SharedBucket"]
 
 ALIGN = 64  # every bucket and every slice boundary: no two ranks write one cache line
-_READY, _REDUCED, _RELEASED = 0, 1, 2
+_READY, _REDUCED = 0, 1
 _MBOX = 4096  # the Layout's mailbox size: a region has no send/recv, the smallest allowed
 _CORE_KINDS = {} if _core is None else {torch.float32: _core.KIND_F32,
                                         torch.float64: _core.KIND_F64}
@@ -139,7 +146,7 @@ class SharedBucket:
         nbytes: the bucket's bytes.
     """
 
-    __slots__ = ("index", "flat", "nbytes", "mine", "slices", "terms", "numel_mine", "phase",
+    __slots__ = ("index", "flat", "nbytes", "slices", "terms", "numel_mine", "phase",
                  "serial", "kind", "region", "lo", "hi", "sources")
 
     def __init__(self, region: BucketRegion, index: int, views: list[torch.Tensor]) -> None:
@@ -155,7 +162,8 @@ class SharedBucket:
         sizes = [bounds[p + 1] - bounds[p] for p in range(n)]
         # slices[q][p]: slice p of rank q's bucket
         self.slices = [v.split(sizes) for v in views]
-        self.mine = self.flat.split(sizes)
+        # every rank's copy of this rank's slice: the terms of its reduction, and where the
+        # result goes
         self.terms = [self.slices[q][me] for q in range(n)]
         self.numel_mine = sizes[me]
         self.lo, self.hi = bounds[me], bounds[me + 1]  # this rank's slice, in elements
@@ -163,7 +171,7 @@ class SharedBucket:
         # (a fresh gradient): (start, flat tensor) in order, read in place by the reduction
         self.sources: list[tuple[int, torch.Tensor]] = []
         self.kind = _CORE_KINDS.get(self.flat.dtype)
-        self.phase = 3  # 0 launched, 1 ready published, 2 reduced, 3 released (idle)
+        self.phase = 3  # 0 launched, 1 ready published, 2 reduced and pushed, 3 finished
         self.serial = 0  # this bucket's place in the region's count of launches
 
     def wait(self) -> None:
@@ -219,7 +227,11 @@ class BucketRegion:
         # "shared_all_reduce" of its bytes (set by ShmCommunicator.bucket_region)
         self.comm_stats = None
         self._launched = 0  # buckets launched (= this rank's ready counter once published)
-        self._queue: list[SharedBucket] = []  # launched, not yet released, in order
+        # launched buckets in order: not yet reduced here, and reduced here but not finished
+        # (waiting for a peer's push); a bucket is reduced as soon as every peer is ready for
+        # it, whether or not the buckets before it are finished
+        self._unreduced: list[SharedBucket] = []
+        self._unfinished: list[SharedBucket] = []
         self._broken: BaseException | None = None
         self._pid = os.getpid()
 
@@ -350,59 +362,65 @@ class BucketRegion:
         )[0]
         self._publish(_READY, bucket.serial)
         bucket.phase = 1
-        self._queue.append(bucket)
+        self._unreduced.append(bucket)
         self.poll()
         return bucket
 
     def poll(self) -> None:
-        """Advances the launched buckets, in order, as far as the peers allow without waiting."""
+        """Reduces the launched buckets, in order, as far as the peers are ready, and finishes
+        those every peer has pushed, without waiting."""
         try:
-            while self._queue and self._step(self._queue[0], block=False):
-                pass
+            self._advance()
         except BaseException as exc:
             self._abort("shm bucket all_reduce", exc)
 
     def finish(self, bucket: SharedBucket) -> None:
-        """Waits until ``bucket`` (and every bucket launched before it) is reduced here."""
+        """Waits until ``bucket`` (and every bucket launched before it) is finished here: its
+        slice reduced and pushed by every rank, the whole result in this rank's area."""
         try:
-            while bucket.phase != 3:
-                self._step(self._queue[0], block=True)
+            while True:
+                self._advance()
+                if bucket.phase == 3:
+                    return
+                # wait for what comes first in the order every rank follows: the peers'
+                # `ready` of the next bucket to reduce (while this one is not reduced), then
+                # their `reduced` of the oldest unfinished one (they need nothing more of us)
+                if bucket.phase == 1:
+                    head, kind = self._unreduced[0], _READY
+                else:
+                    head, kind = self._unfinished[0], _REDUCED
+                self._peers_reached(kind, head.serial, head.index, block=True)
         except BaseException as exc:
             self._abort("shm bucket all_reduce", exc)
 
     def settle(self) -> None:
-        """Waits until every peer has copied out of every bucket this rank launched, so that the
-        next backward may write this rank's area (module docstring)."""
+        """Waits until no peer reads or writes this rank's area any more, so that the next
+        backward may write it (module docstring): until every bucket this rank launched is
+        finished here, which says every peer has pushed its slice of it. Nothing to wait for
+        after every bucket's ``wait()``."""
         self._check_usable("settle")
-        target = self._launched
-        if not target:
-            return
-        idx = [self.layout.counter(p, _RELEASED) // 8 for p in range(self.size)]
-        announce = self.layout.counter(self.rank, _RELEASED) // 8 + 1
-        start = time.monotonic()
-        try:
-            for p in self.flags.peers:
-                if self.flags.words[idx[p]] < target:
-                    self.flags.wait_word(idx[p], target, p, "shm bucket release", start,
-                                         announce_idx=announce)
-        except BaseException as exc:
-            self._abort("shm bucket release", exc)
+        last = self._unreduced or self._unfinished
+        if last:
+            self.finish(last[-1])
 
-    def _step(self, bucket: SharedBucket, block: bool) -> bool:
-        """Moves the head bucket one phase on; False when it would have to wait."""
-        kind = _REDUCED if bucket.phase == 2 else _READY
-        if not self._peers_reached(kind, bucket.serial, bucket.index, block):
-            return False
-        if bucket.phase == 1:
+    def _advance(self) -> None:
+        """Reduces every launched bucket the peers are ready for, then finishes every reduced
+        one the peers have pushed (each in launch order), without waiting."""
+        unreduced, unfinished = self._unreduced, self._unfinished
+        while unreduced:
+            bucket = unreduced[0]
+            if not self._peers_reached(_READY, bucket.serial, bucket.index, block=False):
+                break
             self._reduce(bucket)
             self._publish(_REDUCED, bucket.serial)
             bucket.phase = 2
-        else:
-            self._copy_out(bucket)
-            self._publish(_RELEASED, bucket.serial)
-            bucket.phase = 3
-            self._queue.pop(0)
-        return True
+            unfinished.append(unreduced.pop(0))
+        while unfinished:
+            bucket = unfinished[0]
+            if not self._peers_reached(_REDUCED, bucket.serial, bucket.index, block=False):
+                break
+            bucket.phase = 3  # every peer pushed its slice into this rank's area
+            unfinished.pop(0)
 
     def _peers_reached(self, kind: int, target: int, index: int, block: bool) -> bool:
         flags, layout = self.flags, self.layout
@@ -439,23 +457,23 @@ class BucketRegion:
         ]
 
     def _reduce(self, bucket: SharedBucket) -> None:
-        """Slice ``rank`` of this rank's bucket = the sum over ranks, in rank order, of each
+        """Slice ``rank`` of every rank's bucket = the sum over ranks, in rank order, of each
         rank's slice times its factor (each product rounded in the dtype)."""
-        out, terms, n = bucket.mine[self.rank], bucket.terms, self.size
+        terms, n = bucket.terms, self.size
         numel = bucket.numel_mine
         factors = self._factors(bucket.index)
-        esize = out.element_size()
+        esize = bucket.flat.element_size()
         st = self.stats
         st.buckets += 1
         st.gradient_bytes += bucket.nbytes
         st.read += n * numel * esize
         st.peer_read += (n - 1) * numel * esize
-        st.written += numel * esize
+        st.written += n * numel * esize  # into this rank's area and each peer's
         if not numel:
             bucket.sources.clear()
             return
         if not bucket.sources:
-            self._reduce_range(out, terms, factors, bucket.kind, aliased=True)
+            self._reduce_range(terms, terms, factors, bucket.kind)
             return
         # pieces whose term is a private gradient, and the gaps between them (in the bucket)
         lo, me = bucket.lo, self.rank
@@ -464,47 +482,41 @@ class BucketRegion:
         for start, source in bucket.sources:
             if start - lo > position:
                 rng = slice(position, start - lo)
-                self._reduce_range(out[rng], [t[rng] for t in terms], factors, bucket.kind,
-                                   aliased=True)
+                piece = [t[rng] for t in terms]
+                self._reduce_range(piece, piece, factors, bucket.kind)
             position = start - lo + source.numel()
             rng = slice(start - lo, position)
-            piece = [source if q == me else t[rng] for q, t in enumerate(terms)]
-            self._reduce_range(out[rng], piece, factors, bucket.kind, aliased=False)
+            outs = [t[rng] for t in terms]
+            piece = [source if q == me else t for q, t in enumerate(outs)]
+            self._reduce_range(outs, piece, factors, bucket.kind)
         if position < numel:
             rng = slice(position, numel)
-            self._reduce_range(out[rng], [t[rng] for t in terms], factors, bucket.kind,
-                               aliased=True)
+            piece = [t[rng] for t in terms]
+            self._reduce_range(piece, piece, factors, bucket.kind)
         bucket.sources.clear()
 
-    def _reduce_range(self, out, terms, factors, kind, aliased: bool) -> None:
-        """``out = sum of terms[q] * factors[q]`` in rank order; ``aliased``: ``out`` is this
-        rank's own term."""
-        numel = out.numel()
+    def _reduce_range(self, outs, terms, factors, kind) -> None:
+        """Every ``outs[q]`` (rank ``q``'s copy of this rank's slice, or a range of it) = the
+        sum of ``terms[q] * factors[q]`` in rank order. ``terms[q]`` is ``outs[q]`` itself, or
+        (this rank's term) the private gradient autograd left."""
+        numel = outs[0].numel()
         if not numel:
             return
         same = all(f == factors[0] for f in factors)
-        # the compiled core writes `out` element by element after reading every term; its
-        # loop may alias out with terms[0] or terms[1] only (two ranks, or ranks 0 and 1)
-        if same and kind is not None and (self.rank < 2 or not aliased):
-            _core.reduce(out.data_ptr(), [t.data_ptr() for t in terms], numel, kind,
-                         _core.OP_SUM, factors[0])
-            _increment_version((out,))  # the core wrote the bytes behind torch's back
+        # The compiled core reduces into outs[0] (it may alias terms[0]: rank 0's slice is
+        # read before written) and copies each 64 KiB chunk of the result into the other outs
+        # while it is in cache, after every term of the chunk was read (each of outs is its
+        # term, or not a term at all)
+        if same and kind is not None:
+            _core.reduce(outs[0].data_ptr(), [t.data_ptr() for t in terms], numel, kind,
+                         _core.OP_SUM, factors[0], [o.data_ptr() for o in outs[1:]])
+            _increment_version(outs)  # the core wrote the bytes behind torch's back
             return
         acc = terms[0] * factors[0]
         for term, factor in zip(terms[1:], factors[1:], strict=True):
             acc.add_(term * factor)
-        out.copy_(acc)
-
-    def _copy_out(self, bucket: SharedBucket) -> None:
-        """Every other slice, out of the area of the rank that reduced it."""
-        st = self.stats
-        for p in self.flags.peers:
-            dst = bucket.mine[p]
-            dst.copy_(bucket.slices[p][p])
-            nbytes = dst.numel() * dst.element_size()
-            st.read += nbytes
-            st.peer_read += nbytes
-            st.written += nbytes
+        for out in outs:
+            out.copy_(acc)
 
     # ------------------------------------------------------------------ failure, lifetime
     def _check_usable(self, op: str) -> None:
@@ -520,7 +532,7 @@ class BucketRegion:
             self._broken = exc
             if self.flags is not None and os.getpid() == self._pid:
                 self.flags.mark(ABORTED, f"{op} failed: {type(exc).__name__}: {exc}")
-                for kind in (_READY, _REDUCED, _RELEASED):
+                for kind in (_READY, _REDUCED):
                     self.flags._wake(self.layout.counter(self.rank, kind) // 8)
         raise exc
 
@@ -528,7 +540,7 @@ class BucketRegion:
         """Marks this rank closed in the region (peers waiting on it raise at once)."""
         if self.flags is not None and self._broken is None and os.getpid() == self._pid:
             self.flags.mark(CLOSED, "closed")
-            for kind in (_READY, _REDUCED, _RELEASED):
+            for kind in (_READY, _REDUCED):
                 self.flags._wake(self.layout.counter(self.rank, kind) // 8)
             self._broken = CommAbortedError(f"rank {self.rank}: the bucket region was closed")
 
