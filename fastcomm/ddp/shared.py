@@ -178,7 +178,7 @@ class SharedBuckets:
             offset += _padded(bucket.numel * bucket.flat.element_size())
 
     def settle(self) -> None:
-        """Waits until the peers have copied out of every bucket this rank launched."""
+        """Waits until no peer reads or writes a bucket this rank launched any more."""
         self.region.settle()
 
     @property

@@ -185,7 +185,7 @@ def check_rank_killed_mid_step(name: str):
     from tests.harness import fresh_comm
 
     comm = fresh_comm("shm", name, timeout=TIMEOUT)
-    model = DDP(build("mlp"), comm=comm, bucket_cap_mb=0.001)  # a bucket per parameter
+    model = DDP(build("mlp"), comm=comm, bucket_cap_mb=0.001)  # the smallest buckets
     assert model.shared_buckets
     x, y = batches("mlp", 1)[0]
     step(model, torch.optim.SGD(model.parameters(), lr=0.1), "mlp", x, y)
