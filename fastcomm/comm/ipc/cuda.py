@@ -740,9 +740,14 @@ class CudaIpcTransport:
             self.stream.synchronize()
         finally:
             self._closed = True
-        for region in self._regions:  # they use the stream, the control block and the store
-            region.close()
-        self._regions = []
+        regions, self._regions = self._regions, []
+        try:
+            for region in regions:  # they use the stream, the control block and the store
+                region.close()
+        finally:  # a region whose peers are gone still leaves the workspace to be released
+            self._close_workspace()
+
+    def _close_workspace(self) -> None:
         self._watchdog.close()
         name = "ipc_cuda/closed"
         if self.failure() is None:
