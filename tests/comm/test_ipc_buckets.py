@@ -348,7 +348,6 @@ def test_ipc_offers_cuda_buckets_and_falls_back_without_a_gpu(ddp_pool, unique_n
 
 
 # ---------------------------------------------------------------------- GPU
-GPU_ENV = {"CUDA_VISIBLE_DEVICES": "0"}
 
 
 def gpu_ddp(name: str, dtype_name: str, steps: int):
@@ -395,14 +394,6 @@ def gpu_ddp(name: str, dtype_name: str, steps: int):
                 calls.get("all_reduce", 0), digest, rank)
     finally:
         comm.close()
-
-
-@pytest.fixture(scope="module")
-def gpu_pool():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    with RankPool(2, env=GPU_ENV, timeout=300) as p:
-        yield p
 
 
 @pytest.mark.gpu

@@ -460,7 +460,6 @@ def test_twin_rank_that_never_arrives_is_named(twin):
 
 
 # ---------------------------------------------------------------------- GPU
-GPU_ENV = {"CUDA_VISIBLE_DEVICES": "0"}
 GPU_SMALL = dict(workspace_bytes=64 << 10, two_shot_bytes=4 << 10)
 
 
@@ -578,14 +577,6 @@ def gpu_leak_check(name: str) -> tuple[int, int]:
         transport.close()
     store.barrier(f"{name}/after", world, 60)
     return free_before, torch.cuda.mem_get_info(0)[0]
-
-
-@pytest.fixture(scope="module")
-def gpu_pool():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    with RankPool(2, env=GPU_ENV, timeout=300) as p:
-        yield p
 
 
 TOLERANCE = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 1e-2}

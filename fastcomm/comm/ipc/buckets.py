@@ -55,7 +55,6 @@ from ...kernels._peer_reduce import MAX_PEERS, launch_peer_reduce_table
 from ...kernels._peer_signal import check_peer_signal, flag_area_words, launch_peer_signal
 from ..bucket_stats import RegionStats
 from ..errors import CommAbortedError, CommTimeoutError, FastcommError
-from ..stream import EventWork
 from ..types import SHARED_BUCKET_DTYPES, ReduceOp
 from ..work import Work
 from .cuda import (
@@ -446,29 +445,10 @@ class CudaBucketRegion(PeerBucketRegion):
 
     def _run(self, bucket: PeerBucket, steps: list, descriptor: int, scale: float) -> Work:
         """Enqueues the steps on the transport's stream, after the caller's stream."""
-        t = self.transport
         flat = bucket.flat
-        with t._watchdog.lock, torch.cuda.device(t.device):
-            ready = t._caller_ready
-            ready.record(torch.cuda.current_stream(t.device))
-            t.stream.wait_event(ready)
-            try:
-                with torch.cuda.stream(t.stream):
-                    self._execute(steps, flat.dtype, scale, descriptor)
-            except BaseException as exc:
-                # part of the steps are enqueued: this rank's epochs no longer match its peers'
-                t._failure = FastcommError(
-                    f"rank {self.rank}: {_OP} failed while enqueueing its steps (the CUDA IPC "
-                    f"transport is aborted): {exc!r}"
-                )
-                t._words[0] = 1
-                raise t._failure from exc
-            event = torch.cuda.Event()
-            event.record(t.stream)
-            work = EventWork(_OP, self.rank, flat, t.device, event, (flat,), t._future_stream,
-                             failure=t.failure)
-            t._watchdog.track(work)
-        return work
+        return self.transport.enqueue(
+            _OP, flat, lambda: self._execute(steps, flat.dtype, scale, descriptor)
+        )
 
     def close(self) -> None:
         """Waits for the transport's stream, meets the peers, unmaps their areas; this rank's

@@ -638,32 +638,44 @@ class CudaIpcTransport:
         """
         op = check_all_reduce(tensor, op, self.device)
         self._raise_if_unusable("all_reduce")
-        with self._watchdog.lock, torch.cuda.device(self.device):
-            # planned under the lock: the epochs and buffers must follow the enqueue order
+
+        def issue() -> None:
+            # planned here, under the enqueue lock: the epochs and buffers must follow the
+            # enqueue order
             steps = all_reduce_steps(
                 tensor.numel(), tensor.element_size(), self.rank, self.size, self.layout,
                 self.options.two_shot_bytes, self._clock,
             )
-            ready = self._caller_ready
-            ready.record(torch.cuda.current_stream(self.device))
-            self.stream.wait_event(ready)
             ops = self._ops
             ops.dtype, ops.op = tensor.dtype, op.value
             ops.descriptor = call_descriptor("all_reduce", tensor.numel(), tensor.dtype, op)
+            run_steps(steps, ops, tensor.data_ptr(), self._base)
+
+        return self.enqueue("all_reduce", tensor, issue)
+
+    def enqueue(self, op: str, output: torch.Tensor, issue) -> EventWork:
+        """Runs ``issue()`` (it launches a collective's kernels) on the transport's stream,
+        after the caller's stream, under the lock that orders every rank's epochs; returns the
+        collective's `EventWork`, tracked by the watchdog. A failure while launching aborts
+        the transport: part of the steps are enqueued, so this rank's epochs no longer match
+        its peers'."""
+        with self._watchdog.lock, torch.cuda.device(self.device):
+            ready = self._caller_ready
+            ready.record(torch.cuda.current_stream(self.device))
+            self.stream.wait_event(ready)
             try:
                 with torch.cuda.stream(self.stream):
-                    run_steps(steps, self._ops, tensor.data_ptr(), self._base)
+                    issue()
             except BaseException as exc:
-                # part of the steps are enqueued: this rank's epochs no longer match its peers'
                 self._failure = FastcommError(
-                    f"rank {self.rank}: all_reduce failed while enqueueing its steps "
+                    f"rank {self.rank}: {op} failed while enqueueing its steps "
                     f"(the CUDA IPC transport is aborted): {exc!r}"
                 )
                 self._words[0] = 1
                 raise self._failure from exc
             event = torch.cuda.Event()
             event.record(self.stream)
-            work = EventWork("all_reduce", self.rank, tensor, self.device, event, (tensor,),
+            work = EventWork(op, self.rank, output, self.device, event, (output,),
                              self._future_stream, failure=self.failure)
             self._watchdog.track(work)
         return work
