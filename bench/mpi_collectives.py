@@ -135,12 +135,12 @@ def default_rounds(nbytes: int) -> tuple[int, int, int]:
     return max(5, min(300, int(0.3 / estimate))), 3, iterations
 
 
-def measure(comm: MPI.Comm, op: str, nbytes: int, rounds: int, warmup: int,
-            iterations: int, max_seconds: float = 5.0) -> dict:
-    """One row; warm-up and timing each stop after ``max_seconds`` (at least 5 timed blocks),
-    rank 0's call sent to the others between blocks: with more ranks than cores MPICH's ranks
-    poll for one another, and a block can take a thousand times its idle-machine time."""
-    call = make_call(comm, op, nbytes)
+def time_call(comm: MPI.Comm, call, rounds: int, warmup: int, iterations: int,
+              max_seconds: float) -> float:
+    """Median seconds per ``call()`` over blocks of ``iterations`` back-to-back calls; warm-up
+    and timing each stop after ``max_seconds`` (at least 5 timed blocks), rank 0's call sent to
+    the others between blocks: with more ranks than cores MPICH's ranks poll for one another,
+    and a block can take a thousand times its idle-machine time."""
     comm.Barrier()
     deadline = time.perf_counter() + max_seconds
     for _ in range(warmup):
@@ -158,7 +158,15 @@ def measure(comm: MPI.Comm, op: str, nbytes: int, rounds: int, warmup: int,
         if len(samples) >= 5 and comm.bcast(time.perf_counter() > deadline, root=0):
             break
     comm.Barrier()
-    seconds = statistics.median(samples) / (2 if op == "send_recv" else 1)
+    return statistics.median(samples)
+
+
+def measure(comm: MPI.Comm, op: str, nbytes: int, rounds: int, warmup: int,
+            iterations: int, max_seconds: float = 5.0) -> dict:
+    """One row, timed by :func:`time_call`."""
+    call = make_call(comm, op, nbytes)
+    seconds = time_call(comm, call, rounds, warmup, iterations, max_seconds)
+    seconds /= 2 if op == "send_recv" else 1
     n = comm.Get_size()
     algbw = nbytes / seconds / 1e9
     return dict(op=op, provider="mpich", bytes=nbytes, world=n, us=round(seconds * 1e6, 1),

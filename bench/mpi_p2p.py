@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import numpy as np
 from mpi4py import MPI
+from mpi_collectives import time_call  # this script's folder is on sys.path
 
 OPS = ("torch_send_recv", "torch_exchange")
 
@@ -51,25 +50,9 @@ def make_call(comm: MPI.Comm, op: str, nbytes: int):
 
 def measure(comm: MPI.Comm, op: str, nbytes: int, rounds: int, warmup: int, iterations: int,
             max_seconds: float) -> dict:
-    call = make_call(comm, op, nbytes)
-    comm.Barrier()
-    deadline = time.perf_counter() + max_seconds
-    for _ in range(warmup):
-        for _ in range(iterations):
-            call()
-        if comm.bcast(time.perf_counter() > deadline, root=0):
-            break
-    samples: list[float] = []
-    deadline = time.perf_counter() + max_seconds
-    while len(samples) < rounds:
-        start = time.perf_counter()
-        for _ in range(iterations):
-            call()
-        samples.append((time.perf_counter() - start) / iterations)
-        if len(samples) >= 5 and comm.bcast(time.perf_counter() > deadline, root=0):
-            break
-    comm.Barrier()
-    seconds = statistics.median(samples) / (2 if op == "torch_send_recv" else 1)
+    seconds = time_call(comm, make_call(comm, op, nbytes), rounds, warmup, iterations,
+                        max_seconds)
+    seconds /= 2 if op == "torch_send_recv" else 1
     algbw = nbytes / seconds / 1e9
     return dict(op=op, provider="mpich", bytes=nbytes, world=comm.Get_size(),
                 us=round(seconds * 1e6, 2), algbw=algbw, busbw=algbw)
