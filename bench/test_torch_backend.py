@@ -38,13 +38,13 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from datetime import timedelta
 
 import pytest
 import torch
 from _ddp_common import BATCH, build_mlp, quick, rank_batch, slowest_rank_median
+from _torch_groups import init_groups
 
-from tests.harness import STATE, RankPool, rank_store
+from tests.harness import STATE, RankPool
 
 DDP_SHAPE = (1024, 10)
 FSDP_SHAPES = ((512, 6), (1024, 10))
@@ -63,16 +63,7 @@ def _shape(shape: tuple[int, int], quick_mode: bool) -> tuple[int, int]:
 
 def setup_ranks(quick_mode: bool) -> None:
     """The fastcomm default group and a Gloo group beside it (the models come later)."""
-    import torch.distributed as dist
-
-    import fastcomm  # noqa: F401 - registers the backend
-
-    torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.PrefixStore("bench-torch-backend", rank_store().torch_store)
-    dist.init_process_group("fastcomm", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    groups = {"fastcomm": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    groups = init_groups("bench-torch-backend", 120)
     STATE["torch_backend"] = {"quick": quick_mode, "groups": groups, "models": None,
                               "batches": {}, "times": {}}
 

@@ -40,13 +40,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+from _torch_groups import init_groups
 
-from tests.harness import STATE, RankPool, rank_store
+from tests.harness import STATE, RankPool
 
 QUICK = bool(os.environ.get("FASTCOMM_BENCH_QUICK")) or "--benchmark-disable" in sys.argv
 KIB, MIB = 1 << 10, 1 << 20
@@ -87,16 +87,7 @@ def iterations_for(nbytes: int) -> int:
 
 # ---------------------------------------------------------------------- rank side
 def setup_ranks() -> None:
-    import torch.distributed as dist
-
-    import fastcomm  # noqa: F401 - registers the backend
-
-    torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.PrefixStore("bench-torch-p2p", rank_store().torch_store)
-    dist.init_process_group("fastcomm", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=TIMEOUT))
-    STATE["p2p_bench"] = {"fastcomm": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    STATE["p2p_bench"] = init_groups("bench-torch-p2p", TIMEOUT)
 
 
 def teardown_ranks() -> None:

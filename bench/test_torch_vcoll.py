@@ -36,11 +36,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+from _torch_groups import init_groups
 from mpi_collectives import uneven_counts
 from test_collectives import (
     KIB,
@@ -54,7 +54,7 @@ from test_collectives import (
     size_id,
 )
 
-from tests.harness import STATE, RankPool, rank_store
+from tests.harness import STATE, RankPool
 
 QUICK = bool(os.environ.get("FASTCOMM_BENCH_QUICK")) or "--benchmark-disable" in sys.argv
 ALL_OPS = ["v_gather", "v_scatter", "v_all_to_all_uneven", "v_all_to_all_list"]
@@ -68,16 +68,7 @@ TIMEOUT = 600.0
 
 # ---------------------------------------------------------------------- rank side
 def setup_ranks() -> None:
-    import torch.distributed as dist
-
-    import fastcomm  # noqa: F401 - registers the backend
-
-    torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.PrefixStore("bench-torch-vcoll", rank_store().torch_store)
-    dist.init_process_group("fastcomm", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=TIMEOUT))
-    STATE["vcoll"] = {"fastcomm": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    STATE["vcoll"] = init_groups("bench-torch-vcoll", TIMEOUT)
 
 
 def teardown_ranks() -> None:
