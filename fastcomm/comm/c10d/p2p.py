@@ -32,6 +32,7 @@ import torch.distributed as dist
 from ..errors import CommAbortedError, CommTimeoutError
 from ..shm.p2p import DTYPE_CODES as _CODES
 from ..shm.p2p import MessageMismatchError
+from .multi import _copier
 from .works import FinishedWork, _finished, _seconds
 
 __all__ = ["MessageMismatchError", "MessageWork", "recv", "send"]
@@ -275,10 +276,6 @@ def recv(group, tensors: list, src: int | None, tag: int) -> Any:
         data, post = tensor, partial(_increment_version, (tensor,))
     else:
         data = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        post = partial(_copy_back, tensor, data)
+        post = _copier(tensor, data)
     return _issued(group, tensors, engine, engine.irecv(data, src, tag, code), post)
 
-
-def _copy_back(tensor: torch.Tensor, data: torch.Tensor) -> None:
-    with torch.no_grad():
-        tensor.copy_(data)

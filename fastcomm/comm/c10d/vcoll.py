@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 from ..types import ReduceOp
+from .multi import _copier
 
 _STRIDED = torch.strided
 
@@ -49,12 +50,15 @@ def _receivable(tensors: list) -> tuple[list, Any]:
     that ``post`` copies back (``None``: all contiguous)."""
     if all(t.is_contiguous() for t in tensors):
         return tensors, None
-    pairs = [(t, t.contiguous()) for t in tensors if not t.is_contiguous()]
+    # fresh buffers: the call overwrites them, so the old values need not be copied in
+    pairs = [(t, torch.empty_like(t, memory_format=torch.contiguous_format))
+             for t in tensors if not t.is_contiguous()]
     staged = {id(t): s for t, s in pairs}
+    copies = [_copier(t, s) for t, s in pairs]  # outside autograd, as Gloo writes them
 
     def post() -> None:
-        for t, s in pairs:
-            t.copy_(s)
+        for copy in copies:
+            copy()
 
     return [staged.get(id(t), t) for t in tensors], post
 
@@ -125,11 +129,12 @@ class VCollOps:
         comm = self._comm_for(input)
         if comm is not None and output.layout is _STRIDED and input.layout is _STRIDED:
             send = input if input.is_contiguous() else input.contiguous()
-            recv = output if output.is_contiguous() else output.contiguous()
+            recv = output if output.is_contiguous() else torch.empty_like(
+                output, memory_format=torch.contiguous_format)
             ins = _splits(send, input_split_sizes, self._size)
             outs = _splits(recv, output_split_sizes, self._size)
             if ins is not None and outs is not None and send.dtype == recv.dtype:
-                post = None if recv is output else (lambda: output.copy_(recv))
+                post = None if recv is output else _copier(output, recv)
                 return self._v_issue("all_to_all_single", [output], opts,
                                      comm.all_to_all_split, recv, send, outs, ins, post=post)
         return self._forward("all_to_all_single", [output], input, output, input,
