@@ -431,8 +431,9 @@ class Communicator(abc.ABC):
             and tensor.is_contiguous()
         ):
             self.stats.record("all_reduce", tensor)
-            target = self if tensor.is_cpu and self._cpu_native else self._target(
-                tensor, "all_reduce"
+            # _target inlined: the hottest call skips a method call
+            target = self if tensor.is_cpu and self._cpu_native else self.route(
+                tensor.device, "all_reduce"
             )
             if not async_op and target._sync("all_reduce", tensor, op):
                 return None
@@ -719,8 +720,7 @@ class Communicator(abc.ABC):
             row_bytes = t.nbytes // rows if rows else 0
             byte_splits.append([n * row_bytes for n in splits])
         self.stats.count("all_to_all", input.nbytes)
-        target = self if input.is_cpu and self._cpu_native else self.route(input.device,
-                                                                          "all_to_all")
+        target = self._target(input, "all_to_all")
         if not async_op and target._sync_v_split(output, input, *byte_splits):
             return None
         outputs = list(output.split_with_sizes(list(output_splits)))
@@ -796,7 +796,7 @@ class Communicator(abc.ABC):
         nbytes = first.nbytes if all(t is first for t in inputs) else sum(
             t.nbytes for t in inputs)
         self.stats.count(kind, nbytes)
-        target = self if first.is_cpu and self._cpu_native else self.route(first.device, kind)
+        target = self._target(first, kind)
         return target, outputs, inputs
 
     def _sync_v_split(self, output: torch.Tensor, input: torch.Tensor, out_bytes: list[int],

@@ -343,13 +343,15 @@ class ShmCommunicator(Communicator):
             )
         try:
             task.run()
-        except SizesDisagreement:
-            raise  # every rank raised after the same round: the segment is still in step
         except BaseException as exc:
             self._abort(task.op, start, exc)
 
     def _abort(self, op: str, start: float, exc: BaseException) -> None:
-        """Marks this rank ABORTED (peers then fail fast) and raises ``exc``, wrapped."""
+        """Marks this rank ABORTED (peers then fail fast) and raises ``exc``, wrapped; a
+        ``SizesDisagreement`` passes unchanged and aborts nothing (every rank raised after the
+        same round: the segment is still in step)."""
+        if isinstance(exc, SizesDisagreement):
+            raise exc
         error = wrap_error(op, self.rank, start, exc) if isinstance(exc, Exception) else exc
         self._broken = error
         self._flags.mark(ABORTED, f"{op} failed: {type(exc).__name__}: {exc}")
@@ -469,29 +471,21 @@ class ShmCommunicator(Communicator):
         """A synchronous v-call with no asynchronous work pending runs on the caller's thread
         with no task or ``Work`` built (as :meth:`_sync`); a disagreement leaves the
         communicator usable (every rank raised after the same round)."""
-        if self._executor.busy or self._broken is not None or not self._v.fits():
-            return False
-        start = time.monotonic()
-        try:
-            self._v.run(kind, root, outputs, inputs)
-        except SizesDisagreement:
-            raise
-        except BaseException as exc:
-            self._abort(kind, start, exc)
-        return True
+        return self._v_lane(kind, self._v.run, kind, root, outputs, inputs)
 
     def _sync_v_split(self, output: torch.Tensor, input: torch.Tensor, out_bytes: list[int],
                       in_bytes: list[int]) -> bool:
         """:meth:`_sync_v` of consecutive pieces of one tensor each side (no view made)."""
+        return self._v_lane("all_to_all", self._v.run_split, output, input, out_bytes, in_bytes)
+
+    def _v_lane(self, op: str, run: Callable, *args) -> bool:
         if self._executor.busy or self._broken is not None or not self._v.fits():
             return False
         start = time.monotonic()
         try:
-            self._v.run_split(output, input, out_bytes, in_bytes)
-        except SizesDisagreement:
-            raise
+            run(*args)
         except BaseException as exc:
-            self._abort("all_to_all", start, exc)
+            self._abort(op, start, exc)
         return True
 
     def _impl_v_call(self, kind: str, root: int, outputs: list, inputs: list) -> Task:
