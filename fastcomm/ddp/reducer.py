@@ -335,6 +335,8 @@ class Reducer:
 
     def _start_backward(self) -> None:
         self._started = True
+        if self.shared is not None:
+            self.shared.begin_backward()
         # The engine runs the hooks in grad mode exactly when backward has create_graph=True.
         self.create_graph = torch.is_grad_enabled()
         if self.create_graph:

@@ -121,6 +121,8 @@ class SharedBuckets:
     def __init__(self, region, device: torch.device) -> None:
         self.region = region
         self.device = device
+        # the shm buckets' lists of staged gradient pieces (fastcomm.comm.shm.buckets)
+        self._staged: list[list] = []
 
     @classmethod
     def create(
@@ -164,6 +166,7 @@ class SharedBuckets:
         """Moves every eligible dense bucket's ``flat`` into the region (zeros), in order."""
         offset = 0
         slot = 0
+        self._staged = []
         for bucket in buckets:
             if bucket.sparse:
                 continue
@@ -174,8 +177,18 @@ class SharedBuckets:
             shared.flat.zero_()
             bucket.use_flat(shared.flat)
             bucket.shared = shared
+            staged = getattr(shared, "sources", None)  # ipc's buckets stage nothing
+            if staged is not None:
+                self._staged.append(staged)
             slot += 1
             offset += _padded(bucket.numel * bucket.flat.element_size())
+
+    def begin_backward(self) -> None:
+        """Forgets gradient pieces staged by a backward that never launched their bucket (it
+        raised, or stopped short of a reduction): a piece is read at its bucket's launch."""
+        for staged in self._staged:
+            if staged:
+                staged.clear()
 
     def settle(self) -> None:
         """Waits until no peer reads or writes a bucket this rank launched any more."""

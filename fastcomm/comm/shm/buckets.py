@@ -355,12 +355,15 @@ class BucketRegion:
         flags, layout = self.flags, self.layout
         if self.comm_stats is not None:
             self.comm_stats.count("shared_all_reduce", bucket.nbytes)
-        bucket.serial = self._launched = self._launched + 1
-        bucket.phase = 0
-        flags.words[layout.factor(self.rank, bucket.index) // 8] = _BITS.unpack(
-            _BITS_D.pack(float(factor))
-        )[0]
-        self._publish(_READY, bucket.serial)
+        try:  # a failure here leaves this rank out of step: the peers must fail fast too
+            bucket.serial = self._launched = self._launched + 1
+            bucket.phase = 0
+            flags.words[layout.factor(self.rank, bucket.index) // 8] = _BITS.unpack(
+                _BITS_D.pack(float(factor))
+            )[0]
+            self._publish(_READY, bucket.serial)
+        except BaseException as exc:
+            self._abort("shm bucket all_reduce", exc)
         bucket.phase = 1
         self._unreduced.append(bucket)
         self.poll()
