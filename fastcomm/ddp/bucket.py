@@ -80,7 +80,8 @@ class Bucket:
     )
     sparse = False  # see sparse.SparseBucket
 
-    def __init__(self, index: int, param_indices: list[int], params, names) -> None:
+    def __init__(self, index: int, param_indices: list[int], params, names,
+                 shared_memory=None) -> None:
         self.index = index
         self.param_indices = param_indices
         self.params = [params[i] for i in param_indices]
@@ -93,14 +94,13 @@ class Bucket:
             self.offsets.append(total)
             total += p.numel()
         self.numel = total
-        self.flat = torch.zeros(total, dtype=self.dtype, device=self.device)
-        self.views = [
-            self.flat[o : o + p.numel()].view(p.shape)
-            for o, p in zip(self.offsets, self.params, strict=True)
-        ]
         self.scratch: dict[object, torch.Tensor] = {}
-        self._plan: kernels.PackPlan | None = None
-        self.shared = None  # its place in shared bucket memory (shared.py), if any
+        # its place in shared bucket memory (shared.py), if any: then no private buffer
+        self.shared = None if shared_memory is None else shared_memory.take(self)
+        self.use_flat(
+            torch.zeros(total, dtype=self.dtype, device=self.device) if self.shared is None
+            else self.shared.flat
+        )
 
     def use_flat(self, flat: torch.Tensor) -> None:
         """Makes `flat` (same dtype, device and size) the bucket's buffer, views re-cut."""

@@ -157,17 +157,18 @@ class Reducer:
     # ------------------------------------------------------------------ buckets
     def _build(self, order: list[int]) -> None:
         old = self.buckets
-        self.buckets = build_buckets(
-            self.params, self.names, order, self.config.bucket_caps_bytes, self.sparse
-        )
         kept: dict[int, torch.Tensor] = {}
         if self.shared is not None:
-            if self.bucket_view and old:  # the new buckets overlap the old ones: keep values
+            if old:  # the new buckets overlap the old ones in the region: keep the values
                 kept = {
                     i: p.grad.clone() for i, p in enumerate(self.params)
                     if p.grad is not None and not p.grad.is_sparse and i not in self.sparse
                 }
-            self.shared.place(self.buckets)
+            self.shared.begin_layout()
+        self.buckets = build_buckets(
+            self.params, self.names, order, self.config.bucket_caps_bytes, self.sparse,
+            self.shared,
+        )
         self._bucket_of = [0] * len(self.params)
         self._position = [0] * len(self.params)  # each parameter's place in its bucket
         # each parameter's view into its bucket (None for a sparse parameter)

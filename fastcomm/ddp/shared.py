@@ -121,8 +121,7 @@ class SharedBuckets:
     def __init__(self, region, device: torch.device) -> None:
         self.region = region
         self.device = device
-        # the shm buckets' lists of staged gradient pieces (fastcomm.comm.shm.buckets)
-        self._staged: list[list] = []
+        self.begin_layout()
 
     @classmethod
     def create(
@@ -162,26 +161,25 @@ class SharedBuckets:
             return None
         return cls(region, device)
 
-    def place(self, buckets: Sequence[Bucket]) -> None:
-        """Moves every eligible dense bucket's ``flat`` into the region (zeros), in order."""
-        offset = 0
-        slot = 0
+    def begin_layout(self) -> None:
+        """Starts laying out a new set of buckets from the region's beginning (a build or a
+        rebuild: the old buckets' memory is reused)."""
+        self._offset = self._slot = 0
         self._staged = []
-        for bucket in buckets:
-            if bucket.sparse:
-                continue
-            bucket.shared = None
-            if not eligible(bucket.params[0], self.device):
-                continue
-            shared = self.region.bucket(slot, offset, bucket.dtype, bucket.numel)
-            shared.flat.zero_()
-            bucket.use_flat(shared.flat)
-            bucket.shared = shared
-            staged = getattr(shared, "sources", None)  # ipc's buckets stage nothing
-            if staged is not None:
-                self._staged.append(staged)
-            slot += 1
-            offset += _padded(bucket.numel * bucket.flat.element_size())
+
+    def take(self, bucket: Bucket):
+        """The region's bucket for a dense bucket being built, in build order (its memory
+        zeroed), or ``None`` when it is not eligible (it keeps a buffer of its own)."""
+        if not eligible(bucket.params[0], self.device):
+            return None
+        shared = self.region.bucket(self._slot, self._offset, bucket.dtype, bucket.numel)
+        shared.flat.zero_()
+        staged = getattr(shared, "sources", None)  # ipc's buckets stage nothing
+        if staged is not None:
+            self._staged.append(staged)
+        self._slot += 1
+        self._offset += _padded(shared.nbytes)
+        return shared
 
     def begin_backward(self) -> None:
         """Forgets gradient pieces staged by a backward that never launched their bucket (it

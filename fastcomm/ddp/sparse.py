@@ -78,12 +78,14 @@ def build_buckets(
     order: Sequence[int],
     caps_bytes: Sequence[int],
     sparse: set[int],
+    shared_memory=None,
 ) -> list[Bucket | SparseBucket]:
-    """Dense buckets of `order` (without the sparse parameters), then one per sparse one."""
+    """Dense buckets of `order` (without the sparse parameters), then one per sparse one;
+    the dense ones in `shared_memory` (a ``shared.SharedBuckets``) where it takes them."""
     dense_order = [i for i in order if i not in sparse] if sparse else list(order)
     groups = assign_buckets(params, dense_order, caps_bytes) if dense_order else []
     buckets: list[Bucket | SparseBucket] = [
-        Bucket(b, idx, params, names) for b, idx in enumerate(groups)
+        Bucket(b, idx, params, names, shared_memory) for b, idx in enumerate(groups)
     ]
     for i in order:
         if i in sparse:
