@@ -206,6 +206,14 @@ class Reducer:
         self.strategies = [choose_strategy(b, comm, hook, view) for b in self.buckets]
         self._on_arrival = [s.packs_on_arrival for s in self.strategies]
         self._arrived = [0] * len(self.buckets)  # gradients packed on arrival, this iteration
+        # per parameter, decided here once: the shm bucket whose staging takes its fresh
+        # gradient (only its peers' parts copied in, fastcomm.ddp.shared), or None: a copy
+        self._stage_in: list = [None] * len(self.params)
+        for b, s in zip(self.buckets, self.strategies, strict=True):
+            if s is SHARED_VIEW and hasattr(b.shared, "sources"):  # ipc's buckets stage nothing
+                for i, view in zip(b.param_indices, b.views, strict=True):
+                    if view.numel() * view.element_size() >= STAGE_MIN_BYTES:
+                        self._stage_in[i] = b
 
     def bucket_indices(self) -> list[list[int]]:
         """Each bucket's parameter indices, in launch order (for tests and logging)."""
@@ -301,11 +309,9 @@ class Reducer:
             view = self.grad_views[i]  # None for a sparse parameter: its gradient stays its own
             if view is not None and g is not None and g.data_ptr() != view.data_ptr():
                 g = g.detach() if self.create_graph else g
-                b = self._bucket_of[i]
-                bucket = self.buckets[b]
+                bucket = self._stage_in[i]
                 if (
-                    self.strategies[b] is SHARED_VIEW
-                    and g.numel() * g.element_size() >= STAGE_MIN_BYTES
+                    bucket is not None
                     and type(g) is torch.Tensor
                     and g.dtype == view.dtype
                     and g.shape == view.shape

@@ -155,12 +155,6 @@ class PeerBucket:
         self.flat = flat
         self.nbytes = flat.numel() * flat.element_size()
 
-    def stage(self, offset: int, grad: torch.Tensor) -> None:
-        """Copies ``grad`` (contiguous, the bucket's dtype) to element ``offset`` of this
-        rank's copy before launch (the kernel reads only the areas)."""
-        flat = grad.view(-1)
-        self.flat[offset : offset + flat.numel()].copy_(flat)
-
 
 class PeerBucketRegion:
     """The shared buckets of one DDP model over ranks that map each other's areas (see the
