@@ -264,15 +264,15 @@ def recv(group, tensors: list, src: int | None, tag: int) -> Any:
     _check_usable(group, name)
     group.communicator.stats.record("recv", None)
     code = _CODES[tensor.dtype]
+    if src is not None:
+        engine.check_rejects(src, "receive from")
     if tensor.is_contiguous():
-        if src is not None:
-            engine.check_rejects(src, "receive from")
-            if group._coalescing is None and engine.recv_now(
-                    tensor.data_ptr(), tensor.nbytes, src, tag, code):
-                _increment_version((tensor,))  # written behind autograd's back
-                work = _Received()
-                work._outputs, work._src = tensors, src
-                return work
+        if src is not None and group._coalescing is None and engine.recv_now(
+                tensor.data_ptr(), tensor.nbytes, src, tag, code):
+            _increment_version((tensor,))  # written behind autograd's back
+            work = _Received()
+            work._outputs, work._src = tensors, src
+            return work
         data, post = tensor, partial(_increment_version, (tensor,))
     else:
         data = torch.empty_like(tensor, memory_format=torch.contiguous_format)

@@ -40,7 +40,10 @@ watchdog, and is closed with it.
 
 Memory: one area per rank on its own GPU, holding its buckets: the model's gradient bytes once
 per rank, in place of the private buckets (nothing more than without sharing). A cap
-(``cap_bytes``) or a GPU out of memory makes every rank fall back to its own buffers.
+(``cap_bytes``) or a GPU out of memory makes every rank fall back to its own buffers. A region
+is the transport's until the communicator closes (its peers' mappings of it must be closed
+collectively first): a process that builds many DDP models on one communicator holds an area
+for each until then.
 """
 
 from __future__ import annotations

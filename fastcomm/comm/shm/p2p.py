@@ -56,6 +56,7 @@ from os import sched_yield
 import torch
 
 from ..errors import CommAbortedError, CommClosedError, CommTimeoutError, FastcommError
+from ..vcoll import DTYPE_CODES as _V_DTYPE_CODES
 from .flags import _FUTEX_WAIT, _MASK32, _syscall, _Timespec, fence
 from .segment import process_alive
 
@@ -68,10 +69,9 @@ _SLEEP_MANY = _Timespec(0, 100_000)  # several pairs (only one futex wakes us): 
 _LIVENESS_S = 0.05
 _HEADER = 64
 _U64 = (1 << 64) - 1
-_DTYPE_LIST = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)},
-                           key=str))
-DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(_DTYPE_LIST)}
-_ELEMENT = {dtype: dtype.itemsize for dtype in _DTYPE_LIST}
+# the v-calls' dtype codes, plus one: 0 is no dtype in a header
+DTYPE_CODES = {dtype: code + 1 for dtype, code in _V_DTYPE_CODES.items()}
+_DTYPE_LIST = tuple(DTYPE_CODES)
 
 
 class MessageMismatchError(FastcommError, ValueError):
@@ -89,7 +89,7 @@ def _what(code: int, nbytes: int) -> str:
     if not 0 < code <= len(_DTYPE_LIST):
         return f"{nbytes} bytes"
     dtype = _DTYPE_LIST[code - 1]
-    size = _ELEMENT.get(dtype)
+    size = dtype.itemsize
     name = str(dtype).removeprefix("torch.")
     if not size:
         return f"{name} ({nbytes} bytes)"
@@ -185,8 +185,8 @@ class Mailboxes:
 
     # ------------------------------------------------------------------ issuing
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, dtype: int) -> _Op:
-        """Queues the send of ``tensor``'s bytes (contiguous, CPU) and moves what it can now."""
-        self.check_rejects(dst, "send to")
+        """Queues the send of ``tensor``'s bytes (contiguous, CPU) and moves what it can now.
+        The caller has called :meth:`check_rejects` for ``dst`` (before its fast path too)."""
         op = _Op("send", dst, tag & _U64, tensor, dtype, time.monotonic())
         with self._lock:
             self._sends[dst].append(op)
@@ -199,9 +199,7 @@ class Mailboxes:
 
     def irecv(self, tensor: torch.Tensor, src: int | None, tag: int, dtype: int) -> _Op:
         """Posts a receive into ``tensor`` (contiguous, CPU) from ``src`` (``None``: any) and
-        moves what it can now."""
-        if src is not None:
-            self.check_rejects(src, "receive from")
+        moves what it can now. The caller has called :meth:`check_rejects` for a ``src``."""
         op = _Op("recv", src, tag & _U64, tensor, dtype, time.monotonic())
         with self._lock:
             self.pending += 1
