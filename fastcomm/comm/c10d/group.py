@@ -16,7 +16,7 @@ from torch._C._distributed_c10d import AllgatherOptions
 
 from ..base import Communicator
 from ..errors import FastcommError
-from ..store import Store
+from ..store import Store, as_timedelta
 from ..types import SUPPORTED_DTYPES, BitwiseOp, PremulSum, ReduceOp
 from ..work import wrap_error
 from ..world import communicator_for
@@ -215,6 +215,7 @@ class FastcommProcessGroup(VCollOps, dist.ProcessGroup):
         self._rank = rank
         self._size = size
         self._timeout = timeout
+        self._monitored_seq = 0  # monitored barriers called on this group
         self._name = group_name
         self._c10d_store = store
         self._store = Store(
@@ -696,12 +697,12 @@ class FastcommProcessGroup(VCollOps, dist.ProcessGroup):
             CommTimeoutError: naming the ranks that did not arrive (or rank 0, on the ranks
                 that waited for its verdict).
         """
-        if timeout is None:
-            timeout = self._timeout
-        elif not isinstance(timeout, timedelta):
-            timeout = timedelta(seconds=float(timeout))
+        try:
+            timeout = as_timedelta(timeout, self._timeout)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"monitored_barrier: {exc}") from None
         # numbered per group, the same on every rank that calls
-        self._monitored_seq = getattr(self, "_monitored_seq", 0) + 1
+        self._monitored_seq += 1
         monitored.run(self._c10d_store, self._rank, self._size, self._monitored_seq, timeout,
                       wait_all_ranks, f"group {self._name!r} of {self._size} ranks")
 
