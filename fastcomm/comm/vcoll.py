@@ -49,11 +49,12 @@ def row_of(kind: str, root: int, dtype: torch.dtype, esize: int, outputs, inputs
             + [t.numel() * esize for t in inputs] + [t.numel() * esize for t in outputs])
 
 
-def describe_row(row: Sequence[int]) -> str:
+def describe_row(row: Sequence[int], size: int | None = None) -> str:
     """One rank's row in words: ``gather(float32, root 0, sending [0, 4], expecting [0, 0])``
-    (elements)."""
+    (elements); ``size``: the world (default: the row holds nothing after the two lists)."""
     kind, root, dtype, esize = row[:HEAD]
-    size = (len(row) - HEAD) // 2
+    if size is None:
+        size = (len(row) - HEAD) // 2
     esize = max(esize, 1)
     name = str(_DTYPE_LIST[dtype]).removeprefix("torch.")
     extra = f", root {root}" if root >= 0 else ""
@@ -64,20 +65,21 @@ def describe_row(row: Sequence[int]) -> str:
 
 def disagreement(rows: Sequence[Sequence[int]]) -> str | None:
     """The first way the ranks' rows disagree, in words, or ``None``: the same text on every
-    rank (every rank holds every row)."""
+    rank (every rank holds every row). A row may hold more after its two lists (shm's)."""
     size = len(rows)
     first = rows[0]
     for r, row in enumerate(rows):
         if row[:HEAD] != first[:HEAD]:
-            return f"rank 0 called {describe_row(first)} but rank {r} called {describe_row(row)}"
+            return (f"rank 0 called {describe_row(first, size)} but rank {r} called "
+                    f"{describe_row(row, size)}")
     esize = max(first[3], 1)
     for q, row in enumerate(rows):
         for r in range(size):
             sent, expected = row[HEAD + r], rows[r][HEAD + size + q]
             if sent != expected:
                 return (f"rank {q} sends {sent // esize} elements to rank {r}, which expects "
-                        f"{expected // esize} from it (rank {q}: {describe_row(row)}; rank {r}: "
-                        f"{describe_row(rows[r])})")
+                        f"{expected // esize} from it (rank {q}: {describe_row(row, size)}; "
+                        f"rank {r}: {describe_row(rows[r], size)})")
     return None
 
 

@@ -159,8 +159,9 @@ class VSchedule:
             s._check(half, _CODE)
         unpack, mm = self._header.unpack_from, self._mm
         table = [unpack(mm, offset) for offset in self._offsets[half]]
-        if not self._agree(table):
-            raise_disagreement(me, kind, disagreement([t[: HEAD + 2 * n] for t in table]))
+        problem = disagreement(table)
+        if problem is not None:
+            raise_disagreement(me, kind, problem)
         # per peer sending us a piece: (its room per buffer, our piece's slot offset, bytes,
         # where it lands); and how many rounds the longest buffer of any rank takes
         sources = []
@@ -226,19 +227,6 @@ class VSchedule:
         if status not in (_core.DONE, _V_DISAGREE, _V_MORE):
             raise AssertionError(f"the compiled core's v_call returned status {status}")
         return half, status
-
-    def _agree(self, table: list) -> bool:
-        """Whether every rank called the same op, root and dtype, and every piece is the size
-        its receiver expects."""
-        n, first = self.size, table[0]
-        for q, row in enumerate(table):
-            if row[0] != first[0] or row[1] != first[1] or row[2] != first[2]:
-                return False
-            for r in range(n):
-                if row[HEAD + r] != table[r][HEAD + n + q]:
-                    return False
-        return True
-
 
     def _copy_out(self, half: int, sources: list, k: int) -> None:
         slots = self.slots[half]
