@@ -28,7 +28,10 @@ import torch
 
 from .errors import CommTimeoutError, FastcommError
 
-__all__ = ["OrderedExecutor", "SettledByWait", "Task", "Work", "completed_work", "wrap_error"]
+__all__ = [
+    "OrderedExecutor", "SettledByWait", "StoppableThread", "Task", "Work", "completed_work",
+    "wrap_error",
+]
 
 # Orders a Work's completion against the lazy creation of its future (held for a few
 # attribute reads: one lock for all works costs less than one per work).
@@ -260,7 +263,29 @@ class Task:
     executor: OrderedExecutor | None = None
 
 
-class OrderedExecutor:
+class StoppableThread:
+    """The stop of an object that runs one thread of its own, guarded by ``_lock`` and its
+    condition ``_cond``: the thread leaves its loop once it sees ``_closed``."""
+
+    _lock: threading.Lock
+    _cond: threading.Condition
+    _closed: bool
+    _thread: threading.Thread | None
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """Stops the thread (after what it must finish first); returns whether it ended
+        within ``timeout``."""
+        with self._lock:
+            self._closed = True
+            self._cond.notify_all()
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return True
+        thread.join(timeout)
+        return not thread.is_alive()
+
+
+class OrderedExecutor(StoppableThread):
     """Runs a communicator's blocking tasks in issue order and completes their ``Work``.
 
     A synchronous call runs on the caller's thread when nothing is pending (no thread hand-off:
@@ -397,13 +422,3 @@ class OrderedExecutor:
                     return
             self._finish(*taken)
 
-    def close(self, timeout: float) -> bool:
-        """Stops the thread after the queued tasks; returns whether it ended within ``timeout``."""
-        with self._lock:
-            self._closed = True
-            self._cond.notify_all()
-        thread = self._thread
-        if thread is None or thread is threading.current_thread():
-            return True
-        thread.join(timeout)
-        return not thread.is_alive()

@@ -57,6 +57,7 @@ import torch
 
 from ..errors import CommAbortedError, CommClosedError, CommTimeoutError, FastcommError
 from ..vcoll import DTYPE_CODES as _V_DTYPE_CODES
+from ..work import StoppableThread
 from .flags import _FUTEX_WAIT, _MASK32, _syscall, _Timespec, fence
 from .segment import process_alive
 
@@ -139,7 +140,7 @@ class _Incoming:
         self.arrival = 0
 
 
-class Mailboxes:
+class Mailboxes(StoppableThread):
     """This rank's tagged send/recv engine over a communicator's mailbox streams.
 
     Args:
@@ -630,16 +631,6 @@ class Mailboxes:
                 moved = self.pending and not self._waiters and self._progress()
             time.sleep(0 if moved else POLL_S)
 
-    def close(self, timeout: float = 5.0) -> bool:
-        """Stops the engine's thread; returns whether it ended within ``timeout``."""
-        with self._lock:
-            self._closed = True
-            self._cond.notify_all()
-        thread = self._thread
-        if thread is None or thread is threading.current_thread():
-            return True
-        thread.join(timeout)
-        return not thread.is_alive()
 
 
 def _signed(tag: int) -> int:
