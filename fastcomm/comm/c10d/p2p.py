@@ -21,7 +21,6 @@ torch hands a complex tensor over as its real view, on both sides alike.
 
 from __future__ import annotations
 
-import threading
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -33,7 +32,7 @@ from ..errors import CommAbortedError, CommTimeoutError
 from ..shm.p2p import DTYPE_CODES as _CODES
 from ..shm.p2p import MessageMismatchError
 from .multi import _copier
-from .works import FinishedWork, _finished, _seconds
+from .works import FinishedWork, _finished, _seconds, thread_future
 
 __all__ = ["MessageMismatchError", "MessageWork", "recv", "send"]
 
@@ -141,17 +140,7 @@ class MessageWork(dist._Work):
     def get_future(self) -> torch.futures.Future:
         """A future of the output tensors, completed by a thread of its own that waits."""
         if self._future is None:
-            future = self._future = torch.futures.Future()
-
-            def wait() -> None:
-                try:
-                    self.wait()
-                except BaseException as exc:  # noqa: BLE001 - delivered through the future
-                    future.set_exception(exc)
-                else:
-                    future.set_result(self._outputs)
-
-            threading.Thread(target=wait, name="fastcomm-p2p-future", daemon=True).start()
+            self._future = thread_future(self.wait, lambda: self._outputs, "fastcomm-p2p-future")
         return self._future
 
     def __repr__(self) -> str:

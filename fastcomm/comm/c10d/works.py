@@ -201,15 +201,21 @@ def _future_of(work: Any) -> torch.futures.Future:
         return work.get_future()
     except RuntimeError:
         pass
+    return thread_future(work.wait, lambda: None, "fastcomm-c10d-future")
+
+
+def thread_future(wait, value, name: str) -> torch.futures.Future:
+    """A future completed by a daemon thread of its own: ``value()`` once ``wait()`` returned,
+    or the error it raised."""
     future = torch.futures.Future()
 
-    def wait() -> None:
+    def run() -> None:
         try:
-            work.wait()
+            wait()
         except BaseException as exc:  # noqa: BLE001 - delivered through the future
             future.set_exception(exc)
         else:
-            future.set_result(None)
+            future.set_result(value())
 
-    threading.Thread(target=wait, name="fastcomm-c10d-future", daemon=True).start()
+    threading.Thread(target=run, name=name, daemon=True).start()
     return future
