@@ -51,6 +51,9 @@ _OPS = {
 }
 _PREMUL = _RED.PREMUL_SUM.value
 _refcount = sys.getrefcount
+# _done's count of references is CPython's up to 3.13 (3.14 may skip counting borrowed
+# references): elsewhere every finished call gets a handle of its own
+_REUSE_DONE = sys.implementation.name == "cpython" and sys.version_info < (3, 14)
 # allreduce and reduce also take the bitwise ops and the contract's extra dtypes (bool, int16,
 # unsigned); the other reductions (reduce-scatter) take _OPS on _DTYPES
 _ALL_OPS = {
@@ -354,7 +357,8 @@ class FastcommProcessGroup(VCollOps, dist.ProcessGroup):
         adapter's part of a call; a handle someone still holds (a caller, C++, a coalescing
         list) is never reused, so each holder keeps its own outputs."""
         work = self._last_done
-        if _refcount(work) == 3:  # the attribute, `work` and the argument: no one else
+        # 3: the attribute, `work` and the argument: no one else holds it
+        if _REUSE_DONE and _refcount(work) == 3:
             work._outputs = outputs
             return work
         work = self._last_done = _finished(outputs)
