@@ -52,7 +52,7 @@ from fastcomm.comm.work import Work
 from .bucket import Bucket
 from .config import DDPConfig
 from .in_place import InPlaceAllReduce, InPlaceReduction, in_place_plan
-from .shared import SHARED_VIEW, STAGE_MIN_BYTES, SharedBuckets, worth_sharing
+from .shared import SHARED_VIEW, STAGE_MIN_BYTES, SharedBuckets
 from .sparse import SPARSE, build_buckets
 from .strategy import ARRIVAL_PACKED, PACKED, VIEW, BucketStrategy, CommHook, packs_on_arrival
 
@@ -100,15 +100,10 @@ class Reducer:
         # shared bucket memory (shared.py): where the communicator offers it, unless the
         # user asked for torch's default aliasing (gradient_as_bucket_view=False)
         self.shared: SharedBuckets | None = None
-        if (
-            config.shared_buckets
-            and config.gradient_as_bucket_view is not False
-            and comm.size > 1
-            and getattr(comm.capabilities, "shared_buckets", False)
-            and (config.gradient_as_bucket_view or worth_sharing(self.params, self.sparse))
-        ):
+        if config.shared_buckets and config.gradient_as_bucket_view is not False and comm.size > 1:
             self.shared = SharedBuckets.create(
-                comm, self.params, self.sparse, config.shared_bucket_cap_mb
+                comm, self.params, self.sparse, config.shared_bucket_cap_mb,
+                asked=config.gradient_as_bucket_view is True,
             )
         view = config.gradient_as_bucket_view
         self.bucket_view = self.shared is not None if view is None else view

@@ -86,8 +86,9 @@ BUCKET_ALIGN = 256
 _PAGE = 4096  # shm's areas are whole pages
 
 
-def worth_sharing(params: Sequence[torch.Tensor], sparse: frozenset[int]) -> bool:
-    """Whether the default puts `params`' buckets in shared memory (``AUTO_MIN_MEAN_BYTES``)."""
+def worth_sharing(params: Sequence[torch.Tensor]) -> bool:
+    """Whether the default puts the buckets of `params` (those the region would hold) in
+    shared memory (``AUTO_MIN_MEAN_BYTES``)."""
     text = os.environ.get("FASTCOMM_DDP_SHARED_MIN_MEAN_BYTES", "").strip()
     try:
         least = int(text) if text else AUTO_MIN_MEAN_BYTES
@@ -95,7 +96,7 @@ def worth_sharing(params: Sequence[torch.Tensor], sparse: frozenset[int]) -> boo
         raise ValueError(
             f"FASTCOMM_DDP_SHARED_MIN_MEAN_BYTES={text!r}: expected a number of bytes"
         ) from None
-    sizes = [p.numel() * p.element_size() for i, p in enumerate(params) if i not in sparse]
+    sizes = [p.numel() * p.element_size() for p in params]
     return bool(sizes) and sum(sizes) >= least * len(sizes)
 
 
@@ -130,18 +131,22 @@ class SharedBuckets:
         params: Sequence[torch.Tensor],
         sparse: frozenset[int],
         cap_mb: float | None,
+        *,
+        asked: bool = False,
     ) -> SharedBuckets | None:
         """The region for `params` (the dense eligible ones on the device of the first of them
-        the communicator offers it for), or ``None`` with a warning when the communicator
-        cannot make it (over the cap, ``/dev/shm`` too small, the GPU out of memory)."""
-        offered = comm.capabilities.shared_buckets
+        the communicator offers it for), or ``None``: nothing eligible, gradients too small to
+        be worth it by default (`worth_sharing`; ``asked``: ``gradient_as_bucket_view=True``,
+        shared whatever their size), or with a warning when the communicator cannot make it
+        (over the cap, ``/dev/shm`` too small, the GPU out of memory)."""
+        offered = getattr(comm.capabilities, "shared_buckets", frozenset())
         dense = [p for i, p in enumerate(params) if i not in sparse]
         devices = [p.device for p in dense if p.device.type in offered]
         if not devices:
             return None
         device = devices[0]
         chosen = [p for p in dense if eligible(p, device)]
-        if not chosen:
+        if not chosen or not (asked or worth_sharing(chosen)):
             return None
         # buckets start at BUCKET_ALIGN boundaries: padding each parameter so bounds any
         # grouping
