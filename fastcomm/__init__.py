@@ -5,7 +5,9 @@ does not load the communicators.
 
 Importing the package registers the ``torch.distributed`` backend ``"fastcomm"`` (CPU and
 CUDA): ``dist.init_process_group("fastcomm")``. Registration loads no communicator; the first
-group of the backend loads ``fastcomm.comm.c10d``.
+group of the backend loads ``fastcomm.comm.c10d``. Under srun or mpiexec it also sets torchrun's
+variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``) from the launcher's where they are absent (:mod:`fastcomm.comm.launch_env`).
 """
 
 from __future__ import annotations
@@ -52,7 +54,16 @@ def _register_torch_backend() -> None:
     )
 
 
+def _export_launcher_env() -> None:
+    """Under srun or mpiexec, torchrun's variables from the launcher's (where absent), so
+    ``init_process_group("fastcomm")`` and other readers of ``RANK``/``WORLD_SIZE`` see the job."""
+    from .comm.launch_env import export_torchrun_env
+
+    export_torchrun_env()
+
+
 _register_torch_backend()
+_export_launcher_env()
 
 
 def __getattr__(name: str) -> Any:

@@ -1,8 +1,11 @@
-"""``fastcomm.init()``: the process-wide communicator, set up from torchrun's environment.
+"""``fastcomm.init()``: the process-wide communicator, set up from the launcher's environment.
 
-``init`` reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` (as
-``torchrun`` and ``fastcomm-run`` set them). Rank 0 serves the ``TCPStore`` unless the launcher
-serves it (``TORCHELASTIC_USE_AGENT_STORE=True``, torch's convention). When
+``init`` reads the rank layout through :mod:`.launch_env`: torchrun's variables (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, as
+``torchrun`` and ``fastcomm-run`` set them), else srun's, MPICH's or Open MPI's. The ranks
+exchange their host and local layout once; a layout that cannot be right raises the same
+:class:`~.launch_env.LaunchEnvError` on every rank. Rank 0 serves the ``TCPStore`` unless
+the launcher serves it (``TORCHELASTIC_USE_AGENT_STORE=True``, torch's convention). When
 ``torch.distributed`` is already initialized, its store is reused under the prefix
 ``fastcomm/`` instead of binding ``MASTER_PORT`` a second time.
 
@@ -41,12 +44,13 @@ import torch.distributed as dist
 
 from .base import Communicator
 from .hier import HierCommunicator
+from .launch_env import LaunchEnv, LaunchEnvError, detect, missing_master, read_master
 from .nccl import NcclCommunicator, cupy_nccl, nccl_version
 from .pg.gloo import GlooCommunicator
 from .pg.torch_pg import TorchPGCommunicator, group_store
 from .shm import ShmCommunicator, ShmOptions, shm_available
 from .store import DEFAULT_TIMEOUT, Store, as_timedelta
-from .topology import HostLayout
+from .topology import HostLayout, host_id
 
 __all__ = [
     "init", "get_world", "shutdown", "new_communicator", "communicator_for", "is_initialized",
@@ -69,18 +73,6 @@ _LOCAL_SHM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _WORLD: Communicator | None = None
 _WORLD_STORE: Store | None = None
 _INIT_COUNT = 0
-
-
-def _env_int(name: str, default: int | None) -> int:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        if default is None:
-            raise ValueError(f"environment variable {name} is not set (launch with fastcomm-run)")
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
 def cuda_device_count() -> int:
@@ -160,10 +152,14 @@ def nccl_fit(
 
 
 def _local_layout(world_size: int) -> tuple[int, int]:
-    """``(LOCAL_RANK, LOCAL_WORLD_SIZE)``; a lone process is rank 0 of 1, and without
-    ``LOCAL_WORLD_SIZE`` every rank is assumed to be on this host."""
-    local_rank = _env_int("LOCAL_RANK", 0)
-    return local_rank, _env_int("LOCAL_WORLD_SIZE", max(world_size, local_rank + 1))
+    """``(local rank, local world size)`` from the launcher (:func:`.launch_env.detect`); a
+    lone process is rank 0 of 1, and where the launcher does not say, every rank is assumed
+    to be on this host."""
+    launch = detect()
+    local_rank = launch.local_rank
+    if launch.local_world_size is None:
+        return local_rank, max(world_size, local_rank + 1)
+    return local_rank, launch.local_world_size
 
 
 def nccl_available() -> bool:
@@ -362,6 +358,7 @@ def communicator_for(
     *,
     backend: str | None = None,
     device: torch.device | int | None = None,
+    launch: LaunchEnv | None = None,
 ) -> Communicator:
     """The communicator :func:`init` would build on ``store`` for these ranks.
 
@@ -377,12 +374,16 @@ def communicator_for(
         timeout: limit for setup and for every collective.
         backend: a backend name, or ``None`` to choose.
         device: where this rank's tensors live (see :func:`init`).
+        launch: the launcher's layout of these ranks, checked across them (the world's
+            communicator; ``None`` for a subgroup, whose layout the launcher does not know).
 
     Raises:
         ValueError: unknown backend, or ``backend="nccl"`` with a CPU ``device``.
+        LaunchEnvError: ``launch`` cannot be right (on every rank, naming the ranks).
         RuntimeError: ``backend="nccl"`` where this rank cannot have a GPU.
     """
-    return _build_planned(store, rank, size, timeout, _plan(rank, size, backend, device))
+    plan = _plan(rank, size, backend, device)
+    return _build_planned(store, rank, size, timeout, plan, launch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -415,16 +416,81 @@ def _plan(rank: int, size: int, backend: str | None, device) -> _Plan:
     return _Plan(backend, device, fit, auto and backend in ("shm", "ipc") and size > 1)
 
 
-def _build_planned(store: Store, rank: int, size: int, timeout, plan: _Plan) -> Communicator:
+def _build_planned(
+    store: Store, rank: int, size: int, timeout, plan: _Plan, launch: LaunchEnv | None = None
+) -> Communicator:
     timeout = as_timedelta(timeout, DEFAULT_TIMEOUT)
     backend = plan.backend
+    hosts = None
+    if launch is not None and size > 1:
+        hosts = agree_on_layout(store, "init/layout", rank, size, timeout, launch)
     if plan.by_hosts:
-        layout = HostLayout.exchange(store, "init/hosts", rank, size, timeout).backend()
-        backend = layout if layout != "shm" else backend  # ipc, like shm, needs one host
+        if hosts is None:
+            hosts = HostLayout.exchange(store, "init/hosts", rank, size, timeout)
+        by_hosts = hosts.backend()
+        backend = by_hosts if by_hosts != "shm" else backend  # ipc, like shm, needs one host
     _say_choice(backend, plan.fit)
     return new_communicator(
         backend, store=store, rank=rank, size=size, timeout=timeout, device=plan.device
     )
+
+
+def agree_on_layout(
+    store: Store, key: str, rank: int, size: int, timeout: timedelta, launch: LaunchEnv
+) -> HostLayout:
+    """Every rank's host and its launcher's local layout, gathered once through ``store``.
+
+    A collective call. Each rank's own problem (:meth:`LaunchEnv.problem`) travels with it,
+    so a rank with a bad layout still answers and every rank raises the same error instead of
+    waiting for it; so does a host whose ranks disagree with each other or with their count.
+
+    Raises:
+        LaunchEnvError: naming each rank or host whose layout cannot be right.
+    """
+    mine = [host_id(), launch.local_rank, launch.local_world_size, launch.problem()]
+    rows = store.all_gather_object(key, rank, size, mine, timeout)
+    problems = [f"rank {r}: {row[3]}" for r, row in enumerate(rows) if row[3]]
+    names = list(dict.fromkeys(row[0] for row in rows))
+    for name in names:
+        problems += _host_problems(name, [(r, row) for r, row in enumerate(rows)
+                                          if row[0] == name])
+    if problems:
+        # the store's server may be rank 0's: it leaves only once every rank has read the rows
+        store.set(f"{key}/read/{rank}", b"1")
+        if rank == 0:
+            store.wait([f"{key}/read/{r}" for r in range(size)], timeout, op="agree_on_layout")
+        raise LaunchEnvError(
+            f"rank {rank}: the {launch.launcher} layout of this job cannot be right (every "
+            f"rank raises this): " + "; ".join(problems)
+        )
+    return HostLayout(rank, tuple(names.index(row[0]) for row in rows))
+
+
+def _host_problems(name: str, members: list[tuple[int, list]]) -> list[str]:
+    """What is wrong with one host's local layout (its ranks' ``[host, local rank, local
+    world size, problem]`` rows)."""
+    declared = {row[2] for _, row in members}
+    if None in declared:  # the launcher did not say: nothing to compare
+        return []
+    ranks = [r for r, _ in members]
+    host = name.split("/")[0]
+    said = ", ".join(f"rank {r}: local rank {row[1]} of {row[2]}" for r, row in members)
+    if declared != {len(members)}:
+        return [f"host {host} runs {len(members)} rank(s) {ranks} but they say ({said})"]
+    if sorted(row[1] for _, row in members) != list(range(len(members))):
+        return [f"host {host}'s local ranks are not 0..{len(members) - 1} ({said})"]
+    return []
+
+
+def _rendezvous(launch: LaunchEnv | None, rank: int, world_size: int) -> tuple[str, int]:
+    """Where the world's store listens (``MASTER_ADDR`` defaults to loopback under torchrun's
+    variables); raises naming what the launcher left unset."""
+    if launch is None:  # the caller numbered the ranks: only MASTER_* come from the environment
+        launch = LaunchEnv("torchrun", rank, world_size, 0, None, *read_master(os.environ), "")
+    addr, port = launch.master_addr, launch.master_port
+    if world_size > 1 and (port is None or (addr is None and launch.launcher != "torchrun")):
+        raise LaunchEnvError(f"rank {rank}: {missing_master(launch)}")
+    return addr or "127.0.0.1", port or 0
 
 
 def init(
@@ -462,10 +528,14 @@ def init(
     global _WORLD, _WORLD_STORE, _INIT_COUNT
     if _WORLD is not None:
         raise RuntimeError("fastcomm.init() was already called; call fastcomm.shutdown() first")
-    world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
-    rank = _env_int("RANK", 0 if world_size == 1 else None) if rank is None else rank
+    launch = detect() if rank is None or world_size is None else None
+    world_size = launch.world_size if world_size is None else world_size
+    rank = launch.rank if rank is None else rank
     if not 0 <= rank < world_size:
-        raise ValueError(f"RANK={rank} out of range for WORLD_SIZE={world_size}")
+        where = f" ({launch.describe()})" if launch is not None else ""
+        raise ValueError(f"RANK={rank} out of range for WORLD_SIZE={world_size}{where}")
+    if launch is not None and (launch.rank, launch.world_size) != (rank, world_size):
+        launch = None  # the caller's own numbering: the launcher's local layout may not fit it
     plan = _plan(rank, world_size, backend, device)
     if store is None:
         if dist.is_available() and dist.is_initialized():
@@ -477,8 +547,7 @@ def init(
                 prefix="fastcomm",
             )
         else:
-            host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-            port = _env_int("MASTER_PORT", 0 if world_size == 1 else None)
+            host, port = _rendezvous(launch, rank, world_size)
             agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
             base = Store(
                 host,
@@ -490,7 +559,11 @@ def init(
         _WORLD_STORE = base
         _INIT_COUNT += 1
         store = base.prefixed(f"fastcomm/world{_INIT_COUNT}", rank=rank)
-    _WORLD = _build_planned(store, rank, world_size, timeout, plan)
+    try:
+        _WORLD = _build_planned(store, rank, world_size, timeout, plan, launch)
+    except BaseException:
+        _WORLD_STORE = None  # a failed init keeps no server port or connection open
+        raise
     return _WORLD
 
 

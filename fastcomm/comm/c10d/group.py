@@ -16,6 +16,7 @@ from torch._C._distributed_c10d import AllgatherOptions
 
 from ..base import Communicator
 from ..errors import FastcommError
+from ..launch_env import LaunchEnv, detect
 from ..store import Store, as_timedelta
 from ..types import SUPPORTED_DTYPES, BitwiseOp, PremulSum, ReduceOp
 from ..work import wrap_error
@@ -138,6 +139,15 @@ def _staged(tensor: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
+def _world_launch(rank: int, size: int) -> LaunchEnv | None:
+    """The launcher's layout when this group is the job's world (torch's default group, built
+    before ``dist.is_initialized()``), for :func:`communicator_for` to check across ranks."""
+    if dist.is_initialized():
+        return None
+    launch = detect()
+    return launch if (launch.rank, launch.world_size) == (rank, size) else None
+
+
 def _gloo_of(comm: Communicator) -> dist.ProcessGroupGloo | None:
     """The ``ProcessGroupGloo`` over all of ``comm``'s ranks that it already holds, if any
     (asked of what the communicator or its fallback holds, not of its class)."""
@@ -229,7 +239,8 @@ class FastcommProcessGroup(VCollOps, dist.ProcessGroup):
             prefix=f"{group_name}/fastcomm",
         )
         self.communicator = communicator_for(
-            self._store.prefixed("cpu"), rank, size, timeout, device=torch.device("cpu")
+            self._store.prefixed("cpu"), rank, size, timeout, device=torch.device("cpu"),
+            launch=_world_launch(rank, size),
         )
         gloo = _gloo_of(self.communicator)
         self._own_gloo = gloo is None
