@@ -16,7 +16,7 @@ from torch._C._distributed_c10d import AllgatherOptions
 
 from ..base import Communicator
 from ..errors import FastcommError
-from ..launch_env import LaunchEnv, detect
+from ..launch_env import LaunchEnv, LaunchEnvError, detect
 from ..store import Store, as_timedelta
 from ..types import SUPPORTED_DTYPES, BitwiseOp, PremulSum, ReduceOp
 from ..work import wrap_error
@@ -144,7 +144,10 @@ def _world_launch(rank: int, size: int) -> LaunchEnv | None:
     before ``dist.is_initialized()``), for :func:`communicator_for` to check across ranks."""
     if dist.is_initialized():
         return None
-    launch = detect()
+    try:
+        launch = detect()
+    except LaunchEnvError:  # the group was numbered by its caller, not by these variables
+        return None
     return launch if (launch.rank, launch.world_size) == (rank, size) else None
 
 
