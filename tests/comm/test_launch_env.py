@@ -332,3 +332,28 @@ def test_torch_backend_refuses_the_same_layouts(pool):
                1: {"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}}
     errors = pool.run(check_refused, layouts, True)
     assert all("rank 1: local rank 2 is outside" in e for e in errors), errors
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        _srun(13, 16, 5, 1, "8(x2)"),
+        {"OMPI_COMM_WORLD_RANK": "13", "OMPI_COMM_WORLD_SIZE": "16",
+         "OMPI_COMM_WORLD_LOCAL_RANK": "5", "OMPI_COMM_WORLD_LOCAL_SIZE": "8"},
+        {"PMI_RANK": "13", "PMI_SIZE": "16", "MPI_LOCALRANKID": "5", "MPI_LOCALNRANKS": "8"},
+    ],
+)
+def test_two_nodes_of_eight_gpus_pick_nccl_under_each_launcher(monkeypatch, env):
+    """16 ranks on 2 nodes of 8 GPUs: each local rank owns a GPU, so NCCL (before, a missing
+    LOCAL_WORLD_SIZE counted 16 local ranks for 8 GPUs and fell back to another backend)."""
+    from fastcomm.comm import world
+
+    for key in [*TORCHRUN, "FASTCOMM_BACKEND", "NCCL_MULTI_RANK_GPU_ENABLE"]:
+        monkeypatch.delenv(key, raising=False)
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "PMI_", "OMPI_", "MPI_"))]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(world, "cuda_device_count", lambda: 8)
+    monkeypatch.setattr(world, "detected_nccl_version", lambda: (2, 28, 9))
+    assert world.default_backend(16) == "nccl"
