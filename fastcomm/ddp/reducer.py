@@ -15,10 +15,11 @@ One iteration, as the reducer sees it:
    reduced values into ``.grad`` (the unpack; nothing to unpack with
    ``gradient_as_bucket_view``).
 
-How a bucket is reduced is its strategy (``strategy.py``), chosen once per bucket when the
-buckets are built and when a comm hook is registered: packed, bucket view, in place (a CPU
-bucket with gradients of a MiB or more reduces those where autograd left them, where that
-gives the same results: ``in_place.py``), sparse, or the comm hook around one of those.
+How a bucket is reduced is its strategy (``strategy.py``), decided in ``plan.py`` once per
+bucket when the buckets are built and when a comm hook is registered: packed, bucket view, in
+place (a CPU bucket with gradients of a MiB or more reduces those where autograd left them,
+where that gives the same results: ``in_place.py``), sparse, or the comm hook around one of
+those. The reducer only executes that plan.
 
 Buckets start in reverse registration order; after the first synchronized iteration they are
 rebuilt once in the order gradients arrived on rank 0 (broadcast, so every rank builds the
@@ -51,12 +52,13 @@ from fastcomm.comm.work import Work
 
 from .bucket import Bucket
 from .config import DDPConfig
-from .in_place import InPlaceAllReduce, InPlaceReduction, in_place_plan
-from .shared import SHARED_VIEW, STAGE_MIN_BYTES, SharedBuckets
-from .sparse import SPARSE, build_buckets
-from .strategy import ARRIVAL_PACKED, PACKED, VIEW, BucketStrategy, CommHook, packs_on_arrival
+from .in_place import InPlaceReduction
+from .plan import grads_are_views, plan_buckets, shared_request
+from .shared import SharedBuckets
+from .sparse import build_buckets
+from .strategy import BucketStrategy
 
-__all__ = ["Reducer", "choose_strategy", "find_unused"]
+__all__ = ["Reducer", "find_unused"]
 
 # _ready states of a parameter in the current iteration
 _WAITING, _GOT_GRAD, _UNUSED = 0, 1, 2
@@ -97,22 +99,20 @@ class Reducer:
         self.names = list(names)
         self.comm = comm
         self.config = config
-        # shared bucket memory (shared.py): where the communicator offers it, unless the
-        # user asked for torch's default aliasing (gradient_as_bucket_view=False)
-        self.shared: SharedBuckets | None = None
-        if config.shared_buckets and config.gradient_as_bucket_view is not False and comm.size > 1:
-            self.shared = SharedBuckets.create(
-                comm, self.params, self.sparse, config.shared_bucket_cap_mb,
-                asked=config.gradient_as_bucket_view is True,
-            )
-        view = config.gradient_as_bucket_view
-        self.bucket_view = self.shared is not None if view is None else view
+        # shared bucket memory (shared.py), where plan.py asks for it and the communicator
+        # can make it
+        request = shared_request(self.params, self.sparse, comm.capabilities, comm.size, config)
+        self.shared: SharedBuckets | None = (
+            None if request is None
+            else SharedBuckets.create(comm, request, config.shared_bucket_cap_mb)
+        )
+        self.bucket_view = grads_are_views(config, self.shared is not None)
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
         self.scale = 1.0 / comm.size
         self._comm_hook: Callable | None = None
         self.hook_state: Any = None
         self.buckets: list[Bucket] = []
-        self.strategies: list[BucketStrategy] = []  # per bucket, see strategy.py
+        self.strategies: list[BucketStrategy] = []  # per bucket, decided in plan.py
         self._build(list(reversed(range(len(self.params)))))
 
         # rebuild: arrival order recorded during the first synchronized backward
@@ -197,18 +197,16 @@ class Reducer:
         self._choose_strategies()
 
     def _choose_strategies(self) -> None:
-        hook, comm, view = self._comm_hook, self.comm, self.bucket_view
-        self.strategies = [choose_strategy(b, comm, hook, view) for b in self.buckets]
-        self._on_arrival = [s.packs_on_arrival for s in self.strategies]
+        plan = plan_buckets(
+            self.buckets, len(self.params), self.comm.capabilities, self.config,
+            self._comm_hook, self.bucket_view, self.shared is not None and self.shared.staged,
+        )
+        self.strategies = plan.strategies
+        self._on_arrival = plan.on_arrival
+        # per parameter: the shm bucket whose staging takes its fresh gradient (only its
+        # peers' parts copied in, fastcomm.ddp.shared), or None: a copy
+        self._stage_in = plan.stage_in
         self._arrived = [0] * len(self.buckets)  # gradients packed on arrival, this iteration
-        # per parameter, decided here once: the shm bucket whose staging takes its fresh
-        # gradient (only its peers' parts copied in, fastcomm.ddp.shared), or None: a copy
-        self._stage_in: list = [None] * len(self.params)
-        for b, s in zip(self.buckets, self.strategies, strict=True):
-            if s is SHARED_VIEW and hasattr(b.shared, "sources"):  # ipc's buckets stage nothing
-                for i, view in zip(b.param_indices, b.views, strict=True):
-                    if view.numel() * view.element_size() >= STAGE_MIN_BYTES:
-                        self._stage_in[i] = b
 
     def bucket_indices(self) -> list[list[int]]:
         """Each bucket's parameter indices, in launch order (for tests and logging)."""
@@ -511,23 +509,6 @@ class Reducer:
 
     def __del__(self) -> None:
         self.remove_hooks()
-
-
-def choose_strategy(
-    bucket: Bucket, comm: Communicator, hook: Callable | None, bucket_view: bool
-) -> BucketStrategy:
-    """How `bucket` is reduced (see ``strategy.py``): the comm hook around the bucket's plain
-    strategy, else sparse, bucket view, in place where `comm`'s capabilities allow, packed."""
-    if hook is not None:
-        return CommHook(hook, SPARSE if bucket.sparse else VIEW if bucket_view else PACKED)
-    if bucket.sparse:
-        return SPARSE
-    if bucket_view:  # no pack or unpack to save by reducing in place
-        return VIEW if bucket.shared is None else SHARED_VIEW
-    plan = in_place_plan(bucket, comm)
-    if plan is not None:
-        return InPlaceAllReduce(plan)
-    return ARRIVAL_PACKED if packs_on_arrival(bucket) else PACKED
 
 
 def _make_grad_hook(ref: weakref.ref, i: int):
