@@ -47,6 +47,7 @@ from ._setup import (
     reduced_parameters,
     resolve_comm,
 )
+from .broadcast import broadcast_tensors, verify_same_parameters
 from .bucket import GradBucket
 from .config import DDPConfig, check_param_dtype
 from .health import GradHealth
@@ -54,7 +55,6 @@ from .join import Join, notify_join
 from .pickling import ddp_getstate, ddp_setstate
 from .reducer import Reducer
 from .sparse import sparse_param_indices
-from .sync import broadcast_tensors, verify_same_parameters
 
 __all__ = ["DDP", "DistributedDataParallel"]
 
@@ -107,7 +107,7 @@ class DDP(nn.Module):
         RuntimeError: no communicator can be found, or no parameter requires a gradient.
         ValueError: bad options.
         RuntimeError: parameters differ across ranks (raised on every rank; also a
-            ``ValueError``: ``sync.ParameterMismatchError``).
+            ``ValueError``: ``broadcast.ParameterMismatchError``).
         TypeError: a parameter dtype that cannot be reduced.
     """
 

@@ -50,12 +50,11 @@ import torch
 from fastcomm.comm.base import Communicator
 from fastcomm.comm.work import Work
 
-from .bucket import Bucket
+from .bucket import Bucket, build_buckets
 from .config import DDPConfig
 from .in_place import InPlaceReduction
 from .plan import grads_are_views, plan_buckets, shared_request
 from .shared import SharedBuckets
-from .sparse import build_buckets
 from .strategy import BucketStrategy
 
 __all__ = ["Reducer", "find_unused"]
