@@ -174,15 +174,7 @@ class Reducer:
                 self.grad_views[i] = view
         self._choose_strategies()
         if self.bucket_view and old:
-            # .grad views of the old buckets move into the new ones (values kept).
-            old_ptrs = {v.data_ptr() for b in old if not b.sparse for v in b.views if v.numel()}
-            for i, p in enumerate(self.params):
-                g = p.grad
-                if g is None or g.is_sparse or i in self.sparse:
-                    continue
-                if g.numel() and g.data_ptr() in old_ptrs:
-                    self.grad_views[i].copy_(kept.get(i, g))
-                    p.grad = self.grad_views[i]
+            _move_grad_views(self.params, self.sparse, old, self.grad_views, kept)
 
     @property
     def comm_hook(self) -> Callable | None:
@@ -214,9 +206,7 @@ class Reducer:
     def rebuild(self) -> None:
         """Rebuilds the buckets in rank 0's arrival order (a collective: every rank calls it)."""
         n = len(self.params)
-        seen = set()
-        order = [i for i in self._arrivals if not (i in seen or seen.add(i))]
-        order += [i for i in reversed(range(n)) if i not in seen]
+        order = _arrival_order(self._arrivals, n)
         t = torch.tensor(order, dtype=torch.int64, device=self.comm.device)
         self.comm.broadcast(t, src=0)
         order = t.tolist()
@@ -484,18 +474,10 @@ class Reducer:
 
     # ------------------------------------------------------------------ errors / lifetime
     def _unused_error(self, missing: list[int]) -> str:
-        names = [self.names[i] for i in missing]
-        shown = ", ".join(names[:20])
-        if len(names) > 20:
-            shown += f", ... ({len(names) - 20} more)"
-        return (
-            f"fastcomm DDP (rank {self.comm.rank} of {self.comm.size}): the previous iteration "
-            f"did not finish reducing gradients: {len(names)} parameter(s) received no "
-            f"gradient in its backward: {shown}. Their buckets were never reduced. Pass "
-            "find_unused_parameters=True to DDP if some parameters do not take part in the "
-            "loss (or static_graph=True if the same ones never do), or make every output of "
-            "forward contribute to the loss."
-        ) + (self.health.readiness.explain_incomplete() if self.health is not None else "")
+        message = _unused_message(self.comm, [self.names[i] for i in missing])
+        if self.health is not None:  # the other ranks' readiness, when they disagree
+            message += self.health.readiness.explain_incomplete()
+        return message
 
     def remove_hooks(self) -> None:
         """Detach the reducer's autograd hooks from the parameters (safe to call again, and
@@ -508,6 +490,46 @@ class Reducer:
 
     def __del__(self) -> None:
         self.remove_hooks()
+
+
+def _arrival_order(arrivals: list[int], n: int) -> list[int]:
+    """The bucket order a rebuild proposes: first arrivals first, then the parameters that
+    never arrived in reverse registration order."""
+    seen: set[int] = set()
+    order = [i for i in arrivals if not (i in seen or seen.add(i))]
+    return order + [i for i in reversed(range(n)) if i not in seen]
+
+
+def _move_grad_views(params, sparse, old_buckets, grad_views, kept) -> None:
+    """After a rebuild with bucket views: each ``.grad`` that was a view of an old bucket
+    becomes its view of the new one, its value kept (`kept`: values saved before the new
+    buckets overwrote the old ones in a shared region)."""
+    old_ptrs = {
+        v.data_ptr() for b in old_buckets if not b.sparse for v in b.views if v.numel()
+    }
+    for i, p in enumerate(params):
+        g = p.grad
+        if g is None or g.is_sparse or i in sparse:
+            continue
+        if g.numel() and g.data_ptr() in old_ptrs:
+            grad_views[i].copy_(kept.get(i, g))
+            p.grad = grad_views[i]
+
+
+def _unused_message(comm, names: list[str]) -> str:
+    """The error of a rank whose previous iteration left parameters `names` without a
+    gradient (their buckets never reduced)."""
+    shown = ", ".join(names[:20])
+    if len(names) > 20:
+        shown += f", ... ({len(names) - 20} more)"
+    return (
+        f"fastcomm DDP (rank {comm.rank} of {comm.size}): the previous iteration "
+        f"did not finish reducing gradients: {len(names)} parameter(s) received no "
+        f"gradient in its backward: {shown}. Their buckets were never reduced. Pass "
+        "find_unused_parameters=True to DDP if some parameters do not take part in the "
+        "loss (or static_graph=True if the same ones never do), or make every output of "
+        "forward contribute to the loss."
+    )
 
 
 def _make_grad_hook(ref: weakref.ref, i: int):
