@@ -1,5 +1,8 @@
 """Gradient buckets: assignment, flat buffers, and the ``GradBucket`` seen by comm hooks.
 
+`build_buckets` makes a reducer's buckets: the dense ones (`Bucket`, grouped by
+`assign_buckets`), then a `SparseBucket` per parameter with sparse gradients (``sparse.py``).
+
 Assignment (`assign_buckets`): parameters are taken in a given order (reverse registration
 order at first, the observed arrival order after the rebuild) and appended to the open bucket
 of their dtype and device; a bucket closes once it holds at least its cap (torch's rule, so a
@@ -24,7 +27,9 @@ from fastcomm.kernels._launch import fp32_scale
 __all__ = [
     "Bucket",
     "GradBucket",
+    "SparseBucket",
     "assign_buckets",
+    "build_buckets",
     "empty_sparse_like",
     "pack_bucket",
     "unpack_bucket",
@@ -78,7 +83,7 @@ class Bucket:
         "index", "param_indices", "params", "names", "offsets", "numel", "dtype", "device",
         "flat", "views", "scratch", "_plan", "shared",
     )
-    sparse = False  # see sparse.SparseBucket
+    sparse = False  # see SparseBucket
 
     def __init__(self, index: int, param_indices: list[int], params, names,
                  shared_memory=None) -> None:
@@ -137,6 +142,57 @@ class Bucket:
             f"Bucket({self.index}, {len(self.params)} params, {self.numel} x {self.dtype}, "
             f"{self.device})"
         )
+
+
+class SparseBucket:
+    """A bucket holding one parameter with a sparse gradient (no flat buffer, no views; see
+    ``sparse.py``)."""
+
+    __slots__ = (
+        "index", "param_indices", "params", "names", "offsets", "numel", "dtype", "device",
+        "flat", "views", "scratch", "reduced",
+    )
+    sparse = True
+    shared = None  # never in shared bucket memory (shared.py)
+
+    def __init__(self, index: int, param_index: int, params, names) -> None:
+        p = params[param_index]
+        self.index = index
+        self.param_indices = [param_index]
+        self.params = [p]
+        self.names = [names[param_index]]
+        self.offsets = [0]
+        self.numel = p.numel()
+        self.dtype, self.device = p.dtype, p.device
+        self.flat = None
+        self.views = [None]
+        self.scratch: dict[object, torch.Tensor] = {}
+        self.reduced: torch.Tensor | None = None  # this iteration's allreduce input/output
+
+    def __repr__(self) -> str:
+        return f"SparseBucket({self.index}, {self.names[0]!r}, {self.dtype}, {self.device})"
+
+
+def build_buckets(
+    params: Sequence[torch.Tensor],
+    names: Sequence[str],
+    order: Sequence[int],
+    caps_bytes: Sequence[int],
+    sparse: set[int],
+    shared_memory=None,
+) -> list[Bucket | SparseBucket]:
+    """Dense buckets of `order` (without the sparse parameters), then one per sparse one;
+    the dense ones in `shared_memory` (a ``shared.SharedBuckets``) where it takes them."""
+    dense_order = [i for i in order if i not in sparse] if sparse else list(order)
+    groups = assign_buckets(params, dense_order, caps_bytes) if dense_order else []
+    buckets: list[Bucket | SparseBucket] = [
+        Bucket(b, idx, params, names, shared_memory) for b, idx in enumerate(groups)
+    ]
+    for i in order:
+        if i in sparse:
+            buckets.append(SparseBucket(len(buckets), i, params, names))
+    return buckets
+
 
 
 # ---------------------------------------------------------------------- pack / unpack

@@ -4,6 +4,11 @@
 module read only the config. Bucket caps follow torch: 25 MiB buckets, and a 1 MiB first
 bucket (the first gradients to arrive, so their allreduce starts early) while the cap is
 left at its default.
+
+Every threshold and environment variable behind how a bucket is reduced is read here, once, into
+a field; ``plan.py`` decides each bucket's reduction from these fields and the communicator's
+capabilities. The module constants below are the fields' defaults, looked up when a config is
+made (tests lower them for the DDPs their checks build).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import torch
 
 from fastcomm.kernels._launch import FLOAT_DTYPES
 
+from .bucket import _MUL_INTO_VIEWS_MAX
+
 __all__ = ["DDPConfig", "DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_MB", "MB"]
 
 MB = 1024 * 1024
@@ -22,6 +29,33 @@ MAX_BUCKET_CAP_MB = float(1 << 43)
 """Largest cap accepted, in MiB: 2**63 bytes, the most a tensor's byte count can hold."""
 DEFAULT_BUCKET_CAP_MB = 25.0
 DEFAULT_FIRST_BUCKET_MB = 1.0
+
+# By default (gradient_as_bucket_view=None) the buckets are shared only where the gradients
+# average this many bytes: a bucket view costs a copy and a `.grad` store per gradient in
+# Python (~2 us), which the packed path does in two foreach calls per bucket; with hundreds of
+# tiny gradients that outweighs the collective's saving (200 x Linear(16, 16): 2.5 ms a step
+# more CPU than the packed path on 2 ranks).
+SHARED_MIN_MEAN_BYTES = 16 << 10
+# A fresh gradient at least this large is staged into its shared CPU bucket (only the peers'
+# parts copied in, its own slice read where autograd left it); a smaller one is copied whole:
+# the staging's few slicing calls cost more than copying a few KiB (400 tiny gradients: ~1 ms
+# a step).
+STAGE_MIN_BYTES = 64 << 10
+# A collective costs tens of microseconds of sequencing; one pass over a MiB, a few hundred:
+# from this size on a CPU gradient is reduced where autograd left it (in_place.py).
+IN_PLACE_MIN_BYTES = 1 << 20
+# On a communicator that does not fold the PremulSum into its reduction (Gloo), the large
+# gradients take a ``mul_`` pass anyway, so in place saves only the unpack's copy, while each
+# collective beyond the packed bucket's one costs 100-700 us of issue, wake-ups and round trip
+# on two cores. A bucket goes in place there when it stays one collective, or when every extra
+# collective brings at least this many bytes reduced in place. Measured, interleaved with torch
+# DDP: a 1.6M-parameter MLP (1 MiB weights, each with a 2 KiB bias) went from 1.17x to 1.06x
+# packed; a 10.5M one (4 MiB weights) was 5 to 8% faster in place.
+UNFOLDED_MIN_BYTES_PER_EXTRA = 4 << 20
+# A packed CPU bucket of at most this many gradients scales each into its view as it arrives:
+# the pack's own limit for multiplying view by view (bucket.py); beyond it the pack's foreach
+# copy and one multiply cost fewer calls than a multiply per gradient.
+ARRIVAL_PACK_MAX_GRADS = _MUL_INTO_VIEWS_MAX
 
 
 @dataclass(kw_only=True, slots=True)
@@ -95,6 +129,33 @@ class DDPConfig:
     """Cap of the first bucket in MiB, used only while ``bucket_cap_mb`` and
     ``bucket_cap_mb_list`` are both ``None``."""
 
+    shared_min_mean_bytes: int = field(
+        default_factory=lambda: _env_bytes(
+            "FASTCOMM_DDP_SHARED_MIN_MEAN_BYTES", SHARED_MIN_MEAN_BYTES
+        )
+    )
+    """With ``gradient_as_bucket_view=None``, the buckets are shared only where the gradients
+    they would hold average this many bytes or more (default 16 KiB, or
+    ``FASTCOMM_DDP_SHARED_MIN_MEAN_BYTES``; 0 shares every model's buckets)."""
+
+    stage_min_bytes: int = field(default_factory=lambda: STAGE_MIN_BYTES)
+    """Bytes from which a fresh gradient is staged into its shared CPU bucket (only the peers'
+    parts copied in) rather than copied whole (default 64 KiB)."""
+
+    in_place_min_bytes: int = field(default_factory=lambda: IN_PLACE_MIN_BYTES)
+    """Bytes from which a gradient of a packed CPU bucket is reduced where autograd left it
+    (``in_place.py``; default 1 MiB)."""
+
+    unfolded_min_bytes_per_extra: int = field(
+        default_factory=lambda: UNFOLDED_MIN_BYTES_PER_EXTRA
+    )
+    """Where the communicator does not fold ``PremulSum`` into its reduction, the bytes reduced
+    in place each collective beyond the packed bucket's one must bring (default 4 MiB)."""
+
+    arrival_pack_max_grads: int = field(default_factory=lambda: ARRIVAL_PACK_MAX_GRADS)
+    """A packed CPU fp32/fp64 bucket of at most this many gradients packs each as it arrives
+    (default 32)."""
+
     def __post_init__(self) -> None:
         if self.gradient_as_bucket_view is not None and not isinstance(
             self.gradient_as_bucket_view, bool
@@ -131,6 +192,14 @@ class DDPConfig:
             for i, cap in enumerate(self.bucket_cap_mb_list):
                 _check_cap(f"bucket_cap_mb_list[{i}]", cap)
         _check_cap("first_bucket_mb", self.first_bucket_mb)
+        for name in (
+            "shared_min_mean_bytes",
+            "stage_min_bytes",
+            "in_place_min_bytes",
+            "unfolded_min_bytes_per_extra",
+            "arrival_pack_max_grads",
+        ):
+            _check_count(name, getattr(self, name))
 
     @property
     def bucket_caps_bytes(self) -> list[int]:
@@ -161,6 +230,21 @@ def _env_cap(name: str) -> float | None:
         return float(text)
     except ValueError:
         raise ValueError(f"{name}={text!r}: expected a number of MiB") from None
+
+
+def _env_bytes(name: str, default: int) -> int:
+    text = os.environ.get(name, "").strip()
+    try:
+        return int(text) if text else default
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected a number of bytes") from None
+
+
+def _check_count(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be 0 or more, got {value}")
 
 
 def _check_cap(name: str, value: object) -> None:

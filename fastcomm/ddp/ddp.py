@@ -47,6 +47,7 @@ from ._setup import (
     reduced_parameters,
     resolve_comm,
 )
+from .broadcast import broadcast_tensors, verify_same_parameters
 from .bucket import GradBucket
 from .config import DDPConfig, check_param_dtype
 from .health import GradHealth
@@ -54,7 +55,6 @@ from .join import Join, notify_join
 from .pickling import ddp_getstate, ddp_setstate
 from .reducer import Reducer
 from .sparse import sparse_param_indices
-from .sync import broadcast_tensors, verify_same_parameters
 
 __all__ = ["DDP", "DistributedDataParallel"]
 
@@ -107,7 +107,7 @@ class DDP(nn.Module):
         RuntimeError: no communicator can be found, or no parameter requires a gradient.
         ValueError: bad options.
         RuntimeError: parameters differ across ranks (raised on every rank; also a
-            ``ValueError``: ``sync.ParameterMismatchError``).
+            ``ValueError``: ``broadcast.ParameterMismatchError``).
         TypeError: a parameter dtype that cannot be reduced.
     """
 
@@ -141,36 +141,20 @@ class DDP(nn.Module):
     ) -> None:
         super().__init__()
         _check_arguments(module, dim, broadcast_buffers, forward_sync_buffers, process_group)
-        if delay_all_reduce_named_params is not None or param_to_hook_all_reduce is not None:
-            raise ValueError(
-                "delay_all_reduce_named_params / param_to_hook_all_reduce are not supported by "
-                "fastcomm DDP; leave them None"
-            )
-        if device_mesh is not None:
-            if process_group is not None:
-                raise ValueError("pass either process_group or device_mesh, not both")
-            if device_mesh.ndim != 1:
-                raise ValueError(f"device_mesh must be 1-D, got {device_mesh.ndim} dimensions")
-            process_group = device_mesh.get_group()
-        if broadcast_buffers is None:
-            broadcast_buffers = True
-        forward_sync = broadcast_buffers if forward_sync_buffers is None else forward_sync_buffers
-        init_sync_buffers = True if forward_sync_buffers is not None else broadcast_buffers
-        self.config = DDPConfig(
+        process_group = _group_of(
+            process_group, device_mesh, delay_all_reduce_named_params, param_to_hook_all_reduce
+        )
+        self.config = _config_of(
+            broadcast_buffers,
+            forward_sync_buffers,
             bucket_cap_mb=bucket_cap_mb,
             bucket_cap_mb_list=bucket_cap_mb_list,
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
-            # None: the config's defaults (FASTCOMM_DDP_SHARED_BUCKETS, _CAP_MB)
-            **{
-                k: v for k, v in (("shared_buckets", shared_buckets),
-                                  ("shared_bucket_cap_mb", shared_bucket_cap_mb))
-                if v is not None
-            },
+            shared_buckets=shared_buckets,
+            shared_bucket_cap_mb=shared_bucket_cap_mb,
             static_graph=static_graph,
-            forward_sync_buffers=forward_sync,
             init_sync=init_sync,
-            init_sync_buffers=init_sync_buffers,
             skip_all_reduce_unused_params=skip_all_reduce_unused_params,
             batched_grad_copy=batched_grad_copy,
         )
@@ -184,56 +168,34 @@ class DDP(nn.Module):
             process_group is not None and process_group is not default_group()
         )
         self.mixed_precision = mixed_precision
-
-        ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        self.parameters_to_ignore = ignore
-        names, params = reduced_parameters(module, ignore)
-        if not params:
-            raise RuntimeError(
-                "DistributedDataParallel is not needed when a module doesn't have any "
-                "parameter that requires a gradient."
-            )
-        for name, p in zip(names, params, strict=True):
-            check_param_dtype(name, p)
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        names, params = _checked_parameters(module, self.parameters_to_ignore)
         devices = {p.device for p in params}
         self.device = next(iter(devices))
         self.device_type = self.device.type
-        if device_ids:
-            if len(device_ids) != 1 or self.device_type == "cpu" or len(devices) > 1:
-                raise ValueError(
-                    f"device_ids must be None or a single device for a single-device CUDA "
-                    f"module, got {device_ids} for parameters on {sorted(map(str, devices))}"
-                )
-            self.device_ids = [_device_index(device_ids[0])]
-            self.output_device = (
-                self.device_ids[0] if output_device is None else _device_index(output_device)
-            )
-        else:
-            self.device_ids = None
-            self.output_device = None
+        self.device_ids, self.output_device = _device_placement(
+            device_ids, output_device, devices
+        )
         if mixed_precision is not None:
-            check_mixed_precision(mixed_precision)
-            if getattr(mixed_precision, "buffer_dtype", None) is not None:
-                for buf in module.buffers():
-                    if buf.is_floating_point():
-                        buf.data = buf.data.to(mixed_precision.buffer_dtype)
-
+            _apply_mixed_precision(module, mixed_precision)
         if self.config.init_sync:
             verify_same_parameters(self.comm, names, params)
             state = list(params)
             if self.config.init_sync_buffers:
                 state += self.synced_buffers()
             broadcast_tensors(self.comm, state, src=0)
+        self._build_reducer(names, params, check_finite)
 
+    def _build_reducer(self, names: list[str], params: list, check_finite: bool) -> None:
         self.reducer = Reducer(
-            params, names, self.comm, self.config, sparse_param_indices(module, params)
+            params, names, self.comm, self.config, sparse_param_indices(self.module, params)
         )
         self.reducer.health = GradHealth(self.reducer, check_finite=check_finite)
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self.active_join: Join | None = None
         self._comm_hook_registered = False
-        reduce_dtype = reduce_dtype_of(mixed_precision)
+        reduce_dtype = reduce_dtype_of(self.mixed_precision)
         if reduce_dtype is not None:
             from .hooks.default import _make_cast_hook
 
@@ -508,6 +470,90 @@ def _check_arguments(module, dim, broadcast_buffers, forward_sync_buffers, proce
             "process_group must be a torch.distributed.ProcessGroup or None, got "
             f"{type(process_group).__name__} {process_group!r}"
         )
+
+
+def _group_of(process_group, device_mesh, delay_all_reduce_named_params, param_to_hook_all_reduce):
+    """The process group to reduce over (`device_mesh`'s group when given); refuses torch's
+    delayed-allreduce arguments."""
+    if delay_all_reduce_named_params is not None or param_to_hook_all_reduce is not None:
+        raise ValueError(
+            "delay_all_reduce_named_params / param_to_hook_all_reduce are not supported by "
+            "fastcomm DDP; leave them None"
+        )
+    if device_mesh is None:
+        return process_group
+    if process_group is not None:
+        raise ValueError("pass either process_group or device_mesh, not both")
+    if device_mesh.ndim != 1:
+        raise ValueError(f"device_mesh must be 1-D, got {device_mesh.ndim} dimensions")
+    return device_mesh.get_group()
+
+
+def _config_of(
+    broadcast_buffers: bool | None,
+    forward_sync_buffers: bool | None,
+    *,
+    shared_buckets: bool | None,
+    shared_bucket_cap_mb: float | None,
+    **options: Any,
+) -> DDPConfig:
+    """The `DDPConfig` of torch's arguments: ``forward_sync_buffers`` overrides
+    ``broadcast_buffers`` for the forwards (and then the construction-time broadcast includes
+    the buffers); ``None`` for ``shared_buckets`` / ``shared_bucket_cap_mb`` leaves the
+    config's defaults (``FASTCOMM_DDP_SHARED_BUCKETS``, ``FASTCOMM_DDP_SHARED_CAP_MB``)."""
+    if broadcast_buffers is None:
+        broadcast_buffers = True
+    forward_sync = broadcast_buffers if forward_sync_buffers is None else forward_sync_buffers
+    init_sync_buffers = True if forward_sync_buffers is not None else broadcast_buffers
+    defaults_unless_given = {
+        k: v
+        for k, v in (("shared_buckets", shared_buckets),
+                     ("shared_bucket_cap_mb", shared_bucket_cap_mb))
+        if v is not None
+    }
+    return DDPConfig(
+        forward_sync_buffers=forward_sync,
+        init_sync_buffers=init_sync_buffers,
+        **defaults_unless_given,
+        **options,
+    )
+
+
+def _checked_parameters(module: nn.Module, ignore: set[str]):
+    """(names, params) DDP reduces; raises when there is none or a dtype cannot be reduced."""
+    names, params = reduced_parameters(module, ignore)
+    if not params:
+        raise RuntimeError(
+            "DistributedDataParallel is not needed when a module doesn't have any "
+            "parameter that requires a gradient."
+        )
+    for name, p in zip(names, params, strict=True):
+        check_param_dtype(name, p)
+    return names, params
+
+
+def _device_placement(device_ids, output_device, devices: set[torch.device]):
+    """torch's ``(device_ids, output_device)`` attributes: ``None`` for a CPU or multi-device
+    module, else the single CUDA device's index."""
+    if not device_ids:
+        return None, None
+    if len(device_ids) != 1 or "cpu" in {d.type for d in devices} or len(devices) > 1:
+        raise ValueError(
+            f"device_ids must be None or a single device for a single-device CUDA "
+            f"module, got {device_ids} for parameters on {sorted(map(str, devices))}"
+        )
+    index = _device_index(device_ids[0])
+    return [index], (index if output_device is None else _device_index(output_device))
+
+
+def _apply_mixed_precision(module: nn.Module, mixed_precision: Any) -> None:
+    """Checks torch's ``_MixedPrecision`` and casts the floating buffers to its
+    ``buffer_dtype`` once (the reduce dtype becomes a comm hook, ``DDP._build_reducer``)."""
+    check_mixed_precision(mixed_precision)
+    if getattr(mixed_precision, "buffer_dtype", None) is not None:
+        for buf in module.buffers():
+            if buf.is_floating_point():
+                buf.data = buf.data.to(mixed_precision.buffer_dtype)
 
 
 def _check_comm_hook(hook: Callable) -> None:

@@ -1,13 +1,13 @@
 """Large gradients reduced where autograd left them: no pack, no unpack.
 
-The default reduction of a bucket costs two passes over its gradients besides the collective:
-the pack into the bucket's flat buffer (averaging folded in) and the unpack back into ``.grad``.
-For a gradient of ``IN_PLACE_MIN_BYTES`` or more, a collective of its own costs less than the
-unpack's pass, so a CPU bucket that holds such gradients reduces each of them in place (scaled
+The default reduction of a bucket costs two passes over its gradients besides the collective: the
+pack into the bucket's flat buffer (averaging folded in) and the unpack back into ``.grad``. For a
+gradient of ``config.in_place_min_bytes`` (1 MiB) or more, a collective of its own costs less than
+the unpack's pass, so a CPU bucket that holds such gradients reduces each of them in place (scaled
 by a ``PremulSum`` all-reduce: the multiply the pack would fold in, which a communicator that
-declares the dtype in ``capabilities.premul_dtypes`` folds into its reduction, and every other
-runs as ``mul_`` before a ``SUM``) and packs only its small gradients, into a staging buffer of
-their own reduced by one collective. The unpack then copies only the small ones.
+declares the dtype in ``capabilities.premul_dtypes`` folds into its reduction, and every other runs
+as ``mul_`` before a ``SUM``) and packs only its small gradients, into a staging buffer of their own
+reduced by one collective. The unpack then copies only the small ones.
 
 That trade pays where the communicator folds the multiply into its reduction (shm: the large
 gradients cost no pass at all) and its collectives cost tens of microseconds. Elsewhere (Gloo:
@@ -33,8 +33,9 @@ A gradient being reduced in place holds partial values until the end of backward
 reads ``.grad`` from a hook of its own during backward sees them (as with
 ``gradient_as_bucket_view``).
 
-A bucket with a plan takes the `InPlaceAllReduce` strategy (see ``strategy.py``); a comm hook
-replaces it, since the hook reduces the packed bucket.
+Which buckets go in place, and which of their gradients, is decided in ``plan.py``
+(``in_place_plan``, with the thresholds of ``config.py``); such a bucket takes the
+`InPlaceAllReduce` strategy. A comm hook replaces it, since the hook reduces the packed bucket.
 """
 
 from __future__ import annotations
@@ -49,28 +50,7 @@ from fastcomm.kernels._launch import fp32_scale
 from .bucket import Bucket, scale_into_views
 from .strategy import BucketStrategy
 
-__all__ = [
-    "IN_PLACE_MIN_BYTES",
-    "InPlaceAllReduce",
-    "InPlacePlan",
-    "InPlaceReduction",
-    "in_place_plan",
-]
-
-# A collective costs tens of microseconds of sequencing; one pass over a MiB, a few hundred.
-IN_PLACE_MIN_BYTES = 1 << 20
-# On a communicator that does not fold the PremulSum into its reduction (Gloo), the large
-# gradients take a ``mul_`` pass anyway, so in place saves only the unpack's copy, while each
-# collective beyond the packed bucket's one costs 100-700 us of issue, wake-ups and round trip
-# on two cores. A bucket goes in place there when it stays one collective, or when every extra
-# collective brings at least this many bytes reduced in place. Measured, interleaved with torch
-# DDP: a 1.6M-parameter MLP (1 MiB weights, each with a 2 KiB bias) went from 1.17x to 1.06x
-# packed; a 10.5M one (4 MiB weights) was 5 to 8% faster in place.
-UNFOLDED_MIN_BYTES_PER_EXTRA = 4 << 20
-# dtypes whose CPU pack is the same torch multiply as the in-place scaling (fp16/bf16 packs go
-# through the kernels' fp32 arithmetic, which may round twice where the multiply rounds once)
-_SAME_SCALING_DTYPES = (torch.float32, torch.float64)
-
+__all__ = ["InPlaceAllReduce", "InPlacePlan", "InPlaceReduction"]
 
 class InPlacePlan:
     """Which of a bucket's gradients are reduced in place, and the staging of the others.
@@ -92,32 +72,6 @@ class InPlacePlan:
             view.view(bucket.params[k].shape)
             for k, view in zip(self.small, self.staging.split(sizes), strict=True)
         ]
-
-
-def in_place_plan(bucket: Bucket, comm) -> InPlacePlan | None:
-    """The plan of `bucket` on `comm`, or ``None`` when it is packed as a whole (sparse, CUDA,
-    fp16/bf16, a layout-dependent reduction, no gradient of ``IN_PLACE_MIN_BYTES``, or, where
-    `comm` does not fold the multiply, less than ``UNFOLDED_MIN_BYTES_PER_EXTRA`` reduced in
-    place per collective beyond the packed bucket's one)."""
-    if (
-        bucket.sparse
-        or bucket.device.type != "cpu"
-        or bucket.dtype not in _SAME_SCALING_DTYPES
-        or not comm.capabilities.layout_free
-    ):
-        return None
-    esize = bucket.flat.element_size()
-    large = [
-        k for k, p in enumerate(bucket.params) if p.numel() * esize >= IN_PLACE_MIN_BYTES
-    ]
-    if not large:
-        return None
-    extra = len(large) - (len(large) == len(bucket.params))  # collectives beyond one
-    if extra and bucket.dtype not in comm.capabilities.premul_dtypes:
-        in_place_bytes = sum(bucket.params[k].numel() for k in large) * esize
-        if in_place_bytes < UNFOLDED_MIN_BYTES_PER_EXTRA * extra:
-            return None
-    return InPlacePlan(bucket, large)
 
 
 class InPlaceReduction:
@@ -218,7 +172,7 @@ class InPlaceAllReduce(BucketStrategy):
     """A bucket reduced by its `InPlacePlan`: large gradients in place, small ones staged.
 
     Args:
-        plan: the bucket's plan (from :func:`in_place_plan`).
+        plan: the bucket's plan (from ``plan.in_place_plan``).
     """
 
     __slots__ = ("plan",)

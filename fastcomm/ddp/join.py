@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .sync import broadcast_tensors
+from .broadcast import broadcast_tensors
 
 __all__ = ["Join", "notify_join"]
 

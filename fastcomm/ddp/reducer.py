@@ -15,10 +15,11 @@ One iteration, as the reducer sees it:
    reduced values into ``.grad`` (the unpack; nothing to unpack with
    ``gradient_as_bucket_view``).
 
-How a bucket is reduced is its strategy (``strategy.py``), chosen once per bucket when the
-buckets are built and when a comm hook is registered: packed, bucket view, in place (a CPU
-bucket with gradients of a MiB or more reduces those where autograd left them, where that
-gives the same results: ``in_place.py``), sparse, or the comm hook around one of those.
+How a bucket is reduced is its strategy (``strategy.py``), decided in ``plan.py`` once per
+bucket when the buckets are built and when a comm hook is registered: packed, bucket view, in
+place (a CPU bucket with gradients of a MiB or more reduces those where autograd left them,
+where that gives the same results: ``in_place.py``), sparse, or the comm hook around one of
+those. The reducer only executes that plan.
 
 Buckets start in reverse registration order; after the first synchronized iteration they are
 rebuilt once in the order gradients arrived on rank 0 (broadcast, so every rank builds the
@@ -49,14 +50,14 @@ import torch
 from fastcomm.comm.base import Communicator
 from fastcomm.comm.work import Work
 
-from .bucket import Bucket
+from .bucket import Bucket, build_buckets
 from .config import DDPConfig
-from .in_place import InPlaceAllReduce, InPlaceReduction, in_place_plan
-from .shared import SHARED_VIEW, STAGE_MIN_BYTES, SharedBuckets
-from .sparse import SPARSE, build_buckets
-from .strategy import ARRIVAL_PACKED, PACKED, VIEW, BucketStrategy, CommHook, packs_on_arrival
+from .in_place import InPlaceReduction
+from .plan import grads_are_views, plan_buckets, shared_request
+from .shared import SharedBuckets
+from .strategy import BucketStrategy
 
-__all__ = ["Reducer", "choose_strategy", "find_unused"]
+__all__ = ["Reducer", "find_unused"]
 
 # _ready states of a parameter in the current iteration
 _WAITING, _GOT_GRAD, _UNUSED = 0, 1, 2
@@ -97,22 +98,20 @@ class Reducer:
         self.names = list(names)
         self.comm = comm
         self.config = config
-        # shared bucket memory (shared.py): where the communicator offers it, unless the
-        # user asked for torch's default aliasing (gradient_as_bucket_view=False)
-        self.shared: SharedBuckets | None = None
-        if config.shared_buckets and config.gradient_as_bucket_view is not False and comm.size > 1:
-            self.shared = SharedBuckets.create(
-                comm, self.params, self.sparse, config.shared_bucket_cap_mb,
-                asked=config.gradient_as_bucket_view is True,
-            )
-        view = config.gradient_as_bucket_view
-        self.bucket_view = self.shared is not None if view is None else view
+        # shared bucket memory (shared.py), where plan.py asks for it and the communicator
+        # can make it
+        request = shared_request(self.params, self.sparse, comm.capabilities, comm.size, config)
+        self.shared: SharedBuckets | None = (
+            None if request is None
+            else SharedBuckets.create(comm, request, config.shared_bucket_cap_mb)
+        )
+        self.bucket_view = grads_are_views(config, self.shared is not None)
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
         self.scale = 1.0 / comm.size
         self._comm_hook: Callable | None = None
         self.hook_state: Any = None
         self.buckets: list[Bucket] = []
-        self.strategies: list[BucketStrategy] = []  # per bucket, see strategy.py
+        self.strategies: list[BucketStrategy] = []  # per bucket, decided in plan.py
         self._build(list(reversed(range(len(self.params)))))
 
         # rebuild: arrival order recorded during the first synchronized backward
@@ -175,15 +174,7 @@ class Reducer:
                 self.grad_views[i] = view
         self._choose_strategies()
         if self.bucket_view and old:
-            # .grad views of the old buckets move into the new ones (values kept).
-            old_ptrs = {v.data_ptr() for b in old if not b.sparse for v in b.views if v.numel()}
-            for i, p in enumerate(self.params):
-                g = p.grad
-                if g is None or g.is_sparse or i in self.sparse:
-                    continue
-                if g.numel() and g.data_ptr() in old_ptrs:
-                    self.grad_views[i].copy_(kept.get(i, g))
-                    p.grad = self.grad_views[i]
+            _move_grad_views(self.params, self.sparse, old, self.grad_views, kept)
 
     @property
     def comm_hook(self) -> Callable | None:
@@ -197,18 +188,16 @@ class Reducer:
         self._choose_strategies()
 
     def _choose_strategies(self) -> None:
-        hook, comm, view = self._comm_hook, self.comm, self.bucket_view
-        self.strategies = [choose_strategy(b, comm, hook, view) for b in self.buckets]
-        self._on_arrival = [s.packs_on_arrival for s in self.strategies]
+        plan = plan_buckets(
+            self.buckets, len(self.params), self.comm.capabilities, self.config,
+            self._comm_hook, self.bucket_view, self.shared is not None and self.shared.staged,
+        )
+        self.strategies = plan.strategies
+        self._on_arrival = plan.on_arrival
+        # per parameter: the shm bucket whose staging takes its fresh gradient (only its
+        # peers' parts copied in, fastcomm.ddp.shared), or None: a copy
+        self._stage_in = plan.stage_in
         self._arrived = [0] * len(self.buckets)  # gradients packed on arrival, this iteration
-        # per parameter, decided here once: the shm bucket whose staging takes its fresh
-        # gradient (only its peers' parts copied in, fastcomm.ddp.shared), or None: a copy
-        self._stage_in: list = [None] * len(self.params)
-        for b, s in zip(self.buckets, self.strategies, strict=True):
-            if s is SHARED_VIEW and hasattr(b.shared, "sources"):  # ipc's buckets stage nothing
-                for i, view in zip(b.param_indices, b.views, strict=True):
-                    if view.numel() * view.element_size() >= STAGE_MIN_BYTES:
-                        self._stage_in[i] = b
 
     def bucket_indices(self) -> list[list[int]]:
         """Each bucket's parameter indices, in launch order (for tests and logging)."""
@@ -217,9 +206,7 @@ class Reducer:
     def rebuild(self) -> None:
         """Rebuilds the buckets in rank 0's arrival order (a collective: every rank calls it)."""
         n = len(self.params)
-        seen = set()
-        order = [i for i in self._arrivals if not (i in seen or seen.add(i))]
-        order += [i for i in reversed(range(n)) if i not in seen]
+        order = _arrival_order(self._arrivals, n)
         t = torch.tensor(order, dtype=torch.int64, device=self.comm.device)
         self.comm.broadcast(t, src=0)
         order = t.tolist()
@@ -487,18 +474,10 @@ class Reducer:
 
     # ------------------------------------------------------------------ errors / lifetime
     def _unused_error(self, missing: list[int]) -> str:
-        names = [self.names[i] for i in missing]
-        shown = ", ".join(names[:20])
-        if len(names) > 20:
-            shown += f", ... ({len(names) - 20} more)"
-        return (
-            f"fastcomm DDP (rank {self.comm.rank} of {self.comm.size}): the previous iteration "
-            f"did not finish reducing gradients: {len(names)} parameter(s) received no "
-            f"gradient in its backward: {shown}. Their buckets were never reduced. Pass "
-            "find_unused_parameters=True to DDP if some parameters do not take part in the "
-            "loss (or static_graph=True if the same ones never do), or make every output of "
-            "forward contribute to the loss."
-        ) + (self.health.readiness.explain_incomplete() if self.health is not None else "")
+        message = _unused_message(self.comm, [self.names[i] for i in missing])
+        if self.health is not None:  # the other ranks' readiness, when they disagree
+            message += self.health.readiness.explain_incomplete()
+        return message
 
     def remove_hooks(self) -> None:
         """Detach the reducer's autograd hooks from the parameters (safe to call again, and
@@ -513,21 +492,44 @@ class Reducer:
         self.remove_hooks()
 
 
-def choose_strategy(
-    bucket: Bucket, comm: Communicator, hook: Callable | None, bucket_view: bool
-) -> BucketStrategy:
-    """How `bucket` is reduced (see ``strategy.py``): the comm hook around the bucket's plain
-    strategy, else sparse, bucket view, in place where `comm`'s capabilities allow, packed."""
-    if hook is not None:
-        return CommHook(hook, SPARSE if bucket.sparse else VIEW if bucket_view else PACKED)
-    if bucket.sparse:
-        return SPARSE
-    if bucket_view:  # no pack or unpack to save by reducing in place
-        return VIEW if bucket.shared is None else SHARED_VIEW
-    plan = in_place_plan(bucket, comm)
-    if plan is not None:
-        return InPlaceAllReduce(plan)
-    return ARRIVAL_PACKED if packs_on_arrival(bucket) else PACKED
+def _arrival_order(arrivals: list[int], n: int) -> list[int]:
+    """The bucket order a rebuild proposes: first arrivals first, then the parameters that
+    never arrived in reverse registration order."""
+    seen: set[int] = set()
+    order = [i for i in arrivals if not (i in seen or seen.add(i))]
+    return order + [i for i in reversed(range(n)) if i not in seen]
+
+
+def _move_grad_views(params, sparse, old_buckets, grad_views, kept) -> None:
+    """After a rebuild with bucket views: each ``.grad`` that was a view of an old bucket
+    becomes its view of the new one, its value kept (`kept`: values saved before the new
+    buckets overwrote the old ones in a shared region)."""
+    old_ptrs = {
+        v.data_ptr() for b in old_buckets if not b.sparse for v in b.views if v.numel()
+    }
+    for i, p in enumerate(params):
+        g = p.grad
+        if g is None or g.is_sparse or i in sparse:
+            continue
+        if g.numel() and g.data_ptr() in old_ptrs:
+            grad_views[i].copy_(kept.get(i, g))
+            p.grad = grad_views[i]
+
+
+def _unused_message(comm, names: list[str]) -> str:
+    """The error of a rank whose previous iteration left parameters `names` without a
+    gradient (their buckets never reduced)."""
+    shown = ", ".join(names[:20])
+    if len(names) > 20:
+        shown += f", ... ({len(names) - 20} more)"
+    return (
+        f"fastcomm DDP (rank {comm.rank} of {comm.size}): the previous iteration "
+        f"did not finish reducing gradients: {len(names)} parameter(s) received no "
+        f"gradient in its backward: {shown}. Their buckets were never reduced. Pass "
+        "find_unused_parameters=True to DDP if some parameters do not take part in the "
+        "loss (or static_graph=True if the same ones never do), or make every output of "
+        "forward contribute to the loss."
+    )
 
 
 def _make_grad_hook(ref: weakref.ref, i: int):

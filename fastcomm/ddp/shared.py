@@ -7,7 +7,7 @@ Where the communicator declares ``capabilities.shared_buckets`` for the model's 
 parameter is then its view in that memory (``gradient_as_bucket_view``): autograd accumulates
 into it, or, where ``.grad`` was ``None`` (``zero_grad(set_to_none=True)``), the reducer copies
 the fresh gradient in as it arrives, still in cache -- on CPU, for a gradient of
-``STAGE_MIN_BYTES`` or more, only the parts the peers reduce: the reduction reads the part in
+``config.stage_min_bytes`` or more, only the parts the peers reduce: the reduction reads the part in
 this rank's own slice where autograd left it (``BucketRegion.stage``). `SharedViewAllReduce`
 all-reduces such a bucket in place: each rank reduces its slice straight out of every rank's
 bucket, the averaging factor folded in, and every rank ends with the whole result in its own
@@ -21,13 +21,14 @@ hence of the packed path and of torch DDP (``tests/ddp/test_torch_parity.py``). 
 ``(sum over ranks, in rank order, of grad) * scale``, accumulated in fp32 and rounded once (the
 same bits as on CPU where the scale is a power of two, as ``1 / world`` at 2, 4, 8 ranks).
 
-Default: on where the communicator offers it and the gradients average
-``AUTO_MIN_MEAN_BYTES`` or more, with ``gradient_as_bucket_view`` left ``None``; always with
-``gradient_as_bucket_view=True``. ``.grad`` then aliases the bucket as with torch's
-``gradient_as_bucket_view=True`` (``DDP.grads_are_bucket_views``; ``DDP.gradient_as_bucket_view``
-reports the argument, as torch's does). ``gradient_as_bucket_view=False`` keeps torch's default
-aliasing (a ``.grad`` of its own, reduced by the communicator's ``all_reduce``), and
-``shared_buckets=False`` (or ``FASTCOMM_DDP_SHARED_BUCKETS=0``) turns the region off.
+Default (decided in ``plan.py``, ``shared_request``): on where the communicator offers it and the
+gradients average ``config.shared_min_mean_bytes`` or more, with ``gradient_as_bucket_view`` left
+``None``; always with ``gradient_as_bucket_view=True``. ``.grad`` then aliases the bucket as with
+torch's ``gradient_as_bucket_view=True`` (``DDP.grads_are_bucket_views``;
+``DDP.gradient_as_bucket_view`` reports the argument, as torch's does).
+``gradient_as_bucket_view=False`` keeps torch's default aliasing (a ``.grad`` of its own, reduced by
+the communicator's ``all_reduce``), and ``shared_buckets=False`` (or
+``FASTCOMM_DDP_SHARED_BUCKETS=0``) turns the region off.
 
 Memory: on CPU the region holds every rank's buckets, ``size`` times the model's gradient
 bytes in ``/dev/shm`` (the buckets' private buffers are not allocated: per rank the same bytes,
@@ -48,9 +49,7 @@ others raise, naming it.
 
 from __future__ import annotations
 
-import os
 import warnings
-from collections.abc import Sequence
 
 import torch
 
@@ -59,45 +58,12 @@ from fastcomm.comm.types import SHARED_BUCKET_DTYPES
 from .bucket import Bucket
 from .strategy import ViewAllReduce
 
-__all__ = [
-    "AUTO_MIN_MEAN_BYTES",
-    "SHARED_VIEW",
-    "STAGE_MIN_BYTES",
-    "SharedBuckets",
-    "SharedViewAllReduce",
-    "eligible",
-    "worth_sharing",
-]
+__all__ = ["SHARED_VIEW", "SharedBuckets", "SharedViewAllReduce", "eligible"]
 
-# A fresh gradient at least this large is staged (only the peers' parts copied in, its own
-# slice read where autograd left it); a smaller one is copied whole: the staging's few slicing
-# calls cost more than copying a few KiB (400 tiny gradients: ~1 ms a step).
-STAGE_MIN_BYTES = 64 << 10
-# By default (gradient_as_bucket_view=None) the buckets are shared only where the gradients
-# average this many bytes: a bucket view costs a copy and a `.grad` store per gradient in
-# Python (~2 us), which the packed path does in two foreach calls per bucket; with hundreds of
-# tiny gradients that outweighs the collective's saving (200 x Linear(16, 16): 2.5 ms a step
-# more CPU than the packed path on 2 ranks).
-# (``FASTCOMM_DDP_SHARED_MIN_MEAN_BYTES`` overrides it: 0 shares every model's buckets).
-AUTO_MIN_MEAN_BYTES = 16 << 10
 # Every bucket starts at a multiple of this in the region: shm's cache lines (64) and the
 # ipc areas' aligned kernel accesses (256) alike.
 BUCKET_ALIGN = 256
 _PAGE = 4096  # shm's areas are whole pages
-
-
-def worth_sharing(params: Sequence[torch.Tensor]) -> bool:
-    """Whether the default puts the buckets of `params` (those the region would hold) in
-    shared memory (``AUTO_MIN_MEAN_BYTES``)."""
-    text = os.environ.get("FASTCOMM_DDP_SHARED_MIN_MEAN_BYTES", "").strip()
-    try:
-        least = int(text) if text else AUTO_MIN_MEAN_BYTES
-    except ValueError:
-        raise ValueError(
-            f"FASTCOMM_DDP_SHARED_MIN_MEAN_BYTES={text!r}: expected a number of bytes"
-        ) from None
-    sizes = [p.numel() * p.element_size() for p in params]
-    return bool(sizes) and sum(sizes) >= least * len(sizes)
 
 
 def eligible(param: torch.Tensor, device: torch.device) -> bool:
@@ -117,43 +83,27 @@ class SharedBuckets:
 
     Attributes:
         region: the communicator's ``BucketRegion``.
+        staged: whether its buckets stage fresh gradients (CPU: ``SharedBucket.stage``).
     """
 
-    def __init__(self, region, device: torch.device) -> None:
+    def __init__(self, region, device: torch.device, staged: bool) -> None:
         self.region = region
         self.device = device
+        self.staged = staged
         self.begin_layout()
 
     @classmethod
-    def create(
-        cls,
-        comm,
-        params: Sequence[torch.Tensor],
-        sparse: frozenset[int],
-        cap_mb: float | None,
-        *,
-        asked: bool = False,
-    ) -> SharedBuckets | None:
-        """The region for `params` (the dense eligible ones on the device of the first of them
-        the communicator offers it for), or ``None``: nothing eligible, gradients too small to
-        be worth it by default (`worth_sharing`; ``asked``: ``gradient_as_bucket_view=True``,
-        shared whatever their size), or with a warning when the communicator cannot make it
-        (over the cap, ``/dev/shm`` too small, the GPU out of memory)."""
-        offered = getattr(comm.capabilities, "shared_buckets", frozenset())
-        dense = [p for i, p in enumerate(params) if i not in sparse]
-        devices = [p.device for p in dense if p.device.type in offered]
-        if not devices:
-            return None
-        device = devices[0]
-        chosen = [p for p in dense if eligible(p, device)]
-        if not chosen or not (asked or worth_sharing(chosen)):
-            return None
+    def create(cls, comm, request, cap_mb: float | None) -> SharedBuckets | None:
+        """The region `request` asks for (a ``plan.SharedRequest``: the device, the parameters
+        whose buckets it holds, whether it stages), or ``None`` with a warning when the
+        communicator cannot make it (over the cap, ``/dev/shm`` too small, the GPU out of
+        memory). A collective: every rank's reducer calls it with the same request."""
         # buckets start at BUCKET_ALIGN boundaries: padding each parameter so bounds any
         # grouping
-        area = _padded(sum(_padded(p.numel() * p.element_size()) for p in chosen))
+        area = _padded(sum(_padded(p.numel() * p.element_size()) for p in request.params))
         area = -(-area // _PAGE) * _PAGE
         cap = None if cap_mb is None else int(cap_mb * 1024 * 1024)
-        region = comm.bucket_region(area, len(chosen), cap, device=device)
+        region = comm.bucket_region(area, len(request.params), cap, device=request.device)
         if isinstance(region, str):
             warnings.warn(
                 f"fastcomm DDP (rank {comm.rank}): no shared-memory buckets ({region}); "
@@ -164,7 +114,7 @@ class SharedBuckets:
                 stacklevel=4,
             )
             return None
-        return cls(region, device)
+        return cls(region, request.device, request.staged)
 
     def begin_layout(self) -> None:
         """Starts laying out a new set of buckets from the region's beginning (a build or a
@@ -179,9 +129,8 @@ class SharedBuckets:
             return None
         shared = self.region.bucket(self._slot, self._offset, bucket.dtype, bucket.numel)
         shared.flat.zero_()
-        staged = getattr(shared, "sources", None)  # ipc's buckets stage nothing
-        if staged is not None:
-            self._staged.append(staged)
+        if self.staged:  # ipc's CUDA buckets stage nothing
+            self._staged.append(shared.sources)
         self._slot += 1
         self._offset += _padded(shared.nbytes)
         return shared

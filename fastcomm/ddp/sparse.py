@@ -1,10 +1,10 @@
 """Sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``).
 
-torch DDP's rule, kept here: a parameter whose module produces sparse gradients gets a bucket
-of its own, outside the dense flat buffers (and so outside ``gradient_as_bucket_view``), and
-its gradient is allreduced as a sparse COO tensor. Sparse buckets launch after the dense ones
-(same order on every rank): an embedding is usually the first layer, whose gradient arrives
-last, so the dense buckets never wait for it.
+torch DDP's rule, kept here: a parameter whose module produces sparse gradients gets a bucket of its
+own (``bucket.SparseBucket``, made by ``bucket.build_buckets``), outside the dense flat buffers (and
+so outside ``gradient_as_bucket_view``), and its gradient is allreduced as a sparse COO tensor.
+Sparse buckets launch after the dense ones (same order on every rank): an embedding is usually the
+first layer, whose gradient arrives last, so the dense buckets never wait for it.
 
 Transport: ``Communicator.all_reduce`` takes the sparse COO gradient and replaces it with the
 sum: natively where the communicator declares ``capabilities.sparse_all_reduce`` (Gloo), else
@@ -25,10 +25,10 @@ from torch import nn
 
 from fastcomm.comm.work import Work
 
-from .bucket import Bucket, assign_buckets, empty_sparse_like
+from .bucket import SparseBucket, empty_sparse_like
 from .strategy import BucketStrategy
 
-__all__ = ["SparseAllReduce", "SparseBucket", "build_buckets", "sparse_param_indices"]
+__all__ = ["SparseAllReduce", "sparse_param_indices"]
 
 
 def sparse_param_indices(module: nn.Module, params: Sequence[torch.Tensor]) -> set[int]:
@@ -42,55 +42,6 @@ def sparse_param_indices(module: nn.Module, params: Sequence[torch.Tensor]) -> s
                 if i is not None:
                     found.add(i)
     return found
-
-
-class SparseBucket:
-    """A bucket holding one parameter with a sparse gradient (no flat buffer, no views)."""
-
-    __slots__ = (
-        "index", "param_indices", "params", "names", "offsets", "numel", "dtype", "device",
-        "flat", "views", "scratch", "reduced",
-    )
-    sparse = True
-    shared = None  # never in shared bucket memory (shared.py)
-
-    def __init__(self, index: int, param_index: int, params, names) -> None:
-        p = params[param_index]
-        self.index = index
-        self.param_indices = [param_index]
-        self.params = [p]
-        self.names = [names[param_index]]
-        self.offsets = [0]
-        self.numel = p.numel()
-        self.dtype, self.device = p.dtype, p.device
-        self.flat = None
-        self.views = [None]
-        self.scratch: dict[object, torch.Tensor] = {}
-        self.reduced: torch.Tensor | None = None  # this iteration's allreduce input/output
-
-    def __repr__(self) -> str:
-        return f"SparseBucket({self.index}, {self.names[0]!r}, {self.dtype}, {self.device})"
-
-
-def build_buckets(
-    params: Sequence[torch.Tensor],
-    names: Sequence[str],
-    order: Sequence[int],
-    caps_bytes: Sequence[int],
-    sparse: set[int],
-    shared_memory=None,
-) -> list[Bucket | SparseBucket]:
-    """Dense buckets of `order` (without the sparse parameters), then one per sparse one;
-    the dense ones in `shared_memory` (a ``shared.SharedBuckets``) where it takes them."""
-    dense_order = [i for i in order if i not in sparse] if sparse else list(order)
-    groups = assign_buckets(params, dense_order, caps_bytes) if dense_order else []
-    buckets: list[Bucket | SparseBucket] = [
-        Bucket(b, idx, params, names, shared_memory) for b, idx in enumerate(groups)
-    ]
-    for i in order:
-        if i in sparse:
-            buckets.append(SparseBucket(len(buckets), i, params, names))
-    return buckets
 
 
 def sparse_gradient(bucket: SparseBucket, grad: torch.Tensor | None) -> torch.Tensor:

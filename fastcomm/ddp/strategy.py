@@ -1,7 +1,7 @@
 """How one bucket is reduced: a small strategy object per bucket.
 
-The reducer picks each bucket's strategy once, when it builds (or rebuilds) its buckets and
-when a comm hook is registered (``Reducer._choose_strategies``). During an iteration it only
+Each bucket's strategy is chosen once, in ``plan.py`` (``plan_buckets``), when the reducer builds
+(or rebuilds) its buckets and when a comm hook is registered. During an iteration it only
 calls the bucket's strategy, so launch, wait, write-back and a joined rank's shadow are the
 same few lines for every bucket, and no per-step code asks what kind of bucket it holds.
 
@@ -19,10 +19,7 @@ same few lines for every bucket, and no per-step code asks what kind of bucket i
 - `CommHook`: the hook on a `GradBucket` instead of the collective; its future's value is
   written back as the wrapped strategy writes its own.
 
-The choice, first match wins: a comm hook wraps the bucket's plain strategy (sparse, view or
-packed: the hook replaces the collective, not how gradients reach the bucket or ``.grad``); a
-sparse bucket; ``gradient_as_bucket_view``; a CPU bucket the communicator can reduce in place
-(its ``capabilities``); else packed.
+The choice, with its thresholds and the capabilities it asks, is ``plan.py``'s.
 
 Strategies hold nothing per iteration: what a launch returns (a ``Work``, a future, an
 ``InPlaceReduction``) is kept by the reducer and handed back to ``wait``. They read the
@@ -42,14 +39,7 @@ from fastcomm.comm.types import PremulSum, ReduceOp
 from fastcomm.comm.work import Work
 from fastcomm.kernels._launch import fp32_scale
 
-from .bucket import (
-    _CPU_VIEW_DTYPES,
-    _MUL_INTO_VIEWS_MAX,
-    Bucket,
-    GradBucket,
-    pack_bucket,
-    unpack_bucket,
-)
+from .bucket import Bucket, GradBucket, pack_bucket, unpack_bucket
 
 #: A bucket's gradients in bucket order (``None``: that parameter has none).
 Grads = list[torch.Tensor | None]
@@ -61,7 +51,6 @@ __all__ = [
     "PackedAllReduce",
     "ReducerLike",
     "ViewAllReduce",
-    "packs_on_arrival",
 ]
 
 
@@ -204,17 +193,6 @@ class ArrivalPackedAllReduce(PackedAllReduce):
         if not reducer.packed_on_arrival(bucket):
             pack_bucket(bucket, grads, bucket.flat, scale=reducer.scale)
         return reducer.comm.all_reduce(bucket.flat, ReduceOp.SUM, async_op=True)
-
-
-def packs_on_arrival(bucket: Bucket) -> bool:
-    """Whether a packed `bucket` packs its gradients as they arrive: a CPU fp32/fp64 bucket of
-    at most as many gradients as the pack multiplies one by one (beyond, the pack's foreach
-    copy and one multiply cost fewer calls than a multiply per gradient)."""
-    return (
-        bucket.device.type == "cpu"
-        and bucket.dtype in _CPU_VIEW_DTYPES
-        and len(bucket.params) <= _MUL_INTO_VIEWS_MAX
-    )
 
 
 class ViewAllReduce(PackedAllReduce):

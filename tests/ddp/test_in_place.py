@@ -33,7 +33,7 @@ ANY_COLLECTIVES = 0
 # ---------------------------------------------------------------------- checks (every rank)
 def run_in_place(check_name: str, module: str, *args, threshold: int = SMALL_THRESHOLD):
     """Runs `check_name` of `module` with the lowered threshold; returns the in-place launches."""
-    from fastcomm.ddp import in_place
+    from fastcomm.ddp import config, in_place
 
     checks = {"base": base, "parity": parity, "dropin": dropin}[module]
     launches = []
@@ -43,64 +43,58 @@ def run_in_place(check_name: str, module: str, *args, threshold: int = SMALL_THR
         launches.append(grads is None)
         return real_launch(bucket, plan, grads, *rest)
 
-    saved = in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MIN_BYTES_PER_EXTRA
-    in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MIN_BYTES_PER_EXTRA = threshold, ANY_COLLECTIVES
+    saved = config.IN_PLACE_MIN_BYTES, config.UNFOLDED_MIN_BYTES_PER_EXTRA
+    config.IN_PLACE_MIN_BYTES, config.UNFOLDED_MIN_BYTES_PER_EXTRA = threshold, ANY_COLLECTIVES
     in_place.launch_in_place = counting_launch
     try:
         getattr(checks, check_name)(*args)
     finally:
-        in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MIN_BYTES_PER_EXTRA = saved
+        config.IN_PLACE_MIN_BYTES, config.UNFOLDED_MIN_BYTES_PER_EXTRA = saved
         in_place.launch_in_place = real_launch
     return len(launches), sum(launches)  # (launches, of which a joined rank's shadows)
 
 
 def check_plan_follows_layout_independence():
     """In place where the reduced value cannot depend on the layout, packed elsewhere."""
-    from fastcomm.ddp import in_place
+    from fastcomm.comm import Capabilities
+    from fastcomm.ddp import DDPConfig
     from fastcomm.ddp.bucket import Bucket
+    from fastcomm.ddp.plan import in_place_plan
 
     model = build("mlp")
     params = list(model.parameters())
     names = [str(i) for i in range(len(params))]
     bucket = Bucket(0, list(range(len(params))), params, names)
-    saved = in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MIN_BYTES_PER_EXTRA
-    in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MIN_BYTES_PER_EXTRA = SMALL_THRESHOLD, 0
-    try:
-        gloo = rank_comm("gloo")
-        plan = in_place.in_place_plan(bucket, gloo)
-        assert plan is not None and gloo.size == 2
-        large = [params[k].numel() * 4 >= SMALL_THRESHOLD for k in range(len(params))]
-        assert plan.large == [k for k, is_large in enumerate(large) if is_large]
-        assert plan.small == [k for k, is_large in enumerate(large) if not is_large]
-        assert plan.staging.numel() == sum(params[k].numel() for k in plan.small)
+    small = DDPConfig(in_place_min_bytes=SMALL_THRESHOLD, unfolded_min_bytes_per_extra=0)
+    gloo = rank_comm("gloo")
+    plan = in_place_plan(bucket, gloo.capabilities, small)
+    assert plan is not None and gloo.size == 2
+    large = [params[k].numel() * 4 >= SMALL_THRESHOLD for k in range(len(params))]
+    assert plan.large == [k for k, is_large in enumerate(large) if is_large]
+    assert plan.small == [k for k, is_large in enumerate(large) if not is_large]
+    assert plan.staging.numel() == sum(params[k].numel() for k in plan.small)
 
-        from fastcomm.comm import Capabilities
-
-        class Declares:  # the plan asks the communicator, never its name
-            def __init__(self, layout_free):
-                self.capabilities = Capabilities(layout_free=layout_free)
-
-        assert gloo.capabilities.layout_free, "two terms commute"
-        # Gloo's ring order depends on the layout from three ranks on; shm's never does
-        assert in_place.in_place_plan(bucket, Declares(False)) is None
-        assert in_place.in_place_plan(bucket, Declares(True)) is not None
-        half_params = list(build("mlp").half().parameters())
-        half_bucket = Bucket(1, list(range(len(half_params))), half_params, names)
-        assert in_place.in_place_plan(half_bucket, gloo) is None, "fp16 packs with the kernels"
-        in_place.IN_PLACE_MIN_BYTES = 1 << 40
-        assert in_place.in_place_plan(bucket, gloo) is None, "no large gradient: packed"
-    finally:
-        in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MIN_BYTES_PER_EXTRA = saved
+    # the plan asks the communicator's capabilities, never its name
+    assert gloo.capabilities.layout_free, "two terms commute"
+    # Gloo's ring order depends on the layout from three ranks on; shm's never does
+    assert in_place_plan(bucket, Capabilities(layout_free=False), small) is None
+    assert in_place_plan(bucket, Capabilities(layout_free=True), small) is not None
+    half_params = list(build("mlp").half().parameters())
+    half_bucket = Bucket(1, list(range(len(half_params))), half_params, names)
+    assert in_place_plan(half_bucket, gloo.capabilities, small) is None, "fp16 packs"
+    huge = DDPConfig(in_place_min_bytes=1 << 40, unfolded_min_bytes_per_extra=0)
+    assert in_place_plan(bucket, gloo.capabilities, huge) is None, "no large gradient: packed"
     return True
 
 
 def check_plan_counts_collectives_where_multiply_is_a_pass():
     """Where the communicator does not fold the multiply (Gloo), a bucket goes in place as one
-    collective (a large gradient alone), or with ``UNFOLDED_MIN_BYTES_PER_EXTRA`` in place per
+    collective (a large gradient alone), or with ``unfolded_min_bytes_per_extra`` in place per
     extra collective; one that folds it (shm) takes mixed plans."""
     from fastcomm.comm import Capabilities
-    from fastcomm.ddp import in_place
+    from fastcomm.ddp import DDPConfig
     from fastcomm.ddp.bucket import Bucket
+    from fastcomm.ddp.plan import in_place_plan
 
     params = list(build("mlp").parameters())  # weight, bias, weight, bias, ...
     names = [str(i) for i in range(len(params))]
@@ -108,35 +102,31 @@ def check_plan_counts_collectives_where_multiply_is_a_pass():
     weights = Bucket(1, [0, 2], params, names)
     alone = Bucket(2, [0], params, names)
 
-    class Declares:  # the plan asks the communicator, never its name
-        def __init__(self, premul_dtypes):
-            self.capabilities = Capabilities(layout_free=True, premul_dtypes=premul_dtypes)
+    # the plan asks the communicator's capabilities, never its name
+    unfolded = Capabilities(layout_free=True, premul_dtypes=frozenset())
+    folded = Capabilities(layout_free=True, premul_dtypes=frozenset({torch.float32}))
 
-    unfolded, folded = Declares(frozenset()), Declares(frozenset({torch.float32}))
-    saved = in_place.IN_PLACE_MIN_BYTES
-    in_place.IN_PLACE_MIN_BYTES = SMALL_THRESHOLD
-    try:
-        assert in_place.UNFOLDED_MIN_BYTES_PER_EXTRA == 4 << 20
-        assert in_place.in_place_plan(mixed, unfolded) is None, "weights + staged biases"
-        assert in_place.in_place_plan(weights, unfolded) is None, "two collectives for one"
-        plan = in_place.in_place_plan(alone, unfolded)
-        assert plan is not None and plan.large == [0] and plan.small == []
-        # enough bytes in place per extra collective: the copies saved pay for it
-        both = (params[0].numel() + params[2].numel()) * params[0].element_size()
-        in_place.UNFOLDED_MIN_BYTES_PER_EXTRA = both
-        assert in_place.in_place_plan(weights, unfolded).large == [0, 1], "2 weights, 1 extra"
-        assert in_place.in_place_plan(mixed, unfolded) is None, "3 weights, 3 extra: short"
-        in_place.UNFOLDED_MIN_BYTES_PER_EXTRA = both + 1
-        assert in_place.in_place_plan(weights, unfolded) is None
-        in_place.UNFOLDED_MIN_BYTES_PER_EXTRA = 4 << 20
-        assert in_place.in_place_plan(mixed, folded) is not None
-        assert in_place.in_place_plan(weights, folded).large == [0, 1]
-        gloo = rank_comm("gloo")
-        assert torch.float32 not in gloo.capabilities.premul_dtypes
-        assert in_place.in_place_plan(mixed, gloo) is None
-        assert in_place.in_place_plan(alone, gloo) is not None
-    finally:
-        in_place.IN_PLACE_MIN_BYTES = saved
+    def config(per_extra=None):
+        if per_extra is None:
+            return DDPConfig(in_place_min_bytes=SMALL_THRESHOLD)
+        return DDPConfig(in_place_min_bytes=SMALL_THRESHOLD, unfolded_min_bytes_per_extra=per_extra)
+
+    assert config().unfolded_min_bytes_per_extra == 4 << 20
+    assert in_place_plan(mixed, unfolded, config()) is None, "weights + staged biases"
+    assert in_place_plan(weights, unfolded, config()) is None, "two collectives for one"
+    plan = in_place_plan(alone, unfolded, config())
+    assert plan is not None and plan.large == [0] and plan.small == []
+    # enough bytes in place per extra collective: the copies saved pay for it
+    both = (params[0].numel() + params[2].numel()) * params[0].element_size()
+    assert in_place_plan(weights, unfolded, config(both)).large == [0, 1], "2 weights, 1 extra"
+    assert in_place_plan(mixed, unfolded, config(both)) is None, "3 weights, 3 extra: short"
+    assert in_place_plan(weights, unfolded, config(both + 1)) is None
+    assert in_place_plan(mixed, folded, config()) is not None
+    assert in_place_plan(weights, folded, config()).large == [0, 1]
+    gloo = rank_comm("gloo").capabilities
+    assert torch.float32 not in gloo.premul_dtypes
+    assert in_place_plan(mixed, gloo, config()) is None
+    assert in_place_plan(alone, gloo, config()) is not None
     return True
 
 
@@ -147,7 +137,7 @@ def check_large_gradients_go_as_premul(backend: str, bucket_view: bool = False):
     torch DDP's bits. Returns how many PremulSums went out, how many times the default path
     multiplied, and whether the communicator fuses float32."""
     from fastcomm.comm import PremulSum, base
-    from fastcomm.ddp import in_place
+    from fastcomm.ddp import config
     from tests.ddp.common import assert_same_state, train_both
 
     comm = rank_comm(backend)
@@ -162,15 +152,15 @@ def check_large_gradients_go_as_premul(backend: str, bucket_view: bool = False):
         multiplies[0] += 1
         return real_premultiplied(task, tensor, factor)
 
-    saved = in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MIN_BYTES_PER_EXTRA
+    saved = config.IN_PLACE_MIN_BYTES, config.UNFOLDED_MIN_BYTES_PER_EXTRA
     if not bucket_view:
-        in_place.IN_PLACE_MIN_BYTES = SMALL_THRESHOLD
-        in_place.UNFOLDED_MIN_BYTES_PER_EXTRA = ANY_COLLECTIVES
+        config.IN_PLACE_MIN_BYTES = SMALL_THRESHOLD
+        config.UNFOLDED_MIN_BYTES_PER_EXTRA = ANY_COLLECTIVES
     comm.all_reduce, base._premultiplied = recording, counting
     try:
         ours, theirs = train_both("mlp", steps=3, comm=comm, gradient_as_bucket_view=bucket_view)
     finally:
-        in_place.IN_PLACE_MIN_BYTES, in_place.UNFOLDED_MIN_BYTES_PER_EXTRA = saved
+        config.IN_PLACE_MIN_BYTES, config.UNFOLDED_MIN_BYTES_PER_EXTRA = saved
         del comm.all_reduce  # the class's method again
         base._premultiplied = real_premultiplied
     assert_same_state(ours, theirs)
@@ -182,15 +172,15 @@ def check_large_gradients_go_as_premul(backend: str, bucket_view: bool = False):
 
 def check_norm_from_write_back():
     """``clip_grad_norm_`` takes the norm from what the write-back left, as from an unpack."""
-    from fastcomm.ddp import DDP, in_place
+    from fastcomm.ddp import DDP, config, in_place
     from tests.ddp.common import batches, loss_of
 
-    saved = in_place.IN_PLACE_MIN_BYTES
-    in_place.IN_PLACE_MIN_BYTES = SMALL_THRESHOLD
+    saved = config.IN_PLACE_MIN_BYTES
+    config.IN_PLACE_MIN_BYTES = SMALL_THRESHOLD
     try:
         ddp = DDP(build("mlp", sizes=(16, 64, 64, 4)), comm=rank_comm("shm"))
     finally:
-        in_place.IN_PLACE_MIN_BYTES = saved
+        config.IN_PLACE_MIN_BYTES = saved
     assert any(isinstance(s, in_place.InPlaceAllReduce) for s in ddp.reducer.strategies)
     (x, y), = batches("mlp", 1)
     loss_of("mlp", ddp(x), y).backward()

@@ -124,55 +124,26 @@ def powersgd_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
     flat = bucket.packed(torch.float32)
     device = flat.device
     names, params = bucket.parameter_names(), bucket.parameters()
+    error = local = None
     if state.use_error_feedback:
         error = state.feedback.flat(
             bucket.index(), names, [p.numel() for p in params], flat.numel(), device
         )
         flat.add_(error)
         local = flat.clone()
-
-    # Split the bucket into matrices to compress and tensors to send as they are.
-    matrices, plain = [], []
-    offset = 0
-    for name, p in zip(names, params, strict=True):
-        view = flat[offset : offset + p.numel()]
-        offset += p.numel()
-        if p.dim() > 1:
-            n, m = p.shape[0], p.numel() // p.shape[0]
-            if n * m >= state.min_compression_rate * r * (n + m):
-                matrices.append((name, view.view(n, m)))
-                continue
-        plain.append(view)
+    matrices, plain = _split(state, names, params, flat)
     n_plain = sum(v.numel() for v in plain)
-    n_p = sum(mat.shape[0] * r for _, mat in matrices)
-    first = torch.empty(n_plain + n_p, dtype=torch.float32, device=device)
-    if plain:
-        kernels.pack(plain, first[:n_plain])
-    ps, qs = [], []
-    offset = n_plain
-    for name, mat in matrices:
-        q = state.q_memory.get(name) if state.warm_start else None
-        if q is None or q.shape != (mat.shape[1], r):
-            q = state._initial_q(name, mat.shape[1], device)
-            _orthogonalize_(q, state.orthogonalization_epsilon)
-        p = first[offset : offset + mat.shape[0] * r].view(mat.shape[0], r)
-        torch.matmul(mat, q, out=p)
-        offset += p.numel()
-        ps.append(p)
-        qs.append(q)
+    first, ps = _first_phase(state, matrices, plain, n_plain, device)
     ticket = state.phases.issuer.ticket()
     result = new_future(device)
-    second = torch.empty(sum(q.numel() for q in qs), dtype=torch.float32, device=device)
+    second = torch.empty(
+        sum(mat.shape[1] * r for _, mat in matrices), dtype=torch.float32, device=device
+    )
 
     def project(done: torch.futures.Future) -> None:
         try:
             done.value()
-            offset = 0
-            for (_, mat), p in zip(matrices, ps, strict=True):
-                _orthogonalize_(p, state.orthogonalization_epsilon)
-                q = second[offset : offset + mat.shape[1] * r].view(mat.shape[1], r)
-                torch.matmul(mat.t(), p, out=q)
-                offset += q.numel()
+            _project(state, matrices, ps, second)
         except BaseException as exc:
             state.phases.issuer.run(ticket, None)
             result.set_exception(exc)
@@ -190,12 +161,7 @@ def powersgd_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
         try:
             done.value()
             second.mul_(scale)
-            offset = 0
-            for (name, mat), p in zip(matrices, ps, strict=True):
-                q = second[offset : offset + mat.shape[1] * r].view(mat.shape[1], r)
-                offset += q.numel()
-                torch.matmul(p, q.t(), out=mat)
-                state.q_memory[name] = q.clone()
+            _decompress(state, matrices, ps, second)
             if plain:
                 kernels.unpack(first[:n_plain], plain, scale=scale)
             if state.use_error_feedback:
@@ -207,3 +173,65 @@ def powersgd_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
     state.maybe_increase_iter(bucket)
     comm.all_reduce(first, async_op=True).get_future().then(project)
     return result
+
+
+def _split(state: PowerSGDState, names, params, flat: torch.Tensor):
+    """The bucket's ``(name, matrix view)`` pairs to compress and its views to send as they
+    are (fewer than two dimensions, or factors not ``min_compression_rate`` times smaller)."""
+    r = state.matrix_approximation_rank
+    matrices, plain = [], []
+    offset = 0
+    for name, p in zip(names, params, strict=True):
+        view = flat[offset : offset + p.numel()]
+        offset += p.numel()
+        if p.dim() > 1:
+            n, m = p.shape[0], p.numel() // p.shape[0]
+            if n * m >= state.min_compression_rate * r * (n + m):
+                matrices.append((name, view.view(n, m)))
+                continue
+        plain.append(view)
+    return matrices, plain
+
+
+def _first_phase(state: PowerSGDState, matrices, plain, n_plain: int, device):
+    """The first allreduce's buffer (the plain tensors, then every ``P = M Q``) and the ``P``
+    views into it."""
+    r = state.matrix_approximation_rank
+    n_p = sum(mat.shape[0] * r for _, mat in matrices)
+    first = torch.empty(n_plain + n_p, dtype=torch.float32, device=device)
+    if plain:
+        kernels.pack(plain, first[:n_plain])
+    ps = []
+    offset = n_plain
+    for name, mat in matrices:
+        q = state.q_memory.get(name) if state.warm_start else None
+        if q is None or q.shape != (mat.shape[1], r):
+            q = state._initial_q(name, mat.shape[1], device)
+            _orthogonalize_(q, state.orthogonalization_epsilon)
+        p = first[offset : offset + mat.shape[0] * r].view(mat.shape[0], r)
+        torch.matmul(mat, q, out=p)
+        offset += p.numel()
+        ps.append(p)
+    return first, ps
+
+
+def _project(state: PowerSGDState, matrices, ps, second: torch.Tensor) -> None:
+    """Orthogonalizes each summed ``P`` and writes ``Q = M^T P`` into `second`."""
+    r = state.matrix_approximation_rank
+    offset = 0
+    for (_, mat), p in zip(matrices, ps, strict=True):
+        _orthogonalize_(p, state.orthogonalization_epsilon)
+        q = second[offset : offset + mat.shape[1] * r].view(mat.shape[1], r)
+        torch.matmul(mat.t(), p, out=q)
+        offset += q.numel()
+
+
+def _decompress(state: PowerSGDState, matrices, ps, second: torch.Tensor) -> None:
+    """``M = P Q^T`` from the averaged ``Q`` in `second`, each ``Q`` kept for a warm start."""
+    r = state.matrix_approximation_rank
+    offset = 0
+    for (name, mat), p in zip(matrices, ps, strict=True):
+        q = second[offset : offset + mat.shape[1] * r].view(mat.shape[1], r)
+        offset += q.numel()
+        torch.matmul(p, q.t(), out=mat)
+        state.q_memory[name] = q.clone()

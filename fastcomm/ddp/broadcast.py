@@ -1,4 +1,8 @@
-"""Construction-time checks and state broadcasts, packed into flat buffers.
+"""Broadcasts of parameters and buffers from one rank, packed into flat buffers, and the
+construction-time check that every rank wraps the same parameters.
+
+DDP's construction broadcasts rank 0's parameters and buffers, each forward (with
+``broadcast_buffers``) rank 0's buffers, and ``join`` the buffers of the rank still training.
 
 `broadcast_tensors` moves any mix of tensors (float parameters, int64 BatchNorm counters, bool
 masks) from one rank to all in one collective per ~256 MiB: the source packs them into a byte
