@@ -1,7 +1,8 @@
 """MPI reference for ``bench/test_collectives.py``: the same collectives and sizes under MPI.
 
-Run as ``mpiexec -n 2 python bench/mpi_collectives.py --out mpi.json`` (``pip install
-'fastcomm[mpi]'`` brings mpi4py with MPICH, whose ranks on one host talk through shared memory);
+Run as ``mpiexec -n 2 python bench/mpi_collectives.py --out mpi.json`` (``pip install -e
+".[mpi]"``, or the ``test`` extra, brings mpi4py with MPICH, whose ranks on one host talk through
+shared memory);
 ``bench/test_collectives.py`` runs it once per (op, size) with its own rounds and block length.
 Each (op, size) is timed as the pytest benchmarks time theirs: ``--warmup`` blocks, then
 ``--rounds`` blocks (fewer past ``--max-seconds``) of ``--iterations`` back-to-back calls on
@@ -22,6 +23,10 @@ the whole buffer (the all-gather output, the reduce-scatter and all-to-all input
   by ``(q + r) % 2``), ``v_all_to_all_list`` (``Alltoallv`` of equal counts).
 
 Rank 0 writes a JSON list of rows ``{op, provider: "mpich", bytes, world, us, algbw, busbw}``.
+
+mpi4py is imported where MPI is called, not at module level: ``bench/test_torch_vcoll.py`` imports
+:func:`uneven_counts` from here into a pytest process that may lack mpi4py (an extra), and
+importing ``mpi4py.MPI`` would initialize MPI in that process.
 """
 
 from __future__ import annotations
@@ -30,9 +35,12 @@ import argparse
 import json
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
-from mpi4py import MPI
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 OPS = ("all_reduce", "all_reduce_async", "all_gather", "all_gather_list", "reduce_scatter",
        "reduce_scatter_list", "broadcast", "all_to_all", "send_recv", "v_gather", "v_scatter",
@@ -47,6 +55,8 @@ def bus_factor(op: str, n: int) -> float:
 
 def make_call(comm: MPI.Comm, op: str, nbytes: int):
     """The timed call of ``op`` on ``nbytes`` (buffers allocated here, outside it)."""
+    from mpi4py import MPI
+
     n, rank = comm.Get_size(), comm.Get_rank()
     numel = nbytes // 4 // n * n
     big = np.full(numel, rank + 1.0, dtype=np.float32)
@@ -103,6 +113,8 @@ def uneven_counts(numel: int, n: int) -> list[list[int]]:
 
 def _v_calls(comm: MPI.Comm, nbytes: int) -> dict:
     """The v-forms (module docstring), buffers allocated here."""
+    from mpi4py import MPI
+
     n, rank = comm.Get_size(), comm.Get_rank()
     numel = nbytes // 4 // n * n
     big = np.full(numel, rank + 1.0, dtype=np.float32)
@@ -126,6 +138,15 @@ def _v_calls(comm: MPI.Comm, nbytes: int) -> dict:
         "v_all_to_all_list": lambda: comm.Alltoallv(
             [big, even, displs, MPI.FLOAT], [landing, even, displs, MPI.FLOAT]),
     }
+
+
+def load_mpi():
+    """``mpi4py.MPI`` for a script's ``main``, or an exit naming the extra that brings it."""
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise SystemExit(f'{e}: the MPI reference needs mpi4py: pip install -e ".[mpi]"') from None
+    return MPI
 
 
 def default_rounds(nbytes: int) -> tuple[int, int, int]:
@@ -191,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     for op in ops:
         if op not in OPS:
             parser.error(f"--ops: unknown op {op!r}; allowed: {', '.join(OPS)}")
-    comm = MPI.COMM_WORLD
+    comm = load_mpi().COMM_WORLD
     rows = []
     for op in ops:
         for nbytes in sizes:

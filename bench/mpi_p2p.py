@@ -18,15 +18,20 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
 import numpy as np
-from mpi4py import MPI
-from mpi_collectives import time_call  # this script's folder is on sys.path
+from mpi_collectives import load_mpi, time_call  # this script's folder is on sys.path
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 OPS = ("torch_send_recv", "torch_exchange")
 
 
 def make_call(comm: MPI.Comm, op: str, nbytes: int):
+    from mpi4py import MPI
+
     rank, n = comm.Get_rank(), comm.Get_size()
     peer = rank ^ 1  # an odd world's last rank sits out
     message = np.full(nbytes // 4, rank + 1.0, dtype=np.float32)
@@ -73,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     for op in ops:
         if op not in OPS:
             parser.error(f"--ops: unknown op {op!r}; allowed: {', '.join(OPS)}")
-    comm = MPI.COMM_WORLD
+    comm = load_mpi().COMM_WORLD
     rows = [measure(comm, op, int(size), args.rounds, args.warmup, args.iterations,
                     args.max_seconds) for op in ops for size in args.sizes.split(",")]
     if comm.Get_rank() == 0:

