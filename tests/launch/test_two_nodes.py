@@ -4,7 +4,11 @@ The nodes are joined by one veth pair with no route out (10.213.34.1 and .2, a /
 only inside the two namespaces), each has its own hostname (``node0``, ``node1``), its own
 tmpfs on ``/dev/shm`` and ``/tmp``, and a Debian-style ``/etc/hosts`` (its own name on
 127.0.1.1, the other's on the veth); ``FASTCOMM_HOST_ID`` is unset, so fastcomm tells the
-hosts apart as it would two machines. Root and ``ip netns`` are needed: skipped elsewhere.
+hosts apart as it would two machines. The checkout and this interpreter's prefixes are bound
+back over the node's own ``/tmp`` and ``/dev/shm`` where they lie there (CI's clone, a venv in
+a temporary folder), and the node runs ``sys.executable``: the nodes import what pytest does.
+Root, ``ip netns`` (iproute2), ``unshare`` and ``mount`` (util-linux) are needed: skipped
+elsewhere.
 
 Everything made here (namespaces, the veth pair, mounts, processes) goes when the module ends,
 also on failure: each node runs under ``unshare --kill-child`` as PID 1 of its own PID
@@ -15,9 +19,11 @@ mount namespace, and deleting the network namespaces deletes the veth pair.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -31,18 +37,35 @@ PORT = 29534  # inside the namespaces only: nothing else listens there
 FAST = "keep_alive_interval=0.5,keep_alive_max_attempt=4,last_call_timeout=1"
 
 
+NEEDS = (
+    "the two-node tests need root (network, UTS, mount and PID namespaces), `ip` (iproute2), "
+    "`unshare` and `mount` (util-linux), and leave to run `ip netns add`"
+)
+HIDDEN = ("/tmp", "/dev/shm")  # each node mounts a tmpfs of its own on these
+
+
 def _why_not() -> str | None:
     if os.name != "posix" or os.geteuid() != 0:
-        return "needs root (network, mount and PID namespaces)"
-    for tool in ("ip", "unshare", "mount"):
-        if shutil.which(tool) is None:
-            return f"needs {tool!r} (iproute2 / util-linux)"
+        return f"{NEEDS}: not root"
+    missing = [tool for tool in ("ip", "unshare", "mount") if shutil.which(tool) is None]
+    if missing:
+        return f"{NEEDS}: {', '.join(missing)} not found"
     probe = f"fcprobe{os.getpid()}"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if made.returncode != 0:
-        return f"`ip netns add` is not allowed here: {made.stderr.strip()}"
+        return f"{NEEDS}: `ip netns add` failed here: {made.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
+
+
+def _bound_back() -> list[str]:
+    """Paths the node's tmpfs mounts would hide that its processes need: the checkout (also the
+    editable install's target) and the interpreter's prefixes, as named and as resolved, under
+    ``/tmp`` or ``/dev/shm``; a path inside another one comes with it."""
+    named = {str(REPO), sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    paths = {os.path.abspath(p) for p in named} | {os.path.realpath(p) for p in named}
+    hidden = [p for p in paths if any(p == h or p.startswith(h + "/") for h in HIDDEN)]
+    return [p for p in sorted(hidden) if not any(p.startswith(q + "/") for q in hidden)]
 
 
 _REASON = _why_not()
@@ -86,17 +109,21 @@ class Nodes:
         env = clean_env()
         env.pop("FASTCOMM_HOST_ID", None)
         env.pop("GLOO_SOCKET_IFNAME", None)
-        inner = (
-            # the checkout is held on /mnt/.repoN and bound back over the node's own /tmp, so a
-            # checkout (and an editable install) under /tmp stays importable on the node
-            f"hostname node{i} && mount --bind {self.shared} /mnt && "
-            f"mkdir -p /mnt/.repo{i} && mount --bind {REPO} /mnt/.repo{i} && "
-            f"mount -t tmpfs tmpfs /tmp && mkdir -p {REPO} && mount --bind /mnt/.repo{i} {REPO} && "
-            "mount -t tmpfs tmpfs /dev/shm && "
-            f"mount --bind /mnt/hosts{i} /etc/hosts && cd /mnt && "
-            f"exec python -m fastcomm.launch {' '.join(args)} "
-            f"> /mnt/{name}.out 2> /mnt/{name}.err"
-        )
+        # what the tmpfs mounts hide (_bound_back) is held on /mnt/.hold<i>-<k> first, then
+        # bound back over the node's own /tmp and /dev/shm
+        paths = [shlex.quote(p) for p in _bound_back()]
+        hold = [f"/mnt/.hold{i}-{k}" for k in range(len(paths))]
+        inner = " && ".join([
+            f"hostname node{i}",
+            f"mount --bind {shlex.quote(str(self.shared))} /mnt",
+            *(f"mkdir -p {h} && mount --bind {p} {h}" for p, h in zip(paths, hold, strict=True)),
+            *(f"mount -t tmpfs tmpfs {h}" for h in HIDDEN),
+            *(f"mkdir -p {p} && mount --bind {h} {p}" for p, h in zip(paths, hold, strict=True)),
+            f"mount --bind /mnt/hosts{i} /etc/hosts",
+            "cd /mnt",
+            f"exec {shlex.quote(sys.executable)} -m fastcomm.launch {shlex.join(args)} "
+            f"> /mnt/{name}.out 2> /mnt/{name}.err",
+        ])
         cmd = [
             "ip", "netns", "exec", self.netns[i],
             "unshare", "--uts", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
