@@ -28,6 +28,14 @@ _CTX = mp.get_context("spawn")
 # Per-rank state that survives between checks of one pool (communicators, say).
 STATE: dict[str, Any] = {}
 
+#: Environment of ranks that run the Triton kernels on CPU memory: forced, in Triton's
+#: interpreter. The interpreter must be on before triton's first import; a rank is a fresh
+#: (spawned) process that imports triton only after `_worker` set this, so it holds even where
+#: pytest's own process imported triton compiled (a CUDA machine, where the root conftest leaves
+#: ``TRITON_INTERPRET`` unset). Keep CUDA kernels out of such pools: the interpreter cannot
+#: follow device addresses.
+INTERPRETED_KERNELS = {"FASTCOMM_KERNELS": "triton", "TRITON_INTERPRET": "1"}
+
 
 class RankFailure(AssertionError):
     """One or more ranks raised (or never finished) a check.

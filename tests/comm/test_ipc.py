@@ -1,10 +1,11 @@
 """The ipc communicator on CPU: the shm schedules with the ``peer_reduce`` kernel as reduction.
 
-2, 3 and 4 real ranks run the kernel in Triton's interpreter (``FASTCOMM_KERNELS=triton`` in
-their environment), reading each other's slots at the addresses where each process mapped the
-shared segment. 4 KiB slots make every size class cheap: 1 element, 7 (not divisible by any
-world size here), a two-step all-reduce of one round, and a tensor of three and a bit slots,
-which streams through the workspace in four rounds of reduce-scatter + all-gather.
+2, 3 and 4 real ranks run the kernel in Triton's interpreter (``FASTCOMM_KERNELS=triton`` and
+``TRITON_INTERPRET=1`` in their environment, on a CUDA machine too), reading each other's slots
+at the addresses where each process mapped the shared segment. 4 KiB slots make every size
+class cheap: 1 element, 7 (not divisible by any world size here), a two-step all-reduce of one
+round, and a tensor of three and a bit slots, which streams through the workspace in four
+rounds of reduce-scatter + all-gather.
 
 References: the kernel accumulates in fp32 and rounds once, so the oracle is
 ``peer_reduce_reference`` over every rank's input (the same seeded tensors on every rank),
@@ -29,7 +30,7 @@ import torch
 from fastcomm import CommTimeoutError, ReduceOp
 from fastcomm.comm.shm.segment import PREFIX, SHM_DIR
 from tests.comm.test_collectives import make_input, reduce_reference
-from tests.harness import STATE, RankPool, fresh_comm, rank_store
+from tests.harness import INTERPRETED_KERNELS, STATE, RankPool, fresh_comm, rank_store
 
 pytestmark = [
     pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs POSIX shared memory"),
@@ -282,7 +283,18 @@ def test_reference_reduce_matches_the_kernel_reference_bit_for_bit(monkeypatch, 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"world{n}")
 def pool(request):
-    with RankPool(request.param, env={"FASTCOMM_KERNELS": "triton"}, timeout=120) as p:
+    """Ranks whose CPU reduction is the kernel, interpreted (even on a CUDA machine)."""
+    with RankPool(request.param, env=INTERPRETED_KERNELS, timeout=120) as p:
+        yield p
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"world{n}")
+def cuda_pool(request):
+    """Ranks sharing GPU 0 with triton compiled: the CUDA transport's kernels cannot run in
+    the interpreter of `pool`'s ranks (it cannot follow device addresses)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    with RankPool(request.param, env={"CUDA_VISIBLE_DEVICES": "0"}, timeout=300) as p:
         yield p
 
 
@@ -327,11 +339,11 @@ def test_cuda_transport_failure_means_gloo_with_one_log_line(pool, unique_name):
 
 
 @pytest.mark.gpu
-def test_cuda_all_reduce_takes_the_transport_and_the_rest_gloo(pool, unique_name):
-    n = pool.world_size
+def test_cuda_all_reduce_takes_the_transport_and_the_rest_gloo(cuda_pool, unique_name):
+    n = cuda_pool.world_size
     want = {"SUM": n * (n + 1) / 2, "AVG": (n + 1) / 2, "MAX": float(n),
             "PRODUCT": float(math.factorial(n))}
-    for built, got, broadcast in pool.run(check_cuda_routes, unique_name):
+    for built, got, broadcast in cuda_pool.run(check_cuda_routes, unique_name):
         assert built, "the CUDA IPC transport was not built"
         for (op, numel), values in got.items():
             assert values == [want[op]], (op, numel, values)

@@ -32,7 +32,7 @@ from fastcomm.comm.ipc.buckets import (
 from fastcomm.comm.ipc.cuda import Barrier, EpochClock, Reduce, call_descriptor, describe_call
 from fastcomm.comm.types import ReduceOp
 from fastcomm.kernels._peer_signal import CONTROL_WORDS, flag_area_words
-from tests.harness import RankPool, map_peer_files, rank_comm
+from tests.harness import INTERPRETED_KERNELS, RankPool, map_peer_files, rank_comm
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -180,7 +180,7 @@ def twin_missing(name: str, absent: int):
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"world{n}")
 def twin(request):
-    with RankPool(request.param, env={"FASTCOMM_KERNELS": "triton"}, timeout=240) as p:
+    with RankPool(request.param, env=INTERPRETED_KERNELS, timeout=240) as p:
         yield p
 
 
@@ -300,7 +300,7 @@ def check_ddp_on_twin(name: str, divide_by_initial: bool | None):
 
 @pytest.fixture(scope="module")
 def ddp_pool():
-    with RankPool(2, env={"FASTCOMM_KERNELS": "triton"}, timeout=240) as p:
+    with RankPool(2, env=INTERPRETED_KERNELS, timeout=240) as p:
         yield p
 
 

@@ -40,7 +40,8 @@ from fastcomm.comm.ipc.cuda import (
 )
 from fastcomm.comm.types import ReduceOp
 from fastcomm.kernels._peer_signal import CONTROL_WORDS, DISAGREE, flag_area_words
-from tests.harness import STATE, RankPool, map_peer_files, rank_store
+from tests.harness import INTERPRETED_KERNELS, STATE, RankPool, map_peer_files, rank_store
+from tests.kernels.helpers import needs_interpreter
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -382,7 +383,7 @@ def twin_without(absent: int, max_spins: int):
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"world{n}")
 def twin(request):
-    with RankPool(request.param, env={"FASTCOMM_KERNELS": "triton"}, timeout=240) as p:
+    with RankPool(request.param, env=INTERPRETED_KERNELS, timeout=240) as p:
         p.run(_twin_open, f"w{request.param}-{os.getpid()}")
         yield p
         p.run(_twin_close)
@@ -627,6 +628,7 @@ def test_gpu_transports_leave_no_memory_behind(gpu_pool, unique_name):
 
 
 # ---------------------------------------------------------------------- the data step alone
+@needs_interpreter  # the kernel follows addresses of CPU tensors, in this process
 @pytest.mark.parametrize("to_all", [False, True])
 def test_reduce_step_reads_and_writes_at_the_offsets(monkeypatch, to_all):
     monkeypatch.setenv("FASTCOMM_KERNELS", "triton")

@@ -4,9 +4,10 @@
 - 2 ranks over NCCL: a GPU each where there are two, else sharing GPU 0 where NCCL allows it
   (>= 2.30 with ``NCCL_MULTI_RANK_GPU_ENABLE=1``), else skipped with the reason
   (``tests/comm/gpu_layout.py``);
-- 2 ranks sharing GPU 0 over Gloo (what works with any NCCL): fastcomm's Gloo communicator,
-  the shm communicator (CUDA tensors go through its Gloo fallback) and ``fastcomm.init()``
-  (which picks a CPU backend there, NCCL refusing a shared GPU) against torch DDP on Gloo.
+- 2 ranks sharing GPU 0 (what works with any NCCL): fastcomm's Gloo communicator, the shm
+  communicator (CUDA tensors go through its Gloo fallback) and ``fastcomm.init()`` (which picks
+  ``ipc`` there, NCCL refusing a shared GPU: CUDA all-reduces by its kernels over CUDA IPC, the
+  other CUDA ops through Gloo) against torch DDP on Gloo.
 
 Both wrappers train the same model on the same per-rank batches; parameters must agree to
 ``atol=1e-6`` (cuBLAS may pick different kernels for the two copies' matmuls, so bit equality
@@ -34,10 +35,11 @@ def _comm(backend: str, device: torch.device):
     if backend != "init":
         return rank_comm(backend)
     comm = fastcomm.init(timeout=120)
-    # two ranks on one GPU without NCCL sharing: a CPU backend, CUDA tensors through Gloo
-    assert comm.backend in ("shm", "gloo"), comm
-    if comm.backend == "shm":
-        assert comm.route(device) is comm.fallback
+    # two ranks on one GPU without NCCL sharing (fastcomm.comm.world.shared_gpu_backend): ipc,
+    # its CUDA all_reduce its own, every other CUDA op through its Gloo fallback
+    assert comm.backend == "ipc", comm
+    assert comm.route(device, "all_reduce") is comm
+    assert comm.route(device) is comm.fallback
     return comm
 
 
@@ -125,7 +127,7 @@ def test_gpu_against_torch_ddp(world, backend):
             results = pool.run(check_gpu_against_torch, backend, bucket_view, None)
             assert len(results) == world
         if backend == "init":  # the choice init() made on a shared GPU
-            assert {b for _, _, b in results} <= {"shm", "gloo"}, results
+            assert {b for _, _, b in results} == {"ipc"}, results
         if backend == "nccl":
             pool.run(check_gpu_against_torch, backend, False, "fp16_compress_hook")
         pool.run(check_gpu_against_torch, backend, False, "torch_powersgd")

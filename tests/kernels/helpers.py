@@ -17,6 +17,29 @@ needs_cuda = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 
 
+def _interpreting() -> bool:
+    if not HAS_TRITON:
+        return False
+    from fastcomm.kernels import _launch
+
+    return _launch._interpreting()
+
+
+#: Whether this process's triton was imported in interpreter mode (``TRITON_INTERPRET=1``
+#: before its first import: what the root ``tests/conftest.py`` sets on machines without CUDA).
+INTERPRETING = _interpreting()
+
+#: Mark for in-process checks that run a Triton kernel on CPU memory (CPU tensors, or address
+#: tables of CPU mappings): only the interpreter follows those, and it cannot be turned on once
+#: triton is imported compiled (pytest's process on a CUDA machine), so they skip there, saying
+#: why. Multi-process checks run them anyway: their ranks get `tests.harness.INTERPRETED_KERNELS`.
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRETING,
+    reason="Triton kernels on CPU memory need the interpreter, and triton was imported in "
+    "compiled mode in this process (TRITON_INTERPRET is read at import)",
+)
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The bit patterns of a 16-bit float tensor as int32 (adjacent floats differ by 1)."""
     return t.view(torch.int16).to(torch.int32)

@@ -10,9 +10,9 @@ it follows CUDA IPC mappings on a GPU. The two allreduce schedules run as in a t
   chunk ``r`` of every rank's result slot (reduce-scatter and all-gather in one kernel).
 
 Between the steps the ranks meet at a store barrier (a transport uses flags in the segment).
-The kernels run in Triton's interpreter (``FASTCOMM_KERNELS=triton``); every rank checks its
-result against the torch reference over the same seeded inputs, bit for bit except for bf16's
-interpreter truncation, and all ranks must agree exactly.
+The kernels run in Triton's interpreter (`tests.harness.INTERPRETED_KERNELS`, on a CUDA machine
+too); every rank checks its result against the torch reference over the same seeded inputs, bit
+for bit except for bf16's interpreter truncation, and all ranks must agree exactly.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import os
 import pytest
 import torch
 
-from tests.harness import STATE, RankPool, map_peer_files, rank_store
+from tests.harness import INTERPRETED_KERNELS, STATE, RankPool, map_peer_files, rank_store
 
 from .helpers import HAS_TRITON
 
@@ -105,7 +105,7 @@ def mapped_addresses() -> list[int]:
 # ---------------------------------------------------------------------- tests
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"world{n}")
 def pool(request):
-    with RankPool(request.param, env={"FASTCOMM_KERNELS": "triton"}, timeout=120) as p:
+    with RankPool(request.param, env=INTERPRETED_KERNELS, timeout=120) as p:
         p.run(_map_slots, f"w{request.param}-{os.getpid()}")
         yield p
         p.run(_unmap)
