@@ -80,12 +80,10 @@ class SharedRequest(NamedTuple):
     Attributes:
         device: the device of the shared buckets.
         params: the parameters whose buckets go there.
-        staged: whether the region stages fresh gradients (its CPU buckets' ``stage``).
     """
 
     device: torch.device
     params: list[torch.Tensor]
-    staged: bool
 
 
 def shared_request(
@@ -112,7 +110,7 @@ def shared_request(
         sizes = [p.numel() * p.element_size() for p in chosen]
         if sum(sizes) < config.shared_min_mean_bytes * len(sizes):
             return None
-    return SharedRequest(device, chosen, staged=device.type == "cpu")
+    return SharedRequest(device, chosen)
 
 
 def grads_are_views(config: DDPConfig, shared: bool) -> bool:

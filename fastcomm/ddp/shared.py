@@ -83,19 +83,20 @@ class SharedBuckets:
 
     Attributes:
         region: the communicator's ``BucketRegion``.
-        staged: whether its buckets stage fresh gradients (CPU: ``SharedBucket.stage``).
+        staged: whether its buckets stage fresh gradients (the region's ``stages``: shm's
+            ``SharedBucket.stage``; ipc's buckets stage nothing).
     """
 
-    def __init__(self, region, device: torch.device, staged: bool) -> None:
+    def __init__(self, region, device: torch.device) -> None:
         self.region = region
         self.device = device
-        self.staged = staged
+        self.staged = region.stages
         self.begin_layout()
 
     @classmethod
     def create(cls, comm, request, cap_mb: float | None) -> SharedBuckets | None:
         """The region `request` asks for (a ``plan.SharedRequest``: the device, the parameters
-        whose buckets it holds, whether it stages), or ``None`` with a warning when the
+        whose buckets it holds), or ``None`` with a warning when the
         communicator cannot make it (over the cap, ``/dev/shm`` too small, the GPU out of
         memory). A collective: every rank's reducer calls it with the same request."""
         # buckets start at BUCKET_ALIGN boundaries: padding each parameter so bounds any
@@ -114,7 +115,7 @@ class SharedBuckets:
                 stacklevel=4,
             )
             return None
-        return cls(region, request.device, request.staged)
+        return cls(region, request.device)
 
     def begin_layout(self) -> None:
         """Starts laying out a new set of buckets from the region's beginning (a build or a
@@ -129,7 +130,7 @@ class SharedBuckets:
             return None
         shared = self.region.bucket(self._slot, self._offset, bucket.dtype, bucket.numel)
         shared.flat.zero_()
-        if self.staged:  # ipc's CUDA buckets stage nothing
+        if self.staged:
             self._staged.append(shared.sources)
         self._slot += 1
         self._offset += _padded(shared.nbytes)

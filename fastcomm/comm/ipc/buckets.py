@@ -187,6 +187,9 @@ class PeerBucketRegion:
             ``shared_all_reduce`` of its bytes), or ``None``.
     """
 
+    stages = False
+    """Its buckets stage nothing: a fresh gradient reaches them as a whole copy."""
+
     def __init__(self, rank: int, size: int, layout: RegionLayout, area: torch.Tensor,
                  bases: torch.Tensor, control: torch.Tensor, max_spins: int,
                  timeout_s: float) -> None:

@@ -206,6 +206,10 @@ class BucketRegion:
         nbytes: bytes of the whole segment (every rank's area and the control blocks).
     """
 
+    stages = True
+    """Its buckets take fresh gradients' slices where autograd left them, copied at launch
+    (:meth:`SharedBucket.stage`), as well as whole copies."""
+
     def __init__(self, name: str, layout: _RegionLayout, mm, rank: int, timeout_s: float,
                  spin_us: float, yield_us: float) -> None:
         self.name = name
