@@ -1,6 +1,9 @@
 """Worker-side wrapper the agent starts every worker through (standard library only).
 
-The agent runs ``python -u <this file> [--module] -- TARGET ARGS...``; this wrapper
+The agent runs ``python -u <this file> [--module] [--cpus LIST] -- TARGET ARGS...``; this wrapper
+
+* with ``--cpus 0-15,32`` (``--numa-binding``) binds itself to those CPUs first, as
+  ``numactl --physcpubind`` does under torchrun (threads and children inherit it);
 
 * makes ``sys.argv``/``sys.path[0]`` what ``python TARGET ARGS`` (or ``python -m``) would give,
   then runs the target with ``runpy`` as ``__main__``;
@@ -111,6 +114,18 @@ def _record(exc: BaseException, tb) -> None:
         sys.stderr.write(f"[fastcomm-run] could not write the error file {path}: {err}\n")
 
 
+def _bind_cpus(text: str) -> None:
+    cpus = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    try:
+        os.sched_setaffinity(0, cpus)
+    except (AttributeError, OSError) as err:
+        sys.stderr.write(f"[fastcomm-run] --numa-binding: cannot bind to CPUs {text}: {err}\n")
+        sys.exit(1)
+
+
 def _run_python(module: bool, target: str, args: list) -> None:
     import runpy
 
@@ -124,14 +139,16 @@ def _run_python(module: bool, target: str, args: list) -> None:
 
 
 def main() -> None:
-    """Parses ``[--module|--exec] -- TARGET ARGS...`` and runs the target as described above."""
+    """Parses ``[--module|--exec] [--cpus LIST] -- TARGET ARGS...``; runs the target as above."""
     argv = sys.argv[1:]
     try:
         split = argv.index("--")
     except ValueError:
-        sys.stderr.write("usage: _bootstrap.py [--module|--exec] -- TARGET [ARGS...]\n")
+        sys.stderr.write("usage: _bootstrap.py [--module|--exec] [--cpus LIST] -- TARGET ...\n")
         sys.exit(2)
     opts, target, args = argv[:split], argv[split + 1], argv[split + 2 :]
+    if "--cpus" in opts:
+        _bind_cpus(opts[opts.index("--cpus") + 1])
     pid_text = os.environ.pop(AGENT_PID_ENV, "")
     agent_pid = int(pid_text) if pid_text.isdigit() else None
     if "--exec" in opts:

@@ -42,6 +42,7 @@ from fastcomm.comm.store import Store
 
 from .config import SECRET_ENV, SECRET_FILE_ENV, LaunchConfig, read_job_secret, std_for
 from .errors import Failure, LaunchError, UsageError, format_report, headline, read_error_file
+from .events import EventLog
 from .net import interface_of, listen_address
 from .rendezvous import (
     Interrupted,
@@ -129,6 +130,19 @@ class Agent:
         self._round: RoundInfo | None = None
         self._watch: _RoundWatch | None = None
         self._env: dict[str, str] = {}
+        self._last_workers: list = []
+        """The workers of the last round that ran (their end states, for the events)."""
+        self._outcome: tuple[RoundInfo, list[Failure] | None] | None = None
+        """The last round and, if the job failed, this node's failures (for the events)."""
+        self.events = EventLog(
+            config.event_log_handler,
+            run_id=config.run_id,
+            role=config.role,
+            backend=config.rdzv_backend,
+            host=self.host,
+            max_restarts=config.max_restarts,
+            entry_point=config.entrypoint if config.no_python else config.python,
+        )
 
     # ------------------------------------------------------------------ logging
     def log(self, message: str, *, always: bool = True) -> None:
@@ -180,8 +194,11 @@ class Agent:
     def run(self) -> int:
         """Runs the job on this node until it ends; returns the launcher's exit status."""
         self._install_signals()
+        started = time.monotonic()
+        code = None
         try:
-            return self._run()
+            code = self._run()
+            return code
         except Interrupted as exc:
             name = signal.Signals(exc.signum).name
             self.log(f"received {name}; stopping the workers")
@@ -216,6 +233,9 @@ class Agent:
             return 1
         finally:
             self._stop_workers()
+            if self._outcome is not None:
+                self.events.job_end(*self._outcome, self._last_workers)
+            self.events.agent_end(started, ok=code is not None, group_rank=self.group_rank)
             self._restore_signals()
             self._cleanup_dirs()
 
@@ -300,7 +320,7 @@ class Agent:
             node_rank=cfg.node_rank if cfg.rdzv_backend == "static" else None,
         )
         self.rdzv = rdzv = Rendezvous(store, cfg, node, self.check_stop, self.info, listen=listen)
-        info = rdzv.next_round()
+        info = self._next_round()
         while True:
             if info is JobEnded.OK:
                 self.log("the job finished before this node was admitted")
@@ -313,10 +333,12 @@ class Agent:
             kind, payload, local = self._run_round(info)
             self._round = None
             if kind is RoundEnd.SUCCESS:
+                self._outcome = (info, None)
                 rdzv.exit_barrier(info, self.is_host)
                 return 0
             if kind is RoundEnd.FAILURE:
                 if info.restart_count >= cfg.max_restarts:
+                    self._outcome = (info, local)
                     return self._give_up(info, local)
                 self._announce_restart(info, payload, info.restart_count + 1)
             else:
@@ -324,7 +346,18 @@ class Agent:
                     f"a new node is waiting; restarting the workers to admit it "
                     f"(round {info.round + 1}, not counted as a restart)"
                 )
-            info = rdzv.next_round(from_round=info.round + 1, prev_group_rank=info.group_rank)
+            info = self._next_round(from_round=info.round + 1, prev_group_rank=info.group_rank)
+
+    def _next_round(self, **kwargs):
+        """``Rendezvous.next_round``, timed as torch's ``RENDEZVOUS`` event."""
+        start = time.perf_counter()
+        info = self.rdzv.next_round(**kwargs)
+        self.events.agent(
+            "RENDEZVOUS",
+            restarts=getattr(info, "restart_count", 0),
+            duration_ms=(time.perf_counter() - start) * 1000,
+        )
+        return info
 
     def _gloo_interface(self, listen: str) -> None:
         """Has the workers' Gloo (fastcomm's and torch's) use the interface of ``listen``
@@ -365,10 +398,13 @@ class Agent:
         attempt = os.path.join(self._attempt_root(), f"attempt_{info.round}")
         role_base, role_world = info.role_ranks(cfg.role)
         if cfg.no_python:
-            base_cmd = [cfg.python, BOOTSTRAP, "--exec", "--", cfg.entrypoint]
+            base_cmd, mode = [cfg.python, BOOTSTRAP], ["--exec"]
         else:
-            mode = ["--module"] if cfg.module else []
-            base_cmd = [cfg.python, "-u", BOOTSTRAP, *mode, "--", cfg.entrypoint]
+            base_cmd, mode = [cfg.python, "-u", BOOTSTRAP], ["--module"] if cfg.module else []
+
+        def cpus(local_rank: int) -> list[str]:  # --numa-binding
+            return [] if cfg.worker_cpus is None else ["--cpus", cfg.worker_cpus[local_rank]]
+
         specs = []
         for local_rank in range(cfg.nproc_per_node):
             rank = info.rank_offset + local_rank
@@ -412,7 +448,7 @@ class Agent:
                 WorkerSpec(
                     local_rank=local_rank,
                     rank=rank,
-                    cmd=[*base_cmd, *cfg.args],
+                    cmd=[*base_cmd, *mode, *cpus(local_rank), "--", cfg.entrypoint, *cfg.args],
                     env=env,
                     log_dir=log_dir,
                     error_file=error_file,
@@ -457,9 +493,25 @@ class Agent:
         return kind, payload, watch.failures
 
     def _start_workers(self, info: RoundInfo) -> None:
-        self.group = WorkerGroup(self._worker_specs(info))
+        start = time.perf_counter()
+        specs = self._worker_specs(info)
+        self.events.agent(
+            "ASSIGN_WORKER_RANKS",
+            restarts=info.restart_count,
+            duration_ms=(time.perf_counter() - start) * 1000,
+        )
+        self.group = WorkerGroup(
+            specs,
+            duplicate_filters={
+                "stdout": self.config.duplicate_stdout_filters,
+                "stderr": self.config.duplicate_stderr_filters,
+            },
+        )
+        self._last_workers = self.group.workers
         self.check_stop()
         self.group.start()
+        for worker in self.group.workers:
+            self.events.worker("START", info, worker)
         self.info(
             f"round {info.round}: started local ranks "
             f"{info.rank_offset}..{info.rank_offset + self.config.nproc_per_node - 1} "

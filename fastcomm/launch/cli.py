@@ -7,10 +7,23 @@ anything starts: a bad flag, ``--nnodes 3:2``, ``--monitor-interval inf``, a ``-
 cannot be created, a missing script... print one usage error line (no traceback) and exit with
 status 2; so does a rendezvous port another process holds, found when the agent binds it.
 
-Flags torchrun has but fastcomm-run does not implement (``--start-method``, ``--logs-specs``,
-``--event-log-handler``, ``--numa-binding``, ``--duplicate-*-filters``) are accepted and ignored
-with a warning, so existing command lines keep working; ``--run-path`` runs the script the
-ordinary way (in a fresh interpreter).
+No flag is accepted and then ignored. Each does what torchrun 2.13 does, or a value
+fastcomm-run cannot honour is refused with one usage error line (exit 2) that names the flag,
+the value and what to do instead; a default value is always accepted silently:
+
+* ``--duplicate-{stdout,stderr}-filters``: tee'd lines that match go to ``filtered_*.log``;
+  refused when no local rank tees that stream to the console (there would be nothing to copy);
+* ``--event-log-handler``: ``console`` logs torchelastic's events as JSON lines on stderr;
+  ``null``/``dynamic_rendezvous`` drop them; other names are refused;
+* ``--numa-binding``: each worker bound to the CPUs near its GPU (``numa.py``); refused
+  without CUDA;
+* ``--run-path``: the script runs with ``runpy.run_path`` in a new interpreter, taking
+  precedence over ``--no-python`` (refused with ``--module``); ``--start-method``: torchrun uses
+  it only with ``--run-path``, where fastcomm-run refuses ``fork``/``forkserver`` (its workers
+  are always new interpreters); with a script it has no effect in either (a warning says so);
+* ``--logs-specs``: refused (no ``torchrun.logs_specs`` plugin is loaded);
+* ``--node-rank`` with c10d, ``--master-addr``/``--master-port`` with c10d or an endpoint:
+  unused, with a warning, as torchrun; ``--rdzv-conf store_type`` other than ``tcp``: refused.
 """
 
 from __future__ import annotations
@@ -21,6 +34,8 @@ import sys
 import uuid
 
 from .config import (
+    EVENT_LOG_HANDLERS,
+    RDZV_CONF_KEYS,
     SECRET_ENV,
     SECRET_FILE_ENV,
     LaunchConfig,
@@ -28,12 +43,14 @@ from .config import (
     conf_bool,
     conf_float,
     parse_endpoint,
+    parse_filters,
     parse_nnodes,
     parse_rdzv_conf,
     parse_std,
     read_job_secret,
 )
 from .net import is_local_address, is_wildcard
+from .numa import NUMA_MODES, worker_cpus
 
 __all__ = ["main", "get_parser", "parse_config"]
 
@@ -105,15 +122,19 @@ def get_parser() -> argparse.ArgumentParser:
     _opt(p, "--monitor-interval", type=float, default=0.1,
          help="seconds between checks of the workers")
     _opt(p, "--start-method", default="spawn", choices=["spawn", "fork", "forkserver"],
-         help="ignored: workers are always new processes")
-    _opt(p, "--event-log-handler", default="null", help="ignored")
+         help="how --run-path workers start: spawn only (workers are always new interpreters); "
+         "no effect on a script's workers, as torchrun")
+    _opt(p, "--event-log-handler", default="null",
+         help=f"where torchelastic events go: {', '.join(EVENT_LOG_HANDLERS)} (console: JSON "
+         "lines on stderr)")
     _opt(p, "--role", default="default", help="ROLE_NAME of the workers")
     # how the script runs
     _opt(p, "-m", "--module", action=_CheckEnv, help="run the script as a module (python -m)")
     _opt(p, "--no-python", action=_CheckEnv,
          help="execute the script directly, not through python")
     _opt(p, "--run-path", action=_CheckEnv,
-         help="accepted for compatibility; the script runs as with plain python")
+         help="run the script with runpy.run_path (in a new interpreter); takes precedence "
+         "over --no-python")
     # output
     _opt(p, "--log-dir", default=None,
          help="base directory of logs and error files (<run_id>_<random>/attempt_<round>/"
@@ -123,8 +144,11 @@ def get_parser() -> argparse.ArgumentParser:
     _opt(p, "-t", "--tee", default="0", help="streams to files and the console (same syntax)")
     _opt(p, "--local-ranks-filter", default="",
          help="local ranks whose output is shown on the console (e.g. 0,1)")
-    _opt(p, "--duplicate-stdout-filters", default="", help="ignored")
-    _opt(p, "--duplicate-stderr-filters", default="", help="ignored")
+    _opt(p, "--duplicate-stdout-filters", default="",
+         help="comma-separated substrings (,, escapes a comma): tee'd stdout lines holding one "
+         "are copied to <attempt dir>/filtered_stdout.log")
+    _opt(p, "--duplicate-stderr-filters", default="",
+         help="the same for stderr (filtered_stderr.log)")
     # static rendezvous and addresses
     _opt(p, "--node-rank", type=int, default=0, help="this node's rank (static backend)")
     _opt(p, "--master-addr", default="127.0.0.1",
@@ -135,8 +159,11 @@ def get_parser() -> argparse.ArgumentParser:
          help="address of this machine the other nodes reach it at; its stores listen there "
          "(default: 127.0.0.1 for a single node, else the address that routes to the "
          "rendezvous host)")
-    _opt(p, "--logs-specs", action="store", default=None, help="ignored")
-    _opt(p, "--numa-binding", action="store", default=None, help="ignored")
+    _opt(p, "--logs-specs", action="store", default=None,
+         help="not supported: no torchrun.logs_specs plugin is loaded (use --log-dir, "
+         "--redirects, --tee)")
+    _opt(p, "--numa-binding", action="store", default=None, choices=NUMA_MODES,
+         help="bind each worker to the CPUs near its GPU cuda:LOCAL_RANK (needs CUDA)")
     # signals
     _opt(p, "--signals-to-handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
          help="signals the launcher forwards to the workers")
@@ -204,7 +231,13 @@ def parse_config(args: argparse.Namespace) -> LaunchConfig:
                 f"--standalone runs a single node; it contradicts --nnodes {args.nnodes}"
             )
         backend, endpoint, run_id = "c10d", "localhost:0", str(uuid.uuid4())
-    elif backend == "static" and not endpoint and args.master_port is None and max_nodes == 1:
+    elif (
+        backend == "static"
+        and not endpoint
+        and args.master_port is None
+        and max_nodes == 1
+        and args.node_rank == 0  # else static, so --node-rank 1 of 1 node is refused
+    ):
         backend, endpoint, run_id = "c10d", "localhost:0", str(uuid.uuid4())
     elif backend == "c10d" and not endpoint:
         if max_nodes > 1:
@@ -218,31 +251,25 @@ def parse_config(args: argparse.Namespace) -> LaunchConfig:
     if backend == "static" and not endpoint:
         endpoint = f"{args.master_addr}:{master_port}"
     host, port = parse_endpoint(endpoint, default_port=29400 if backend == "c10d" else None)
-    if backend != "static" and args.node_rank != 0:
-        _warn("--node-rank is only used by the static backend; ignored")
+    _warn_unused_addresses(args, backend)
     for key in conf:
-        if key not in (
-            "join_timeout",
-            "last_call_timeout",
-            "close_timeout",
-            "read_timeout",
-            "timeout",
-            "is_host",
-            "keep_alive_interval",
-            "keep_alive_max_attempt",
-            "rank",
-        ):
-            _warn(f"--rdzv-conf key {key!r} is not used by fastcomm-run")
-    for flag, value, default in (
-        ("--start-method", args.start_method, "spawn"),
-        ("--event-log-handler", args.event_log_handler, "null"),
-        ("--logs-specs", args.logs_specs, None),
-        ("--numa-binding", args.numa_binding, None),
-        ("--duplicate-stdout-filters", args.duplicate_stdout_filters, ""),
-        ("--duplicate-stderr-filters", args.duplicate_stderr_filters, ""),
-    ):
-        if value != default:
-            _warn(f"{flag} is not supported by fastcomm-run; ignored")
+        if key not in RDZV_CONF_KEYS:
+            _warn(
+                f"--rdzv-conf key {key!r} is not one fastcomm-run reads "
+                f"({', '.join(RDZV_CONF_KEYS)}); ignored, as torch's rendezvous ignores keys"
+            )
+    if conf.get("store_type", "tcp").strip().lower() != "tcp":
+        raise ValueError(
+            f"--rdzv-conf store_type={conf['store_type']}: fastcomm-run's rendezvous store is "
+            "a TCP store at --rdzv-endpoint (store_type=tcp); torch's file store is not supported"
+        )
+    if args.logs_specs is not None:
+        raise ValueError(
+            f"--logs-specs {args.logs_specs!r}: fastcomm-run loads no torchrun.logs_specs "
+            "plugin; it writes worker logs to <log-dir>/<run id>_*/attempt_<round>/<local rank>/"
+            "{stdout,stderr}.log as --log-dir, --redirects, --tee and --local-ranks-filter say"
+        )
+    _check_start(args)
     ranks_filter = None
     if args.local_ranks_filter:
         try:
@@ -280,9 +307,10 @@ def parse_config(args: argparse.Namespace) -> LaunchConfig:
     secret, _ = read_job_secret(args.job_secret_file, os.environ)
     signals = tuple(s.strip() for s in args.signals_to_handle.split(",") if s.strip())
     script = args.training_script
-    if args.no_python and args.module:
+    no_python = args.no_python and not args.run_path  # --run-path takes precedence, as torchrun
+    if no_python and args.module:
         raise ValueError("Don't use both the '--no-python' flag and the '--module' flag")
-    if not args.module and not args.no_python and not os.path.isfile(script):
+    if not args.module and not no_python and not os.path.isfile(script):
         raise ValueError(f"training script {script!r} does not exist")
     keep_alive = conf.get("keep_alive_max_attempt", "3")
     try:
@@ -290,14 +318,16 @@ def parse_config(args: argparse.Namespace) -> LaunchConfig:
     except ValueError:
         raise ValueError(f"keep_alive_max_attempt must be an int, got {keep_alive!r}") from None
     join_timeout = conf_float(conf, "join_timeout", conf_float(conf, "timeout", 600.0))
+    nproc = _nproc(args.nproc_per_node)
+    cpus = None if args.numa_binding is None else worker_cpus(args.numa_binding, nproc)
     return LaunchConfig(
         entrypoint=script,
         args=list(args.training_script_args),
         module=args.module,
-        no_python=args.no_python,
+        no_python=no_python,
         min_nodes=min_nodes,
         max_nodes=max_nodes,
-        nproc_per_node=_nproc(args.nproc_per_node),
+        nproc_per_node=nproc,
         node_rank=args.node_rank,
         rdzv_backend=backend,
         rdzv_host=host,
@@ -322,10 +352,55 @@ def parse_config(args: argparse.Namespace) -> LaunchConfig:
         tee=parse_std(args.tee),
         local_ranks_filter=ranks_filter,
         line_prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or None,
+        duplicate_stdout_filters=parse_filters(args.duplicate_stdout_filters),
+        duplicate_stderr_filters=parse_filters(args.duplicate_stderr_filters),
+        event_log_handler=args.event_log_handler,
+        worker_cpus=cpus,
         signals_to_handle=signals,
         virtual_local_rank=args.virtual_local_rank,
         job_secret_file=args.job_secret_file,
         job_secret=secret,
+    )
+
+
+def _warn_unused_addresses(args: argparse.Namespace, backend: str) -> None:
+    """torchrun's warnings: flags of the static backend that the chosen rendezvous ignores."""
+    if backend != "static" and args.node_rank != 0:
+        _warn(
+            f"--node-rank {args.node_rank} is used only by the static backend; the {backend} "
+            "rendezvous assigns node ranks (ignored, as torchrun)"
+        )
+    if args.rdzv_backend == "static" and not args.standalone and not args.rdzv_endpoint:
+        return  # the endpoint is --master-addr:--master-port
+    for flag, value, default in (
+        ("--master-addr", args.master_addr, "127.0.0.1"),
+        ("--master-port", args.master_port, None),
+    ):
+        if value != default:
+            _warn(
+                f"{flag} {value} is used only by the static backend without --rdzv-endpoint; "
+                f"the rendezvous is at {args.rdzv_endpoint or 'a free local port'} "
+                "(ignored, as torchrun)"
+            )
+
+
+def _check_start(args: argparse.Namespace) -> None:
+    """``--run-path`` and ``--start-method`` (torchrun uses the latter only with the former)."""
+    if args.run_path and args.module:
+        raise ValueError(
+            "--run-path runs a script file with runpy.run_path; it contradicts --module "
+            "(give the script's path)"
+        )
+    if args.start_method == "spawn":
+        return
+    if args.run_path:
+        raise ValueError(
+            f"--start-method {args.start_method}: fastcomm-run starts every --run-path worker "
+            "as a new interpreter (spawn); use --start-method spawn or leave it out"
+        )
+    _warn(
+        f"--start-method {args.start_method} has no effect on a script's workers, which are new "
+        "processes (torchrun uses it only with --run-path)"
     )
 
 

@@ -24,6 +24,8 @@ __all__ = [
     "read_job_secret",
     "check_seconds",
     "RDZV_CONF_KEYS",
+    "EVENT_LOG_HANDLERS",
+    "parse_filters",
 ]
 
 #: The longest interval or timeout accepted (a year): ``inf`` or ``1e300`` seconds would only
@@ -43,7 +45,7 @@ MIN_SECRET_BYTES = 16
 STD_NONE, STD_OUT, STD_ERR, STD_ALL = 0, 1, 2, 3
 
 #: ``--rdzv-conf`` keys fastcomm-run understands (others are accepted with a warning, as torch's
-#: handlers ignore keys they do not know).
+#: handlers ignore keys they do not know; ``store_type`` other than ``tcp`` is refused).
 RDZV_CONF_KEYS = {
     "join_timeout": "seconds an agent waits for a round to gather enough nodes (600)",
     "last_call_timeout": "seconds a round stays open for more nodes once MIN joined (30)",
@@ -53,7 +55,14 @@ RDZV_CONF_KEYS = {
     "is_host": "whether this agent serves the rendezvous store (auto)",
     "keep_alive_interval": "seconds between agent heartbeats (5)",
     "keep_alive_max_attempt": "missed heartbeats before a node is declared lost (3)",
+    "store_type": "the rendezvous store: tcp only (torch's file store is refused)",
 }
+
+#: ``--event-log-handler`` names: torch registers these three (``console`` logs every event as a
+#: JSON line on stderr; the other two drop them); no other can be registered from a command line.
+EVENT_LOG_HANDLERS = ("null", "console", "dynamic_rendezvous")
+
+_CPU_LIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
 
 _TRUE = {"1", "true", "t", "yes", "y", "on"}
 _FALSE = {"0", "false", "f", "no", "n", "off"}
@@ -125,6 +134,13 @@ def parse_std(value: str) -> int | dict[int, int]:
         f"{value!r} is neither 0-3 (0 none, 1 stdout, 2 stderr, 3 both) nor a mapping "
         "LOCAL_RANK:VALUE,... (e.g. 0:3,1:1)"
     )
+
+
+def parse_filters(value: str) -> tuple[str, ...]:
+    """torchrun's ``--duplicate-*-filters`` syntax: ``"a,b"`` -> ``("a", "b")``, ``",,"`` escapes
+    a comma. Empty items are dropped (torch would match every line with them)."""
+    items = str(value or "").replace(",,", "\0").split(",")
+    return tuple(item.replace("\0", ",") for item in items if item)
 
 
 def std_for(spec: int | dict[int, int], local_rank: int) -> int:
@@ -293,6 +309,17 @@ class LaunchConfig:
     """Local ranks whose output reaches the console (``None``: all)."""
     line_prefix_template: str | None = None
     """Console line prefix (``$rank``, ``$local_rank``, ``$role_name``); default ``[rank N]: ``."""
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    """Substrings: a tee'd stdout line shown on the console that holds one of them is copied,
+    prefixed, to ``<attempt dir>/filtered_stdout.log`` (all local ranks in one file)."""
+    duplicate_stderr_filters: tuple[str, ...] = ()
+    """The same for stderr (``filtered_stderr.log``)."""
+    event_log_handler: str = "null"
+    """Where torchelastic events go: ``console`` (JSON lines on stderr) or ``null``/
+    ``dynamic_rendezvous`` (nowhere), as torch's registered handlers."""
+    worker_cpus: tuple[str, ...] | None = None
+    """Per local rank, the CPUs (sysfs list syntax, ``0-15,32-47``) the worker is bound to
+    before it runs (``--numa-binding``); ``None``: not bound."""
     signals_to_handle: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
     """Signals the agent catches and forwards to every worker."""
     virtual_local_rank: bool = False
@@ -362,6 +389,7 @@ class LaunchConfig:
             values = spec.values() if isinstance(spec, dict) else [spec]
             if any(v not in (0, 1, 2, 3) for v in values):
                 raise ValueError(f"--redirects/--tee values must be 0-3, got {spec!r}")
+        self._check_outputs()
         import signal as _signal
 
         for name in self.signals_to_handle:
@@ -371,6 +399,50 @@ class LaunchConfig:
                 raise ValueError(f"--signals-to-handle: {name} cannot be caught")
         if not self.python:
             self.python = os.environ.get("PYTHON_EXEC", sys.executable)
+
+    def _check_outputs(self) -> None:
+        """Validates the event handler, the CPU binding and the duplicate filters."""
+        if self.event_log_handler not in EVENT_LOG_HANDLERS:
+            raise ValueError(
+                f"--event-log-handler {self.event_log_handler!r}: torch registers only "
+                f"{', '.join(EVENT_LOG_HANDLERS)} (torchrun fails on other names too); use "
+                "console for the events as JSON lines on stderr"
+            )
+        if self.worker_cpus is not None:
+            cpus = tuple(self.worker_cpus)
+            if len(cpus) != self.nproc_per_node or not all(
+                isinstance(c, str) and _CPU_LIST.fullmatch(c) for c in cpus
+            ):
+                raise ValueError(
+                    f"worker_cpus must give a CPU list (e.g. '0-15,32') for each of the "
+                    f"{self.nproc_per_node} local ranks, got {self.worker_cpus!r}"
+                )
+            self.worker_cpus = cpus
+        for name, bit in (("stdout", STD_OUT), ("stderr", STD_ERR)):
+            filters = getattr(self, f"duplicate_{name}_filters")
+            if isinstance(filters, str) or not all(isinstance(f, str) and f for f in filters):
+                raise ValueError(
+                    f"--duplicate-{name}-filters must be non-empty strings, got {filters!r}"
+                )
+            filters = tuple(filters)
+            setattr(self, f"duplicate_{name}_filters", filters)
+            if filters and not self.duplicated_ranks(bit):
+                raise ValueError(
+                    f"--duplicate-{name}-filters {','.join(filters)!r} copies lines of the "
+                    f"{name} the workers tee to the console (as torchrun), but no local rank "
+                    f"does: add --tee {bit} (or 3) for a rank that --local-ranks-filter shows"
+                )
+
+    def duplicated_ranks(self, bit: int) -> list[int]:
+        """Local ranks whose stream ``bit`` (``STD_OUT``/``STD_ERR``) is tee'd to the console:
+        the lines ``--duplicate-*-filters`` look at (torch's ``tee_stdouts``/``tee_stderrs``)."""
+        return [
+            r
+            for r in range(self.nproc_per_node)
+            if std_for(self.tee, r) & bit
+            and not std_for(self.redirects, r) & bit
+            and (self.local_ranks_filter is None or r in self.local_ranks_filter)
+        ]
 
     def replace(self, **changes) -> LaunchConfig:
         """A copy with the given fields changed (validated again)."""

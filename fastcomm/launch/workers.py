@@ -11,7 +11,10 @@ its ``--exec`` mode (``PR_SET_PDEATHSIG``).
 Output: by default every line a worker writes reaches the agent's stdout/stderr prefixed with
 ``[rank N]: `` (``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` overrides it, with ``$rank``,
 ``$local_rank`` and ``$role_name``). ``--redirects`` sends a stream only to
-``<attempt dir>/<local_rank>/{stdout,stderr}.log``; ``--tee`` to both.
+``<attempt dir>/<local_rank>/{stdout,stderr}.log``; ``--tee`` to both. With
+``--duplicate-{stdout,stderr}-filters`` the tee'd lines shown on the console that contain one
+of the filters are also copied, prefixed, to ``<attempt dir>/filtered_{stdout,stderr}.log``
+(one file for all local ranks, as torchrun).
 
 Shared memory: a worker SIGKILLed while it set up a ``shm`` communicator leaves its segment
 file in ``/dev/shm`` (``fastcomm-<pid>-<start time>-<PID namespace>-...``, see
@@ -83,8 +86,32 @@ def line_prefix(template: str | None, rank: int, local_rank: int, role: str) -> 
     return text.encode()
 
 
-def _pump(src: BinaryIO, prefix: bytes | None, console: BinaryIO | None, copy: BinaryIO | None):
-    """Copies a worker's output to its log file and, prefixed, to the console.
+class _Filtered:
+    """``<attempt dir>/filtered_<stream>.log``: the prefixed lines that hold one of ``needles``,
+    from every worker's pump."""
+
+    def __init__(self, path: str, needles: tuple[str, ...]) -> None:
+        self.needles = tuple(n.encode() for n in needles)
+        self.file = open(path, "wb")
+        self.lock = threading.Lock()
+
+    def write(self, prefix: bytes, text: bytes) -> None:
+        out = [prefix + p for p in _PIECES.findall(text) if any(n in p for n in self.needles)]
+        if out:
+            with self.lock:
+                self.file.write(b"".join(out))
+                self.file.flush()
+
+
+def _pump(
+    src: BinaryIO,
+    prefix: bytes | None,
+    console: BinaryIO | None,
+    copy: BinaryIO | None,
+    filtered: _Filtered | None = None,
+):
+    """Copies a worker's output to its log file and, prefixed, to the console (and the lines
+    that match to ``filtered``).
 
     Pieces end at ``\n`` or at ``\r``: a progress bar that redraws its line with ``\r``
     (tqdm) keeps redrawing in place, each redraw prefixed, instead of growing one endless line.
@@ -98,15 +125,21 @@ def _pump(src: BinaryIO, prefix: bytes | None, console: BinaryIO | None, copy: B
             if copy is not None:
                 copy.write(chunk)
                 copy.flush()
-            if console is None or prefix is None:
+            if (console is None and filtered is None) or prefix is None:
                 continue
             pending += chunk
             cut = max(pending.rfind(b"\n"), pending.rfind(b"\r")) + 1
             if cut:
-                console = _emit(console, prefix, pending[:cut])
+                if console is not None:
+                    console = _emit(console, prefix, pending[:cut])
+                if filtered is not None:
+                    filtered.write(prefix, pending[:cut])
                 pending = pending[cut:]
-        if pending and console is not None and prefix is not None:
-            _emit(console, prefix, pending + b"\n")
+        if pending and prefix is not None:
+            if console is not None:
+                _emit(console, prefix, pending + b"\n")
+            if filtered is not None:
+                filtered.write(prefix, pending + b"\n")
     except (OSError, ValueError):
         pass  # the console or the log file was closed: the launcher is shutting down
     finally:
@@ -145,14 +178,24 @@ def _console(stream) -> BinaryIO | None:
 class WorkerGroup:
     """The workers this agent runs in one round."""
 
-    def __init__(self, specs: list[WorkerSpec]) -> None:
+    def __init__(
+        self, specs: list[WorkerSpec], duplicate_filters: dict[str, tuple[str, ...]] | None = None
+    ) -> None:
+        """``duplicate_filters``: per stream (``stdout``, ``stderr``), the substrings of the
+        tee'd lines copied to ``filtered_<stream>.log`` next to the workers' log folders."""
         self.specs = specs
         self.workers: list[_Worker] = []
         self._signalled: set[int] = set()
+        self._duplicate = {k: v for k, v in (duplicate_filters or {}).items() if v}
+        self._filtered: dict[str, _Filtered] = {}
 
     def start(self) -> None:
         """Starts every worker, each in its own process group, and its output pumps."""
         env_pid = str(os.getpid())
+        for name, needles in self._duplicate.items():
+            attempt = os.path.dirname(self.specs[0].log_dir)
+            os.makedirs(attempt, exist_ok=True)
+            self._filtered[name] = _Filtered(os.path.join(attempt, f"filtered_{name}.log"), needles)
         for spec in self.specs:
             os.makedirs(spec.log_dir, exist_ok=True)
             env = dict(spec.env)
@@ -171,7 +214,8 @@ class WorkerGroup:
                     files.append(fh)
                 if to_console:
                     kwargs[name] = subprocess.PIPE
-                    plan.append((name, _console(stream), fh))
+                    dup = self._filtered.get(name) if spec.tee & bit else None
+                    plan.append((name, _console(stream), fh, dup))
                 elif fh is not None:
                     kwargs[name] = fh
                 else:
@@ -184,10 +228,10 @@ class WorkerGroup:
                 **kwargs,
             )
             worker = _Worker(spec, proc, files=files, start_time=_start_time(proc.pid))
-            for name, console, fh in plan:
+            for name, console, fh, dup in plan:
                 thread = threading.Thread(
                     target=_pump,
-                    args=(getattr(proc, name), spec.console_prefix, console, fh),
+                    args=(getattr(proc, name), spec.console_prefix, console, fh, dup),
                     name=f"fastcomm-run-{name}-{spec.local_rank}",
                     daemon=True,
                 )
@@ -259,6 +303,11 @@ class WorkerGroup:
                     pass  # the pump already wrote what it could; nothing to keep open
             worker.threads.clear()
             worker.files.clear()
+        for filtered in self._filtered.values():
+            try:
+                filtered.file.close()
+            except OSError:
+                pass  # what the pumps wrote is flushed already
         reaped = [w for w in self.workers if w.proc.returncode is not None]
         remove_segments_of({(w.proc.pid, w.start_time) for w in reaped if w.start_time})
 
