@@ -104,8 +104,12 @@ class Nodes:
                 f"{ADDRS[0]} node0\n{ADDRS[1]} node1\n"
             )
 
-    def start(self, i: int, args: list[str], name: str) -> subprocess.Popen:
-        """``python -m fastcomm.launch *args`` on node ``i``; output in ``<name>.out/.err``."""
+    def start(
+        self, i: int, args: list[str], name: str, program: tuple[str, ...] = ("-m",
+                                                                              "fastcomm.launch")
+    ) -> subprocess.Popen:
+        """``python *program *args`` (by default ``python -m fastcomm.launch *args``) on node
+        ``i``; output in ``<name>.out/.err``."""
         env = clean_env()
         env.pop("FASTCOMM_HOST_ID", None)
         env.pop("GLOO_SOCKET_IFNAME", None)
@@ -121,7 +125,7 @@ class Nodes:
             *(f"mkdir -p {p} && mount --bind {h} {p}" for p, h in zip(paths, hold, strict=True)),
             f"mount --bind /mnt/hosts{i} /etc/hosts",
             "cd /mnt",
-            f"exec {shlex.quote(sys.executable)} -m fastcomm.launch {shlex.join(args)} "
+            f"exec {shlex.quote(sys.executable)} {shlex.join([*program, *args])} "
             f"> /mnt/{name}.out 2> /mnt/{name}.err",
         ])
         cmd = [
@@ -284,3 +288,68 @@ def test_a_lost_node_is_named_within_the_heartbeat_limit(nodes):
     assert code == 1, err
     assert "node 1 (node1) was lost: no heartbeat from the agent of node 1" in err, err
     assert elapsed < 2 + 20, (elapsed, err)  # the limit is 0.5 s x 4 (room for a loaded machine)
+
+
+# srun's part on one node (what slurmstepd does): 2 tasks with srun's variables for a step of
+# 2 nodes x 2 tasks; the rendezvous comes from the node list and the job id alone
+SRUN_NODE = """
+import os, subprocess, sys
+node, ifname = int(sys.argv[1]), sys.argv[2]
+procs = []
+for local in range(2):
+    env = dict(os.environ, SLURM_PROCID=str(2 * node + local), SLURM_NTASKS="4",
+               SLURM_LOCALID=str(local), SLURM_NODEID=str(node), SLURM_TASKS_PER_NODE="2(x2)",
+               SLURM_JOB_NODELIST="node[0-1]", SLURM_JOB_ID="4321", SLURM_STEP_ID="0",
+               SLURM_STEP_NUM_TASKS="4", SLURM_STEP_TASKS_PER_NODE="2(x2)",
+               SLURM_STEP_NODELIST="node[0-1]",
+               # the hosts name themselves 127.0.1.1 (as Debian does): Gloo needs the interface
+               GLOO_SOCKET_IFNAME=ifname)
+    procs.append(subprocess.Popen([sys.executable, "/mnt/srun_train.py"], env=env))
+sys.exit(max(p.wait() for p in procs))
+"""
+
+SRUN_TRAIN = """
+import json, os, socket
+import torch
+import torch.distributed as dist
+import fastcomm
+from fastcomm.ddp import DDP
+
+assert "RANK" in os.environ  # exported from srun's by import fastcomm
+dist.init_process_group("fastcomm")
+t = torch.tensor([dist.get_rank() + 1.0])
+dist.all_reduce(t)
+comm = fastcomm.init(timeout=60)  # on torch's store
+torch.manual_seed(0)
+model = DDP(torch.nn.Linear(16, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(4):
+    opt.zero_grad()
+    model(torch.full((8, 16), float(comm.rank + step))).square().mean().backward()
+    opt.step()
+weights = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
+print(json.dumps({"host": socket.gethostname(), "rank": comm.rank, "size": comm.size,
+                  "backend": comm.backend, "sum": t.item(), "weights": weights}), flush=True)
+fastcomm.shutdown()
+dist.destroy_process_group()
+"""
+
+
+def test_srun_variables_train_across_the_nodes(nodes):
+    """No launcher of fastcomm's: srun's variables alone (2 nodes x 2 tasks) bring up the
+    torch backend, fastcomm.init() (hier: shm in a node, Gloo between) and DDP."""
+    import json
+
+    script(nodes.shared, "srun_node.py", SRUN_NODE)
+    script(nodes.shared, "srun_train.py", SRUN_TRAIN)
+    procs = [nodes.start(i, ["/mnt/srun_node.py", str(i), nodes.veth[i]], f"srun{i}",
+                         program=()) for i in (1, 0)]
+    for proc, name in zip(procs, ("srun1", "srun0"), strict=True):
+        code, err = nodes.result(proc, name, 90)
+        assert code == 0, err
+    rows = sorted((json.loads(line) for i in (0, 1) for line in nodes.out(f"srun{i}").split("\n")
+                   if line.startswith("{")), key=lambda r: r["rank"])
+    assert [(r["rank"], r["host"]) for r in rows] == [(0, "node0"), (1, "node0"),
+                                                      (2, "node1"), (3, "node1")]
+    assert {(r["size"], r["backend"], r["sum"]) for r in rows} == {(4, "hier", 10.0)}
+    assert all(r["weights"] == rows[0]["weights"] for r in rows)  # the replicas stayed equal
