@@ -138,7 +138,7 @@ def check_other_reductions():
         t = ints[rank].clone()
         comm.all_reduce(t, op=op)
         assert torch.equal(t, reduce_reference(ints, op)), f"int32 {op.name} on rank {rank}"
-    return comm.cpu._schedules.reduce.__name__
+    return comm.cpu._schedules.reduction.__name__
 
 
 def check_other_collectives():

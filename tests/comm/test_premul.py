@@ -173,9 +173,9 @@ def pool():
 
 
 def core_built() -> bool:
-    from fastcomm.comm.shm import schedules
+    from fastcomm.comm.shm import core
 
-    return schedules._core is not None
+    return core.BUILT
 
 
 def assert_same_on_every_rank(results, world: int) -> None:
@@ -200,9 +200,9 @@ def test_shm_fused_gives_mul_then_sum_bits(pool, layout, world, dtype):
 def test_shm_core_is_built():
     """Where the extension is built (an install with a C compiler), shm fuses float32 and
     float64: the other shm tests then cover the fused path, not the default one."""
-    from fastcomm.comm.shm import schedules
+    from fastcomm.comm.shm import core
 
-    assert schedules._PREMUL_KINDS.keys() == {torch.float32, torch.float64}
+    assert core.PREMUL_KINDS.keys() == {torch.float32, torch.float64}
 
 
 @pytest.mark.parametrize("layout", ["one-shot", "two-step"])

@@ -17,7 +17,7 @@ import torch
 
 from fastcomm import ReduceOp
 from fastcomm.comm import SUPPORTED_DTYPES, ShmCommunicator, ShmOptions
-from fastcomm.comm.shm import schedules
+from fastcomm.comm.shm import core
 from tests.comm.test_collectives import make_input, reduce_reference
 from tests.harness import STATE, RankPool, rank_store
 
@@ -172,11 +172,12 @@ def check_small_path_matches_torch_bits(compiled: bool):
     as_float.fill_(0.5 * (rank + 1))
     comm.all_reduce(as_float)
     exact(as_float, torch.full((16,), 0.5 * n * (n + 1) / 2))
+    plans = comm._schedules.reductions
     if compiled:
-        assert any(comm._schedules._core_plans.values()), "the compiled path was never taken"
-        assert not any(comm._schedules._fast.values()), "NumPy ran beside the compiled core"
+        assert any(plans.core_plans.values()), "the compiled path was never taken"
+        assert not any(plans.numpy_plans.values()), "NumPy ran beside the compiled core"
     else:
-        assert any(comm._schedules._fast.values()), "the NumPy path was never taken"
+        assert any(plans.numpy_plans.values()), "the NumPy path was never taken"
     # overflow gives inf quietly, as in torch (NumPy would warn)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -258,9 +259,11 @@ def check_compiled_core_resumes_after_python_waits(name):
         options=ShmOptions(**SMALL, compiled=rank % 2 == 0),
     )
     sched, seen = comm._schedules, []
-    if sched._core is not None:
-        original = sched._resume_core
-        sched._resume_core = lambda status, *a: (seen.append(status), original(status, *a))[1]
+    if sched.compiled is not None:  # record the waits the core gave up on
+        for method in ("_all_reduce", "_broadcast"):
+            call = getattr(sched.compiled, method)
+            setattr(sched.compiled, method, lambda *a, call=call: (
+                lambda status: (status and seen.append(status), status)[1])(call(*a)))
     for late in range(n):  # each rank in turn arrives 50 ms late: far beyond any spin
         if rank == late:
             time.sleep(0.05)
@@ -273,11 +276,11 @@ def check_compiled_core_resumes_after_python_waits(name):
     numel = SMALL["slot_bytes"] // 4 + 5
     b = torch.full((numel,), 7.0) if rank == 0 else torch.zeros(numel)
     if rank != 0:
-        check = sched._check
-        sched._check = lambda *a: (time.sleep(0.05), check(*a))[1]
+        check = sched.rounds.check
+        sched.rounds.check = lambda *a: (time.sleep(0.05), check(*a))[1]
     comm.broadcast(b, 0)
     if rank != 0:
-        del sched._check
+        del sched.rounds.check
     exact(b, torch.full((numel,), 7.0))
     t = torch.arange(6, dtype=torch.float64) * (rank + 1)
     comm.all_reduce(t, op=ReduceOp.AVG)
@@ -394,14 +397,14 @@ def test_float_results_bit_identical_on_every_rank(pool):
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
 def test_small_all_reduce_gives_torch_bits(pool, compiled):
-    if compiled and schedules._core is None:
+    if compiled and not core.BUILT:
         pytest.skip("the compiled core was not built (no C compiler at install)")
     results = pool.run(check_small_path_matches_torch_bits, compiled)
     assert results == [4 * 4 * 4 * 2] * pool.world_size
 
 
 def test_compiled_core_resumes_after_python_waits(pool, unique_name):
-    if schedules._core is None:
+    if not core.BUILT:
         pytest.skip("the compiled core was not built (no C compiler at install)")
     seen = pool.run(check_compiled_core_resumes_after_python_waits, unique_name)
     # rank 0 (compiled) waited to enter once and, when others were late, for the exchange

@@ -24,7 +24,7 @@ import torch
 
 from fastcomm import ReduceOp
 from fastcomm.comm import SUPPORTED_DTYPES, FastcommError, ShmCommunicator, ShmOptions
-from fastcomm.comm.shm import schedules
+from fastcomm.comm.shm import core
 from fastcomm.comm.types import PremulSum
 from tests.comm.test_shm import SMALL, exact, fold
 from tests.harness import STATE, RankPool, rank_store
@@ -41,6 +41,9 @@ def new_comm(name: str, compiled: bool = True, **options) -> ShmCommunicator:
         rank_store().prefixed(name, rank=rank), rank, n, 60.0,
         options=ShmOptions(**(SMALL | options), compiled=compiled),
     )
+
+
+now = time.monotonic
 
 
 def ones(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -109,25 +112,25 @@ CASES = {
     "barrier/or all_reduce": (lambda c, n: c.barrier(), lambda c, n: c.all_reduce(ones(1)),
                               ["barrier(", "all_reduce("]),
     # empty tensors, through the schedules (the communicator answers them itself today)
-    "all_reduce/empty": (lambda c, n: c._schedules.all_reduce(ones(0), ReduceOp.SUM),
-                         lambda c, n: c._schedules.all_reduce(ones(10), ReduceOp.SUM),
+    "all_reduce/empty": (lambda c, n: c._schedules.all_reduce(ones(0), ReduceOp.SUM, now()),
+                         lambda c, n: c._schedules.all_reduce(ones(10), ReduceOp.SUM, now()),
                          ["0 elements", "10 elements"]),
-    "reduce/empty": (lambda c, n: c._schedules.all_reduce(ones(10), ReduceOp.SUM, 0),
-                     lambda c, n: c._schedules.all_reduce(ones(0), ReduceOp.SUM, 0),
+    "reduce/empty": (lambda c, n: c._schedules.reduce(ones(10), 0, ReduceOp.SUM, now()),
+                     lambda c, n: c._schedules.reduce(ones(0), 0, ReduceOp.SUM, now()),
                      ["10 elements", "0 elements"]),
-    "broadcast/empty": (lambda c, n: c._schedules.broadcast(ones(0), 0),
-                        lambda c, n: c._schedules.broadcast(ones(10), 0),
+    "broadcast/empty": (lambda c, n: c._schedules.broadcast(ones(0), 0, now()),
+                        lambda c, n: c._schedules.broadcast(ones(10), 0, now()),
                         ["0 elements", "10 elements"]),
-    "all_gather/empty": (lambda c, n: c._schedules.all_gather(torch.empty(0), ones(0)),
-                         lambda c, n: c._schedules.all_gather(torch.empty(n), ones(1)),
+    "all_gather/empty": (lambda c, n: c._schedules.all_gather(torch.empty(0), ones(0), now()),
+                         lambda c, n: c._schedules.all_gather(torch.empty(n), ones(1), now()),
                          ["0 elements", "1 elements"]),
     "reduce_scatter/empty": (lambda c, n: c._schedules.reduce_scatter(torch.empty(0), ones(0),
-                                                                      ReduceOp.SUM),
+                                                                      ReduceOp.SUM, now()),
                              lambda c, n: c._schedules.reduce_scatter(torch.empty(2), ones(n * 2),
-                                                                      ReduceOp.SUM),
+                                                                      ReduceOp.SUM, now()),
                              ["0 elements", "2 elements"]),
-    "all_to_all/empty": (lambda c, n: c._schedules.all_to_all(torch.empty(0), ones(0)),
-                         lambda c, n: c._schedules.all_to_all(torch.empty(n), ones(n)),
+    "all_to_all/empty": (lambda c, n: c._schedules.all_to_all(torch.empty(0), ones(0), now()),
+                         lambda c, n: c._schedules.all_to_all(torch.empty(n), ones(n), now()),
                          lambda n: ["0 elements", f"{n} elements"]),
 }
 
@@ -187,13 +190,13 @@ def check_empty_rounds(name: str) -> list[int]:
     comm = new_comm(name, compiled=rank % 2 == 0)
     sched, steps = comm._schedules, []
     for call in [
-        lambda: sched.all_reduce(ones(0), ReduceOp.AVG),
-        lambda: sched.all_reduce(ones(0, torch.int8), ReduceOp.SUM, n - 1),
-        lambda: sched.broadcast(ones(0), 0),
-        lambda: sched.all_gather(torch.empty(0), ones(0)),
-        lambda: sched.reduce_scatter(torch.empty(0), ones(0), ReduceOp.MAX),
-        lambda: sched.all_to_all(torch.empty(0), ones(0)),
-        lambda: sched.all_reduce(ones(0), PremulSum(0.5)),
+        lambda: sched.all_reduce(ones(0), ReduceOp.AVG, now()),
+        lambda: sched.reduce(ones(0, torch.int8), n - 1, ReduceOp.SUM, now()),
+        lambda: sched.broadcast(ones(0), 0, now()),
+        lambda: sched.all_gather(torch.empty(0), ones(0), now()),
+        lambda: sched.reduce_scatter(torch.empty(0), ones(0), ReduceOp.MAX, now()),
+        lambda: sched.all_to_all(torch.empty(0), ones(0), now()),
+        lambda: sched.all_reduce(ones(0), PremulSum(0.5), now()),
     ]:
         before = comm._flags.seq
         call()
@@ -235,10 +238,10 @@ def small_ops_comms() -> dict[str, ShmCommunicator]:
         for comm in STATE["agree/comms"].values():  # count the rounds run in the core
             sched = comm._schedules
             sched.core_rounds = 0
-            for method in ("_core_round", "_all_reduce_core"):
-                run = getattr(sched, method)
-                setattr(sched, method, lambda *a, sched=sched, run=run: (
-                    setattr(sched, "core_rounds", sched.core_rounds + 1), run(*a))[1])
+            if sched.compiled is not None:
+                run = sched.compiled._round
+                sched.compiled._round = lambda *a, sched=sched, run=run: (
+                    setattr(sched, "core_rounds", sched.core_rounds + 1), run(*a))[1]
     return STATE["agree/comms"]
 
 
@@ -260,33 +263,34 @@ def check_small_ops(op_name: str) -> int:
                 for small in (True, False):
                     checked += run_one(op_name, comm, sched, dtype, numel, salt, small, rank, n)
         in_core = sched.core_rounds > core_rounds
-        assert in_core == (sched._core is not None), (mode, op_name, "core rounds")
+        assert in_core == (sched.compiled is not None), (mode, op_name, "core rounds")
     return checked
 
 
 def run_one(op_name, comm, sched, dtype, numel, salt, small, rank, n) -> int:
-    """One op at one size, through the small entry where it applies (else the general path,
-    as the communicator's fast path falls back) or through the general path alone."""
+    """One op at one size, through the schedules' entry itself (``small``) or through the
+    communicator's public call."""
     start = time.monotonic()
     if op_name == "broadcast":
         inputs = random_inputs((numel,), dtype, n, salt)
         src = salt % n
         t = inputs[rank].clone()
-        if not (small and sched.broadcast_small(t, src, start)):
+        if not (small and sched.broadcast(t, src, start) is None):
             comm.broadcast(t, src)
         exact(t, inputs[src])
         return 1
     if op_name == "all_gather":
         inputs = random_inputs((numel,), dtype, n, salt)
         out = torch.full((n, numel), 9, dtype=dtype)
-        if not (small and sched.all_gather_small(out.view(-1), inputs[rank], start)):
+        if not (small and sched.all_gather(out.view(-1), inputs[rank], start) is None):
             comm.all_gather(out, inputs[rank])
         exact(out, torch.stack(inputs))
         return 1
     if op_name == "all_to_all":
         inputs = random_inputs((n, numel), dtype, n, salt)
         out = torch.full((n, numel), 9, dtype=dtype)
-        if not (small and sched.all_to_all_small(out.view(-1), inputs[rank].view(-1), start)):
+        if not (small and sched.all_to_all(out.view(-1), inputs[rank].view(-1), start)
+                is None):
             comm.all_to_all(out, inputs[rank])
         exact(out, torch.stack([inputs[q][rank] for q in range(n)]))
         return 1
@@ -297,7 +301,7 @@ def run_one(op_name, comm, sched, dtype, numel, salt, small, rank, n) -> int:
         for op in ops + [ReduceOp.MAX]:
             out = torch.full((numel,), 9, dtype=dtype)
             flat = inputs[rank].view(-1)
-            if not (small and sched.reduce_scatter_small(out, flat, op, start)):
+            if not (small and sched.reduce_scatter(out, flat, op, start) is None):
                 comm.reduce_scatter(out, inputs[rank], op=op)
             expected = reference([inputs[q][rank] for q in range(n)], op)
             exact(out.view(torch.uint8), expected.view(torch.uint8))
@@ -307,7 +311,7 @@ def run_one(op_name, comm, sched, dtype, numel, salt, small, rank, n) -> int:
     for op in ops:
         for root in range(n):
             t = inputs[rank].clone()
-            if not (small and sched.reduce_small(t, op, root, start)):
+            if not (small and sched.reduce(t, root, op, start) is None):
                 comm.reduce(t, root, op=op)
             expected = reference(inputs, op) if rank == root else inputs[rank]
             exact(t.view(torch.uint8), expected.view(torch.uint8))
@@ -322,24 +326,30 @@ def check_resumes_for_every_op(name: str) -> dict:
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     comm = new_comm(name, compiled=rank % 2 == 0)
     sched, seen = comm._schedules, {}
-    original = sched._resume_core
     current = [None]
 
-    def record(status, *args):
-        seen.setdefault(current[0], set()).add(status)
-        return original(status, *args)
+    def recording(call):
+        def record(*args):
+            status = call(*args)
+            if status:
+                seen.setdefault(current[0], set()).add(status)
+            return status
+        return record
 
-    sched._resume_core = record
+    if sched.compiled is not None:
+        for name in ("_all_reduce", "_broadcast", "_all_gather", "_reduce_scatter",
+                     "_all_to_all", "_barrier"):
+            setattr(sched.compiled, name, recording(getattr(sched.compiled, name)))
     start = time.monotonic
     m = 5
     calls = {
-        "broadcast": lambda: sched.broadcast_small(torch.full((m,), float(rank)), 0, start()),
-        "all_gather": lambda: sched.all_gather_small(torch.empty(n * m), ones(m), start()),
-        "reduce_scatter": lambda: sched.reduce_scatter_small(torch.empty(m), ones(n * m),
-                                                             ReduceOp.SUM, start()),
-        "all_to_all": lambda: sched.all_to_all_small(torch.empty(n * m), ones(n * m), start()),
-        "reduce": lambda: sched.reduce_small(ones(m), ReduceOp.SUM, 0, start()),
-        "barrier": lambda: sched.barrier_small(start()),
+        "broadcast": lambda: sched.broadcast(torch.full((m,), float(rank)), 0, start()),
+        "all_gather": lambda: sched.all_gather(torch.empty(n * m), ones(m), start()),
+        "reduce_scatter": lambda: sched.reduce_scatter(torch.empty(m), ones(n * m),
+                                                       ReduceOp.SUM, start()),
+        "all_to_all": lambda: sched.all_to_all(torch.empty(n * m), ones(n * m), start()),
+        "reduce": lambda: sched.reduce(ones(m), 0, ReduceOp.SUM, start()),
+        "barrier": lambda: sched.barrier(start()),
     }
     two_rounds = SLOT // 4 + 5
     for op, call in calls.items():
@@ -350,11 +360,12 @@ def check_resumes_for_every_op(name: str) -> dict:
         # a two-round broadcast: its source waits for the peers in the first round only; the
         # peers dawdle in their check, so the source's next call must wait to enter
         if rank != 0:
-            sched._check = lambda *a, check=sched._check: (time.sleep(0.03), check(*a))[1]
+            sched.rounds.check = lambda *a, check=sched.rounds.check: (
+                time.sleep(0.03), check(*a))[1]
         current[0] = None
-        sched.broadcast(torch.full((two_rounds,), 1.0), 0)
+        sched.broadcast(torch.full((two_rounds,), 1.0), 0, start())
         if rank != 0:
-            del sched._check
+            del sched.rounds.check
         current[0] = op
         call()
     t = ones(3)
@@ -409,7 +420,7 @@ def test_one_slot_ops_give_torch_bits_compiled_python_and_mixed(pool, op_name):
 
 
 def test_compiled_ranks_resume_after_python_waits_in_every_op(pool, unique_name):
-    if schedules._core is None:
+    if not core.BUILT:
         pytest.skip("the compiled core was not built (no C compiler at install)")
     seen = pool.run(check_resumes_for_every_op, unique_name)
     for op in ["broadcast", "all_gather", "reduce_scatter", "all_to_all", "reduce", "barrier"]:

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from fastcomm.comm import CommAbortedError, CommTimeoutError
-from fastcomm.comm.shm.buckets import ALIGN, BucketRegion, _core, area_bytes_for
+from fastcomm.comm.shm.buckets import ALIGN, BucketRegion, area_bytes_for
+from fastcomm.comm.shm.core import BUILT
 from fastcomm.comm.shm.segment import SHM_DIR
 from tests.harness import RankPool, fresh_comm
 
@@ -211,7 +212,7 @@ def check_peer_absent_times_out(name: str):
 
 
 # ---------------------------------------------------------------------- tests (pytest side)
-@pytest.mark.skipif(_core is None, reason="the compiled core is not built")
+@pytest.mark.skipif(not BUILT, reason="the compiled core is not built")
 @pytest.mark.parametrize("numel", [0, 1, 77, (64 << 10) // 4 * 3 + 5])  # chunks and a tail
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("nterms", [2, 3])
@@ -219,6 +220,8 @@ def test_core_reduce_pushes_each_chunk_into_outs(numel, dtype, nterms):
     """``_core.reduce(..., outs)``, as a region's push calls it: the result lands in ``out``
     (terms[0] itself) and in every one of ``outs`` (the other terms themselves, and a buffer of
     its own), with the bits of the reduction alone, each term times the scale."""
+    from fastcomm.comm.shm import _core
+
     kind = {torch.float32: _core.KIND_F32, torch.float64: _core.KIND_F64}[dtype]
     terms = [_data(q, 5, numel, dtype) for q in range(nterms)]
     expected = terms[0] * 0.5

@@ -186,9 +186,9 @@ def check_compiled_core_taken():
     """A v-call whose pieces from this rank fit one round starts in the compiled core where it
     was built (the core says when a peer's pieces need more rounds); on 4 KiB slots at scale
     1500 some ranks' pieces do not fit, and those ranks run round 0 in Python."""
-    from fastcomm.comm.shm import schedules
+    from fastcomm.comm.shm import core
 
-    if schedules._core is None:
+    if not core.BUILT:
         pytest.skip("the compiled core was not built")
     taken = []
     me, n = _rank(), int(os.environ["WORLD_SIZE"])
@@ -196,12 +196,12 @@ def check_compiled_core_taken():
         v = _comm(backend)._v
         pieces = [_numel(me, r, scale) * 4 for r in range(n) if r != me and _numel(me, r, scale)]
         rounds = int(all(b <= v.rooms[len(pieces)] for b in pieces))
-        inner = v._core_round
-        v._core_round = lambda *a, inner=inner: taken.append(a) or inner(*a)
+        inner = v.compiled.v_call
+        v.compiled.v_call = lambda *a, inner=inner: taken.append(a) or inner(*a)
         try:
             check_all_to_all_v(backend, "float32", scale, False)
         finally:
-            del v._core_round
+            del v.compiled.v_call
         assert len(taken) == rounds, (backend, taken)
         taken.clear()
     return "ok"

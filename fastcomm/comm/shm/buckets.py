@@ -1,59 +1,10 @@
 """DDP bucket memory in shared memory, all-reduced in place out of the peers' buckets.
 
-A :class:`BucketRegion` is a second segment per DDP model (``ShmCommunicator.bucket_region``):
-one area per rank, where autograd accumulates that rank's gradients (or the reducer copies a
-fresh gradient in as it arrives), read by every rank. An all-reduce of a bucket then copies
-nothing in and nothing out: rank ``r`` reduces slice ``r`` of the bucket straight out of every
-rank's area (one pass; each term multiplied by its rank's factor, rounded, then added in rank
-order: the bits of ``mul_`` then the ``shm`` communicator's SUM) and pushes the result into
-slice ``r`` of every rank's area, its own and each peer's (reduce-scatter and all-gather in one
-pass: each 64 KiB chunk of the result is copied into the peers' areas while still in cache).
-
-Layout (byte offsets)::
-
-    header    as a communicator segment's (``segment.py``), written once by rank 0
-    control   one block per rank, written by that rank alone: the segment's state words
-              (closed/aborted, pid, start time, message) and two counters, each on its own
-              line with the next word saying that the rank sleeps on a peer's counter:
-                ready      buckets whose gradients are in place
-                reduced    buckets whose slice this rank reduced and pushed to every area
-              and one factor word per bucket (its ``PremulSum`` factor: a bucket is launched
-              again only once it finished, after every peer reduced it, so the word is read
-              before it changes)
-    areas     one per rank, ``area_bytes`` each: every bucket at a 64-byte boundary; slice
-              ``p`` of an area is written by its owner (gradients, before ``ready``) and by rank
-              ``p`` (the result, between everyone's ``ready`` and ``p``'s ``reduced``)
-
-Ordering: a rank publishes ``ready`` after its gradient stores (so nobody reads a half-written
-bucket); once every peer is ``ready``, it reduces slice ``r`` and writes the result into slice
-``r`` of every area, and publishes ``reduced``. Writing a peer's slice ``r`` is safe then: only
-rank ``r`` reads it (in this same pass, every term of an element read before any copy of it is
-written), and its owner wrote its gradients before ``ready``. A bucket is finished on a rank
-once every peer has ``reduced`` it: every slice of its area then holds the result. From then
-on no peer reads or writes this rank's area for that bucket, so the next backward may write it
-as soon as every bucket finished (:meth:`BucketRegion.settle`, free after every ``wait()``).
-Buckets pass each phase in the same order on every rank, so each counter is a plain count.
-Every wait is :meth:`~.flags.PeerFlags.wait_word`'s: bounded by the communicator's timeout, and
-failing fast, naming the rank, when a peer closed, aborted or died.
-
-Lifetime: as a communicator segment's, the file is unlinked as soon as every rank has mapped
-it, so nothing is left in ``/dev/shm`` and the memory goes with the last process that maps it.
-Its pages are reserved at creation (``posix_fallocate``): a ``/dev/shm`` too small, or a
-segment over the caller's cap, makes every rank fall back (``None`` and the reason) instead of
-dying of ``SIGBUS`` on the first gradient.
-
-A fresh gradient (one autograd allocated) need not be copied in whole: ``SharedBucket.stage``
-copies in the parts the peers reduce and leaves the part in this rank's own slice where it is;
-the reduction reads it there and writes the result into this rank's area and the peers'.
-
-Traffic (``stats``): per bucket of ``B`` bytes, rank ``r`` reads ``size`` slices of ``~B/size``
-bytes (``(size - 1) B / size`` of them out of the peers' areas) and writes its result ``size``
-times: ``B`` bytes written and ``(size - 1) B / size`` read from the peers, ``1.5 B`` moved at
-two ranks. The three-phase schedule before it (reduce into its own area, then copy each other
-slice out of the peer that reduced it) wrote ``B`` and read ``2 (size - 1) B / size`` from the
-peers (``2 B`` at two ranks); the communicator's two-step schedule writes ``2 B`` (the peers'
-slices staged into its slot, its slice reduced into the result slot, the whole result copied
-back) and reads ``2 (size - 1) B / size`` from the peers.
+A :class:`BucketRegion` is a second segment per DDP model: one area per rank, where autograd
+accumulates that rank's gradients, read by every rank. Rank ``r`` reduces slice ``r`` of a bucket
+straight out of every rank's area (each term times its rank's factor, in rank order) and pushes
+the result into slice ``r`` of every area, so nothing is copied in or out. Two counters per rank
+(``ready``, ``reduced``) order the passes. Layout, ordering and lifetime: ``docs/shm.md``.
 """
 
 from __future__ import annotations
@@ -70,6 +21,7 @@ import torch
 from ..bucket_stats import RegionStats
 from ..errors import CommAbortedError, FastcommError
 from ..store import Store
+from .core import PREMUL_KINDS, reduce_terms
 from .flags import PeerFlags, fence
 from .segment import (
     _NAME,
@@ -89,18 +41,11 @@ from .segment import (
     sweep_stale,
 )
 
-try:  # built at install where a C compiler is found
-    from . import _core
-except ImportError:
-    _core = None
-
 __all__ = ["ALIGN", "BucketRegion", "RegionStats", "SharedBucket"]
 
 ALIGN = 64  # every bucket and every slice boundary: no two ranks write one cache line
 _READY, _REDUCED = 0, 1
 _MBOX = 4096  # the Layout's mailbox size: a region has no send/recv, the smallest allowed
-_CORE_KINDS = {} if _core is None else {torch.float32: _core.KIND_F32,
-                                        torch.float64: _core.KIND_F64}
 _BITS, _BITS_D = struct.Struct("<Q"), struct.Struct("<d")
 _increment_version = torch._C._increment_version
 #: dtypes a region holds (those whose PremulSum reduction is the communicator's own bits)
@@ -170,7 +115,7 @@ class SharedBucket:
         # this iteration's pieces of this rank's slice whose terms are still in private memory
         # (a fresh gradient): (start, flat tensor) in order, read in place by the reduction
         self.sources: list[tuple[int, torch.Tensor]] = []
-        self.kind = _CORE_KINDS.get(self.flat.dtype)
+        self.kind = PREMUL_KINDS.get(self.flat.dtype)
         self.phase = 3  # 0 launched, 1 ready published, 2 reduced and pushed, 3 finished
         self.serial = 0  # this bucket's place in the region's count of launches
 
@@ -515,8 +460,8 @@ class BucketRegion:
         # while it is in cache, after every term of the chunk was read (each of outs is its
         # term, or not a term at all)
         if same and kind is not None:
-            _core.reduce(outs[0].data_ptr(), [t.data_ptr() for t in terms], numel, kind,
-                         _core.OP_SUM, factors[0], [o.data_ptr() for o in outs[1:]])
+            reduce_terms(outs[0].data_ptr(), [t.data_ptr() for t in terms], numel, kind,
+                         factors[0], [o.data_ptr() for o in outs[1:]])
             _increment_version(outs)  # the core wrote the bytes behind torch's back
             return
         acc = terms[0] * factors[0]
@@ -540,7 +485,7 @@ class BucketRegion:
             if self.flags is not None and os.getpid() == self._pid:
                 self.flags.mark(ABORTED, f"{op} failed: {type(exc).__name__}: {exc}")
                 for kind in (_READY, _REDUCED):
-                    self.flags._wake(self.layout.counter(self.rank, kind) // 8)
+                    self.flags.wake(self.layout.counter(self.rank, kind) // 8)
         raise exc
 
     def close(self) -> None:
@@ -548,7 +493,7 @@ class BucketRegion:
         if self.flags is not None and self._broken is None and os.getpid() == self._pid:
             self.flags.mark(CLOSED, "closed")
             for kind in (_READY, _REDUCED):
-                self.flags._wake(self.layout.counter(self.rank, kind) // 8)
+                self.flags.wake(self.layout.counter(self.rank, kind) // 8)
             self._broken = CommAbortedError(f"rank {self.rank}: the bucket region was closed")
 
 

@@ -1,30 +1,11 @@
 """``shm`` communicator: collectives between the ranks of one host through shared memory.
 
 Ranks copy into, reduce out of and copy from one POSIX shared-memory segment per communicator
-(layout in ``segment``, flags and waits in ``flags``, algorithms in ``schedules``)
-instead of sending bytes over TCP. Python only sequences the steps; torch ops move the data.
-
-Invariants:
-- CPU tensors go through the segment; CUDA tensors go to the ``fallback`` given at construction
-  (``fastcomm.comm.world`` builds a Gloo communicator beside it on the same store), so every
-  call that works on the Gloo communicator works here; without one, CUDA tensors raise.
-- Collectives run in issue order on one executor: synchronous calls on the caller's thread when
-  no asynchronous work is pending; ``async_op=True`` calls are queued and run by the first of
-  the caller's ``wait()`` and the executor's thread, which polls its queue every millisecond
-  while calls are being queued (see ``OrderedExecutor``). Sends to and receives from each peer
-  have executors of their own, so a blocked send never stalls a collective (as with Gloo); a
-  synchronous send or recv runs on the caller's thread, with no task or ``Work`` built, when
-  that peer's executor has nothing pending (``_sync_p2p``: a message that fits one mailbox slot
-  is then one C call on either side). One thread issues a communicator's calls.
-- A failed operation (timeout, peer gone, mismatch) marks this rank ABORTED in the segment, so
-  peers waiting on it raise at once naming it; every later call raises ``CommAbortedError``.
-- Nothing of the segment outlives setup in ``/dev/shm`` (see ``segment``). At interpreter
-  exit every open communicator is closed (peers then fail fast instead of by timeout); a child
-  made by ``fork()`` never touches its parent's communicators.
-
-Threads: torch's intra-op threads compete with the other ranks for the same cores; run one rank
-per core with ``OMP_NUM_THREADS=1`` (torchrun and ``fastcomm-run`` set it for multi-rank jobs).
-The communicator never changes ``torch.set_num_threads`` itself.
+(``schedules``: one entry point per op). CPU tensors go through the segment; CUDA tensors go to
+the ``fallback``. Collectives run in issue order on one executor (a synchronous call on the
+caller's thread when nothing is pending, with no task built); sends and receives have an
+executor per peer. A failed operation marks this rank ABORTED, so peers fail fast. Run one rank
+per core (``OMP_NUM_THREADS=1``). Invariants in full: ``docs/shm.md``.
 """
 
 from __future__ import annotations
@@ -33,7 +14,6 @@ import atexit
 import os
 import time
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -47,11 +27,12 @@ from ..types import Capabilities, PremulSum, ReduceOp
 from ..vcoll import SizesDisagreement, default_task
 from ..work import OrderedExecutor, Task, wrap_error
 from .buckets import BucketRegion
+from .core import PREMUL_KINDS
 from .flags import PeerFlags, fence_supported
 from .p2p import Mailboxes
-from .schedules import _PREMUL_KINDS, Reduction, SegmentSchedules
+from .reductions import Reduction
+from .schedules import SegmentSchedules
 from .segment import ABORTED, CLOSED, Segment, shm_supported
-from .vschedules import VSchedule
 
 __all__ = ["ShmCommunicator", "ShmOptions", "shm_available"]
 
@@ -233,16 +214,13 @@ class ShmCommunicator(Communicator):
         self._schedules = SegmentSchedules(
             self._flags, self._seg.layout, u8, one_shot, reduce, compiled=opts.compiled
         )
-        self._lanes = self._small_lanes()
-        self._v = VSchedule(self._schedules)
+        self._v = self._schedules.v
         self._p2p: dict[tuple[str, int], OrderedExecutor] = {}
         self._mailboxes: Mailboxes | None = None
         self._broken: BaseException | None = None
         # every element is summed in rank order whatever its place (layout free); a
         # PremulSum is folded into the compiled core's reduction (float32/float64)
-        premul = frozenset(
-            d for d in _PREMUL_KINDS if self._schedules.fuses_premul(torch.empty(0, dtype=d))
-        )
+        premul = frozenset(d for d in PREMUL_KINDS if self._schedules.fuses_premul(d))
         # the schedules reduce the bitwise ops and the extra dtypes with torch ops over typed
         # slot views (the default reduction; a custom one, ipc's kernel, may not cover them)
         self.capabilities = Capabilities(
@@ -315,7 +293,7 @@ class ShmCommunicator(Communicator):
         engine = self._mailboxes
         if engine is None:
             engine = self._mailboxes = Mailboxes(
-                self._schedules, self.timeout.total_seconds(), self._abort
+                self._schedules.streams, self.timeout.total_seconds(), self._abort
             )
         return engine
 
@@ -360,37 +338,24 @@ class ShmCommunicator(Communicator):
         raise error from exc
 
     # ------------------------------------------------------------------ collectives
-    # Every collective that fits one slot has a small-message entry in the schedules (one C
-    # call when the compiled core is built and the peers are there): it returns the bytes it
-    # moved, or 0 having done nothing, and the general schedule runs. Both are the same
-    # protocol, so a rank may take either.
-    def _small_lanes(self) -> dict[str, Callable[..., int]]:
-        """The small-message entry of each op, called with the op's ``_impl_*`` arguments and
-        the time it was issued."""
-        s = self._schedules
-        return {
-            "all_reduce": s.all_reduce_small,  # never a PremulSum: the base keeps it for tasks
-            "reduce": lambda tensor, root, op, start: s.reduce_small(tensor, op, root, start),
-            "broadcast": s.broadcast_small,
-            "all_gather": s.all_gather_small,
-            "reduce_scatter": s.reduce_scatter_small,
-            "all_to_all": s.all_to_all_small,
-            "barrier": s.barrier_small,
-        }
-
+    # Every op has one entry in the schedules, named after it, taking the ``_impl_*``
+    # arguments and the time the call began: the entry itself takes the compiled core (one C
+    # call when the call fits one slot and the peers are there) or the Python rounds.
     def _sync(self, op: str, *args) -> bool:
-        """A synchronous call that fits one slot, with no asynchronous work pending, runs on
-        the caller's thread with no ``Work`` or task built: below a few KiB that bookkeeping
-        would cost as much as moving the bytes. (Routing sent only CPU tensors here.)"""
+        """A synchronous call with no asynchronous work pending runs on the caller's thread
+        with no ``Work`` or task built: below a few KiB that bookkeeping would cost as much as
+        moving the bytes. ``op`` names the schedules' entry (``Communicator._sync``'s hook).
+        (Routing sent only CPU tensors here.)"""
         if self._executor.busy or self._broken is not None or (
             args and type(args[0]) is not torch.Tensor
         ):
             return False
         start = time.monotonic()
         try:
-            return self._lanes[op](*args, start) != 0
+            getattr(self._schedules, op)(*args, start)
         except BaseException as exc:
             self._abort(op, start, exc)
+        return True
 
     def _sync_p2p(self, op: str, tensor: torch.Tensor, peer: int) -> bool:
         """A synchronous send or recv runs on the caller's thread, with no ``Work`` or task
@@ -404,88 +369,77 @@ class ShmCommunicator(Communicator):
             return False
         start = time.monotonic()
         try:
-            if op == "send":
-                self._schedules.send(tensor, peer, start)
-            else:
-                self._schedules.recv(tensor, peer, start)
+            getattr(self._schedules, op)(tensor, peer, start)
         except BaseException as exc:
             self._abort(op, start, exc)
         return True
 
-    def _small_first(self, op: str, general: Callable[..., None], *args) -> Task:
-        """A task running ``general(*args)``, or the op's small-message entry where it applies
-        (an asynchronous call takes it too)."""
-        output = args[0] if args else None
-        plain = output is None or (
-            type(output) is torch.Tensor and args[-1].__class__ is not PremulSum
-        )
-        if not plain:
-            return self._task(op, output, lambda: general(*args))
-        small = self._lanes[op]
-
-        def run() -> None:
-            if not small(*args, time.monotonic()):
-                general(*args)
-
-        return self._task(op, output, run)
-
     def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp | PremulSum) -> Task:
-        return self._small_first("all_reduce", self._schedules.all_reduce, tensor, op)
+        entry = self._schedules.all_reduce
+        return self._task("all_reduce", tensor, lambda: entry(tensor, op, time.monotonic()))
 
     def _impl_reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp) -> Task:
-        general = lambda t, r, o: self._schedules.all_reduce(t, o, r)  # noqa: E731
-        return self._small_first("reduce", general, tensor, root, op)
+        entry = self._schedules.reduce
+        return self._task("reduce", tensor, lambda: entry(tensor, root, op, time.monotonic()))
 
     def _impl_broadcast(self, tensor: torch.Tensor, src: int) -> Task:
-        general = lambda t, r: self._schedules.broadcast(t.view(-1), r)  # noqa: E731
-        return self._small_first("broadcast", general, tensor, src)
+        entry = self._schedules.broadcast
+        return self._task("broadcast", tensor, lambda: entry(tensor, src, time.monotonic()))
 
     def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Task:
-        general = lambda o, i: self._schedules.all_gather(o.view(-1), i.view(-1))  # noqa: E731
-        return self._small_first("all_gather", general, output, input)
+        entry = self._schedules.all_gather
+        return self._task("all_gather", output,
+                          lambda: entry(output, input, time.monotonic()))
 
     def _impl_reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp
     ) -> Task:
-        general = lambda o, i, r: self._schedules.reduce_scatter(  # noqa: E731
-            o.view(-1), i.view(-1), r
-        )
-        return self._small_first("reduce_scatter", general, output, input, op)
+        entry = self._schedules.reduce_scatter
+        return self._task("reduce_scatter", output,
+                          lambda: entry(output, input, op, time.monotonic()))
 
     def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Task:
-        general = lambda o, i: self._schedules.all_to_all(o.view(-1), i.view(-1))  # noqa: E731
-        return self._small_first("all_to_all", general, output, input)
+        entry = self._schedules.all_to_all
+        return self._task("all_to_all", output,
+                          lambda: entry(output, input, time.monotonic()))
 
     def _impl_send(self, tensor: torch.Tensor, dst: int) -> Task:
-        run = lambda: self._schedules.send(tensor, dst)  # noqa: E731
-        return Task("send", tensor, run, self._p2p_executor("send", dst))
+        entry = self._schedules.send
+        return Task("send", tensor, lambda: entry(tensor, dst, time.monotonic()),
+                    self._p2p_executor("send", dst))
 
     def _impl_recv(self, tensor: torch.Tensor, src: int) -> Task:
-        run = lambda: self._schedules.recv(tensor, src)  # noqa: E731
-        return Task("recv", tensor, run, self._p2p_executor("recv", src))
+        entry = self._schedules.recv
+        return Task("recv", tensor, lambda: entry(tensor, src, time.monotonic()),
+                    self._p2p_executor("recv", src))
 
     def _impl_barrier(self) -> Task:
-        return self._small_first("barrier", self._schedules.barrier)
+        entry = self._schedules.barrier
+        return self._task("barrier", None, lambda: entry(time.monotonic()))
 
     def _sync_v(self, kind: str, root: int, outputs: list, inputs: list) -> bool:
         """A synchronous v-call with no asynchronous work pending runs on the caller's thread
         with no task or ``Work`` built (as :meth:`_sync`); a disagreement leaves the
         communicator usable (every rank raised after the same round)."""
-        return self._v_lane(kind, self._v.run, kind, root, outputs, inputs)
-
-    def _sync_v_split(self, output: torch.Tensor, input: torch.Tensor, out_bytes: list[int],
-                      in_bytes: list[int]) -> bool:
-        """:meth:`_sync_v` of consecutive pieces of one tensor each side (no view made)."""
-        return self._v_lane("all_to_all", self._v.run_split, output, input, out_bytes, in_bytes)
-
-    def _v_lane(self, op: str, run: Callable, *args) -> bool:
         if self._executor.busy or self._broken is not None or not self._v.fits():
             return False
         start = time.monotonic()
         try:
-            run(*args)
+            self._v.run(kind, root, outputs, inputs)
         except BaseException as exc:
-            self._abort(op, start, exc)
+            self._abort(kind, start, exc)
+        return True
+
+    def _sync_v_split(self, output: torch.Tensor, input: torch.Tensor, out_bytes: list[int],
+                      in_bytes: list[int]) -> bool:
+        """:meth:`_sync_v` of consecutive pieces of one tensor each side (no view made)."""
+        if self._executor.busy or self._broken is not None or not self._v.fits():
+            return False
+        start = time.monotonic()
+        try:
+            self._v.run_split(output, input, out_bytes, in_bytes)
+        except BaseException as exc:
+            self._abort("all_to_all", start, exc)
         return True
 
     def _impl_v_call(self, kind: str, root: int, outputs: list, inputs: list) -> Task:

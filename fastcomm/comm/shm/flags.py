@@ -1,40 +1,11 @@
 """Flags, waits and fences of the ``shm`` communicator.
 
-Every rank owns its progress words in the segment and is their only writer (no locks, no atomic
-read-modify-write): ``seq`` advances by one at every publish of a collective, identically on all
-ranks, so "rank p reached step s" is ``seq[p] >= s``. Point-to-point transfers use the per-pair
-``sent``/``acked`` counters instead, which only the two ranks involved advance; a rank about to
-sleep on its peer's counter announces itself in the word after its own counter of the pair
-(``segment``), and the publisher of a counter wakes its futex only then
-(:meth:`PeerFlags.set_word`).
-
-Waiting never burns a core for long: a waiter reads the word in a tight loop for ``spin_us``
-(0 when there are more ranks than cores), then polls it between ``sched_yield()`` calls for
-``yield_us`` (the core goes to any other runnable thread, e.g. this rank's backward pass, and the
-GIL is released), then announces itself in its ``waiting_on`` word and
-sleeps in ``futex(FUTEX_WAIT)`` on the word it waits for, in slices of ``SLICE_S`` so that it can
-check the deadline, the peer's state word (closed/aborted) and, every ``LIVENESS_S``, whether the
-peer's process still exists. A publisher wakes the word's sleepers only when a peer announced
-itself, so the fast path costs no system call. The announcement and the flag are read by the other
-side without a store-load fence (x86 may reorder a store before a later load); a wakeup missed in
-that window costs at most one slice, never correctness, since every sleep is bounded. Sleeping is
-the last resort because a futex wakeup costs tens of microseconds (more in a VM, where the idle
-vCPU must be woken by an IPI), and a sleeping rank arrives late at the next call, which would make
-its peer sleep in turn: the yield phase keeps two ranks in step without holding a core.
-With the automatic spin (``crowd_check``), the spin phase is skipped while the host's load
-average exceeds 1.5x the cores this process may use (sampled once a second): the rank being
-waited for is then likely queued behind the spinner, and yielding at once lets it run (4 KiB
-all-reduce between 2 ranks on a host loaded ~4x: ~115 us with the spin, ~70 us without).
-
-Memory ordering: data is written with ordinary stores (torch copies), then the flag. On x86-64
-(TSO) stores become visible in program order and loads are not reordered with loads, so a reader
-that sees the flag sees the data; ``fence()`` is a no-op there. On other architectures (Arm,
-POWER, RISC-V) a full fence is needed after the data stores and after the flag load: Python has
-no fence instruction, so ``fence()`` calls ``membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)``, which
-the kernel brackets with ``smp_mb()`` on the calling CPU (a few microseconds). Without that
-system call the communicator refuses to start (``fence_supported``). ``FASTCOMM_SHM_FENCE=1``
-forces the fences on x86 too (how that path is exercised here). Aligned 8-byte loads and stores
-through a ``memoryview`` are single instructions, hence never torn.
+Every rank owns its progress words and is their only writer: ``seq`` advances by one at every
+publish of a collective, identically on all ranks; send/recv use the per-pair ``sent``/``acked``
+counters. A waiter spins, then yields, then sleeps on a futex (announced, so a publisher makes
+the system call only then); every wait is bounded by the timeout and fails fast when a peer
+closed, aborted or died. ``fence()`` orders data and flag on weakly ordered machines (a no-op
+on x86-64). Details and the memory-ordering argument: ``docs/shm.md``.
 """
 
 from __future__ import annotations
@@ -156,8 +127,9 @@ class PeerFlags:
         self.peers = [r for r in range(self.size) if r != rank]
         self.peer_seq_idx = [self.seq_idx[p] for p in self.peers]
         self.peer_desc_idx = [self.desc_idx[p] for p in self.peers]
-        self._identity = {p: seg.peer_identity(p) for p in self.peers}
+        self.identity = {p: seg.peer_identity(p) for p in self.peers}
         self._futex = _SYSCALLS[_MACHINE][0]
+        self._slices: dict[int, _Timespec] = {}  # sleep_on's timeouts, by nanoseconds
         self.fenced = fences_needed() and fence_supported()
         self.seq = self.words[self.seq_idx[rank]]  # this rank's last published value
 
@@ -182,7 +154,7 @@ class PeerFlags:
         me = self.rank + 1
         for p in self.peers:
             if words[self.wait_idx[p]] == me:
-                self._wake(idx)
+                self.wake(idx)
                 break
         return value
 
@@ -196,11 +168,22 @@ class PeerFlags:
         words = self.words
         words[idx] = value
         if words[announce_idx]:
-            self._wake(idx)
+            self.wake(idx)
 
-    def _wake(self, idx: int) -> None:
+    def wake(self, idx: int) -> None:
+        """Wakes every rank sleeping on word ``idx``."""
         addr = ctypes.c_void_p(self.base_address + 8 * idx)
         _syscall(self._futex, addr, _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+
+    def sleep_on(self, idx: int, value: int, slice_ns: int) -> None:
+        """Sleeps on word ``idx`` while it holds ``value``, at most ``slice_ns`` (a futex wait;
+        the caller announced itself and checks why it woke)."""
+        timespec = self._slices.get(slice_ns)
+        if timespec is None:
+            timespec = self._slices[slice_ns] = _Timespec(0, slice_ns)
+        addr = ctypes.c_void_p(self.base_address + 8 * idx)
+        _syscall(self._futex, addr, _FUTEX_WAIT, value & _MASK32, ctypes.byref(timespec), None,
+                 0)
 
     def mark(self, state: int, message: str = "") -> None:
         """Records that this rank closed or aborted, and wakes everyone sleeping on its words."""
@@ -214,7 +197,7 @@ class PeerFlags:
         for idx in [self.seq_idx[self.rank]] + [
             layout.sent(self.rank, p) // 8 for p in self.peers
         ] + [layout.acked(self.rank, p) // 8 for p in self.peers]:
-            self._wake(idx)
+            self.wake(idx)
 
     # ------------------------------------------------------------------ waiting
     def spin_budget_ns(self) -> int:
@@ -263,23 +246,9 @@ class PeerFlags:
             CommTimeoutError: the operation's timeout passed; names the ranks not arrived.
             CommAbortedError: ``peer`` aborted, closed its communicator or its process died.
         """
+        if self._poll(idx, target):
+            return
         words = self.words
-        now_ns = time.perf_counter_ns
-        spin_ns = self.spin_budget_ns() if self._crowd_check else self.spin_ns
-        if spin_ns:
-            end = now_ns() + spin_ns
-            while True:
-                for _ in range(32):
-                    if words[idx] >= target:
-                        return
-                if now_ns() > end:
-                    break
-        if self.yield_ns:
-            end = now_ns() + self.yield_ns
-            while now_ns() < end:
-                sched_yield()  # releases the GIL and the core to anything runnable
-                if words[idx] >= target:
-                    return
         deadline = start + self.timeout_s
         next_liveness = time.monotonic() + LIVENESS_S
         addr = ctypes.c_void_p(self.base_address + 8 * idx)
@@ -301,7 +270,7 @@ class PeerFlags:
                         fence()
                     if words[idx] >= target:
                         return
-                    raise self._peer_gone(peer, op, start)
+                    raise self.peer_gone(peer, op, start)
                 if words[self.state_idx[self.rank]]:
                     raise CommClosedError(
                         f"rank {self.rank}: {op} interrupted: this communicator was closed"
@@ -310,7 +279,7 @@ class PeerFlags:
                 if now > deadline:
                     raise self._timeout(idx, target, peer, op, start, group)
                 if now > next_liveness:
-                    pid, start_time = self._identity[peer]
+                    pid, start_time = self.identity[peer]
                     if not process_alive(pid, start_time):
                         if words[idx] >= target:
                             return
@@ -327,7 +296,28 @@ class PeerFlags:
             elif announce_idx is not None:
                 words[announce_idx] = 0
 
-    def _peer_gone(self, peer: int, op: str, start: float) -> CommAbortedError:
+    def _poll(self, idx: int, target: int) -> bool:
+        """Whether word ``idx`` reaches ``target`` within the spin, then the yield phase."""
+        words = self.words
+        now_ns = time.perf_counter_ns
+        spin_ns = self.spin_budget_ns() if self._crowd_check else self.spin_ns
+        if spin_ns:
+            end = now_ns() + spin_ns
+            while True:
+                for _ in range(32):
+                    if words[idx] >= target:
+                        return True
+                if now_ns() > end:
+                    break
+        if self.yield_ns:
+            end = now_ns() + self.yield_ns
+            while now_ns() < end:
+                sched_yield()  # releases the GIL and the core to anything runnable
+                if words[idx] >= target:
+                    return True
+        return False
+
+    def peer_gone(self, peer: int, op: str, start: float) -> CommAbortedError:
         state = self.words[self.state_idx[peer]]
         elapsed = time.monotonic() - start
         if state == ABORTED:

@@ -1,48 +1,12 @@
-"""Tagged point-to-point on the shm mailboxes: what ``send``/``recv``/``isend``/``irecv``, an
+"""Tagged point-to-point on the shm streams: what ``send``/``recv``/``isend``/``irecv``, an
 any-source receive and ``batch_isend_irecv`` of the torch backend run on (``c10d/p2p.py``).
 
-Transport: each ordered pair of ranks has one stream of chunks through its two mailbox slots
-(``schedules``, "Point to point"; one C call a chunk where the compiled core is built). A
-message is one or more consecutive chunks of its pair's stream; every chunk's 64-byte header
-holds the message's total bytes, its tag and its dtype code (1 + the dtype's index among
-torch's dtypes sorted by name; 0: not said, the communicator's own ``send``/``recv``).
-
-Matching, as Gloo (and MPI) match: a receive takes the first message from its source (any
-source: from any rank) whose tag is its own, in the order the sender sent them. A receive
-posted while the head of a source's stream carries another tag takes that message out of the
-mailbox into a buffer set aside, keyed by (source, tag), and goes on; a later receive looks at
-the messages set aside before the mailboxes (the earliest to arrive first). A stream whose head
-no posted receive wants is left in the mailbox, so a sender runs at most two chunks ahead of
-its receiver (its send completes once its last chunk is in a mailbox slot: eager up to 2 x
-``mbox_bytes - 64`` bytes, as Gloo's send of a small message completes before the peer
-receives it).
-
-Mismatch: a receive whose tag matches a message of another byte count or dtype raises
-:class:`MessageMismatchError` naming both ranks, both element counts, dtypes and byte counts;
-the message is taken out of the stream and dropped (so later messages still match), and a
-notice goes to the sender in the receiver's own words of the pair (``acked`` line, words 2-7:
-the count of notices, then the tag and both sides' dtype codes and bytes). The sender raises
-the same error at the first of: the wait of a send to that rank still in flight, its next send
-to or receive from that rank (a message that fits the mailbox has left the sender before its
-receiver looks at it, so the sender cannot raise within that send). Neither side is aborted:
-the pair's stream stays aligned and the group usable.
-
-Progress: every operation is an entry of this engine; :meth:`Mailboxes._progress` moves every
-chunk that can move without waiting (sends in issue order per destination, receives per
-source), under one lock. An operation is tried once when issued (a small send, or a receive
-whose message is there, completes in the call); a ``wait()`` progresses everything (so one
-``batch_isend_irecv`` of any size in both directions moves on one thread without deadlock:
-each rank drains its peers while it fills their mailboxes), spinning, then yielding, then
-sleeping on the futex of the word it needs (announced, so the peer's publish wakes it). While
-operations are pending and nobody waits, a thread of the engine progresses them every
-``POLL_S`` (a peer is never stuck on data this rank issued but has not waited on yet).
-
-Failures: a peer that does not arrive within the communicator's timeout raises
-``CommTimeoutError``, one that aborted, closed or died ``CommAbortedError``, naming this rank,
-the operation, the peer and the elapsed time; either marks the communicator aborted (as its
-other operations do). Invariant: one thread issues a communicator's calls; the communicator's
-own ``send``/``recv`` (untagged, on their per-peer executors) and this engine share the pairs'
-streams and counters, so a communicator uses one of the two at a time.
+A message is consecutive chunks of its pair's stream (``streams``); a receive takes the first
+message from its source whose tag is its own (as Gloo and MPI match), setting aside messages no
+posted receive wants. A mismatched size or dtype raises :class:`MessageMismatchError` on both
+ranks without aborting. One lock and one progress loop move every chunk that can move; a thread
+of the engine moves operations nobody waits on. Matching, mismatch and progress in full:
+``docs/shm.md``.
 """
 
 from __future__ import annotations
@@ -58,17 +22,18 @@ import torch
 from ..errors import CommAbortedError, CommClosedError, CommTimeoutError, FastcommError
 from ..vcoll import DTYPE_CODES as _V_DTYPE_CODES
 from ..work import StoppableThread
-from .flags import _FUTEX_WAIT, _MASK32, _syscall, _Timespec, fence
+from .core import Status
+from .flags import fence
 from .segment import process_alive
+from .streams import Streams
 
 __all__ = ["DTYPE_CODES", "MessageMismatchError", "Mailboxes", "dtype_code"]
 
 POLL_S = 0.001  # the engine's thread: how often it moves operations nobody waits on
 PARK_S = 0.05  # ... and how long it polls after the last operation left pending
-_SLEEP_ONE = _Timespec(0, 2_000_000)  # one pair to wake us: sleep in 2 ms slices
-_SLEEP_MANY = _Timespec(0, 100_000)  # several pairs (only one futex wakes us): 100 us slices
+_SLEEP_ONE_NS = 2_000_000  # one pair to wake us: sleep in 2 ms slices
+_SLEEP_MANY_NS = 100_000  # several pairs (only one futex wakes us): 100 us slices
 _LIVENESS_S = 0.05
-_HEADER = 64
 _U64 = (1 << 64) - 1
 # the v-calls' dtype codes, plus one: 0 is no dtype in a header
 DTYPE_CODES = {dtype: code + 1 for dtype, code in _V_DTYPE_CODES.items()}
@@ -85,7 +50,7 @@ def dtype_code(dtype: torch.dtype) -> int:
     return DTYPE_CODES[dtype]
 
 
-def _what(code: int, nbytes: int) -> str:
+def _amount(code: int, nbytes: int) -> str:
     """``"10 x float32 (40 bytes)"`` for a header's dtype code and byte count."""
     if not 0 < code <= len(_DTYPE_LIST):
         return f"{nbytes} bytes"
@@ -101,7 +66,7 @@ class _Op:
     """One send or receive: its bytes at ``addr`` and how far they moved."""
 
     __slots__ = ("kind", "peer", "tag", "addr", "nbytes", "dtype", "keep", "offset", "done",
-                 "error", "source", "start", "view")
+                 "error", "source", "start")
 
     def __init__(self, kind, peer, tag, tensor: torch.Tensor, dtype: int, start: float):
         self.kind = kind
@@ -116,12 +81,6 @@ class _Op:
         self.error: BaseException | None = None
         self.source = -1
         self.start = start
-        self.view: torch.Tensor | None = None  # its bytes as uint8 (the pure-Python path)
-
-    def bytes(self) -> torch.Tensor:
-        if self.view is None:
-            self.view = self.keep.detach().reshape(-1).view(torch.uint8)
-        return self.view
 
 
 class _Incoming:
@@ -144,24 +103,24 @@ class Mailboxes(StoppableThread):
     """This rank's tagged send/recv engine over a communicator's mailbox streams.
 
     Args:
-        schedules: the communicator's ``SegmentSchedules`` (the streams' counters, the core).
+        streams: the communicator's pair streams (counters, chunks).
         timeout_s: how long an operation may wait for its peer.
         on_fail: called with ``(op name, start, exception)`` for a timeout or a peer gone; it
             marks the communicator aborted and raises.
     """
 
-    def __init__(self, schedules, timeout_s: float, on_fail) -> None:
-        self._s = schedules
-        self._flags = flags = schedules.flags
+    def __init__(self, streams: Streams, timeout_s: float, on_fail) -> None:
+        self._streams = streams
+        self._flags = flags = streams.flags
         self._words = flags.words
-        self._layout = schedules.layout
-        self.rank = schedules.rank
-        self.size = schedules.size
+        self.rank = streams.rank
+        self.size = streams.size
         self._timeout_s = timeout_s
         self._on_fail = on_fail
-        self._core = schedules._core
-        self._room = schedules._mbox_room
-        self._idx = schedules._p2p_idx  # per peer: (sent, peer's acked, peer's sent, acked)
+        self._compiled = streams.compiled is not None  # the one-chunk fast paths need it
+        self._send_chunk, self._recv_chunk = streams.send_chunk, streams.recv_chunk
+        self._room = streams.chunk_bytes
+        self._idx = streams.pair_words  # per peer: (sent, peer's acked, peer's sent, acked)
         self._peers = [r for r in range(self.size) if r != self.rank]
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -181,7 +140,7 @@ class Mailboxes(StoppableThread):
         self._thread: threading.Thread | None = None
         self._closed = False
         self._liveness = 0.0  # when the peers' processes were last looked at
-        self._parked = False  # the thread waits on the condition: _kick must notify it
+        self._parked = False  # the thread waits on the condition: _wake_thread must notify it
         self._last_pending = 0.0  # when an operation was last left pending at its issue
 
     # ------------------------------------------------------------------ issuing
@@ -195,7 +154,7 @@ class Mailboxes(StoppableThread):
             self.pending += 1
             self._progress()
         if not op.done:
-            self._kick()
+            self._wake_thread()
         return op
 
     def irecv(self, tensor: torch.Tensor, src: int | None, tag: int, dtype: int) -> _Op:
@@ -212,24 +171,18 @@ class Mailboxes(StoppableThread):
                     self._wanted[src] += 1
                 self._progress()
         if not op.done:
-            self._kick()
+            self._wake_thread()
         return op
 
     def send_now(self, addr: int, nbytes: int, dst: int, tag: int, dtype: int) -> bool:
         """A message of one chunk sent at once, with no operation built, when nothing is
         queued to ``dst`` and its slot is free within the spin budget (the caller checked the
         rejects); else ``False`` having done nothing."""
-        core = self._core
-        if core is None or nbytes > self._room or self._sends[dst]:
+        if not self._compiled or nbytes > self._room or self._sends[dst]:
             return False
         with self._lock:
-            s = self._s
-            k = s._sent[dst]
-            if self._sends[dst] or core.send(addr, nbytes, nbytes, dst, k,
-                                             self._flags.spin_budget_ns(), tag & _U64, dtype):
-                return False
-            s._sent[dst] = k + 1
-        return True
+            return not self._sends[dst] and not self._send_chunk(
+                dst, addr, nbytes, nbytes, self._flags.spin_budget_ns(), tag, dtype)
 
     def recv_now(self, addr: int, nbytes: int, src: int, tag: int, dtype: int) -> bool:
         """A message of one chunk from ``src`` received at once, with no operation built,
@@ -238,20 +191,13 @@ class Mailboxes(StoppableThread):
         so ``irecv`` still returns at once), has ``tag`` and fits, and no earlier receive
         could claim it; else ``False`` having done nothing (the general path then decides:
         wait, set aside, mismatch)."""
-        core = self._core
-        if (core is None or nbytes > self._room or self._wanted_any or self._wanted[src]
+        if (not self._compiled or nbytes > self._room or self._wanted_any or self._wanted[src]
                 or self._incoming[src] is not None or self._stash[src]):
             return False
         with self._lock:
-            s = self._s
-            k = s._received[src]
-            if (self._incoming[src] is not None or self._stash[src] or self._wanted_any
-                    or self._wanted[src] or core.recv(addr, nbytes, nbytes, src, k,
-                                                      self._flags.spin_budget_ns(),
-                                                      tag & _U64, dtype)):
-                return False
-            s._received[src] = k + 1
-        return True
+            return not (self._incoming[src] is not None or self._stash[src] or self._wanted_any
+                        or self._wanted[src]) and not self._recv_chunk(
+                src, addr, nbytes, nbytes, self._flags.spin_budget_ns(), tag, dtype)
 
     def check_rejects(self, peer: int, verb: str) -> None:
         """Raises the notice of a message of ours ``peer`` rejected, once (module docstring)."""
@@ -271,8 +217,8 @@ class Mailboxes(StoppableThread):
         tag, theirs, their_bytes, ours, our_bytes = (words[base + i] for i in range(1, 6))
         raise MessageMismatchError(
             f"rank {self.rank}: send to rank {peer} (tag {_signed(tag)}) was rejected: rank "
-            f"{peer} expected {_what(theirs, their_bytes)} but rank {self.rank} sent "
-            f"{_what(ours, our_bytes)}; the message was dropped (raised at this rank's next "
+            f"{peer} expected {_amount(theirs, their_bytes)} but rank {self.rank} sent "
+            f"{_amount(ours, our_bytes)}; the message was dropped (raised at this rank's next "
             f"{verb} rank {peer})"
         )
 
@@ -285,7 +231,7 @@ class Mailboxes(StoppableThread):
                 queue = self._sends[dst]
                 while queue:
                     op = queue[0]
-                    if not self._send_chunk(op, dst):
+                    if not self._send_op_chunk(op, dst):
                         break
                     moved = True
                     if op.offset >= op.nbytes:
@@ -299,50 +245,30 @@ class Mailboxes(StoppableThread):
         for src in self._peers:
             if incoming[src] is None and not (any_source or wanted[src]):
                 continue
-            while self._pull(src):
+            while self._take_chunk(src):
                 moved = True
         return moved
 
-    def _send_chunk(self, op: _Op, dst: int) -> bool:
-        s = self._s
-        k = s._sent[dst]
+    def _send_op_chunk(self, op: _Op, dst: int) -> bool:
+        """Puts the next chunk of ``op`` into ``dst``'s stream if its slot is free."""
         count = min(self._room, op.nbytes - op.offset)
-        core = self._core
-        if core is not None:
-            status = core.send(op.addr + op.offset, count, op.nbytes, dst, k, 0, op.tag, op.dtype)
-            if status:
-                if status == 4:  # SLOT_WAIT
-                    return False
-                raise AssertionError(f"the compiled core's send returned status {status}")
-        else:
-            sent_idx, acked_idx = self._idx[dst][:2]
-            words = self._words
-            if k >= 2 and words[acked_idx] < k - 1:
+        status = self._send_chunk(dst, op.addr + op.offset, count, op.nbytes, 0, op.tag,
+                                  op.dtype)
+        if status:
+            if status == Status.SLOT_WAIT:
                 return False
-            box = self._layout.mailbox(self.rank, dst, k & 1)
-            w = box // 8
-            words[w], words[w + 1], words[w + 2] = op.nbytes, op.tag, op.dtype
-            s._u8[box + _HEADER : box + _HEADER + count].copy_(
-                op.bytes()[op.offset : op.offset + count]
-            )
-            self._flags.set_word(sent_idx, k + 1, acked_idx + 1)
-        s._sent[dst] = k + 1
+            raise AssertionError(f"the send of a chunk returned status {status}")
         op.offset += count
         return True
 
-    def _pull(self, src: int) -> bool:
+    def _take_chunk(self, src: int) -> bool:
         """Takes the next chunk from ``src`` when there is one and someone wants it."""
         inc = self._incoming[src]
-        s = self._s
-        k = s._received[src]
-        words = self._words
         if inc is None:
-            if words[self._idx[src][2]] < k + 1:
+            header = self._streams.header(src)
+            if header is None:
                 return False
-            if self._flags.fenced:
-                fence()
-            w = self._layout.mailbox(src, self.rank, k & 1) // 8
-            total, tag, dtype = words[w], words[w + 1], words[w + 2]
+            total, tag, dtype = header
             op = self._match(src, tag)
             if op is None:  # wanted by no receive: set aside
                 stash = torch.empty(total, dtype=torch.uint8)
@@ -359,23 +285,11 @@ class Mailboxes(StoppableThread):
             addr = self._scratch.data_ptr()
         else:
             addr = op.addr + inc.offset
-        core = self._core
-        if core is not None:
-            status = core.recv(addr, count, inc.total, src, k, 0, inc.tag, inc.dtype)
-            if status:
-                if status == 5:  # MESSAGE_WAIT
-                    return False
-                raise AssertionError(f"the compiled core's recv returned status {status}")
-        else:
-            sent_idx, acked_idx = self._idx[src][2:]
-            if words[sent_idx] < k + 1:
+        status = self._recv_chunk(src, addr, count, inc.total, 0, inc.tag, inc.dtype)
+        if status:
+            if status == Status.MESSAGE_WAIT:
                 return False
-            if self._flags.fenced:
-                fence()
-            box = self._layout.mailbox(src, self.rank, k & 1) + _HEADER
-            ctypes.memmove(addr, self._s._u8[box : box + count].data_ptr(), count)
-            self._flags.set_word(acked_idx, k + 1, sent_idx + 1)
-        s._received[src] = k + 1
+            raise AssertionError(f"the recv of a chunk returned status {status}")
         inc.offset += count
         if inc.offset >= inc.total:
             self._incoming[src] = None
@@ -413,7 +327,7 @@ class Mailboxes(StoppableThread):
         words[base] = self._rejects_sent[src]
         return MessageMismatchError(
             f"rank {self.rank}: recv from rank {src} (tag {_signed(op.tag)}) expected "
-            f"{_what(op.dtype, op.nbytes)} but rank {src} sent {_what(dtype, total)}; the "
+            f"{_amount(op.dtype, op.nbytes)} but rank {src} sent {_amount(dtype, total)}; the "
             "message was dropped"
         )
 
@@ -480,11 +394,11 @@ class Mailboxes(StoppableThread):
         # and progress only once it moved
         watch = None
         if self.pending == 1 and op.peer is not None and self._incoming[op.peer] is None:
-            peer, s = op.peer, self._s
+            peer, streams = op.peer, self._streams
             if op.kind == "send":
-                watch = (self._idx[peer][1], lambda: s._sent[peer] - 1)
+                watch = (self._idx[peer][1], lambda: streams.sent[peer] - 1)
             else:
-                watch = (self._idx[peer][2], lambda: s._received[peer] + 1)
+                watch = (self._idx[peer][2], lambda: streams.received[peer] + 1)
         with lock:  # a future's thread may wait beside the issuing one
             self._waiters += 1
         try:
@@ -527,10 +441,8 @@ class Mailboxes(StoppableThread):
             with self._lock:
                 if self._progress() or op.done:
                     return
-            slice_ = _SLEEP_ONE if self.pending == 1 else _SLEEP_MANY
-            addr = ctypes.c_void_p(self._flags.base_address + 8 * idx)
-            _syscall(self._flags._futex, addr, _FUTEX_WAIT, value & _MASK32,
-                     ctypes.byref(slice_), None, 0)
+            self._flags.sleep_on(idx, value,
+                                 _SLEEP_ONE_NS if self.pending == 1 else _SLEEP_MANY_NS)
         finally:
             words[announce] = 0
 
@@ -551,9 +463,9 @@ class Mailboxes(StoppableThread):
         for peer in peers:
             gone = None
             if words[flags.state_idx[peer]]:
-                gone = flags._peer_gone(peer, name, op.start)
+                gone = flags.peer_gone(peer, name, op.start)
             elif now - self._liveness > _LIVENESS_S:
-                pid, start_time = flags._identity[peer]
+                pid, start_time = flags.identity[peer]
                 if not process_alive(pid, start_time):
                     gone = CommAbortedError(
                         f"rank {self.rank}: {name} failed after {elapsed:.1f} s: rank {peer} "
@@ -601,7 +513,7 @@ class Mailboxes(StoppableThread):
         self.pending -= 1
 
     # ------------------------------------------------------------------ the thread
-    def _kick(self) -> None:
+    def _wake_thread(self) -> None:
         """Has the engine's thread move pending operations nobody waits on: started on first
         use, woken only when parked. A running thread polls (``POLL_S``) rather than being
         woken per operation: a woken thread takes the GIL and a core from the caller that is

@@ -1,37 +1,9 @@
-"""The shared-memory segment of one ``shm`` communicator: layout, setup, cleanup, liveness.
+"""The ``shm`` segment: a POSIX shared-memory file per communicator, its layout and lifetime.
 
-Layout (byte offsets; every region starts on its own 128-byte line so that no two writers share
-a cache line, and the adjacent-line prefetcher does not pair them either)::
-
-    header    magic, size, slot_bytes, mbox_bytes                      written once by rank 0
-    control   one block per rank, written by that rank alone:
-                seq          collective progress counter (futex word: its low 32 bits)
-                misc         waiting_on, state, pid, start time, call descriptors A [2],
-                             PremulSum factors [2] (float64 bits), call descriptors B [2],
-                             one_shot_max (schedules.py: what a descriptor holds)
-                message      why the rank aborted (UTF-8), written before state = ABORTED
-                sent[d]      chunks this rank has put in its mailbox to rank d; the next
-                             word: 1 while this rank sleeps until d acknowledges one
-                acked[s]     chunks this rank has taken from rank s's mailbox to it; the next
-                             word: 1 while this rank sleeps until s sends one
-    data      2 halves x (size + 1) slots x slot_bytes: slot (h, r) is written by rank r only;
-              slot (h, size) holds reduced results, each rank writing its own 64-byte-aligned
-              slice of it (so one copy brings a whole chunk's result out)
-    mailbox   per ordered pair (s, d): 2 x mbox_bytes, written by s, read by d
-
-Lifetime invariant: the file ``/dev/shm/fastcomm-<pid>-<start>-<pidns>-<token>-<n>`` (the
-creator's pid, its start time in clock ticks since boot, and the inode of its PID namespace)
-exists only between rank 0 creating it and every rank having mapped it (a store barrier); rank 0
-then unlinks it, so nothing is left behind whatever happens to the processes afterwards
-(``close()``, interpreter exit, an exception, SIGKILL). A creator killed inside that window leaves
-a file whose creator is gone: every later segment creation on the host sweeps such files
-(:func:`sweep_stale`), and so does ``fastcomm-run`` once its workers have exited.
-
-Sweeping unlinks a file only when its creator is provably gone: the name says the creator ran in
-the sweeper's PID namespace, and that pid now runs no process, or a process with another start
-time (the pid was reused). Containers that share ``/dev/shm`` but not their PID namespace never
-sweep each other's files, and a name without those fields (another version, another program) is
-left alone.
+A header, one control block per rank (its progress words, written by that rank alone), two
+halves of per-rank data slots plus a result slot each, and two mailbox slots per ordered pair
+of ranks. Nothing of the segment outlives setup in ``/dev/shm``. Layout, setup and the
+liveness checks: ``docs/shm.md``.
 """
 
 from __future__ import annotations

@@ -1,31 +1,11 @@
 """The shm schedule of a v-call (``fastcomm.comm.vcoll``): pieces of any size from every rank
 to every rank through the segment's slots, the sizes agreed inside the call's first round.
 
-Round 0: every rank writes a header at the start of its slot -- its row (``vcoll.row_of``:
-op, root, dtype, the bytes it sends to each rank and expects from each), then, per
-destination, the slot offset of the buffer it sends there (-1: none) -- and the first chunk of
-each distinct buffer it sends to a peer, publishes, and waits for every peer. Descriptor word
-A, compared as every shm collective compares it, carries only the opcode: the op, root, dtype
-and sizes are compared from the headers, so a disagreement on them is a
-:class:`~..vcoll.SizesDisagreement` on every rank with the same message, and since every rank
-took part in the round the communicator stays usable. Every rank then holds every row, so
-every rank computes the same number of rounds.
-
-Chunks: rank ``q`` with ``m`` distinct buffers to send (an ``all_gather_v`` sends one buffer to
-everyone, a ``scatter`` root one per rank) gives each of them ``c_q = (slot_bytes - header) //
-m`` bytes of its slot (64-byte aligned); round ``k`` holds bytes ``[k c_q, (k + 1) c_q)`` of
-each. Rounds run until the longest buffer of any rank is through, at least one (a call moving
-nothing is the header's round alone). Readers copy their piece of every peer's slot straight
-into their output; a rank's piece to itself is one local copy, after the check.
-
-Round 0 of a call whose pieces from this rank fit it runs in the compiled core where it was
-built (``_core.c``, ``v_call``): the header and the pieces copied in, the publish, the wait,
-both checks and the copy-out in one C call, as every small shm collective; when the ranks
-disagree, or a peer's piece needs more rounds, it returns having copied nothing out and the
-call goes on here. Otherwise bytes move with ``ctypes.memmove`` between the caller's tensors
-and the segment: at 4 KiB a torch ``copy_`` (dispatcher, TensorIterator) costs more than the
-bytes, and any dtype moves. Ranks with and without the core interoperate (the same words).
-An output's version counter is bumped as a torch in-place op would.
+Round 0: every rank writes a header (its row of sizes and where each piece sits in its slot)
+and the first chunk of each buffer, publishes and waits; a disagreement on the sizes is a
+:class:`~..vcoll.SizesDisagreement` on every rank, and the communicator stays usable. Round 0
+runs in one C call where the compiled core takes it; bytes otherwise move with
+``ctypes.memmove``. The protocol: ``docs/shm.md``.
 """
 
 from __future__ import annotations
@@ -44,39 +24,41 @@ from ..vcoll import (
     overlaps,
     raise_disagreement,
 )
-from .schedules import _OPCODES, SegmentSchedules, _core
+from .core import CompiledRounds, Status
+from .rounds import OPCODES, Rounds
 
 __all__ = ["VSchedule"]
 
 _memmove = ctypes.memmove
 _increment_version = torch._C._increment_version
-_CODE = _OPCODES["all_to_all_v"] << 56
-_V_DISAGREE, _V_MORE = 7, 8  # the compiled core's v_call statuses beyond a round's own
+_CODE = OPCODES["all_to_all_v"] << 56
 
 
 class VSchedule:
     """Runs v-calls for one rank over the slots of ``schedules``' segment.
 
     Args:
-        schedules: the communicator's segment schedules (rounds, flags, layout).
+        rounds: the rank's rounds (flags, layout, the segment).
+        compiled: the compiled core, or ``None``.
     """
 
-    def __init__(self, schedules: SegmentSchedules) -> None:
-        self.s = schedules
-        layout = schedules.layout
+    def __init__(self, rounds: Rounds, compiled: CompiledRounds | None) -> None:
+        self.rounds = rounds
+        self.compiled = compiled
+        layout = rounds.layout
         n = self.size = layout.size
-        self.rank = schedules.rank
+        self.rank = rounds.rank
         self.width = HEAD + 3 * n  # a header's words: the row, then the buffer per destination
         self.header = -(-8 * self.width // 64) * 64
         self.slot_bytes = layout.slot_bytes
         # bytes of a slot each of m distinct buffers gets per round, by m
         self.rooms = [(self.slot_bytes - self.header) // max(m, 1) // 64 * 64
                       for m in range(n + 1)]
-        base = schedules._u8.data_ptr()
+        base = rounds.u8.data_ptr()
         self.slots = [[base + layout.slot(h, r) for r in range(n)] for h in range(2)]
         # headers are packed and unpacked in place in the mapping (a struct call each: a
         # fraction of a NumPy assignment's cost)
-        self._mm = schedules.flags.segment.mm
+        self._mm = rounds.flags.segment.mm
         self._header = struct.Struct(f"<{self.width}q")
         self._offsets = [[layout.slot(h, r) for r in range(n)] for h in range(2)]
         # the compiled core's plan: the header, then every output's and input's address
@@ -122,8 +104,8 @@ class VSchedule:
         buffer sent to rank ``r`` (equal keys: one buffer); ``changed``: the tensors whose
         version counters the call bumps."""
         start = time.monotonic()
-        s, n, me, head = self.s, self.size, self.rank, self.header
-        flags = s.flags
+        steps, n, me, head = self.rounds, self.size, self.rank, self.header
+        flags = steps.flags
         # the distinct buffers sent to peers, in order of first use, each at its slot offset
         buffers: list[list[int]] = []  # [address, bytes]
         offsets = [-1] * n
@@ -139,24 +121,24 @@ class VSchedule:
         room = self.rooms[len(buffers)]
         offsets = [-1 if i < 0 else head + i * room for i in offsets]
         words = (KIND_CODES[kind], root, DTYPE_CODES[dtype], esize, *sent, *expected, *offsets)
-        if s._core is not None and all(nbytes <= room for _, nbytes in buffers):
+        if self.compiled is not None and all(nbytes <= room for _, nbytes in buffers):
             # the round in one C call; it returns having copied nothing out when the ranks
             # disagree or a peer's piece needs more rounds (then on as below)
             self._plan_struct.pack_into(self._plan, 0, *words, *out_addrs, *in_addrs)
-            half, status = self._core_round(kind, start)
-            if status == _core.DONE:
+            half, status = self.compiled.v_call(self._plan_address, _CODE, kind, start)
+            if status == Status.DONE:
                 if changed:
                     _increment_version(changed)
                 return
         else:
-            half = s._enter(kind, start, _CODE)
+            half = steps.enter(kind, start, _CODE)
             self._header.pack_into(self._mm, self._offsets[half][me], *words)
             mine = self.slots[half][me]
             for i, (addr, nbytes) in enumerate(buffers):
                 _memmove(mine + head + i * room, addr, nbytes if nbytes < room else room)
-            s._first_publish()
+            steps.publish_first()
             flags.wait_all(flags.seq, kind, start)
-            s._check(half, _CODE)
+            steps.check(half, _CODE)
         unpack, mm = self._header.unpack_from, self._mm
         table = [unpack(mm, offset) for offset in self._offsets[half]]
         problem = disagreement(table)
@@ -187,46 +169,24 @@ class VSchedule:
             _memmove(out_addrs[me], in_addrs[me], expected[me])
         self._copy_out(half, sources, 0)
         for k in range(1, rounds):
-            half = s._enter(kind, start, _CODE)
-            mine = self.slots[half][me] + head
-            lo = k * room
-            for i, (addr, nbytes) in enumerate(buffers):
-                if lo < nbytes:
-                    _memmove(mine + i * room, addr + lo, min(room, nbytes - lo))
-            s._first_publish()
-            flags.wait_all(flags.seq, kind, start)
-            self._copy_out(half, sources, k)
+            self._later_round(kind, start, k, room, buffers, sources)
         del keep
         if changed:
             _increment_version(changed)
 
-    def _core_round(self, kind: str, start: float) -> tuple[int, int]:
-        """Round 0 in the compiled core, from the plan packed in ``self._plan``: ``(half,
-        status)``; waits the core gave up on are finished here and the core resumed (as
-        ``SegmentSchedules._core_round`` does)."""
-        s = self.s
-        flags, call = s.flags, s._core.v_call
-        half = s._round & 1
-        s._round += 1
-        target = flags.seq + 1
-        args = [self._plan_address, _CODE, half, s._prev_first, target, 0,
-                flags.spin_budget_ns()]
-        status = call(*args)
-        while status in (_core.ENTER_WAIT, _core.EXCHANGE_WAIT):
-            if status == _core.ENTER_WAIT:
-                flags.wait_all(args[3], kind, start)
-                args[5] = 1
-            else:  # published: this rank's seq moved on whatever happens next
-                flags.seq = s._prev_first = target
-                flags.wait_all(target, kind, start)
-                args[5] = 2
-            status = call(*args)
-        flags.seq = s._prev_first = target
-        if status == _core.MISMATCH:
-            s._check(half, _CODE)
-        if status not in (_core.DONE, _V_DISAGREE, _V_MORE):
-            raise AssertionError(f"the compiled core's v_call returned status {status}")
-        return half, status
+    def _later_round(self, kind: str, start: float, k: int, room: int, buffers: list,
+                     sources: list) -> None:
+        """Round ``k`` (> 0): the next ``room`` bytes of each buffer in, the peers' out."""
+        steps, flags = self.rounds, self.rounds.flags
+        half = steps.enter(kind, start, _CODE)
+        mine = self.slots[half][self.rank] + self.header
+        lo = k * room
+        for i, (addr, nbytes) in enumerate(buffers):
+            if lo < nbytes:
+                _memmove(mine + i * room, addr + lo, min(room, nbytes - lo))
+        steps.publish_first()
+        flags.wait_all(flags.seq, kind, start)
+        self._copy_out(half, sources, k)
 
     def _copy_out(self, half: int, sources: list, k: int) -> None:
         slots = self.slots[half]
