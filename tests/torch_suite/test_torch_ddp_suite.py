@@ -70,6 +70,8 @@ class TestFastcommDDPWithTorchSuite(TestDistBackend, DistributedTest._DistTestBa
 
     def setUp(self):
         super().setUp()
+        # torch's MultiProcessTestCase makes a FileStore file per test and leaves it in /tmp
+        self.addCleanup(lambda name=self.file_name: os.path.exists(name) and os.remove(name))
         if os.environ.get("FASTCOMM_TORCH_SUITE_START") == "spawn":
             self._spawn_processes()
         else:
