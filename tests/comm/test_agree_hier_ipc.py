@@ -162,7 +162,7 @@ def ipc_pool(request):
 @pytest.fixture(scope="module", params=[4, 3], ids=lambda n: f"world{n}")
 def hier_pool(request):
     with RankPool(request.param, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120) as p:
-        p.run(set_host, per_rank=[(h,) for h in LAYOUTS[request.param]])
+        p.run(set_host, LAYOUTS[request.param])
         yield p
 
 

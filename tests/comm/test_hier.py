@@ -21,8 +21,17 @@ from tests.harness import STATE, RankPool, rank_comm
 LAYOUTS = {4: ["a", "b", "a", "b"], 3: ["a", "a", "b"]}
 
 
-def set_host(host: str) -> None:
-    os.environ["FASTCOMM_HOST_ID"] = host
+def fake_hosts(hosts: list[str]) -> None:
+    """This rank's host in ``hosts`` (one per rank), with the local rank and local world size a
+    launcher would give it there."""
+    rank = int(os.environ["RANK"])
+    here = [r for r, h in enumerate(hosts) if h == hosts[rank]]
+    os.environ.update(FASTCOMM_HOST_ID=hosts[rank], LOCAL_RANK=str(here.index(rank)),
+                      LOCAL_WORLD_SIZE=str(len(here)))
+
+
+def set_host(hosts: list[str]) -> None:
+    fake_hosts(hosts)
     torch.set_num_threads(1)
     STATE.pop("comm/hier", None)  # rebuilt with the new host identity
 
@@ -51,9 +60,9 @@ def check_large_all_reduce(dtype):
 
 
 def check_init_choice(hosts, forced):
-    host = hosts[int(os.environ["RANK"])]
-    saved = {k: os.environ.get(k) for k in ("FASTCOMM_HOST_ID", "FASTCOMM_BACKEND")}
-    os.environ["FASTCOMM_HOST_ID"] = host
+    saved = {k: os.environ.get(k) for k in ("FASTCOMM_HOST_ID", "FASTCOMM_BACKEND",
+                                            "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    fake_hosts(hosts)
     if forced:
         os.environ["FASTCOMM_BACKEND"] = forced
     try:
@@ -95,7 +104,7 @@ def pool(request):
     # CPU tensors on simulated hosts; GPUs hidden so that init()'s choice checked below is the
     # CPU one on any machine (NCCL selection is tested in test_init.py with faked devices)
     with RankPool(request.param, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=90) as p:
-        p.run(set_host, per_rank=[(h,) for h in LAYOUTS[request.param]])
+        p.run(set_host, LAYOUTS[request.param])
         yield p
 
 

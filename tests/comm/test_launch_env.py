@@ -263,6 +263,8 @@ def check_srun_init_process_group():
 
 def check_refused(layouts: dict[int, dict[str, str]], via_torch: bool = False):
     """Starts with this rank's ``layouts`` entry; returns the error every rank must raise."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     import fastcomm
@@ -272,9 +274,14 @@ def check_refused(layouts: dict[int, dict[str, str]], via_torch: bool = False):
     try:
         try:
             if via_torch:
-                export_torchrun_env()
-                dist.init_process_group("fastcomm", timeout=__import__("datetime").timedelta(
-                    seconds=30))
+                # a namespace of its own: torch names every default group "0", and an earlier
+                # check's rows under it would still be in the pool's store
+                client = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]),
+                                       is_master=False, timeout=timedelta(seconds=30))
+                dist.init_process_group(
+                    "fastcomm", store=dist.PrefixStore("refused", client), rank=rank,
+                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=30),
+                )
             else:
                 fastcomm.init(timeout=30)
         except LaunchEnvError as exc:
