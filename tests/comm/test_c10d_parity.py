@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import tempfile
 from datetime import timedelta
 
@@ -165,16 +166,23 @@ def check_checkpoint_across_backends():
                                            is_source=_rank() == 0)
     STATE["dcp"] += 1
     full = torch.randn(world * 4, 3, generator=torch.Generator().manual_seed(7))
-    for saver, loader in ((fc, gloo), (gloo, fc)):
-        path = os.path.join(folder, f"{dist.get_backend(saver)}-to-{dist.get_backend(loader)}")
-        mesh = DeviceMesh.from_group(saver, "cpu")
-        state = {"w": distribute_tensor(full, mesh, [Shard(0)]), "step": torch.tensor(5)}
-        dcp.save(copy.copy(state), checkpoint_id=path, process_group=saver)
-        target_mesh = DeviceMesh.from_group(loader, "cpu")
-        target = {"w": distribute_tensor(torch.zeros_like(full), target_mesh, [Shard(0)]),
-                  "step": torch.tensor(0)}
-        dcp.load(target, checkpoint_id=path, process_group=loader)
-        assert target["w"].full_tensor().equal(full) and int(target["step"]) == 5
+    try:
+        for saver, loader in ((fc, gloo), (gloo, fc)):
+            path = os.path.join(
+                folder, f"{dist.get_backend(saver)}-to-{dist.get_backend(loader)}"
+            )
+            mesh = DeviceMesh.from_group(saver, "cpu")
+            state = {"w": distribute_tensor(full, mesh, [Shard(0)]), "step": torch.tensor(5)}
+            dcp.save(copy.copy(state), checkpoint_id=path, process_group=saver)
+            target_mesh = DeviceMesh.from_group(loader, "cpu")
+            target = {"w": distribute_tensor(torch.zeros_like(full), target_mesh, [Shard(0)]),
+                      "step": torch.tensor(0)}
+            dcp.load(target, checkpoint_id=path, process_group=loader)
+            assert target["w"].full_tensor().equal(full) and int(target["step"]) == 5
+    finally:
+        dist.barrier(group=gloo)  # every rank has read the checkpoint before it goes
+        if _rank() == 0:
+            shutil.rmtree(folder, ignore_errors=True)
     return "ok"
 
 
