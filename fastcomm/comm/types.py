@@ -247,7 +247,7 @@ class Capabilities:
     whose buckets it all-reduces there out of the peers' copies, nothing staged
     (``bucket_region(...)``, a collective returning a region, or the reason it cannot):
     ``shm`` on CPU (:class:`~fastcomm.comm.shm.buckets.BucketRegion`), ``ipc`` on CUDA
-    (:class:`~fastcomm.comm.ipc.buckets.CudaBucketRegion`). Elsewhere DDP's buckets are
+    (:class:`~fastcomm.comm.ipc.cuda_region.CudaBucketRegion`). Elsewhere DDP's buckets are
     ordinary memory reduced by ``all_reduce``."""
 
     in_place: bool = True

@@ -11,7 +11,7 @@ the fresh gradient in as it arrives, still in cache -- on CPU, for a gradient of
 this rank's own slice where autograd left it (``BucketRegion.stage``). `SharedViewAllReduce`
 all-reduces such a bucket in place: each rank reduces its slice straight out of every rank's
 bucket, the averaging factor folded in, and every rank ends with the whole result in its own
-bucket (``fastcomm.comm.shm.buckets`` on CPU; on CUDA ``fastcomm.comm.ipc.buckets``: one
+bucket (``fastcomm.comm.shm.buckets`` on CPU; on CUDA ``fastcomm.comm.ipc.region``: one
 ``peer_reduce`` kernel between two ``peer_signal`` barriers): no pack, no staging into the
 communicator's slots or workspace, no copy back, no unpack.
 

@@ -1,5 +1,5 @@
-"""ipc's shared DDP buckets (``fastcomm/comm/ipc/buckets.py``): the plan, the region across
-processes, DDP on it, and the CUDA region on a GPU.
+"""ipc's shared DDP buckets (``fastcomm/comm/ipc/region.py``, ``cuda_region.py``): the plan,
+the region across processes, DDP on it, and the CUDA region on a GPU.
 
 - The plan (`region_layout`, `bucket_steps`) is plain host logic, checked exactly.
 - The *CPU twin*: every rank maps its peers' areas (POSIX shared memory, the layout a CUDA
@@ -23,13 +23,13 @@ import pytest
 import torch
 
 from fastcomm.comm.errors import CommAbortedError, CommTimeoutError, FastcommError
-from fastcomm.comm.ipc.buckets import (
-    ALIGN,
+from fastcomm.comm.ipc.descriptor import call_descriptor, describe_call
+from fastcomm.comm.ipc.plan import ALIGN, Barrier, EpochClock, Reduce
+from fastcomm.comm.ipc.region import (
     PeerBucketRegion,
     bucket_steps,
     region_layout,
 )
-from fastcomm.comm.ipc.cuda import Barrier, EpochClock, Reduce, call_descriptor, describe_call
 from fastcomm.comm.types import ReduceOp
 from fastcomm.kernels._peer_signal import CONTROL_WORDS, flag_area_words
 from tests.harness import INTERPRETED_KERNELS, RankPool, map_peer_files, rank_comm

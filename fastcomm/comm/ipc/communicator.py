@@ -268,7 +268,7 @@ class IpcCommunicator(Communicator):
         """DDP bucket memory the peers map, all-reduced in place (``capabilities.
         shared_buckets``; a collective: every rank calls it alike).
 
-        CUDA: a :class:`~.buckets.CudaBucketRegion` of the CUDA transport (built here on first
+        CUDA: a :class:`~.cuda_region.CudaBucketRegion` of the CUDA transport (built here on first
         use), reduced by the ``peer_reduce`` kernel out of the peers' areas. CPU: the shared-
         memory communicator's region.
 
