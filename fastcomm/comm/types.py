@@ -246,7 +246,7 @@ class Capabilities:
     """Device types whose DDP bucket memory it hands out, memory every rank reads in place, and
     whose buckets it all-reduces there out of the peers' copies, nothing staged
     (``bucket_region(...)``, a collective returning a region, or the reason it cannot):
-    ``shm`` on CPU (:class:`~fastcomm.comm.shm.buckets.BucketRegion`), ``ipc`` on CUDA
+    ``shm`` on CPU (:class:`~fastcomm.comm.shm.buckets.ShmBucketRegion`), ``ipc`` on CUDA
     (:class:`~fastcomm.comm.ipc.cuda_region.CudaBucketRegion`). Elsewhere DDP's buckets are
     ordinary memory reduced by ``all_reduce``."""
 

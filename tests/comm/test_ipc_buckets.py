@@ -22,6 +22,7 @@ import time
 import pytest
 import torch
 
+from fastcomm.comm.bucket_region import BucketRegion, RegionBucket
 from fastcomm.comm.errors import CommAbortedError, CommTimeoutError, FastcommError
 from fastcomm.comm.ipc.descriptor import call_descriptor, describe_call
 from fastcomm.comm.ipc.plan import ALIGN, Barrier, EpochClock, Reduce
@@ -117,6 +118,9 @@ def twin_all_reduce(name: str, dtype_name: str, iterations: int, factor: float):
     try:
         raw = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
         buckets = [region.bucket(i, off, dtype, n) for i, (off, n) in enumerate(BUCKETS)]
+        # the protocol DDP types against (fastcomm.comm.bucket_region)
+        assert isinstance(region, BucketRegion)
+        assert all(isinstance(b, RegionBucket) for b in buckets)
         out = []
         for it in range(iterations):
             for b, (off, n) in zip(buckets, BUCKETS, strict=True):

@@ -115,9 +115,19 @@ class PeerBucket:
         self.flat = flat
         self.nbytes = flat.numel() * flat.element_size()
 
+    def stage(self, offset: int, grad: torch.Tensor) -> None:
+        """Copies ``grad`` in whole at element ``offset`` (the region's ``stages`` is false:
+        every part of it is read from this rank's area by some rank)."""
+        flat = grad.view(-1)
+        self.flat[offset : offset + flat.numel()].copy_(flat)
+
+    def unstage(self) -> None:
+        """Nothing is ever staged."""
+
 
 class PeerBucketRegion:
-    """The shared buckets of one DDP model over ranks that map each other's areas (see
+    """The shared buckets of one DDP model over ranks that map each other's areas, a
+    :class:`~fastcomm.comm.bucket_region.BucketRegion` (see
     ``docs/ipc.md``): the device-neutral part, which runs each launch at once.
 
     Args:
