@@ -250,6 +250,11 @@ class Capabilities:
     (:class:`~fastcomm.comm.ipc.cuda_region.CudaBucketRegion`). Elsewhere DDP's buckets are
     ordinary memory reduced by ``all_reduce``."""
 
+    tagged_p2p: bool = False
+    """Has a tagged point-to-point engine (its ``mailboxes`` property: tags, any-source
+    receives, one progress loop for many operations) on which the ``torch.distributed`` adapter
+    runs ``send``/``recv`` of CPU tensors (``shm``); elsewhere the adapter hands them to Gloo."""
+
     in_place: bool = True
     """``all_gather`` and ``all_to_all`` accept an output that overlaps the input (torch's
     ``all_gather_into_tensor`` with the input a slice of the output, as FSDP2 calls it);

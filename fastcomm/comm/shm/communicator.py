@@ -226,6 +226,7 @@ class ShmCommunicator(Communicator):
         self.capabilities = Capabilities(
             layout_free=True, premul_dtypes=premul, extended_reductions=reduce is None,
             shared_buckets=frozenset({"cpu"}) if reduce is None else frozenset(),
+            tagged_p2p=True,
         )
         self._regions = 0  # bucket regions made: each its own store keys
         self._live_regions: weakref.WeakSet[ShmBucketRegion] = weakref.WeakSet()
