@@ -246,9 +246,14 @@ class Capabilities:
     """Device types whose DDP bucket memory it hands out, memory every rank reads in place, and
     whose buckets it all-reduces there out of the peers' copies, nothing staged
     (``bucket_region(...)``, a collective returning a region, or the reason it cannot):
-    ``shm`` on CPU (:class:`~fastcomm.comm.shm.buckets.BucketRegion`), ``ipc`` on CUDA
-    (:class:`~fastcomm.comm.ipc.buckets.CudaBucketRegion`). Elsewhere DDP's buckets are
+    ``shm`` on CPU (:class:`~fastcomm.comm.shm.buckets.ShmBucketRegion`), ``ipc`` on CUDA
+    (:class:`~fastcomm.comm.ipc.cuda_region.CudaBucketRegion`). Elsewhere DDP's buckets are
     ordinary memory reduced by ``all_reduce``."""
+
+    tagged_p2p: bool = False
+    """Has a tagged point-to-point engine (its ``mailboxes`` property: tags, any-source
+    receives, one progress loop for many operations) on which the ``torch.distributed`` adapter
+    runs ``send``/``recv`` of CPU tensors (``shm``); elsewhere the adapter hands them to Gloo."""
 
     in_place: bool = True
     """``all_gather`` and ``all_to_all`` accept an output that overlaps the input (torch's

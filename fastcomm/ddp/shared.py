@@ -8,10 +8,10 @@ parameter is then its view in that memory (``gradient_as_bucket_view``): autogra
 into it, or, where ``.grad`` was ``None`` (``zero_grad(set_to_none=True)``), the reducer copies
 the fresh gradient in as it arrives, still in cache -- on CPU, for a gradient of
 ``config.stage_min_bytes`` or more, only the parts the peers reduce: the reduction reads the part in
-this rank's own slice where autograd left it (``BucketRegion.stage``). `SharedViewAllReduce`
+this rank's own slice where autograd left it (``RegionBucket.stage``). `SharedViewAllReduce`
 all-reduces such a bucket in place: each rank reduces its slice straight out of every rank's
 bucket, the averaging factor folded in, and every rank ends with the whole result in its own
-bucket (``fastcomm.comm.shm.buckets`` on CPU; on CUDA ``fastcomm.comm.ipc.buckets``: one
+bucket (``fastcomm.comm.shm.buckets`` on CPU; on CUDA ``fastcomm.comm.ipc.region``: one
 ``peer_reduce`` kernel between two ``peer_signal`` barriers): no pack, no staging into the
 communicator's slots or workspace, no copy back, no unpack.
 
@@ -53,6 +53,7 @@ import warnings
 
 import torch
 
+from fastcomm.comm.bucket_region import BucketRegion, Launched, RegionBucket
 from fastcomm.comm.types import SHARED_BUCKET_DTYPES
 
 from .bucket import Bucket
@@ -82,12 +83,12 @@ class SharedBuckets:
     Build with :meth:`create` (a collective: every rank's reducer calls it).
 
     Attributes:
-        region: the communicator's ``BucketRegion``.
+        region: the communicator's region (a ``fastcomm.comm.bucket_region.BucketRegion``).
         staged: whether its buckets stage fresh gradients (the region's ``stages``: shm's
-            ``SharedBucket.stage``; ipc's buckets stage nothing).
+            do; ipc's would copy them in whole).
     """
 
-    def __init__(self, region, device: torch.device) -> None:
+    def __init__(self, region: BucketRegion, device: torch.device) -> None:
         self.region = region
         self.device = device
         self.staged = region.stages
@@ -121,9 +122,9 @@ class SharedBuckets:
         """Starts laying out a new set of buckets from the region's beginning (a build or a
         rebuild: the old buckets' memory is reused)."""
         self._offset = self._slot = 0
-        self._staged = []
+        self._staged: list[RegionBucket] = []
 
-    def take(self, bucket: Bucket):
+    def take(self, bucket: Bucket) -> RegionBucket | None:
         """The region's bucket for a dense bucket being built, in build order (its memory
         zeroed), or ``None`` when it is not eligible (it keeps a buffer of its own)."""
         if not eligible(bucket.params[0], self.device):
@@ -131,7 +132,7 @@ class SharedBuckets:
         shared = self.region.bucket(self._slot, self._offset, bucket.dtype, bucket.numel)
         shared.flat.zero_()
         if self.staged:
-            self._staged.append(shared.sources)
+            self._staged.append(shared)
         self._slot += 1
         self._offset += _padded(shared.nbytes)
         return shared
@@ -139,9 +140,8 @@ class SharedBuckets:
     def begin_backward(self) -> None:
         """Forgets gradient pieces staged by a backward that never launched their bucket (it
         raised, or stopped short of a reduction): a piece is read at its bucket's launch."""
-        for staged in self._staged:
-            if staged:
-                staged.clear()
+        for shared in self._staged:
+            shared.unstage()
 
     def settle(self) -> None:
         """Waits until no peer reads or writes a bucket this rank launched any more."""
@@ -159,18 +159,18 @@ class SharedViewAllReduce(ViewAllReduce):
 
     __slots__ = ()
 
-    def launch(self, reducer, bucket: Bucket, grads):
-        return bucket.shared.region.launch(bucket.shared, reducer.scale)
+    def launch(self, reducer, bucket: Bucket, grads) -> Launched:
+        return reducer.shared.region.launch(bucket.shared, reducer.scale)
 
-    def wait(self, reducer, bucket: Bucket, result) -> torch.Tensor:
+    def wait(self, reducer, bucket: Bucket, result: Launched) -> torch.Tensor:
         result.wait()
         return bucket.flat
 
-    def shadow(self, reducer, bucket: Bucket):
+    def shadow(self, reducer, bucket: Bucket) -> Launched:
         bucket.flat.zero_()
         # ipc applies the factor to the sum, each rank to the chunk it reduces: the joined
         # rank passes the training ranks' factor (join.py keeps it)
-        return bucket.shared.region.launch(bucket.shared, reducer.scale)
+        return reducer.shared.region.launch(bucket.shared, reducer.scale)
 
 
 SHARED_VIEW = SharedViewAllReduce()

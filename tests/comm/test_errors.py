@@ -193,7 +193,7 @@ def test_shm_reduce_through_the_fallback_keeps_the_result_on_root(pool, unique_n
 # The transport itself needs CUDA and CuPy; its setup agreement is a plain function over the
 # values every rank gathered, so every rank's verdict can be checked here.
 def test_ipc_cuda_ranks_that_disagree_on_options_all_raise_naming_both_sides():
-    from fastcomm.comm.ipc.cuda import IpcCudaOptions, agreed_options, check_agreed_options
+    from fastcomm.comm.ipc.plan import IpcCudaOptions, agreed_options, check_agreed_options
 
     same = [agreed_options(IpcCudaOptions()) for _ in range(3)]
     for rank in range(3):
@@ -222,6 +222,6 @@ _WORKSPACE, _TWO_SHOT = "FASTCOMM_IPC_CUDA_WORKSPACE_BYTES", "FASTCOMM_IPC_CUDA_
     ],
 )
 def test_ipc_cuda_environment_values_are_named(env, needles):
-    from fastcomm.comm.ipc.cuda import IpcCudaOptions
+    from fastcomm.comm.ipc.plan import IpcCudaOptions
 
     _raises(lambda: IpcCudaOptions.from_env(env), ValueError, *needles)

@@ -1,5 +1,5 @@
-"""ipc's shared DDP buckets (``fastcomm/comm/ipc/buckets.py``): the plan, the region across
-processes, DDP on it, and the CUDA region on a GPU.
+"""ipc's shared DDP buckets (``fastcomm/comm/ipc/region.py``, ``cuda_region.py``): the plan,
+the region across processes, DDP on it, and the CUDA region on a GPU.
 
 - The plan (`region_layout`, `bucket_steps`) is plain host logic, checked exactly.
 - The *CPU twin*: every rank maps its peers' areas (POSIX shared memory, the layout a CUDA
@@ -22,14 +22,15 @@ import time
 import pytest
 import torch
 
+from fastcomm.comm.bucket_region import BucketRegion, RegionBucket
 from fastcomm.comm.errors import CommAbortedError, CommTimeoutError, FastcommError
-from fastcomm.comm.ipc.buckets import (
-    ALIGN,
+from fastcomm.comm.ipc.descriptor import call_descriptor, describe_call
+from fastcomm.comm.ipc.plan import ALIGN, Barrier, EpochClock, Reduce
+from fastcomm.comm.ipc.region import (
     PeerBucketRegion,
     bucket_steps,
     region_layout,
 )
-from fastcomm.comm.ipc.cuda import Barrier, EpochClock, Reduce, call_descriptor, describe_call
 from fastcomm.comm.types import ReduceOp
 from fastcomm.kernels._peer_signal import CONTROL_WORDS, flag_area_words
 from tests.harness import INTERPRETED_KERNELS, RankPool, map_peer_files, rank_comm
@@ -117,6 +118,9 @@ def twin_all_reduce(name: str, dtype_name: str, iterations: int, factor: float):
     try:
         raw = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
         buckets = [region.bucket(i, off, dtype, n) for i, (off, n) in enumerate(BUCKETS)]
+        # the protocol DDP types against (fastcomm.comm.bucket_region)
+        assert isinstance(region, BucketRegion)
+        assert all(isinstance(b, RegionBucket) for b in buckets)
         out = []
         for it in range(iterations):
             for b, (off, n) in zip(buckets, BUCKETS, strict=True):

@@ -25,8 +25,9 @@ import pytest
 import torch
 
 from fastcomm.comm.errors import CommAbortedError, FastcommError
-from fastcomm.comm.ipc import cuda as ipc_cuda
-from fastcomm.comm.ipc.cuda import (
+from fastcomm.comm.ipc import descriptor as ipc_descriptor
+from fastcomm.comm.ipc import plan as ipc_plan
+from fastcomm.comm.ipc.plan import (
     Barrier,
     CopyIn,
     CopyOut,
@@ -53,11 +54,11 @@ SMALL = dict(workspace_bytes=2048, two_shot_bytes=256)
 def test_options_defaults_env_and_validation():
     default = IpcCudaOptions.from_env({})
     assert default.workspace_bytes == 32 << 20
-    env = {ipc_cuda.ENV_WORKSPACE: "4096", ipc_cuda.ENV_TWO_SHOT: " 1000 "}
+    env = {ipc_plan.ENV_WORKSPACE: "4096", ipc_plan.ENV_TWO_SHOT: " 1000 "}
     assert IpcCudaOptions.from_env(env).workspace_bytes == 4096
     assert IpcCudaOptions.from_env(env).two_shot_bytes == 1000
     with pytest.raises(ValueError, match="FASTCOMM_IPC_CUDA_WORKSPACE_BYTES='32M'"):
-        IpcCudaOptions.from_env({ipc_cuda.ENV_WORKSPACE: "32M"})
+        IpcCudaOptions.from_env({ipc_plan.ENV_WORKSPACE: "32M"})
     with pytest.raises(ValueError, match="workspace_bytes=1000 must be a positive multiple"):
         IpcCudaOptions(workspace_bytes=1000)
     with pytest.raises(ValueError, match="two_shot_bytes=0"):
@@ -77,7 +78,7 @@ def test_layout_areas_are_aligned_and_disjoint(size, sizes):
         (layout.flags_offset, 8 * flag_area_words(size)),
     ]
     for (start, n), (nxt, _) in zip(areas, areas[1:], strict=False):
-        assert start % ipc_cuda.ALIGN == 0 and start + n <= nxt
+        assert start % ipc_plan.ALIGN == 0 and start + n <= nxt
     assert layout.flags_offset + 8 * flag_area_words(size) <= layout.total_bytes
     assert layout.buffer_bytes * 2 == options.workspace_bytes
     # every one-shot round fits the result buffer
@@ -108,7 +109,7 @@ def test_two_shot_chunks_partition_the_round(numel, size, itemsize):
     for lo, hi in chunks:
         assert lo <= hi
         if hi > lo:
-            assert lo * itemsize % ipc_cuda.CHUNK_ALIGN == 0  # aligned starts
+            assert lo * itemsize % ipc_plan.CHUNK_ALIGN == 0  # aligned starts
     assert max(hi - lo for lo, hi in chunks) <= -(-numel // size) + 16 // itemsize
 
 
@@ -149,15 +150,15 @@ def test_a_rank_with_an_empty_chunk_still_meets_both_barriers():
 
 
 def test_spin_bound_and_timeout_message():
-    assert ipc_cuda.max_spins_for(2.0, 1000) == 2001
-    assert ipc_cuda.max_spins_for(1e30, 10**9) == 1 << 62
-    text = ipc_cuda.timeout_message(0, "all_reduce", 3.25, 3.0, 0b1010, 9)
+    assert ipc_plan.max_spins_for(2.0, 1000) == 2001
+    assert ipc_plan.max_spins_for(1e30, 10**9) == 1 << 62
+    text = ipc_descriptor.timeout_message(0, "all_reduce", 3.25, 3.0, 0b1010, 9)
     assert "rank 0: all_reduce" in text and "3.2 s" in text
     assert "rank(s) [1, 3] never reached barrier 9" in text
 
 
 def test_call_descriptor_packs_every_field_into_one_odd_word():
-    from fastcomm.comm.ipc.cuda import call_descriptor, describe_call
+    from fastcomm.comm.ipc.descriptor import call_descriptor, describe_call
 
     base = call_descriptor("all_reduce", 1024, torch.float32, ReduceOp.SUM)
     variants = [
@@ -169,7 +170,7 @@ def test_call_descriptor_packs_every_field_into_one_odd_word():
         call_descriptor("all_reduce", 1024, torch.bfloat16, ReduceOp.SUM),
         call_descriptor("all_reduce", 1024, torch.float32, ReduceOp.AVG),
         call_descriptor("all_reduce", 1024, torch.float32, ReduceOp.MIN),
-        ipc_cuda.SETUP_DESCRIPTOR,
+        ipc_descriptor.SETUP_DESCRIPTOR,
     ]
     assert len(set(variants)) == len(variants)  # any one field differing is seen
     for d in variants:
@@ -179,25 +180,26 @@ def test_call_descriptor_packs_every_field_into_one_odd_word():
     assert describe_call(variants[2]) == f"all_reduce of {1024 + (1 << 39)} float32 SUM"
     assert describe_call(variants[5]) == "all_reduce of 1024 bfloat16 SUM"
     assert describe_call(variants[7]) == "all_reduce of 1024 float32 MIN"
-    assert describe_call(ipc_cuda.SETUP_DESCRIPTOR) == "the setup barrier"
+    assert describe_call(ipc_descriptor.SETUP_DESCRIPTOR) == "the setup barrier"
 
 
 def test_disagreement_message_names_both_calls():
-    from fastcomm.comm.ipc.cuda import call_descriptor
+    from fastcomm.comm.ipc.descriptor import call_descriptor
 
     mine = call_descriptor("all_reduce", 1024, torch.float32, ReduceOp.SUM)
     theirs = call_descriptor("all_reduce", 1000, torch.float32, ReduceOp.SUM)
-    text = ipc_cuda.disagreement_message(0, DISAGREE | 0b10, 5, mine, theirs)
+    text = ipc_descriptor.disagreement_message(0, DISAGREE | 0b10, 5, mine, theirs)
     assert text.startswith("rank 0: all_reduce disagrees with rank 1: rank 0 called all_reduce "
                            "of 1024 float32 SUM, rank 1 called all_reduce of 1000 float32 SUM")
-    text = ipc_cuda.disagreement_message(1, DISAGREE | 0b101, 5, theirs, mine)
+    text = ipc_descriptor.disagreement_message(1, DISAGREE | 0b101, 5, theirs, mine)
     assert "with rank 0 (ranks [0, 2] disagree with it)" in text
 
 
 def test_transport_verdict_on_a_control_block():
     """The transport's own failure methods over a control block as the barrier leaves it (no
     GPU here to build a whole transport: the object holds only what they read)."""
-    from fastcomm.comm.ipc.cuda import CudaIpcTransport, call_descriptor
+    from fastcomm.comm.ipc.cuda import CudaIpcTransport
+    from fastcomm.comm.ipc.descriptor import call_descriptor
 
     mine = call_descriptor("all_reduce", 8, torch.float32, ReduceOp.SUM)
     theirs = call_descriptor("all_reduce", 8, torch.float32, ReduceOp.MAX)
@@ -218,7 +220,7 @@ def test_transport_verdict_on_a_control_block():
 
 
 def test_operands_are_checked_before_anything_is_enqueued():
-    check, cpu = ipc_cuda.check_all_reduce, torch.device("cpu")
+    check, cpu = ipc_plan.check_all_reduce, torch.device("cpu")
     assert check(torch.ones(2), "avg", cpu) is ReduceOp.AVG
     with pytest.raises(TypeError, match="got torch.float64"):
         check(torch.ones(2, dtype=torch.float64), "sum", cpu)
@@ -243,7 +245,7 @@ class _ShmOps:
         self.bases, self.rank, self.layout = bases, rank, layout
         self.control, self.max_spins, self.areas = control, max_spins, areas
         self.dtype, self.op = torch.float32, "sum"
-        self.descriptor = ipc_cuda.SETUP_DESCRIPTOR
+        self.descriptor = ipc_descriptor.SETUP_DESCRIPTOR
 
     def copy(self, dst_addr, src_addr, nbytes):
         ctypes.memmove(dst_addr, src_addr, nbytes)
@@ -261,7 +263,7 @@ class _ShmOps:
 
     def reduce(self, step):
         own = self.bases[self.rank : self.rank + 1]
-        ipc_cuda.reduce_step(step, self.bases, own, self.dtype, self.op)
+        ipc_plan.reduce_step(step, self.bases, own, self.dtype, self.op)
 
 
 def _twin_state(name: str, impl: str = "kernel") -> dict:
@@ -329,7 +331,8 @@ def twin_all_reduce(dtype_name: str, cases: list) -> list:
 
 def _twin_call(twin: dict, tensor: torch.Tensor, op: str) -> None:
     """One allreduce of `tensor` as the transport runs it (its steps, its call's descriptor)."""
-    from fastcomm.comm.ipc.cuda import all_reduce_steps, call_descriptor, run_steps
+    from fastcomm.comm.ipc.descriptor import call_descriptor
+    from fastcomm.comm.ipc.plan import all_reduce_steps, run_steps
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     ops = twin["ops"]
@@ -354,7 +357,7 @@ def twin_disagree(name: str, impl: str, op: str, numel: int, dtype_name: str):
         start = time.monotonic()
         tensor = torch.ones(numel, dtype=DTYPES[dtype_name])
         _twin_call(twin, tensor, op)
-        error = ipc_cuda.disagreement_error(rank, control)
+        error = ipc_descriptor.disagreement_error(rank, control)
         elapsed = time.monotonic() - start
         return (None if error is None else str(error)), elapsed, control.tolist()
     finally:
@@ -363,7 +366,7 @@ def twin_disagree(name: str, impl: str, op: str, numel: int, dtype_name: str):
 
 def twin_without(absent: int, max_spins: int):
     """Every rank but `absent` starts an allreduce; returns the barrier's report."""
-    from fastcomm.comm.ipc.cuda import all_reduce_steps, run_steps
+    from fastcomm.comm.ipc.plan import all_reduce_steps, run_steps
     from fastcomm.kernels import missing_ranks
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -425,7 +428,7 @@ def test_twin_all_reduce_matches_reference(twin, dtype_name):
 )
 def test_twin_disagreement_raises_on_every_rank_naming_both(twin, impl, agreed, other,
                                                             unique_name):
-    from fastcomm.comm.ipc.cuda import call_descriptor, describe_call
+    from fastcomm.comm.ipc.descriptor import call_descriptor, describe_call
 
     world = twin.world_size
     calls = [agreed] * (world - 1) + [other]  # the last rank differs
@@ -636,7 +639,7 @@ def test_reduce_step_reads_and_writes_at_the_offsets(monkeypatch, to_all):
     spaces = [torch.arange(64, dtype=torch.float32) * (r + 1) for r in range(3)]
     bases = torch.tensor([s.data_ptr() for s in spaces], dtype=torch.int64)
     before = [s.clone() for s in spaces]
-    ipc_cuda.reduce_step(Reduce(8 * 4, 40 * 4, 5, to_all), bases, bases[1:2], torch.float32,
+    ipc_plan.reduce_step(Reduce(8 * 4, 40 * 4, 5, to_all), bases, bases[1:2], torch.float32,
                          "avg")
     want = torch.arange(8, 13, dtype=torch.float32) * 2  # (1 + 2 + 3) / 3
     for r, s in enumerate(spaces):

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from fastcomm.comm import CommAbortedError, CommTimeoutError
-from fastcomm.comm.shm.buckets import ALIGN, BucketRegion, area_bytes_for
+from fastcomm.comm.bucket_region import BucketRegion, RegionBucket
+from fastcomm.comm.shm.buckets import ALIGN, ShmBucketRegion, area_bytes_for
 from fastcomm.comm.shm.core import BUILT
 from fastcomm.comm.shm.segment import SHM_DIR
 from tests.harness import RankPool, fresh_comm
@@ -44,12 +45,15 @@ def _expected(n: int, it: int, numel: int, dtype: torch.dtype, factors) -> torch
 def _region(comm, specs):
     area = area_bytes_for([n * torch.empty((), dtype=d).element_size() for n, d in specs])
     region = comm.bucket_region(area, len(specs))
-    assert isinstance(region, BucketRegion), region
+    assert isinstance(region, ShmBucketRegion), region
     buckets, offset = [], 0
     for i, (numel, dtype) in enumerate(specs):
         buckets.append(region.bucket(i, offset, dtype, numel))
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         offset += -(-nbytes // ALIGN) * ALIGN
+    # the protocol DDP types against (fastcomm.comm.bucket_region)
+    assert isinstance(region, BucketRegion)
+    assert all(isinstance(b, RegionBucket) for b in buckets)
     return region, buckets
 
 
@@ -169,7 +173,7 @@ def check_cap_and_full_dev_shm(name: str):
         os.posix_fallocate = real
     fine = comm.bucket_region(1 << 20, 4)  # the next one is made again
     comm.close()
-    return over_cap, no_room, isinstance(fine, BucketRegion)
+    return over_cap, no_room, isinstance(fine, ShmBucketRegion)
 
 
 def check_peer_killed(name: str):

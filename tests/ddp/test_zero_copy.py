@@ -96,11 +96,11 @@ def check_fallback_under_cap():
 def run_shared(check_name: str, module: str, *args):
     """Runs `check_name` of `module` (fastcomm DDP on the default group: shm, shared buckets)
     counting the shared buckets launched: ``(launches, of which a joined rank's shadows)``."""
-    from fastcomm.comm.shm.buckets import BucketRegion
+    from fastcomm.comm.shm.buckets import ShmBucketRegion
 
     checks = {"base": base, "parity": parity, "health": health}[module]
     launches = []
-    real_launch = BucketRegion.launch
+    real_launch = ShmBucketRegion.launch
     real_comm = checks.rank_comm  # the health checks' Gloo communicator becomes shm here
     checks.rank_comm = lambda backend="gloo", **kw: rank_comm("shm", **kw)
 
@@ -109,11 +109,11 @@ def run_shared(check_name: str, module: str, *args):
         launches.append(bool(torch.count_nonzero(bucket.flat) == 0))
         return real_launch(self, bucket, factor)
 
-    BucketRegion.launch = counting_launch
+    ShmBucketRegion.launch = counting_launch
     try:
         getattr(checks, check_name)(*args)
     finally:
-        BucketRegion.launch = real_launch
+        ShmBucketRegion.launch = real_launch
         checks.rank_comm = real_comm
     return len(launches), sum(launches)
 
@@ -180,7 +180,7 @@ def check_rank_killed_mid_step(name: str):
     import signal
     import time
 
-    from fastcomm.comm.shm.buckets import BucketRegion
+    from fastcomm.comm.shm.buckets import ShmBucketRegion
     from fastcomm.ddp import DDP
     from tests.harness import fresh_comm
 
@@ -191,14 +191,14 @@ def check_rank_killed_mid_step(name: str):
     step(model, torch.optim.SGD(model.parameters(), lr=0.1), "mlp", x, y)
     assert len(model.reducer.buckets) >= 2  # the death comes before the last bucket
     if comm.rank == comm.size - 1:
-        real_launch = BucketRegion.launch
+        real_launch = ShmBucketRegion.launch
 
         def dying_launch(self, bucket, factor):
             real_launch(self, bucket, factor)
             if bucket.index == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        BucketRegion.launch = dying_launch
+        ShmBucketRegion.launch = dying_launch
     start = time.monotonic()
     try:
         loss_of("mlp", model(x), y).backward()

@@ -156,7 +156,7 @@ def _engine(group, tensor: torch.Tensor):
     engine = group._mailboxes
     if engine is None:
         comm = group.communicator
-        if not hasattr(type(comm), "mailboxes"):
+        if not comm.capabilities.tagged_p2p:
             group._mailboxes = False
             return None
         engine = group._mailboxes = comm.mailboxes

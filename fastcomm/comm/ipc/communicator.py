@@ -1,23 +1,17 @@
 """``ipc`` communicator: kernel collectives between the ranks of one node.
 
-It composes what ``fastcomm.comm.world`` builds for it (this package imports no other
-backend): on CPU tensors, a shared-memory communicator (``cpu``) whose every reduction is the
-Triton kernel :func:`fastcomm.kernels.peer_reduce` (:func:`cpu_reduction`), reading the peers'
-slots at the addresses where this process mapped the segment (:func:`kernel_reduce`). As everywhere
-in ``fastcomm.kernels``, CPU tensors run the kernel's torch reference (:func:`reference_reduce`)
-unless ``FASTCOMM_KERNELS=triton`` (then Triton's interpreter, with ``TRITON_INTERPRET=1``: how
-the tests run it); the communicator reads that when it is built. Either way the numerics are
-the kernel's: fp32 accumulation for fp16/bf16 and one rounding at the end, ``AVG`` scaled by
-``1 / size`` in the same pass. ``PRODUCT``, integer dtypes and more than 16 ranks are not
-kernel cases and take the shm schedules' torch reduction.
+It composes what ``fastcomm.comm.world`` builds for it (this package imports no other backend).
+CPU tensors: a shared-memory communicator (``cpu``) whose every reduction is the Triton kernel
+:func:`fastcomm.kernels.peer_reduce` (:func:`cpu_reduction`, :func:`kernel_reduce`) over the
+peers' slots as this process mapped them; its torch reference (:func:`reference_reduce`) unless
+``FASTCOMM_KERNELS=triton``, read when the communicator is built. Numerics are the kernel's:
+fp32 accumulation, one rounding, ``AVG`` scaled in the same pass; ``PRODUCT``, integer dtypes
+and more than 16 ranks take the shm schedules' torch reduction.
 
-CUDA tensors: ``all_reduce`` (sum/avg/max/min of fp32/fp16/bf16) goes to
-``fastcomm.comm.ipc.cuda.CudaIpcTransport`` (a workspace per rank in GPU memory, mapped by the
-peers through CUDA IPC, reduced by the same kernel family), built on the first such call and
-imported only then, so a machine without CUDA never imports CuPy. Where it cannot be built on
-some rank, every rank logs one line and takes the Gloo fallback instead (the ranks agree
-through the store, so none waits on a transport its peers lack). Every other CUDA op goes to
-the Gloo fallback, as on ``shm``.
+CUDA tensors: ``all_reduce`` (sum/avg/max/min of fp32/fp16/bf16) and DDP bucket regions go to
+``cuda.CudaIpcTransport``, built and imported on the first such call (no CuPy without CUDA).
+Where some rank cannot build it, every rank logs one line and takes the Gloo fallback (the ranks
+agree through the store); every other CUDA op goes to Gloo, as on ``shm``. See ``docs/ipc.md``.
 """
 
 from __future__ import annotations
@@ -268,7 +262,7 @@ class IpcCommunicator(Communicator):
         """DDP bucket memory the peers map, all-reduced in place (``capabilities.
         shared_buckets``; a collective: every rank calls it alike).
 
-        CUDA: a :class:`~.buckets.CudaBucketRegion` of the CUDA transport (built here on first
+        CUDA: a :class:`~.cuda_region.CudaBucketRegion` of the CUDA transport (built here on first
         use), reduced by the ``peer_reduce`` kernel out of the peers' areas. CPU: the shared-
         memory communicator's region.
 

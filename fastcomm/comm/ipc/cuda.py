@@ -1,484 +1,45 @@
 """CUDA transport of the ipc backend: allreduce by Triton kernels over peers' GPU memory.
 
-Every rank allocates one *workspace* on its GPU (``cudaMalloc``, once), exports it as a CUDA IPC
-handle through the store and opens every peer's (its own is used directly), so each process
-holds the address of every rank's workspace; an int64 table of them lives on the device.
-A workspace (`WorkspaceLayout`) holds two data buffers (alternating between rounds), a result
-buffer for one-shot rounds and a flag area (three int64 words per rank, see
-`fastcomm.kernels.peer_signal`).
-
-An allreduce is a list of rounds of at most one data buffer each (`plan_rounds`), and each
-round a list of steps (`all_reduce_steps`, pure host logic, tested on CPU):
-
-- one-shot (round below ``two_shot_bytes``): copy in -> barrier -> every rank reduces all
-  ranks' buffers into its result buffer -> copy out;
-- two-shot: copy in -> barrier -> rank ``r`` reduces chunk ``r`` (`two_shot_chunk`) of all
-  buffers and writes it into chunk ``r`` of *every* buffer in place (no other rank reads or
-  writes chunk ``r``) -> barrier -> copy out.
-
-Round ``k`` uses data buffer ``k % 2``. Rank ``q`` overwrites its buffer of round ``k`` in round
-``k + 2``, after the first barrier of round ``k + 1``, which every peer reaches only after its
-reads and its copy out of round ``k``: so no barrier is needed after a round, and a small
-allreduce costs one barrier. An empty allreduce is one barrier and nothing else, so that it
-meets the peers' call and is compared with it like any other.
-
-Agreement: ranks must make the same calls, or a peer reads past the other's data or waits at
-a barrier the other never reaches. Every barrier of a call carries the call's *descriptor*
-(`call_descriptor`: op, element count, dtype and reduce op in one int64), which the barrier
-stores next to its flag and compares with every peer's once they arrived (no extra round).
-A difference is reported in the control block at the call's first barrier on every rank; the
-host then raises a `FastcommError` naming both calls (`disagreement_message`) on every rank,
-and the transport is aborted as after a timeout (every later barrier returns at once, every
-later call is refused).
-
-`run_steps` turns steps into calls on a `StepOps`; the CUDA ones (memcpy, `peer_signal`,
-`peer_reduce_table` on the transport's stream) are the only part that needs a GPU. The tests
-run the same steps through CPU ops over POSIX shared memory between processes.
-
-Streams: everything runs on ``transport.stream``, which first waits on the caller's current
-stream; the `Work` returned makes the caller's stream wait on the collective (``wait()``),
-like the NCCL communicator's. One stream for every call keeps the rounds of consecutive calls
-in order whatever stream the caller is on (the buffer alternation relies on it).
-
-Ranks sharing a GPU: without MPS the GPU time-slices between the processes' contexts, so a
-barrier kernel spinning in one process holds its SM until the slice passes and the other
-process's kernels can run; it completes, but a barrier may then cost a time slice. Under MPS
-the processes' kernels run concurrently and a barrier costs a few flag round trips.
-
-Setup: after mapping, the ranks meet once at a barrier through the flags (it checks the
-mappings and compiles the signal kernel before the first collective).
-
-Timeouts: a barrier spins at most ``max_spins`` times (`max_spins_for` the timeout) and reads a
-stop word the host may set; the watchdog (`fastcomm.comm.stream.StreamWatchdog`, NCCL's too)
-polls the pending collectives' events and, past the timeout, sets the stop word, so a rank that
-never arrives makes the others fail with `CommTimeoutError` naming the op, the elapsed time and
-the missing ranks. The transport then refuses further collectives. Each call returns an
-`EventWork` that also reads the barrier's report.
+Every rank ``cudaMalloc``s one workspace (``plan.WorkspaceLayout``), exports it as a CUDA IPC
+handle through the store and maps every peer's; an int64 table of the addresses lives on the
+device. `CudaIpcTransport` runs `plan.all_reduce_steps` through `_CudaOps` (memcpy,
+``peer_signal``, ``peer_reduce_table``) on ``transport.stream``, which first waits on the
+caller's stream; the returned `EventWork` makes the caller's stream wait on the collective.
+A `StreamWatchdog` sets the barriers' stop word past the timeout (`CommTimeoutError` naming the
+missing ranks); a disagreement or timeout aborts the transport. Protocol: ``docs/ipc.md``.
 """
 
 from __future__ import annotations
 
 import ctypes
-import dataclasses
-import os
 import time
-from collections.abc import Mapping
 from datetime import timedelta
-from typing import NamedTuple, Protocol
 
 import torch
 
-from ...kernels._launch import fp32_scale
-from ...kernels._peer_reduce import MAX_PEERS, launch_peer_reduce_table
-from ...kernels._peer_signal import (
-    CONTROL_WORDS,
-    check_peer_signal,
-    disagreeing_ranks,
-    flag_area_words,
-    launch_peer_signal,
-    missing_ranks,
-)
+from ...kernels._peer_reduce import MAX_PEERS
+from ...kernels._peer_signal import CONTROL_WORDS, check_peer_signal, launch_peer_signal
 from ..errors import CommAbortedError, CommTimeoutError, FastcommError
 from ..store import Store, as_timedelta
 from ..stream import EventWork, StreamWatchdog
 from ..types import ReduceOp
-
-__all__ = [
-    "CudaIpcTransport",
-    "agreed_options",
-    "check_agreed_options",
-    "IpcCudaOptions",
-    "WorkspaceLayout",
-    "all_reduce_steps",
-    "call_descriptor",
-    "describe_call",
-    "disagreement_error",
-    "disagreement_message",
-    "plan_rounds",
-    "two_shot_chunk",
-    "workspace_layout",
-]
-
-ENV_WORKSPACE = "FASTCOMM_IPC_CUDA_WORKSPACE_BYTES"
-ENV_TWO_SHOT = "FASTCOMM_IPC_CUDA_TWO_SHOT_BYTES"
-
-#: dtypes the transport reduces (fp32 accumulation).
-CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-#: Reductions it runs.
-CUDA_OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX, ReduceOp.MIN)
-#: Alignment of every area of a workspace and of two-shot chunks (bytes): 128-bit accesses.
-ALIGN = 256
-CHUNK_ALIGN = 16
-
-# A call's descriptor (one int64, compared by every barrier of the call): opcode in bits
-# 56..62, dtype in 48..55, reduce op in 41..47, element count in 1..40 and bit 0 set. It is
-# odd and >= 2**56 whatever the call, so Triton compiles one variant of the barrier for all
-# of them (it specializes integers equal to 1, divisible by 16, or past 32 bits).
-_OPCODES = {"barrier": 1, "all_reduce": 2, "bucket_all_reduce": 3}  # 3: buckets.py
-_DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(CUDA_DTYPES)}
-_REDOP_CODES = {op: i + 1 for i, op in enumerate(CUDA_OPS)}
-#: Element counts a descriptor holds (2**40 fp16 elements are 2 TiB: past any GPU's memory).
-MAX_NUMEL = 1 << 40
-#: The descriptor of the setup barrier, which is part of no collective.
-SETUP_DESCRIPTOR = (_OPCODES["barrier"] << 56) | 1
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class IpcCudaOptions:
-    """Sizes and bounds of the CUDA transport."""
-
-    workspace_bytes: int = 32 << 20
-    """Bytes of the data area per rank, split into two alternating buffers; larger messages
-    are chunked into rounds of half of it."""
-    two_shot_bytes: int = 512 << 10
-    """Rounds of at least this many bytes run two-shot, smaller ones one-shot. Not measured
-    yet: one-shot reads ``size`` times the round per rank, two-shot twice, so two-shot wins
-    once bandwidth, not latency, dominates."""
-    spins_per_second: int = 4_000_000
-    """Upper estimate of a barrier's spins per second; with the timeout it bounds the spin
-    (`max_spins_for`), a backstop to the host's stop word."""
-
-    def __post_init__(self) -> None:
-        if self.workspace_bytes < 2 * ALIGN or self.workspace_bytes % (2 * ALIGN):
-            raise ValueError(
-                f"workspace_bytes={self.workspace_bytes} must be a positive multiple of "
-                f"{2 * ALIGN} (two buffers of {ALIGN}-byte aligned size)"
-            )
-        if self.two_shot_bytes < 1:
-            raise ValueError(f"two_shot_bytes={self.two_shot_bytes} must be >= 1")
-        if self.spins_per_second < 1:
-            raise ValueError(f"spins_per_second={self.spins_per_second} must be >= 1")
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> IpcCudaOptions:
-        """Defaults, overridden by ``FASTCOMM_IPC_CUDA_WORKSPACE_BYTES`` and
-        ``FASTCOMM_IPC_CUDA_TWO_SHOT_BYTES`` (integers, bytes)."""
-        env = os.environ if env is None else env
-        values = {}
-        for name, field in ((ENV_WORKSPACE, "workspace_bytes"), (ENV_TWO_SHOT, "two_shot_bytes")):
-            text = env.get(name, "").strip()
-            if text:
-                try:
-                    values[field] = int(text)
-                except ValueError:
-                    raise ValueError(f"{name}={text!r} is not an integer number of bytes") from None
-        try:
-            return cls(**values)
-        except ValueError as exc:  # name the variable the bad value came from
-            given = ", ".join(f"{n}={env.get(n, '').strip()}" for n in (ENV_WORKSPACE, ENV_TWO_SHOT)
-                              if env.get(n, "").strip())
-            raise ValueError(f"{exc} (from {given})") from None
-
-
-class WorkspaceLayout(NamedTuple):
-    """Byte offsets of the areas of every rank's workspace (identical on every rank)."""
-
-    buffer_bytes: int  # size of each of the two data buffers
-    data_offsets: tuple[int, int]  # data buffer of even and odd rounds
-    result_offset: int  # one-shot result (read and written by its own rank only)
-    result_bytes: int
-    flags_offset: int  # three int64 words per rank (epoch, two descriptors)
-    total_bytes: int
-
-
-def _align(n: int, to: int = ALIGN) -> int:
-    return -(-n // to) * to
-
-
-def workspace_layout(options: IpcCudaOptions, size: int) -> WorkspaceLayout:
-    """The layout of a workspace for `size` ranks."""
-    buffer_bytes = options.workspace_bytes // 2
-    result_bytes = _align(min(options.two_shot_bytes, buffer_bytes))
-    result_offset = 2 * buffer_bytes
-    flags_offset = result_offset + result_bytes
-    total = flags_offset + _align(8 * flag_area_words(size))
-    return WorkspaceLayout(
-        buffer_bytes, (0, buffer_bytes), result_offset, result_bytes, flags_offset, total
-    )
-
-
-class Round(NamedTuple):
-    start: int  # first element of the round in the tensor
-    numel: int
-    two_shot: bool
-
-
-def plan_rounds(numel: int, itemsize: int, layout: WorkspaceLayout, two_shot_bytes: int):
-    """Splits an allreduce of `numel` elements into rounds of at most one data buffer each.
-
-    Returns:
-        A list of `Round`; empty for ``numel == 0``.
-    """
-    per_round = layout.buffer_bytes // itemsize
-    rounds = []
-    for start in range(0, numel, per_round):
-        n = min(per_round, numel - start)
-        rounds.append(Round(start, n, n * itemsize >= two_shot_bytes))
-    return rounds
-
-
-def two_shot_chunk(numel: int, itemsize: int, size: int, rank: int) -> tuple[int, int]:
-    """``(lo, hi)``, the elements of a two-shot round `rank` reduces.
-
-    Chunks are ``ceil(numel / size)`` elements rounded up to 16 bytes (aligned accesses), so
-    for a size not divisible by the world, or a small one, the last ranks' chunks are shorter
-    or empty (``lo == hi``); together they cover ``[0, numel)`` exactly once.
-    """
-    per_align = max(1, CHUNK_ALIGN // itemsize)
-    chunk = -(-numel // size)
-    chunk = -(-chunk // per_align) * per_align
-    lo = min(rank * chunk, numel)
-    return lo, min(lo + chunk, numel)
-
-
-class EpochClock:
-    """Barrier epochs and round parity, advanced identically on every rank.
-
-    Every rank issues the same collectives with the same sizes, so counting barriers and rounds
-    locally gives every rank the same epoch for the same barrier. Epochs start at 1 (flag words
-    start zeroed).
-    """
-
-    __slots__ = ("epoch", "rounds")
-
-    def __init__(self) -> None:
-        self.epoch = 0
-        self.rounds = 0
-
-    def next_epoch(self) -> int:
-        self.epoch += 1
-        return self.epoch
-
-    def next_parity(self) -> int:
-        self.rounds += 1
-        return (self.rounds - 1) % 2
-
-
-class CopyIn(NamedTuple):
-    tensor_byte: int  # offset in the caller's tensor
-    ws_byte: int  # offset in this rank's workspace
-    nbytes: int
-
-
-class CopyOut(NamedTuple):
-    ws_byte: int
-    tensor_byte: int
-    nbytes: int
-
-
-class Barrier(NamedTuple):
-    epoch: int
-
-
-class Reduce(NamedTuple):
-    src_byte: int  # offset in every rank's workspace
-    dst_byte: int  # offset in this rank's (to_all False) or every rank's workspace
-    numel: int
-    to_all: bool
-
-
-def all_reduce_steps(
-    numel: int,
-    itemsize: int,
-    rank: int,
-    size: int,
-    layout: WorkspaceLayout,
-    two_shot_bytes: int,
-    clock: EpochClock,
-) -> list:
-    """The steps of one allreduce on `rank` (see the module docstring); advances `clock`.
-
-    An empty allreduce is a single barrier: it meets the peers' call (and its descriptor)."""
-    if not numel:
-        return [Barrier(clock.next_epoch())]
-    steps: list = []
-    for rnd in plan_rounds(numel, itemsize, layout, two_shot_bytes):
-        data = layout.data_offsets[clock.next_parity()]
-        nbytes = rnd.numel * itemsize
-        steps.append(CopyIn(rnd.start * itemsize, data, nbytes))
-        steps.append(Barrier(clock.next_epoch()))
-        if not rnd.two_shot:
-            steps.append(Reduce(data, layout.result_offset, rnd.numel, False))
-            steps.append(CopyOut(layout.result_offset, rnd.start * itemsize, nbytes))
-            continue
-        lo, hi = two_shot_chunk(rnd.numel, itemsize, size, rank)
-        if hi > lo:
-            steps.append(Reduce(data + lo * itemsize, data + lo * itemsize, hi - lo, True))
-        steps.append(Barrier(clock.next_epoch()))
-        steps.append(CopyOut(data, rnd.start * itemsize, nbytes))
-    return steps
-
-
-class StepOps(Protocol):
-    """What executes the steps: CUDA calls in the transport, CPU calls in the tests."""
-
-    def copy(self, dst_addr: int, src_addr: int, nbytes: int) -> None: ...
-
-    def barrier(self, epoch: int) -> None: ...
-
-    def reduce(self, step: Reduce) -> None: ...
-
-
-def run_steps(steps: list, ops: StepOps, tensor_addr: int, own_base: int) -> None:
-    """Executes `steps` of an allreduce of the tensor at `tensor_addr` (see `StepOps`)."""
-    for step in steps:
-        kind = type(step)
-        if kind is CopyIn:
-            ops.copy(own_base + step.ws_byte, tensor_addr + step.tensor_byte, step.nbytes)
-        elif kind is Barrier:
-            ops.barrier(step.epoch)
-        elif kind is Reduce:
-            ops.reduce(step)
-        else:
-            ops.copy(tensor_addr + step.tensor_byte, own_base + step.ws_byte, step.nbytes)
-
-
-def reduce_step(step: Reduce, bases: torch.Tensor, own: torch.Tensor, dtype: torch.dtype,
-                op: str) -> None:
-    """Launches `step`'s `peer_reduce_table` over the workspace table `bases` (rank order;
-    `own` is this rank's entry, a one-element view of it)."""
-    if not step.numel:  # two-shot: the last ranks' chunks may be empty
-        return
-    dst = bases if step.to_all else own
-    # no per-launch checks: the tables were checked at setup, dtype and op by the caller
-    # (check_all_reduce), the offsets come from the plan (aligned by construction)
-    scale = fp32_scale(1.0 / bases.numel()) if op == "avg" else 1.0
-    launch_peer_reduce_table(
-        bases, dst, step.src_byte, step.dst_byte, step.numel, dtype, op, scale
-    )
-
-
-def max_spins_for(timeout_s: float, spins_per_second: int) -> int:
-    """A barrier's spin bound: at least `timeout_s` at `spins_per_second`, capped to int63."""
-    return min(int(max(timeout_s, 0.0) * spins_per_second) + 1, (1 << 62))
-
-
-def timeout_message(rank: int, op: str, elapsed: float, limit: float, mask: int, epoch: int):
-    """The text of the error a barrier that gave up raises (names the missing ranks)."""
-    if mask:
-        who = f"rank(s) {missing_ranks(mask)} never reached barrier {epoch}"
-    else:
-        who = "no barrier reported missing ranks (the device did not get that far)"
-    return (
-        f"rank {rank}: {op} over CUDA IPC did not finish within {limit:.1f} s (elapsed "
-        f"{elapsed:.1f} s): {who}; the transport is aborted"
-    )
-
-
-def call_descriptor(name: str, numel: int = 0, dtype: torch.dtype | None = None,
-                    op: ReduceOp | None = None) -> int:
-    """The descriptor of a call (layout above `_OPCODES`): what every rank's barriers of the
-    call compare. `numel` must be below `MAX_NUMEL` (`check_all_reduce` makes sure)."""
-    return (
-        (_OPCODES[name] << 56)
-        | (_DTYPE_CODES.get(dtype, 0) << 48)
-        | (_REDOP_CODES.get(op, 0) << 41)
-        | (numel << 1)
-        | 1
-    )
-
-
-def describe_call(descriptor: int) -> str:
-    """A descriptor in words: ``all_reduce of 1024 float32 SUM``, ``the setup barrier``."""
-    names = {v: k for k, v in _OPCODES.items()}
-    dtypes = {v: str(k).removeprefix("torch.") for k, v in _DTYPE_CODES.items()}
-    ops = {v: k.name for k, v in _REDOP_CODES.items()}
-    opcode = (descriptor >> 56) & 0x7F
-    name = names.get(opcode, f"op {opcode}")
-    if name == "barrier":
-        return "the setup barrier"
-    numel = (descriptor >> 1) & (MAX_NUMEL - 1)
-    dtype, redop = (descriptor >> 48) & 0xFF, (descriptor >> 41) & 0x7F
-    return (f"{name} of {numel} {dtypes.get(dtype, f'dtype {dtype}')} "
-            f"{ops.get(redop, f'op {redop}')}")
-
-
-def disagreement_message(rank: int, report: int, epoch: int, mine: int, theirs: int) -> str:
-    """The text of the error a barrier's disagreement report raises (names both calls).
-
-    Args:
-        rank: this rank.
-        report: ``control[1]``, `DISAGREE` and the disagreeing peers' bits.
-        epoch: the barrier (``control[2]``).
-        mine, theirs: this rank's and the lowest disagreeing peer's descriptor.
-    """
-    peers = disagreeing_ranks(report)
-    peer = peers[0] if peers else -1
-    also = f" (ranks {peers} disagree with it)" if len(peers) > 1 else ""
-    names = {v: k for k, v in _OPCODES.items()}
-    op = names.get((mine >> 56) & 0x7F, "a collective")
-    return (
-        f"rank {rank}: {op} disagrees with rank {peer}{also}: rank {rank} called "
-        f"{describe_call(mine)}, "
-        f"rank {peer} called {describe_call(theirs)} (barrier {epoch}); every rank must make "
-        "the same calls in the same order; the CUDA IPC transport is aborted"
-    )
-
-
-def disagreement_error(rank: int, control) -> FastcommError | None:
-    """The error of a disagreement reported in the control block `control` (a sequence of
-    its words), or None when it holds none (yet).
-
-    The descriptors (never 0) are stored before the report, but the host may see the words of
-    pinned memory land in another order: until both have, there is no verdict.
-    """
-    report, epoch, mine, theirs = (int(control[i]) for i in range(1, 5))
-    if report >= 0 or not (mine and theirs):
-        return None
-    return FastcommError(disagreement_message(rank, report, epoch, mine, theirs))
-
-
-def check_all_reduce(tensor: torch.Tensor, op, device: torch.device) -> ReduceOp:
-    """Validates an allreduce's operands; returns the op as a `ReduceOp`."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype not in CUDA_DTYPES:
-        allowed = ", ".join(str(d) for d in CUDA_DTYPES)
-        raise TypeError(f"the CUDA IPC allreduce takes {allowed}; got {tensor.dtype}")
-    if tensor.device != device:
-        raise ValueError(f"tensor is on {tensor.device}; this transport runs on {device}")
-    if not tensor.is_contiguous():
-        raise ValueError(f"tensor (shape {tuple(tensor.shape)}, strides {tensor.stride()}) "
-                         "is not contiguous")
-    if tensor.numel() >= MAX_NUMEL:
-        raise ValueError(f"tensor has {tensor.numel()} elements; the CUDA IPC allreduce takes "
-                         f"fewer than 2**40")
-    op = ReduceOp.coerce(op)
-    if op not in CUDA_OPS:
-        allowed = ", ".join(o.name for o in CUDA_OPS)
-        raise ValueError(f"the CUDA IPC allreduce runs {allowed}; got {op.name}")
-    return op
-
-
-def agreed_options(options: IpcCudaOptions) -> tuple[int, int]:
-    """The options every rank must share: the workspace size fixes every offset a peer reads
-    and writes, the two-shot bound which schedule (and how many barriers) a round runs."""
-    return (options.workspace_bytes, options.two_shot_bytes)
-
-
-def check_agreed_options(rank: int, gathered: list) -> None:
-    """Raises on every rank (each holds the same gathered list) when the ranks' `agreed_options`
-    differ, naming both sides and the variables that set them.
-
-    Raises:
-        FastcommError: ranks disagree (every rank raises the same message).
-    """
-    first = tuple(gathered[0])
-    for peer, theirs in enumerate(gathered):
-        if tuple(theirs) != first:
-            names = (f"workspace_bytes ({ENV_WORKSPACE})", f"two_shot_bytes ({ENV_TWO_SHOT})")
-            differ = "; ".join(
-                f"{name}: rank 0 has {a}, rank {peer} has {b}"
-                for name, a, b in zip(names, first, theirs, strict=True)
-                if a != b
-            )
-            raise FastcommError(
-                f"rank {rank}: the ranks of the CUDA IPC transport disagree on its options "
-                f"({differ}); every rank must use the same IpcCudaOptions"
-            )
-
-
-# --------------------------------------------------------------------------- CUDA layer
+from .cuda_region import CudaBucketRegion
+from .descriptor import SETUP_DESCRIPTOR, call_descriptor, disagreement_error, timeout_message
+from .plan import (
+    EpochClock,
+    IpcCudaOptions,
+    Reduce,
+    agreed_options,
+    all_reduce_steps,
+    check_agreed_options,
+    check_all_reduce,
+    max_spins_for,
+    reduce_step,
+    run_steps,
+    workspace_layout,
+)
+
+__all__ = ["CudaIpcTransport"]
 
 
 def _cupy_cuda():
@@ -525,7 +86,7 @@ class CudaIpcTransport:
         self._opened: list[int] = []
         self._base = 0
         self._bus_ids: list[str] = []  # every rank's GPU, for the regions' mappings
-        self._regions: list = []  # bucket regions (buckets.py), closed before the workspace
+        self._regions: list = []  # bucket regions (cuda_region.py), closed before the workspace
         self._region_count = 0
         # CuPy keeps its own current device (it may load another libcudart than torch's)
         self._cupy_device = cuda.Device(self.device.index)
@@ -682,14 +243,12 @@ class CudaIpcTransport:
 
     def bucket_region(self, area_bytes: int, max_buckets: int, cap_bytes: int | None = None):
         """DDP bucket memory on this rank's GPU that every rank maps, all-reduced in place
-        (:class:`~.buckets.CudaBucketRegion`); a collective: every rank calls it alike.
+        (:class:`~.cuda_region.CudaBucketRegion`); a collective: every rank calls it alike.
 
         Returns:
             The region, or on every rank the reason it was not made (over ``cap_bytes``, the
             GPU out of memory): the caller keeps its own buffers.
         """
-        from .buckets import CudaBucketRegion
-
         self._raise_if_unusable("bucket_region")
         self._region_count += 1
         region = CudaBucketRegion.setup(

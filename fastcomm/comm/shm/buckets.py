@@ -1,6 +1,6 @@
 """DDP bucket memory in shared memory, all-reduced in place out of the peers' buckets.
 
-A :class:`BucketRegion` is a second segment per DDP model: one area per rank, where autograd
+A :class:`ShmBucketRegion` is a second segment per DDP model: one area per rank, where autograd
 accumulates that rank's gradients, read by every rank. Rank ``r`` reduces slice ``r`` of a bucket
 straight out of every rank's area (each term times its rank's factor, in rank order) and pushes
 the result into slice ``r`` of every area, so nothing is copied in or out. Two counters per rank
@@ -41,7 +41,7 @@ from .segment import (
     sweep_stale,
 )
 
-__all__ = ["ALIGN", "BucketRegion", "RegionStats", "SharedBucket"]
+__all__ = ["ALIGN", "ShmBucketRegion", "RegionStats", "ShmBucket"]
 
 ALIGN = 64  # every bucket and every slice boundary: no two ranks write one cache line
 _READY, _REDUCED = 0, 1
@@ -81,7 +81,7 @@ class _RegionLayout(Layout):
         return self.data + self.size * self.area_bytes
 
 
-class SharedBucket:
+class ShmBucket:
     """One bucket's place in the region: ``flat`` (this rank's, where its gradients live),
     every rank's copy of each slice, and where this iteration's reduction stands.
 
@@ -94,7 +94,7 @@ class SharedBucket:
     __slots__ = ("index", "flat", "nbytes", "slices", "terms", "numel_mine", "phase",
                  "serial", "kind", "region", "lo", "hi", "sources")
 
-    def __init__(self, region: BucketRegion, index: int, views: list[torch.Tensor]) -> None:
+    def __init__(self, region: ShmBucketRegion, index: int, views: list[torch.Tensor]) -> None:
         self.region = region
         self.index = index
         me, n = region.rank, region.size
@@ -140,9 +140,14 @@ class SharedBucket:
             self.flat[hi:end].copy_(flat[hi - offset :])
         self.sources.append((lo, flat[lo - offset : hi - offset]))
 
+    def unstage(self) -> None:
+        """Forgets pieces staged by a backward that never launched this bucket."""
+        self.sources.clear()
 
-class BucketRegion:
-    """The shared bucket memory of one DDP model over an ``shm`` communicator's ranks.
+
+class ShmBucketRegion:
+    """The shared bucket memory of one DDP model over an ``shm`` communicator's ranks, a
+    :class:`~fastcomm.comm.bucket_region.BucketRegion`.
 
     Build with :meth:`setup` on every rank (a collective); see the module docstring.
 
@@ -153,7 +158,7 @@ class BucketRegion:
 
     stages = True
     """Its buckets take fresh gradients' slices where autograd left them, copied at launch
-    (:meth:`SharedBucket.stage`), as well as whole copies."""
+    (:meth:`ShmBucket.stage`), as well as whole copies."""
 
     def __init__(self, name: str, layout: _RegionLayout, mm, rank: int, timeout_s: float,
                  spin_us: float, yield_us: float) -> None:
@@ -179,8 +184,8 @@ class BucketRegion:
         # launched buckets in order: not yet reduced here, and reduced here but not finished
         # (waiting for a peer's push); a bucket is reduced as soon as every peer is ready for
         # it, whether or not the buckets before it are finished
-        self._unreduced: list[SharedBucket] = []
-        self._unfinished: list[SharedBucket] = []
+        self._unreduced: list[ShmBucket] = []
+        self._unfinished: list[ShmBucket] = []
         self._broken: BaseException | None = None
         self._pid = os.getpid()
 
@@ -199,7 +204,7 @@ class BucketRegion:
         cap_bytes: int | None = None,
         spin_us: float = 0.0,
         yield_us: float = 1000.0,
-    ) -> BucketRegion | str:
+    ) -> ShmBucketRegion | str:
         """Every rank maps rank 0's segment of ``size`` areas of ``area_bytes``; rank 0 unlinks
         its name once all have. Returns the region, or on every rank the reason it could not be
         made (over ``cap_bytes``, ``/dev/shm`` too small): the caller falls back.
@@ -281,7 +286,7 @@ class BucketRegion:
             out.append(self._u8[start : start + numel * esize].view(dtype))
         return out
 
-    def bucket(self, index: int, offset: int, dtype: torch.dtype, numel: int) -> SharedBucket:
+    def bucket(self, index: int, offset: int, dtype: torch.dtype, numel: int) -> ShmBucket:
         """The bucket ``index`` at byte ``offset`` of every area."""
         if dtype not in DTYPES:
             raise TypeError(f"a shared bucket holds {DTYPES}, got {dtype}")
@@ -289,10 +294,10 @@ class BucketRegion:
             raise ValueError(
                 f"bucket index {index} out of range: the region holds {self.layout.max_buckets}"
             )
-        return SharedBucket(self, index, self.views(offset, dtype, numel))
+        return ShmBucket(self, index, self.views(offset, dtype, numel))
 
     # ------------------------------------------------------------------ the all-reduce
-    def launch(self, bucket: SharedBucket, factor: float) -> SharedBucket:
+    def launch(self, bucket: ShmBucket, factor: float) -> ShmBucket:
         """Publishes that ``bucket``'s gradients are in place (its term is ``flat * factor``)
         and advances what can advance without waiting. Every rank launches the same buckets in
         the same order."""
@@ -326,7 +331,7 @@ class BucketRegion:
         except BaseException as exc:
             self._abort("shm bucket all_reduce", exc)
 
-    def finish(self, bucket: SharedBucket) -> None:
+    def finish(self, bucket: ShmBucket) -> None:
         """Waits until ``bucket`` (and every bucket launched before it) is finished here: its
         slice reduced and pushed by every rank, the whole result in this rank's area."""
         try:
@@ -408,7 +413,7 @@ class BucketRegion:
             for q in range(self.size)
         ]
 
-    def _reduce(self, bucket: SharedBucket) -> None:
+    def _reduce(self, bucket: ShmBucket) -> None:
         """Slice ``rank`` of every rank's bucket = the sum over ranks, in rank order, of each
         rank's slice times its factor (each product rounded in the dtype)."""
         terms, n = bucket.terms, self.size

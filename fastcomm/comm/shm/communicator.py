@@ -26,7 +26,7 @@ from ..topology import host_id
 from ..types import Capabilities, PremulSum, ReduceOp
 from ..vcoll import SizesDisagreement, default_task
 from ..work import OrderedExecutor, Task, wrap_error
-from .buckets import BucketRegion
+from .buckets import ShmBucketRegion
 from .core import PREMUL_KINDS
 from .flags import PeerFlags, fence_supported
 from .p2p import Mailboxes
@@ -226,9 +226,10 @@ class ShmCommunicator(Communicator):
         self.capabilities = Capabilities(
             layout_free=True, premul_dtypes=premul, extended_reductions=reduce is None,
             shared_buckets=frozenset({"cpu"}) if reduce is None else frozenset(),
+            tagged_p2p=True,
         )
         self._regions = 0  # bucket regions made: each its own store keys
-        self._live_regions: weakref.WeakSet[BucketRegion] = weakref.WeakSet()
+        self._live_regions: weakref.WeakSet[ShmBucketRegion] = weakref.WeakSet()
         self._reduce = reduce
         self._pid = os.getpid()
         _LIVE.add(self)
@@ -246,7 +247,7 @@ class ShmCommunicator(Communicator):
     def bucket_region(
         self, area_bytes: int, max_buckets: int, cap_bytes: int | None = None,
         device: torch.device | str = "cpu",
-    ) -> BucketRegion | str:
+    ) -> ShmBucketRegion | str:
         """Shared DDP bucket memory over this communicator's ranks (``capabilities.
         shared_buckets``; a collective: every rank calls it with the same arguments).
 
@@ -257,7 +258,7 @@ class ShmCommunicator(Communicator):
             device: where the buckets live: CPU only.
 
         Returns:
-            The region (:class:`~.buckets.BucketRegion`), or on every rank the reason it was
+            The region (:class:`~.buckets.ShmBucketRegion`), or on every rank the reason it was
             not made (over the cap, ``/dev/shm`` too small): the caller keeps its own buffers.
         """
         if torch.device(device).type != "cpu":
@@ -270,7 +271,7 @@ class ShmCommunicator(Communicator):
         spin = opts.spin_us
         if spin is None:
             spin = 20.0 if self.size <= len(os.sched_getaffinity(0)) else 0.0
-        region = BucketRegion.setup(
+        region = ShmBucketRegion.setup(
             self.store, f"shm/buckets/{self._regions}", self.rank, self.size, area_bytes,
             max_buckets, self.timeout, cap_bytes=cap_bytes, spin_us=spin,
             yield_us=opts.yield_us,
