@@ -1,29 +1,11 @@
 """Command line of ``fastcomm-run`` / ``python -m fastcomm.launch`` (torchrun's flags).
 
 Every flag has torchrun's spellings (``--nproc-per-node`` and ``--nproc_per_node``) and reads
-its default from the ``PET_<NAME>`` environment variable as torchrun does (``PET_NNODES``,
-``PET_NPROC_PER_NODE``, ``PET_STANDALONE=1``, ...). The command line is fully validated before
-anything starts: a bad flag, ``--nnodes 3:2``, ``--monitor-interval inf``, a ``--log-dir`` that
-cannot be created, a missing script... print one usage error line (no traceback) and exit with
-status 2; so does a rendezvous port another process holds, found when the agent binds it.
-
-No flag is accepted and then ignored. Each does what torchrun 2.13 does, or a value
-fastcomm-run cannot honour is refused with one usage error line (exit 2) that names the flag,
-the value and what to do instead; a default value is always accepted silently:
-
-* ``--duplicate-{stdout,stderr}-filters``: tee'd lines that match go to ``filtered_*.log``;
-  refused when no local rank tees that stream to the console (there would be nothing to copy);
-* ``--event-log-handler``: ``console`` logs torchelastic's events as JSON lines on stderr;
-  ``null``/``dynamic_rendezvous`` drop them; other names are refused;
-* ``--numa-binding``: each worker bound to the CPUs near its GPU (``numa.py``); refused
-  without CUDA;
-* ``--run-path``: the script runs with ``runpy.run_path`` in a new interpreter, taking
-  precedence over ``--no-python`` (refused with ``--module``); ``--start-method``: torchrun uses
-  it only with ``--run-path``, where fastcomm-run refuses ``fork``/``forkserver`` (its workers
-  are always new interpreters); with a script it has no effect in either (a warning says so);
-* ``--logs-specs``: refused (no ``torchrun.logs_specs`` plugin is loaded);
-* ``--node-rank`` with c10d, ``--master-addr``/``--master-port`` with c10d or an endpoint:
-  unused, with a warning, as torchrun; ``--rdzv-conf store_type`` other than ``tcp``: refused.
+its default from the ``PET_<NAME>`` environment variable as torchrun does. The command line is
+fully validated before anything starts: a bad flag or value prints one usage error line (no
+traceback) and exits with status 2. No flag is accepted and then ignored: each does what
+torchrun 2.13 does, or a value fastcomm-run cannot honour is refused with a usage error that
+names the flag, the value and what to do instead (the list: docs/launch.md).
 """
 
 from __future__ import annotations
