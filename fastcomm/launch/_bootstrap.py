@@ -1,22 +1,11 @@
 """Worker-side wrapper the agent starts every worker through (standard library only).
 
 The agent runs ``python -u <this file> [--module] [--cpus LIST] -- TARGET ARGS...``; this wrapper
-
-* with ``--cpus 0-15,32`` (``--numa-binding``) binds itself to those CPUs first, as
-  ``numactl --physcpubind`` does under torchrun (threads and children inherit it);
-
-* makes ``sys.argv``/``sys.path[0]`` what ``python TARGET ARGS`` (or ``python -m``) would give,
-  then runs the target with ``runpy`` as ``__main__``;
-* records an uncaught exception to ``$TORCHELASTIC_ERROR_FILE`` in torch's ``@record`` format
-  (unless the script already wrote one, e.g. with torch's own ``@record``), prints the
-  traceback as Python would (without this wrapper's frames) and exits with status 1 -- so the
-  script does not have to opt in;
-* watches the agent: a daemon thread polls the parent pid, and when the agent is gone (even
-  SIGKILLed) it SIGKILLs the worker's whole process group (the worker and its children).
-
-With ``--exec`` (``--no-python`` workers) it sets ``PR_SET_PDEATHSIG=SIGKILL`` (Linux) and
-``exec``s the program: the program itself dies with the agent, but nothing records its errors
-and children it starts are not covered.
+binds the CPUs (``--cpus``, ``--numa-binding``), runs the target with ``runpy`` as
+``__main__`` with the ``sys.argv``/``sys.path[0]`` of ``python TARGET ARGS``, records an
+uncaught exception to ``$TORCHELASTIC_ERROR_FILE`` in torch's ``@record`` format (exit 1), and
+SIGKILLs the worker's process group when the agent is gone. ``--exec`` (``--no-python``) sets
+``PR_SET_PDEATHSIG`` and ``exec``s the program. Details: docs/launch.md.
 
 It is run by path, not as ``-m fastcomm.launch._bootstrap``, so the worker does not import
 the fastcomm package (nor torch) before the user's code does.

@@ -1,29 +1,11 @@
 """Command line of ``fastcomm-run`` / ``python -m fastcomm.launch`` (torchrun's flags).
 
 Every flag has torchrun's spellings (``--nproc-per-node`` and ``--nproc_per_node``) and reads
-its default from the ``PET_<NAME>`` environment variable as torchrun does (``PET_NNODES``,
-``PET_NPROC_PER_NODE``, ``PET_STANDALONE=1``, ...). The command line is fully validated before
-anything starts: a bad flag, ``--nnodes 3:2``, ``--monitor-interval inf``, a ``--log-dir`` that
-cannot be created, a missing script... print one usage error line (no traceback) and exit with
-status 2; so does a rendezvous port another process holds, found when the agent binds it.
-
-No flag is accepted and then ignored. Each does what torchrun 2.13 does, or a value
-fastcomm-run cannot honour is refused with one usage error line (exit 2) that names the flag,
-the value and what to do instead; a default value is always accepted silently:
-
-* ``--duplicate-{stdout,stderr}-filters``: tee'd lines that match go to ``filtered_*.log``;
-  refused when no local rank tees that stream to the console (there would be nothing to copy);
-* ``--event-log-handler``: ``console`` logs torchelastic's events as JSON lines on stderr;
-  ``null``/``dynamic_rendezvous`` drop them; other names are refused;
-* ``--numa-binding``: each worker bound to the CPUs near its GPU (``numa.py``); refused
-  without CUDA;
-* ``--run-path``: the script runs with ``runpy.run_path`` in a new interpreter, taking
-  precedence over ``--no-python`` (refused with ``--module``); ``--start-method``: torchrun uses
-  it only with ``--run-path``, where fastcomm-run refuses ``fork``/``forkserver`` (its workers
-  are always new interpreters); with a script it has no effect in either (a warning says so);
-* ``--logs-specs``: refused (no ``torchrun.logs_specs`` plugin is loaded);
-* ``--node-rank`` with c10d, ``--master-addr``/``--master-port`` with c10d or an endpoint:
-  unused, with a warning, as torchrun; ``--rdzv-conf store_type`` other than ``tcp``: refused.
+its default from the ``PET_<NAME>`` environment variable as torchrun does. The command line is
+fully validated before anything starts: a bad flag or value prints one usage error line (no
+traceback) and exits with status 2. No flag is accepted and then ignored: each does what
+torchrun 2.13 does, or a value fastcomm-run cannot honour is refused with a usage error that
+names the flag, the value and what to do instead (the list: docs/launch.md).
 """
 
 from __future__ import annotations
@@ -103,6 +85,16 @@ def get_parser() -> argparse.ArgumentParser:
         description="fastcomm's elastic launcher: torchrun-compatible, recovers from worker "
         "failures (one agent per node, rendezvous through a TCP store).",
     )
+    _add_job_flags(p)
+    _add_output_flags(p)
+    _add_node_flags(p)
+    p.add_argument("training_script", help="the script (or module, or program) to run")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    return p
+
+
+def _add_job_flags(p: argparse.ArgumentParser) -> None:
+    """Nodes, rendezvous, restarts and monitoring, how the script runs."""
     _opt(p, "--nnodes", default="1:1", help="number of nodes, or MIN:MAX (elastic)")
     _opt(p, "--nproc-per-node", default="1",
          help="workers per node: an int, or cpu, gpu, xpu, auto")
@@ -135,7 +127,10 @@ def get_parser() -> argparse.ArgumentParser:
     _opt(p, "--run-path", action=_CheckEnv,
          help="run the script with runpy.run_path (in a new interpreter); takes precedence "
          "over --no-python")
-    # output
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
+    """Where the workers' output and logs go."""
     _opt(p, "--log-dir", default=None,
          help="base directory of logs and error files (<run_id>_<random>/attempt_<round>/"
          "<local_rank>/{stdout,stderr}.log, error.json)")
@@ -149,7 +144,10 @@ def get_parser() -> argparse.ArgumentParser:
          "are copied to <attempt dir>/filtered_stdout.log")
     _opt(p, "--duplicate-stderr-filters", default="",
          help="the same for stderr (filtered_stderr.log)")
-    # static rendezvous and addresses
+
+
+def _add_node_flags(p: argparse.ArgumentParser) -> None:
+    """Static rendezvous and addresses, unsupported plugins, signals, the job secret."""
     _opt(p, "--node-rank", type=int, default=0, help="this node's rank (static backend)")
     _opt(p, "--master-addr", default="127.0.0.1",
          help="address of node 0 (static backend without --rdzv-endpoint)")
@@ -179,9 +177,6 @@ def get_parser() -> argparse.ArgumentParser:
          f"workers read back from the stores; every node must name the same contents "
          f"(or set ${SECRET_ENV} in hex, or ${SECRET_FILE_ENV}). A single node makes a random "
          "secret when none is given; several nodes without one run unsigned (JSON only)")
-    p.add_argument("training_script", help="the script (or module, or program) to run")
-    p.add_argument("training_script_args", nargs=argparse.REMAINDER)
-    return p
 
 
 def _nproc(value: str) -> int:
@@ -220,98 +215,21 @@ def parse_config(args: argparse.Namespace) -> LaunchConfig:
     """Turns parsed flags into a ``LaunchConfig`` (``ValueError`` on an invalid combination)."""
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
     conf = parse_rdzv_conf(args.rdzv_conf)
-    backend = args.rdzv_backend
-    endpoint = args.rdzv_endpoint
-    run_id = args.rdzv_id
-    if backend not in ("static", "c10d"):
-        raise ValueError(f"--rdzv-backend must be static or c10d, got {backend!r}")
-    if args.standalone:
-        if max_nodes > 1:
-            raise ValueError(
-                f"--standalone runs a single node; it contradicts --nnodes {args.nnodes}"
-            )
-        backend, endpoint, run_id = "c10d", "localhost:0", str(uuid.uuid4())
-    elif (
-        backend == "static"
-        and not endpoint
-        and args.master_port is None
-        and max_nodes == 1
-        and args.node_rank == 0  # else static, so --node-rank 1 of 1 node is refused
-    ):
-        backend, endpoint, run_id = "c10d", "localhost:0", str(uuid.uuid4())
-    elif backend == "c10d" and not endpoint:
-        if max_nodes > 1:
-            raise ValueError("--rdzv-backend c10d with several nodes needs --rdzv-endpoint")
-        endpoint = "localhost:0"
-    master_port = 29500 if args.master_port is None else args.master_port
-    if not 0 <= master_port < 65536:
-        raise ValueError(f"--master-port must be in [0, 65535], got {master_port}")
-    if backend == "static" and not args.master_addr:
-        raise ValueError("--master-addr must be non-empty")
-    if backend == "static" and not endpoint:
-        endpoint = f"{args.master_addr}:{master_port}"
-    host, port = parse_endpoint(endpoint, default_port=29400 if backend == "c10d" else None)
+    backend, host, port, run_id = _rendezvous(args, max_nodes)
     _warn_unused_addresses(args, backend)
-    for key in conf:
-        if key not in RDZV_CONF_KEYS:
-            _warn(
-                f"--rdzv-conf key {key!r} is not one fastcomm-run reads "
-                f"({', '.join(RDZV_CONF_KEYS)}); ignored, as torch's rendezvous ignores keys"
-            )
-    if conf.get("store_type", "tcp").strip().lower() != "tcp":
-        raise ValueError(
-            f"--rdzv-conf store_type={conf['store_type']}: fastcomm-run's rendezvous store is "
-            "a TCP store at --rdzv-endpoint (store_type=tcp); torch's file store is not supported"
-        )
-    if args.logs_specs is not None:
-        raise ValueError(
-            f"--logs-specs {args.logs_specs!r}: fastcomm-run loads no torchrun.logs_specs "
-            "plugin; it writes worker logs to <log-dir>/<run id>_*/attempt_<round>/<local rank>/"
-            "{stdout,stderr}.log as --log-dir, --redirects, --tee and --local-ranks-filter say"
-        )
-    _check_start(args)
-    ranks_filter = None
-    if args.local_ranks_filter:
-        try:
-            ranks_filter = {int(r) for r in args.local_ranks_filter.split(",")}
-        except ValueError:
-            raise ValueError(
-                "--local-ranks-filter must be a comma-separated list of ints, "
-                f"got {args.local_ranks_filter!r}"
-            ) from None
-    shutdown = args.shutdown_timeout
-    if shutdown is None:
-        text = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
-        try:
-            shutdown = float(text)
-        except ValueError:
-            raise ValueError(
-                f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT must be a number of seconds, got {text!r}"
-            ) from None
-        check_seconds("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", shutdown)
+    _check_rdzv_conf(conf)
+    _check_unsupported(args)
+    ranks_filter = _ranks_filter(args.local_ranks_filter)
+    shutdown = _shutdown_timeout(args.shutdown_timeout)
     check_seconds("--monitor-interval", args.monitor_interval)
     check_seconds("--shutdown-timeout", shutdown)
     if args.log_dir is not None:
         _check_log_dir(args.log_dir)
     if args.local_addr is not None:
-        if is_wildcard(args.local_addr):
-            raise ValueError(
-                f"--local-addr must be one address of this machine, not {args.local_addr!r} "
-                "(every interface)"
-            )
-        if not is_local_address(args.local_addr):
-            raise ValueError(
-                f"--local-addr {args.local_addr!r} is not an address of this machine "
-                "(the stores listen on it)"
-            )
+        _check_local_addr(args.local_addr)
     secret, _ = read_job_secret(args.job_secret_file, os.environ)
     signals = tuple(s.strip() for s in args.signals_to_handle.split(",") if s.strip())
-    script = args.training_script
-    no_python = args.no_python and not args.run_path  # --run-path takes precedence, as torchrun
-    if no_python and args.module:
-        raise ValueError("Don't use both the '--no-python' flag and the '--module' flag")
-    if not args.module and not no_python and not os.path.isfile(script):
-        raise ValueError(f"training script {script!r} does not exist")
+    no_python = _no_python(args)
     keep_alive = conf.get("keep_alive_max_attempt", "3")
     try:
         keep_alive_max_attempt = int(keep_alive)
@@ -321,7 +239,7 @@ def parse_config(args: argparse.Namespace) -> LaunchConfig:
     nproc = _nproc(args.nproc_per_node)
     cpus = None if args.numa_binding is None else worker_cpus(args.numa_binding, nproc)
     return LaunchConfig(
-        entrypoint=script,
+        entrypoint=args.training_script,
         args=list(args.training_script_args),
         module=args.module,
         no_python=no_python,
@@ -361,6 +279,120 @@ def parse_config(args: argparse.Namespace) -> LaunchConfig:
         job_secret_file=args.job_secret_file,
         job_secret=secret,
     )
+
+
+def _rendezvous(args: argparse.Namespace, max_nodes: int) -> tuple[str, str, int, str]:
+    """``(backend, host, port, run id)`` of the rendezvous: ``--standalone`` and a single node
+    without an endpoint get a c10d store on a free local port, as torchrun."""
+    backend = args.rdzv_backend
+    endpoint = args.rdzv_endpoint
+    run_id = args.rdzv_id
+    if backend not in ("static", "c10d"):
+        raise ValueError(f"--rdzv-backend must be static or c10d, got {backend!r}")
+    if args.standalone:
+        if max_nodes > 1:
+            raise ValueError(
+                f"--standalone runs a single node; it contradicts --nnodes {args.nnodes}"
+            )
+        backend, endpoint, run_id = "c10d", "localhost:0", str(uuid.uuid4())
+    elif (
+        backend == "static"
+        and not endpoint
+        and args.master_port is None
+        and max_nodes == 1
+        and args.node_rank == 0  # else static, so --node-rank 1 of 1 node is refused
+    ):
+        backend, endpoint, run_id = "c10d", "localhost:0", str(uuid.uuid4())
+    elif backend == "c10d" and not endpoint:
+        if max_nodes > 1:
+            raise ValueError("--rdzv-backend c10d with several nodes needs --rdzv-endpoint")
+        endpoint = "localhost:0"
+    master_port = 29500 if args.master_port is None else args.master_port
+    if not 0 <= master_port < 65536:
+        raise ValueError(f"--master-port must be in [0, 65535], got {master_port}")
+    if backend == "static" and not args.master_addr:
+        raise ValueError("--master-addr must be non-empty")
+    if backend == "static" and not endpoint:
+        endpoint = f"{args.master_addr}:{master_port}"
+    host, port = parse_endpoint(endpoint, default_port=29400 if backend == "c10d" else None)
+    return backend, host, port, run_id
+
+
+def _check_rdzv_conf(conf: dict[str, str]) -> None:
+    """Warns of ``--rdzv-conf`` keys fastcomm-run does not read; refuses a non-TCP store."""
+    for key in conf:
+        if key not in RDZV_CONF_KEYS:
+            _warn(
+                f"--rdzv-conf key {key!r} is not one fastcomm-run reads "
+                f"({', '.join(RDZV_CONF_KEYS)}); ignored, as torch's rendezvous ignores keys"
+            )
+    if conf.get("store_type", "tcp").strip().lower() != "tcp":
+        raise ValueError(
+            f"--rdzv-conf store_type={conf['store_type']}: fastcomm-run's rendezvous store is "
+            "a TCP store at --rdzv-endpoint (store_type=tcp); torch's file store is not supported"
+        )
+
+
+def _check_unsupported(args: argparse.Namespace) -> None:
+    """Refuses ``--logs-specs``; checks ``--run-path`` and ``--start-method``."""
+    if args.logs_specs is not None:
+        raise ValueError(
+            f"--logs-specs {args.logs_specs!r}: fastcomm-run loads no torchrun.logs_specs "
+            "plugin; it writes worker logs to <log-dir>/<run id>_*/attempt_<round>/<local rank>/"
+            "{stdout,stderr}.log as --log-dir, --redirects, --tee and --local-ranks-filter say"
+        )
+    _check_start(args)
+
+
+def _ranks_filter(text: str) -> set[int] | None:
+    """``--local-ranks-filter``: ``"0,1"`` -> ``{0, 1}``; empty: ``None`` (every rank)."""
+    if not text:
+        return None
+    try:
+        return {int(r) for r in text.split(",")}
+    except ValueError:
+        raise ValueError(
+            f"--local-ranks-filter must be a comma-separated list of ints, got {text!r}"
+        ) from None
+
+
+def _shutdown_timeout(value: float | None) -> float:
+    """``--shutdown-timeout``, else ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` (checked), else 30."""
+    if value is not None:
+        return value
+    text = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
+    try:
+        shutdown = float(text)
+    except ValueError:
+        raise ValueError(
+            f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT must be a number of seconds, got {text!r}"
+        ) from None
+    check_seconds("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", shutdown)
+    return shutdown
+
+
+def _check_local_addr(addr: str) -> None:
+    """``--local-addr`` must be one address of this machine (the stores listen on it)."""
+    if is_wildcard(addr):
+        raise ValueError(
+            f"--local-addr must be one address of this machine, not {addr!r} (every interface)"
+        )
+    if not is_local_address(addr):
+        raise ValueError(
+            f"--local-addr {addr!r} is not an address of this machine (the stores listen on it)"
+        )
+
+
+def _no_python(args: argparse.Namespace) -> bool:
+    """Whether the entrypoint runs without python (``--run-path`` takes precedence over
+    ``--no-python``, as torchrun); checks that a script exists."""
+    script = args.training_script
+    no_python = args.no_python and not args.run_path
+    if no_python and args.module:
+        raise ValueError("Don't use both the '--no-python' flag and the '--module' flag")
+    if not args.module and not no_python and not os.path.isfile(script):
+        raise ValueError(f"training script {script!r} does not exist")
+    return no_python
 
 
 def _warn_unused_addresses(args: argparse.Namespace, backend: str) -> None:

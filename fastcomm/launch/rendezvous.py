@@ -3,36 +3,11 @@
 One agent serves the rendezvous ``Store`` (the one on the endpoint host; with the static
 backend, node rank 0); the others connect to it, retrying within the join timeout. All keys of
 a job live under ``fastcomm.launch/<run_id>/`` and every round ``r`` has its own namespace
-``r<r>/`` -- a round's keys are never read by another round, so nothing stale from a failed
-round can leak into the next one:
-
-``join``            counter; an agent's join index is the value its ``add`` returned, minus 1
-``node/<i>``        the ``NodeInfo`` of the agent with join index ``i``
-``returning``       counter of joined agents that were members of the previous round
-``closed``          ``N``, the number of admitted nodes (join indices ``0..N-1``), set once
-                    (``compare_set``) by whichever agent sees the round complete: ``MAX`` nodes
-                    joined, or ``MIN`` joined and the last-call window passed (or every member
-                    of the previous round that was not declared lost is back). A round closes
-                    only after the previous one has ended; later joiners wait for the next.
-``restarts``        TORCHELASTIC_RESTART_COUNT of the round (failure restarts so far)
-``master``          ``addr:port`` of the round's worker store (a fresh ``TCPStore`` on a free
-                    port served by the agent of GROUP_RANK 0; workers connect as clients with
-                    ``TORCHELASTIC_USE_AGENT_STORE=True``)
-``end``             how the round ended, set once: ``("success", None)``,
-                    ``("failure", [Failure, ...])`` or ``("membership", None)`` (a node waits to
-                    be admitted: restart, not counted as a failure)
-``failures/<g>``    the failures node ``g`` observed (for the final report)
-``done``/``exited`` counters of agents whose workers succeeded / that left after the end
-``hb/<g>``          heartbeat counter of node ``g``
-
-Every value above except the counters is encoded by ``Store.encode`` (JSON, never pickled;
-signed with the job secret when there is one) and checked on reading: a value that fails the
-signature or does not have the expected shape raises an error naming its key, and nothing read
-from the store is executed. ``NodeInfo`` and ``Failure`` travel as records (dicts of their
-fields, each type-checked).
-
-A node that joins while a round runs joins the next round; the running agents see it waiting
-(``join`` of round ``r+1`` > 0) and end their round with ``membership`` when there is room.
+``r<r>/``: nothing stale from a failed round can leak into the next one. A round closes once
+``MAX`` nodes joined, or ``MIN`` joined and the last-call window passed; a node that joins
+while a round runs joins the next one, and the running agents end theirs with ``membership``
+when there is room. Every value except the counters is JSON (``Store.encode``, signed with the
+job secret when there is one) and type-checked on reading. The keys: docs/launch.md.
 """
 
 from __future__ import annotations

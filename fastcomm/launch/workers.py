@@ -4,24 +4,9 @@ Each worker runs in its own session (so it is the leader of its process group): 
 worker signals the whole group, which takes down whatever the worker started too -- also what
 a worker leaves running when it exits (even with status 0). Stopping is always SIGTERM (or the
 signal the agent received) first, then SIGKILL for what is left after ``--shutdown-timeout``
-seconds; a group with nothing left in it is not waited for. Python
-workers go through ``_bootstrap.py`` (error file, parent watchdog); ``--no-python`` ones through
-its ``--exec`` mode (``PR_SET_PDEATHSIG``).
-
-Output: by default every line a worker writes reaches the agent's stdout/stderr prefixed with
-``[rank N]: `` (``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` overrides it, with ``$rank``,
-``$local_rank`` and ``$role_name``). ``--redirects`` sends a stream only to
-``<attempt dir>/<local_rank>/{stdout,stderr}.log``; ``--tee`` to both. With
-``--duplicate-{stdout,stderr}-filters`` the tee'd lines shown on the console that contain one
-of the filters are also copied, prefixed, to ``<attempt dir>/filtered_{stdout,stderr}.log``
-(one file for all local ranks, as torchrun).
-
-Shared memory: a worker SIGKILLed while it set up a ``shm`` communicator leaves its segment
-file in ``/dev/shm`` (``fastcomm-<pid>-<start time>-<PID namespace>-...``, see
-``fastcomm.comm.shm.segment``). Once the workers are reaped, the files named after a worker of
-this group (its pid and the start time it had) are removed: those creators are provably gone.
-The launcher does not import the shm package (it loads no backend), so the name's fields are
-read here.
+seconds. Lines the workers write reach the console prefixed (``[rank N]: ``), or files
+(``--redirects``/``--tee``). Once the workers are reaped, the ``/dev/shm`` segment files named
+after them are removed (those creators are provably gone). Details: docs/launch.md.
 """
 
 from __future__ import annotations

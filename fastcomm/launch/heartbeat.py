@@ -1,0 +1,68 @@
+"""The agents' heartbeats in a running round: this agent's own, and its watch on its peers'.
+
+Each agent adds 1 to ``hb/<group rank>`` in the round's store every ``keep_alive_interval``
+seconds; a peer whose count has not changed for ``keep_alive_interval * keep_alive_max_attempt``
+seconds is lost, and named as a failure dated at its last beat seen.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .errors import Failure
+from .rendezvous import RoundInfo
+
+__all__ = ["Heartbeats"]
+
+
+class Heartbeats:
+    """This agent's heartbeat in round ``info`` and what it saw of the other agents'.
+
+    Args:
+        info: the running round.
+        interval: seconds between beats (``keep_alive_interval``).
+        max_attempt: beats a peer may miss before it is lost (``keep_alive_max_attempt``).
+    """
+
+    def __init__(self, info: RoundInfo, interval: float, max_attempt: int) -> None:
+        self.info = info
+        self.interval = interval
+        self.limit = interval * max_attempt
+        self.next_beat = 0.0
+        """Monotonic time of this agent's next beat."""
+        self.seen: dict[int, tuple[int, float]] = {}
+        """Per peer: the last heartbeat count read and the monotonic time it changed."""
+
+    def beat(self, now: float) -> bool:
+        """Beats if one is due at monotonic time ``now``; returns whether it did."""
+        if now < self.next_beat:
+            return False
+        self.next_beat = now + self.interval
+        self.info.store.add(f"hb/{self.info.group_rank}", 1)
+        return True
+
+    def lost_peer(self, peers: list[int], now: float) -> Failure | None:
+        """The first of ``peers`` whose heartbeat count has not changed for the limit, as a
+        lost-node failure dated at its last beat seen (so it precedes, as the root cause, the
+        peer-loss errors it caused), or ``None``."""
+        info = self.info
+        for g in peers:
+            count = info.store.add(f"hb/{g}", 0)
+            last = self.seen.get(g)
+            if last is None or last[0] != count:
+                self.seen[g] = (count, now)
+            elif now - last[1] > self.limit:
+                node = info.nodes[g]
+                return Failure(
+                    rank=-1,
+                    local_rank=-1,
+                    group_rank=g,
+                    host=node.host,
+                    pid=node.pid,
+                    exitcode=1,
+                    timestamp=time.time() - (now - last[1]),
+                    round=info.round,
+                    role=node.role,
+                    message=f"no heartbeat from the agent of node {g} for {now - last[1]:.0f} s",
+                )
+        return None

@@ -1,0 +1,138 @@
+"""The monitor loop of one round, and what ends the round.
+
+Every ``--monitor-interval`` the agent polls its workers and the round, and proposes an end
+(the first end proposed wins, on every node alike):
+
+* a local worker fails             -> ``FAILURE`` (after a short grace for its peers' failures)
+* every agent's workers succeeded  -> ``SUCCESS``
+* a node waits and there is room   -> ``MEMBERSHIP`` (not a failure restart)
+* a peer agent stops heartbeating  -> ``FAILURE`` (node lost)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+from .config import LaunchConfig
+from .errors import Failure
+from .failures import write_local
+from .heartbeat import Heartbeats
+from .rendezvous import Rendezvous, RoundEnd, RoundInfo
+from .workers import WorkerGroup
+
+__all__ = ["FAILURE_GRACE_S", "End", "RoundMonitor"]
+
+#: Seconds a failed round keeps collecting local failures after the first one (peers of a
+#: dead worker fail within a few hundred ms of it) before it ends, unless all have exited.
+FAILURE_GRACE_S = 1.0
+
+#: How a round ended and the payload that came with it (the failures, for ``FAILURE``).
+End = tuple[RoundEnd, object]
+
+
+class RoundMonitor:
+    """Watches the workers of round ``info`` and the other agents until the round ends.
+
+    Args:
+        cfg: the launch configuration (intervals, ``max_nodes``).
+        rdzv: the rendezvous, where the round's end is proposed and read.
+        info: the running round.
+        group: this node's workers in the round.
+        describe: makes a worker's ``Failure`` (from its error file).
+        check_stop: raises once the agent was told to stop.
+    """
+
+    def __init__(
+        self,
+        cfg: LaunchConfig,
+        rdzv: Rendezvous,
+        info: RoundInfo,
+        group: WorkerGroup,
+        describe: Callable[[object], Failure],
+        check_stop: Callable[[], None],
+    ) -> None:
+        self.cfg = cfg
+        self.rdzv = rdzv
+        self.info = info
+        self.group = group
+        self.describe = describe
+        self.check_stop = check_stop
+        self.peers = [g for g in range(info.group_world_size) if g != info.group_rank]
+        """GROUP_RANKs of the other agents, whose heartbeats are watched."""
+        self.beats = Heartbeats(info, cfg.keep_alive_interval, cfg.keep_alive_max_attempt)
+        self.failures: list[Failure] = []
+        """This node's failures in the round, in the order they were seen."""
+        self._grace_until: float | None = None
+        self._reported_done = False
+
+    def run(self) -> End:
+        """Polls the workers and the round until it ends; returns the end that won."""
+        while True:
+            self.check_stop()
+            self._collect_failures()
+            end = (
+                self._end_on_failure()
+                or self._end_on_success()
+                or self.rdzv.end_of(self.info.round)
+                or self._end_to_admit()
+                or self._beat_and_check_peers()
+            )
+            if end is not None:
+                return end
+            time.sleep(self.cfg.monitor_interval)
+
+    def _collect_failures(self) -> None:
+        for worker in self.group.poll():
+            # A worker that recorded an uncaught exception is failing even while its
+            # interpreter is still tearing down (which can take long, or hang, with a
+            # process group still alive): no need to wait for its exit.
+            failing = worker.exitcode not in (None, 0) or (
+                worker.exitcode is None and os.path.exists(worker.spec.error_file)
+            )
+            if failing and all(f.local_rank != worker.spec.local_rank for f in self.failures):
+                self.failures.append(self.describe(worker))
+
+    def _end_on_failure(self) -> End | None:
+        if not self.failures:
+            return None
+        # The first failure is often a consequence (a peer-loss error recorded before the
+        # dead worker's exit is seen): collect what follows within a short grace, so the
+        # round's failures name the root cause.
+        if self._grace_until is None:
+            self._grace_until = time.monotonic() + FAILURE_GRACE_S
+        if time.monotonic() < self._grace_until and any(
+            w.exitcode is None for w in self.group.workers
+        ):
+            return None
+        write_local(self.info, self.failures)
+        return self.rdzv.end_round(self.info.round, RoundEnd.FAILURE, self.failures)
+
+    def _end_on_success(self) -> End | None:
+        if self._reported_done or any(w.exitcode != 0 for w in self.group.workers):
+            return None
+        self._reported_done = True  # this node's workers are counted in the round's "done"
+        if self.info.store.add("done", 1) < self.info.group_world_size:
+            return None
+        return self.rdzv.end_round(self.info.round, RoundEnd.SUCCESS)
+
+    def _end_to_admit(self) -> End | None:
+        """Ends the round to admit a waiting node, if there is room and no worker finished."""
+        info = self.info
+        if (
+            info.group_world_size < self.cfg.max_nodes
+            and self.rdzv.waiting(info.round) > 0
+            and info.store.add("done", 0) == 0
+        ):
+            return self.rdzv.end_round(info.round, RoundEnd.MEMBERSHIP)
+        return None
+
+    def _beat_and_check_peers(self) -> End | None:
+        now = time.monotonic()
+        if not self.beats.beat(now):
+            return None
+        lost = self.beats.lost_peer(self.peers, now)
+        if lost is None:
+            return None
+        return self.rdzv.end_round(self.info.round, RoundEnd.FAILURE, [lost])
