@@ -176,11 +176,11 @@ def test_call_descriptor_packs_every_field_into_one_odd_word():
     for d in variants:
         # one compiled barrier for all: odd, 64-bit, positive (see the layout's comment)
         assert d % 2 == 1 and 1 << 56 <= d < 1 << 63, hex(d)
-    assert describe_call(base) == "all_reduce of 1024 float32 SUM"
-    assert describe_call(variants[2]) == f"all_reduce of {1024 + (1 << 39)} float32 SUM"
-    assert describe_call(variants[5]) == "all_reduce of 1024 bfloat16 SUM"
-    assert describe_call(variants[7]) == "all_reduce of 1024 float32 MIN"
-    assert describe_call(ipc_descriptor.SETUP_DESCRIPTOR) == "the setup barrier"
+    assert describe_call(base) == "all_reduce(float32, 1024 elements, op sum)"
+    assert describe_call(variants[2]) == f"all_reduce(float32, {1024 + (1 << 39)} elements, op sum)"
+    assert describe_call(variants[5]) == "all_reduce(bfloat16, 1024 elements, op sum)"
+    assert describe_call(variants[7]) == "all_reduce(float32, 1024 elements, op min)"
+    assert describe_call(ipc_descriptor.SETUP_DESCRIPTOR) == "barrier()"
 
 
 def test_disagreement_message_names_both_calls():
@@ -189,10 +189,11 @@ def test_disagreement_message_names_both_calls():
     mine = call_descriptor("all_reduce", 1024, torch.float32, ReduceOp.SUM)
     theirs = call_descriptor("all_reduce", 1000, torch.float32, ReduceOp.SUM)
     text = ipc_descriptor.disagreement_message(0, DISAGREE | 0b10, 5, mine, theirs)
-    assert text.startswith("rank 0: all_reduce disagrees with rank 1: rank 0 called all_reduce "
-                           "of 1024 float32 SUM, rank 1 called all_reduce of 1000 float32 SUM")
+    assert text.startswith("rank 0: all_reduce: collective mismatch: rank 0 called all_reduce"
+                           "(float32, 1024 elements, op sum) but rank 1 called all_reduce("
+                           "float32, 1000 elements, op sum)")
     text = ipc_descriptor.disagreement_message(1, DISAGREE | 0b101, 5, theirs, mine)
-    assert "with rank 0 (ranks [0, 2] disagree with it)" in text
+    assert "rank 0 called" in text and "(ranks [0, 2] disagree with it)" in text
 
 
 def test_transport_verdict_on_a_control_block():
@@ -211,11 +212,11 @@ def test_transport_verdict_on_a_control_block():
     assert t.failure() is None
     words[4] = theirs
     error = t._barrier_report()
-    assert isinstance(error, FastcommError) and "rank 0 called all_reduce of 8 float32 MAX" in (
-        str(error))
+    assert isinstance(error, FastcommError)
+    assert "rank 0 called all_reduce(float32, 8 elements, op max)" in str(error)
     assert t.failure() is error  # sticky
-    with pytest.raises(CommAbortedError, match="aborted CUDA IPC transport: rank 1: all_reduce "
-                       "disagrees with rank 0"):
+    with pytest.raises(CommAbortedError, match="aborted CUDA IPC transport: rank 1: all_reduce: "
+                       "collective mismatch: rank 1 called"):
         t._raise_if_unusable("all_reduce")
 
 
@@ -443,7 +444,7 @@ def test_twin_disagreement_raises_on_every_rank_naming_both(twin, impl, agreed, 
     for rank, (message, elapsed, control) in enumerate(results):
         assert message is not None, f"rank {rank} saw no disagreement: {control}"
         peer = 0 if rank == world - 1 else world - 1
-        assert message.startswith(f"rank {rank}: all_reduce disagrees with rank {peer}"), message
+        assert message.startswith(f"rank {rank}: all_reduce: collective mismatch"), message
         assert f"rank {rank} called {text(calls[rank])}" in message, message
         assert f"rank {peer} called {text(calls[peer])}" in message, message
         # at the call's first barrier (epoch 2: no setup barrier, one agreed call before),
@@ -615,10 +616,9 @@ def test_gpu_rank_that_never_arrives_times_out(gpu_pool, unique_name):
 def test_gpu_disagreement_raises_on_both_ranks(gpu_pool, unique_name):
     results = gpu_pool.run(gpu_disagree, unique_name, per_rank=[(1024,), (1000,)])
     for rank, (text, elapsed, refused) in enumerate(results):
-        peer = 1 - rank
-        assert text.startswith(f"rank {rank}: all_reduce disagrees with rank {peer}"), text
-        assert "rank 0 called all_reduce of 1024 float32 SUM" in text, text
-        assert "rank 1 called all_reduce of 1000 float32 SUM" in text, text
+        assert text.startswith(f"rank {rank}: all_reduce: collective mismatch"), text
+        assert "rank 0 called all_reduce(float32, 1024 elements, op sum)" in text, text
+        assert "rank 1 called all_reduce(float32, 1000 elements, op sum)" in text, text
         assert elapsed < 10, (rank, elapsed)  # the timeout is 60 s: not a timeout
         assert refused, f"rank {rank}: an aborted transport accepted another collective"
 

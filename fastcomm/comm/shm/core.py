@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from ..calls import REDUCE_OP_CODES
 from ..types import ReduceOp
 from .flags import PeerFlags
-from .rounds import OP_CODES, Rounds, pair_words
+from .rounds import Rounds, pair_words
 from .segment import Layout
 
 try:  # built at install where a C compiler is found
@@ -63,9 +64,9 @@ PREMUL_KINDS = {dtype: kind for dtype, kind in CORE_KINDS.items() if dtype.is_fl
 #: by the op's name (a str hashes faster than an Enum member): (the op's descriptor code, the
 #: core's op)
 CORE_OPS = {} if _core is None else {
-    "SUM": (OP_CODES[ReduceOp.SUM], _core.OP_SUM),
-    "AVG": (OP_CODES[ReduceOp.AVG], _core.OP_AVG),
-    "PRODUCT": (OP_CODES[ReduceOp.PRODUCT], _core.OP_PRODUCT),
+    "SUM": (REDUCE_OP_CODES[ReduceOp.SUM], _core.OP_SUM),
+    "AVG": (REDUCE_OP_CODES[ReduceOp.AVG], _core.OP_AVG),
+    "PRODUCT": (REDUCE_OP_CODES[ReduceOp.PRODUCT], _core.OP_PRODUCT),
 }
 
 def reduce_terms(out: int, terms: list[int], numel: int, kind: int, factor: float = 1.0,

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import torch
 
+from ..calls import DTYPE_SIZE_AND_FIELD, OP_CODES, shm_word_a, shm_word_b
 from .core import CompiledRounds
-from .rounds import DTYPE_SIZE_AND_FIELD, OPCODES, Rounds, chunks, descriptor_a, descriptor_b
+from .rounds import Rounds, chunks
 
 __all__ = ["Movement"]
 
 _increment_version = torch._C._increment_version
-_BROADCAST, _ALL_GATHER, _ALL_TO_ALL = (OPCODES[op] << 56 for op in
+_BROADCAST, _ALL_GATHER, _ALL_TO_ALL = (OP_CODES[op] << 56 for op in
                                         ("broadcast", "all_gather", "all_to_all"))
-_BARRIER = OPCODES["barrier"] << 56
+_BARRIER = OP_CODES["barrier"] << 56
 
 
 def _takes_address(tensor: torch.Tensor) -> bool:
@@ -58,7 +59,7 @@ class Movement:
 
     def _broadcast_rounds(self, flat: torch.Tensor, src: int, start: float) -> None:
         rank, numel, rounds, flags = self.rank, flat.numel(), self.rounds, self.flags
-        word_a, word_b = descriptor_a("broadcast", flat), descriptor_b(numel, src)
+        word_a, word_b = shm_word_a("broadcast", flat), shm_word_b(numel, src)
         for offset, count in chunks(numel, rounds.slot_bytes // flat.element_size()):
             half = rounds.enter("broadcast", start, word_a, word_b)
             view = rounds.slots(half, flat.dtype)[src][:count]
@@ -87,7 +88,7 @@ class Movement:
 
     def _all_gather_rounds(self, out: torch.Tensor, flat: torch.Tensor, start: float) -> None:
         n, rank, m, rounds = self.size, self.rank, flat.numel(), self.rounds
-        word_a = descriptor_a("all_gather", flat)
+        word_a = shm_word_a("all_gather", flat)
         out2d = out.view(n, m)
         for offset, count in chunks(m, rounds.slot_bytes // flat.element_size()):
             half = rounds.enter("all_gather", start, word_a)
@@ -117,7 +118,7 @@ class Movement:
     def _all_to_all_rounds(self, out: torch.Tensor, flat: torch.Tensor, start: float) -> None:
         n, rank, rounds = self.size, self.rank, self.rounds
         m, esize = flat.numel() // n, flat.element_size()
-        word_a = descriptor_a("all_to_all", flat)
+        word_a = shm_word_a("all_to_all", flat)
         in2d, out2d = flat.view(n, m), out.view(n, m)
         for offset, count in chunks(m, rounds.slot_bytes // esize // n):
             half = rounds.enter("all_to_all", start, word_a)

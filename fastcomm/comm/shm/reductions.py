@@ -16,21 +16,19 @@ import struct
 import numpy as np
 import torch
 
-from ..reduction import _BINARY, Reduction, reduce_into, torch_reduce
-from ..types import PremulSum, ReduceOp, divide_
-from .core import CORE_KINDS, CORE_OPS, PREMUL_KINDS, CompiledRounds, reduce_terms
-from .rounds import (
-    DTYPE_CODES,
+from ..calls import (
     DTYPE_SIZE_AND_FIELD,
     OP_CODES,
     OPCODE_MASK,
-    OPCODES,
     PREMUL_CODE,
-    Rounds,
-    chunks,
-    descriptor_a,
-    descriptor_b,
+    REDUCE_OP_CODES,
+    shm_word_a,
+    shm_word_b,
 )
+from ..reduction import _BINARY, Reduction, reduce_into, torch_reduce
+from ..types import PremulSum, ReduceOp, divide_
+from .core import CORE_KINDS, CORE_OPS, PREMUL_KINDS, CompiledRounds, reduce_terms
+from .rounds import Rounds, chunks
 
 __all__ = ["Reductions"]
 
@@ -38,7 +36,7 @@ _FACTOR_WORD = 6  # misc words 6 and 7 of a rank's control block: its PremulSum 
 _FLOAT_BITS, _FLOAT_BITS_D = struct.Struct("<Q"), struct.Struct("<d")  # a float64 as a word
 # by the op's name (an Enum member hashes through a Python-level __hash__, a str through its
 # cached hash): (descriptor's op code, torch's binary function)
-_OP_ARGS = {op._name_: (OP_CODES[op], _BINARY[op]) for op in OP_CODES}
+_OP_ARGS = {op._name_: (REDUCE_OP_CODES[op], _BINARY[op]) for op in REDUCE_OP_CODES}
 # Small tensors are moved and reduced with NumPy where its result is bit-identical to torch's
 # (one correctly rounded or wrapping operation per element, dtypes NumPy computes natively):
 # a NumPy ufunc call costs far less than a torch op's dispatch. AVG's division stays with torch.
@@ -176,7 +174,7 @@ class Reductions:
         fits = 0 < n * m * info[0] <= self.rounds.slot_bytes
         if (core_op is not None and kind is not None and fits and _takes_address(out)
                 and _takes_address(input)):
-            word_a = (OPCODES["reduce_scatter"] << 56) | info[1] | (core_op[0] << 40) | m
+            word_a = (OP_CODES["reduce_scatter"] << 56) | info[1] | (core_op[0] << 40) | m
             self.compiled.reduce_scatter(out.data_ptr(), input.data_ptr(), m, kind, core_op[1],
                                          word_a, start)
             _increment_version((out,))
@@ -194,7 +192,7 @@ class Reductions:
         if kind is None or not 0 < numel * tensor.element_size() <= self._one_slot:
             plan = False
         else:
-            plan = (descriptor_a("all_reduce", tensor), numel, kind)
+            plan = (shm_word_a("all_reduce", tensor), numel, kind)
         self.core_plans[(tensor.dtype, numel)] = plan
         return plan
 
@@ -205,7 +203,7 @@ class Reductions:
         if root < 0:
             word_a, name = word_base | (op_code << 40), "all_reduce"
         else:
-            word_a = (word_base & OPCODE_MASK) | (OPCODES["reduce"] << 56) | (op_code << 40)
+            word_a = (word_base & OPCODE_MASK) | (OP_CODES["reduce"] << 56) | (op_code << 40)
             name = "reduce"
         self.compiled.all_reduce(tensor.data_ptr(), numel, kind, op, root, word_a, name, start)
         if root < 0 or root == self.rank:
@@ -228,7 +226,7 @@ class Reductions:
             seg, layout = self.rounds.u8.numpy(), self.rounds.layout
             arrays = [[seg[layout.slot(h, r) : layout.slot(h, r) + nbytes].view(np_dtype)
                        for r in range(self.size)] for h in range(2)]
-            plan = (descriptor_a("all_reduce", tensor), tensor.numpy().reshape(-1), arrays)
+            plan = (shm_word_a("all_reduce", tensor), tensor.numpy().reshape(-1), arrays)
         self.numpy_plans[key] = plan
         return plan
 
@@ -255,11 +253,11 @@ class Reductions:
         nbytes = tensor.numel() * tensor.element_size()
         if len(self._torch_plans) >= _PLAN_CACHE:
             self._torch_plans.clear()
-        if tensor.dtype not in DTYPE_CODES or not 0 < nbytes <= self._one_slot:
+        if tensor.dtype not in DTYPE_SIZE_AND_FIELD or not 0 < nbytes <= self._one_slot:
             plan = False
         else:
             numel, slots = tensor.numel(), self.rounds.slots
-            plan = (descriptor_a("all_reduce", tensor),
+            plan = (shm_word_a("all_reduce", tensor),
                     [[s[:numel].view(tensor.shape) for s in slots(h, tensor.dtype)[: self.size]]
                      for h in range(2)])
         self._torch_plans[(tensor.dtype, tensor.shape)] = plan
@@ -289,10 +287,10 @@ class Reductions:
     def _general(self, tensor, op, start: float, root: int | None, factor=None) -> None:
         """One-shot rounds up to ``one_shot_max`` bytes, else two-step rounds."""
         name = "all_reduce" if root is None else "reduce"
-        redop = OP_CODES[op] if factor is None else PREMUL_CODE
+        redop = REDUCE_OP_CODES[op] if factor is None else PREMUL_CODE
         one_shot = tensor.numel() * tensor.element_size() <= self.one_shot_max
-        word_a = descriptor_a(name, tensor, redop, two_step=not one_shot)
-        word_b = descriptor_b(tensor.numel(), root)
+        word_a = shm_word_a(name, tensor, redop, two_step=not one_shot)
+        word_b = shm_word_b(tensor.numel(), root)
         if one_shot:
             self._one_shot(tensor, op, name, start, word_a, word_b, root, factor)
         else:
@@ -410,7 +408,7 @@ class Reductions:
         """Per chunk: every rank copies in the rows the others reduce, then reduces its own."""
         n, rank, m, rounds = self.size, self.rank, out.numel(), self.rounds
         esize = flat.element_size()
-        word_a = descriptor_a("reduce_scatter", out, OP_CODES[op])
+        word_a = shm_word_a("reduce_scatter", out, REDUCE_OP_CODES[op])
         in2d = flat.view(n, m)
         # an output sharing bytes with our own row: that row is reduced from our slot instead
         # (a reduction's output may alias its first two terms only), as the compiled core does

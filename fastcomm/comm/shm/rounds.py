@@ -3,86 +3,23 @@
 Each round uses one half of the data area, alternating, and every rank publishes the same
 number of times per round, so the next call never waits for the slowest reader of the last
 one. Before its first publish of a call, every rank records the call in two descriptor words
-(A and B) of the round's half; in the call's first round every rank compares its peers' with
-its own, so ranks that disagree all raise. The protocol: ``docs/shm.md``.
+(A and B: ``calls.shm_words``) of the round's half; in the call's first round every rank
+compares its peers' with its own, so ranks that disagree all raise. The protocol: ``docs/shm.md``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..calls import TWO_STEP, describe, from_shm_words, mismatch_message
 from ..errors import FastcommError
-from ..types import EXTRA_DTYPES, SUPPORTED_DTYPES, BitwiseOp, ReduceOp
 from .flags import PeerFlags
 from .segment import Layout
 
-__all__ = ["OPCODES", "OP_CODES", "PREMUL_CODE", "Rounds", "chunks", "describe",
-           "descriptor_a", "descriptor_b", "pair_words"]
+__all__ = ["Rounds", "chunks", "pair_words"]
 
-OPCODES = {
-    name: i + 1
-    for i, name in enumerate(
-        ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "barrier",
-         "reduce", "all_to_all_v"]
-    )
-}
-TWO_STEP = 0x80  # opcode flag: an all-reduce/reduce past one_shot_max (two publishes a round)
-OPCODE_MASK = (1 << 56) - 1  # a descriptor A without its opcode
-NUMEL_BITS = (1 << 40) - 1
 ONE_SHOT_WORD = 10  # misc word 10 of a rank's control block: its one_shot_max (messages)
-# the extra dtypes come after the contract's own, so the codes of those never change
-DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(SUPPORTED_DTYPES + EXTRA_DTYPES)}
-#: by dtype: (element size, the dtype's field of descriptor A)
-DTYPE_SIZE_AND_FIELD = {
-    dtype: (torch.empty((), dtype=dtype).element_size(), code << 48)
-    for dtype, code in DTYPE_CODES.items()
-}
-OP_CODES = {op: i + 1 for i, op in enumerate(ReduceOp)}
-PREMUL_CODE = len(OP_CODES) + 1  # a PremulSum's op code in the call descriptor
-OP_CODES.update({op: PREMUL_CODE + 1 + i for i, op in enumerate(BitwiseOp)})
 _VIEW_CACHE = 512  # cached views of the segment (every new size adds an entry)
-
-
-def descriptor_a(op: str, tensor: torch.Tensor | None, redop: int = 0,
-                 two_step: bool = False) -> int:
-    """A call's descriptor word A: ``opcode << 56 | dtype << 48 | reduce op << 40 | numel mod
-    2**40``; ``redop``: the reduce op's code (``OP_CODES``)."""
-    opcode = OPCODES[op] | (TWO_STEP if two_step else 0)
-    if tensor is None:
-        return opcode << 56
-    return (
-        (opcode << 56)
-        | (DTYPE_CODES[tensor.dtype] << 48)
-        | (redop << 40)
-        | (tensor.numel() & NUMEL_BITS)
-    )
-
-
-def descriptor_b(numel: int, root: int | None = None) -> int:
-    """A call's descriptor word B: the element count past 40 bits, then the source or root + 1
-    (0 when the op has neither)."""
-    return ((numel >> 40) << 32) | (0 if root is None else root + 1)
-
-
-def describe(word_a: int, word_b: int = 0) -> str:
-    """A call's descriptor words in words, for mismatch messages: ``all_reduce(float32, 10
-    elements, op sum)``, ``broadcast(int8, 3 elements, src 1)``."""
-    names = {v: k for k, v in OPCODES.items()}
-    dtypes = {v: str(k).removeprefix("torch.") for k, v in DTYPE_CODES.items()}
-    opcode, redop = word_a >> 56, (word_a >> 40) & 0xFF
-    name = names.get(opcode & ~TWO_STEP, f"op{opcode & ~TWO_STEP}")
-    numel = (word_a & NUMEL_BITS) | ((word_b >> 32) << 40)
-    dtype = (word_a >> 48) & 0xFF
-    what = [dtypes.get(dtype, f"dtype{dtype}"), f"{numel} elements"] if dtype or numel else []
-    if redop:
-        ops = {v: k.name.lower() for k, v in OP_CODES.items()} | {PREMUL_CODE: "premul_sum"}
-        what.append(f"op {ops.get(redop, redop)}")
-    if word_b & 0xFFFFFFFF:
-        label = "src" if opcode == OPCODES["broadcast"] else "root"
-        what.append(f"{label} {(word_b & 0xFFFFFFFF) - 1}")
-    if opcode & TWO_STEP:
-        what.append("two-step")
-    return f"{name}({', '.join(what)})"
 
 
 def pair_words(layout: Layout, rank: int, peer: int) -> tuple[int, int, int, int]:
@@ -190,11 +127,10 @@ class Rounds:
                 raise FastcommError(self._mismatch(p, word_a, word_b, theirs, theirs_b))
 
     def _mismatch(self, peer: int, word_a: int, word_b: int, theirs: int, theirs_b: int) -> str:
-        message = (
-            f"rank {self.rank}: collective mismatch: this rank called {describe(word_a, word_b)} "
-            f"but rank {peer} called {describe(theirs, theirs_b)}; every rank must issue the "
-            f"same collectives in the same order with the same sizes, dtypes, ops and roots"
-        )
+        mine = from_shm_words(word_a, word_b)
+        problem = (f"rank {self.rank} called {describe(mine)} but rank {peer} called "
+                   f"{describe(from_shm_words(theirs, theirs_b))}")
+        message = mismatch_message(self.rank, mine.op, problem)
         if (word_a ^ theirs) == TWO_STEP << 56 and word_b == theirs_b:
             words, layout = self.flags.words, self.layout
             mine = words[layout.misc(self.rank, ONE_SHOT_WORD) // 8]

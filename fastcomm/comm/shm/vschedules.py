@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from ..calls import OP_CODES
 from ..vcoll import (
     DTYPE_CODES,
     HEAD,
@@ -25,13 +26,13 @@ from ..vcoll import (
     raise_disagreement,
 )
 from .core import CompiledRounds, Status
-from .rounds import OPCODES, Rounds
+from .rounds import Rounds
 
 __all__ = ["VSchedule"]
 
 _memmove = ctypes.memmove
 _increment_version = torch._C._increment_version
-_CODE = OPCODES["all_to_all_v"] << 56
+_CODE = OP_CODES["all_to_all_v"] << 56
 
 
 class VSchedule:
