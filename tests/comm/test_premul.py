@@ -69,17 +69,17 @@ def inputs(world: int, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
 
 
 def count_default_multiplies():
-    """Counts the tasks the default path wraps with a ``mul_`` (``base._premultiplied``)."""
-    from fastcomm.comm import base
+    """Counts the tasks the default path wraps with a ``mul_`` (``adapt.premultiplied``)."""
+    from fastcomm.comm import adapt
 
-    real = STATE.setdefault("premul/real", base._premultiplied)
+    real = STATE.setdefault("premul/real", adapt.premultiplied)
     calls = STATE.setdefault("premul/calls", [0])
 
     def counting(task, tensor, factor):
         calls[0] += 1
         return real(task, tensor, factor)
 
-    base._premultiplied = counting
+    adapt.premultiplied = counting
     return calls
 
 

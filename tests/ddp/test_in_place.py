@@ -136,13 +136,13 @@ def check_large_gradients_go_as_premul(backend: str, bucket_view: bool = False):
     where its compiled core folds it into the reduction; ``mul_`` + ``SUM`` on Gloo), with
     torch DDP's bits. Returns how many PremulSums went out, how many times the default path
     multiplied, and whether the communicator fuses float32."""
-    from fastcomm.comm import PremulSum, base
+    from fastcomm.comm import PremulSum, adapt
     from fastcomm.ddp import config
     from tests.ddp.common import assert_same_state, train_both
 
     comm = rank_comm(backend)
     ops, multiplies = [], [0]
-    real_all_reduce, real_premultiplied = comm.all_reduce, base._premultiplied
+    real_all_reduce, real_premultiplied = comm.all_reduce, adapt.premultiplied
 
     def recording(tensor, op="sum", async_op=False):
         ops.append(op)
@@ -156,13 +156,13 @@ def check_large_gradients_go_as_premul(backend: str, bucket_view: bool = False):
     if not bucket_view:
         config.IN_PLACE_MIN_BYTES = SMALL_THRESHOLD
         config.UNFOLDED_MIN_BYTES_PER_EXTRA = ANY_COLLECTIVES
-    comm.all_reduce, base._premultiplied = recording, counting
+    comm.all_reduce, adapt.premultiplied = recording, counting
     try:
         ours, theirs = train_both("mlp", steps=3, comm=comm, gradient_as_bucket_view=bucket_view)
     finally:
         config.IN_PLACE_MIN_BYTES, config.UNFOLDED_MIN_BYTES_PER_EXTRA = saved
         del comm.all_reduce  # the class's method again
-        base._premultiplied = real_premultiplied
+        adapt.premultiplied = real_premultiplied
     assert_same_state(ours, theirs)
     premuls = [op for op in ops if isinstance(op, PremulSum)]
     assert premuls and all(op.factor == 0.5 for op in premuls), ops

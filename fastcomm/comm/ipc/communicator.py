@@ -147,9 +147,9 @@ class IpcCommunicator(Communicator):
         return self._cuda
 
     # ------------------------------------------------------------------ CPU: the shm part
-    def _sync(self, op: str, *args) -> bool:
+    def _run_inline(self, op: str, *args) -> bool:
         # CPU tensors only (the first argument is a tensor for every op but barrier)
-        return (not args or args[0].is_cpu) and self.cpu._sync(op, *args)
+        return (not args or args[0].is_cpu) and self.cpu._run_inline(op, *args)
 
     def _impl_reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp) -> Task:
         return self.cpu._impl_reduce(tensor, root, op)

@@ -342,10 +342,10 @@ class ShmCommunicator(Communicator):
     # Every op has one entry in the schedules, named after it, taking the ``_impl_*``
     # arguments and the time the call began: the entry itself takes the compiled core (one C
     # call when the call fits one slot and the peers are there) or the Python rounds.
-    def _sync(self, op: str, *args) -> bool:
+    def _run_inline(self, op: str, *args) -> bool:
         """A synchronous call with no asynchronous work pending runs on the caller's thread
         with no ``Work`` or task built: below a few KiB that bookkeeping would cost as much as
-        moving the bytes. ``op`` names the schedules' entry (``Communicator._sync``'s hook).
+        moving the bytes. ``op`` names the schedules' entry (``Communicator._run_inline``'s hook).
         (Routing sent only CPU tensors here.)"""
         if self._executor.busy or self._broken is not None or (
             args and type(args[0]) is not torch.Tensor
@@ -358,7 +358,7 @@ class ShmCommunicator(Communicator):
             self._abort(op, start, exc)
         return True
 
-    def _sync_p2p(self, op: str, tensor: torch.Tensor, peer: int) -> bool:
+    def _run_inline_p2p(self, op: str, tensor: torch.Tensor, peer: int) -> bool:
         """A synchronous send or recv runs on the caller's thread, with no ``Work`` or task
         built, when nothing is pending on that peer's executor of ``op`` (so messages keep their
         issue order); any size, as the executor would run it there. (Routing sent only CPU
@@ -418,9 +418,9 @@ class ShmCommunicator(Communicator):
         entry = self._schedules.barrier
         return self._task("barrier", None, lambda: entry(time.monotonic()))
 
-    def _sync_v(self, kind: str, root: int, outputs: list, inputs: list) -> bool:
+    def _run_inline_v(self, kind: str, root: int, outputs: list, inputs: list) -> bool:
         """A synchronous v-call with no asynchronous work pending runs on the caller's thread
-        with no task or ``Work`` built (as :meth:`_sync`); a disagreement leaves the
+        with no task or ``Work`` built (as :meth:`_run_inline`); a disagreement leaves the
         communicator usable (every rank raised after the same round)."""
         if self._executor.busy or self._broken is not None or not self._v.fits():
             return False
@@ -431,9 +431,9 @@ class ShmCommunicator(Communicator):
             self._abort(kind, start, exc)
         return True
 
-    def _sync_v_split(self, output: torch.Tensor, input: torch.Tensor, out_bytes: list[int],
+    def _run_inline_v_split(self, output: torch.Tensor, input: torch.Tensor, out_bytes: list[int],
                       in_bytes: list[int]) -> bool:
-        """:meth:`_sync_v` of consecutive pieces of one tensor each side (no view made)."""
+        """:meth:`_run_inline_v` of consecutive pieces of one tensor each side (no view made)."""
         if self._executor.busy or self._broken is not None or not self._v.fits():
             return False
         start = time.monotonic()

@@ -1,0 +1,182 @@
+"""What a backend lacks, done once for all of them by the :class:`~.base.Communicator` contract.
+
+A ``PremulSum`` a backend does not fold is a ``mul_`` before a ``SUM``; a sparse tensor it
+cannot reduce is densified, reduced and made sparse again; a bitwise op or extra dtype it does
+not reduce is an ``all_gather`` reduced in rank order; an output overlapping its input where it
+does not allow that is staged; ``reduce`` is an ``all_reduce`` of a copy kept on the root. Each
+adaptation wraps the backend's own :class:`~.work.Task`, so it runs where and when that runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from . import checks
+from .reduction import reduce_gathered
+from .types import BITWISE_OPS, PremulSum, ReduceOp, check_reduction
+from .work import Task, Work
+
+__all__ = [
+    "all_reduce_general",
+    "empty_piece",
+    "followed_by",
+    "gathered",
+    "overlap",
+    "premultiplied",
+    "reduce_by_all_reduce",
+    "rooted_pieces",
+    "staged",
+]
+
+
+def followed_by(task: Task, after: Callable[[], None]) -> Task:
+    """``task``, followed by ``after()`` once its data is in place (on the task's executor, or
+    on the caller's thread for a task issued at once, which then waits for its data)."""
+    inner = task.run
+
+    def run() -> None:
+        work = inner()
+        if work is not None:
+            work.wait()
+        after()
+
+    return Task(task.op, task.output, run, task.executor)
+
+
+def premultiplied(task: Task, tensor: torch.Tensor, factor: float) -> Task:
+    """``task`` (a ``SUM`` of ``tensor``) preceded by ``tensor.mul_(factor)``, run where and
+    when the task runs: after the collectives queued before it on a backend that queues its
+    tasks, at the call on one that issues at once (as the caller's own ``mul_`` would)."""
+    reduce = task.run
+
+    def run() -> Work | None:
+        tensor.mul_(factor)
+        return reduce()
+
+    return Task(task.op, task.output, run, task.executor)
+
+
+_EMPTY: dict[tuple, torch.Tensor] = {}
+
+
+def empty_piece(like: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of ``like``'s dtype and device (the piece of a v-call a rank neither
+    sends nor receives), made once per dtype and device."""
+    key = (like.dtype, like.device)
+    empty = _EMPTY.get(key)
+    if empty is None:
+        empty = _EMPTY[key] = like.new_empty(0)
+    return empty
+
+
+def rooted_pieces(comm, op: str, mine: torch.Tensor, theirs: list | None, root: int):
+    """The v-call pieces of ``gather`` (``op``; ``mine``: the input, ``theirs``: the root's
+    outputs) or ``scatter`` (``mine``: the output, ``theirs``: the root's inputs): ``(mine's
+    side, theirs's side)``, every piece but the root's empty.
+
+    Raises:
+        ValueError: ``root`` out of range; the root gave no ``theirs``.
+    """
+    checks.check_peer(root, comm.size, op, "root")
+    empty = empty_piece(mine)
+    pieces = [empty] * comm.size
+    pieces[root] = mine
+    if comm.rank != root:
+        theirs = [empty] * comm.size
+    elif theirs is None:
+        per_rank = "output" if op == "gather" else "input"
+        raise ValueError(f"{op}: rank {root} is the root and needs one {per_rank} per rank")
+    return pieces, theirs
+
+
+def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (contiguous) share bytes."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def staged(target, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    """``input``, or a copy of it where it overlaps ``output`` and ``target`` does not
+    take overlapping operands (``Capabilities.in_place``)."""
+    if target.capabilities.in_place or not input.numel() or not overlap(output, input):
+        return input
+    return input.clone()
+
+
+def reduce_by_all_reduce(comm, tensor: torch.Tensor, root: int, op: ReduceOp) -> Task:
+    """``reduce`` as an ``all_reduce`` of a copy, written back on ``root`` only."""
+    scratch = tensor.clone()
+    task = comm._impl_all_reduce(scratch, op)
+    keep = (lambda: tensor.copy_(scratch)) if comm.rank == root else (lambda: None)
+    return Task("reduce", tensor, followed_by(task, keep).run, task.executor)
+
+
+def reduces_itself(target, tensor: torch.Tensor, op: ReduceOp, name: str) -> bool:
+    """For a bitwise op or a dtype of :data:`~.types.EXTRA_DTYPES`: raises unless the
+    contract reduces the pair (before anything is sent), then whether ``target`` reduces it
+    itself (``Capabilities.extended_reductions``)."""
+    check_reduction(tensor.dtype, op, name)
+    return target.capabilities.extended_reductions
+
+
+def gathered(comm, target, tensor: torch.Tensor, op: ReduceOp, root: int | None) -> Task:
+    """A reduction ``target`` does not do itself: an ``all_gather`` of every rank's bytes,
+    then the terms reduced in rank order (:func:`~.reduction.reduce_gathered`) on every rank,
+    or on ``root`` only. One round of the backend's own all-gather, ``size`` times the
+    tensor's bytes of scratch."""
+    flat = tensor.view(-1).view(torch.uint8)
+    rows = flat.new_empty((comm.size, flat.numel()))
+    task = target._impl_all_gather(rows, flat)
+    name = "all_reduce" if root is None else "reduce"
+    if root is not None and root != comm.rank:
+        return Task(name, tensor, task.run, task.executor)
+    return Task(name, tensor,
+                followed_by(task, lambda: reduce_gathered(rows, tensor, op)).run, task.executor)
+
+
+def all_reduce_general(comm, tensor, op, async_op: bool) -> Work | None:
+    """``comm.all_reduce`` of anything but a plain dense tensor with a :class:`ReduceOp`:
+    every check, sparse tensors, op names and torch's ops, ``PremulSum``, tensors that
+    require grad."""
+    tensor = checks.untracked(tensor)
+    comm._check_open("all_reduce")
+    if isinstance(tensor, torch.Tensor) and tensor.layout is torch.sparse_coo:
+        return _all_reduce_sparse(comm, tensor, op, async_op)
+    checks.check_tensor(tensor, "all_reduce", dtypes=checks.REDUCED_DTYPES)
+    op = ReduceOp.coerce(op)
+    if op.__class__ is PremulSum:
+        checks.check_premul_dtype(tensor, op)
+    comm.stats.record("all_reduce", tensor)
+    target = comm._target(tensor, "all_reduce")
+    if op.__class__ is not PremulSum:
+        if (op in BITWISE_OPS or tensor.dtype not in checks.DTYPES) and not reduces_itself(
+            target, tensor, op, "all_reduce"
+        ):
+            return comm._run(gathered(comm, target, tensor, op, None), async_op)
+        if not async_op and target._run_inline("all_reduce", tensor, op):
+            return None
+        return comm._run(target._impl_all_reduce(tensor, op), async_op)
+    if tensor.dtype in target.capabilities.premul_dtypes:
+        return comm._run(target._impl_all_reduce(tensor, op), async_op)
+    task = target._impl_all_reduce(tensor, ReduceOp.SUM)
+    if op.factor != 1.0:  # x * 1.0 == x: no pass needed
+        task = premultiplied(task, tensor, op.factor)
+    return comm._run(task, async_op)
+
+
+def _all_reduce_sparse(comm, tensor: torch.Tensor, op: object, async_op: bool):
+    """``all_reduce`` of a sparse COO tensor: natively where the backend declares it
+    (``sparse_all_reduce``), else densified, reduced and made sparse again (rows that are
+    zero after the reduction are dropped); the result replaces ``tensor`` in place."""
+    checks.check_sparse(tensor, op)
+    comm.stats.record("all_reduce", tensor._values())
+    target = comm.route(tensor.device, "all_reduce")
+    if target.capabilities.sparse_all_reduce:
+        return comm._run(target._impl_all_reduce(tensor, ReduceOp.SUM), async_op)
+    dense = tensor.to_dense()
+    sparse_dim = tensor.sparse_dim()
+    task = target._impl_all_reduce(dense, ReduceOp.SUM)
+    task = followed_by(task, lambda: tensor.copy_(dense.to_sparse(sparse_dim)))
+    return comm._run(Task("all_reduce", tensor, task.run, task.executor), async_op)
