@@ -327,11 +327,12 @@ for step in range(4):
     opt.zero_grad()
     model(torch.full((8, 16), float(comm.rank + step))).square().mean().backward()
     opt.step()
-# a digest, not the list: two ranks' lines share the file, whole only up to 4 KiB each
 weights = torch.cat([p.detach().flatten() for p in model.parameters()])
 weights = hashlib.sha256(weights.numpy().tobytes()).hexdigest()
-print(json.dumps({"host": socket.gethostname(), "rank": comm.rank, "size": comm.size,
-                  "backend": comm.backend, "sum": t.item(), "weights": weights}), flush=True)
+# a file per rank: two ranks' lines on one shared stdout may interleave
+with open("/mnt/srun_result_%d.json" % comm.rank, "w") as f:
+    json.dump({"host": socket.gethostname(), "rank": comm.rank, "size": comm.size,
+               "backend": comm.backend, "sum": t.item(), "weights": weights}, f)
 fastcomm.shutdown()
 dist.destroy_process_group()
 """
@@ -344,13 +345,14 @@ def test_srun_variables_train_across_the_nodes(nodes):
 
     script(nodes.shared, "srun_node.py", SRUN_NODE)
     script(nodes.shared, "srun_train.py", SRUN_TRAIN)
+    for stale in nodes.shared.glob("srun_result_*.json"):
+        stale.unlink()
     procs = [nodes.start(i, ["/mnt/srun_node.py", str(i), nodes.veth[i]], f"srun{i}",
                          program=()) for i in (1, 0)]
     for proc, name in zip(procs, ("srun1", "srun0"), strict=True):
         code, err = nodes.result(proc, name, 90)
         assert code == 0, err
-    rows = sorted((json.loads(line) for i in (0, 1) for line in nodes.out(f"srun{i}").split("\n")
-                   if line.startswith("{")), key=lambda r: r["rank"])
+    rows = [json.loads((nodes.shared / f"srun_result_{r}.json").read_text()) for r in range(4)]
     assert [(r["rank"], r["host"]) for r in rows] == [(0, "node0"), (1, "node0"),
                                                       (2, "node1"), (3, "node1")]
     assert {(r["size"], r["backend"], r["sum"]) for r in rows} == {(4, "hier", 10.0)}
