@@ -147,3 +147,42 @@ def kill_all(pids: list[int]) -> None:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+
+
+# A training script a launcher other than fastcomm-run starts (mpiexec, srun): torch's backend
+# through env://, fastcomm.init() on its store, an all_reduce on each, a few DDP steps; each
+# rank writes its result to the file argv[1] names with "%d" for its rank (two ranks' lines
+# on one shared stdout may interleave).
+LAUNCHED_DDP = """
+import hashlib, json, os, socket, sys
+import torch
+import torch.distributed as dist
+import fastcomm
+from fastcomm.ddp import DDP
+
+assert "RANK" in os.environ  # the launcher's own variables, exported by import fastcomm
+dist.init_process_group("fastcomm")
+t = torch.tensor([dist.get_rank() + 1.0])
+dist.all_reduce(t)
+comm = fastcomm.init(timeout=60)  # on torch's store
+u = torch.tensor([comm.rank + 1.0])
+comm.all_reduce(u)
+torch.manual_seed(0)
+model = DDP(torch.nn.Linear(16, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(4):
+    opt.zero_grad()
+    model(torch.full((8, 16), float(comm.rank + step))).square().mean().backward()
+    opt.step()
+weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+with open(sys.argv[1] % comm.rank, "w") as f:
+    json.dump({
+        "host": socket.gethostname(), "rank": comm.rank, "size": comm.size,
+        "backend": comm.backend, "torch_sum": t.item(), "fastcomm_sum": u.item(),
+        "weights": hashlib.sha256(weights.numpy().tobytes()).hexdigest(),
+        "env": {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                           "LOCAL_WORLD_SIZE", "MASTER_ADDR")},
+    }, f)
+fastcomm.shutdown()
+dist.destroy_process_group()
+"""

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from ._util import clean_env, free_port, script
+from ._util import LAUNCHED_DDP, clean_env, free_port, script
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,39 +26,6 @@ def _mpiexec() -> list[str]:
     return [found]
 
 
-TRAIN = """
-    import hashlib, json, os, sys
-    import torch
-    import torch.distributed as dist
-    import fastcomm
-    from fastcomm.ddp import DDP
-
-    dist.init_process_group("fastcomm")
-    t = torch.tensor([dist.get_rank() + 1.0])
-    dist.all_reduce(t)
-    comm = fastcomm.init(timeout=30)  # reuses torch's store
-    u = torch.tensor([comm.rank + 1.0])
-    comm.all_reduce(u)
-    torch.manual_seed(0)
-    model = DDP(torch.nn.Linear(16, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(4):
-        opt.zero_grad()
-        model(torch.full((8, 16), float(comm.rank + step))).square().mean().backward()
-        opt.step()
-    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
-    weights = hashlib.sha256(weights.numpy().tobytes()).hexdigest()
-    # a file per rank: two ranks' lines on mpiexec's one stdout may interleave
-    with open("result_%d.json" % dist.get_rank(), "w") as f:
-        json.dump({
-        "rank": dist.get_rank(), "size": dist.get_world_size(), "torch_sum": t.item(),
-        "backend": comm.backend, "fastcomm_sum": u.item(), "weights": weights,
-        "env": {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                           "LOCAL_WORLD_SIZE", "MASTER_ADDR")},
-        }, f)
-    fastcomm.shutdown()
-    dist.destroy_process_group()
-"""
 
 
 def _env(**extra: str):
@@ -69,9 +36,9 @@ def _env(**extra: str):
 
 
 def test_mpiexec_two_ranks_train_with_fastcomm(tmp_path):
-    train = script(tmp_path, "train.py", TRAIN)
+    train = script(tmp_path, "train.py", LAUNCHED_DDP)
     proc = subprocess.run(
-        [*_mpiexec(), "-n", "2", sys.executable, str(train)],
+        [*_mpiexec(), "-n", "2", sys.executable, str(train), str(tmp_path / "result_%d.json")],
         env=_env(MASTER_PORT=str(free_port())), cwd=tmp_path, capture_output=True, text=True,
         timeout=100,
     )

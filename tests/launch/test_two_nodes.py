@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from ._util import REPO, clean_env, script
+from ._util import LAUNCHED_DDP, REPO, clean_env, script
 
 ADDRS = ("10.213.34.1", "10.213.34.2")
 PORT = 29534  # inside the namespaces only: nothing else listens there
@@ -304,38 +304,11 @@ for local in range(2):
                SLURM_STEP_NODELIST="node[0-1]",
                # the hosts name themselves 127.0.1.1 (as Debian does): Gloo needs the interface
                GLOO_SOCKET_IFNAME=ifname)
-    procs.append(subprocess.Popen([sys.executable, "/mnt/srun_train.py"], env=env))
+    procs.append(subprocess.Popen([sys.executable, "/mnt/srun_train.py",
+                                  "/mnt/srun_result_%d.json"], env=env))
 sys.exit(max(p.wait() for p in procs))
 """
 
-SRUN_TRAIN = """
-import hashlib, json, os, socket
-import torch
-import torch.distributed as dist
-import fastcomm
-from fastcomm.ddp import DDP
-
-assert "RANK" in os.environ  # exported from srun's by import fastcomm
-dist.init_process_group("fastcomm")
-t = torch.tensor([dist.get_rank() + 1.0])
-dist.all_reduce(t)
-comm = fastcomm.init(timeout=60)  # on torch's store
-torch.manual_seed(0)
-model = DDP(torch.nn.Linear(16, 4))
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for step in range(4):
-    opt.zero_grad()
-    model(torch.full((8, 16), float(comm.rank + step))).square().mean().backward()
-    opt.step()
-weights = torch.cat([p.detach().flatten() for p in model.parameters()])
-weights = hashlib.sha256(weights.numpy().tobytes()).hexdigest()
-# a file per rank: two ranks' lines on one shared stdout may interleave
-with open("/mnt/srun_result_%d.json" % comm.rank, "w") as f:
-    json.dump({"host": socket.gethostname(), "rank": comm.rank, "size": comm.size,
-               "backend": comm.backend, "sum": t.item(), "weights": weights}, f)
-fastcomm.shutdown()
-dist.destroy_process_group()
-"""
 
 
 def test_srun_variables_train_across_the_nodes(nodes):
@@ -344,7 +317,7 @@ def test_srun_variables_train_across_the_nodes(nodes):
     import json
 
     script(nodes.shared, "srun_node.py", SRUN_NODE)
-    script(nodes.shared, "srun_train.py", SRUN_TRAIN)
+    script(nodes.shared, "srun_train.py", LAUNCHED_DDP)
     for stale in nodes.shared.glob("srun_result_*.json"):
         stale.unlink()
     procs = [nodes.start(i, ["/mnt/srun_node.py", str(i), nodes.veth[i]], f"srun{i}",
@@ -355,5 +328,6 @@ def test_srun_variables_train_across_the_nodes(nodes):
     rows = [json.loads((nodes.shared / f"srun_result_{r}.json").read_text()) for r in range(4)]
     assert [(r["rank"], r["host"]) for r in rows] == [(0, "node0"), (1, "node0"),
                                                       (2, "node1"), (3, "node1")]
-    assert {(r["size"], r["backend"], r["sum"]) for r in rows} == {(4, "hier", 10.0)}
+    assert {(r["size"], r["backend"], r["torch_sum"], r["fastcomm_sum"]) for r in rows} == {
+        (4, "hier", 10.0, 10.0)}
     assert all(r["weights"] == rows[0]["weights"] for r in rows)  # the replicas stayed equal
