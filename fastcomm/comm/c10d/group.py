@@ -56,6 +56,8 @@ _op_kind = (
                 if kind is not RED.PREMUL_SUM)
     else kind_of
 )
+
+
 def _reduce_op(reduce_op: Any) -> ReduceOp | PremulSum | None:
     """The contract's op for torch's (``None``: the contract has none, e.g. ``BAND``)."""
     kind = kind_of(reduce_op)
