@@ -1,9 +1,9 @@
 """What the ``fastcomm`` torch.distributed backend adds to a call, 2 CPU ranks, interleaved.
 
 - The agreement before a call handed to Gloo (``agree``): the group's ``_agree`` (one ``SUM``
-  all-reduce of a 14-``int64`` fingerprint) against the descriptor ``all_gather`` it replaced
+  all-reduce of a 18-``int64`` fingerprint) against the descriptor ``all_gather`` it replaced
   (``agree-gather``: every rank's descriptor gathered and compared in Python), the bare
-  all-reduce of 14 ``int64`` (``round``), and the call it guards: a 4 KiB ``gather`` on the Gloo
+  all-reduce of 18 ``int64`` (``round``), and the call it guards: a 4 KiB ``gather`` on the Gloo
   group beside the communicator (``gloo-gather``).
 - A 4 KiB all-reduce: ``comm.all_reduce`` (``comm``), the group's own ``allreduce`` as torch
   calls it (``pg``: the adapter's part is ``pg - comm``), ``dist.all_reduce`` (``dist``: torch's
@@ -36,7 +36,8 @@ _ROWS: dict[str, float] = {}
 def _ways() -> dict:
     import torch.distributed as dist
 
-    from fastcomm.comm.c10d.agree import _disagreement, _row
+    from fastcomm.comm.c10d.agree import FINGERPRINT, gloo_call
+    from fastcomm.comm.calls import encode, first_difference
 
     if "c10d_overhead" not in STATE:
         import fastcomm  # noqa: F401 - registers the backend
@@ -55,13 +56,13 @@ def _ways() -> dict:
     gather = (outputs, [t], gather_opts)
     reduce_opts = dist.AllreduceOptions()
     reduce_opts.asyncOp = False
-    small = torch.zeros(14, dtype=torch.int64)
+    small = torch.zeros(FINGERPRINT, dtype=torch.int64)
 
     def agree_gather():
-        mine = torch.tensor(_row("gather", size, gather), dtype=torch.int64)
+        mine = torch.tensor(encode(gloo_call("gather", size, gather)), dtype=torch.int64)
         rows = mine.new_empty((size, mine.numel()))
         comm.all_gather(rows, mine)
-        assert _disagreement(rows.tolist()) is None
+        assert first_difference(rows.tolist()) is None
 
     return {
         "agree": lambda: group._agree("gather", "gather", gather),

@@ -7,9 +7,9 @@ also names the elements this rank sends to and expects from each rank. Backends 
 a fixed-width ``int64`` row (:func:`encode`, :func:`decode`: ``HEAD`` fields, then ``sent`` and
 ``expected`` per rank); where a compiled core or a kernel compares fixed words it is packed
 into shm's two descriptor words (:func:`shm_words`) or ipc's one (:func:`ipc_word`). Each
-backend keeps only how its rows travel; :func:`describe` words a call and
-:func:`first_difference` / :func:`mismatch_message` word a disagreement, the same way on every
-backend.
+backend keeps only how its rows travel; :func:`tensor_call` and :func:`v_call` build a call,
+:func:`describe` words it and :func:`first_difference` (rows) / :func:`calls_difference` (calls)
+and :func:`mismatch_message` word a disagreement, the same way on every backend.
 
 Codes (ops, dtypes, reduce ops) count from 1, 0 meaning none: the shm compiled core and the
 shm fast paths write descriptor words with them, so tables only ever grow at the end.
@@ -25,9 +25,10 @@ import torch
 from .types import EXTRA_DTYPES, SUPPORTED_DTYPES, BitwiseOp, ReduceOp
 
 __all__ = [
-    "Call", "DTYPE_CODES", "HEAD", "OP_CODES", "PREMUL_CODE", "REDUCE_CODES", "REDUCE_OP_CODES",
-    "decode", "describe", "encode", "first_difference", "from_ipc_word", "from_shm_words",
-    "ipc_word", "mismatch_message", "shm_word_a", "shm_word_b", "shm_words",
+    "Call", "DTYPES", "DTYPE_CODES", "HEAD", "OPS", "OP_CODES", "PREMUL_CODE", "REDUCE_CODES",
+    "REDUCE_OP_CODES", "calls_difference", "decode", "describe", "encode", "first_difference",
+    "from_ipc_word", "from_shm_words", "ipc_word", "mismatch_message", "reduce_name",
+    "shm_word_a", "shm_word_b", "shm_words", "tensor_call", "v_call",
 ]
 
 #: every op a row may name; shm's eight first (the compiled core's codes), then ipc's bucket
@@ -127,30 +128,57 @@ def describe(call: Call) -> str:
     return f"{call.op}({', '.join(what)})"
 
 
-def first_difference(rows: Sequence[Sequence[int]],
-                     ranks: Sequence[int] | None = None) -> str | None:
-    """The first way the ranks' rows (:func:`encode`) disagree, in words, or ``None``: the
-    same text on every rank that holds the same rows.
+def reduce_name(op: object) -> str | None:
+    """The name a :class:`Call` holds for a reduce op: a ``ReduceOp``'s or ``BitwiseOp``'s value,
+    ``"premul_sum"`` for a ``PremulSum``, ``None`` for ``None``."""
+    if op is None:
+        return None
+    value = getattr(op, "value", None)
+    return value if isinstance(value, str) else "premul_sum"
+
+
+def tensor_call(op: str, tensor: torch.Tensor | None = None, reduce_op: object = None,
+                root: int = -1) -> Call:
+    """The call of ``op`` on ``tensor``, the one whose element count the ranks share (the input
+    of ``all_gather`` and ``all_to_all``, the output of ``reduce_scatter``; ``None``: a call
+    without tensors). ``reduce_op``: a ``ReduceOp``, ``BitwiseOp``, ``PremulSum`` or ``None``."""
+    if tensor is None:
+        return Call(op, reduce_op=reduce_name(reduce_op), root=root)
+    return Call(op, tensor.dtype, tensor.numel(), reduce_name(reduce_op), root)
+
+
+def v_call(op: str, root: int, outputs: Sequence[torch.Tensor],
+           inputs: Sequence[torch.Tensor]) -> Call:
+    """The call of a v-call (``fastcomm.comm.vcoll``): ``inputs[r]`` to rank ``r``,
+    ``outputs[q]`` from rank ``q``, in ``inputs[0]``'s dtype; ``root`` -1 where none."""
+    return Call(op, inputs[0].dtype, root=root, sent=tuple(t.numel() for t in inputs),
+                expected=tuple(t.numel() for t in outputs))
+
+
+def _head(call: Call) -> tuple:
+    return (call.op, call.dtype, call.numel, call.reduce_op, call.root, call.two_step,
+            call.layout)
+
+
+def calls_difference(calls: Sequence[Call], ranks: Sequence[int] | None = None) -> str | None:
+    """The first way the ranks' calls disagree, in words, or ``None``: the same text on every
+    rank that holds the same calls.
 
     Args:
-        rows: one row per rank; where each holds ``sent``/``expected`` lists of ``len(rows)``
+        calls: one per rank; where each holds ``sent``/``expected`` lists of ``len(calls)``
             entries, rank ``q``'s ``sent[r]`` must be rank ``r``'s ``expected[q]`` too.
-        ranks: the rank of each row (default: its index).
+        ranks: the rank of each call (default: its index).
     """
-    ranks = range(len(rows)) if ranks is None else ranks
-    first = rows[0]
-    for rank, row in zip(ranks, rows, strict=True):
-        if list(row[:HEAD]) != list(first[:HEAD]):
-            return (f"rank {ranks[0]} called {describe(decode(first))} but rank {rank} called "
-                    f"{describe(decode(row))}")
-    size = len(rows)
-    if any(len(row) < HEAD + 2 * size for row in rows):
-        for rank, row in zip(ranks, rows, strict=True):
-            if list(row) != list(first):
-                return (f"rank {ranks[0]} called {describe(decode(first))} but rank {rank} "
-                        f"called {describe(decode(row))}")
+    ranks = range(len(calls)) if ranks is None else ranks
+    first = calls[0]
+    size = len(calls)
+    flows = all(len(c.sent) == size and len(c.expected) == size for c in calls)
+    for rank, call in zip(ranks, calls, strict=True):
+        if _head(call) != _head(first) or (not flows and call != first):
+            return (f"rank {ranks[0]} called {describe(first)} but rank {rank} called "
+                    f"{describe(call)}")
+    if not flows:
         return None
-    calls = [decode(row[:HEAD + 2 * size]) for row in rows]
     for q, mine in enumerate(calls):
         for r in range(size):
             sent, expected = mine.sent[r], calls[r].expected[q]
@@ -159,6 +187,15 @@ def first_difference(rows: Sequence[Sequence[int]],
                         f"expects {expected} from it (rank {ranks[q]}: {describe(mine)}; "
                         f"rank {ranks[r]}: {describe(calls[r])})")
     return None
+
+
+def first_difference(rows: Sequence[Sequence[int]],
+                     ranks: Sequence[int] | None = None) -> str | None:
+    """:func:`calls_difference` of the ranks' rows (:func:`encode`; a row may hold more after
+    its two lists of ``len(rows)`` entries, or no lists at all)."""
+    cut = HEAD + 2 * len(rows)
+    return calls_difference([decode(row[:cut] if len(row) >= cut else row) for row in rows],
+                            ranks)
 
 
 def mismatch_message(rank: int, op: str, problem: str) -> str:

@@ -16,17 +16,17 @@ other backend:
 host (``AVG`` sums and the leader divides once, so integers truncate as elsewhere).
 ``broadcast`` = in the source's host to its leader, across leaders, then in every other host.
 
-Agreement: every collective first compares its call (op, dtype, element count, reduce op,
-src/root: :func:`_descriptor`) across all ranks in three steps of one size whatever the call
-(the host's rows gathered over shm; each host's verdict, with room for 4 KiB of data, gathered
-across leaders over Gloo; the table broadcast in the host), so ranks that disagree all raise
-``FastcommError`` naming both calls before any caller's tensor changes, and the communicator
-stays usable. Without it a mismatch between hosts hung a leader in Gloo (or aborted the
-process) and a disagreeing ``reduce`` root went unnoticed. An ``all_reduce`` (or ``reduce``)
-of at most 4 KiB rides in that exchange: the host's sum (into a copy on the leader) travels with
-the verdict, the leaders fold the hosts' sums in host order (two hosts: the bits Gloo's
-all-reduce gives) and the result comes back with the table, so a small call still crosses the
-hosts once. The exchange is a full barrier, so ``barrier`` is the exchange alone. Every
+Agreement: every collective first compares its call (a :class:`~.calls.Call`: op, dtype, element
+count, reduce op, src/root, as its ``int64`` row) across all ranks in three steps of one size
+whatever the call (the host's rows gathered over shm; each host's verdict, with room for 4 KiB
+of data, gathered across leaders over Gloo; the table broadcast in the host), so ranks that
+disagree all raise ``FastcommError`` naming both calls before any caller's tensor changes, and
+the communicator stays usable. Without it a mismatch between hosts hung a leader in Gloo (or
+aborted the process) and a disagreeing ``reduce`` root went unnoticed. An ``all_reduce`` (or
+``reduce``) of at most 4 KiB rides in that exchange: the host's sum (into a copy on the leader)
+travels with the verdict, the leaders fold the hosts' sums in host order (two hosts: the bits
+Gloo's all-reduce gives) and the result comes back with the table, so a small call still crosses
+the hosts once. The exchange is a full barrier, so ``barrier`` is the exchange alone. Every
 collective runs in issue order on the communicator's executor (as ``shm``'s do), the ``flat``
 ones too (their agreement uses the host and leader parts).
 """
@@ -38,70 +38,28 @@ from datetime import timedelta
 import torch
 
 from .base import Communicator
+from .calls import HEAD, Call, encode, first_difference, mismatch_message, tensor_call
 from .errors import FastcommError
 from .reduction import reduce_into
 from .store import Store
 from .topology import HostLayout
-from .types import SUPPORTED_DTYPES, Capabilities, ReduceOp, divide_
+from .types import Capabilities, ReduceOp, divide_
 from .work import Task
 
 __all__ = ["HierCommunicator"]
 
-_OPS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all",
-        "barrier")
-_OP_CODES = {name: i for i, name in enumerate(_OPS)}
-_DTYPE_CODES = {dtype: i for i, dtype in enumerate(SUPPORTED_DTYPES)}
-_REDUCE_OPS = list(ReduceOp)
-_REDUCE_CODES = {op._name_: i for i, op in enumerate(_REDUCE_OPS)}
-# a descriptor row: the caller's rank, then the call (op, dtype, elements, reduce op, src/root;
-# -1 where a field does not apply)
-_WIDTH = 6
+# a rank's row in the agreement: its rank, then its call (calls.encode: no per-rank lists)
+_WIDTH = 1 + HEAD
 _PAIR_BYTES = 2 * _WIDTH * 8  # a host's verdict in the leaders' exchange: two rows
 # the largest all-reduce whose hosts' sums ride in the agreement's exchange across leaders (a
 # Gloo gather of this much costs about what the Gloo all-reduce of it does)
 _RIDE_BYTES = 4096
 
 
-def _descriptor(
-    op: str,
-    tensor: torch.Tensor | None = None,
-    reduce_op: ReduceOp | None = None,
-    root: int = -1,
-) -> tuple[int, ...]:
-    """A call's fields for the agreement (``tensor``: the one whose count the ranks share: the
-    input of ``all_gather`` and ``all_to_all``, the output of ``reduce_scatter``)."""
-    return (
-        _OP_CODES[op],
-        -1 if tensor is None else _DTYPE_CODES[tensor.dtype],
-        -1 if tensor is None else tensor.numel(),
-        -1 if reduce_op is None else _REDUCE_CODES[reduce_op._name_],
-        root,
-    )
-
-
 def _mismatch(table: torch.Tensor) -> str | None:
     """The first two calls that differ in the leaders' table (bytes of rows), in words."""
     rows = table.view(torch.int64).view(-1, _WIDTH).tolist()
-    first = rows[0]
-    for row in rows:
-        if row[1:] != first[1:]:
-            return f"rank {first[0]} called {_describe(first)} but rank {row[0]} called " \
-                f"{_describe(row)}"
-    return None
-
-
-def _describe(row: list[int]) -> str:
-    """A descriptor row in words, as shm words its own: ``all_reduce(float32, 10 elements, op
-    sum)``, ``broadcast(int8, 3 elements, src 1)``."""
-    op, dtype, numel, reduce_op, root = row[1:]
-    what = []
-    if dtype >= 0:
-        what += [str(SUPPORTED_DTYPES[dtype]).removeprefix("torch."), f"{numel} elements"]
-    if reduce_op >= 0:
-        what.append(f"op {_REDUCE_OPS[reduce_op].name.lower()}")
-    if root >= 0:
-        what.append(f"{'src' if _OPS[op] == 'broadcast' else 'root'} {root}")
-    return f"{_OPS[op]}({', '.join(what)})"
+    return first_difference([row[1:] for row in rows], [row[0] for row in rows])
 
 
 class HierCommunicator(Communicator):
@@ -159,8 +117,8 @@ class HierCommunicator(Communicator):
         return torch.device("cpu")
 
     # ------------------------------------------------------------------ agreement
-    def _agree(self, call: tuple[int, ...], ride: tuple | None = None) -> bool:
-        """Compares ``call`` (:func:`_descriptor`) across every rank; raises on every rank
+    def _agree(self, call: Call, ride: tuple | None = None) -> bool:
+        """Compares ``call`` across every rank; raises on every rank
         alike, naming both calls, where any two differ.
 
         Three steps, each of one size on every rank whatever the collective (so they never
@@ -183,13 +141,14 @@ class HierCommunicator(Communicator):
             FastcommError: the ranks' calls differ (or a step failed: timeout, peer gone).
         """
         intra = self.intra
+        row = [self.rank, *encode(call)]
         if intra is not None:
-            mine = torch.tensor((self.rank, *call), dtype=torch.int64)
+            mine = torch.tensor(row, dtype=torch.int64)
             rows = mine.new_empty((intra.size, _WIDTH))
             intra.all_gather(rows, mine)
             host_rows = rows.tolist()
         else:
-            host_rows = [[self.rank, *call]]
+            host_rows = [row]
         first = host_rows[0]
         other = next((r for r in host_rows if r[1:] != first[1:]), first)
         # the same on every rank of this host: they all hold the same rows
@@ -225,15 +184,12 @@ class HierCommunicator(Communicator):
             intra.broadcast(out, 0)
         problem = _mismatch(out[:head])
         if problem is not None:
-            raise FastcommError(
-                f"rank {self.rank}: collective mismatch: {problem}; every rank must issue the "
-                "same collectives in the same order with the same sizes, dtypes, ops and roots"
-            )
+            raise FastcommError(mismatch_message(self.rank, call.op, problem))
         if riding:
             flat.copy_(out[head:head + nbytes].view(flat.dtype))
         return riding
 
-    def _agreed(self, op: str, output: torch.Tensor | None, call: tuple[int, ...], run) -> Task:
+    def _agreed(self, op: str, output: torch.Tensor | None, call: Call, run) -> Task:
         """A task for the executor: the agreement on ``call``, then ``run()``."""
 
         def agree_then_run():
@@ -243,7 +199,7 @@ class HierCommunicator(Communicator):
         return Task(op, output, agree_then_run, self._executor)
 
     # ------------------------------------------------------------------ hierarchical ops
-    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, call: tuple[int, ...]) -> None:
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, call: Call) -> None:
         if tensor.numel() * tensor.element_size() <= _RIDE_BYTES:
             # the leader's host sum goes into a copy: a call that fails leaves its tensor be
             flat = tensor.view(-1)
@@ -280,37 +236,37 @@ class HierCommunicator(Communicator):
         self._all_reduce(tensor if self.rank == root else tensor.clone(), op, call)
 
     def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Task:
-        call = _descriptor("all_reduce", tensor, op)
+        call = tensor_call("all_reduce", tensor, op)
         return self._task("all_reduce", tensor, lambda: self._all_reduce(tensor, op, call))
 
     def _impl_reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp) -> Task:
-        call = _descriptor("reduce", tensor, op, root)
+        call = tensor_call("reduce", tensor, op, root)
         return self._task("reduce", tensor, lambda: self._reduce(tensor, root, op, call))
 
     def _impl_broadcast(self, tensor: torch.Tensor, src: int) -> Task:
-        call = _descriptor("broadcast", tensor, root=src)
+        call = tensor_call("broadcast", tensor, root=src)
         return self._agreed("broadcast", tensor, call, lambda: self._broadcast(tensor, src))
 
     def _impl_barrier(self) -> Task:
         # the agreement waits for every rank: it is the barrier
-        return self._agreed("barrier", None, _descriptor("barrier"), lambda: None)
+        return self._agreed("barrier", None, tensor_call("barrier"), lambda: None)
 
     # ------------------------------------------------------------------ flat ops (Gloo)
     # agreed first: Gloo given calls that differ hangs, aborts the process or returns garbage
     def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Task:
         task = self.flat._impl_all_gather(output, input)
-        return self._agreed("all_gather", output, _descriptor("all_gather", input), task.run)
+        return self._agreed("all_gather", output, tensor_call("all_gather", input), task.run)
 
     def _impl_reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp
     ) -> Task:
         task = self.flat._impl_reduce_scatter(output, input, op)
-        call = _descriptor("reduce_scatter", output, op)
+        call = tensor_call("reduce_scatter", output, op)
         return self._agreed("reduce_scatter", output, call, task.run)
 
     def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Task:
         task = self.flat._impl_all_to_all(output, input)
-        return self._agreed("all_to_all", output, _descriptor("all_to_all", input), task.run)
+        return self._agreed("all_to_all", output, tensor_call("all_to_all", input), task.run)
 
     def _impl_send(self, tensor: torch.Tensor, dst: int) -> Task:
         return self.flat._impl_send(tensor, dst)

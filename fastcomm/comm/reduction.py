@@ -17,9 +17,9 @@ import torch
 
 from .types import BitwiseOp, ReduceOp, divide_
 
-__all__ = ["Reduction", "reduce_gathered", "reduce_into", "torch_reduce"]
+__all__ = ["BINARY_OPS", "Reduction", "reduce_gathered", "reduce_into", "torch_reduce"]
 
-_BINARY = {
+BINARY_OPS = {
     ReduceOp.SUM: torch.add,
     ReduceOp.AVG: torch.add,
     ReduceOp.PRODUCT: torch.mul,
@@ -45,7 +45,7 @@ def reduce_into(out: torch.Tensor, terms: list[torch.Tensor], op: ReduceOp) -> N
         if out.data_ptr() != terms[0].data_ptr():
             out.copy_(terms[0])
         return
-    fn = _BINARY[op]
+    fn = BINARY_OPS[op]
     fn(terms[0], terms[1], out=out)
     for term in terms[2:]:
         fn(out, term, out=out)

@@ -7,14 +7,14 @@ receives ``outputs[q]`` from every rank ``q``, each piece of any size (empty inc
 whose ranks send the same tensor to everyone. Pieces move as bytes, so any dtype moves; the
 ranks must agree on the dtype all the same.
 
-Agreement: each rank describes its call in one row (the op, the root, the dtype, the bytes it
-sends to each rank and the bytes it expects from each; :func:`describe_row`), the rows are
-compared on every rank (:func:`disagreement`) and any difference raises
+Agreement: each rank describes its call as a :class:`~.calls.Call` (:func:`~.calls.v_call`:
+the op, the root, the dtype, the elements it sends to each rank and expects from each), the
+calls are compared on every rank (:func:`~.calls.calls_difference`) and any difference raises
 :class:`SizesDisagreement` -- a ``ValueError`` -- on every rank with the same message, before
 any output changes; the communicator stays usable (every rank took part in the exchange).
 ``shm`` folds the rows into the call's first round (``shm/vschedules.py``); every other
 backend uses :func:`default_task`: the rows gathered with its own ``all_gather``, then one
-``all_to_all`` of the pieces padded to the largest.
+``all_to_all`` of the pieces padded to the largest (bytes).
 """
 
 from __future__ import annotations
@@ -23,19 +23,16 @@ from collections.abc import Sequence
 
 import torch
 
+from .calls import HEAD, encode, first_difference, mismatch_message, v_call
 from .errors import FastcommError
 from .work import Task
 
-__all__ = ["KINDS", "SizesDisagreement", "check_v", "default_task", "disagreement", "overlaps"]
+__all__ = ["KINDS", "SizesDisagreement", "check_v", "default_task", "overlaps",
+           "raise_disagreement"]
 
-#: the v-calls, by the code their rows carry
+#: the v-calls (names of ``calls.OPS``)
 KINDS = ("gather", "scatter", "all_to_all", "all_gather", "reduce_scatter", "all_gather_coalesced")
-KIND_CODES = {name: code for code, name in enumerate(KINDS)}
-_DTYPE_LIST = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)},
-                           key=str))
-DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPE_LIST)}
 _STRIDED = torch.strided
-HEAD = 4  # kind, root (-1: none), dtype, element size; then bytes sent to / expected from each
 
 
 class SizesDisagreement(FastcommError, ValueError):
@@ -43,51 +40,9 @@ class SizesDisagreement(FastcommError, ValueError):
     the communicator still usable)."""
 
 
-def row_of(kind: str, root: int, dtype: torch.dtype, esize: int, outputs, inputs) -> list[int]:
-    """This rank's description of a v-call (module docstring)."""
-    return ([KIND_CODES[kind], root, DTYPE_CODES[dtype], esize]
-            + [t.numel() * esize for t in inputs] + [t.numel() * esize for t in outputs])
-
-
-def describe_row(row: Sequence[int], size: int | None = None) -> str:
-    """One rank's row in words: ``gather(float32, root 0, sending [0, 4], expecting [0, 0])``
-    (elements); ``size``: the world (default: the row holds nothing after the two lists)."""
-    kind, root, dtype, esize = row[:HEAD]
-    if size is None:
-        size = (len(row) - HEAD) // 2
-    esize = max(esize, 1)
-    name = str(_DTYPE_LIST[dtype]).removeprefix("torch.")
-    extra = f", root {root}" if root >= 0 else ""
-    sent = [b // esize for b in row[HEAD:HEAD + size]]
-    expected = [b // esize for b in row[HEAD + size:HEAD + 2 * size]]
-    return f"{KINDS[kind]}({name}{extra}, sending {sent}, expecting {expected})"
-
-
-def disagreement(rows: Sequence[Sequence[int]]) -> str | None:
-    """The first way the ranks' rows disagree, in words, or ``None``: the same text on every
-    rank (every rank holds every row). A row may hold more after its two lists (shm's)."""
-    size = len(rows)
-    first = rows[0]
-    for r, row in enumerate(rows):
-        if row[:HEAD] != first[:HEAD]:
-            return (f"rank 0 called {describe_row(first, size)} but rank {r} called "
-                    f"{describe_row(row, size)}")
-    esize = max(first[3], 1)
-    for q, row in enumerate(rows):
-        for r in range(size):
-            sent, expected = row[HEAD + r], rows[r][HEAD + size + q]
-            if sent != expected:
-                return (f"rank {q} sends {sent // esize} elements to rank {r}, which expects "
-                        f"{expected // esize} from it (rank {q}: {describe_row(row, size)}; "
-                        f"rank {r}: {describe_row(rows[r], size)})")
-    return None
-
-
 def raise_disagreement(rank: int, kind: str, problem: str) -> None:
-    raise SizesDisagreement(
-        f"rank {rank}: {kind}: the ranks' calls disagree: {problem}; every rank must issue the "
-        "same collectives with sizes, dtypes and roots that match"
-    )
+    """Raises :class:`SizesDisagreement` with the one mismatch text (:mod:`~.calls`)."""
+    raise SizesDisagreement(mismatch_message(rank, kind, problem))
 
 
 def check_v(comm, op: str, outputs: Sequence, inputs: Sequence) -> tuple[list, list]:
@@ -157,9 +112,8 @@ def default_task(comm, kind: str, root: int, outputs: list, inputs: list) -> Tas
     ``all_gather`` and compared, then one ``all_to_all`` of the pieces padded to the largest
     (bytes). Ordered as the backend orders its own calls (the executor of its tasks)."""
     size, rank = comm.size, comm.rank
-    dtype = inputs[0].dtype
     esize = inputs[0].element_size()
-    mine = torch.tensor(row_of(kind, root, dtype, esize, outputs, inputs), dtype=torch.int64)
+    mine = torch.tensor(encode(v_call(kind, root, outputs, inputs)), dtype=torch.int64)
     device = inputs[0].device
     mine = mine.to(device)
     rows = mine.new_empty((size, mine.numel()))
@@ -168,10 +122,10 @@ def default_task(comm, kind: str, root: int, outputs: list, inputs: list) -> Tas
     def run() -> None:
         _wait(gather)
         table = rows.tolist()
-        problem = disagreement(table)
+        problem = first_difference(table)
         if problem is not None:
             raise_disagreement(rank, kind, problem)
-        widest = max(max(row[HEAD:]) for row in table)
+        widest = max(max(row[HEAD:]) for row in table) * esize  # the dtypes agree
         if widest == 0:
             return
         sent = torch.zeros((size, widest), dtype=torch.uint8, device=device)

@@ -578,7 +578,7 @@ DISAGREEMENTS = {
     "v_gather_size": (
         lambda r, g: dist.gather(_sized(r), [torch.empty(4)] * 2 if r == 0 else None, 0,
                                  group=g),
-        ["gather: the ranks' calls disagree",
+        ["gather: collective mismatch",
          "rank 1 sends 5 elements to rank 0, which expects 4"]),
     "v_gather_root": (
         lambda r, g: dist.gather(torch.ones(2), [torch.empty(2)] * 2, r, group=g),
@@ -586,17 +586,17 @@ DISAGREEMENTS = {
     "v_scatter_size": (
         lambda r, g: dist.scatter(_sized(r), [torch.ones(4)] * 2 if r == 0 else None, 0,
                                   group=g),
-        ["scatter: the ranks' calls disagree",
+        ["scatter: collective mismatch",
          "rank 0 sends 4 elements to rank 1, which expects 5"]),
     "v_all_to_all_single_splits": (
         lambda r, g: dist.all_to_all_single(torch.empty(3), torch.ones(3), [1, 2],
                                             [1, 2] if r == 0 else [2, 1], group=g),
-        ["all_to_all: the ranks' calls disagree",
+        ["all_to_all: collective mismatch",
          "rank 0 sends 2 elements to rank 1, which expects 1"]),
     "v_all_to_all_list": (
         lambda r, g: dist.all_to_all([torch.empty(2)] * 2, [torch.ones(2), torch.ones(2 + r)],
                                      group=g),
-        ["all_to_all: the ranks' calls disagree",
+        ["all_to_all: collective mismatch",
          "rank 1 sends 3 elements to rank 1, which expects 2"]),
 }
 

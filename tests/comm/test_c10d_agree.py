@@ -9,12 +9,13 @@ import random
 
 import pytest
 
-from fastcomm.comm.c10d.agree import _HEAD, _agrees, _fingerprint, _weights
+from fastcomm.comm.c10d.agree import _weights, agrees, fingerprint
+from fastcomm.comm.calls import HEAD
 
 
 def _summed(rows: list[list[int]]) -> list[int]:
     size = len(rows)
-    terms = [_fingerprint(r, size, row) for r, row in enumerate(rows)]
+    terms = [fingerprint(r, size, row) for r, row in enumerate(rows)]
     return [sum(column) for column in zip(*terms, strict=True)]
 
 
@@ -22,8 +23,9 @@ def _consistent(size: int, seed: int) -> list[list[int]]:
     """Rows of ranks that agree: one head, and a flow matrix read by rows (sent) and by
     columns (expected)."""
     rng = random.Random(seed)
-    head = [rng.randrange(15), rng.randrange(-1, size), rng.randrange(-1, 10),
-            rng.randrange(-1, 40), rng.randrange(1 << 20)]
+    # calls.encode's head: op, dtype, numel, reduce op, root, two-step, layout
+    head = [rng.randrange(1, 23), rng.randrange(40), -1, rng.randrange(10),
+            rng.randrange(-1, size), 0, rng.randrange(1 << 20)]
     flows = [[rng.choice([-1, 0, 1, 7, 1 << 40]) for _ in range(size)] for _ in range(size)]
     return [head + flows[r] + [flows[i][r] for i in range(size)] for r in range(size)]
 
@@ -31,7 +33,7 @@ def _consistent(size: int, seed: int) -> list[list[int]]:
 @pytest.mark.parametrize("size", [1, 2, 3, 8, 33])
 def test_agreeing_calls_agree(size):
     for seed in range(20):
-        assert _agrees(_summed(_consistent(size, seed)), size)
+        assert agrees(_summed(_consistent(size, seed)), size)
 
 
 @pytest.mark.parametrize("size", [2, 3, 8])
@@ -43,10 +45,10 @@ def test_every_single_difference_is_caught(size):
                 for delta in (1, -2, 1 << 31, (1 << 31) - 1, 1 << 50):
                     changed = [list(row) for row in rows]
                     changed[r][field] += delta
-                    head = field < _HEAD
+                    head = field < HEAD
                     if not head and size == 1:
                         continue
-                    assert not _agrees(_summed(changed), size), (seed, r, field, delta)
+                    assert not agrees(_summed(changed), size), (seed, r, field, delta)
 
 
 def test_weights_are_fixed_and_in_range():

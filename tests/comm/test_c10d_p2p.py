@@ -54,7 +54,9 @@ def _counting(group):
     cls = type(group)
     names = ("send", "recv", "recv_anysource", "_forward", "_start_coalescing",
              "_end_coalescing")
-    saved = {name: cls.__dict__[name] for name in names}
+    # each method patched on the class that defines it (the group's own or a base's)
+    owners = {name: next(k for k in cls.__mro__ if name in k.__dict__) for name in names}
+    saved = {name: owners[name].__dict__[name] for name in names}
     calls = Counter()
 
     def counted(name, fn):
@@ -64,12 +66,12 @@ def _counting(group):
         return wrapper
 
     for name, fn in saved.items():
-        setattr(cls, name, counted(name, fn))
+        setattr(owners[name], name, counted(name, fn))
     try:
         yield calls
     finally:
         for name, fn in saved.items():
-            setattr(cls, name, fn)
+            setattr(owners[name], name, fn)
 
 
 def _value(rank: int, numel: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:

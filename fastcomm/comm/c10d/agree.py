@@ -1,19 +1,18 @@
-"""Agreement of a collective handed to Gloo: every rank describes its call, the
-descriptions are compared through the communicator, and a disagreement is a ``ValueError`` on
-every rank (Gloo itself would abort the process).
+"""Agreement of a collective handed to Gloo: every rank describes its call as a
+:class:`~..calls.Call` (:func:`gloo_call`), the descriptions are compared through the
+communicator, and a disagreement is a ``ValueError`` on every rank (Gloo would abort the process).
 
-The comparison is one ``all_reduce`` (``SUM``) of 14 ``int64`` values whatever the group's
-size (:func:`_fingerprint`): the call's head fields (op, root, reduce op, dtype, layout) and
-their squares -- every rank's field is the same exactly when ``(sum x)^2 == size * sum x^2`` --
-and two checksums of what the ranks send to and expect from each other, ``sum over (r, j) of
-w(r, j) * (sent_r[j] - expected_j[r])`` modulo the prime ``2^61 - 1`` for two fixed pseudo-random
-weight tables ``w`` (each rank's term sent as two halves, so the sum over any number of ranks
-is exact in ``int64``): zero when every rank ``j`` expects what rank ``r`` sends it; where one
-count differs (by less than ``2^61``), never zero; where several do, zero for both tables with
-probability about ``2^-122``. On the shared-memory
-communicator that is one small-message round in its compiled core; on ``hier`` it rides in the
-agreement exchange its own collectives make anyway. Only where the ranks disagree are the full
-descriptions gathered (:func:`_disagreement`), for a message naming both calls."""
+The comparison is one ``all_reduce`` (``SUM``) of 18 ``int64`` values whatever the group's size
+(:func:`fingerprint`): the call's ``HEAD`` fields (``calls.encode``) and their squares -- every
+rank's field is the same exactly when ``(sum x)^2 == size * sum x^2`` -- and two checksums of
+what the ranks send to and expect from each other, ``sum over (r, j) of w(r, j) * (sent_r[j] -
+expected_j[r])`` modulo the prime ``2^61 - 1`` for two fixed pseudo-random weight tables ``w``
+(each rank's term sent as two halves, so the sum is exact in ``int64``): zero when every rank
+``j`` expects what rank ``r`` sends it; where one count differs, never zero; where several do,
+zero for both tables with probability about ``2^-122``. On ``shm`` that is one small-message
+round in its compiled core; on ``hier`` it rides in the agreement its own collectives make.
+Only where the ranks disagree are the rows gathered and compared
+(:func:`~..calls.first_difference`), for a message naming both calls."""
 
 from __future__ import annotations
 
@@ -24,14 +23,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-_RED = dist.ReduceOp.RedOpType
+from ..calls import HEAD, Call
 
-def _kind_of(reduce_op: Any) -> int:
+__all__ = ["CHECKED_OPS", "FINGERPRINT", "RED", "agrees", "as_list", "fingerprint",
+           "gloo_call", "kind_of"]
+
+RED = dist.ReduceOp.RedOpType
+
+
+def kind_of(reduce_op: Any) -> int:
     """The value of a ``dist.ReduceOp``'s kind (``RedOpType``)."""
     return getattr(reduce_op, "op", reduce_op).value
 
 
-def _as_list(tensors: Any) -> list:
+def as_list(tensors: Any) -> list:
+    """``[tensors]`` for one tensor, else ``tensors`` (torch passes either)."""
     return [tensors] if isinstance(tensors, torch.Tensor) else tensors
 
 
@@ -40,18 +46,14 @@ def _as_list(tensors: Any) -> list:
 # disagree on sizes, so a collective handed to it is first described on every rank and the
 # descriptions are compared through the communicator: a disagreement is a ValueError on every
 # rank, as on the fast path. Point-to-point calls involve two ranks only and are not checked.
-_DTYPE_LIST = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)},
-                           key=str))
-_DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPE_LIST)}
-_CHECKED_OPS = (
+#: the group methods whose calls are compared before Gloo runs them (names of ``calls.OPS``)
+CHECKED_OPS = frozenset((
     "allreduce", "allreduce_coalesced", "reduce", "broadcast", "allgather",
     "all_gather_single", "all_gather_single_coalesced", "allgather_coalesced",
     "reduce_scatter", "reduce_scatter_single", "reduce_scatter_single_coalesced",
     "all_to_all_single", "alltoall", "gather", "scatter",
-)
-_OP_CODES = {op: code for code, op in enumerate(_CHECKED_OPS)}
+))
 _SYMMETRIC = frozenset(("allreduce", "allreduce_coalesced", "reduce", "broadcast"))
-_HEAD = 5  # op, root, reduce op, dtype, layout; then elements sent to / expected from each rank
 _LAYOUT_MASK = (1 << 20) - 1  # a layout hash small enough that its square sums exactly in int64
 _PRIME = (1 << 61) - 1  # the checksums' modulus
 _HALF = 31  # a checksum term goes as (term >> 31, term & (2^31 - 1)): each sums exactly in int64
@@ -59,7 +61,7 @@ _LOW = (1 << _HALF) - 1
 _WEIGHTS: dict[int, tuple[list[list[int]], list[list[int]]]] = {}  # by group size
 _RANK_WEIGHTS: dict[tuple[int, int], list] = {}  # by (rank, size)
 #: the fingerprint's length: the head, its squares, two checksums of two halves each
-FINGERPRINT = 2 * _HEAD + 4
+FINGERPRINT = 2 * HEAD + 4
 
 
 def _numel(tensors: Sequence[torch.Tensor]) -> int:
@@ -82,7 +84,7 @@ def _flows(op: str, size: int, args: tuple) -> tuple[list, list[int], list[int]]
     ranks' calls agree when rank ``r``'s ``sent_to[j]`` is rank ``j``'s ``expected_from[r]``.
 
     Args:
-        op: the group method's name (one of ``_CHECKED_OPS``).
+        op: the group method's name (one of ``CHECKED_OPS``).
         size: the group's size.
         args: the arguments handed to Gloo, options last.
     """
@@ -128,25 +130,26 @@ def _flows(op: str, size: int, args: tuple) -> tuple[list, list[int], list[int]]
         output, input, out_splits, in_splits = tensors
         return [input], split(input, in_splits), split(output, out_splits)
     # all_gather_single / reduce_scatter_single and their coalesced forms: output(s), input(s)
-    outputs, inputs = (_as_list(t) for t in tensors)
+    outputs, inputs = (as_list(t) for t in tensors)
     if "gather" in op:
         return inputs, [_numel(inputs)] * size, [_even(_numel(outputs), size)] * size
     return inputs, [_even(_numel(inputs), size)] * size, [_numel(outputs)] * size
 
 
-def _row(op: str, size: int, args: tuple) -> list[int]:
-    """This rank's description of a collective handed to Gloo: ``_HEAD`` fields, then the
-    elements it sends to each rank and expects from each."""
+def gloo_call(op: str, size: int, args: tuple) -> Call:
+    """This rank's call of a collective handed to Gloo: no shared element count, the elements
+    it sends to each rank and expects from each instead (the arguments handed to Gloo, options
+    last)."""
     tensors, sent, expected = _flows(op, size, args)
     opts = args[-1]
     reduce_op = getattr(opts, "reduceOp", None)
-    dtype = _DTYPE_CODES.get(tensors[0].dtype, -1) if tensors else -1
     # symmetric ops: every tensor's size agrees, not only the total (hash of ints: the same
     # in every process)
     layout = hash(tuple(t.numel() for t in tensors)) & _LAYOUT_MASK if op in _SYMMETRIC else 0
-    head = [_OP_CODES[op], getattr(opts, "rootRank", -1),
-            -1 if reduce_op is None else _kind_of(reduce_op), dtype, layout]
-    return head + sent + expected
+    return Call(op, tensors[0].dtype if tensors else None,
+                reduce_op=None if reduce_op is None else RED(kind_of(reduce_op)).name.lower(),
+                root=getattr(opts, "rootRank", -1), layout=layout, sent=tuple(sent),
+                expected=tuple(expected))
 
 
 def _weights(size: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -180,10 +183,11 @@ def _rank_weights(rank: int, size: int) -> list[tuple[list[int], list[int]]]:
     return found
 
 
-def _fingerprint(rank: int, size: int, row: list[int]) -> list[int]:
-    """This rank's 14 terms of the agreement's ``SUM`` (module docstring) for its ``row``."""
-    head = row[:_HEAD]
-    sent, expected = row[_HEAD:_HEAD + size], row[_HEAD + size:]
+def fingerprint(rank: int, size: int, row: list[int]) -> list[int]:
+    """This rank's 18 terms of the agreement's ``SUM`` (module docstring) for its ``row``
+    (:func:`~..calls.encode` of its :func:`gloo_call`)."""
+    head = row[:HEAD]
+    sent, expected = row[HEAD:HEAD + size], row[HEAD + size:]
     terms = head + [h * h for h in head]
     for out, back in _rank_weights(rank, size):
         term = (sum(map(mul, out, sent)) - sum(map(mul, back, expected))) % _PRIME
@@ -191,38 +195,10 @@ def _fingerprint(rank: int, size: int, row: list[int]) -> list[int]:
     return terms
 
 
-def _agrees(total: list[int], size: int) -> bool:
-    """Whether the ranks' summed fingerprints (:func:`_fingerprint`) say they agree."""
-    for f in range(_HEAD):
-        if total[f] * total[f] != size * total[_HEAD + f]:
+def agrees(total: list[int], size: int) -> bool:
+    """Whether the ranks' summed fingerprints (:func:`fingerprint`) say they agree."""
+    for f in range(HEAD):
+        if total[f] * total[f] != size * total[HEAD + f]:
             return False
-    hi0, lo0, hi1, lo1 = total[2 * _HEAD:]
+    hi0, lo0, hi1, lo1 = total[2 * HEAD:]
     return ((hi0 << _HALF) + lo0) % _PRIME == 0 and ((hi1 << _HALF) + lo1) % _PRIME == 0
-
-
-def _disagreement(rows: list[list[int]]) -> str | None:
-    """The first way the ranks' descriptors disagree, in words, or ``None``."""
-    size = len(rows)
-    for r, row in enumerate(rows):
-        if row[:_HEAD] != rows[0][:_HEAD]:
-            return f"rank 0 called {_describe(rows[0])} but rank {r} called {_describe(row)}"
-    for r, row in enumerate(rows):
-        for j in range(size):
-            if row[_HEAD + j] != rows[j][_HEAD + size + r]:
-                return (f"rank {r} sends {row[_HEAD + j]} elements to rank {j}, which expects "
-                        f"{rows[j][_HEAD + size + r]} from it (rank {r}: {_describe(row)}; "
-                        f"rank {j}: {_describe(rows[j])})")
-    return None
-
-
-def _describe(row: list[int]) -> str:
-    """One rank's descriptor, in words."""
-    op, root, reduce_kind, dtype, _ = row[:_HEAD]
-    kind = str(_DTYPE_LIST[dtype]).removeprefix("torch.") if 0 <= dtype < len(_DTYPE_LIST) \
-        else "no tensor"
-    size = (len(row) - _HEAD) // 2
-    extra = f", root {root}" if root >= 0 else ""
-    if reduce_kind >= 0:
-        extra += f", op {_RED(reduce_kind).name}"
-    return (f"{_CHECKED_OPS[op]}({kind}{extra}, sending {row[_HEAD:_HEAD + size]}, expecting "
-            f"{row[_HEAD + size:]})")

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import sys
 import threading
-import time
 from collections import Counter
 from datetime import timedelta
 from functools import partial
@@ -15,28 +13,17 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 from ..base import Communicator
-from ..errors import FastcommError
 from ..launch_env import LaunchEnv, LaunchEnvError, detect
 from ..store import Store, as_timedelta
 from ..types import SUPPORTED_DTYPES, BitwiseOp, PremulSum, ReduceOp
-from ..work import wrap_error
 from ..world import communicator_for
 from . import monitored
 from . import p2p as _p2p
-from .agree import (
-    _OP_CODES,
-    _RED,
-    FINGERPRINT,
-    _agrees,
-    _as_list,
-    _disagreement,
-    _fingerprint,
-    _kind_of,
-    _row,
-)
-from .multi import _combined, _copier, _copy_to_all, _same_tensors
+from .agree import RED, as_list, kind_of
+from .issue import IssueOps
+from .multi import combined, copier, copy_to_all, same_tensors
 from .vcoll import VCollOps
-from .works import FastcommWork, FinishedWork, _finished
+from .works import FastcommWork
 
 BACKEND_NAME = "fastcomm"
 
@@ -44,24 +31,20 @@ _DTYPES = frozenset(SUPPORTED_DTYPES)
 _STRIDED = torch.strided
 # keyed by the enum's value: hashing and comparing pybind11 enum members costs ~1 us a lookup
 _OPS = {
-    _RED.SUM.value: ReduceOp.SUM,
-    _RED.AVG.value: ReduceOp.AVG,
-    _RED.MAX.value: ReduceOp.MAX,
-    _RED.MIN.value: ReduceOp.MIN,
-    _RED.PRODUCT.value: ReduceOp.PRODUCT,
+    RED.SUM.value: ReduceOp.SUM,
+    RED.AVG.value: ReduceOp.AVG,
+    RED.MAX.value: ReduceOp.MAX,
+    RED.MIN.value: ReduceOp.MIN,
+    RED.PRODUCT.value: ReduceOp.PRODUCT,
 }
-_PREMUL = _RED.PREMUL_SUM.value
-_refcount = sys.getrefcount
-# _done's count of references is CPython's up to 3.13 (3.14 may skip counting borrowed
-# references): elsewhere every finished call gets a handle of its own
-_REUSE_DONE = sys.implementation.name == "cpython" and sys.version_info < (3, 14)
+_PREMUL = RED.PREMUL_SUM.value
 # allreduce and reduce also take the bitwise ops and the contract's extra dtypes (bool, int16,
 # unsigned); the other reductions (reduce-scatter) take _OPS on _DTYPES
 _ALL_OPS = {
     **_OPS,
-    _RED.BAND.value: BitwiseOp.BAND,
-    _RED.BOR.value: BitwiseOp.BOR,
-    _RED.BXOR.value: BitwiseOp.BXOR,
+    RED.BAND.value: BitwiseOp.BAND,
+    RED.BOR.value: BitwiseOp.BOR,
+    RED.BXOR.value: BitwiseOp.BXOR,
 }
 
 
@@ -69,28 +52,15 @@ _ALL_OPS = {
 # torch 2.13 hashes a ReduceOp to its kind's value, 5x cheaper than reading `.op.value`; used
 # only where this process confirms it for every kind
 _op_kind = (
-    hash if all(hash(dist.ReduceOp(kind)) == kind.value for kind in _RED.__members__.values()
-                if kind is not _RED.PREMUL_SUM)
-    else _kind_of
+    hash if all(hash(dist.ReduceOp(kind)) == kind.value for kind in RED.__members__.values()
+                if kind is not RED.PREMUL_SUM)
+    else kind_of
 )
-# c10d's ProcessGroup method -> the Backend method that implements it (forwarding to Gloo/NCCL)
-_BACKEND_NAMES = {
-    "all_gather_single": "_allgather_base",
-    "reduce_scatter_single": "_reduce_scatter_base",
-    "all_to_all_single": "alltoall_base",
-    "all_gather_single_coalesced": "allgather_into_tensor_coalesced",
-    "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
-}
-# a coalesced method a backend may lack -> the per-tensor method it is done with
-_PER_TENSOR = {
-    "allgather_into_tensor_coalesced": "_allgather_base",
-    "reduce_scatter_tensor_coalesced": "_reduce_scatter_base",
-}
 
 
 def _reduce_op(reduce_op: Any) -> ReduceOp | PremulSum | None:
     """The contract's op for torch's (``None``: the contract has none, e.g. ``BAND``)."""
-    kind = _kind_of(reduce_op)
+    kind = kind_of(reduce_op)
     found = _OPS.get(kind)
     if found is None and kind == _PREMUL:
         factor = reduce_op.factor
@@ -100,7 +70,7 @@ def _reduce_op(reduce_op: Any) -> ReduceOp | PremulSum | None:
 
 def _all_reduce_op(reduce_op: Any) -> ReduceOp | BitwiseOp | PremulSum | None:
     """:func:`_reduce_op` for ``allreduce``/``reduce``, which also take the bitwise ops."""
-    found = _ALL_OPS.get(_kind_of(reduce_op))
+    found = _ALL_OPS.get(kind_of(reduce_op))
     return found if found is not None else _reduce_op(reduce_op)
 
 
@@ -201,7 +171,7 @@ def _copy_rows(flat: torch.Tensor, outputs: list, dtype: torch.dtype) -> None:
         out.detach().copy_(row.view(dtype).view(out.shape))
 
 
-class FastcommProcessGroup(VCollOps, dist.ProcessGroup):
+class FastcommProcessGroup(VCollOps, IssueOps, dist.ProcessGroup):
     """A torch process group whose collectives run on fastcomm communicators.
 
     Built by :func:`create_process_group` (torch calls it for ``init_process_group``,
@@ -342,130 +312,11 @@ class FastcommProcessGroup(VCollOps, dist.ProcessGroup):
             f"the fastcomm group forwards CUDA calls to fastcomm, nccl or gloo"
         )
 
-    # ------------------------------------------------------------------ issuing
-    def _issue(self, op: str, outputs: list, async_op: bool, fn, *args, post=None):
-        """Runs the communicator call ``fn(*args, async_op)``: to completion on this thread
-        when torch issues the call synchronously (the communicator's synchronous lane), else
-        as its asynchronous work; ``post`` completes the call once the data is in place."""
-        if async_op:
-            work = fn(*args, True)
-            if work is None and post is None:
-                handle = _finished(outputs)
-            else:
-                handle = FastcommWork(op, self._rank, outputs, (work,) if work else (), post)
-        else:
-            fn(*args, False)
-            if post is not None:
-                post()
-            handle = self._done(outputs)
-        if self._coalescing is not None:
-            self._coalescing.append(handle)
-        return handle
-
-    _last_done: FinishedWork | None = None
-
-    def _done(self, outputs: list) -> FinishedWork:
-        """The handle of a call that finished before it returned: the group's previous one
-        when nothing holds that any more (torch's ``dist.all_reduce`` drops it once ``wait()``
-        returned), else a new one. Making a ``dist._Work`` costs more than the rest of the
-        adapter's part of a call; a handle someone still holds (a caller, C++, a coalescing
-        list) is never reused, so each holder keeps its own outputs."""
-        work = self._last_done
-        # 3: the attribute, `work` and the argument: no one else holds it
-        if _REUSE_DONE and _refcount(work) == 3:
-            work._outputs = outputs
-            return work
-        work = self._last_done = _finished(outputs)
-        return work
-
-    def _issue_all(self, op: str, outputs: list, async_op: bool, calls: list):
-        """Several communicator calls (a coalesced op) as one work."""
-        works = [fn(*args, True) for fn, *args in calls]
-        handle = FastcommWork(op, self._rank, outputs, [w for w in works if w is not None])
-        if not async_op:
-            handle.wait()
-        if self._coalescing is not None:
-            self._coalescing.append(handle)
-        return handle
-
-    def _coalesced(self, op: str, outputs: list, inputs: list, opts, calls: list):
-        """A coalesced op of output/input pairs: the pairs' communicator calls as one work, or
-        the whole op handed on (:meth:`_forward`) when any pair has none."""
-        if any(call is None for call in calls):
-            return self._forward(op, outputs, inputs[0], outputs, inputs, opts)
-        return self._issue_all(op, outputs, opts.asyncOp, calls)
-
-    def _forward(self, op: str, outputs: list, tensor: torch.Tensor | None, *args,
-                 peer: int | None = None) -> FastcommWork:
-        """Hands the call to the torch backend beside the communicator (Gloo; for CUDA tensors
-        a device map's own backend), unchanged; a collective handed to Gloo after the ranks
-        agreed on its sizes (:meth:`_agree`). Its errors name this rank, the operation, the
-        group and the peer of a send or receive (Gloo's own text does not say who is late)."""
-        backend = self._backend_for(tensor)
-        name = _BACKEND_NAMES.get(op, op)
-        where = f"{backend.name()} in group {self._name!r} of {self._size} ranks"
-        call = op
-        op = f"{op} (through {where}{'' if peer is None else f', peer rank {peer}'})"
-        if call in _OP_CODES and backend is self.gloo:
-            self._agree(op, call, args)
-        method = getattr(backend, name, None)
-        try:
-            if method is None and name in _PER_TENSOR:  # Gloo has no coalesced form of these
-                method = getattr(backend, _PER_TENSOR[name])
-                outs, ins, *opts = args
-                works = [method(o, i, *opts) for o, i in zip(outs, ins, strict=True)]
-            else:
-                works = [method(*args)]
-        except RuntimeError as exc:
-            raise wrap_error(op, self._rank, time.monotonic(), exc) from exc
-        handle = FastcommWork(op, self._rank, outputs, works)
-        if self._coalescing is not None:
-            self._coalescing.append(handle)
-        return handle
-
-    _agree_buffer: tuple | None = None  # (int64 tensor, its NumPy view), made on first use
-
-    def _agree(self, what: str, op: str, args: tuple) -> None:
-        """Compares the call's descriptor across the ranks (through the communicator, within
-        the group's timeout): one small ``all_reduce`` of its fingerprint (see ``agree``), and
-        only where that says the ranks differ, an ``all_gather`` of the descriptors for the
-        message; raises ``ValueError`` on every rank when they disagree."""
-        row = _row(op, self._size, args)
-        total = self._agree_buffer
-        if total is None:  # one buffer per group, filled through NumPy (no tensor per call)
-            buf = torch.zeros(FINGERPRINT, dtype=torch.int64)
-            total = self._agree_buffer = (buf, buf.numpy())
-        buf, values = total
-        values[:] = _fingerprint(self._rank, self._size, row)
-        self.agreed[op] += 1
-        try:
-            self.communicator.all_reduce(buf)
-            if _agrees(values.tolist(), self._size):
-                return
-            mine = torch.tensor(row, dtype=torch.int64)
-            rows = mine.new_empty((self._size, mine.numel()))
-            self.communicator.all_gather(rows, mine)
-        except FastcommError as exc:
-            raise type(exc)(f"rank {self._rank}: {what}: comparing the ranks' sizes: {exc}") \
-                from exc
-        problem = _disagreement(rows.tolist()) or "their calls' fingerprints differ"
-        raise ValueError(
-            f"rank {self._rank}: {what}: the ranks' calls disagree: {problem}; every rank "
-            "must issue the same collectives with sizes and dtypes that match"
-        )
-
-    def _start_coalescing(self, device: torch.device) -> None:
-        self._coalescing = []
-
-    def _end_coalescing(self, device: torch.device) -> FastcommWork:
-        handles, self._coalescing = self._coalescing or [], None
-        return FastcommWork("coalesced", self._rank, [], handles) if handles else _finished([])
-
     # ------------------------------------------------------------------ reductions
     def allreduce(self, tensors, opts=None) -> dist._Work:
         # the hot call (DDP buckets, dist.all_reduce): type checks by identity, no Enum hashing
         if tensors.__class__ is not list:
-            tensors = _as_list(tensors)
+            tensors = as_list(tensors)
         if opts.__class__ is not dist.AllreduceOptions:
             opts = _options(opts, dist.AllreduceOptions)
         if len(tensors) == 1:
@@ -484,7 +335,7 @@ class FastcommProcessGroup(VCollOps, dist.ProcessGroup):
                     if staged is not None and _all_reducible(staged) is not None:
                         return self._issue("allreduce", tensors, opts.asyncOp, comm.all_reduce,
                                            _all_reducible(staged), op,
-                                           post=_copier(tensor, staged))
+                                           post=copier(tensor, staged))
                 if view is not None:
                     if opts.asyncOp or self._coalescing is not None:
                         return self._issue("allreduce", tensors, True, comm.all_reduce, view, op)
@@ -502,25 +353,25 @@ class FastcommProcessGroup(VCollOps, dist.ProcessGroup):
         rank's in list order first, then across the ranks on the communicator; the result is
         written into every tensor (``reduce``: the root's ``tensors[opts.rootTensor]``).
         ``None`` where the communicator cannot take it (a torch backend's device)."""
-        _same_tensors(self._rank, what, tensors)
+        same_tensors(self._rank, what, tensors)
         comm = self._comm_for(tensors[0])
         op = _all_reduce_op(opts.reduceOp)
         if comm is None or op is None or tensors[0].layout is not _STRIDED:
             return None
-        scratch = _combined(tensors, op)
+        scratch = combined(tensors, op)
         view = _all_reducible(scratch)
         if view is None:
             return None
         if root < 0:
             return self._issue(what, tensors, opts.asyncOp, comm.all_reduce, view, op,
-                               post=partial(_copy_to_all, scratch, tensors))
+                               post=partial(copy_to_all, scratch, tensors))
         if not 0 <= opts.rootTensor < len(tensors):
             raise ValueError(f"rank {self._rank}: reduce: rootTensor {opts.rootTensor} out of "
                              f"range for {len(tensors)} tensors")
         if op.__class__ is PremulSum:
             scratch, op = _scaled(scratch, op)
             view = _all_reducible(scratch)
-        post = _copier(tensors[opts.rootTensor], scratch) if self._rank == root else None
+        post = copier(tensors[opts.rootTensor], scratch) if self._rank == root else None
         return self._issue(what, tensors, opts.asyncOp, comm.reduce, view, root, op, post=post)
 
     def allreduce_coalesced(self, tensors, opts=None) -> FastcommWork:
@@ -536,7 +387,7 @@ class FastcommProcessGroup(VCollOps, dist.ProcessGroup):
         return self._issue_all("allreduce_coalesced", tensors, opts.asyncOp, calls)
 
     def reduce(self, tensors, opts=None) -> dist._Work:
-        tensors = _as_list(tensors)
+        tensors = as_list(tensors)
         opts = _options(opts, dist.ReduceOptions)
         if len(tensors) == 1:
             tensor = tensors[0]
@@ -553,7 +404,7 @@ class FastcommProcessGroup(VCollOps, dist.ProcessGroup):
                 # the root's result is copied back (the others' tensors are left as they were)
                 post = None
                 if scratch is not None and self._rank == opts.rootRank:
-                    post = _copier(tensor, scratch)
+                    post = copier(tensor, scratch)
                 return self._issue("reduce", tensors, opts.asyncOp, comm.reduce, view,
                                    opts.rootRank, op, post=post)
         elif tensors:
@@ -608,7 +459,7 @@ class FastcommProcessGroup(VCollOps, dist.ProcessGroup):
 
     # ------------------------------------------------------------------ data movement
     def broadcast(self, tensors, opts=None) -> FastcommWork:
-        tensors = _as_list(tensors)
+        tensors = as_list(tensors)
         opts = _options(opts, dist.BroadcastOptions)
         if len(tensors) == 1 and opts.rootTensor == 0:
             tensor = tensors[0]
@@ -616,7 +467,7 @@ class FastcommProcessGroup(VCollOps, dist.ProcessGroup):
             staged = _staged(tensor)
             view = _movable(tensor if staged is None else staged)
             if comm is not None and view is not None:
-                post = None if staged is None else _copier(tensor, staged)
+                post = None if staged is None else copier(tensor, staged)
                 return self._issue("broadcast", tensors, opts.asyncOp, comm.broadcast, view,
                                    opts.rootRank, post=post)
         elif tensors:
@@ -629,7 +480,7 @@ class FastcommProcessGroup(VCollOps, dist.ProcessGroup):
         """``broadcast`` with several tensors (or a ``rootTensor`` other than 0), as one work:
         the root's ``tensors[opts.rootTensor]`` into every tensor of every rank (Gloo's
         semantics). ``None`` where the communicator cannot take it."""
-        _same_tensors(self._rank, "broadcast", tensors)
+        same_tensors(self._rank, "broadcast", tensors)
         if not 0 <= opts.rootTensor < len(tensors):
             raise ValueError(f"rank {self._rank}: broadcast: rootTensor {opts.rootTensor} out of "
                              f"range for {len(tensors)} tensors")
@@ -640,7 +491,7 @@ class FastcommProcessGroup(VCollOps, dist.ProcessGroup):
         scratch = source.detach().contiguous().clone()
         view = _movable(scratch)
         return self._issue("broadcast", tensors, opts.asyncOp, comm.broadcast, view,
-                           opts.rootRank, post=partial(_copy_to_all, scratch, tensors))
+                           opts.rootRank, post=partial(copy_to_all, scratch, tensors))
 
     def _gather_call(self, output, input):
         """``(fn, output view, input view)`` for one flat all-gather, or ``None``."""

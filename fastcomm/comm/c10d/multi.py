@@ -11,7 +11,7 @@ from ..reduction import reduce_into
 from ..types import BitwiseOp, PremulSum, ReduceOp
 
 
-def _same_tensors(rank: int, what: str, tensors: list) -> None:
+def same_tensors(rank: int, what: str, tensors: list) -> None:
     """Raises unless every tensor of a multi-tensor call matches the first (dtype, shape,
     device), as Gloo requires."""
     first = tensors[0]
@@ -24,7 +24,7 @@ def _same_tensors(rank: int, what: str, tensors: list) -> None:
             )
 
 
-def _combined(tensors: list, op: ReduceOp | BitwiseOp | PremulSum) -> torch.Tensor:
+def combined(tensors: list, op: ReduceOp | BitwiseOp | PremulSum) -> torch.Tensor:
     """This rank's tensors reduced into one contiguous scratch in list order (``AVG`` and a
     ``PremulSum`` summed: the division and the factor belong to the ranks' reduction)."""
     local = ReduceOp.SUM if op is ReduceOp.AVG or op.__class__ is PremulSum else op
@@ -35,13 +35,13 @@ def _combined(tensors: list, op: ReduceOp | BitwiseOp | PremulSum) -> torch.Tens
     return scratch
 
 
-def _copy_to_all(result: torch.Tensor, tensors: list) -> None:
+def copy_to_all(result: torch.Tensor, tensors: list) -> None:
     """Writes ``result`` into every tensor of a multi-tensor call (outside autograd)."""
     for t in tensors:
         t.detach().copy_(result)
 
 
-def _copier(tensor: torch.Tensor, result: torch.Tensor) -> partial:
+def copier(tensor: torch.Tensor, result: torch.Tensor) -> partial:
     """The step that writes a staged ``result`` back into the caller's ``tensor``, outside
     autograd (as Gloo writes it): a tensor that requires grad is written through a detached
     alias, so the write neither fails (a leaf) nor enters the graph (a non-leaf)."""

@@ -28,11 +28,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..calls import DTYPE_CODES as _CODES
 from ..errors import CommAbortedError, CommTimeoutError
-from ..shm.p2p import DTYPE_CODES as _CODES
 from ..shm.p2p import MessageMismatchError
-from .multi import _copier
-from .works import FinishedWork, _finished, _seconds, thread_future
+from .multi import copier
+from .works import FinishedWork, finished_work, thread_future, wait_seconds
 
 __all__ = ["MessageMismatchError", "MessageWork", "recv", "send"]
 
@@ -80,7 +80,7 @@ class MessageWork(dist._Work):
         """
         if not self._finished:
             try:
-                self._engine.wait(self._op, _seconds(timeout))
+                self._engine.wait(self._op, wait_seconds(timeout))
             except CommTimeoutError:
                 if not self._op.done:  # this wait's own limit: the operation goes on
                     raise
@@ -207,7 +207,7 @@ def _issued(group, tensors: list, engine, op, post) -> Any:
         if post is not None:
             post()
         if op.kind == "send":
-            return _finished(tensors)
+            return finished_work(tensors)
         work = _Received()
         work._outputs, work._src = tensors, op.source
         return work
@@ -232,7 +232,7 @@ def send(group, tensors: list, dst: int, tag: int) -> Any:
     if tensor.is_contiguous():
         if group._coalescing is None and engine.send_now(
                 tensor.data_ptr(), tensor.nbytes, dst, tag, code):
-            return _finished(tensors)
+            return finished_work(tensors)
         data = tensor
     else:
         data = tensor.contiguous()
@@ -265,6 +265,6 @@ def recv(group, tensors: list, src: int | None, tag: int) -> Any:
         data, post = tensor, partial(_increment_version, (tensor,))
     else:
         data = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        post = _copier(tensor, data)
+        post = copier(tensor, data)
     return _issued(group, tensors, engine, engine.irecv(data, src, tag, code), post)
 

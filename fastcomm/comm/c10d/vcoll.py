@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 from ..types import ReduceOp
-from .multi import _copier
+from .multi import copier
 
 _STRIDED = torch.strided
 
@@ -54,7 +54,7 @@ def _receivable(tensors: list) -> tuple[list, Any]:
     pairs = [(t, torch.empty_like(t, memory_format=torch.contiguous_format))
              for t in tensors if not t.is_contiguous()]
     staged = {id(t): s for t, s in pairs}
-    copies = [_copier(t, s) for t, s in pairs]  # outside autograd, as Gloo writes them
+    copies = [copier(t, s) for t, s in pairs]  # outside autograd, as Gloo writes them
 
     def post() -> None:
         for copy in copies:
@@ -134,7 +134,7 @@ class VCollOps:
             ins = _splits(send, input_split_sizes, self._size)
             outs = _splits(recv, output_split_sizes, self._size)
             if ins is not None and outs is not None and send.dtype == recv.dtype:
-                post = None if recv is output else _copier(output, recv)
+                post = None if recv is output else copier(output, recv)
                 return self._v_issue("all_to_all_single", [output], opts,
                                      comm.all_to_all_split, recv, send, outs, ins, post=post)
         return self._forward("all_to_all_single", [output], input, output, input,

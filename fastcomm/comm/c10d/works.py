@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ..work import SettledByWait, wrap_error
 
 
-def _seconds(timeout: Any) -> float | None:
+def wait_seconds(timeout: Any) -> float | None:
     """A wait's limit in seconds; ``None`` or zero (C++'s ``kNoTimeout``) means none."""
     if timeout is None:
         return None
@@ -27,7 +27,7 @@ def _seconds(timeout: Any) -> float | None:
 class FinishedWork(dist._Work):
     """The handle of a call that finished before it returned (torch issued it synchronously):
     ``wait()`` returns at once, the future is already completed with the outputs. Made by
-    :func:`_finished` (no ``__init__`` of its own: it is made on every synchronous call)."""
+    :func:`finished_work` (no ``__init__`` of its own: it is made on every synchronous call)."""
 
     __slots__ = ("_outputs",)
 
@@ -58,7 +58,7 @@ class FinishedWork(dist._Work):
         return "FinishedWork()"
 
 
-def _finished(outputs: list) -> FinishedWork:
+def finished_work(outputs: list) -> FinishedWork:
     work = FinishedWork()
     work._outputs = outputs
     return work
@@ -128,7 +128,7 @@ class FastcommWork(SettledByWait, dist._Work):
             ``True``, as torch's ``Work.wait``.
         """
         if not self._finished:
-            limit = _seconds(timeout)
+            limit = wait_seconds(timeout)
             try:
                 for work in self._inner:
                     if limit is None:

@@ -682,7 +682,7 @@ enum { C_ALL_REDUCE, C_BROADCAST, C_ALL_GATHER, C_REDUCE_SCATTER, C_ALL_TO_ALL, 
 /* v_call: the ranks' headers disagree (nothing copied out), or some rank's piece needs more
  * than one round (nothing copied out: Python reads the headers and goes on) */
 enum { V_DISAGREE = 7, V_MORE = 8 };
-#define V_HEAD 4 /* a v-call header's fixed words (vcoll.py: kind, root, dtype, element size) */
+#define V_HEAD 4 /* a v-call header's fixed words (vschedules.py: op, root, dtype, element size) */
 
 /* One round of a small collective (every field checked by its method). */
 typedef struct {

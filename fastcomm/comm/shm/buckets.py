@@ -24,21 +24,21 @@ from ..store import Store
 from .core import PREMUL_KINDS, reduce_terms
 from .flags import PeerFlags, fence
 from .segment import (
-    _NAME,
     ABORTED,
     CLOSED,
     LINE,
     MAGIC,
+    NAME_PATTERN,
     PAGE,
     SHM_DIR,
     Layout,
     Segment,
-    _attach,
-    _round_up,
-    _unlink,
+    attach_segment,
     pid_start_time,
+    round_up,
     segment_name,
     sweep_stale,
+    unlink_segment,
 )
 
 __all__ = ["ALIGN", "ShmBucketRegion", "RegionStats", "ShmBucket"]
@@ -62,7 +62,7 @@ class _RegionLayout(Layout):
     @property
     def ctrl_stride(self) -> int:
         """Bytes of one rank's control block: the segment's lines, then the factor words."""
-        return _round_up(max(4 + 2 * self.size, 8) * LINE + 8 * self.max_buckets, PAGE)
+        return round_up(max(4 + 2 * self.size, 8) * LINE + 8 * self.max_buckets, PAGE)
 
     def counter(self, rank: int, kind: int) -> int:
         """Offset of ``rank``'s counter ``kind`` (the word after it: its sleep announcement)."""
@@ -243,13 +243,13 @@ class ShmBucketRegion:
                 raw = store.get(f"{key}/name", timeout).decode("utf-8", "replace")
                 if raw.startswith("fallback: "):
                     return raw.removeprefix("fallback: ")
-                if not _NAME.fullmatch(raw):
+                if not NAME_PATTERN.fullmatch(raw):
                     raise FastcommError(
                         f"rank {rank}: the store's {key}/name {raw[:80]!r} is not a segment name"
                     )
                 name = raw
                 try:
-                    mm = _attach(os.path.join(SHM_DIR, name), layout, rank)
+                    mm = attach_segment(os.path.join(SHM_DIR, name), layout, rank)
                 except FastcommError as exc:
                     store.set(keys[rank], f"error: {exc}")
                     raise
@@ -270,7 +270,7 @@ class ShmBucketRegion:
             return region
         finally:
             if path is not None:
-                _unlink(path)
+                unlink_segment(path)
 
     def views(self, offset: int, dtype: torch.dtype, numel: int) -> list[torch.Tensor]:
         """Every rank's ``numel`` elements of ``dtype`` at byte ``offset`` of its area."""
@@ -524,14 +524,14 @@ def _create_region(layout: _RegionLayout, cap_bytes: int | None):
         try:
             os.posix_fallocate(fd, 0, total)
         except OSError as exc:
-            _unlink(path)
+            unlink_segment(path)
             free = _shm_free()
             return None, None, (
                 f"/dev/shm cannot hold the shared buckets' {total} bytes ({free} free): {exc}"
             )
         mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as exc:
-        _unlink(path)
+        unlink_segment(path)
         return None, None, f"cannot map {path} ({total} bytes): {exc}"
     finally:
         os.close(fd)
@@ -550,4 +550,4 @@ def _shm_free() -> int:
 
 def area_bytes_for(nbytes: list[int]) -> int:
     """The area that holds buckets of ``nbytes`` each at ``ALIGN``, rounded up to a page."""
-    return _round_up(sum(_round_up(b, ALIGN) for b in nbytes), PAGE)
+    return round_up(sum(round_up(b, ALIGN) for b in nbytes), PAGE)

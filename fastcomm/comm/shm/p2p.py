@@ -19,8 +19,8 @@ from os import sched_yield
 
 import torch
 
+from ..calls import DTYPE_CODES, DTYPES
 from ..errors import CommAbortedError, CommClosedError, CommTimeoutError, FastcommError
-from ..vcoll import DTYPE_CODES as _V_DTYPE_CODES
 from ..work import StoppableThread
 from .core import Status
 from .flags import fence
@@ -35,9 +35,7 @@ _SLEEP_ONE_NS = 2_000_000  # one pair to wake us: sleep in 2 ms slices
 _SLEEP_MANY_NS = 100_000  # several pairs (only one futex wakes us): 100 us slices
 _LIVENESS_S = 0.05
 _U64 = (1 << 64) - 1
-# the v-calls' dtype codes, plus one: 0 is no dtype in a header
-DTYPE_CODES = {dtype: code + 1 for dtype, code in _V_DTYPE_CODES.items()}
-_DTYPE_LIST = tuple(DTYPE_CODES)
+# a header's dtype code: calls.py's (0 is no dtype)
 
 
 class MessageMismatchError(FastcommError, ValueError):
@@ -52,9 +50,9 @@ def dtype_code(dtype: torch.dtype) -> int:
 
 def _amount(code: int, nbytes: int) -> str:
     """``"10 x float32 (40 bytes)"`` for a header's dtype code and byte count."""
-    if not 0 < code <= len(_DTYPE_LIST):
+    if not 0 < code <= len(DTYPES):
         return f"{nbytes} bytes"
-    dtype = _DTYPE_LIST[code - 1]
+    dtype = DTYPES[code - 1]
     size = dtype.itemsize
     name = str(dtype).removeprefix("torch.")
     if not size:

@@ -25,7 +25,7 @@ from ..calls import (
     shm_word_a,
     shm_word_b,
 )
-from ..reduction import _BINARY, Reduction, reduce_into, torch_reduce
+from ..reduction import BINARY_OPS, Reduction, reduce_into, torch_reduce
 from ..types import PremulSum, ReduceOp, divide_
 from .core import CORE_KINDS, CORE_OPS, PREMUL_KINDS, CompiledRounds, reduce_terms
 from .rounds import Rounds, chunks
@@ -36,7 +36,7 @@ _FACTOR_WORD = 6  # misc words 6 and 7 of a rank's control block: its PremulSum 
 _FLOAT_BITS, _FLOAT_BITS_D = struct.Struct("<Q"), struct.Struct("<d")  # a float64 as a word
 # by the op's name (an Enum member hashes through a Python-level __hash__, a str through its
 # cached hash): (descriptor's op code, torch's binary function)
-_OP_ARGS = {op._name_: (REDUCE_OP_CODES[op], _BINARY[op]) for op in REDUCE_OP_CODES}
+_OP_ARGS = {op._name_: (REDUCE_OP_CODES[op], BINARY_OPS[op]) for op in REDUCE_OP_CODES}
 # Small tensors are moved and reduced with NumPy where its result is bit-identical to torch's
 # (one correctly rounded or wrapping operation per element, dtypes NumPy computes natively):
 # a NumPy ufunc call costs far less than a torch op's dispatch. AVG's division stays with torch.

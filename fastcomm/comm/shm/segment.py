@@ -22,19 +22,23 @@ from ..errors import FastcommError
 from ..store import Store
 
 __all__ = [
+    "NAME_PATTERN",
     "Layout",
     "Segment",
+    "attach_segment",
     "creator_gone",
     "pid_namespace",
     "pid_start_time",
     "process_alive",
+    "round_up",
     "segment_name",
     "sweep_stale",
+    "unlink_segment",
 ]
 
 SHM_DIR = "/dev/shm"
 PREFIX = "fastcomm-"
-_NAME = re.compile(r"fastcomm-[0-9a-f-]+")  # what segment_name makes: digits, hex, dashes
+NAME_PATTERN = re.compile(r"fastcomm-[0-9a-f-]+")  # what segment_name makes: digits, hex, dashes
 # the protocol's version: 002 added descriptor B, the two-step tag and every rank's check;
 # 003 the send/recv waiters' announcement words (a counter's sleepers are woken only then)
 MAGIC = int.from_bytes(b"FCSHM003", "little")
@@ -53,7 +57,7 @@ def shm_supported() -> bool:
     return os.name == "posix" and os.path.isdir(SHM_DIR) and os.path.isdir("/proc/self")
 
 
-def _round_up(value: int, multiple: int) -> int:
+def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
@@ -68,7 +72,7 @@ class Layout:
     @property
     def ctrl_stride(self) -> int:
         """Bytes of one rank's control block (its lines, page aligned)."""
-        return _round_up(4 * LINE + 2 * self.size * LINE, PAGE)
+        return round_up(4 * LINE + 2 * self.size * LINE, PAGE)
 
     def ctrl(self, rank: int) -> int:
         """Offset of ``rank``'s control block."""
@@ -249,12 +253,12 @@ class Segment:
                 raw = store.get("shm/name", timeout)
                 name = raw.decode("ascii", "replace")
                 try:
-                    if not _NAME.fullmatch(name):  # joined into a path: ours or nothing
+                    if not NAME_PATTERN.fullmatch(name):  # joined into a path: ours or nothing
                         raise FastcommError(
                             f"rank {rank}: the store's shm/name {raw[:80]!r} is not a segment "
-                            f"name (expected {_NAME.pattern})"
+                            f"name (expected {NAME_PATTERN.pattern})"
                         )
-                    mm = _attach(os.path.join(SHM_DIR, name), layout, rank)
+                    mm = attach_segment(os.path.join(SHM_DIR, name), layout, rank)
                 except FastcommError as exc:
                     store.set(keys[rank], f"error: {exc}")
                     raise
@@ -276,7 +280,7 @@ class Segment:
                 )
         finally:
             if path is not None:
-                _unlink(path)
+                unlink_segment(path)
         return seg
 
     def _put(self, offset: int, value: int) -> None:
@@ -318,7 +322,7 @@ def _create(path: str, layout: Layout) -> mmap.mmap:
     return mm
 
 
-def _attach(path: str, layout: Layout, rank: int) -> mmap.mmap:
+def attach_segment(path: str, layout: Layout, rank: int) -> mmap.mmap:
     deadline = time.monotonic() + 5.0
     while True:
         try:
@@ -362,7 +366,7 @@ def _attach(path: str, layout: Layout, rank: int) -> mmap.mmap:
     return mm
 
 
-def _unlink(path: str) -> None:
+def unlink_segment(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:

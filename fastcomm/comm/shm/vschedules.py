@@ -16,15 +16,8 @@ import time
 
 import torch
 
-from ..calls import OP_CODES
-from ..vcoll import (
-    DTYPE_CODES,
-    HEAD,
-    KIND_CODES,
-    disagreement,
-    overlaps,
-    raise_disagreement,
-)
+from ..calls import DTYPE_CODES, OP_CODES, Call, calls_difference, decode
+from ..vcoll import overlaps, raise_disagreement
 from .core import CompiledRounds, Status
 from .rounds import Rounds
 
@@ -33,6 +26,18 @@ __all__ = ["VSchedule"]
 _memmove = ctypes.memmove
 _increment_version = torch._C._increment_version
 _CODE = OP_CODES["all_to_all_v"] << 56
+# a header's fixed words (the compiled core's V_HEAD, which compares the first three): the op's
+# and the dtype's codes of calls.py, the root, the element size; then the bytes sent to and
+# expected from each rank, then where each piece sits in the slot
+HEAD = 4
+
+
+def _call_of(header, size: int) -> Call:
+    """The :class:`~..calls.Call` a header describes (its byte counts as elements)."""
+    op, root, dtype, esize = header[:HEAD]
+    esize = max(esize, 1)
+    flows = [nbytes // esize for nbytes in header[HEAD:HEAD + 2 * size]]
+    return decode([op, dtype, -1, 0, root, 0, 0, *flows])
 
 
 class VSchedule:
@@ -121,7 +126,7 @@ class VSchedule:
             offsets[r] = i
         room = self.rooms[len(buffers)]
         offsets = [-1 if i < 0 else head + i * room for i in offsets]
-        words = (KIND_CODES[kind], root, DTYPE_CODES[dtype], esize, *sent, *expected, *offsets)
+        words = (OP_CODES[kind], root, DTYPE_CODES[dtype], esize, *sent, *expected, *offsets)
         if self.compiled is not None and all(nbytes <= room for _, nbytes in buffers):
             # the round in one C call; it returns having copied nothing out when the ranks
             # disagree or a peer's piece needs more rounds (then on as below)
@@ -142,7 +147,7 @@ class VSchedule:
             steps.check(half, _CODE)
         unpack, mm = self._header.unpack_from, self._mm
         table = [unpack(mm, offset) for offset in self._offsets[half]]
-        problem = disagreement(table)
+        problem = calls_difference([_call_of(header, n) for header in table])
         if problem is not None:
             raise_disagreement(me, kind, problem)
         # per peer sending us a piece: (its room per buffer, our piece's slot offset, bytes,
