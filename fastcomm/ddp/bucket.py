@@ -39,11 +39,11 @@ __all__ = [
 # CPU buckets of these dtypes pack and unpack through the bucket's own views with torch ops: the
 # kernels' torch reference does the same arithmetic (x * scale rounds once in fp32/fp64) but
 # first re-validates every tensor and re-slices the flat buffer, ~1 us per tensor per step.
-_CPU_VIEW_DTYPES = (torch.float32, torch.float64)
+CPU_VIEW_DTYPES = (torch.float32, torch.float64)
 # up to this many tensors, one multiply per tensor straight into its view (one pass over the
 # bytes); beyond, one foreach copy then one multiply of the whole bucket (two passes, but two
 # calls instead of hundreds)
-_MUL_INTO_VIEWS_MAX = 32
+MUL_INTO_VIEWS_MAX = 32
 
 
 def assign_buckets(
@@ -208,7 +208,7 @@ def pack_bucket(bucket: Bucket, grads: Sequence[torch.Tensor | None], out, *, sc
     gradient present and contiguous, is exactly one ``kernels.pack`` launch (on CPU, for
     fp32/fp64 buckets, torch ops through the bucket's views).
     """
-    if out is bucket.flat and out.dtype in _CPU_VIEW_DTYPES and out.device.type == "cpu":
+    if out is bucket.flat and out.dtype in CPU_VIEW_DTYPES and out.device.type == "cpu":
         try:
             _pack_cpu_views(bucket, grads, fp32_scale(scale))
             return out
@@ -242,9 +242,9 @@ def scale_into_views(
     views: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], scale: float, flat: torch.Tensor
 ) -> None:
     """``views[i] = grads[i] * scale`` on CPU, where `views` tile all of `flat` in order (one
-    multiply per view up to `_MUL_INTO_VIEWS_MAX` views, else a foreach copy and one multiply
+    multiply per view up to `MUL_INTO_VIEWS_MAX` views, else a foreach copy and one multiply
     of `flat`: the same bits either way). ``TypeError`` on a ``None`` gradient."""
-    if scale != 1.0 and len(views) <= _MUL_INTO_VIEWS_MAX:
+    if scale != 1.0 and len(views) <= MUL_INTO_VIEWS_MAX:
         for g, view in zip(grads, views, strict=True):
             torch.mul(g, scale, out=view)
         return

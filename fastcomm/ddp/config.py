@@ -20,7 +20,7 @@ import torch
 
 from fastcomm.kernels._launch import FLOAT_DTYPES
 
-from .bucket import _MUL_INTO_VIEWS_MAX
+from .bucket import MUL_INTO_VIEWS_MAX
 
 __all__ = ["DDPConfig", "DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_MB", "MB"]
 
@@ -55,7 +55,7 @@ UNFOLDED_MIN_BYTES_PER_EXTRA = 4 << 20
 # A packed CPU bucket of at most this many gradients scales each into its view as it arrives:
 # the pack's own limit for multiplying view by view (bucket.py); beyond it the pack's foreach
 # copy and one multiply cost fewer calls than a multiply per gradient.
-ARRIVAL_PACK_MAX_GRADS = _MUL_INTO_VIEWS_MAX
+ARRIVAL_PACK_MAX_GRADS = MUL_INTO_VIEWS_MAX
 
 
 @dataclass(kw_only=True, slots=True)

@@ -197,9 +197,9 @@ class DDP(nn.Module):
         self._comm_hook_registered = False
         reduce_dtype = reduce_dtype_of(self.mixed_precision)
         if reduce_dtype is not None:
-            from .hooks.default import _make_cast_hook
+            from .hooks.default import make_cast_hook
 
-            self.reducer.comm_hook = _make_cast_hook(reduce_dtype)
+            self.reducer.comm_hook = make_cast_hook(reduce_dtype)
 
     # ------------------------------------------------------------------ torch's surface
     @property

@@ -63,6 +63,6 @@ def ddp_setstate(ddp: nn.Module, state: dict[str, Any]) -> None:
     )
     reduce_dtype = reduce_dtype_of(ddp.mixed_precision)
     if reduce_dtype is not None:
-        from .hooks.default import _make_cast_hook
+        from .hooks.default import make_cast_hook
 
-        ddp.reducer.comm_hook = _make_cast_hook(reduce_dtype)
+        ddp.reducer.comm_hook = make_cast_hook(reduce_dtype)

@@ -49,7 +49,7 @@ import torch
 
 from fastcomm.comm.types import Capabilities
 
-from .bucket import _CPU_VIEW_DTYPES, Bucket
+from .bucket import CPU_VIEW_DTYPES, Bucket
 from .config import DDPConfig
 from .in_place import InPlaceAllReduce, InPlacePlan
 from .shared import SHARED_VIEW, eligible
@@ -213,7 +213,7 @@ def packs_on_arrival(bucket: Bucket, config: DDPConfig) -> bool:
     at most ``config.arrival_pack_max_grads`` gradients."""
     return (
         bucket.device.type == "cpu"
-        and bucket.dtype in _CPU_VIEW_DTYPES
+        and bucket.dtype in CPU_VIEW_DTYPES
         and len(bucket.params) <= config.arrival_pack_max_grads
     )
 

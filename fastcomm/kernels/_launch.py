@@ -254,7 +254,7 @@ class TensorList(NamedTuple):
     total: int
 
 
-_FLOAT_SET = frozenset(FLOAT_DTYPES)
+FLOAT_SET = frozenset(FLOAT_DTYPES)
 
 
 _DTYPE = operator.attrgetter("dtype")
@@ -279,7 +279,7 @@ def scan_tensors(name: str, tensors) -> TensorList:
         dtypes = list(map(_DTYPE, tensors))
         devices = set(map(_DEVICE, tensors))
         ok = (
-            _FLOAT_SET.issuperset(dtypes)
+            FLOAT_SET.issuperset(dtypes)
             and len(devices) <= 1
             and all(map(torch.Tensor.is_contiguous, tensors))
         )

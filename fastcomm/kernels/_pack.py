@@ -229,11 +229,11 @@ def pack(
     if kernel_backend(out) == "torch":
         _pack_torch(scan, out, scale)
         return out
-    launch_pack(_tables(scan, out), out, scale)
+    launch_pack(block_tables(scan, out), out, scale)
     return out
 
 
-def _tables(scan: TensorList, flat: torch.Tensor) -> list:
+def block_tables(scan: TensorList, flat: torch.Tensor) -> list:
     """(dtype, block table) of each dtype group of `scan` placed in `flat`."""
     return [
         (dtype, block_table(ptrs, numels, offsets, dtype.itemsize, flat, BLOCK))
@@ -290,13 +290,13 @@ def unpack(
         ValueError: operands on different devices, non-contiguous, or `flat` of the wrong
             shape.
     """
-    scan, flat, scale, accumulate = _prepare_unpack(flat, tensors, scale, accumulate)
+    scan, flat, scale, accumulate = prepare_unpack(flat, tensors, scale, accumulate)
     if scan.total == 0:  # nothing to move: no kernel, so no device it must run on
         return
     if kernel_backend(flat) == "torch":
-        _unpack_torch(flat, scan, scale, accumulate)
+        unpack_scan_torch(flat, scan, scale, accumulate)
         return
-    launch_unpack(_tables(scan, flat), flat, scale, accumulate)
+    launch_unpack(block_tables(scan, flat), flat, scale, accumulate)
 
 
 def launch_unpack(
@@ -338,7 +338,7 @@ def launch_unpack(
             stats.add_(partials.sum(dim=1, dtype=torch.float32))
 
 
-def _prepare_unpack(flat, tensors, scale, accumulate):
+def prepare_unpack(flat, tensors, scale, accumulate):
     check_tensor("flat", flat, dtypes=FLOAT_DTYPES)
     scan = scan_tensors("tensors", tensors)
     if scan.device is not None and scan.device != flat.device:
@@ -376,8 +376,8 @@ def unpack_reference(
     accumulate: bool = False,
 ) -> None:
     """Pure-torch `unpack` (what CPU tensors run, and the test oracle); same arguments."""
-    scan, flat, scale, accumulate = _prepare_unpack(flat, tensors, scale, accumulate)
-    _unpack_torch(flat, scan, scale, accumulate)
+    scan, flat, scale, accumulate = prepare_unpack(flat, tensors, scale, accumulate)
+    unpack_scan_torch(flat, scan, scale, accumulate)
 
 
 def _pack_torch(scan: TensorList, out: torch.Tensor, scale: float) -> None:
@@ -385,7 +385,7 @@ def _pack_torch(scan: TensorList, out: torch.Tensor, scale: float) -> None:
     pack_torch(scan.tensors, out, scale, _CallLayout(scan))
 
 
-def _unpack_torch(flat: torch.Tensor, scan: TensorList, scale: float, accumulate: bool) -> None:
+def unpack_scan_torch(flat: torch.Tensor, scan: TensorList, scale: float, accumulate: bool) -> None:
     """`unpack_torch` for one call of `unpack`, `unpack_reference` or `unpack_with_stats`."""
     unpack_torch(flat, scan.tensors, scale, accumulate, _CallLayout(scan))
 

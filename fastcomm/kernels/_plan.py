@@ -40,8 +40,8 @@ from collections.abc import Sequence
 import torch
 
 from ._launch import (
-    _FLOAT_SET,
     FLOAT_DTYPES,
+    FLOAT_SET,
     block_table,
     check_out,
     check_tensor,
@@ -185,7 +185,7 @@ class PackPlan:
             raise TypeError(f"tensors must be a list or tuple of tensors, got "
                             f"{type(tensors).__name__}")
         for i, t in enumerate(tensors):
-            if not isinstance(t, torch.Tensor) or t.dtype not in _FLOAT_SET:
+            if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_SET:
                 check_tensor(f"tensors[{i}]", t, dtypes=FLOAT_DTYPES)  # raises TypeError
         if len(tensors) != len(self.layout):
             raise ValueError(f"tensors has {len(tensors)} tensors; this plan was made "
@@ -207,7 +207,7 @@ class PackPlan:
 
     def _check_flat(self, name: str, flat) -> None:
         try:  # the usual, checked without building messages or device objects
-            if (flat.is_cuda == self._on_cuda and flat.dtype in _FLOAT_SET and flat.dim() == 1
+            if (flat.is_cuda == self._on_cuda and flat.dtype in FLOAT_SET and flat.dim() == 1
                     and flat.numel() == self.total and flat.is_contiguous()
                     and (not self._on_cuda or flat.get_device() == self.device.index)):
                 return

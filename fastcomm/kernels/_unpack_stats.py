@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from ._launch import compute_dtype, kernel_backend
-from ._pack import _prepare_unpack, _tables, _unpack_torch, launch_unpack
+from ._pack import block_tables, launch_unpack, prepare_unpack, unpack_scan_torch
 
 __all__ = ["unpack_with_stats", "unpack_with_stats_reference"]
 
@@ -76,14 +76,14 @@ def unpack_with_stats(
         ValueError: operands on different devices, non-contiguous, `flat` of the wrong
             shape, or `stats` not a float32 (2,) tensor on `flat`'s device.
     """
-    scan, flat, scale, _ = _prepare_unpack(flat, tensors, scale, False)
+    scan, flat, scale, _ = prepare_unpack(flat, tensors, scale, False)
     stats = _check_stats(stats, flat.device)
     if scan.total == 0:  # nothing to write or measure: no backend to choose
         return stats
     if kernel_backend(flat) == "torch":
         _unpack_stats_torch(flat, scan, scale, stats, lazy_count=True)
         return stats
-    launch_unpack(_tables(scan, flat), flat, scale, False, stats)
+    launch_unpack(block_tables(scan, flat), flat, scale, False, stats)
     return stats
 
 
@@ -95,7 +95,7 @@ def unpack_with_stats_reference(
     stats: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch `unpack_with_stats` (the test oracle); same arguments and result."""
-    scan, flat, scale, _ = _prepare_unpack(flat, tensors, scale, False)
+    scan, flat, scale, _ = prepare_unpack(flat, tensors, scale, False)
     stats = _check_stats(stats, flat.device)
     _unpack_stats_torch(flat, scan, scale, stats, lazy_count=False)
     return stats
@@ -104,7 +104,7 @@ def unpack_with_stats_reference(
 def _unpack_stats_torch(flat, scan, scale: float, stats: torch.Tensor, *, lazy_count) -> None:
     if not scan.tensors:
         return
-    _unpack_torch(flat, scan, scale, False)
+    unpack_scan_torch(flat, scan, scale, False)
     compute = compute_dtype(flat.dtype, *set(scan.dtypes))
     if scale == 1.0 and set(scan.dtypes) == {flat.dtype}:
         values = flat  # a plain copy: the tensors hold exactly the flat buffer's values

@@ -68,7 +68,7 @@ def bf16_compress_hook(state: object, bucket: GradBucket) -> torch.futures.Futur
     return _reduce_as(torch.bfloat16, state, bucket)
 
 
-def _make_cast_hook(dtype: torch.dtype):
+def make_cast_hook(dtype: torch.dtype):
     """The hook a DDP with ``mixed_precision.reduce_dtype`` installs: reduce in `dtype`."""
 
     def cast_hook(state: object, bucket: GradBucket) -> torch.futures.Future:
