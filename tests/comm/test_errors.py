@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fastcomm import CommClosedError, CommTimeoutError, FastcommError, ReduceOp
-from tests.comm.test_shm_faults import short_op_timeout
+from tests.comm.shm.test_faults import short_op_timeout
 from tests.harness import RankPool, fresh_comm, rank_comm
 
 BACKENDS = ["gloo", "shm"]

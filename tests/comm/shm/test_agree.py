@@ -26,7 +26,7 @@ from fastcomm import ReduceOp
 from fastcomm.comm import SUPPORTED_DTYPES, FastcommError, ShmCommunicator, ShmOptions
 from fastcomm.comm.shm import core
 from fastcomm.comm.types import PremulSum
-from tests.comm.test_shm import SMALL, exact, fold
+from tests.comm.shm.test_communicator import SMALL, exact, fold
 from tests.harness import STATE, RankPool, rank_store
 
 RAISE_WITHIN_S = 1.0

@@ -328,7 +328,7 @@ def test_a_rank_that_never_arrives_makes_the_others_raise_naming_it(pool, unique
 
 def test_cuda_transport_failure_means_gloo_with_one_log_line(pool, unique_name):
     if torch.cuda.is_available():
-        pytest.skip("CUDA is present: the transport may well build (tests/comm/test_ipc_cuda)")
+        pytest.skip("CUDA is present: the transport may well build (tests/comm/ipc/test_cuda.py)")
     for transport, again, lines, total in pool.run(
         check_cuda_transport_unavailable_falls_back, unique_name
     ):
