@@ -16,6 +16,7 @@ if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _names = itertools.count()
+_LEFTOVERS = pytest.StashKey()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -33,25 +34,24 @@ def unique_name(request):
     return f"{request.node.name}-{next(_names)}"
 
 
+def pytest_sessionstart(session):
+    """Starts watching the processes this session makes (``tests/leftovers.py``)."""
+    from tests.leftovers import Leftovers
+
+    session.config.stash[_LEFTOVERS] = watcher = Leftovers()
+    watcher.start()
+
+
 def pytest_sessionfinish(session, exitstatus):
-    """The whole suite must leave no shared-memory segment behind (its exit status says so)."""
-    import time
-
-    from fastcomm.comm.shm.segment import PREFIX, SHM_DIR, process_alive
-
-    if not os.path.isdir(SHM_DIR):
+    """The suite must leave no shared-memory segment and no process of its own behind: the
+    session fails (exit status 1), naming them, if it does."""
+    watcher = session.config.stash.get(_LEFTOVERS, None)
+    if watcher is None:
         return
-    deadline = time.monotonic() + 10.0
-    while True:
-        left = sorted(n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX))
-        # another session's live segment is not ours to judge; a dead creator's is a leak
-        leaked = [n for n in left if not process_alive(int(n[len(PREFIX):].split("-", 1)[0]))]
-        if not left or leaked or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    if leaked:
-        session.config.get_terminal_writer().line(
-            f"FAILED: shared-memory segments left in {SHM_DIR} by exited processes: {leaked}",
-            red=True,
-        )
+    problems = watcher.check()
+    if problems:
+        writer = session.config.get_terminal_writer()
+        writer.line()
+        for line in problems:
+            writer.line(f"FAILED: the test session left {line}", red=True)
         session.exitstatus = 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -225,7 +226,67 @@ class RankPool:
         raise AssertionError(f"{fn.__name__} was expected to fail on some rank but passed")
 
 
+def pool_fixture(
+    world_size: int | list[int],
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 60.0,
+    ids: list[str] | Callable[[int], str] | None = None,
+    setup: Callable[[RankPool], Any] | None = None,
+    needs_cuda: bool = False,
+):
+    """A module-scoped pytest fixture that yields a :class:`RankPool` and closes it after.
+
+    Assign it to the fixture's name in the test module (``pool = pool_fixture(2)``).
+
+    Args:
+        world_size: the ranks of the pool, or a list of sizes: the module then runs once per
+            size, its ids ``world<n>`` unless ``ids`` says otherwise.
+        env, timeout: as :class:`RankPool`'s.
+        setup: called with the pool once before the module's first check.
+        needs_cuda: skip the module's checks (starting no rank) where CUDA is absent.
+    """
+    import pytest
+
+    sized = not isinstance(world_size, int)
+    params = list(world_size) if sized else None
+    if sized and ids is None:
+        ids = [f"world{n}" for n in params]
+
+    @pytest.fixture(scope="module", params=params, ids=ids if sized else None)
+    def fixture(request):
+        size = request.param if sized else world_size
+        if needs_cuda:
+            import torch
+
+            if not torch.cuda.is_available():
+                pytest.skip("needs a CUDA device")
+        with RankPool(size, env=env, timeout=timeout) as pool:
+            if setup is not None:
+                setup(pool)
+            yield pool
+
+    return fixture
+
+
+def free_port() -> int:
+    """A port of 127.0.0.1 that was free a moment ago (the race with others is accepted)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 # ---------------------------------------------------------------------- helpers for checks
+def env_rank() -> int:
+    """This rank's number (``RANK``), in a check run by a pool."""
+    return int(os.environ["RANK"])
+
+
+def env_world() -> int:
+    """The pool's size (``WORLD_SIZE``), in a check run by a pool."""
+    return int(os.environ["WORLD_SIZE"])
+
+
 def rank_store():
     """This rank's client of the pool's store (cached)."""
     if "store" not in STATE:

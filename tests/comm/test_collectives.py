@@ -12,7 +12,7 @@ import torch
 
 from fastcomm import ReduceOp
 from fastcomm.comm import SUPPORTED_DTYPES
-from tests.harness import RankPool, rank_comm
+from tests.harness import pool_fixture, rank_comm
 
 BACKENDS = ["gloo", "shm"]
 SHAPES = [(0,), (1,), (7,), (3, 5), (1031,)]
@@ -250,10 +250,7 @@ def check_split(backend):
 
 
 # ------------------------------------------------------------------ pytest side
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"world{n}")
-def pool(request):
-    with RankPool(request.param, timeout=60) as p:
-        yield p
+pool = pool_fixture([2, 3], timeout=60)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fastcomm import CommClosedError, CommTimeoutError, FastcommError, ReduceOp
-from tests.comm.test_shm_faults import short_op_timeout
-from tests.harness import RankPool, fresh_comm, rank_comm
+from tests.comm.shm.test_faults import short_op_timeout
+from tests.harness import fresh_comm, pool_fixture, rank_comm
 
 BACKENDS = ["gloo", "shm"]
 
@@ -106,10 +106,7 @@ def check_peer_dies_mid_collective(backend, name):
     return time.monotonic() - start, message
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with RankPool(2, timeout=60) as p:
-        yield p
+pool = pool_fixture(2, timeout=60)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

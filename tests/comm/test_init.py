@@ -8,7 +8,7 @@ import torch
 import fastcomm
 from fastcomm.comm import world
 from fastcomm.comm.nccl import decode_nccl_version
-from tests.harness import RankPool
+from tests.harness import pool_fixture
 
 
 def check_init_from_env():
@@ -62,12 +62,9 @@ def check_bad_backend():
     raise AssertionError("unknown backend accepted")
 
 
-@pytest.fixture(scope="module")
-def pool():
-    # The ranks' checks are about the CPU layout (one host -> shm); with GPUs hidden they mean
-    # the same on a GPU machine. GPU selection is tested below with a faked device count.
-    with RankPool(2, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=60) as p:
-        yield p
+# The ranks' checks are about the CPU layout (one host -> shm); with GPUs hidden they mean
+# the same on a GPU machine. GPU selection is tested below with a faked device count.
+pool = pool_fixture(2, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=60)
 
 
 def test_init_reads_torchrun_environment(pool):

@@ -17,7 +17,7 @@ from fastcomm.comm.launch_env import (
     missing_master,
     slurm_port,
 )
-from tests.harness import RankPool
+from tests.harness import pool_fixture
 
 TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
             "MASTER_PORT")
@@ -291,10 +291,7 @@ def check_refused(layouts: dict[int, dict[str, str]], via_torch: bool = False):
         _restore(saved)
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with RankPool(2, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=90) as p:
-        yield p
+pool = pool_fixture(2, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=90)
 
 
 def test_srun_variables_start_fastcomm_and_ddp(pool):

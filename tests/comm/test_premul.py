@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.harness import STATE, RankPool, rank_comm, rank_store
+from tests.harness import STATE, pool_fixture, rank_comm, rank_store
 
 FACTOR = 1.0 / 3.0
 # a 4 KiB slot holds 1024 float32s: sizes of one element, a prime, several chunks (not a
@@ -166,10 +166,7 @@ def check_mismatch_detected(name, numel):
 
 
 # ---------------------------------------------------------------------- tests (parent)
-@pytest.fixture(scope="module")
-def pool():
-    with RankPool(3, timeout=120) as p:
-        yield p
+pool = pool_fixture(3, timeout=120)
 
 
 def core_built() -> bool:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
 import pytest
 
 from fastcomm import Store, StoreTimeoutError
+from tests.harness import free_port
 
 
 @pytest.fixture(scope="module")
@@ -81,18 +81,12 @@ def test_unreachable_server_raises_with_address():
         Store("127.0.0.1", port, timeout=0.5)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.timeout(30)
 def test_refused_connections_are_retried_until_the_timeout_not_called_not_a_store():
     """Nothing listens at the port: torch's client needs ~7 s to give up on it with a 5 s
     timeout, which was then reported as "in use by a program that is not a store" -- the
     launcher takes that as final and a node started before the rendezvous host quit."""
-    port = _free_port()
+    port = free_port()
     start = time.monotonic()
     with pytest.raises(StoreTimeoutError) as info:
         Store("127.0.0.1", port, timeout=5, rank=1)
@@ -105,7 +99,7 @@ def test_refused_connections_are_retried_until_the_timeout_not_called_not_a_stor
 
 @pytest.mark.timeout(30)
 def test_a_server_that_starts_late_is_reached_within_the_timeout():
-    port = _free_port()
+    port = free_port()
     served = {}
     timer = threading.Timer(
         1.5, lambda: served.setdefault("s", Store("127.0.0.1", port, is_server=True, timeout=5))

@@ -20,7 +20,7 @@ from tests.ddp.common import (
     train_both,
     wrap_pair,
 )
-from tests.harness import RankPool, rank_comm
+from tests.harness import pool_fixture, rank_comm
 
 
 # ---------------------------------------------------------------------- checks (every rank)
@@ -187,10 +187,7 @@ def check_buckets_match_across_ranks():
 
 
 # ---------------------------------------------------------------------- pytest side
-@pytest.fixture(scope="module")
-def pool():
-    with RankPool(2, timeout=90) as p:
-        yield p
+pool = pool_fixture(2, timeout=90)
 
 
 def test_plain_mlp(pool):

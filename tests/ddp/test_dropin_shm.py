@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.ddp.common import assert_same_state, init_torch_dist, train_both
-from tests.harness import RankPool, rank_comm
+from tests.harness import pool_fixture, rank_comm
 
 
 # ---------------------------------------------------------------------- checks (every rank)
@@ -84,10 +84,7 @@ def check_closed_with_its_group():
 
 
 # ---------------------------------------------------------------------- pytest side
-@pytest.fixture(scope="module")
-def pool():
-    with RankPool(2, timeout=90) as p:
-        yield p
+pool = pool_fixture(2, timeout=90)
 
 
 @pytest.mark.parametrize("bucket_cap_mb", [25, 0.0002], ids=["one_bucket", "many_buckets"])

@@ -12,7 +12,7 @@ from torch import nn
 
 from fastcomm.ddp import DDP, DDPConfig
 from tests.ddp.common import batches, build, init_torch_dist, loss_of, rank, step
-from tests.harness import RankPool, rank_comm
+from tests.harness import pool_fixture, rank_comm
 
 
 def _expect(exc_type, fn, *args, **kwargs) -> str:
@@ -57,10 +57,7 @@ def check_hook_errors():
 
 
 # ---------------------------------------------------------------------- pytest side
-@pytest.fixture(scope="module")
-def pool():
-    with RankPool(2, timeout=90) as p:
-        yield p
+pool = pool_fixture(2, timeout=90)
 
 
 @pytest.mark.parametrize("kind", ["shape", "count"])

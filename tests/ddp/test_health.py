@@ -17,7 +17,7 @@ from torch import nn
 
 from fastcomm.ddp import DDP
 from tests.ddp.common import batches, build, loss_of, rank
-from tests.harness import RankPool, fresh_comm, rank_comm
+from tests.harness import fresh_comm, pool_fixture, rank_comm
 
 LAYOUTS = {  # bucket caps: one bucket, a few, one per parameter
     "one": {"bucket_cap_mb": 25},
@@ -184,10 +184,7 @@ def check_branch_skipped_on_one_rank(name: str):
 
 
 # ---------------------------------------------------------------------- pytest side
-@pytest.fixture(scope="module")
-def pool():
-    with RankPool(2, timeout=120) as p:
-        yield p
+pool = pool_fixture(2, timeout=120)
 
 
 @pytest.mark.parametrize("hook_name", HOOKS)

@@ -24,7 +24,7 @@ from tests.ddp.common import (
     step,
     wrap_pair,
 )
-from tests.harness import RankPool, rank_comm
+from tests.harness import pool_fixture, rank_comm
 
 
 def _hook_and_state(name: str, comm, *, powersgd_rank: int = 2, powersgd_start: int = 3):
@@ -184,13 +184,10 @@ def train_classifier(hook_name: str, steps: int = 600) -> float:
 
 
 # ---------------------------------------------------------------------- pytest side
-@pytest.fixture(scope="module")
-def pool():
-    # CPU ranks: GPUs hidden because torch's own powerSGD_hook calls torch.cuda.synchronize()
-    # on the bucket's device whenever CUDA is available, which raises "Expected a cuda device,
-    # but got: cpu" for CPU gradients (torch DDP alike); its CUDA run is in test_gpu.py
-    with RankPool(2, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120) as p:
-        yield p
+# CPU ranks: GPUs hidden because torch's own powerSGD_hook calls torch.cuda.synchronize()
+# on the bucket's device whenever CUDA is available, which raises "Expected a cuda device,
+# but got: cpu" for CPU gradients (torch DDP alike); its CUDA run is in test_gpu.py
+pool = pool_fixture(2, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
 
 
 @pytest.mark.parametrize(

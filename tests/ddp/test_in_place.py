@@ -21,7 +21,7 @@ from tests.ddp import test_ddp as base
 from tests.ddp import test_dropin_shm as dropin
 from tests.ddp import test_torch_parity as parity
 from tests.ddp.common import build
-from tests.harness import RankPool, rank_comm
+from tests.harness import pool_fixture, rank_comm
 
 SMALL_THRESHOLD = 512  # bytes: the test models' weights are above it, their biases below
 # Gloo does not fold the PremulSum, so by default it takes a bucket in place only as one
@@ -193,11 +193,8 @@ def check_norm_from_write_back():
 
 
 # ---------------------------------------------------------------------- tests (parent)
-@pytest.fixture(scope="module")
-def pool():
-    # the in-place path is what runs where the buckets are not shared (shm's default: shared)
-    with RankPool(2, env={"FASTCOMM_DDP_SHARED_BUCKETS": "0"}, timeout=90) as p:
-        yield p
+# the in-place path is what runs where the buckets are not shared (shm's default: shared)
+pool = pool_fixture(2, env={"FASTCOMM_DDP_SHARED_BUCKETS": "0"}, timeout=90)
 
 
 BASE_CHECKS = [

@@ -31,7 +31,7 @@ from tests.ddp.common import (
     train_both,
     wrap_pair,
 )
-from tests.harness import RankPool, rank_comm
+from tests.harness import pool_fixture, rank_comm
 
 
 def _allreduce_then_hook(state, bucket):
@@ -427,10 +427,7 @@ def check_compile(option: str):
 
 
 # ---------------------------------------------------------------------- pytest side
-@pytest.fixture(scope="module")
-def pool():
-    with RankPool(2, timeout=180) as p:
-        yield p
+pool = pool_fixture(2, timeout=180)
 
 
 @pytest.mark.parametrize("bucket_view", [False, True])

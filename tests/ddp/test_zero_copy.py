@@ -30,7 +30,7 @@ from tests.ddp.common import (
     step,
     wrap_pair,
 )
-from tests.harness import RankPool, rank_comm
+from tests.harness import pool_fixture, rank_comm
 
 TIMEOUT = 30.0
 
@@ -208,12 +208,9 @@ def check_rank_killed_mid_step(name: str):
 
 
 # ---------------------------------------------------------------------- tests (pytest side)
-@pytest.fixture(scope="module")
-def pool():
-    # the test models' gradients are tiny: share their buckets anyway (shared.py's default
-    # shares only models whose gradients average 16 KiB or more)
-    with RankPool(2, env={"FASTCOMM_DDP_SHARED_MIN_MEAN_BYTES": "0"}, timeout=120) as pool:
-        yield pool
+# the test models' gradients are tiny: share their buckets anyway (shared.py's default
+# shares only models whose gradients average 16 KiB or more)
+pool = pool_fixture(2, env={"FASTCOMM_DDP_SHARED_MIN_MEAN_BYTES": "0"}, timeout=120)
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])

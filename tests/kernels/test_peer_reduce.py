@@ -103,7 +103,17 @@ def test_nan_propagates_through_max_and_min(device, op):
 
 
 def test_empty_buffers_are_a_no_op(device):
-    peer_reduce([torch.empty(0, device=device)] * 2, [torch.empty(0, device=device)])
+    """Empty views into filled buffers: the call returns and no byte around them changes (a
+    launch at their addresses would write the neighbours); their arguments are still checked."""
+    src_base = torch.arange(8.0, device=device)
+    dst_base = torch.full((8,), 7.0, device=device)
+    srcs, dst = [src_base[2:2], src_base[5:5]], dst_base[4:4]
+    assert peer_reduce(srcs, [dst]) is None
+    assert peer_reduce(srcs, [dst], op="max") is None
+    torch.testing.assert_close(dst_base.cpu(), torch.full((8,), 7.0), atol=0, rtol=0)
+    torch.testing.assert_close(src_base.cpu(), torch.arange(8.0), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="op"):
+        peer_reduce(srcs, [dst], op="product")
 
 
 def test_fp64_computes_in_fp64(device):

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -82,13 +81,6 @@ def script(directory: Path, name: str, body: str) -> Path:
     path = directory / name
     path.write_text(textwrap.dedent(body).lstrip())
     return path
-
-
-def free_port() -> int:
-    """A port that was free a moment ago (the race with other processes is accepted)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def alive(pid: int) -> bool:

@@ -22,7 +22,9 @@ import re
 
 import pytest
 
-from ._util import TORCHRUN, clean_env, free_port, run, script
+from tests.harness import free_port
+
+from ._util import TORCHRUN, clean_env, run, script
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -12,7 +12,9 @@ import sys
 
 import pytest
 
-from ._util import LAUNCHED_DDP, clean_env, free_port, script
+from tests.harness import free_port
+
+from ._util import LAUNCHED_DDP, clean_env, script
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,7 +10,9 @@ import time
 
 import pytest
 
-from ._util import clean_env, finish, free_port, kill_all, script, start, wait_files, wait_gone
+from tests.harness import free_port
+
+from ._util import clean_env, finish, kill_all, script, start, wait_files, wait_gone
 
 RECORD = """
     import json, os, sys, time

@@ -15,7 +15,6 @@ late.
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from collections import Counter
@@ -29,7 +28,7 @@ import torch.distributed as dist
 import fastcomm  # noqa: F401 - registers the backend
 from fastcomm.comm.c10d import FastcommProcessGroup
 from fastcomm.comm.types import BitwiseOp, PremulSum, ReduceOp
-from tests.harness import STATE, RankPool, rank_comm, rank_store
+from tests.harness import STATE, env_rank, env_world, pool_fixture, rank_comm, rank_store
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -49,19 +48,11 @@ _TORCH_FNS = {
 }
 
 
-def _rank() -> int:
-    return int(os.environ["RANK"])
-
-
-def _world() -> int:
-    return int(os.environ["WORLD_SIZE"])
-
-
 def _groups():
     """``(fastcomm group, gloo group)`` of this rank, made once per pool."""
     if "dtype_groups" not in STATE:
         store = dist.PrefixStore("c10d-dtypes", rank_store().torch_store)
-        dist.init_process_group("fastcomm", store=store, rank=_rank(), world_size=_world(),
+        dist.init_process_group("fastcomm", store=store, rank=env_rank(), world_size=env_world(),
                                 timeout=timedelta(seconds=60))
         STATE["dtype_groups"] = (dist.group.WORLD, dist.new_group(backend="gloo"))
     return STATE["dtype_groups"]
@@ -101,11 +92,11 @@ def _reference(dtype: torch.dtype, op: str) -> torch.Tensor:
     """torch's reduction of every rank's term in rank order (``AVG``: truncating division)."""
     fn = _TORCH_FNS[op]
     out = _terms(0, dtype)
-    for q in range(1, _world()):
+    for q in range(1, env_world()):
         out = fn(out, _terms(q, dtype))
     if op == "AVG":
-        out = out.div(_world(), rounding_mode="trunc") if not out.is_floating_point() \
-            else out.div(_world())
+        out = out.div(env_world(), rounding_mode="trunc") if not out.is_floating_point() \
+            else out.div(env_world())
     return out
 
 
@@ -117,14 +108,14 @@ def _outcome(call) -> tuple[str, object]:
 
 
 def _run_pair(kind: str, dtype: torch.dtype, op: str, group) -> tuple[str, object]:
-    t = _terms(_rank(), dtype)
+    t = _terms(env_rank(), dtype)
     reduce_op = getattr(dist.ReduceOp, op)
 
     def call():
         if kind == "all_reduce":
             dist.all_reduce(t, op=reduce_op, group=group, async_op=True).wait()
         else:
-            dist.reduce(t, dst=_world() - 1, op=reduce_op, group=group, async_op=True).wait()
+            dist.reduce(t, dst=env_world() - 1, op=reduce_op, group=group, async_op=True).wait()
         return t
 
     return _outcome(call)
@@ -142,11 +133,11 @@ def check_every_pair(kind: str):
                 mine = _run_pair(kind, dtype, op, fast)
                 dist.barrier(fast)
                 name = f"{kind}({str(dtype).removeprefix('torch.')}, {op})"
-                root_or_all = kind == "all_reduce" or _rank() == _world() - 1
+                root_or_all = kind == "all_reduce" or env_rank() == env_world() - 1
                 if theirs[0] == "ok":
                     assert mine[0] == "ok", f"{name}: Gloo reduces it, fastcomm: {mine[1]}"
                     # a reduce's non-roots: Gloo leaves a partial result, fastcomm the input
-                    want = theirs[1] if root_or_all else _terms(_rank(), dtype)
+                    want = theirs[1] if root_or_all else _terms(env_rank(), dtype)
                     # torch hands Gloo a complex reduce as complex (its AVG divides with
                     # complex arithmetic), the contract reduces the real view: x / 3 may
                     # differ in the last bit
@@ -157,7 +148,7 @@ def check_every_pair(kind: str):
                 elif (dtype in _EXTENDED or (op == "AVG" and not dtype.is_floating_point
                                              and dtype is not torch.bool)) \
                         and mine[0] == "ok":
-                    want = _reference(dtype, op) if root_or_all else _terms(_rank(), dtype)
+                    want = _reference(dtype, op) if root_or_all else _terms(env_rank(), dtype)
                     torch.testing.assert_close(mine[1], want, rtol=0, atol=0,
                                                msg=f"{name}: values differ from torch's")
                     report[name] = "torch's values"
@@ -177,7 +168,7 @@ def check_many_tensors():
     refuses, and ``AVG``: torch's sum of every tensor of every rank, on the root's
     ``rootTensor``, over the ranks)."""
     fast, gloo = _groups()
-    rank, world = _rank(), _world()
+    rank, world = env_rank(), env_world()
     last = world - 1
 
     def tensors(dtype=torch.float32, count=3):
@@ -306,7 +297,7 @@ class _Model(torch.nn.Module):
 def _ddp_double_backward(group) -> tuple[list, list]:
     model = _Model()
     ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
-    x = torch.linspace(0.0, 1.0, 12).reshape(2, 6) + _rank()
+    x = torch.linspace(0.0, 1.0, 12).reshape(2, 6) + env_rank()
     with warnings.catch_warnings():  # torch warns that create_graph is not well supported
         warnings.simplefilter("ignore")
         ddp(x).backward(create_graph=True)
@@ -328,12 +319,12 @@ def check_ddp_create_graph():
     assert not forwarded, forwarded
     # 3 ranks: Gloo's ring adds an element's terms in an order set by its place in the ring's
     # chunks, the shm communicator in rank order: the last bit may differ
-    exact = _world() <= 2
+    exact = env_world() <= 2
     for a, b in zip(got[0] + got[1], want[0] + want[1], strict=True):
         torch.testing.assert_close(a, b, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-7)
     t = torch.ones(3)
     dist.all_reduce(t, group=fast)  # the communicator still works
-    assert t.tolist() == [float(_world())] * 3
+    assert t.tolist() == [float(env_world())] * 3
     return "ok"
 
 
@@ -343,7 +334,7 @@ def check_communicator_tracked_tensors():
     graph left as it was, nothing recorded."""
     fast, _ = _groups()
     comm = fast.communicator
-    rank, world = _rank(), _world()
+    rank, world = env_rank(), env_world()
 
     def pair(fn, make):
         plain, leaf = make(), make().requires_grad_(True)
@@ -390,7 +381,7 @@ def check_sync_handles():
     held = id(fast.allreduce([a], opts))  # dropped at once
     again = fast.allreduce([b], opts)
     assert id(again) == held and again.result()[0] is b
-    assert a.tolist() == [_world() ** 2] * 2 and b.tolist() == [_world() ** 2] * 3
+    assert a.tolist() == [env_world() ** 2] * 2 and b.tolist() == [env_world() ** 2] * 3
     return "ok"
 
 
@@ -401,7 +392,7 @@ def check_monitored_barrier():
     naming it, so do the ranks that waited for rank 0's verdict, and the late ones when they
     come; the group's barrier works afterwards. torch's own call refuses the backend by name."""
     fast, gloo = _groups()
-    rank, world = _rank(), _world()
+    rank, world = env_rank(), env_world()
     fastcomm.monitored_barrier(fast, timedelta(seconds=10))
     fast.monitored_barrier(timedelta(seconds=10), wait_all_ranks=True)
     fastcomm.monitored_barrier(gloo, timedelta(seconds=10))  # torch's, for a Gloo group
@@ -423,10 +414,7 @@ def check_monitored_barrier():
 
 
 # ---------------------------------------------------------------------- the checks
-@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
-def pool(request):
-    with RankPool(request.param, timeout=280, env={"OMP_NUM_THREADS": "1"}) as p:
-        yield p
+pool = pool_fixture([2, 3], env={"OMP_NUM_THREADS": "1"}, timeout=280)
 
 
 @pytest.mark.parametrize("kind", ["all_reduce", "reduce"])

@@ -32,7 +32,7 @@ from fastcomm.comm import (
 from fastcomm.comm.shm.core import BUILT
 from fastcomm.comm.shm.rounds import pair_words
 from fastcomm.comm.shm.segment import Layout
-from tests.harness import RankPool, rank_store
+from tests.harness import pool_fixture, rank_store
 
 if BUILT:  # the extension itself, driven directly
     from fastcomm.comm.shm import _core as core
@@ -329,10 +329,7 @@ def check_sleeper_announces_itself(name: str, compiled: bool):
 
 
 # ------------------------------------------------------------------ pytest side
-@pytest.fixture(scope="module")
-def pool():
-    with RankPool(2, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=90) as p:
-        yield p
+pool = pool_fixture(2, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=90)
 
 
 @pytest.mark.parametrize("sides", list(SIDES), ids=str)

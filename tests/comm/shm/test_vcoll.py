@@ -17,17 +17,13 @@ import torch
 
 from fastcomm.comm.shm import ShmCommunicator, ShmOptions
 from fastcomm.comm.vcoll import SizesDisagreement
-from tests.harness import STATE, RankPool, rank_comm, rank_store
+from tests.harness import STATE, env_rank, pool_fixture, rank_comm, rank_store
 
 pytestmark = pytest.mark.timeout(180)
 
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32",
           "int64", "bool", "complex64", "uint16"]
 SMALL = dict(slot_bytes=4096, one_shot_max=1024, mbox_bytes=4096)
-
-
-def _rank() -> int:
-    return int(os.environ["RANK"])
 
 
 def _comm(backend: str):
@@ -37,7 +33,7 @@ def _comm(backend: str):
         return rank_comm(backend)
     comm = STATE.get(backend)
     if comm is None or comm.closed:
-        rank = _rank()
+        rank = env_rank()
         STATE["gen"] = STATE.get("gen", 0) + 1
         options = ShmOptions(**SMALL) if backend == "shm_small" else ShmOptions(
             compiled=rank % 2 == 0)
@@ -62,7 +58,7 @@ def _piece(q: int, r: int, scale: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def check_all_to_all_v(backend: str, dtype_name: str, scale: int, async_op: bool):
-    comm, me = _comm(backend), _rank()
+    comm, me = _comm(backend), env_rank()
     n = comm.size
     dtype = getattr(torch, dtype_name)
     inputs = [_piece(me, r, scale, dtype) for r in range(n)]
@@ -78,7 +74,7 @@ def check_all_to_all_v(backend: str, dtype_name: str, scale: int, async_op: bool
 def check_all_to_all_split(backend: str, scale: int, in_place: bool):
     """Row blocks of one tensor each side (torch's all_to_all_single with split sizes), rows of
     width 3; in place: one tensor as both (equal splits both ways)."""
-    comm, me = _comm(backend), _rank()
+    comm, me = _comm(backend), env_rank()
     n = comm.size
     sends = [_numel(me, r, scale) for r in range(n)]
     recvs = [_numel(q, me, scale) for q in range(n)]
@@ -98,7 +94,7 @@ def check_all_to_all_split(backend: str, scale: int, in_place: bool):
 
 
 def check_gather_scatter(backend: str, dtype_name: str, scale: int, root: int):
-    comm, me = _comm(backend), _rank()
+    comm, me = _comm(backend), env_rank()
     n = comm.size
     dtype = getattr(torch, dtype_name)
     mine = _piece(me, root, scale, dtype)
@@ -115,7 +111,7 @@ def check_gather_scatter(backend: str, dtype_name: str, scale: int, root: int):
 
 
 def check_all_gather_and_reduce_scatter_v(backend: str, scale: int):
-    comm, me = _comm(backend), _rank()
+    comm, me = _comm(backend), env_rank()
     n = comm.size
     sizes = [_numel(q, 0, scale) + q for q in range(n)]
     outs = [torch.empty(sizes[q], dtype=torch.int32) for q in range(n)]
@@ -137,7 +133,7 @@ def check_all_gather_and_reduce_scatter_v(backend: str, scale: int):
 def check_disagreement(backend: str, what: str):
     """Both ranks raise ``SizesDisagreement`` with the same text; the communicator still
     works."""
-    comm, me = _comm(backend), _rank()
+    comm, me = _comm(backend), env_rank()
     n = comm.size
     with pytest.raises(SizesDisagreement) as info:
         if what == "size":
@@ -172,7 +168,7 @@ def check_bad_input():
 
 def check_overlap():
     """An all_to_all_v whose outputs alias its inputs (one buffer, in place)."""
-    comm, me = _comm("shm"), _rank()
+    comm, me = _comm("shm"), env_rank()
     n = comm.size
     buf = torch.arange(n * 3, dtype=torch.float32) + 100 * me
     pieces = list(buf.split(3))
@@ -191,7 +187,7 @@ def check_compiled_core_taken():
     if not core.BUILT:
         pytest.skip("the compiled core was not built")
     taken = []
-    me, n = _rank(), int(os.environ["WORLD_SIZE"])
+    me, n = env_rank(), int(os.environ["WORLD_SIZE"])
     for backend, scale in (("shm", 1), ("shm_small", 1500)):
         v = _comm(backend)._v
         pieces = [_numel(me, r, scale) * 4 for r in range(n) if r != me and _numel(me, r, scale)]
@@ -207,10 +203,7 @@ def check_compiled_core_taken():
     return "ok"
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
-def pool(request):
-    with RankPool(request.param, timeout=120, env={"OMP_NUM_THREADS": "1"}) as p:
-        yield p
+pool = pool_fixture([2, 3], env={"OMP_NUM_THREADS": "1"}, timeout=120)
 
 
 BACKENDS = ["shm", "shm_small", "shm_mixed", "gloo", "hier"]

@@ -26,8 +26,8 @@ from fastcomm import ReduceOp
 from fastcomm.comm import SUPPORTED_DTYPES, FastcommError, ShmCommunicator, ShmOptions
 from fastcomm.comm.shm import core
 from fastcomm.comm.types import PremulSum
-from tests.comm.test_shm import SMALL, exact, fold
-from tests.harness import STATE, RankPool, rank_store
+from tests.comm.shm.test_communicator import SMALL, exact, fold
+from tests.harness import STATE, pool_fixture, rank_store
 
 RAISE_WITHIN_S = 1.0
 SLOT = SMALL["slot_bytes"]
@@ -376,10 +376,7 @@ def check_resumes_for_every_op(name: str) -> dict:
 
 
 # ------------------------------------------------------------------ pytest side
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"world{n}")
-def pool(request):
-    with RankPool(request.param, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=60) as p:
-        yield p
+pool = pool_fixture([2, 3], env={"CUDA_VISIBLE_DEVICES": ""}, timeout=60)
 
 
 def _assert_all_raised(outcome_per_rank: list, names: list[str], what: str) -> None:

@@ -12,7 +12,6 @@ never sends; and torch's pipelining schedules trained on each backend to the sam
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from contextlib import contextmanager
 from datetime import timedelta
@@ -22,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import fastcomm  # noqa: F401 - registers the backend
-from tests.harness import STATE, RankPool, rank_store
+from tests.harness import STATE, RankPool, env_rank, env_world, rank_store
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -30,19 +29,11 @@ DTYPES = ["float32", "float64", "bfloat16", "float16", "int64", "int32", "int16"
           "uint8", "bool", "complex64", "complex128"]
 
 
-def _rank() -> int:
-    return int(os.environ["RANK"])
-
-
-def _world() -> int:
-    return int(os.environ["WORLD_SIZE"])
-
-
 def _groups():
     """``(fastcomm default group, Gloo group)``, made once per rank."""
     if "p2p_groups" not in STATE:
         store = dist.PrefixStore("c10d-p2p", rank_store().torch_store)
-        dist.init_process_group("fastcomm", rank=_rank(), world_size=_world(), store=store,
+        dist.init_process_group("fastcomm", rank=env_rank(), world_size=env_world(), store=store,
                                 timeout=timedelta(seconds=60))
         STATE["p2p_groups"] = (dist.group.WORLD, dist.new_group(backend="gloo"))
     return STATE["p2p_groups"]
@@ -89,7 +80,7 @@ def _value(rank: int, numel: int, dtype: torch.dtype, salt: int = 0) -> torch.Te
 def _calls(group, dtype: torch.dtype, numel: int) -> list[torch.Tensor]:
     """Every p2p call on ``group``: a ring of send/recv, of isend/irecv, of one batch; any-source
     receives on rank 0; a non-contiguous tensor each way. Returns what this rank received."""
-    r, n = _rank(), _world()
+    r, n = env_rank(), env_world()
     nxt, prv = (r + 1) % n, (r - 1) % n
     got = []
     out = torch.empty(numel, dtype=dtype)
@@ -137,7 +128,7 @@ def _calls(group, dtype: torch.dtype, numel: int) -> list[torch.Tensor]:
 
 
 def _expected(dtype: torch.dtype, numel: int) -> list[torch.Tensor]:
-    r, n = _rank(), _world()
+    r, n = env_rank(), env_world()
     nxt, prv = (r + 1) % n, (r - 1) % n
     want = [_value(prv, numel, dtype, 1), _value(prv, numel, dtype, 2),
             _value(prv, numel, dtype, 3), _value(nxt, numel, dtype, 4)]
@@ -159,11 +150,11 @@ def check_calls_against_gloo(dtype_name: str, numel: int):
     for a, b, c in zip(mine, theirs, want, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b), (dtype_name, a, b)
         assert torch.equal(a, c.to(a.dtype))
-    n = _world()
-    sends = 1 + 1 + 2 + (0 if _rank() == 0 else 1) + 1
+    n = env_world()
+    sends = 1 + 1 + 2 + (0 if env_rank() == 0 else 1) + 1
     recvs = 1 + 1 + 2 + 1
     expected = {"send": sends, "recv": recvs}
-    if _rank() == 0:
+    if env_rank() == 0:
         expected |= {"recv_anysource": n - 1}
     assert dict(calls) == expected, calls  # nothing handed to Gloo, no coalescing
     return "ok"
@@ -172,7 +163,7 @@ def check_calls_against_gloo(dtype_name: str, numel: int):
 def check_tags_out_of_order(numel: int):
     """Rank 0 sends tags 1, 2, 3 to rank 1, which receives 3, 1 then 2 (sync and async)."""
     fast, _ = _groups()
-    r = _rank()
+    r = env_rank()
     if r == 0:
         for tag in (1, 2, 3):
             dist.isend(_value(0, numel, torch.float32, tag), 1, group=fast, tag=tag)
@@ -199,7 +190,7 @@ def check_any_source_sources():
     """Every rank but 0 sends its rank to 0 twice under two tags; rank 0 receives tag 2 from any
     source first, and ``irecv(src=None)``'s work reports the sender."""
     fast, _ = _groups()
-    r, n = _rank(), _world()
+    r, n = env_rank(), env_world()
     if r:
         dist.send(torch.tensor([r, 1]), 0, group=fast, tag=1)
         dist.send(torch.tensor([r, 2]), 0, group=fast, tag=2)
@@ -220,7 +211,7 @@ def check_mismatch(kind: str):
     """Rank 0 sends, rank 1 receives another size (or dtype): both raise, naming both; then
     the pair still works."""
     fast, _ = _groups()
-    r = _rank()
+    r = env_rank()
     message = None
     if r == 0:
         dist.send(torch.ones(10), 1, group=fast)
@@ -251,7 +242,7 @@ def check_mismatch(kind: str):
 def check_large_both_ways(mib: int):
     """One batch of ``mib`` MiB each way between every pair of neighbours."""
     fast, gloo = _groups()
-    r, n = _rank(), _world()
+    r, n = env_rank(), env_world()
     numel = mib << 18
     results = []
     for group in (fast, gloo):
@@ -276,7 +267,7 @@ def check_peer_never_sends(timeout_s: float):
     _groups()
     group = dist.new_group(timeout=timedelta(seconds=timeout_s))
     message = None
-    if _rank() == 0:
+    if env_rank() == 0:
         work = dist.irecv(torch.empty(2), 1, group=group)
         with pytest.raises(TimeoutError, match="passed after"):  # this wait's own limit
             work.wait(timedelta(seconds=0.2))
@@ -288,7 +279,7 @@ def check_peer_never_sends(timeout_s: float):
         with pytest.raises(RuntimeError) as again:  # and stays failed
             work.wait()
         assert str(again.value) == message and work.is_completed() and not work.is_success()
-    rank_store().barrier(f"p2p-never/{STATE.setdefault('never', 0)}", _world(), 60)
+    rank_store().barrier(f"p2p-never/{STATE.setdefault('never', 0)}", env_world(), 60)
     STATE["never"] += 1
     dist.destroy_process_group(group)
     return message
@@ -300,7 +291,7 @@ def _pipeline(backend_group, schedule_name: str, steps: int = 3):
     parameters and losses."""
     from torch.distributed.pipelining import PipelineStage, schedules
 
-    r, n = _rank(), _world()
+    r, n = env_rank(), env_world()
     per_rank = 2 if schedule_name == "ScheduleInterleaved1F1B" else 1
     stages_total = n * per_rank
     width, layers_per_stage = 16, 2
@@ -426,13 +417,13 @@ def check_send_to_self():
     """``isend`` to this rank (torch's ``isend`` lets it through; Gloo fails it with "Pair is
     not connected"): a ValueError naming the rank and the peer, before anything is sent."""
     fast, _ = _groups()
-    r = _rank()
+    r = env_rank()
     with pytest.raises(ValueError) as info:
         dist.isend(torch.ones(5), r, group=fast)
     assert str(info.value).startswith(f"rank {r}: send: peer rank {r} must be another rank")
     out = torch.ones(2)  # nothing was sent: the group still works
     dist.all_reduce(out, group=fast)
-    assert out.tolist() == [float(_world())] * 2
+    assert out.tolist() == [float(env_world())] * 2
     return "ok"
 
 

@@ -23,7 +23,7 @@ from fastcomm.comm import CommAbortedError
 from fastcomm.comm import reduction as _reduction
 from fastcomm.comm.shm import segment as _shm_segment
 from fastcomm.comm.shm.segment import SHM_DIR, sweep_stale
-from tests.harness import RankPool, fresh_comm
+from tests.harness import fresh_comm, pool_fixture
 
 TIMEOUT = 30.0  # setup and the communicators' timeout; detection must be far quicker
 OP_TIMEOUT = 2.0  # where the timeout is the thing tested, and the missing rank truly absent
@@ -192,10 +192,7 @@ def check_setup_killed_before_unlink(name):
 
 
 # ------------------------------------------------------------------ pytest side
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"world{n}")
-def pool(request):
-    with RankPool(request.param, timeout=60) as p:
-        yield p
+pool = pool_fixture([2, 3], timeout=60)
 
 
 def test_rank_that_raises_mid_collective_fails_the_others_fast(pool, unique_name):

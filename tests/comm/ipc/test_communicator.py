@@ -30,7 +30,7 @@ import torch
 from fastcomm import CommTimeoutError, ReduceOp
 from fastcomm.comm.shm.segment import PREFIX, SHM_DIR
 from tests.comm.test_collectives import make_input, reduce_reference
-from tests.harness import INTERPRETED_KERNELS, STATE, RankPool, fresh_comm, rank_store
+from tests.harness import INTERPRETED_KERNELS, STATE, fresh_comm, pool_fixture, rank_store
 
 pytestmark = [
     pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs POSIX shared memory"),
@@ -281,21 +281,13 @@ def test_reference_reduce_matches_the_kernel_reference_bit_for_bit(monkeypatch, 
             assert _bits(aliased[0]) == _bits(want), (dtype, n, name, "aliased")
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"world{n}")
-def pool(request):
-    """Ranks whose CPU reduction is the kernel, interpreted (even on a CUDA machine)."""
-    with RankPool(request.param, env=INTERPRETED_KERNELS, timeout=120) as p:
-        yield p
+# Ranks whose CPU reduction is the kernel, interpreted (even on a CUDA machine).
+pool = pool_fixture([2, 3, 4], env=INTERPRETED_KERNELS, timeout=120)
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"world{n}")
-def cuda_pool(request):
-    """Ranks sharing GPU 0 with triton compiled: the CUDA transport's kernels cannot run in
-    the interpreter of `pool`'s ranks (it cannot follow device addresses)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    with RankPool(request.param, env={"CUDA_VISIBLE_DEVICES": "0"}, timeout=300) as p:
-        yield p
+# Ranks sharing GPU 0 with triton compiled: the CUDA transport's kernels cannot run in
+# the interpreter of `pool`'s ranks (it cannot follow device addresses).
+cuda_pool = pool_fixture([2, 3, 4], env={"CUDA_VISIBLE_DEVICES": "0"}, timeout=300, needs_cuda=True)
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
@@ -328,7 +320,7 @@ def test_a_rank_that_never_arrives_makes_the_others_raise_naming_it(pool, unique
 
 def test_cuda_transport_failure_means_gloo_with_one_log_line(pool, unique_name):
     if torch.cuda.is_available():
-        pytest.skip("CUDA is present: the transport may well build (tests/comm/test_ipc_cuda)")
+        pytest.skip("CUDA is present: the transport may well build (tests/comm/ipc/test_cuda.py)")
     for transport, again, lines, total in pool.run(
         check_cuda_transport_unavailable_falls_back, unique_name
     ):

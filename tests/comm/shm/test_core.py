@@ -1,6 +1,6 @@
 """The shm communicator's compiled core on its own: reductions against torch, bit for bit, and
 its argument checks. The protocol (waits, resumes, mismatches) runs on real ranks in
-``test_shm.py``; here one process calls the module's functions on tensors' memory."""
+``shm/test_communicator.py``; here one process calls the module's functions on tensors' memory."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import fastcomm
 from fastcomm import ReduceOp
 from fastcomm.comm import HierCommunicator
 from tests.comm import test_collectives as generic
-from tests.harness import STATE, RankPool, rank_comm
+from tests.harness import STATE, pool_fixture, rank_comm
 
 LAYOUTS = {4: ["a", "b", "a", "b"], 3: ["a", "a", "b"]}
 
@@ -99,13 +99,12 @@ def check_shutdown_joins_gloo_threads():
     return comm.is_leader, bool(during), sorted(left), t[0].item()
 
 
-@pytest.fixture(scope="module", params=[4, 3], ids=lambda n: f"world{n}")
-def pool(request):
-    # CPU tensors on simulated hosts; GPUs hidden so that init()'s choice checked below is the
-    # CPU one on any machine (NCCL selection is tested in test_init.py with faked devices)
-    with RankPool(request.param, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=90) as p:
-        p.run(set_host, LAYOUTS[request.param])
-        yield p
+# CPU tensors on simulated hosts; GPUs hidden so that init()'s choice checked below is the
+# CPU one on any machine (NCCL selection is tested in test_init.py with faked devices)
+pool = pool_fixture(
+    [4, 3], env={"CUDA_VISIBLE_DEVICES": ""}, timeout=90,
+    setup=lambda pool: pool.run(set_host, LAYOUTS[pool.world_size]),
+)
 
 
 def test_topology(pool):

@@ -19,7 +19,7 @@ from fastcomm import ReduceOp
 from fastcomm.comm import SUPPORTED_DTYPES, ShmCommunicator, ShmOptions
 from fastcomm.comm.shm import core
 from tests.comm.test_collectives import make_input, reduce_reference
-from tests.harness import STATE, RankPool, rank_store
+from tests.harness import STATE, pool_fixture, rank_store
 
 SMALL = dict(slot_bytes=4096, one_shot_max=1024, mbox_bytes=4096)
 
@@ -374,12 +374,9 @@ def check_ddp_uses_shm_world():
 
 
 # ------------------------------------------------------------------ pytest side
-@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"world{n}")
-def pool(request):
-    # CPU tensors only; GPUs hidden so that init() picks shm on any machine, as checked below
-    # (NCCL selection is tested in test_init.py with faked devices)
-    with RankPool(request.param, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=90) as p:
-        yield p
+# CPU tensors only; GPUs hidden so that init() picks shm on any machine, as checked below
+# (NCCL selection is tested in test_init.py with faked devices)
+pool = pool_fixture([2, 3, 4], env={"CUDA_VISIBLE_DEVICES": ""}, timeout=90)
 
 
 @pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=str)

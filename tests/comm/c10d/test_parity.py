@@ -26,13 +26,9 @@ import torch.distributed as dist
 from torch import nn
 
 import fastcomm  # noqa: F401 - registers the backend
-from tests.harness import STATE, RankPool, rank_store
+from tests.harness import STATE, env_rank, pool_fixture, rank_store
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _rank() -> int:
-    return int(os.environ["RANK"])
 
 
 def _groups():
@@ -40,7 +36,7 @@ def _groups():
     if "c10d_groups" not in STATE:
         world = int(os.environ["WORLD_SIZE"])
         store = dist.PrefixStore("c10d-parity", rank_store().torch_store)
-        dist.init_process_group("fastcomm", store=store, rank=_rank(), world_size=world,
+        dist.init_process_group("fastcomm", store=store, rank=env_rank(), world_size=world,
                                 timeout=timedelta(seconds=60))
         STATE["c10d_groups"] = (dist.group.WORLD, dist.new_group(backend="gloo"))
     return STATE["c10d_groups"]
@@ -60,7 +56,7 @@ def _mlp(seed: int = 0, width: int = 24, depth: int = 4) -> nn.Sequential:
 
 
 def _batches(steps: int, width: int = 24):
-    g = torch.Generator().manual_seed(100 + _rank())
+    g = torch.Generator().manual_seed(100 + env_rank())
     return [torch.randn(8, width, generator=g) for _ in range(steps)]
 
 
@@ -144,11 +140,11 @@ def check_zero():
             opt.step()
         opt.consolidate_state_dict(to=0)
         params.append(torch.cat([p.detach().view(-1) for p in model.parameters()]))
-        if _rank() == 0:
+        if env_rank() == 0:
             state = opt.state_dict()["state"]
             states.append(torch.cat([state[i]["exp_avg"].view(-1) for i in sorted(state)]))
     _same(*params)
-    if _rank() == 0:
+    if env_rank() == 0:
         _same(*states)
     return "ok"
 
@@ -161,9 +157,9 @@ def check_checkpoint_across_backends():
 
     fc, gloo = _groups()
     world = dist.get_world_size()
-    folder = tempfile.mkdtemp() if _rank() == 0 else None
+    folder = tempfile.mkdtemp() if env_rank() == 0 else None
     folder = rank_store().broadcast_object(f"c10d-dcp/{STATE.setdefault('dcp', 0)}", folder,
-                                           is_source=_rank() == 0)
+                                           is_source=env_rank() == 0)
     STATE["dcp"] += 1
     full = torch.randn(world * 4, 3, generator=torch.Generator().manual_seed(7))
     try:
@@ -181,16 +177,13 @@ def check_checkpoint_across_backends():
             assert target["w"].full_tensor().equal(full) and int(target["step"]) == 5
     finally:
         dist.barrier(group=gloo)  # every rank has read the checkpoint before it goes
-        if _rank() == 0:
+        if env_rank() == 0:
             shutil.rmtree(folder, ignore_errors=True)
     return "ok"
 
 
 # ---------------------------------------------------------------------- the checks
-@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
-def pool(request):
-    with RankPool(request.param, timeout=200, env={"OMP_NUM_THREADS": "1"}) as p:
-        yield p
+pool = pool_fixture([2, 3], env={"OMP_NUM_THREADS": "1"}, timeout=200)
 
 
 def test_torch_ddp(pool):

@@ -13,7 +13,6 @@ group's timeout), and ``fastcomm.ddp.DDP`` on a group of this backend (no second
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,17 +28,9 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import fastcomm  # noqa: F401 - registers the backend
-from tests.harness import STATE, RankPool, rank_store
+from tests.harness import STATE, env_rank, env_world, free_port, pool_fixture, rank_store
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def _rank() -> int:
-    return int(os.environ["RANK"])
-
-
-def _world() -> int:
-    return int(os.environ["WORLD_SIZE"])
 
 
 def _store(name: str) -> dist.Store:
@@ -55,7 +46,8 @@ def _reinit(backend: str = "fastcomm", name: str = "main", timeout: float = 60, 
     if "init_method" not in kwargs:
         kwargs["store"] = _store(name)
     dist.init_process_group(
-        backend, rank=_rank(), world_size=_world(), timeout=timedelta(seconds=timeout), **kwargs
+        backend, rank=env_rank(), world_size=env_world(), timeout=timedelta(seconds=timeout),
+        **kwargs,
     )
 
 
@@ -77,23 +69,17 @@ def test_import_registers_the_backend():
 
 
 # ---------------------------------------------------------------------- initialization
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _DEVICE_MAPS = {"device_map": "cpu:fastcomm,cuda:gloo", "device_map_nccl": "cpu:fastcomm,cuda:nccl"}
 
 
 def check_init_form(form: str):
     from fastcomm.comm.c10d import FastcommProcessGroup
 
-    rank, world = _rank(), _world()
+    rank, world = env_rank(), env_world()
     STATE["forms"] = STATE.get("forms", 0) + 1
     key = f"c10d/form/{form}/{STATE['forms']}"
     if form == "tcp":  # a port the system found free, handed to every rank; rank 0 serves it
-        port = rank_store().broadcast_object(key, _free_port(), is_source=rank == 0)
+        port = rank_store().broadcast_object(key, free_port(), is_source=rank == 0)
         agent = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE")  # else every rank is a client
         try:
             _reinit(init_method=f"tcp://127.0.0.1:{port}")
@@ -174,7 +160,7 @@ def _val(rank: int, n: int = 4, dtype=torch.float32) -> torch.Tensor:
 
 
 def _all_ranks(fn) -> list:
-    return [fn(r) for r in range(_world())]
+    return [fn(r) for r in range(env_world())]
 
 
 def case_all_reduce_sum(r, n):
@@ -423,7 +409,7 @@ P2P = ({"send": 2, "recv_anysource": 1, "recv": 1}, {"send": 2, "recv": 2})
 
 def check_collectives(names: list[str]):
     group = _main()
-    rank, world = _rank(), _world()
+    rank, world = env_rank(), env_world()
     report = {}
     for case in [c for c in (*CASES, case_send_recv) if c.__name__ in names]:
         want_methods, want_moves = P2P if case is case_send_recv else CASES[case]
@@ -451,7 +437,7 @@ def check_work_semantics():
     from fastcomm.comm.errors import CommTimeoutError
 
     group = _main()
-    rank, world = _rank(), _world()
+    rank, world = env_rank(), env_world()
     # a synchronous call finished before it returned; its work says so
     done = group.allreduce([torch.ones(2)], _sync_opts())
     assert isinstance(done, FinishedWork) and isinstance(done, dist._Work)
@@ -511,11 +497,11 @@ def check_ddp_comm_hook():
         return fut.then(lambda f: f.value()[0] / dist.get_world_size())
 
     model.register_comm_hook(None, hook)
-    torch.manual_seed(1 + _rank())
+    torch.manual_seed(1 + env_rank())
     x = torch.randn(3, 4)
     model(x).sum().backward()
     grads = torch.cat([p.grad.view(-1) for p in model.parameters()])
-    everyone = [torch.empty_like(grads) for _ in range(_world())]
+    everyone = [torch.empty_like(grads) for _ in range(env_world())]
     dist.all_gather(everyone, grads)
     assert all(g.equal(grads) for g in everyone)
     return "ok"
@@ -524,7 +510,7 @@ def check_ddp_comm_hook():
 # ---------------------------------------------------------------------- errors
 def check_bad_input_raises_everywhere():
     group = _main()
-    rank, world = _rank(), _world()
+    rank, world = env_rank(), env_world()
     message = None
     try:  # every rank passes the same wrong size: every rank raises before sending
         dist.all_gather_into_tensor(torch.empty(world * 3 + 1), torch.ones(3))
@@ -612,7 +598,7 @@ def check_disagreement(name: str):
     call, _ = DISAGREEMENTS[name]
     start = time.monotonic()
     with pytest.raises((ValueError, RuntimeError)) as info:
-        call(_rank(), group)
+        call(env_rank(), group)
     elapsed = time.monotonic() - start
     assert elapsed < 5, f"{name} raised after {elapsed:.1f} s"
     if name.startswith("v_"):  # agreed inside the v-call: every rank took part
@@ -621,7 +607,7 @@ def check_disagreement(name: str):
         assert name.startswith("v_") or type(info.value) is ValueError, info.value
         t = torch.ones(2)
         dist.all_reduce(t, group=group)
-        assert t.tolist() == [float(_world())] * 2
+        assert t.tolist() == [float(env_world())] * 2
     dist.destroy_process_group(group)
     return str(info.value)
 
@@ -634,10 +620,10 @@ def check_missing_rank(timeout_s: float):
     p2p = dist.new_group(timeout=timedelta(seconds=timeout_s))  # a timeout closes Gloo's pairs
     future = dist.new_group(timeout=timedelta(seconds=timeout_s))  # a timeout aborts the group
     messages = {}
-    if _rank() == 0:
+    if env_rank() == 0:
         for name, call in (
             ("allreduce", lambda: dist.all_reduce(torch.ones(4), group=group)),
-            ("gather", lambda: dist.gather(torch.ones(2), [torch.empty(2)] * _world(), 0,
+            ("gather", lambda: dist.gather(torch.ones(2), [torch.empty(2)] * env_world(), 0,
                                            group=gloo_path)),
             ("recv", lambda: dist.recv(torch.ones(2), src=1, group=p2p)),
             ("future", lambda: dist.all_reduce(torch.ones(4), group=future, async_op=True)
@@ -649,7 +635,7 @@ def check_missing_rank(timeout_s: float):
             elapsed = time.monotonic() - start
             assert elapsed < timeout_s + 5, f"{name} raised after {elapsed:.1f} s"
             messages[name] = str(info.value)
-    rank_store().barrier(f"missing/{STATE.setdefault('missing', 0)}", _world(), 60)
+    rank_store().barrier(f"missing/{STATE.setdefault('missing', 0)}", env_world(), 60)
     STATE["missing"] += 1
     for g in (group, gloo_path, p2p, future):
         dist.destroy_process_group(g)
@@ -663,7 +649,7 @@ def check_new_group_and_mesh():
     from fastcomm.comm.c10d import FastcommProcessGroup
 
     _main()
-    rank, world = _rank(), _world()
+    rank, world = env_rank(), env_world()
     sub = dist.new_group(backend="fastcomm")
     assert type(sub) is FastcommProcessGroup
     assert sub.communicator is not dist.group.WORLD.communicator
@@ -697,7 +683,7 @@ def check_split_group_refused():
     for backend in ("gloo", "fastcomm"):
         _reinit(backend, name=f"split-{backend}")
         with pytest.raises(RuntimeError, match="split"):
-            dist.split_group(split_ranks=[list(range(_world()))])
+            dist.split_group(split_ranks=[list(range(env_world()))])
     return "ok"
 
 
@@ -716,10 +702,7 @@ def check_ddp_uses_group_communicator():
 
 
 # ---------------------------------------------------------------------- the checks
-@pytest.fixture(scope="module")
-def pool():
-    with RankPool(2, timeout=120, env={"OMP_NUM_THREADS": "1"}) as p:
-        yield p
+pool = pool_fixture(2, env={"OMP_NUM_THREADS": "1"}, timeout=120)
 
 
 @pytest.mark.parametrize("form", ["tcp", "file", "store", "device_map", "device_map_nccl"])

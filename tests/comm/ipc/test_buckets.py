@@ -33,7 +33,7 @@ from fastcomm.comm.ipc.region import (
 )
 from fastcomm.comm.types import ReduceOp
 from fastcomm.kernels._peer_signal import CONTROL_WORDS, flag_area_words
-from tests.harness import INTERPRETED_KERNELS, RankPool, map_peer_files, rank_comm
+from tests.harness import INTERPRETED_KERNELS, map_peer_files, pool_fixture, rank_comm
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -182,10 +182,7 @@ def twin_missing(name: str, absent: int):
         _close_twin(region, maps)
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"world{n}")
-def twin(request):
-    with RankPool(request.param, env=INTERPRETED_KERNELS, timeout=240) as p:
-        yield p
+twin = pool_fixture([2, 3], env=INTERPRETED_KERNELS, timeout=240)
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
@@ -303,10 +300,7 @@ def check_ddp_on_twin(name: str, divide_by_initial: bool | None):
             _close_twin(region, maps)
 
 
-@pytest.fixture(scope="module")
-def ddp_pool():
-    with RankPool(2, env=INTERPRETED_KERNELS, timeout=240) as p:
-        yield p
+ddp_pool = pool_fixture(2, env=INTERPRETED_KERNELS, timeout=240)
 
 
 def test_ddp_trains_on_twin_buckets_like_torch(ddp_pool, unique_name):

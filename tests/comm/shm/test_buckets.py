@@ -22,7 +22,7 @@ from fastcomm.comm.bucket_region import BucketRegion, RegionBucket
 from fastcomm.comm.shm.buckets import ALIGN, ShmBucketRegion, area_bytes_for
 from fastcomm.comm.shm.core import BUILT
 from fastcomm.comm.shm.segment import SHM_DIR
-from tests.harness import RankPool, fresh_comm
+from tests.harness import fresh_comm, pool_fixture
 
 TIMEOUT = 30.0
 OP_TIMEOUT = 2.0
@@ -247,10 +247,7 @@ def test_core_reduce_pushes_each_chunk_into_outs(numel, dtype, nterms):
         _core.reduce(one.data_ptr(), [one.data_ptr()], 1, kind, _core.OP_SUM, 1.0, 5)
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"world{n}")
-def pool(request):
-    with RankPool(request.param, timeout=90) as p:
-        yield p
+pool = pool_fixture([2, 3], timeout=90)
 
 
 @pytest.mark.parametrize("factors", [[0.5, 0.5, 0.5], [0.25, 1.0, 1 / 3]], ids=["same", "mixed"])

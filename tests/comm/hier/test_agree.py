@@ -1,6 +1,6 @@
 """hier and ipc on CPU: ranks that disagree all raise, naming both calls.
 
-The cases of ``test_shm_agree.py`` (op, element count, dtype, reduce op, src/root, one call
+The cases of ``shm/test_agree.py`` (op, element count, dtype, reduce op, src/root, one call
 against another) and an empty tensor on one rank only, through the public API, each with one
 rank disagreeing: every rank must raise within a second, under a 60 s timeout, with a message
 naming both calls.
@@ -8,12 +8,13 @@ naming both calls.
 - ``ipc`` (2 and 3 ranks): the shm segment and schedules with the ``peer_reduce`` reference
   as reduction; a fresh communicator per case (a failed shm collective breaks it).
 - ``hier`` (4 ranks as 2 hosts x 2, interleaved, and 3 ranks as a host of 2 and a lone rank,
-  the layouts of ``test_hier.py``): the disagreeing rank is the last one (a non-leader of the
-  second host, or a lone leader) and then rank 1 (that host's leader, or a non-leader of the
-  first host). hier compares the call before any caller's tensor changes, so one communicator
-  serves every case and must still give the right sum after each. Its all-reduce of at most
-  4 KiB rides in that comparison: a count on either side of 4 KiB is a case too, and ``reduce``
-  (which now keeps its root) is checked for torch's bits on every root, on both sides of 4 KiB.
+  the layouts of ``hier/test_communicator.py``): the disagreeing rank is the last one (a
+  non-leader of the second host, or a lone leader) and then rank 1 (that host's leader, or a
+  non-leader of the first host). hier compares the call before any caller's tensor changes, so
+  one communicator serves every case and must still give the right sum after each. Its
+  all-reduce of at most 4 KiB rides in that comparison: a count on either side of 4 KiB is a
+  case too, and ``reduce`` (which now keeps its root) is checked for torch's bits on every
+  root, on both sides of 4 KiB.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ import torch
 from fastcomm import ReduceOp
 from fastcomm.comm import FastcommError, ShmOptions, new_communicator
 from fastcomm.comm.shm.segment import SHM_DIR
+from tests.comm.hier.test_communicator import LAYOUTS, set_host
+from tests.comm.shm.test_agree import CASES, _assert_all_raised, ones
+from tests.comm.shm.test_communicator import SMALL
 from tests.comm.test_collectives import exact, make_input, reduce_reference
-from tests.comm.test_hier import LAYOUTS, set_host
-from tests.comm.test_shm import SMALL
-from tests.comm.test_shm_agree import CASES, _assert_all_raised, ones
-from tests.harness import STATE, RankPool, rank_store
+from tests.harness import STATE, pool_fixture, rank_store
 
 pytestmark = [
     pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs POSIX shared memory"),
@@ -153,17 +154,13 @@ def _assert_cases(outcomes_per_rank: list[dict], n: int, what: str) -> None:
         _assert_all_raised(outcomes, ["collective mismatch", *names], f"{what} {case}")
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"world{n}")
-def ipc_pool(request):
-    with RankPool(request.param, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120) as p:
-        yield p
+ipc_pool = pool_fixture([2, 3], env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
 
 
-@pytest.fixture(scope="module", params=[4, 3], ids=lambda n: f"world{n}")
-def hier_pool(request):
-    with RankPool(request.param, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120) as p:
-        p.run(set_host, LAYOUTS[request.param])
-        yield p
+hier_pool = pool_fixture(
+    [4, 3], env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120,
+    setup=lambda pool: pool.run(set_host, LAYOUTS[pool.world_size]),
+)
 
 
 def test_ipc_ranks_that_disagree_all_raise_naming_both_calls(ipc_pool, unique_name):

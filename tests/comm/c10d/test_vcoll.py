@@ -13,7 +13,6 @@ counted).
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -24,7 +23,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.distributed.nn.functional as dist_fn
 
 import fastcomm  # noqa: F401 - registers the backend
-from tests.harness import STATE, RankPool, rank_store
+from tests.harness import STATE, env_rank, env_world, pool_fixture, rank_store
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -32,19 +31,11 @@ DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16",
           "int64", "bool", "complex64", "uint16"]
 
 
-def _rank() -> int:
-    return int(os.environ["RANK"])
-
-
-def _world() -> int:
-    return int(os.environ["WORLD_SIZE"])
-
-
 def _groups():
     """``(fastcomm group, gloo group)`` of this rank, made once per pool."""
     if "groups" not in STATE:
         store = dist.PrefixStore("c10d-vcoll", rank_store().torch_store)
-        dist.init_process_group("fastcomm", store=store, rank=_rank(), world_size=_world(),
+        dist.init_process_group("fastcomm", store=store, rank=env_rank(), world_size=env_world(),
                                 timeout=timedelta(seconds=60))
         STATE["groups"] = (dist.group.WORLD, dist.new_group(backend="gloo"))
     return STATE["groups"]
@@ -83,7 +74,7 @@ def _rows(q: int, r: int) -> int:
 
 # ---------------------------------------------------------------------- one call, both groups
 def _a2a_single(group, dtype, width, async_op, contiguous):
-    me, n = _rank(), _world()
+    me, n = env_rank(), env_world()
     sends = [_rows(me, r) for r in range(n)]
     recvs = [_rows(q, me) for q in range(n)]
     inp = torch.cat([_piece(me, r, sends[r], dtype, width) for r in range(n)])
@@ -102,7 +93,7 @@ def _list_rows(q: int, r: int, uneven: bool) -> int:
 
 
 def _a2a_list(group, dtype, async_op, contiguous, uneven=False):
-    me, n = _rank(), _world()
+    me, n = env_rank(), env_world()
     ins = [_piece(me, r, _list_rows(me, r, uneven), dtype, 2) for r in range(n)]
     outs = [torch.zeros((_list_rows(q, me, uneven), 2), dtype=dtype) for q in range(n)]
     if not contiguous:
@@ -115,7 +106,7 @@ def _a2a_list(group, dtype, async_op, contiguous, uneven=False):
 
 
 def _gather_scatter(group, dtype, async_op, root):
-    me, n = _rank(), _world()
+    me, n = env_rank(), env_world()
     got = [torch.zeros((3, 2), dtype=dtype) for _ in range(n)] if me == root else None
     mine = _piece(me, root, 3, dtype, 2)
     work = dist.gather(mine, got, dst=root, group=group, async_op=async_op)
@@ -131,7 +122,7 @@ def _gather_scatter(group, dtype, async_op, root):
 
 
 def _coalesced(group):
-    me, n = _rank(), _world()
+    me, n = env_rank(), env_world()
     ins = [torch.full((2, 3), float(me)), torch.arange(5.0) + me, torch.tensor(me + 0.5)]
     outs = [[torch.empty(2, 3), torch.empty(5), torch.empty(())] for _ in range(n)]
     dist.all_gather_coalesced(outs, ins, group=group)
@@ -155,7 +146,7 @@ def check_split_forms():
     """Split sizes given on one side only (the other even, as torch allows), and a call that
     moves nothing at all (every split zero): the same as Gloo, without Gloo."""
     fast, gloo = _groups()
-    me, n = _rank(), _world()
+    me, n = env_rank(), env_world()
     results = []
     for group in (gloo, fast):
         with _no_gloo(group) if group is fast else contextmanager(lambda: (yield))():
@@ -175,7 +166,7 @@ def check_every_dtype(dtype_name: str):
     """Every dtype through all_to_all_single, all_to_all and gather/scatter, against what the
     senders made (Gloo lacks some of these dtypes)."""
     fast, _ = _groups()
-    me, n = _rank(), _world()
+    me, n = env_rank(), env_world()
     dtype = getattr(torch, dtype_name)
     with _no_gloo(fast):
         out = _a2a_single(fast, dtype, 3, False, True)
@@ -193,7 +184,7 @@ def check_every_dtype(dtype_name: str):
 def check_unequal_all_gather_and_reduce_scatter(async_op: bool):
     """What NCCL accepts and Gloo refuses: lists of unequal sizes."""
     fast, gloo = _groups()
-    me, n = _rank(), _world()
+    me, n = env_rank(), env_world()
     sizes = [q + 1 for q in range(n)]
     outs = [torch.zeros(sizes[q], dtype=torch.int64) for q in range(n)]
     with pytest.raises((RuntimeError, ValueError)):  # Gloo's refusal, as the issue says
@@ -216,7 +207,7 @@ def check_unequal_all_gather_and_reduce_scatter(async_op: bool):
 
 def check_object_collectives():
     fast, gloo = _groups()
-    me, n = _rank(), _world()
+    me, n = env_rank(), env_world()
     results = []
     for group in (gloo, fast):
         ctx = _no_gloo(group) if group is fast else contextmanager(lambda: (yield))()
@@ -240,14 +231,14 @@ def check_disagreement():
     """all_to_all_single split sizes that disagree: a ValueError on every rank naming both
     ranks' sizes; the group still works."""
     fast, _ = _groups()
-    me = _rank()
+    me = env_rank()
     with pytest.raises(ValueError) as info:
-        dist.all_to_all_single(torch.empty(3), torch.ones(3), [1, 2] + [0] * (_world() - 2),
-                               [1, 2] + [0] * (_world() - 2) if me == 0
-                               else [2, 1] + [0] * (_world() - 2), group=fast)
+        dist.all_to_all_single(torch.empty(3), torch.ones(3), [1, 2] + [0] * (env_world() - 2),
+                               [1, 2] + [0] * (env_world() - 2) if me == 0
+                               else [2, 1] + [0] * (env_world() - 2), group=fast)
     t = torch.ones(2)
     dist.all_reduce(t, group=fast)
-    assert t.tolist() == [float(_world())] * 2
+    assert t.tolist() == [float(env_world())] * 2
     return str(info.value).split(": ", 1)[1]
 
 
@@ -256,7 +247,7 @@ def _moe(group, autograd_a2a, tokens_per_rank: int = 13, dim: int = 8):
     """A mixture-of-experts layer with one expert per rank: each rank's tokens are routed to
     experts by a fixed uneven rule, exchanged with all_to_all_single, transformed by the
     expert, exchanged back and combined; returns the loss and the gradients."""
-    me, n = _rank(), _world()
+    me, n = env_rank(), env_world()
     torch.manual_seed(1234 + me)
     tokens = torch.randn(tokens_per_rank + me, dim, requires_grad=True)
     torch.manual_seed(99 + me)
@@ -300,10 +291,7 @@ def check_moe(form: str):
     return "ok"
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
-def pool(request):
-    with RankPool(request.param, timeout=180, env={"OMP_NUM_THREADS": "1"}) as p:
-        yield p
+pool = pool_fixture([2, 3], env={"OMP_NUM_THREADS": "1"}, timeout=180)
 
 
 @pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
