@@ -1,34 +1,17 @@
 """``hier`` communicator: shared memory inside each host, Gloo between one leader per host.
 
-Topology (:class:`~.topology.HostLayout`, from every rank's host identity exchanged through the
-store): hosts are numbered in order of their lowest rank; on each host the ranks are ordered by
-global rank and the first is the host's leader. ``fastcomm.comm.world`` builds the three parts
-and hands them over (:func:`~fastcomm.comm.world.new_communicator`); this module imports no
-other backend:
+``fastcomm.comm.world`` builds the three parts and hands them over (this module imports no
+other backend): ``intra`` (shm over this host's ranks, ``None`` for a lone rank), ``leaders``
+(Gloo over the hosts' leaders, ``None`` elsewhere) and ``flat`` (Gloo over every rank: the
+``fallback`` for what has no hierarchical schedule, and CUDA tensors). ``all_reduce`` and
+``broadcast`` go through the leader in each host; ``barrier`` is the agreement exchange alone.
 
-- ``intra``: a shared-memory communicator over the ranks of this host (``None`` for a lone rank).
-- ``leaders``: a Gloo communicator over the leaders (``None`` elsewhere, or on one host).
-- ``flat``: a Gloo communicator over every rank, the ``fallback``: what has no hierarchical
-  schedule here (``all_gather``, ``reduce_scatter``, ``all_to_all``, ``send``/``recv``) and
-  CUDA tensors go through it.
+Invariants: hosts are numbered by their lowest rank and each host's first rank is its leader;
+every collective is first compared across all ranks (its :class:`~.calls.Call` row), so a
+disagreement raises ``FastcommError`` on every rank before any tensor changes; every
+collective, ``flat`` ones included, runs in issue order on the communicator's executor.
 
-``all_reduce`` = reduce to the leader in the host, all-reduce across leaders, broadcast in the
-host (``AVG`` sums and the leader divides once, so integers truncate as elsewhere).
-``broadcast`` = in the source's host to its leader, across leaders, then in every other host.
-
-Agreement: every collective first compares its call (a :class:`~.calls.Call`: op, dtype, element
-count, reduce op, src/root, as its ``int64`` row) across all ranks in three steps of one size
-whatever the call (the host's rows gathered over shm; each host's verdict, with room for 4 KiB
-of data, gathered across leaders over Gloo; the table broadcast in the host), so ranks that
-disagree all raise ``FastcommError`` naming both calls before any caller's tensor changes, and
-the communicator stays usable. Without it a mismatch between hosts hung a leader in Gloo (or
-aborted the process) and a disagreeing ``reduce`` root went unnoticed. An ``all_reduce`` (or
-``reduce``) of at most 4 KiB rides in that exchange: the host's sum (into a copy on the leader)
-travels with the verdict, the leaders fold the hosts' sums in host order (two hosts: the bits
-Gloo's all-reduce gives) and the result comes back with the table, so a small call still crosses
-the hosts once. The exchange is a full barrier, so ``barrier`` is the exchange alone. Every
-collective runs in issue order on the communicator's executor (as ``shm``'s do), the ``flat``
-ones too (their agreement uses the host and leader parts).
+The topology, the agreement exchange and small all-reduces riding in it: docs/architecture.md.
 """
 
 from __future__ import annotations

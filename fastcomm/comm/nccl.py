@@ -1,22 +1,16 @@
 """NCCL communicator through CuPy's ``cupy.cuda.nccl`` bindings.
 
 Stream and pointer plumbing only; argument checks live in ``Communicator`` and are tested on CPU.
+What does not change per call (device, stream handle, dtype and op codes, the communicator
+handle, a reusable event) is looked up once, in ``__init__``.
 
-Stream invariants:
-- Every collective runs on ``self.stream``, a communication stream of this communicator. Before
-  enqueueing, that stream waits on the caller's current stream (so it reads finished data).
-- Each call returns an :class:`~fastcomm.comm.stream.EventWork`; the communicator's
-  :class:`~fastcomm.comm.stream.StreamWatchdog` keeps it (and so its tensors) until its event
-  has completed, so the caching allocator cannot hand their memory out early: no
-  ``record_stream`` (torch's NCCL backend stashes tensors the same way).
+Invariants: every collective runs on ``self.stream``, which first waits on the caller's current
+stream; each call returns an :class:`~fastcomm.comm.stream.EventWork` that the
+:class:`~fastcomm.comm.stream.StreamWatchdog` keeps (with its tensors) until its event
+completes, so no ``record_stream``; a collective past the timeout aborts the NCCL communicator
+(``ncclCommAbort``) and fails every pending ``Work``.
 
-Host cost per call: what does not change (device index, raw stream handle, dtype and op codes,
-the communicator handle, a reusable event for the caller's stream) is looked up once, in
-``__init__``.
-- The watchdog polls each pending collective's CUDA event; one that exceeds the timeout
-  aborts the NCCL communicator (``ncclCommAbort``) and fails every pending ``Work``.
-
-Never run on a GPU in this project's CI (no GPU there): see the README.
+Never run on a GPU in this project's CI (no GPU there): see the README and docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,16 @@
 """Host-side key-value store used for rendezvous.
 
-``Store`` wraps torch's ``TCPStore`` (one server, many clients) and ``PrefixStore`` (namespaces);
-fastcomm never runs a server of its own. Every blocking call takes a timeout and, when it runs
-out, raises :class:`StoreTimeoutError` naming the key, the server's ``host:port``, the rank (if
-known) and the elapsed time, instead of torch's bare ``wait timeout after 300000ms``.
+``Store`` wraps torch's ``TCPStore`` and ``PrefixStore``; fastcomm never runs a server of its
+own. ``barrier``, ``all_gather_object`` and ``broadcast_object`` need a name unique per use
+(the store keeps every key), built from a sequence number.
 
-Helpers built on the raw operations (``barrier``, ``all_gather_object``, ``broadcast_object``)
-need a name that is unique per use: the store keeps every key it was given, so reusing a name
-would read the previous round's values. Callers pass ``name`` built from a sequence number.
+Invariants: every blocking call has a timeout and raises :class:`StoreTimeoutError` naming the
+key, ``host:port``, the rank and the elapsed time; nothing read is executed: objects travel as
+JSON (``encode`` refuses other types before writing), signed with HMAC-SHA256 under a job
+secret (``FASTCOMM_JOB_SECRET``/``_FILE``) and checked before parsing; raw ``get``/``set``
+bytes are not signed. A server binds only the address it is given.
 
-Nothing read from the store is executed. Anyone who reaches the server's port can write any key
-(a ``TCPStore`` has no authentication), so objects travel as JSON, never pickled: ``None``,
-``bool``, ``int``, ``float``, ``str``, ``list``, ``dict`` with ``str`` keys, and, tagged so they
-come back exactly, ``bytes`` (base64) and ``tuple`` (``encode`` raises ``TypeError`` on anything
-else, before anything is written). With a per-job secret (``FASTCOMM_JOB_SECRET``, hex, or the
-file named by ``FASTCOMM_JOB_SECRET_FILE``; ``fastcomm-run`` sets the first for its workers)
-every such value also carries an HMAC-SHA256 of its full key and its JSON, checked with
-``hmac.compare_digest`` before the JSON is parsed; a value that fails the check, or is not this
-encoding, raises :class:`FastcommError` naming the key on every rank that reads it. Raw
-``get``/``set`` values are bytes the caller interprets; they are not signed.
-
-A server listens on the address it is given (``host``), never on every interface: torch's
-``TCPStore`` binds the wildcard address by itself, so the socket is bound here and handed over
-(``master_listen_fd``). A port another process holds is reported as such, not as a timeout,
-also to a client when what listens there accepts connections but does not answer as a store.
+The encoding, the secret and the listening socket: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -2,21 +2,15 @@
 
 A transport that enqueues its collectives on a communication stream (NCCL, ``ipc``'s CUDA
 transport) returns an :class:`EventWork` per call: an event recorded on that stream after the
-collective. The host is done with the call once it is enqueued; the device finishes it later.
+collective. :class:`StreamWatchdog` keeps the transport's pending works.
 
-- ``wait()`` makes the caller's current stream wait on the event (the host does not block);
-  ``wait(timeout)`` also blocks the host until the event has completed, raising
-  :class:`~fastcomm.comm.errors.CommTimeoutError` when ``timeout`` passes first.
-- ``is_completed()`` is whether the device has finished it (or it failed); ``exception()`` is
-  its error; ``synchronize()`` blocks the host.
-- ``get_future()`` is a ``torch.futures.Future`` made with ``devices=[device]`` and completed
-  on a side stream that waits on this collective alone, so a consumer's ``wait()`` orders its
-  own stream after the collective and nothing else.
+Invariants: ``wait()`` makes the caller's current stream wait on the event (the host blocks
+only with a ``timeout``); ``get_future()`` completes on a side stream that waits on this
+collective alone; a pending work (and so its tensors, instead of ``record_stream``) is kept
+until its event completes; the watchdog fails every pending work with one error once the oldest
+runs past the timeout or the transport reports a failure.
 
-:class:`StreamWatchdog` keeps the transport's pending works (which also keeps their tensors
-alive until the device is done with them, instead of ``record_stream``), drops them as their
-events complete, and fails every pending work with one error when the oldest has run past the
-timeout or the transport reports a failure of its own.
+The ``Work`` methods in detail: docs/architecture.md.
 """
 
 from __future__ import annotations

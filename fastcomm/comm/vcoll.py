@@ -1,20 +1,15 @@
 """Collectives of unequal sizes (``gather``, ``scatter``, ``all_to_all_v``, ``all_gather_v``,
 ``reduce_scatter_v``): what every backend shares.
 
-Every one of them is one *v-call*: rank ``q`` sends ``inputs[r]`` to every rank ``r`` and
-receives ``outputs[q]`` from every rank ``q``, each piece of any size (empty included), so a
-``gather`` is a v-call whose non-root ranks send one piece to the root, an ``all_gather_v`` one
-whose ranks send the same tensor to everyone. Pieces move as bytes, so any dtype moves; the
-ranks must agree on the dtype all the same.
+Each is one *v-call*: rank ``q`` sends ``inputs[r]`` to every rank ``r`` and receives
+``outputs[q]`` from every rank ``q``, pieces of any size (empty included) moved as bytes.
 
-Agreement: each rank describes its call as a :class:`~.calls.Call` (:func:`~.calls.v_call`:
-the op, the root, the dtype, the elements it sends to each rank and expects from each), the
-calls are compared on every rank (:func:`~.calls.calls_difference`) and any difference raises
-:class:`SizesDisagreement` -- a ``ValueError`` -- on every rank with the same message, before
-any output changes; the communicator stays usable (every rank took part in the exchange).
-``shm`` folds the rows into the call's first round (``shm/vschedules.py``); every other
-backend uses :func:`default_task`: the rows gathered with its own ``all_gather``, then one
-``all_to_all`` of the pieces padded to the largest (bytes).
+Invariants: each rank's call (:func:`~.calls.v_call`) is compared on every rank before any
+output changes; a difference raises :class:`SizesDisagreement` (a ``ValueError``) with the
+same message everywhere, and the communicator stays usable. ``shm`` folds the comparison into
+the call's first round; every other backend uses :func:`default_task`.
+
+More: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,16 @@
 """``fastcomm.init()``: the process-wide communicator, set up from the launcher's environment.
 
-``init`` reads the rank layout through :mod:`.launch_env`: torchrun's variables (``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, as
-``torchrun`` and ``fastcomm-run`` set them), else srun's, MPICH's or Open MPI's. The ranks
-exchange their host and local layout once; a layout that cannot be right raises the same
-:class:`~.launch_env.LaunchEnvError` on every rank. Rank 0 serves the ``TCPStore`` unless
-the launcher serves it (``TORCHELASTIC_USE_AGENT_STORE=True``, torch's convention). When
-``torch.distributed`` is already initialized, its store is reused under the prefix
-``fastcomm/`` instead of binding ``MASTER_PORT`` a second time.
+``init`` reads the rank layout through :mod:`.launch_env` (torchrun's variables, else srun's,
+MPICH's or Open MPI's), agrees on it across ranks, finds or serves the ``TCPStore`` and picks
+a backend: ``FASTCOMM_BACKEND``, else ``nccl`` where every local rank can own a GPU, else
+``ipc`` where local ranks share GPUs, else ``shm``/``hier``/``gloo`` from the host layout.
+:func:`new_communicator` is the one place that builds backends and their parts.
 
-Backend selection (``backend=None``), in order:
+Invariants: the ranks exchange their host and local layout once, and a layout that cannot be
+right raises the same :class:`~.launch_env.LaunchEnvError` on every rank; an initialized
+``torch.distributed`` lends its store under the prefix ``fastcomm/`` (no second bind).
 
-1. ``FASTCOMM_BACKEND`` when set (``gloo`` forces Gloo, e.g. for ``fastcomm.ddp.DDP`` on CPU).
-2. ``nccl`` when CuPy's NCCL loads and every local rank can own a GPU: ``LOCAL_RANK`` <
-   :func:`cuda_device_count` and ``LOCAL_WORLD_SIZE`` <= it. Ranks may also share GPUs where NCCL
-   allows it: version >= 2.30 (:func:`detected_nccl_version`, read from the loaded library) and
-   ``NCCL_MULTI_RANK_GPU_ENABLE=1``; older NCCL refuses two ranks on one device.
-3. ``ipc`` when CUDA devices are present but NCCL cannot run the job because the local ranks
-   outnumber the GPUs (they share one): :func:`shared_gpu_backend`.
-4. Otherwise the ranks exchange their host identity through the store (``FASTCOMM_HOST_ID``, or
-   hostname + boot id): ``shm`` when all are on one host, ``hier`` when they span hosts and some
-   host has more than one rank (shared memory inside hosts, Gloo between them), else ``gloo``.
-   Where shared memory is unavailable (no Linux ``/dev/shm``) it is ``gloo``. An automatic
-   ``ipc`` is narrowed the same way (it needs one host).
-
-When CUDA devices are present and the choice is automatic, ``init`` logs one line saying which
-backend it took and why (logger ``fastcomm``; a warning when it is not NCCL). The device count
-and the NCCL version are read in one function each, :func:`cuda_device_count` and
-:func:`detected_nccl_version`.
+The selection rules in full: docs/architecture.md.
 """
 
 from __future__ import annotations

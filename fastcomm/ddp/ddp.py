@@ -1,29 +1,18 @@
 """``DDP``: a drop-in ``torch.nn.parallel.DistributedDataParallel`` on fastcomm.
 
-Swap the class and keep the script: the constructor takes torch's arguments in torch's order
-(plus ``comm=``, keyword only), ``.module``, ``state_dict()`` (keys prefixed ``module.``),
-``no_sync()``, ``join()`` and ``register_comm_hook`` behave as torch's. The gradient reduction
-is fastcomm's: buckets packed with the fused kernel (averaging folded in), allreduces launched
-from the autograd hooks so they overlap the rest of backward, one unpack per bucket at the end
-(on CPU, gradients of a MiB or more are reduced in place instead, see ``in_place.py``); each
-bucket's way is its strategy (``strategy.py``).
+The constructor takes torch's arguments in torch's order (plus ``comm=``, keyword only);
+``.module``, ``state_dict()`` (keys prefixed ``module.``), ``no_sync()``, ``join()`` and
+``register_comm_hook`` behave as torch's. The reduction is fastcomm's: the ``Reducer``
+(``reducer.py``) launches each bucket's strategy (``strategy.py``, chosen in ``plan.py``) from
+the autograd hooks, so the collectives overlap backward.
 
-Communicator (``_setup.resolve_comm``): ``comm`` if given; else ``process_group`` adapted
-(``fastcomm.comm.group_communicator``); else ``fastcomm.get_world()`` when ``fastcomm.init()``
-ran; else, for a CPU module whose default group's ranks all run on this host, fastcomm's
-shared-memory communicator built on that group's store (``group_communicator(None,
-cpu_only=True)``; ``FASTCOMM_BACKEND=gloo`` or any backend other than ``shm`` opts out); else
-torch's default group, adapted.
+Invariants: the communicator is resolved once, at construction (``_setup.resolve_comm``:
+``comm``, else ``process_group``, else ``fastcomm.get_world()``, else shm for a one-host CPU
+job, else torch's default group); ``.grad`` aliases a bucket only where
+``grads_are_bucket_views`` says so; under ``torch.compile`` the reducer's work runs eagerly
+around the compiled forward.
 
-Torch arguments with no fastcomm meaning are accepted and documented on ``__init__``.
-
-Beyond the training step, torch's behaviours that user scripts rely on: whole-module pickling
-(``torch.save(ddp_model)``, see ``pickling.py``), ``backward(create_graph=True)`` (the first-order
-gradients are reduced; torch's warning), sparse gradients (``sparse.py``), torch's comm-hook
-argument checks and ``_set_static_graph``. Under ``torch.compile`` the wrapped module's forward
-is compiled and the reducer's work before and after it runs eagerly; the gradient hooks still
-fire, but only once the compiled backward has produced every gradient, so the allreduces no
-longer overlap backward.
+The resolution order, torch's behaviours kept and ``torch.compile``: docs/ddp.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,16 @@
 """Training health from the unpack: gradient norm, non-finite gradients, named hangs.
 
-A DDP reducer writes every averaged gradient exactly once, in the unpack at the end of a
-synchronized backward. `GradHealth` makes that unpack `kernels.unpack_with_stats`, so each
-bucket also leaves ``[sum of squares, non-finite count]`` in one row of ``stats`` (float32,
-on the gradients' device, never read by the host unless asked). After the allreduce every
-rank holds the same averaged gradients, hence the same rows: the norm and the NaN/Inf verdict
-need no collective. Where the unpack runs torch ops (CPU) the statistics cannot share its
-pass, so the rows are filled on demand from the gradients the unpack wrote (``eager``). A CPU
-bucket whose large gradients were reduced in place (``in_place.py``) has a shorter unpack (its
-small gradients only); its row is filled on demand the same way, over all its gradients.
+`GradHealth` makes a reducer's unpack `kernels.unpack_with_stats`, so each bucket also leaves
+``[sum of squares, non-finite count]`` in one row of ``stats`` (float32, on the gradients'
+device, never read by the host unless asked). Every rank holds the same averaged gradients,
+hence the same rows: the norm and the NaN/Inf verdict need no collective. Where the unpack
+runs torch ops (CPU), or a bucket was reduced in place, rows are filled on demand.
 
-Validity: the rows describe the gradients as the unpack left them. They are used only when
-the last synchronized backward unpacked every bucket (no ``no_sync`` step since, no skipped
-bucket) and every ``.grad`` is still the tensor the unpack wrote, at the same version counter
-(any in-place change -- ``GradScaler.unscale_``, a manual ``mul_`` -- bumps it). Otherwise
-`clip_grad_norm_` computes what torch computes. With ``gradient_as_bucket_view`` there is no
-unpack: while every ``.grad`` is its bucket view, the norm is taken from the flat bucket
-buffers (one pass over a few large tensors instead of one per parameter).
+Invariant: the rows are used only when the last synchronized backward unpacked every bucket
+and every ``.grad`` is still the tensor the unpack wrote, at the same version counter;
+otherwise `clip_grad_norm_` computes what torch computes.
 
-Hang pinpointing lives in `fastcomm.ddp._readiness`; this class forwards the reducer's calls.
+Hang pinpointing lives in `fastcomm.ddp._readiness`. Validity rules in detail: docs/ddp.md.
 """
 
 from __future__ import annotations

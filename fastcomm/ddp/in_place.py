@@ -1,41 +1,17 @@
 """Large gradients reduced where autograd left them: no pack, no unpack.
 
-The default reduction of a bucket costs two passes over its gradients besides the collective: the
-pack into the bucket's flat buffer (averaging folded in) and the unpack back into ``.grad``. For a
-gradient of ``config.in_place_min_bytes`` (1 MiB) or more, a collective of its own costs less than
-the unpack's pass, so a CPU bucket that holds such gradients reduces each of them in place (scaled
-by a ``PremulSum`` all-reduce: the multiply the pack would fold in, which a communicator that
-declares the dtype in ``capabilities.premul_dtypes`` folds into its reduction, and every other runs
-as ``mul_`` before a ``SUM``) and packs only its small gradients, into a staging buffer of their own
-reduced by one collective. The unpack then copies only the small ones.
+A CPU bucket holding gradients of ``config.in_place_min_bytes`` or more reduces each of them
+in place with a ``PremulSum`` all-reduce (the pack's multiply, folded in where the
+communicator declares it in ``capabilities.premul_dtypes``) and packs only its small
+gradients, into a staging buffer of their own; the unpack copies only those.
 
-That trade pays where the communicator folds the multiply into its reduction (shm: the large
-gradients cost no pass at all) and its collectives cost tens of microseconds. Elsewhere (Gloo:
-``mul_`` first, hundreds of microseconds a collective) in place saves only the unpack's copy, so
-a bucket goes in place there only as a single collective (one large gradient alone in its
-bucket): a weight and its bias in one bucket are packed, as torch DDP packs them.
+Invariants: taken only where ``capabilities.layout_free`` (the reduced bits do not depend on
+where an element sits, so they equal the packed path's); which collectives a bucket issues
+depends only on its parameters' sizes, never on this rank's gradients; a gradient reduced in
+place holds partial values until the end of backward. Which buckets go in place is decided in
+``plan.py`` (``in_place_plan``); a comm hook replaces this strategy.
 
-Same results: every element is still ``sum over ranks of (grad * scale)`` with the same scale
-and the same reduction order, because the in-place path is taken only where the communicator
-declares ``capabilities.layout_free``: the reduced value of an element does not depend on where
-it sits in the buffer (two ranks: one addition, which commutes; shm at any size: the ranks'
-terms in rank order whatever the layout). Gloo at three or more ranks sums in an order that
-depends on the element's place in the ring's chunks, so there the bucket is packed as torch DDP
-packs it, keeping its results bit-identical to torch's.
-
-Same collectives on every rank: which ones a bucket issues, and their ops, depend only on its
-parameters' sizes, never on this rank's gradients or scale (a joined rank's zeros go out as a
-``PremulSum`` too). A gradient that cannot be reduced in place here (none this iteration,
-non-contiguous, another dtype, part of a ``create_graph`` graph) is staged, scaled, in its bucket
-view instead and copied back after the collective.
-
-A gradient being reduced in place holds partial values until the end of backward: code that
-reads ``.grad`` from a hook of its own during backward sees them (as with
-``gradient_as_bucket_view``).
-
-Which buckets go in place, and which of their gradients, is decided in ``plan.py``
-(``in_place_plan``, with the thresholds of ``config.py``); such a bucket takes the
-`InPlaceAllReduce` strategy. A comm hook replaces it, since the hook reduces the packed bucket.
+Why the trade pays, and where it does not: docs/ddp.md.
 """
 
 from __future__ import annotations

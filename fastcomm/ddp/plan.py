@@ -1,43 +1,18 @@
 """How DDP reduces each bucket: every choice made here, from three inputs.
 
 Inputs: the parameters, the communicator's :class:`~fastcomm.comm.types.Capabilities` (and its
-size), and the :class:`~.config.DDPConfig` (where every threshold and environment variable is
-read, once). The reducer calls this module when it is built, when it (re)builds its buckets
-and when a comm hook is registered, then only executes what it returned.
+size), and the :class:`~.config.DDPConfig` (every threshold and environment variable, read
+once). The reducer calls this module when it is built, when it (re)builds its buckets and when
+a comm hook is registered, then only executes what it returned. In order: buckets in shared
+memory or not (`shared_request`), ``.grad`` as bucket views or not (`grads_are_views`), each
+bucket's strategy (`choose_strategy`, first match wins: comm hook, sparse, shared view, view,
+in place via `in_place_plan`, packed on arrival, packed), and which gradients are staged into
+a shared bucket (`stages`).
 
-The decisions, in the order they are taken:
+Invariant: every rank takes the same decisions: they depend on the parameters' sizes, dtypes
+and devices, the config and the capabilities, never on this rank's gradients.
 
-1. The model's buckets in shared memory or not (`shared_request`): only with more than one
-   rank, ``config.shared_buckets`` on and ``gradient_as_bucket_view`` not ``False``, on the
-   first device of a dense parameter the communicator offers it for
-   (``capabilities.shared_buckets``), over the parameters whose dtype it takes there
-   (``shared.eligible``), and by default (``gradient_as_bucket_view=None``) only where their
-   gradients average ``config.shared_min_mean_bytes``. The reducer then asks the communicator
-   for the region (``SharedBuckets.create``, a collective that may still refuse: over the cap,
-   out of memory).
-2. ``.grad`` as bucket views or not (`grads_are_views`): ``gradient_as_bucket_view`` when given,
-   else exactly when the buckets are shared.
-3. Each bucket's strategy (`choose_strategy`, first match wins):
-
-   - a comm hook: `CommHook` around the bucket's plain strategy (sparse, view or packed: the
-     hook replaces the collective, not how gradients reach the bucket or ``.grad``);
-   - a sparse bucket: ``SparseAllReduce`` (``sparse.py``);
-   - bucket views: ``SharedViewAllReduce`` for a bucket in the shared region (``shared.py``),
-     else ``ViewAllReduce``;
-   - a CPU fp32/fp64 bucket with gradients of ``config.in_place_min_bytes`` where the
-     communicator's reduction does not depend on the layout (``capabilities.layout_free``), and
-     where it does not fold the multiply (``capabilities.premul_dtypes``) only with
-     ``config.unfolded_min_bytes_per_extra`` reduced in place per extra collective:
-     ``InPlaceAllReduce`` (`in_place_plan`, ``in_place.py``);
-   - a CPU fp32/fp64 bucket of at most ``config.arrival_pack_max_grads`` gradients:
-     ``ArrivalPackedAllReduce`` (packed as they arrive, ``strategy.py``);
-   - else ``PackedAllReduce``.
-4. Per parameter, whether its fresh gradient is staged into its shared bucket (`stages`: on
-   CPU, where shm's region reads a gradient's own slice where autograd left it, from
-   ``config.stage_min_bytes``; on CUDA ipc's kernel stages nothing) or copied whole.
-
-Every rank takes the same decisions: they depend on the parameters' sizes, dtypes and devices,
-the config and the capabilities, never on this rank's gradients.
+Each decision's conditions and thresholds: docs/ddp.md.
 """
 
 from __future__ import annotations

@@ -1,41 +1,17 @@
 """The reducer: per-parameter hooks, ready counting, bucket launches, finalize, rebuild.
 
-One iteration, as the reducer sees it:
+Each iteration: ``prepare_for_backward`` resets the ready state; each parameter's
+post-accumulate-grad hook marks it ready and launches bucket ``next`` once all its parameters
+are; ``_finalize`` (queued on the autograd engine) waits for each bucket and writes ``.grad``.
+How a bucket is reduced is its strategy, planned in ``plan.py``; the reducer only executes it.
 
-1. ``prepare_for_backward`` (end of the DDP forward) resets the ready state and, with
-   ``find_unused_parameters``, finds the parameters the outputs' autograd graph does not reach.
-2. Backward: each parameter's post-accumulate-grad hook marks it ready. The first hook queues
-   ``_finalize`` on the autograd engine and marks the unused parameters ready. When bucket
-   ``next`` has every parameter ready, its strategy launches its reduction asynchronously
-   (by default: packed, averaging folded into the fused pack, and allreduced); buckets launch
-   strictly in index order, the same order on every rank, so the collectives match. A packed
-   CPU bucket of a few gradients scales each into its bucket view in its hook, as it arrives
-   (still in cache; torch's reducer copies it there then too); its launch only issues.
-3. ``_finalize`` (end of backward) waits for each bucket in order and its strategy writes the
-   reduced values into ``.grad`` (the unpack; nothing to unpack with
-   ``gradient_as_bucket_view``).
+Invariants: buckets launch strictly in index order, the same on every rank, so the
+collectives match; they are rebuilt once, after the first synchronized iteration, in rank 0's
+arrival order (broadcast); a bucket left unlaunched makes the next forward raise, naming the
+parameter. Hooks and ``_finalize`` run on the thread that runs backward; collectives complete
+on the communicator's thread (Gloo) or stream (NCCL).
 
-How a bucket is reduced is its strategy (``strategy.py``), decided in ``plan.py`` once per
-bucket when the buckets are built and when a comm hook is registered: packed, bucket view, in
-place (a CPU bucket with gradients of a MiB or more reduces those where autograd left them,
-where that gives the same results: ``in_place.py``), sparse, or the comm hook around one of
-those. The reducer only executes that plan.
-
-Buckets start in reverse registration order; after the first synchronized iteration they are
-rebuilt once in the order gradients arrived on rank 0 (broadcast, so every rank builds the
-same buckets). A parameter that never got its gradient leaves its bucket unlaunched: the next
-forward raises an error naming it instead of hanging in a collective.
-
-Parameters with sparse gradients have buckets of their own, launched after the dense ones
-(``sparse.py``). With ``find_unused_parameters``, a parameter counts as used on a rank if it
-got a gradient this iteration or in a ``no_sync`` backward since the last reduction (torch's
-``local_used_map``): every rank then reduces its accumulated gradient, zeros where it has
-none, so all ranks end with the same gradients. ``backward(create_graph=True)`` reduces the
-gradients' values (detached; torch's warning is raised): no autograd through the allreduce.
-
-Threads: hooks and ``_finalize`` run on the thread that runs backward; collectives complete
-on the communicator's own thread (Gloo) or stream (NCCL), which is what overlaps them with the
-rest of backward.
+The iteration step by step, unused and sparse parameters, ``create_graph``: docs/ddp.md.
 """
 
 from __future__ import annotations

@@ -1,50 +1,18 @@
 """Zero-copy buckets: gradients in communicator memory the peers read, reduced in place.
 
-Where the communicator declares ``capabilities.shared_buckets`` for the model's device
-(``shm``: CPU; ``ipc``: CUDA), the reducer asks it for one region of memory every rank maps
-(``bucket_region``) and lays its dense buckets (fp32/fp64 on CPU, fp32/fp16/bf16 on CUDA:
-``SHARED_BUCKET_DTYPES``) out there instead of in private buffers. The ``.grad`` of each
-parameter is then its view in that memory (``gradient_as_bucket_view``): autograd accumulates
-into it, or, where ``.grad`` was ``None`` (``zero_grad(set_to_none=True)``), the reducer copies
-the fresh gradient in as it arrives, still in cache -- on CPU, for a gradient of
-``config.stage_min_bytes`` or more, only the parts the peers reduce: the reduction reads the part in
-this rank's own slice where autograd left it (``RegionBucket.stage``). `SharedViewAllReduce`
-all-reduces such a bucket in place: each rank reduces its slice straight out of every rank's
-bucket, the averaging factor folded in, and every rank ends with the whole result in its own
-bucket (``fastcomm.comm.shm.buckets`` on CPU; on CUDA ``fastcomm.comm.ipc.region``: one
-``peer_reduce`` kernel between two ``peer_signal`` barriers): no pack, no staging into the
-communicator's slots or workspace, no copy back, no unpack.
+Where the communicator declares ``capabilities.shared_buckets`` for the model's device (shm:
+CPU; ipc: CUDA), the dense buckets of ``SHARED_BUCKET_DTYPES`` live in one region every rank
+maps (``bucket_region``), ``.grad`` is each parameter's view there, and
+`SharedViewAllReduce` has each rank reduce its slice straight out of every rank's bucket
+(averaging folded in): no pack, no staging, no copy back, no unpack.
 
-Results: on CPU every element is ``sum over ranks, in rank order, of (grad * scale)``, each
-product rounded in the dtype: the bits of the communicator's own ``PremulSum`` all-reduce,
-hence of the packed path and of torch DDP (``tests/ddp/test_torch_parity.py``). On CUDA it is
-``(sum over ranks, in rank order, of grad) * scale``, accumulated in fp32 and rounded once (the
-same bits as on CPU where the scale is a power of two, as ``1 / world`` at 2, 4, 8 ranks).
+Invariants: ``.grad`` aliases the shared bucket (``DDP.grads_are_bucket_views``); a bucket is
+reduced only once every rank published that its gradients are in place; the end of a
+synchronized backward (``settle``; on CUDA the bucket's last barrier, which the caller's
+stream waits for) guarantees no peer reads or writes this rank's buckets any more. A rank
+that dies or times out makes the others raise, naming it.
 
-Default (decided in ``plan.py``, ``shared_request``): on where the communicator offers it and the
-gradients average ``config.shared_min_mean_bytes`` or more, with ``gradient_as_bucket_view`` left
-``None``; always with ``gradient_as_bucket_view=True``. ``.grad`` then aliases the bucket as with
-torch's ``gradient_as_bucket_view=True`` (``DDP.grads_are_bucket_views``;
-``DDP.gradient_as_bucket_view`` reports the argument, as torch's does).
-``gradient_as_bucket_view=False`` keeps torch's default aliasing (a ``.grad`` of its own, reduced by
-the communicator's ``all_reduce``), and ``shared_buckets=False`` (or
-``FASTCOMM_DDP_SHARED_BUCKETS=0``) turns the region off.
-
-Memory: on CPU the region holds every rank's buckets, ``size`` times the model's gradient
-bytes in ``/dev/shm`` (the buckets' private buffers are not allocated: per rank the same bytes,
-now shared); on CUDA each rank's buckets stay on its own GPU, the peers map them: the gradient
-bytes once per rank, as without sharing. ``shared_bucket_cap_mb`` (or
-``FASTCOMM_DDP_SHARED_CAP_MB``) caps it; over the cap, or when ``/dev/shm`` (the GPU) cannot
-hold it, every rank warns once and keeps today's buffers.
-
-Safety: a bucket is reduced only once every rank published that its gradients are in place;
-the end of a synchronized backward (and a joined rank's shadow step) makes sure no peer reads
-or writes this rank's buckets any more (``settle``; on CUDA the bucket's last barrier already
-does, and the caller's stream waits for it), so that nothing (an optimizer's in-place clip,
-the next backward, ``zero_grad``) writes a bucket a peer still reads. A comm hook gets the
-bucket as with ``gradient_as_bucket_view`` (its ``buffer()`` is the shared bucket) and reduces
-it with the communicator's collectives, as before. A rank that dies or times out makes the
-others raise, naming it.
+Results, defaults, memory and safety in detail: docs/ddp.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,15 @@
 """Sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``).
 
-torch DDP's rule, kept here: a parameter whose module produces sparse gradients gets a bucket of its
-own (``bucket.SparseBucket``, made by ``bucket.build_buckets``), outside the dense flat buffers (and
-so outside ``gradient_as_bucket_view``), and its gradient is allreduced as a sparse COO tensor.
-Sparse buckets launch after the dense ones (same order on every rank): an embedding is usually the
-first layer, whose gradient arrives last, so the dense buckets never wait for it.
+torch DDP's rule: a parameter whose module produces sparse gradients gets a bucket of its own
+(``bucket.SparseBucket``), outside the dense flat buffers (and ``gradient_as_bucket_view``),
+and its gradient is all-reduced as a sparse COO tensor by `SparseAllReduce`.
 
-Transport: ``Communicator.all_reduce`` takes the sparse COO gradient and replaces it with the
-sum: natively where the communicator declares ``capabilities.sparse_all_reduce`` (Gloo), else
-densified, allreduced and made sparse again (rows that are zero after the reduction are
-dropped), so ``.grad`` keeps its sparse layout either way.
+Invariants: sparse buckets launch after the dense ones, in the same order on every rank;
+``.grad`` keeps its sparse layout (``Communicator.all_reduce`` reduces natively where
+``capabilities.sparse_all_reduce``, else densifies and re-sparsifies). A comm hook receives
+the unscaled sparse gradient as ``bucket.buffer()``.
 
-A sparse bucket's strategy is `SparseAllReduce` (see ``strategy.py``). A comm hook receives the
-sparse gradient as ``bucket.buffer()`` (unscaled, as torch's) and its future's value becomes
-``.grad``.
+Why sparse buckets launch last, and the transport: docs/ddp.md.
 """
 
 from __future__ import annotations

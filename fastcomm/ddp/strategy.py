@@ -1,30 +1,17 @@
 """How one bucket is reduced: a small strategy object per bucket.
 
-Each bucket's strategy is chosen once, in ``plan.py`` (``plan_buckets``), when the reducer builds
-(or rebuilds) its buckets and when a comm hook is registered. During an iteration it only
-calls the bucket's strategy, so launch, wait, write-back and a joined rank's shadow are the
-same few lines for every bucket, and no per-step code asks what kind of bucket it holds.
+- `PackedAllReduce` (and `ArrivalPackedAllReduce`, packing each gradient as it arrives): pack
+  into ``flat`` with the averaging folded in, SUM all-reduce, unpack into ``.grad``.
+- `ViewAllReduce`: ``.grad`` is its view of ``flat``, a ``PremulSum`` all-reduce, no unpack.
+- ``InPlaceAllReduce`` (``in_place.py``), ``SparseAllReduce`` (``sparse.py``), and `CommHook`,
+  the hook on a `GradBucket` around the bucket's plain strategy.
 
-- `PackedAllReduce`: the fused pack into ``flat`` (averaging folded in), a SUM all-reduce,
-  the unpack into ``.grad``. On a CPU fp32/fp64 bucket of a few gradients,
-  `ArrivalPackedAllReduce`: the same, but each gradient is scaled into its bucket view as it
-  arrives (torch's reducer copies it there then too), while backward has just written it and
-  it is still in cache; the launch only issues the collective.
-- `ViewAllReduce` (``gradient_as_bucket_view``): ``flat`` already holds the gradients, so a
-  ``PremulSum`` all-reduce of it; ``.grad`` is its view, nothing to unpack.
-- ``InPlaceAllReduce`` (``in_place.py``): large gradients reduced where autograd left them,
-  small ones staged; the write-back copies only the staged ones.
-- ``SparseAllReduce`` (``sparse.py``): a sparse COO all-reduce of the scaled gradient, whose
-  sum becomes ``.grad``.
-- `CommHook`: the hook on a `GradBucket` instead of the collective; its future's value is
-  written back as the wrapped strategy writes its own.
+Each strategy is chosen once, in ``plan.py``; during an iteration the reducer only calls it
+(launch, wait, write-back, a joined rank's shadow). Strategies hold nothing per iteration:
+what a launch returns is kept by the reducer and handed back to ``wait``; the scale and
+``create_graph`` are read from the reducer at launch, since ``join`` changes the scale.
 
-The choice, with its thresholds and the capabilities it asks, is ``plan.py``'s.
-
-Strategies hold nothing per iteration: what a launch returns (a ``Work``, a future, an
-``InPlaceReduction``) is kept by the reducer and handed back to ``wait``. They read the
-iteration's scale and ``create_graph`` from the reducer at launch, because ``join`` changes the
-scale between iterations.
+Each strategy's steps: docs/ddp.md.
 """
 
 from __future__ import annotations

@@ -1,34 +1,18 @@
 """Shared launch helpers for the fused bucket kernels: dispatch, validation, block tables.
 
-Dispatch (`kernel_backend`): CUDA tensors run the compiled Triton kernels, CPU tensors the
-pure-torch references. ``FASTCOMM_KERNELS=triton|torch`` forces one. Forcing ``triton`` on
-CPU tensors runs the kernels in Triton's interpreter (how CI tests them), which needs
-``TRITON_INTERPRET=1``. Without ``FASTCOMM_KERNELS=triton`` CPU tensors keep the fast
-references even in interpreter mode, so a test session that turns it on globally does not
-slow every CPU pack down to interpreter speed.
+`kernel_backend`: CUDA tensors run the compiled Triton kernels, CPU tensors the torch
+references; ``FASTCOMM_KERNELS=triton|torch`` forces one. Triton's interpreter mode is fixed
+when triton is imported (``TRITON_INTERPRET``); `runnable` re-wraps the kernels to match it.
 
-Interpreter mode is decided when triton is *imported*: ``@triton.jit`` reads
-``TRITON_INTERPRET`` when it decorates, and triton decorates its own standard library
-(``tl.max``...) on import. So the variable must be set before the first ``import triton``
-(or anything importing it); setting it later cannot take effect and `kernel_backend` says so.
-`runnable` re-wraps our kernels to match the mode triton was imported in, so importing
-fastcomm.kernels first does not matter. In interpreter mode CUDA tensors fall back to torch:
-the interpreter copies kernel arguments to the host but cannot follow the raw device
-addresses held in a block table.
+`block_table`: per ``BLOCK``-element block of a multi-tensor launch, an int64 ``[3, n_blocks]``
+tensor on the device (the block's address in its tensor, in bytes; its element offset in the
+flat buffer; its element count), so a bucket of many tensors is one launch.
 
-Block table (`block_table`): a multi-tensor launch walks the flat buffer in blocks of
-``BLOCK`` elements aligned to each tensor's start (a tensor's last block is partial). For
-block ``b`` the int64 table holds, as rows of a ``[3, n_blocks]`` tensor on the device:
-the address of the block's first element in the tensor (bytes), its element offset in the
-flat buffer, and its element count. One dependent load per block, no per-tensor loop, so a
-bucket of 500 small gradients is one launch of ~500 programs. The kernels turn the int64
-address into a typed pointer (``int_to_ptr``, which the interpreter also supports for CPU
-tensors). When every address (every flat offset) is 16-byte aligned the table says so and
-the kernel passes it on with ``tl.multiple_of``, so the compiler can emit 128-bit accesses.
-Tables are cached by (addresses, sizes, offsets): a DDP packs the same bucket every step.
-A cache miss costs ~100 us of host work and a synchronous upload (the H2D copy waits for the
-current stream), so callers should keep bucket tensors at stable addresses. Building the key
-itself costs ~1 us per tensor; `fastcomm.kernels.PackPlan` holds its tables and skips it.
+Invariants: tables are cached by (addresses, sizes, offsets), so callers keep bucket tensors at
+stable addresses (a miss costs host work and a synchronous upload on the current stream); in
+interpreter mode CUDA tensors fall back to torch (it cannot follow their device addresses).
+
+Interpreter mode and the table's layout in detail: docs/kernels.md.
 """
 
 from __future__ import annotations

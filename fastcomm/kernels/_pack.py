@@ -1,24 +1,16 @@
 """Fused multi-tensor pack and unpack: a bucket of tensors <-> one flat buffer, one launch.
 
 `pack` flattens a list of tensors into one 1-D buffer (optionally scaled and cast); `unpack`
-writes (or adds) slices of a flat buffer back into the tensors (optionally scaled: the fused
-``1/world`` averaging of a DDP reducer). Each is a single kernel launch per source dtype (one
-launch for the usual single-dtype bucket), whatever the number of tensors: the grid walks
-the flat buffer in blocks and each program finds its tensor through a block table (see
-`fastcomm.kernels._launch`).
+writes (or adds) slices of a flat buffer back into the tensors (optionally scaled: a DDP
+reducer's ``1/world``). One launch per source dtype, through a block table (``_launch.py``).
+The torch path (`pack_torch`, `unpack_torch`) serves the references, CPU tensors and
+`PackPlan` alike, through a `TorchLayout`, so all give the same bits.
 
-Numerics: each element is loaded, converted to the compute dtype (fp32, or fp64 when an
-operand is fp64), multiplied by `scale` rounded to fp32, and rounded once to the target
-dtype (round-to-nearest-even; fp64 -> 16-bit goes through fp32, as torch does). Without a
-scale and without a dtype change the data is copied bit for bit. The torch references
-(`pack_reference`, `unpack_reference`) compute the same thing and are what CPU tensors run.
+Invariants: each element is computed in fp32 (fp64 when an operand is fp64), scaled by `scale`
+rounded to fp32, and rounded once to the target dtype; without scale or cast the data is
+copied bit for bit. `out`/`flat` must not overlap the tensors (undefined result if they do).
 
-One torch implementation (`pack_torch`, `unpack_torch`) serves the references, `pack`/`unpack`
-on CPU and `PackPlan`: what it needs beyond the tensors (views of a flat buffer, 1-D inputs
-for a ``torch.cat``, scratch) comes from a `TorchLayout`, made per call here and kept across
-calls by the plan, so both give the same bits by construction.
-
-Aliasing: `out`/`flat` must not overlap the tensors; the result is undefined if they do.
+Numerics in detail: docs/kernels.md.
 """
 
 from __future__ import annotations

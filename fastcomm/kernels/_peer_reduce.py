@@ -1,35 +1,17 @@
 """Reduction straight out of peers' buffers: the data kernel of the kernel collectives.
 
-`peer_reduce(srcs, dsts, op=..., scale=...)` reads every buffer of `srcs` elementwise, reduces
-them (sum, max or min; ``avg`` is a sum times ``1 / len(srcs)``), applies `scale`, and writes
-the result to *every* buffer of `dsts`, in one launch. The buffers are typically views of
-other ranks' memory mapped into this process: POSIX shared memory on CPU, CUDA IPC handles on
-GPU. Each rank passes the addresses at which *it* mapped its peers' slots, so the kernel
-receives them as a table of int64 addresses and turns each into a typed pointer, the way the
-pack kernel follows its block table.
+`peer_reduce(srcs, dsts, op=..., scale=...)` reads every buffer of `srcs` elementwise (views of
+peers' memory mapped into this process: POSIX shm on CPU, CUDA IPC on GPU), reduces them (sum,
+max, min; ``avg``), applies `scale` and writes the result to every buffer of `dsts`, in one
+launch over a table of int64 addresses. `peer_reduce_table` takes a transport's own tables and
+per-round byte offsets, so nothing is built or uploaded per call.
 
-The schedules of an allreduce are one call each (synchronization between the ranks, the flags
-saying a slot is written or read, is the transport's job, not this kernel's):
+Invariants: synchronization between ranks is the transport's job, not this kernel's; operands
+are combined in fp32 (fp64 for fp64) in the order of `srcs`, rank order on every rank, so every
+rank computes the same bits; a `dsts` buffer may alias one of `srcs` (each program reads its
+range before writing it).
 
-- one-shot (small messages): ``srcs`` = every rank's whole slot, ``dsts`` = this rank's output.
-- two-shot (large messages): rank ``r`` reduces chunk ``r`` of every rank's slot and pushes it
-  into chunk ``r`` of every rank's result slot (``dsts`` = those views), so reduce-scatter and
-  all-gather are one kernel and every rank then holds the whole result.
-
-A transport that maps its peers once keeps the address tables itself and calls
-`peer_reduce_table`, passing the round's byte offsets into the mapped areas instead of
-tensors: no table is built or uploaded per call.
-
-Numerics: every operand is loaded, converted to fp32 (fp64 for fp64 buffers), combined in the
-order of `srcs`, multiplied by `scale` rounded to fp32, and rounded once to the buffers' dtype.
-Every rank passes its peers in rank order, so every rank computes bit-identical results. The
-torch reference (`peer_reduce_reference`) computes the same thing and is what CPU tensors run
-(unless ``FASTCOMM_KERNELS=triton``; see `fastcomm.kernels._launch`). NaN propagates through
-max and min as in ``torch.maximum``.
-
-Aliasing: a buffer of `dsts` may be one of `srcs` only when every program reads its elements
-before writing them, which holds (each program reads and writes the same element range), so
-an in-place reduction into a rank's own slot is allowed.
+One-shot and two-shot schedules, numerics: docs/kernels.md.
 """
 
 from __future__ import annotations

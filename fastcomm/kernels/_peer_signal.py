@@ -1,54 +1,18 @@
 """A barrier between ranks through flags in each other's memory: the sync kernel of the kernel
 collectives, and the check that the ranks are in the same call.
 
-Every rank owns a *flag area* of ``3 * n_ranks`` int64 words (`flag_area_words`) in its
-workspace. Word ``p`` of rank ``q``'s area is written by rank ``p`` alone and holds the last
-barrier epoch ``p`` announced to ``q``; words ``n_ranks + 2 * p`` and ``n_ranks + 2 * p + 1``,
-also written by ``p`` alone, hold the *descriptor* ``p`` passed to its barriers of even and
-odd epochs (an opaque int64: the transport packs its call's op, element count, dtype and
-reduce op into it). ``peer_signal(bases, ...)`` runs one barrier of epoch ``e`` on the
-launching stream:
+Each rank owns a flag area of ``3 * n_ranks`` int64 words (`flag_area_words`): an epoch word
+and two descriptor words (even and odd epochs) per peer, each written by that peer alone.
+`peer_signal` writes its descriptor, announces epoch ``e`` to every rank (release, system
+scope), spins until every peer announced ``>= e`` (acquire) and compares the peers'
+descriptors with its own, on the launching stream.
 
-1. unless the control words below already say "stop" or "failed", it writes its descriptor
-   into its descriptor word of parity ``e % 2`` and then ``e`` into its epoch word of every
-   rank's flag area (``atomic_xchg``, release, system scope: the descriptor and the writes of
-   the kernels before it on the stream are visible to a peer that sees the flag);
-2. it spins reading its own flag area (``atomic_add`` of 0, acquire, system scope: the kernels
-   after it read the peers' data only once every peer has announced ``e``) until every word
-   is ``>= e``;
-3. it reads every peer's descriptor of parity ``e % 2`` and compares it with its own.
+Invariants: epochs only grow; the spin is bounded (``max_spins``, or a host stop request in
+``control[0]``) and the outcome is reported in `CONTROL_WORDS` host-readable words (missing
+ranks' mask, or `DISAGREE` and the differing peers); a failed barrier is sticky, so later
+barriers return at once and the transport refuses further collectives.
 
-Epochs only grow, so ``>=`` is right even when a fast peer has already announced the next
-barrier (it cannot get two ahead: that barrier waits for this rank). Such a peer has written
-its next descriptor into the other parity's word, so the word read in step 3 is still the one
-of barrier ``e``; the peer only overwrites it at barrier ``e + 2``, which waits for this
-rank's announcement of ``e + 1``, made after this barrier ended. Agreement costs one store per
-peer before the announcement (and a sync of the block, one warp, so that the release covers
-it), and one read per peer after the wait: no extra round trip. When descriptors differ, every
-rank sees a peer whose descriptor differs from its own (equality is transitive), so every rank
-reports the disagreement at the same barrier.
-
-A spinning kernel cannot time out by itself, so the spin is bounded twice, both reported
-through `CONTROL_WORDS` int64 *control words* the host can read without synchronizing (on a
-GPU they sit in pinned host memory, mapped into the device's address space):
-
-- ``control[0]`` (written by the host): nonzero asks every barrier to stop: a spinning one
-  leaves its loop (checked every ``STOP_EVERY`` spins) and later ones return at once;
-- ``control[1]`` (written by the kernel): the *report*, ``0`` while all is well. After a
-  barrier gave up (``max_spins`` spins or a stop) it is the bit mask of the ranks that had not
-  arrived (bits 0..62); after a disagreement it has bit 63 set (`DISAGREE`, so it is negative)
-  and the bits of the peers whose descriptor differs;
-- ``control[2]``: the epoch of that barrier;
-- ``control[3]`` and ``control[4]``, after a disagreement: this rank's descriptor and that of
-  the lowest disagreeing peer (enough for the host to name both calls).
-
-A failed barrier is sticky: once ``control[1]`` is set every later barrier returns at once, so
-a stream of collectives behind a missing rank or a disagreement drains in one spin bound
-instead of one per barrier. The data written after a failed barrier is garbage; the transport
-reports the failure and refuses further collectives.
-
-The torch reference (`peer_signal_reference`) runs the same protocol over a list of flag-area
-tensors (every rank's, in rank order) instead of an address table.
+The protocol, why it is right, and the control words: docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,35 +1,16 @@
 """A bucket's pack and unpack planned once: per call, only the checks and the bytes.
 
-A DDP packs and unpacks the same list of tensors every step. `pack`/`unpack` validate every
-tensor in Python, re-derive the block table's key and re-decide the implementation on each
-call (~1 us per tensor, plus ~20 us per call). `PackPlan` does that once for a *layout* (the
-tensors' shapes and dtypes, in order, on one device) and keeps:
+`PackPlan` validates a *layout* (the tensors' shapes and dtypes, in order, on one device) once
+and keeps: views of each flat buffer it served (keyed by address, dtype and length; the views
+hold the storage alive), a scratch buffer per dtype, the Triton block tables (rebuilt when a
+tensor's address changes) and the implementation chosen at plan time.
 
-- views of each flat buffer it has served, shaped like the tensors (a few buffers, keyed by
-  address, dtype and length: the views hold the storage alive, so an address seen again is
-  the same memory), for ``torch._foreach_copy_``;
-- a scratch buffer per dtype, for the torch path's scaled unpack and its gather before a cast
-  (so their views are cached too, where a fresh buffer every call would need new ones);
-- the Triton block tables, rebuilt only when a tensor's address changes (gradients set to
-  ``None`` and reallocated every step may or may not come back at the same addresses);
-- the implementation (`kernel_backend` at plan time: a plan keeps it).
+Invariants: each call still checks element counts, dtypes and (for the kernel) contiguity,
+raising what `pack` raises; results are bit-identical to `pack`/`unpack` with the same
+arguments (but a NaN's payload cast from a strided tensor). The torch path is `_pack`'s, with
+the plan as its `TorchLayout`.
 
-Each call checks the tensors' element counts and dtypes (and their contiguity, where the
-kernel reads their addresses; torch's copies take any strides, so the torch backend accepts
-strided tensors and packs them correctly) with C-level loops over the list (``map`` over
-tensor methods: no Python frame per tensor); a mismatch raises the same TypeError/ValueError
-as `pack`. Shapes are the copies' business: the kernel reads only
-counts, and torch's copies refuse a shape that differs by more than size-1 dimensions (which
-moves the same bytes), reported as a ValueError naming the tensor. Results are bit-identical
-to `pack`/`unpack` called with the same arguments (but for the payload of a NaN that is cast
-from a strided tensor: torch's conversions give a NaN's bits by the source's memory layout).
-
-The torch path is `fastcomm.kernels._pack.pack_torch`/`unpack_torch`, the one `pack`/`unpack`
-run on CPU, with the plan as its `TorchLayout`: where nothing is cast or scaled, the copy is
-``torch.cat`` (all tensors 1-D, on CPU) or ``torch._foreach_copy_`` into the cached views. On
-CPU these are the fastest copies torch has, and on CUDA a small bucket is bound by host time,
-where one ``_foreach_copy_`` costs less than a Triton launch. Casts and scales on CUDA, and
-large buckets, take the fused kernel.
+What the plan saves, and when the torch copies beat the kernel: docs/kernels.md.
 """
 
 from __future__ import annotations

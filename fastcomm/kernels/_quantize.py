@@ -1,23 +1,14 @@
 """Block-wise symmetric quantization of flat buffers, with fused error feedback.
 
-`quantize` splits the flat view of `x` into blocks of `block` elements (the last one may be
-short) and gives each block one fp32 scale ``amax / QMAX`` (``QMAX`` = 127 for int8, 448 for
-float8_e4m3fn; a block of zeros gets scale 0 and codes 0). Codes are ``x * (QMAX / amax)``
-rounded to nearest, ties to even (onto the integers for int8, onto e4m3's grid for fp8).
-With an error-feedback buffer the kernel quantizes ``x + error`` and, in the same pass,
-writes the residual ``x + error - dequantize(q)`` back into `error`, so the rounding error of
-one step is re-sent with the next and the running sum of dequantized values tracks the
-running sum of inputs.
+`quantize` gives each block of `block` elements one fp32 scale ``amax / QMAX`` (127 for int8,
+448 for float8_e4m3fn) and codes rounded to nearest, ties to even; with an error buffer it
+quantizes ``x + error`` and writes the new residual back in the same pass. `dequantize`
+computes ``q * scale`` in fp32 and writes (or adds) it into `out`.
 
-The default block (256 elements) costs 4 bytes of scale per 256 codes (1.6 % on top of int8)
-and bounds the error by half a code step of the block's own amax, so one outlier only
-coarsens its 256 neighbours.
+Invariants: the torch references give bit-identical results; a block of zeros gets scale 0 and
+codes 0; NaN and inf inputs are not supported (their codes are unspecified).
 
-`dequantize` computes ``q * scale`` in fp32 and writes (or adds, for summing peers' chunks)
-it into `out`. The torch references next to the kernels compute bit-identical results
-(divisions are correctly rounded, no FMA contraction, rounding done in fp32 arithmetic --
-Triton's interpreter rounds fp8 casts incorrectly -- so the casts to int8/fp8 are exact).
-NaN and inf inputs are not supported: the resulting codes are unspecified.
+The block size's cost and error bound, and why the references match: docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """Fused unpack with gradient statistics: flat buffer -> tensors, plus their health, one pass.
 
-`unpack_with_stats` does what `fastcomm.kernels.unpack` does (slices of a flat buffer written
-into tensors, scaled and cast) and, from the same registers, the two numbers a training loop
-otherwise spends two more passes on: the sum of squares of the values written (the squared
-L2 norm that ``clip_grad_norm_`` needs) and how many of them are NaN or +-Inf. A DDP reducer
-unpacks every averaged gradient once anyway, so the statistics cost no extra memory traffic.
+`unpack_with_stats` does what `fastcomm.kernels.unpack` does and, from the same registers,
+sums the squares of the values written and counts the NaN/+-Inf ones, so a DDP reducer gets
+the norm for ``clip_grad_norm_`` without another pass.
 
-Layout of the result: ``stats`` is a float32 tensor of 2 elements on the flat buffer's device,
-``[sum of squares, non-finite count]``; the results are *added* to it, so one ``stats`` can
-collect a bucket unpacked in several runs. The count is exact up to 2**24 values.
+Invariants: ``stats`` is a float32 ``[sum of squares, non-finite count]`` on the flat buffer's
+device, *added* to (one ``stats`` can collect a bucket unpacked in several runs); values are
+squared as stored (after the cast); counts are exact up to 2**24; sums agree with torch's to
+fp32 rounding (another summation order). CPU tensors run the unpack reference, then one norm.
 
-Numerics: each value is squared as stored (after the cast to its tensor's dtype), in the
-compute dtype (fp32, fp64 when an operand is fp64); the unpack kernel (with ``STATS``) sums
-each block in registers, writes one partial per block into a ``[2, n_blocks]`` buffer and one
-small torch reduction adds the partials into ``stats``. The sum order differs from torch's, so
-sums of squares agree to fp32 rounding (relative ~1e-6), counts exactly.
-
-CPU tensors run the torch path: the unpack reference, then one norm over the written values;
-the non-finite count is taken only when the sum of squares is not finite (a finite sum of
-squares proves every value finite).
+The kernel's partial sums and the CPU path: docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,15 @@
 """Worker failures: error files, failure records and the report printed when a job fails.
 
-A worker started through the bootstrap (every Python worker) records an uncaught exception to
-the JSON file named by ``TORCHELASTIC_ERROR_FILE``, in torch's ``@record`` format::
+A worker started through the bootstrap records an uncaught exception to the JSON file named by
+``TORCHELASTIC_ERROR_FILE`` in torch's ``@record`` format (a script using torch's ``@record``
+keeps its own file).
 
-    {"message": {"message": "RuntimeError: boom",
-                 "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "1700000000"}}}
+Root cause: a worker killed by a signal (or a lost node) first, then any failure that is not a
+peer-loss error, then the peer-loss errors (which may be recorded before the agent notices the
+dead worker); the earliest of the first non-empty class is the cause, and the report lists the
+others under it.
 
-so tools that read torchelastic error files read ours, and a script that already uses torch's
-``@record`` keeps its own file (the bootstrap does not overwrite it).
-
-Root cause: when one worker dies, its peers fail a moment later with errors that only say a
-peer is gone (``CommAbortedError: ... exited without joining it``, a closed connection), and
-those may be recorded *before* the agent notices the dead worker. So the root cause is not
-simply the earliest failure: a worker killed by a signal (or a lost node) comes first, then
-any failure that is not a peer-loss error, then the peer-loss errors; the earliest of the
-first non-empty class is the cause, and the report lists the others under it.
+The file format and the reasoning: docs/launch.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,16 @@
 """Point-to-point of the ``fastcomm`` process group: ``send``, ``recv``, ``recv_anysource``.
 
-What torch 2.13 calls: ``dist.send``/``dist.isend`` call the group's ``send([t], dst, tag)``,
-``dist.recv``/``dist.irecv`` its ``recv([t], src, tag)``, or ``recv_anysource([t], tag)`` when
-``src`` is ``None`` (then ``work._source_rank()`` for the sender); the blocking forms wait on
-the work at once. ``dist.batch_isend_irecv`` coalesces (``_start_coalescing``) only when the
-group's type is ``ProcessGroup`` itself with a C++ backend that coalesces; for this Python
-subclass it calls ``send``/``recv`` once per operation and returns their works, so a batch is
-as many entries of one engine, and the first ``wait()`` moves all of them.
+On a group whose CPU communicator is ``shm``, a dense CPU tensor of any dtype moves as its
+bytes through the communicator's tagged engine (:class:`~fastcomm.comm.shm.p2p.Mailboxes`:
+tags, any-source receives, a size or dtype mismatch raised on both ranks); a non-contiguous one
+through a contiguous copy. Anything else (CUDA, sparse, a ``hier`` or ``gloo`` communicator) is
+handed to the Gloo group (or a device map's CUDA backend) unchanged.
 
-On a group whose CPU communicator is ``shm`` (every rank on one host), a dense CPU tensor of
-any dtype moves as its bytes through the communicator's tagged engine
-(:class:`~fastcomm.comm.shm.p2p.Mailboxes`: tags honoured, any-source receives, a size or dtype
-mismatch raised on both ranks, no deadlock in either direction); a non-contiguous tensor through
-a contiguous copy (a receive copies back once the data is in). Anything else (CUDA tensors,
-sparse ones, a ``hier`` or ``gloo`` communicator) is handed to the Gloo group (or a device map's
-CUDA backend) unchanged, as before. A send to or receive from this rank itself is refused with a
-``ValueError`` (torch's ``isend`` lets it through; Gloo fails it: its pair is not connected).
-torch hands a complex tensor over as its real view, on both sides alike.
+Invariants: ``dist.batch_isend_irecv`` reaches this group as one ``send``/``recv`` per
+operation (torch does not coalesce for a Python group); a send to or receive from this rank
+itself raises ``ValueError``; complex tensors travel as their real view on both sides.
+
+What torch calls, and when: docs/torch_backend.md.
 """
 
 from __future__ import annotations

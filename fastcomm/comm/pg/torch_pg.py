@@ -1,20 +1,16 @@
 """A torch ``ProcessGroup`` presented as a fastcomm :class:`Communicator`.
 
 ``TorchPGCommunicator(pg)`` lets code written against fastcomm (the DDP reducer, the comm
-hooks) run on a group a training script already made with ``torch.distributed``: collectives
-go straight to the group's backend (``pg.allreduce`` and friends, with group-local ranks), so
-they share its connections, streams and ordering with any other use of the same group.
+hooks) run on a group a script already made with ``torch.distributed``: collectives go
+straight to the group's backend (group-local ranks), sharing its connections, streams and
+ordering. The collectives are ``ProcessGroupCommunicator``'s (``process_group.py``).
 
-The collectives are ``ProcessGroupCommunicator``'s (``process_group.py``), shared with the Gloo
-communicator: a :class:`~.process_group.PGWork` resolves to the output tensor (fastcomm's
-contract; torch's own futures resolve to a list), and ``AVG`` on a backend without it (Gloo) is
-a ``SUM`` followed by a division, done before the future resolves. On a CUDA (NCCL) group the
-future is torch's CUDA-aware one, and ``wait()`` orders the caller's stream after the
-collective.
+Invariants: a :class:`~.process_group.PGWork` resolves to the output tensor; ``AVG`` on a
+backend without it is ``SUM`` then a division, done before the future resolves; on a CUDA
+group ``wait()`` orders the caller's stream after the collective; ``split`` builds fastcomm
+communicators on the group's store under a private prefix, never splitting the group itself.
 
-Sub-communicators (``split``) are fastcomm communicators built on the group's store under a
-private prefix (Gloo on CPU; on a CUDA group, what ``fastcomm.comm.world`` builds through
-``make_child``); the group itself is never split.
+More: docs/torch_backend.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """int8 / fp8 gradient compression with error feedback.
 
-Per bucket of ``N`` gradients over ``W`` ranks (``B`` elements per quantization block, the
-bucket padded with zeros to ``W`` chunks of whole blocks):
+Per bucket: pack with the averaging folded in and quantize with the last step's residual
+(fused); ``all_to_all`` of codes and scales (the reduce-scatter); dequantize and sum the
+chunks in fp32, re-quantize; ``all_gather`` the re-quantized chunks and dequantize into the
+result. Each rank sends about a quarter of a ring all-reduce's fp32 bytes.
 
-1. pack with the averaging folded in; ``quantize`` adds the residual of the last step and
-   writes the new one in the same pass (fused kernel), giving 1-byte codes and one fp32 scale
-   per block;
-2. ``all_to_all`` of codes and scales: rank ``r`` receives every rank's chunk ``r`` (this is
-   the reduce-scatter: quantized values cannot be summed by the network, their scales differ);
-3. dequantize the ``W`` chunks and sum them in fp32, re-quantize the sum;
-4. ``all_gather`` the re-quantized chunks, dequantize into the result.
+Invariants: the residual is this rank's alone and is updated in the quantize pass; the
+all-gather's rounding is not fed back (every rank shares it); every buffer of the pipeline is
+allocated once per bucket and reused each step (`_Buffers`).
 
-Each rank sends ``(W-1)/W`` of its codes in step 2 and the same in step 4: ``2 (W-1)/W * N``
-bytes plus scales, against ``2 (W-1)/W * 4N`` for a ring allreduce of fp32 -- about 4x less.
-Step 4's rounding is not fed back (it is shared by all ranks, and half a code step of the
-summed chunk).
-
-Host cost: every buffer of the pipeline (codes, scales, what is received, the dequantized
-chunks and their sum) is allocated once per bucket and reused each step (`_Buffers`), and
-nothing loops over the bucket's parameters unless its layout changed.
+The steps, the byte counts and the error bound: docs/ddp.md.
 """
 
 from __future__ import annotations
