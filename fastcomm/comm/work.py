@@ -296,13 +296,12 @@ class OrderedExecutor(StoppableThread):
     Waiting runs too (help first): a ``wait()`` on a queued ``Work`` runs the queued tasks up
     to it on the waiting thread while the executor's thread is not running one, so an
     asynchronous call waited on at once costs about what the synchronous call does, instead of
-    a thread wake-up (tens of microseconds in a VM) each way. One task runs at a time either way
+    a thread wake-up each way (docs/architecture.md). One task runs at a time either way
     (``running``), always the oldest queued, so issue order holds.
 
     Queueing does not wake the thread either, unless it is parked: a woken thread takes the
     GIL and the core from the caller that is about to wait, and the hand-off back costs as
-    much again (an ``async_op=True`` all-reduce waited on at once: 14-18 us with the wake,
-    about 7 us without, against 3.2 us synchronous, 2 shm ranks). The thread instead polls
+    much again (figures: docs/architecture.md). The thread instead polls
     every ``POLL_S`` while asynchronous work is being issued (it parks after ``PARK_S``
     without any), so a task nobody waits on starts within ``POLL_S`` (DDP's buckets overlap
     backward as before, a peer is never left waiting on it for longer); asking a ``Work`` for

@@ -168,12 +168,11 @@ def default_backend(world_size: int = 1, *, cpu_tensors: bool = False) -> str:
 def shared_gpu_backend(fit: NcclFit, local_world_size: int) -> str | None:
     """``"ipc"`` where NCCL cannot run the job because ranks share a GPU, else ``None``.
 
-    Why: measured on one H100 with two processes sharing it (torch 2.11, NCCL 2.28.9), NCCL
-    refuses the job ("Duplicate GPU detected") and Gloo, which stages through host memory,
-    takes 561 us for a 4 KiB all-reduce and 18 ms for 25 MiB, while a kernel reading the peer's
-    buffer through CUDA IPC sums 25 MiB in 28 us. The ``ipc`` backend's CUDA ``all_reduce`` is
-    such a kernel (its end-to-end latency has not been measured yet); its other CUDA ops take
-    the same Gloo. Where NCCL can run it stays the choice: no crossover with NCCL is measured.
+    Why: with two processes sharing one GPU, NCCL refuses the job ("Duplicate GPU detected")
+    and Gloo stages through host memory, far slower than a kernel reading the peer's buffer
+    through CUDA IPC (figures: docs/architecture.md). The ``ipc`` backend's CUDA ``all_reduce``
+    is such a kernel; its other CUDA ops take the same Gloo. Where NCCL can run it stays the
+    choice.
     """
     if fit.ok or fit.device_count == 0 or local_world_size <= fit.device_count:
         return None

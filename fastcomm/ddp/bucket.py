@@ -38,7 +38,8 @@ __all__ = [
 
 # CPU buckets of these dtypes pack and unpack through the bucket's own views with torch ops: the
 # kernels' torch reference does the same arithmetic (x * scale rounds once in fp32/fp64) but
-# first re-validates every tensor and re-slices the flat buffer, ~1 us per tensor per step.
+# first re-validates every tensor and re-slices the flat buffer, a host cost per tensor per
+# step (docs/ddp.md).
 CPU_VIEW_DTYPES = (torch.float32, torch.float64)
 # up to this many tensors, one multiply per tensor straight into its view (one pass over the
 # bytes); beyond, one foreach copy then one multiply of the whole bucket (two passes, but two

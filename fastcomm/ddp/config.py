@@ -32,25 +32,21 @@ DEFAULT_FIRST_BUCKET_MB = 1.0
 
 # By default (gradient_as_bucket_view=None) the buckets are shared only where the gradients
 # average this many bytes: a bucket view costs a copy and a `.grad` store per gradient in
-# Python (~2 us), which the packed path does in two foreach calls per bucket; with hundreds of
-# tiny gradients that outweighs the collective's saving (200 x Linear(16, 16): 2.5 ms a step
-# more CPU than the packed path on 2 ranks).
+# Python, which the packed path does in two foreach calls per bucket; with hundreds of tiny
+# gradients that outweighs the collective's saving (figures: docs/ddp.md).
 SHARED_MIN_MEAN_BYTES = 16 << 10
 # A fresh gradient at least this large is staged into its shared CPU bucket (only the peers'
 # parts copied in, its own slice read where autograd left it); a smaller one is copied whole:
-# the staging's few slicing calls cost more than copying a few KiB (400 tiny gradients: ~1 ms
-# a step).
+# the staging's few slicing calls cost more than copying a few KiB (figures: docs/ddp.md).
 STAGE_MIN_BYTES = 64 << 10
 # A collective costs tens of microseconds of sequencing; one pass over a MiB, a few hundred:
 # from this size on a CPU gradient is reduced where autograd left it (in_place.py).
 IN_PLACE_MIN_BYTES = 1 << 20
 # On a communicator that does not fold the PremulSum into its reduction (Gloo), the large
 # gradients take a ``mul_`` pass anyway, so in place saves only the unpack's copy, while each
-# collective beyond the packed bucket's one costs 100-700 us of issue, wake-ups and round trip
-# on two cores. A bucket goes in place there when it stays one collective, or when every extra
-# collective brings at least this many bytes reduced in place. Measured, interleaved with torch
-# DDP: a 1.6M-parameter MLP (1 MiB weights, each with a 2 KiB bias) went from 1.17x to 1.06x
-# packed; a 10.5M one (4 MiB weights) was 5 to 8% faster in place.
+# collective beyond the packed bucket's one costs its issue, wake-ups and round trip. A bucket
+# goes in place there when it stays one collective, or when every extra collective brings at
+# least this many bytes reduced in place (the measurements behind it: docs/ddp.md).
 UNFOLDED_MIN_BYTES_PER_EXTRA = 4 << 20
 # A packed CPU bucket of at most this many gradients scales each into its view as it arrives:
 # the pack's own limit for multiplying view by view (bucket.py); beyond it the pack's foreach

@@ -255,7 +255,8 @@ class DDP(nn.Module):
         """Run the wrapped module between the reducer's pre- and post-forward steps."""
         # Under torch.compile the wrapped module's forward is compiled; the reducer's
         # bookkeeping and collectives around it run eagerly (graph breaks), as torch DDP's
-        # pre/post forward do. Eager calls skip the disabling wrapper (~2.5 us a call).
+        # pre/post forward do. Eager calls skip the disabling wrapper, a host cost per call
+        # (docs/ddp.md).
         compiling = torch.compiler.is_compiling()
         sync = _pre_forward_eagerly(self) if compiling else self._pre_forward()
         if self.device_ids:

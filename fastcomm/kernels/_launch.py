@@ -102,8 +102,9 @@ def fp32_scale(scale) -> float:
 
 
 _F32 = struct.Struct("f")
-# float -> its fp32 rounding: checking and rounding cost ~2 us, and a training loop passes the
-# same few scales again and again (only exact floats: a bool or int must not hit a float's entry)
+# float -> its fp32 rounding: checking and rounding cost host time (docs/kernels.md), and a
+# training loop passes the same few scales again and again (only exact floats: a bool or int
+# must not hit a float's entry)
 _ROUNDED: dict[float, float] = {}
 
 

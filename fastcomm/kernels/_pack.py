@@ -432,9 +432,9 @@ class _CallLayout:
         return list(torch._utils._unflatten_dense_tensors(flat, self.tensors))
 
     def cat_inputs(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        # 1-D tensors go in as they are: a Python-made view costs ~1 us per tensor here, which
-        # is most of a 500-tensor bucket of small gradients. (`scan_tensors` checked that
-        # every tensor is contiguous, so `view` cannot fail.)
+        # 1-D tensors go in as they are: a Python-made view costs host time per tensor here
+        # (docs/kernels.md), which is most of a 500-tensor bucket of small gradients.
+        # (`scan_tensors` checked that every tensor is contiguous, so `view` cannot fail.)
         return [t if t.dim() == 1 else t.view(-1) for t in tensors]
 
     def scratch(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -29,7 +29,8 @@ BACKEND_NAME = "fastcomm"
 
 _DTYPES = frozenset(SUPPORTED_DTYPES)
 _STRIDED = torch.strided
-# keyed by the enum's value: hashing and comparing pybind11 enum members costs ~1 us a lookup
+# keyed by the enum's value: hashing and comparing pybind11 enum members is slow for a lookup
+# (docs/torch_backend.md)
 _OPS = {
     RED.SUM.value: ReduceOp.SUM,
     RED.AVG.value: ReduceOp.AVG,
@@ -49,8 +50,8 @@ _ALL_OPS = {
 
 
 
-# torch 2.13 hashes a ReduceOp to its kind's value, 5x cheaper than reading `.op.value`; used
-# only where this process confirms it for every kind
+# torch 2.13 hashes a ReduceOp to its kind's value, cheaper than reading `.op.value`
+# (docs/torch_backend.md); used only where this process confirms it for every kind
 _op_kind = (
     hash if all(hash(dist.ReduceOp(kind)) == kind.value for kind in RED.__members__.values()
                 if kind is not RED.PREMUL_SUM)

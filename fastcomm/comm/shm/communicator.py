@@ -97,8 +97,8 @@ class ShmOptions:
     )
     """Largest all-reduce, in bytes, done in one shot instead of reduce-scatter + all-gather
     (``FASTCOMM_SHM_ONE_SHOT_BYTES``). ``None`` (default): ``512 KiB / size``, i.e. 256 KiB on
-    2 ranks, the crossover measured there (one shot reads every peer's copy, so the crossover
-    falls as ranks are added)."""
+    2 ranks, the crossover found there (one shot reads every peer's copy, so the crossover
+    falls as ranks are added; docs/shm.md)."""
 
     spin_us: float | None = field(default_factory=lambda: _env_float("FASTCOMM_SHM_SPIN_US", None))
     """Microseconds a waiting rank polls in a tight loop (``FASTCOMM_SHM_SPIN_US``). ``None``
