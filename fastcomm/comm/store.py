@@ -6,9 +6,9 @@ own. ``barrier``, ``all_gather_object`` and ``broadcast_object`` need a name uni
 
 Invariants: every blocking call has a timeout and raises :class:`StoreTimeoutError` naming the
 key, ``host:port``, the rank and the elapsed time; nothing read is executed: objects travel as
-JSON (``encode`` refuses other types before writing), signed with HMAC-SHA256 under a job
-secret (``FASTCOMM_JOB_SECRET``/``_FILE``) and checked before parsing; raw ``get``/``set``
-bytes are not signed. A server binds only the address it is given.
+JSON (``encode`` refuses other types before writing), and with a job secret
+(``FASTCOMM_JOB_SECRET``/``_FILE``) each value is HMAC-SHA256 signed and checked before it is
+parsed; raw ``get``/``set`` bytes are not signed. A server binds only the address it is given.
 
 The encoding, the secret and the listening socket: docs/architecture.md.
 """
