@@ -94,6 +94,8 @@ class Work:
     def _fail(self, error: BaseException) -> None:
         self._finish(error)
 
+    _flight = None  # (recorder, seq) of the call that returned it (``flight.recorded``)
+
     def _finish(self, error: BaseException | None) -> None:
         with _FUTURE_LOCK:
             if self._done:
@@ -101,6 +103,8 @@ class Work:
             self._error = error
             self._done = True
             future = self._future
+        if self._flight is not None:
+            self._flight[0].end(self._flight[1], error is None)
         if self._latch is not None:
             self._latch.release()
         if future is not None:

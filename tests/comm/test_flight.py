@@ -1,0 +1,122 @@
+"""The flight recorder and the hang report on real ranks: shm, Gloo and hier.
+
+Each check runs 3 ranks with a short collective timeout and suspect interval; one rank goes
+wrong (sleeps in its data loader, calls another op, is SIGSTOPped or killed) and the others'
+error carries the report's first line as a note, which must name the rank, the op, the
+sequence number and the frame. The early warning's report (a request before the timeout) is
+read from ``FASTCOMM_FLIGHT_DIR``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from fastcomm.comm.errors import FastcommError
+from fastcomm.comm.flight import FlightRecorder
+from tests.harness import RankPool, fresh_comm
+
+TIMEOUT = 6.0
+ENV = {"FASTCOMM_SUSPECT_S": "2", "FASTCOMM_FLIGHT_POLL_S": "0.5"}
+WARMUP = 5  # calls before the faulty one: it is #6
+
+
+def next_batch(seconds):
+    time.sleep(seconds)  # the data loader that never delivers
+
+
+def _note(exc):
+    return next((n for n in getattr(exc, "__notes__", []) if n.startswith("flight report: ")),
+                "").removeprefix("flight report: ")
+
+
+def _run(backend, name, fault):
+    """Every rank: WARMUP all_reduces, then rank 1 misbehaves as ``fault`` says; returns
+    (rank, first line of the report from the error's note, or None)."""
+    comm = fresh_comm(backend, name, timeout=TIMEOUT)
+    tensor = torch.ones(1024)
+    for _ in range(WARMUP):
+        comm.all_reduce(tensor)
+    if comm.rank == 1:
+        if fault == "sleep":
+            next_batch(TIMEOUT + 5)
+            comm.close()
+            return comm.rank, None
+        if fault == "other":
+            try:
+                comm.broadcast(torch.zeros(256, dtype=torch.int64), 0)
+            except FastcommError as exc:
+                return comm.rank, _note(exc)
+            return comm.rank, None
+        if fault == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if fault == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        comm.all_reduce(tensor)
+    except FastcommError as exc:
+        return comm.rank, _note(exc)
+    finally:
+        comm.close()
+    return comm.rank, None
+
+
+def _early_reports(folder):
+    """First lines of the reports written before the timeout (request 1: the warning)."""
+    out = []
+    for root, _, files in os.walk(folder):
+        for f in files:
+            if f.startswith("report.rank"):
+                with open(os.path.join(root, f)) as fh:
+                    out.append((root, fh.readline().strip()))
+    return sorted(out)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("flight")
+    with RankPool(3, env={**ENV, "FASTCOMM_FLIGHT_DIR": str(folder)}, timeout=60) as p:
+        p.folder = folder
+        yield p
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_rank_in_its_data_loader(pool, backend):
+    name = f"sleep-{backend}"
+    results = pool.run(_run, backend, name, "sleep")
+    for rank, line in results:
+        if rank == 1:
+            continue
+        assert line.startswith(f"rank 1 never entered all_reduce #{WARMUP + 1} of {backend}"), line
+        assert "ranks 0,2 waiting since" in line and "in next_batch" in line, line
+        assert "test_flight.py:" in line, line
+    early = [line for root, line in _early_reports(pool.folder) if f"{backend}{os.sep}1" in root]
+    assert early and early[0].startswith("rank 1 never entered all_reduce #6"), early
+
+
+@pytest.mark.timeout(120)
+def test_rank_calls_another_op(pool):
+    results = pool.run(_run, "shm", "other-shm", "other")
+    lines = [line for _, line in results]
+    assert any(line and line.startswith("ranks disagree at #6: ") for line in lines), lines
+    line = next(x for x in lines if x)
+    assert "ranks 0,2 all_reduce(float32, 1024 elements" in line, line
+    assert "rank 1 broadcast(int64, 256 elements, src 0)" in line, line
+
+
+def test_recorder_ring_wraps():
+    recorder = FlightRecorder("t", 0, 1, capacity=4)
+    tensor = torch.ones(3)
+    for _ in range(6):
+        recorder.end(recorder.issue("all_reduce", tensor, None))
+    seq = recorder.issue("broadcast", tensor, 0)
+    rows = recorder.entries()
+    assert [r["seq"] for r in rows] == [4, 5, 6, 7]
+    assert rows[-1]["state"] == "started"
+    assert rows[-1]["desc"] == "broadcast(float32, 3 elements, src 0)"
+    assert recorder.in_flight()[:2] == (seq, "broadcast") and recorder.last_done() == 6
