@@ -170,8 +170,9 @@ def _beats(target: _Target) -> dict[int, dict]:
 
 
 def _collect(target: _Target, n: int, wait_s: float) -> tuple[dict, dict]:
-    """The dumps answering request ``n`` or a later one (ranks that ask at once post several;
-    each rank answers the latest), waiting at most ``wait_s``, and the heartbeats."""
+    """Each rank's dump answering request ``n``, a later one or one of the few before (ranks
+    that ask at once post several; each answers the latest it sees), waiting at most
+    ``wait_s``, and the heartbeats."""
     deadline = time.monotonic() + wait_s
     store = target.store
     dumps: dict[int, dict] = {}
@@ -179,7 +180,7 @@ def _collect(target: _Target, n: int, wait_s: float) -> tuple[dict, dict]:
     while True:
         top = max(n, store.add("flight/req", 0))
         for rank in range(target.size):
-            for m in range(top, n - 1, -1):
+            for m in range(top, max(1, n - 3) - 1, -1):
                 key = f"flight/dump/{m}/{rank}"
                 if rank not in dumps and store.check([key]):
                     dumps[rank] = store.decode(key, store.get(key))
@@ -232,8 +233,15 @@ class Watch(threading.Thread):
         self.signalled = threading.Event()
 
     def add(self, comm) -> None:
+        target = _Target(comm)
+        self._beat(target)  # named by its heartbeat from the start, not after a poll
         with self.lock:
-            self.targets = [t for t in self.targets if t.alive] + [_Target(comm)]
+            self.targets = [t for t in self.targets if t.alive] + [target]
+
+    @staticmethod
+    def _beat(target: _Target) -> None:
+        key = f"flight/hb/{target.rank}"
+        target.store.set(key, target.store.encode(key, target.beat()))
 
     def run(self) -> None:
         while True:
@@ -249,8 +257,7 @@ class Watch(threading.Thread):
 
     def _visit(self, target: _Target) -> None:
         store = target.store
-        store.set(f"flight/hb/{target.rank}", store.encode(f"flight/hb/{target.rank}",
-                                                           target.beat()))
+        self._beat(target)
         if self.signalled.is_set():
             _publish(target, 0, "SIGUSR1")
         n = store.add("flight/req", 0)

@@ -37,7 +37,12 @@ def _note(exc):
 def _run(backend, name, fault):
     """Every rank: WARMUP all_reduces, then rank 1 misbehaves as ``fault`` says; returns
     (rank, first line of the report from the error's note, or None)."""
-    comm = fresh_comm(backend, name, timeout=TIMEOUT)
+    if backend == "hier":  # two namespaced hosts: ranks 0,1 on one, rank 2 on the other
+        os.environ["FASTCOMM_HOST_ID"] = f"host{int(os.environ['RANK']) // 2}"
+    try:
+        comm = fresh_comm(backend, name, timeout=TIMEOUT)
+    finally:
+        os.environ.pop("FASTCOMM_HOST_ID", None)
     tensor = torch.ones(1024)
     for _ in range(WARMUP):
         comm.all_reduce(tensor)
@@ -85,7 +90,7 @@ def pool(tmp_path_factory):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("backend", ["shm", "gloo"])
+@pytest.mark.parametrize("backend", ["shm", "gloo", "hier"])
 def test_rank_in_its_data_loader(pool, backend):
     name = f"sleep-{backend}"
     results = pool.run(_run, backend, name, "sleep")
@@ -120,3 +125,15 @@ def test_recorder_ring_wraps():
     assert rows[-1]["state"] == "started"
     assert rows[-1]["desc"] == "broadcast(float32, 3 elements, src 0)"
     assert recorder.in_flight()[:2] == (seq, "broadcast") and recorder.last_done() == 6
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fault,why", [("stop", "is stopped"), ("kill", "exited")])
+def test_rank_stopped_or_killed(pool, fault, why):
+    failure = pool.expect_failure(_run, "shm", f"{fault}-shm", fault)
+    assert 1 in failure.unfinished or 1 in failure.errors, failure
+    lines = [line for rank, line in failure.results.values() if rank != 1]
+    assert len(lines) == 2, failure
+    for line in lines:
+        assert line.startswith("rank 1 (host "), line
+        assert "stopped answering at" in line and why in line, line
