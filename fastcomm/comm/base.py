@@ -49,7 +49,7 @@ from .checks import (
     untracked,
 )
 from .errors import CommClosedError
-from .flight import recorded, recorder_for
+from .flight import failed, recorded, recorder_for
 from .reduction import torch_reduce
 from .stats import CommStats
 from .store import DEFAULT_TIMEOUT, Store, as_timedelta
@@ -461,7 +461,6 @@ class Communicator(CommBackend):
     # Every collective: check the arguments, count it, pick the communicator that moves
     # tensors on that device (`_target`), let it finish the call inline (`_run_inline`) or
     # build its task (`_impl_*`), run the task (`_run`).
-    @recorded("all_reduce", 0, 1, "op")
     def all_reduce(
         self,
         tensor: torch.Tensor,
@@ -485,6 +484,22 @@ class Communicator(CommBackend):
                 tensor.
             ValueError: wrong device, non-contiguous, unknown op.
         """
+        recorder = self.flight  # the hottest call: recorded inline, not by @recorded
+        if recorder is None:
+            return self._all_reduce(tensor, op, async_op)
+        seq = recorder.issue("all_reduce", tensor, op)
+        try:
+            result = self._all_reduce(tensor, op, async_op)
+        except BaseException as exc:
+            failed(recorder, exc)
+            recorder.end(seq, False)
+            raise
+        if result is None:
+            recorder.end(seq)
+            return None
+        return recorder.finish(seq, result)
+
+    def _all_reduce(self, tensor: torch.Tensor, op, async_op: bool) -> Work | None:
         if (  # the usual call (DDP's, a training step's), checked inline: every check below
             # is the same as the general path's, which names what failed
             type(tensor) is torch.Tensor

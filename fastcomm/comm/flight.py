@@ -23,6 +23,8 @@ from collections.abc import Callable
 from functools import wraps
 from typing import Any
 
+from torch import Tensor as _Tensor
+
 __all__ = ["FlightRecorder", "STATES", "recorded", "recorder_for", "recorders"]
 
 SIZE_ENV = "FASTCOMM_FLIGHT_SIZE"
@@ -95,13 +97,11 @@ class FlightRecorder:
     def issue(self, op: str, arg: Any, extra: Any) -> int:
         """Records a call of ``op`` (``arg``: its tensor, a list, or ``None``; ``extra``: its
         reduce op or root); returns its sequence number."""
-        seq = self.seq + 1
-        self.seq = seq
+        seq = self.seq = self.seq + 1
         i = seq % self.capacity
         self._op[i] = op
         self._arg[i] = arg
         self._extra[i] = extra
-        self._t1[i] = 0
         self._state[i] = STARTED
         self._t0[i] = _now()
         return seq
@@ -113,7 +113,9 @@ class FlightRecorder:
         self._t1[i] = _now()
         self._state[i] = COMPLETED if ok else FAILED
         arg = self._arg[i]
-        if arg is not None and arg.__class__ is not tuple:
+        if arg.__class__ is _Tensor:
+            self._arg[i] = (arg.dtype, arg.numel())
+        elif arg is not None and arg.__class__ is not tuple:
             self._arg[i] = _shape_of(arg)
 
     def finish(self, seq: int, result: Any) -> Any:
@@ -160,8 +162,9 @@ class FlightRecorder:
         rows = []
         for seq in range(first, self.seq + 1):
             i = seq % self.capacity
-            rows.append(entry(seq, self._op[i], self._arg[i], self._extra[i], self._state[i],
-                              self._t0[i], self._t1[i]))
+            state = self._state[i]
+            rows.append(entry(seq, self._op[i], self._arg[i], self._extra[i], state,
+                              self._t0[i], self._t1[i] if state >= COMPLETED else 0))
         return rows
 
     def latencies(self) -> dict[tuple[str, int], list[float]]:
