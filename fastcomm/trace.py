@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
-__all__ = ["analyze", "first_line", "load", "main", "stragglers"]
+__all__ = ["analyze", "first_line", "load", "load_latest", "main", "report_head", "stragglers"]
 
 IN_FLIGHT = ("issued", "started")
 
@@ -221,6 +221,50 @@ def load(folder: str) -> tuple[dict[int, dict], dict[int, dict], int, str]:
     return dumps, beats, size, any_dump.get("comm", "world")
 
 
+def _requests(folder: str) -> list[str]:
+    """The request folders (``<comm>/<n>``) of the newest communicator under ``folder``,
+    newest first."""
+    found = []
+    for comm in os.listdir(folder):
+        path = os.path.join(folder, comm)
+        if os.path.isdir(path):
+            found += [(int(n), os.path.join(path, n)) for n in os.listdir(path) if n.isdigit()]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def load_latest(folder: str) -> tuple[dict[int, dict], dict[int, dict], int, str]:
+    """:func:`load` of the newest dump of each rank among the last few requests under
+    ``folder`` (ranks that ask at once post several requests; each rank answers one)."""
+    dumps: dict[int, dict] = {}
+    beats: dict[int, dict] = {}
+    size, name = 0, "world"
+    for path in _requests(folder)[:4]:
+        more, more_beats, more_size, more_name = load(path)
+        for rank, dump in more.items():
+            dumps.setdefault(rank, dump)
+        for rank, beat in more_beats.items():
+            beats.setdefault(rank, beat)
+        if more_size and not size:
+            size, name = more_size, more_name
+    return dumps, beats, size, name
+
+
+def report_head(folder: str) -> str | None:
+    """The first line of the hang report the ranks wrote under ``folder`` (``report.txt``),
+    else of the newest dumps there, else ``None``."""
+    if not os.path.isdir(folder):
+        return None
+    path = os.path.join(folder, "report.txt")
+    try:
+        if os.path.exists(path):
+            with open(path) as fh:
+                return fh.readline().strip() or None
+        dumps, beats, size, name = load_latest(folder)
+        return first_line(dumps, beats, size, name) if size else None
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m fastcomm.trace FOLDER``: prints the report of a folder of dumps."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -228,7 +272,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("usage: python -m fastcomm.trace FOLDER  (a folder of rank<r>.json dumps)",
               file=sys.stderr)
         return 2
-    dumps, beats, size, name = load(argv[0])
+    folder = argv[0]
+    if any(n.startswith("rank") for n in os.listdir(folder)):
+        dumps, beats, size, name = load(folder)
+    else:
+        dumps, beats, size, name = load_latest(folder)
     if not size:
         print(f"no flight dumps in {argv[0]}", file=sys.stderr)
         return 1
