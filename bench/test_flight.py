@@ -63,16 +63,17 @@ def _ab(calls: int, rounds: int) -> dict:
     x = torch.ones(1024)
     for _ in range(calls):  # warm up both paths
         comm.all_reduce(x)
-    times = {"on": [], "off": []}
-    clock = time.perf_counter_ns
+    times = {"on": [], "off": [], "cpu_on": [], "cpu_off": []}
+    clock, cpu = time.perf_counter_ns, time.thread_time_ns
     for r in range(rounds):
         for side in (("on", "off") if r % 2 == 0 else ("off", "on")):
             comm.flight = recorder if side == "on" else None
             comm.barrier()
-            start = clock()
+            start, start_cpu = clock(), cpu()
             for _ in range(calls):
                 comm.all_reduce(x)
             times[side].append((clock() - start) / calls)
+            times[f"cpu_{side}"].append((cpu() - start_cpu) / calls)
     comm.flight = recorder
     comm.close()
     return times
@@ -94,6 +95,8 @@ def test_flight_ab():
         "ratio": round(on / off, 4),
         "rank1_ratio": round(statistics.median(per_rank[1]["on"])
                              / statistics.median(per_rank[1]["off"]), 4),
+        "cpu_ns_on": round(statistics.median(per_rank[0]["cpu_on"]), 1),
+        "cpu_ns_off": round(statistics.median(per_rank[0]["cpu_off"]), 1),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python "
                    f"{platform.python_version()}, torch {torch.__version__}",
     }

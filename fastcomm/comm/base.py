@@ -486,10 +486,10 @@ class Communicator(CommBackend):
         """
         recorder = self.flight  # the hottest call: recorded inline, not by @recorded
         if recorder is None:
-            return self._all_reduce(tensor, op, async_op)
+            return self._all_reduce_call(tensor, op, async_op)
         seq = recorder.issue("all_reduce", tensor, op)
         try:
-            result = self._all_reduce(tensor, op, async_op)
+            result = self._all_reduce_call(tensor, op, async_op)
         except BaseException as exc:
             failed(recorder, exc)
             recorder.end(seq, False)
@@ -499,7 +499,8 @@ class Communicator(CommBackend):
             return None
         return recorder.finish(seq, result)
 
-    def _all_reduce(self, tensor: torch.Tensor, op, async_op: bool) -> Work | None:
+    def _all_reduce_call(self, tensor: torch.Tensor, op, async_op: bool) -> Work | None:
+        """:meth:`all_reduce` past its flight recorder."""
         if (  # the usual call (DDP's, a training step's), checked inline: every check below
             # is the same as the general path's, which names what failed
             type(tensor) is torch.Tensor

@@ -1,9 +1,9 @@
 """The flight recorder: the last ``N`` operations of each communicator, for the hang report.
 
 Every public call of a :class:`~.base.Communicator` takes one slot of its recorder's ring
-(:meth:`FlightRecorder.issue`): its sequence number, its name, the raw arguments that describe it
-(a tensor's reference while the call is in flight, its dtype and element count once it ends;
-the reduce op, the root) and the times it was issued and ended. Nothing is formatted on the hot
+(:meth:`FlightRecorder.issue`): its sequence number, its name, the raw fields that describe it
+(its tensor's dtype and element count, read once per tensor passed call after call; the reduce
+op, the root) and the times it was issued and ended. Nothing is formatted on the hot
 path: :meth:`FlightRecorder.entries` words them (:class:`~.calls.Call`) when a dump is written.
 States: ``started`` (a synchronous call running), ``issued`` (an ``async_op`` call whose ``Work``
 is pending), ``completed``, ``failed``.
@@ -34,6 +34,13 @@ STATES = ("empty", "issued", "started", "completed", "failed")
 _now = time.perf_counter_ns
 # perf_counter_ns to wall-clock seconds: stamps are taken with the cheap clock on the hot path
 _WALL_OFFSET = time.time() - time.perf_counter_ns() / 1e9
+
+_weak = weakref.ref
+
+
+def _NOBODY() -> None:  # a dead weak reference's stand-in
+    return None
+
 
 _RECORDERS: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
 _LOCK = threading.Lock()
@@ -70,7 +77,7 @@ class FlightRecorder:
     """
 
     __slots__ = ("name", "rank", "size", "capacity", "seq", "_op", "_arg", "_extra", "_t0",
-                 "_t1", "_state", "backend", "main", "__weakref__")
+                 "_t1", "_state", "_last", "backend", "main", "__weakref__")
 
     def __init__(self, name: str, rank: int, size: int, capacity: int = DEFAULT_SIZE) -> None:
         if capacity < 1:
@@ -85,38 +92,45 @@ class FlightRecorder:
         self.seq = 0
         """The last sequence number issued (1 is the first call)."""
         self._op: list[str | None] = [None] * capacity
-        self._arg: list[Any] = [None] * capacity  # in flight: the tensor; after: (dtype, numel)
+        self._arg: list[tuple] = [()] * capacity  # (dtype, numel) of the call's tensor, or ()
         self._extra: list[Any] = [None] * capacity  # the reduce op or the root
         self._t0 = [0] * capacity
         self._t1 = [0] * capacity
         self._state = bytearray(capacity)
+        # the last tensor described (weakly) and its (dtype, numel): a tensor passed call
+        # after call is described once
+        self._last: tuple = (_NOBODY, ())
         with _LOCK:
             _RECORDERS.add(self)
 
     # ------------------------------------------------------------------ hot path
     def issue(self, op: str, arg: Any, extra: Any) -> int:
-        """Records a call of ``op`` (``arg``: its tensor, a list, or ``None``; ``extra``: its
-        reduce op or root); returns its sequence number."""
+        """Records a call of ``op`` (``arg``: its tensor, a list of them, or ``None``;
+        ``extra``: its reduce op or root); returns its sequence number. The slot keeps the
+        tensor's ``(dtype, numel)``, never the tensor."""
         seq = self.seq = self.seq + 1
         i = seq % self.capacity
+        if arg.__class__ is _Tensor:
+            last = self._last
+            if last[0]() is arg:  # the same tensor again (a bucket, a loop's buffer)
+                shape = last[1]
+            else:
+                shape = (arg.dtype, arg.numel())
+                self._last = (_weak(arg), shape)
+        else:
+            shape = _shape_of(arg)
         self._op[i] = op
-        self._arg[i] = arg
+        self._arg[i] = shape
         self._extra[i] = extra
         self._state[i] = STARTED
         self._t0[i] = _now()
         return seq
 
     def end(self, seq: int, ok: bool = True) -> None:
-        """Marks call ``seq`` completed (or failed); keeps its dtype and size, drops the
-        tensor."""
+        """Marks call ``seq`` completed (or failed)."""
         i = seq % self.capacity
         self._t1[i] = _now()
         self._state[i] = COMPLETED if ok else FAILED
-        arg = self._arg[i]
-        if arg.__class__ is _Tensor:
-            self._arg[i] = (arg.dtype, arg.numel())
-        elif arg is not None and arg.__class__ is not tuple:
-            self._arg[i] = _shape_of(arg)
 
     def finish(self, seq: int, result: Any) -> Any:
         """Ends call ``seq`` that returned ``result``: done now (``None``) or when its
@@ -183,11 +197,12 @@ class FlightRecorder:
     def clear(self) -> None:
         """Forgets every call (the sequence numbers go on)."""
         self._state[:] = bytes(self.capacity)
-        self._arg[:] = [None] * self.capacity
 
 
 def _shape_of(arg: Any) -> tuple:
     """``(dtype, numel)`` of a tensor, or of the first tensor of a list; ``()`` otherwise."""
+    if arg is None:
+        return ()
     if isinstance(arg, list | tuple):
         arg = next((a for a in arg if hasattr(a, "dtype")), None)
     if arg is None or not hasattr(arg, "dtype"):

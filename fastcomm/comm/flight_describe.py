@@ -50,9 +50,14 @@ def _reduce_name(extra: Any) -> str | None:
     return "premul_sum" if name == "PremulSum" else None
 
 
+_REDUCING = {"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_v"}
+
+
 def call_of(op: str, arg: Any, extra: Any) -> Call:
-    """The :class:`Call` a slot describes."""
+    """The :class:`Call` a slot describes (a reducing call without its op: the default sum)."""
     dtype, numel, _ = _dtype_numel(arg)
+    if extra is None and op in _REDUCING:
+        extra = "sum"
     known = op in OPS
     root = extra if op in _ROOTED and isinstance(extra, int) else -1
     return Call(
