@@ -484,42 +484,42 @@ class Communicator(CommBackend):
                 tensor.
             ValueError: wrong device, non-contiguous, unknown op.
         """
-        recorder = self.flight  # the hottest call: recorded inline, not by @recorded
-        if recorder is None:
-            return self._all_reduce_call(tensor, op, async_op)
-        seq = recorder.issue("all_reduce", tensor, op)
+        # the hottest call: recorded inline (not by @recorded), its checks inline too
+        recorder = self.flight
+        seq = recorder.issue("all_reduce", tensor, op) if recorder is not None else 0
         try:
-            result = self._all_reduce_call(tensor, op, async_op)
+            if (  # the usual call (DDP's, a training step's): every check below is the same
+                # as the general path's, which names what failed
+                type(tensor) is torch.Tensor
+                and op.__class__ is ReduceOp
+                and not self._closed
+                and not tensor.requires_grad
+                and tensor.layout is _STRIDED
+                and tensor.dtype in _DTYPES
+                and tensor.is_contiguous()
+            ):
+                self.stats.record("all_reduce", tensor)
+                # _target inlined: the hottest call skips a method call
+                target = self if tensor.is_cpu and self._cpu_native else self.route(
+                    tensor.device, "all_reduce"
+                )
+                if not async_op and target._run_inline("all_reduce", tensor, op):
+                    result = None
+                else:
+                    result = self._run(target._impl_all_reduce(tensor, op), async_op)
+            else:
+                result = all_reduce_general(self, tensor, op, async_op)
         except BaseException as exc:
-            failed(recorder, exc)
-            recorder.end(seq, False)
+            if recorder is not None:
+                failed(recorder, exc)  # dumped while the call still shows as in flight
+                recorder.end(seq, False)
             raise
-        if result is None:
-            recorder.end(seq)
-            return None
-        return recorder.finish(seq, result)
-
-    def _all_reduce_call(self, tensor: torch.Tensor, op, async_op: bool) -> Work | None:
-        """:meth:`all_reduce` past its flight recorder."""
-        if (  # the usual call (DDP's, a training step's), checked inline: every check below
-            # is the same as the general path's, which names what failed
-            type(tensor) is torch.Tensor
-            and op.__class__ is ReduceOp
-            and not self._closed
-            and not tensor.requires_grad
-            and tensor.layout is _STRIDED
-            and tensor.dtype in _DTYPES
-            and tensor.is_contiguous()
-        ):
-            self.stats.record("all_reduce", tensor)
-            # _target inlined: the hottest call skips a method call
-            target = self if tensor.is_cpu and self._cpu_native else self.route(
-                tensor.device, "all_reduce"
-            )
-            if not async_op and target._run_inline("all_reduce", tensor, op):
-                return None
-            return self._run(target._impl_all_reduce(tensor, op), async_op)
-        return all_reduce_general(self, tensor, op, async_op)
+        if recorder is not None:
+            if result is None:
+                recorder.end(seq)
+            else:
+                recorder.finish(seq, result)
+        return result
 
     @recorded("reduce", 0, 1, "root")
     def reduce(
