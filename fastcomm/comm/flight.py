@@ -3,7 +3,8 @@
 Every public call of a :class:`~.base.Communicator` takes one slot of its recorder's ring
 (:meth:`FlightRecorder.issue`): its sequence number, its name, the raw fields that describe it
 (its tensor's dtype and element count, read once per tensor passed call after call; the reduce
-op, the root) and the times it was issued and ended. Nothing is formatted on the hot
+op, the root) and the times it was issued and ended; while a ``torch.profiler`` runs, a range
+``fastcomm.<comm>.<op>`` around the call. Nothing is formatted on the hot
 path: :meth:`FlightRecorder.entries` words them (:class:`~.calls.Call`) when a dump is written.
 States: ``started`` (a synchronous call running), ``issued`` (an ``async_op`` call whose ``Work``
 is pending), ``completed``, ``failed``.
@@ -23,6 +24,8 @@ from collections.abc import Callable
 from functools import wraps
 from typing import Any
 
+import torch
+import torch.autograd.profiler as _profiler
 from torch import Tensor as _Tensor
 
 __all__ = ["FlightRecorder", "STATES", "recorded", "recorder_for", "recorders"]
@@ -36,6 +39,8 @@ _now = time.perf_counter_ns
 _WALL_OFFSET = time.time() - time.perf_counter_ns() / 1e9
 
 _weak = weakref.ref
+_enter = torch.ops.profiler._record_function_enter_new
+_exit = torch.ops.profiler._record_function_exit
 
 
 def _NOBODY() -> None:  # a dead weak reference's stand-in
@@ -77,7 +82,7 @@ class FlightRecorder:
     """
 
     __slots__ = ("name", "rank", "size", "capacity", "seq", "_op", "_arg", "_extra", "_t0",
-                 "_t1", "_state", "_last", "backend", "main", "__weakref__")
+                 "_t1", "_state", "_last", "_range", "backend", "main", "__weakref__")
 
     def __init__(self, name: str, rank: int, size: int, capacity: int = DEFAULT_SIZE) -> None:
         if capacity < 1:
@@ -100,6 +105,7 @@ class FlightRecorder:
         # the last tensor described (weakly) and its (dtype, numel): a tensor passed call
         # after call is described once
         self._last: tuple = (_NOBODY, ())
+        self._range: tuple | None = None  # (seq, the profiler range of the call on the caller)
         with _LOCK:
             _RECORDERS.add(self)
 
@@ -123,6 +129,8 @@ class FlightRecorder:
         self._arg[i] = shape
         self._extra[i] = extra
         self._state[i] = STARTED
+        if _profiler._is_profiler_enabled:  # a range in the trace, only while profiling
+            self._range = (seq, _enter(f"fastcomm.{self.name}.{op}", None))
         self._t0[i] = _now()
         return seq
 
@@ -131,10 +139,18 @@ class FlightRecorder:
         i = seq % self.capacity
         self._t1[i] = _now()
         self._state[i] = COMPLETED if ok else FAILED
+        if self._range is not None and self._range[0] == seq:
+            self._close_range()
+
+    def _close_range(self) -> None:
+        _exit(self._range[1])
+        self._range = None
 
     def finish(self, seq: int, result: Any) -> Any:
         """Ends call ``seq`` that returned ``result``: done now (``None``) or when its
         ``Work`` completes."""
+        if self._range is not None:  # the caller's range ends as the call returns
+            self._close_range()
         if result is None:
             self.end(seq)
         else:

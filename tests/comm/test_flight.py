@@ -137,3 +137,33 @@ def test_rank_stopped_or_killed(pool, fault, why):
     for line in lines:
         assert line.startswith("rank 1 (host "), line
         assert "stopped answering at" in line and why in line, line
+
+
+def test_profiler_ranges_and_latency():
+    from fastcomm.comm import new_communicator
+    from fastcomm.comm.store import Store
+
+    store = Store(is_server=True, timeout=30)
+    comm = new_communicator("shm", store=store.prefixed("prof", rank=0), rank=0, size=1,
+                            timeout=30, watch=False)
+    try:
+        x = torch.ones(1024)
+        comm.all_reduce(x)  # outside the profiler: no range
+        with torch.profiler.profile() as prof:
+            comm.all_reduce(x)
+            comm.broadcast(x, 0, async_op=True).wait()
+        names = [e.name for e in prof.events()]
+        assert names.count("fastcomm.shm.all_reduce") == 1, names
+        assert names.count("fastcomm.shm.broadcast") == 1, names
+        from fastcomm.ddp import DDP
+
+        model = DDP(torch.nn.Linear(8, 2), comm=comm)
+        with torch.profiler.profile() as prof:
+            model(torch.ones(4, 8)).sum().backward()
+        names = [e.name for e in prof.events()]
+        assert any(n.startswith("fastcomm.ddp.bucket") for n in names), names
+        latency = comm.stats.latency()
+        assert latency["all_reduce"][4096]["count"] == 2, latency
+        assert 0 < latency["all_reduce"][4096]["p50"] <= latency["all_reduce"][4096]["p99"]
+    finally:
+        comm.close()
