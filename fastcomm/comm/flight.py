@@ -147,21 +147,20 @@ class FlightRecorder:
         self._range = None
 
     def finish(self, seq: int, result: Any) -> Any:
-        """Ends call ``seq`` that returned ``result``: done now (``None``) or when its
-        ``Work`` completes."""
+        """Ends call ``seq`` that returned ``result``: done now (``None``), or when its
+        ``Work`` completes (on a CUDA stream: when its event does, as the stream's watchdog
+        sees it)."""
         if self._range is not None:  # the caller's range ends as the call returns
             self._close_range()
         if result is None:
             self.end(seq)
+        elif getattr(result, "_flight", 0) is None:  # a fastcomm Work: it reports its end
+            self._state[seq % self.capacity] = ISSUED
+            result._flight = (self, seq)
+            if result._done and getattr(result, "event", None) is None:
+                self.end(seq, result._error is None)  # finished before it was told
         else:
-            watch = getattr(result, "_flight", 0)
-            if watch is None:  # a fastcomm Work: it reports its own completion
-                self._state[seq % self.capacity] = ISSUED
-                result._flight = (self, seq)
-                if result._done:
-                    self.end(seq, result._error is None)
-            else:
-                self.end(seq)  # another kind of handle: counted done once issued
+            self.end(seq)  # another kind of handle: counted done once issued
         return result
 
     # ------------------------------------------------------------------ reading
@@ -270,6 +269,23 @@ def recorded(op: str, arg: int = 0, extra: int | None = None,
         return call
 
     return wrap
+
+
+def work_ended(work: Any, error: BaseException | None) -> None:
+    """A stream's watchdog saw ``work``'s event complete (``error`` ``None``) or failed it:
+    its call ends in its recorder; a failure dumps the record (once per error)."""
+    flight = getattr(work, "_flight", None)
+    if flight is None:
+        return
+    work._flight = None
+    recorder, seq = flight
+    if error is not None and getattr(error, "_flight_dumped", False) is False:
+        try:
+            error._flight_dumped = True
+        except AttributeError:
+            pass
+        failed(recorder, error)
+    recorder.end(seq, error is None)
 
 
 def failed(recorder: FlightRecorder, exc: BaseException) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 
 from fastcomm.comm.errors import FastcommError
 from fastcomm.comm.flight import FlightRecorder
+from fastcomm.trace import analyze
 from tests.harness import RankPool, fresh_comm
 
 TIMEOUT = 6.0
@@ -167,3 +169,62 @@ def test_profiler_ranges_and_latency():
         assert 0 < latency["all_reduce"][4096]["p50"] <= latency["all_reduce"][4096]["p99"]
     finally:
         comm.close()
+
+
+class _Event:
+    """A CUDA event stand-in (no CUDA here): done or never done."""
+
+    def __init__(self, done):
+        self.done = done
+
+    def query(self):
+        return self.done
+
+
+def test_stream_work_that_never_completes():
+    """NCCL's path: an EventWork whose event never completes stays in flight until the
+    stream's watchdog times it out; the record then names the call, and the report the rank
+    that never issued it."""
+    from fastcomm.comm.errors import CommTimeoutError
+    from fastcomm.comm.stream import EventWork, StreamWatchdog
+
+    recorders = [FlightRecorder("nccl", r, 2) for r in range(2)]
+    stuck = threading.Event()
+
+    def on_stuck(work):
+        stuck.set()
+        return CommTimeoutError(f"rank 0: {work.op} timed out")
+
+    dogs = [StreamWatchdog(f"test-watchdog{r}", 0.2, 0.02, on_stuck) for r in range(2)]
+    x = torch.ones(16)
+    try:
+        for rank, recorder in enumerate(recorders):
+            dog = dogs[rank]
+            calls = 3 if rank == 0 else 2  # rank 1 never issues #3
+            for i in range(calls):
+                seq = recorder.issue("all_reduce", x, None)
+                work = EventWork("all_reduce", rank, x, torch.device("cuda", 0),
+                                 _Event(i < 2), (x,), None)
+                recorder.finish(seq, work)
+                with dog.lock:
+                    dog.track(work)
+        assert recorders[0].in_flight()[:2] == (3, "all_reduce")
+        assert stuck.wait(10)
+        deadline = time.monotonic() + 10
+        while (recorders[0].entries()[-1]["state"] != "failed"
+               or recorders[1].in_flight()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        for dog in dogs:
+            dog.close()
+    states = [e["state"] for e in recorders[0].entries()]
+    assert states == ["completed", "completed", "failed"], states
+    dumps = {r: {"rank": r, "size": 2, "host": "h", "pid": 100 + r,
+                 "recorders": [{"name": "nccl", "main": True, "seq": rec.seq,
+                                "entries": rec.entries()}],
+                 "where": "train.py:12 in step" if r == 0 else "train.py:5 in next_batch"}
+             for r, rec in enumerate(recorders)}
+    line = analyze(dumps, {}, 2, "nccl")[0]
+    assert line.startswith("rank 1 never entered all_reduce #3 of nccl (rank 0 waiting since "
+                           ), line
+    assert line.endswith("rank 1 is at train.py:5 in next_batch"), line
