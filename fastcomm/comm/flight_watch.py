@@ -245,21 +245,22 @@ class Watch(threading.Thread):
 
     def run(self) -> None:
         while True:
-            time.sleep(self.poll_s)
+            signalled = self.signalled.wait(self.poll_s)  # SIGUSR1 wakes it at once
+            self.signalled.clear()
             with self.lock:
                 targets = [t for t in self.targets if t.alive]
             for target in targets:
                 try:
-                    self._visit(target)
+                    self._visit(target, signalled)
                 except Exception as exc:  # noqa: BLE001 - the store went with the job
                     logger.debug("flight watch of rank %d: %s", target.rank, exc)
-            self.signalled.clear()
 
-    def _visit(self, target: _Target) -> None:
+    def _visit(self, target: _Target, signalled: bool) -> None:
         store = target.store
         self._beat(target)
-        if self.signalled.is_set():
-            _publish(target, 0, "SIGUSR1")
+        if signalled:  # SIGUSR1 (the launcher asks): every rank's dump and the report
+            lines = request_report(target, "SIGUSR1", wait_s=2 * self.poll_s + 1.0)
+            logger.info("rank %d: flight report (SIGUSR1):\n%s", target.rank, "\n".join(lines))
         n = store.add("flight/req", 0)
         if n > target.handled:
             target.handled = n

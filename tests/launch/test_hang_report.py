@@ -57,3 +57,40 @@ def test_report_names_the_rank_in_its_data_loader(tmp_path):
                              env=clean_env(), capture_output=True, text=True, timeout=60)
     assert offline.returncode == 0, offline.stderr
     assert offline.stdout.startswith("rank 1 never entered all_reduce #6 of world"), offline.stdout
+
+
+ASKED_JOB = """
+    import time
+    import torch
+    import fastcomm
+
+    def next_batch(seconds):
+        time.sleep(seconds)
+
+    comm = fastcomm.init("gloo", timeout=60)
+    x = torch.ones(1024)
+    for _ in range(5):
+        comm.all_reduce(x)
+    if comm.rank == 2:
+        raise RuntimeError("corrupt batch")
+    if comm.rank == 1:
+        next_batch(60)
+    comm.all_reduce(x)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_launcher_asks_the_running_workers(tmp_path):
+    """Rank 2 raises; rank 1 sits in its loader, rank 0 in all_reduce #6 (timeout 60 s): the
+    launcher asks the running workers for their records (SIGUSR1) before it stops them."""
+    path = script(tmp_path, "asked.py", ASKED_JOB)
+    args = ["--nproc-per-node", "3", "--max-restarts", "0", "--monitor-interval", "0.1", path]
+    env = clean_env(TMPDIR=str(tmp_path), FASTCOMM_FLIGHT_POLL_S="0.5")
+    result = run(args, tmp_path, env=env, timeout=110)
+    err = result.stderr
+    assert result.returncode == 1, err
+    assert "Root cause: rank 2" in err, err
+    line = next((x for x in err.splitlines() if x.startswith("Hang report: ")), None)
+    assert line is not None, err
+    assert line.startswith("Hang report: rank 2 (host "), line
+    assert "rank 0 waiting in all_reduce #6 of world" in line, line
