@@ -107,8 +107,9 @@ def test_rank_in_its_data_loader(pool, backend):
 
 
 @pytest.mark.timeout(120)
-def test_rank_calls_another_op(pool):
-    results = pool.run(_run, "shm", "other-shm", "other")
+@pytest.mark.parametrize("backend", ["shm", "gloo", "hier"])
+def test_rank_calls_another_op(pool, backend):
+    results = pool.run(_run, backend, f"other-{backend}", "other")
     lines = [line for _, line in results]
     assert any(line and line.startswith("ranks disagree at #6: ") for line in lines), lines
     line = next(x for x in lines if x)
@@ -131,8 +132,9 @@ def test_recorder_ring_wraps():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fault,why", [("stop", "is stopped"), ("kill", "exited")])
-def test_rank_stopped_or_killed(pool, fault, why):
-    failure = pool.expect_failure(_run, "shm", f"{fault}-shm", fault)
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_rank_stopped_or_killed(pool, backend, fault, why):
+    failure = pool.expect_failure(_run, backend, f"{fault}-{backend}", fault)
     assert 1 in failure.unfinished or 1 in failure.errors, failure
     lines = [line for rank, line in failure.results.values() if rank != 1]
     assert len(lines) == 2, failure
