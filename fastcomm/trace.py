@@ -1,18 +1,16 @@
 """The hang report: every rank's flight record merged into lines whose first names the cause.
 
-Pure Python over JSON (no torch): the launcher imports it, and ``python -m fastcomm.trace
-FOLDER`` reads a folder of dumps offline (``rank<r>.json`` as :mod:`fastcomm.comm.flight_watch`
-writes them, and ``beats.json``, the ranks' last heartbeats). The first line is one of:
+Pure Python over JSON (no torch): the launcher imports it; ``python -m fastcomm.trace FOLDER``
+reads the dumps offline (``rank<r>.json`` from :mod:`fastcomm.comm.flight_watch`, ``beats.json``).
+The first line is one of:
 
 - ``ranks disagree at #S: ranks 0,2 all_reduce(...), rank 1 broadcast(...)``;
 - ``rank 1 (host h) stopped answering at 12:00:01 (...); ranks 0,2 waiting in ...``;
 - ``rank 1 never entered all_reduce #S of world (ranks 0,2 waiting since 12:00:03); rank 1 is
   at train.py:57 in next_batch``;
-- ``all ranks are in all_reduce #S of world since ...`` or ``no rank of world is inside a
-  collective``.
+- ``all ranks are in all_reduce #S of world since ...``, ``no rank of world is inside ...``.
 
-Sequence numbers count a communicator's calls from 1, the same on every rank that issues the
-same calls in the same order (the contract); the lines after the first say what each rank did.
+Sequence numbers count a communicator's calls from 1, alike on every rank (the contract).
 """
 
 from __future__ import annotations
