@@ -157,7 +157,7 @@ class FlightRecorder:
         elif getattr(result, "_flight", 0) is None:  # a fastcomm Work: it reports its end
             self._state[seq % self.capacity] = ISSUED
             result._flight = (self, seq)
-            if result._done and getattr(result, "event", None) is None:
+            if getattr(result, "_done", False) and getattr(result, "event", None) is None:
                 self.end(seq, result._error is None)  # finished before it was told
         else:
             self.end(seq)  # another kind of handle: counted done once issued

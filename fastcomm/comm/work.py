@@ -27,6 +27,7 @@ from datetime import timedelta
 import torch
 
 from .errors import CommTimeoutError, FastcommError
+from .flight import work_ended
 
 __all__ = [
     "OrderedExecutor", "SettledByWait", "StoppableThread", "Task", "Work", "completed_work",
@@ -103,8 +104,8 @@ class Work:
             self._error = error
             self._done = True
             future = self._future
-        if self._flight is not None:
-            self._flight[0].end(self._flight[1], error is None)
+        if self._flight is not None:  # its call ends in the flight recorder
+            work_ended(self, error)
         if self._latch is not None:
             self._latch.release()
         if future is not None:

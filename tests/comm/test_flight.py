@@ -230,3 +230,23 @@ def test_stream_work_that_never_completes():
     assert line.startswith("rank 1 never entered all_reduce #3 of nccl (rank 0 waiting since "
                            ), line
     assert line.endswith("rank 1 is at train.py:5 in next_batch"), line
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_async_call_ends_when_its_work_does(backend):
+    from fastcomm.comm import new_communicator
+    from fastcomm.comm.store import Store
+
+    store = Store(is_server=True, timeout=30)
+    comm = new_communicator(backend, store=store.prefixed("async", rank=0), rank=0, size=1,
+                            timeout=30, watch=False)
+    try:
+        work = comm.all_reduce(torch.ones(8), async_op=True)
+        work.wait()
+        comm.barrier()
+        rows = comm.flight.entries()
+        assert [(r["op"], r["state"]) for r in rows] == [("all_reduce", "completed"),
+                                                         ("barrier", "completed")], rows
+        assert rows[0]["desc"] == "all_reduce(float32, 8 elements, op sum)", rows
+    finally:
+        comm.close()
