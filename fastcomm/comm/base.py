@@ -49,6 +49,7 @@ from .checks import (
     untracked,
 )
 from .errors import CommClosedError
+from .flight import failed, recorded, recorder_for
 from .reduction import torch_reduce
 from .stats import CommStats
 from .store import DEFAULT_TIMEOUT, Store, as_timedelta
@@ -432,6 +433,9 @@ class Communicator(CommBackend):
         self._seq = 0
         self._told_route = False
         self.stats = CommStats()
+        self.flight = recorder_for(self)
+        """This communicator's flight recorder (:mod:`.flight`), ``None`` when turned off."""
+        self.stats.flight = self.flight
         self._executor = OrderedExecutor(f"fastcomm-{self.backend}-r{rank}", rank, self._run_task)
 
     # ------------------------------------------------------------------ properties
@@ -480,26 +484,44 @@ class Communicator(CommBackend):
                 tensor.
             ValueError: wrong device, non-contiguous, unknown op.
         """
-        if (  # the usual call (DDP's, a training step's), checked inline: every check below
-            # is the same as the general path's, which names what failed
-            type(tensor) is torch.Tensor
-            and op.__class__ is ReduceOp
-            and not self._closed
-            and not tensor.requires_grad
-            and tensor.layout is _STRIDED
-            and tensor.dtype in _DTYPES
-            and tensor.is_contiguous()
-        ):
-            self.stats.record("all_reduce", tensor)
-            # _target inlined: the hottest call skips a method call
-            target = self if tensor.is_cpu and self._cpu_native else self.route(
-                tensor.device, "all_reduce"
-            )
-            if not async_op and target._run_inline("all_reduce", tensor, op):
-                return None
-            return self._run(target._impl_all_reduce(tensor, op), async_op)
-        return all_reduce_general(self, tensor, op, async_op)
+        # the hottest call: recorded inline (not by @recorded), its checks inline too
+        recorder = self.flight
+        seq = recorder.issue("all_reduce", tensor, op) if recorder is not None else 0
+        try:
+            if (  # the usual call (DDP's, a training step's): every check below is the same
+                # as the general path's, which names what failed
+                type(tensor) is torch.Tensor
+                and op.__class__ is ReduceOp
+                and not self._closed
+                and not tensor.requires_grad
+                and tensor.layout is _STRIDED
+                and tensor.dtype in _DTYPES
+                and tensor.is_contiguous()
+            ):
+                self.stats.record("all_reduce", tensor)
+                # _target inlined: the hottest call skips a method call
+                target = self if tensor.is_cpu and self._cpu_native else self.route(
+                    tensor.device, "all_reduce"
+                )
+                if not async_op and target._run_inline("all_reduce", tensor, op):
+                    result = None
+                else:
+                    result = self._run(target._impl_all_reduce(tensor, op), async_op)
+            else:
+                result = all_reduce_general(self, tensor, op, async_op)
+        except BaseException as exc:
+            if recorder is not None:
+                failed(recorder, exc)  # dumped while the call still shows as in flight
+                recorder.end(seq, False)
+            raise
+        if recorder is not None:
+            if result is None:
+                recorder.end(seq)
+            else:
+                recorder.finish(seq, result)
+        return result
 
+    @recorded("reduce", 0, 1, "root")
     def reduce(
         self,
         tensor: torch.Tensor,
@@ -529,6 +551,7 @@ class Communicator(CommBackend):
             return None
         return self._run(target._impl_reduce(tensor, root, op), async_op)
 
+    @recorded("broadcast", 0, 1, "src")
     def broadcast(
         self, tensor: torch.Tensor, src: int = 0, async_op: bool = False
     ) -> Work | None:
@@ -558,6 +581,7 @@ class Communicator(CommBackend):
             return None
         return self._run(target._impl_broadcast(tensor, src), async_op)
 
+    @recorded("all_gather", 1)
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
     ) -> Work | None:
@@ -583,6 +607,7 @@ class Communicator(CommBackend):
             return None
         return self._run(target._impl_all_gather(output, input), async_op)
 
+    @recorded("reduce_scatter", 1, 2, "op")
     def reduce_scatter(
         self,
         output: torch.Tensor,
@@ -614,6 +639,7 @@ class Communicator(CommBackend):
             return None
         return self._run(target._impl_reduce_scatter(output, input, op), async_op)
 
+    @recorded("all_to_all", 1)
     def all_to_all(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
     ) -> Work | None:
@@ -642,6 +668,7 @@ class Communicator(CommBackend):
     # ------------------------------------------------------------------ unequal sizes
     # One v-call each (see ``vcoll``): every rank sends a piece of any size to every rank; the
     # ranks' sizes are compared inside the call, a disagreement a ValueError on every rank.
+    @recorded("all_to_all_v", 1)
     def all_to_all_v(self, outputs: list, inputs: list, async_op: bool = False) -> Work | None:
         """Sends ``inputs[r]`` to rank ``r``; ``outputs[q]`` receives what rank ``q`` sends
         this rank. Pieces of any size (empty too), one dtype.
@@ -653,6 +680,7 @@ class Communicator(CommBackend):
         """
         return self._v_call("all_to_all", -1, outputs, inputs, async_op)
 
+    @recorded("all_to_all_v", 1)
     def all_to_all_split(self, output: torch.Tensor, input: torch.Tensor,
                          output_splits: list[int], input_splits: list[int],
                          async_op: bool = False) -> Work | None:
@@ -676,6 +704,7 @@ class Communicator(CommBackend):
         inputs = list(input.split_with_sizes(list(input_splits)))
         return self._run(target._impl_v_call("all_to_all", -1, outputs, inputs), async_op)
 
+    @recorded("gather", 1, 2, "root")
     def gather(self, outputs: list | None, input: torch.Tensor, root: int = 0,
                async_op: bool = False) -> Work | None:
         """Writes every rank's ``input`` into ``outputs[q]`` of rank ``root`` (``outputs``:
@@ -683,6 +712,7 @@ class Communicator(CommBackend):
         inputs, outputs = rooted_pieces(self, "gather", input, outputs, root)
         return self._v_call("gather", root, outputs, inputs, async_op)
 
+    @recorded("scatter", 0, 2, "root")
     def scatter(self, output: torch.Tensor, inputs: list | None, root: int = 0,
                 async_op: bool = False) -> Work | None:
         """Writes ``inputs[r]`` of rank ``root`` into ``output`` of rank ``r`` (``inputs``:
@@ -690,12 +720,14 @@ class Communicator(CommBackend):
         outputs, inputs = rooted_pieces(self, "scatter", output, inputs, root)
         return self._v_call("scatter", root, outputs, inputs, async_op)
 
+    @recorded("all_gather_v", 1)
     def all_gather_v(self, outputs: list, input: torch.Tensor,
                      async_op: bool = False) -> Work | None:
         """Writes every rank's ``input`` into ``outputs[q]`` of every rank (sizes may differ
         by rank, as NCCL's ``all_gather`` of a list allows)."""
         return self._v_call("all_gather", -1, outputs, [input] * self.size, async_op)
 
+    @recorded("reduce_scatter_v", 0, 2, "op")
     def reduce_scatter_v(self, output: torch.Tensor, inputs: list,
                          op: ReduceOp | str = ReduceOp.SUM, async_op: bool = False,
                          ) -> Work | None:
@@ -734,6 +766,7 @@ class Communicator(CommBackend):
         return self._target(first, kind), outputs, inputs
 
     # ------------------------------------------------------------------ point to point
+    @recorded("send", 0, 1, "dst")
     def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> Work | None:
         """Sends ``tensor`` to rank ``dst`` (which must call ``recv`` with ``src`` = us).
 
@@ -747,6 +780,7 @@ class Communicator(CommBackend):
             return None
         return self._run(target._impl_send(tensor, dst), async_op)
 
+    @recorded("recv", 0, 1, "src")
     def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Work | None:
         """Receives into ``tensor`` from rank ``src``.
 
@@ -766,6 +800,7 @@ class Communicator(CommBackend):
             return None
         return self._run(target._impl_recv(tensor, src), async_op)
 
+    @recorded("barrier", -1)
     def barrier(self, async_op: bool = False) -> Work | None:
         """Returns once every rank has entered the barrier."""
         self._check_open("barrier")

@@ -24,6 +24,7 @@ from datetime import timedelta
 import torch
 
 from .errors import CommTimeoutError
+from .flight import work_ended
 from .work import Work
 
 __all__ = ["EventWork", "StreamWatchdog"]
@@ -159,14 +160,14 @@ class StreamWatchdog:
         pending = self.pending
         # drop a finished head now and then, so tensors are released between polls too
         if pending and pending[0].event.query():
-            pending.popleft()
+            work_ended(pending.popleft(), None)
         pending.append(work)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             with self.lock:
                 while self.pending and self.pending[0].event.query():
-                    self.pending.popleft()
+                    work_ended(self.pending.popleft(), None)
                 stuck = self.pending[0] if self.pending else None
             error = self._check() if self._check is not None else None
             if error is None and stuck is not None and stuck._elapsed() > self.timeout_s:
@@ -179,9 +180,12 @@ class StreamWatchdog:
         """Fails every pending work with ``error`` and forgets them."""
         with self.lock:
             self.error = error
-            for work in self.pending:
+            failed = list(self.pending)
+            for work in failed:
                 work._fail(error)
             self.pending.clear()
+        for work in failed:  # the flight record of each, and one dump (outside the lock)
+            work_ended(work, error)
 
     def close(self, timeout: float = 1.0) -> None:
         """Stops the thread (pending works stay as they are)."""

@@ -27,6 +27,7 @@ from datetime import timedelta
 import torch
 
 from .errors import CommTimeoutError, FastcommError
+from .flight import work_ended
 
 __all__ = [
     "OrderedExecutor", "SettledByWait", "StoppableThread", "Task", "Work", "completed_work",
@@ -94,6 +95,8 @@ class Work:
     def _fail(self, error: BaseException) -> None:
         self._finish(error)
 
+    _flight = None  # (recorder, seq) of the call that returned it (``flight.recorded``)
+
     def _finish(self, error: BaseException | None) -> None:
         with _FUTURE_LOCK:
             if self._done:
@@ -101,6 +104,8 @@ class Work:
             self._error = error
             self._done = True
             future = self._future
+        if self._flight is not None:  # its call ends in the flight recorder
+            work_ended(self, error)
         if self._latch is not None:
             self._latch.release()
         if future is not None:

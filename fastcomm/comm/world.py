@@ -25,6 +25,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from . import flight_watch
 from .base import Communicator
 from .hier import HierCommunicator
 from .launch_env import LaunchEnv, LaunchEnvError, detect, missing_master, read_master
@@ -247,6 +248,7 @@ def new_communicator(
     device: torch.device | int | None = None,
     fallback: bool = True,
     options: ShmOptions | None = None,
+    watch: bool = True,
 ) -> Communicator:
     """Builds a communicator of ``backend`` on ``store`` (a namespace private to it), with the
     parts it composes: the one place that builds backends.
@@ -266,6 +268,8 @@ def new_communicator(
         device: NCCL's CUDA device.
         fallback: build the Gloo fallback of ``shm`` and ``ipc``.
         options: the shared-memory tuning of ``shm``, ``ipc`` and ``hier``'s host part.
+        watch: give it the flight thread's heartbeat, dumps and early warning
+            (:mod:`.flight_watch`); its sub-communicators are recorded, not watched.
 
     Raises:
         ValueError: unknown backend.
@@ -298,6 +302,8 @@ def new_communicator(
     else:
         raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)} or None")
     comm.make_child = partial(_child, backend, device, fallback, options)
+    if watch:
+        flight_watch.watch(comm)
     return comm
 
 
@@ -305,7 +311,7 @@ def _child(backend, device, fallback, options, store, rank, size, timeout) -> Co
     """A sub-communicator of a ``backend`` communicator (its ``make_child``)."""
     return new_communicator(
         backend, store=store, rank=rank, size=size, timeout=timeout, device=device,
-        fallback=fallback, options=options,
+        fallback=fallback, options=options, watch=False,
     )
 
 
@@ -543,6 +549,8 @@ def init(
         store = base.prefixed(f"fastcomm/world{_INIT_COUNT}", rank=rank)
     try:
         _WORLD = _build_planned(store, rank, world_size, timeout, plan, launch)
+        if _WORLD.flight is not None:
+            _WORLD.flight.name = "world"
     except BaseException:
         _WORLD_STORE = None  # a failed init keeps no server port or connection open
         raise

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.autograd.profiler as _profiler
 
 from fastcomm.comm.base import Communicator
 from fastcomm.comm.work import Work
@@ -353,6 +354,10 @@ class Reducer:
         grads = [p.grad for p in bucket.params]
         if self.create_graph:  # reduce the values; no autograd through the allreduce
             grads = [None if g is None else g.detach() for g in grads]
+        if _profiler._is_profiler_enabled:  # a range per bucket, only while profiling
+            with _profiler.record_function(f"fastcomm.ddp.bucket{index}"):
+                self._results[index] = self.strategies[index].launch(self, bucket, grads)
+            return
         self._results[index] = self.strategies[index].launch(self, bucket, grads)
 
     # ------------------------------------------------------------------ finalize

@@ -69,6 +69,19 @@ def launch(config: LaunchConfig) -> int:
     return code
 
 
+def _with_hang(report: str, attempt: str) -> str:
+    """``report`` with the flight recorder's verdict (``fastcomm.trace``) after its root
+    cause line, where the workers wrote one under ``attempt``."""
+    from fastcomm.trace import report_head
+
+    head = report_head(os.path.join(attempt, "flight"))
+    if head is None:
+        return report
+    lines = report.split("\n")
+    at = next((i + 1 for i, line in enumerate(lines) if line.startswith("Root cause")), 1)
+    return "\n".join([*lines[:at], f"Hang report: {head}", *lines[at:]])
+
+
 class Agent:
     """The launcher's agent on one node: one per ``fastcomm-run`` process.
 
@@ -386,6 +399,6 @@ class Agent:
             cfg.entrypoint, failures or local, restarts=info.restart_count,
             max_restarts=cfg.max_restarts,
         )
-        print(report, file=sys.stderr, flush=True)
+        print(_with_hang(report, self.dirs.attempt(info.round)), file=sys.stderr, flush=True)
         self.rdzv.exit_barrier(info, self.is_host, lost=lost)
         return 1

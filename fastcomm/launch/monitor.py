@@ -3,7 +3,9 @@
 Every ``--monitor-interval`` the agent polls its workers and the round, and proposes an end
 (the first end proposed wins, on every node alike):
 
-* a local worker fails             -> ``FAILURE`` (after a short grace for its peers' failures)
+* a local worker fails             -> ``FAILURE`` (after a short grace for its peers' failures;
+                                      the workers still running are asked for their flight
+                                      records first, SIGUSR1 where they handle it)
 * every agent's workers succeeded  -> ``SUCCESS``
 * a node waits and there is room   -> ``MEMBERSHIP`` (not a failure restart)
 * a peer agent stops heartbeating  -> ``FAILURE`` (node lost)
@@ -12,6 +14,7 @@ Every ``--monitor-interval`` the agent polls its workers and the round, and prop
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Callable
 
@@ -27,6 +30,37 @@ __all__ = ["FAILURE_GRACE_S", "End", "RoundMonitor"]
 #: Seconds a failed round keeps collecting local failures after the first one (peers of a
 #: dead worker fail within a few hundred ms of it) before it ends, unless all have exited.
 FAILURE_GRACE_S = 1.0
+
+#: The grace instead when running workers were asked for their flight records (SIGUSR1).
+DUMP_GRACE_S = 3.0
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` handles ``signum`` (Linux: ``SigCgt`` in its status)."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def ask_for_dumps(workers) -> bool:
+    """Sends SIGUSR1 to each of ``workers`` that handles it (fastcomm's flight recorder does:
+    every rank then writes its record and the report); returns whether any was asked."""
+    asked = False
+    for worker in workers:
+        pid = worker.proc.pid
+        if _catches(pid, signal.SIGUSR1):
+            try:
+                os.kill(pid, signal.SIGUSR1)
+                asked = True
+            except OSError:
+                pass
+    return asked
+
 
 #: How a round ended and the payload that came with it (the failures, for ``FAILURE``).
 End = tuple[RoundEnd, object]
@@ -101,7 +135,9 @@ class RoundMonitor:
         # dead worker's exit is seen): collect what follows within a short grace, so the
         # round's failures name the root cause.
         if self._grace_until is None:
-            self._grace_until = time.monotonic() + FAILURE_GRACE_S
+            # the workers still running write their flight records (fastcomm.trace)
+            asked = ask_for_dumps([w for w in self.group.workers if w.exitcode is None])
+            self._grace_until = time.monotonic() + (DUMP_GRACE_S if asked else FAILURE_GRACE_S)
         if time.monotonic() < self._grace_until and any(
             w.exitcode is None for w in self.group.workers
         ):

@@ -135,7 +135,10 @@ def worker_specs(cfg: LaunchConfig, info: RoundInfo, env: dict[str, str], attemp
                 local_rank=local_rank,
                 rank=rank,
                 cmd=_command(cfg, local_rank),
-                env={**env, **_rank_env(cfg, info, local_rank, error_file)},
+                env={**env, **_rank_env(cfg, info, local_rank, error_file),
+                     # the flight recorder's dumps and hang report (fastcomm.trace)
+                     "FASTCOMM_FLIGHT_DIR": env.get("FASTCOMM_FLIGHT_DIR")
+                     or os.path.join(attempt, "flight")},
                 log_dir=log_dir,
                 error_file=error_file,
                 console_prefix=(

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..base import Communicator
+from ..flight import work_ended
 from ..store import as_timedelta
 from ..types import ReduceOp, divide_
 from ..work import SettledByWait, Task, Work, wrap_error
@@ -73,6 +74,8 @@ class PGWork(SettledByWait, Work):
             except BaseException as error:  # kept for every later wait() and exception()
                 self._error = wrap_error(self.op, self.rank, self.start, error)
             self._finished = True
+        if self._flight is not None:  # its call ends in the flight recorder
+            work_ended(self, self._error)
 
     def wait(self, timeout: float | timedelta | None = None) -> bool:
         if not self._finished:

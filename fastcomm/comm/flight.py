@@ -1,0 +1,302 @@
+"""The flight recorder: the last ``N`` operations of each communicator, for the hang report.
+
+Every public call of a :class:`~.base.Communicator` takes one slot of its recorder's ring
+(:meth:`FlightRecorder.issue`): its sequence number, its name, the raw fields that describe it
+(its tensor's dtype and element count, read once per tensor passed call after call; the reduce
+op, the root) and the times it was issued and ended; while a ``torch.profiler`` runs, a range
+``fastcomm.<comm>.<op>`` around the call. Nothing is formatted on the hot
+path: :meth:`FlightRecorder.entries` words them (:class:`~.calls.Call`) when a dump is written.
+States: ``started`` (a synchronous call running), ``issued`` (an ``async_op`` call whose ``Work``
+is pending), ``completed``, ``failed``.
+
+``FASTCOMM_FLIGHT_SIZE`` sets the ring's length (default 2000; 0 turns recording off). The
+recorder also gives ``comm.stats`` its latencies (:meth:`FlightRecorder.latencies`). Dumps, the
+heartbeat and the early warning live in :mod:`.flight_watch`; the report in :mod:`fastcomm.trace`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+import torch
+import torch.autograd.profiler as _profiler
+from torch import Tensor as _Tensor
+
+__all__ = ["FlightRecorder", "STATES", "recorded", "recorder_for", "recorders"]
+
+SIZE_ENV = "FASTCOMM_FLIGHT_SIZE"
+DEFAULT_SIZE = 2000
+EMPTY, ISSUED, STARTED, COMPLETED, FAILED = 0, 1, 2, 3, 4
+STATES = ("empty", "issued", "started", "completed", "failed")
+_now = time.perf_counter_ns
+# perf_counter_ns to wall-clock seconds: stamps are taken with the cheap clock on the hot path
+_WALL_OFFSET = time.time() - time.perf_counter_ns() / 1e9
+
+_weak = weakref.ref
+_enter = torch.ops.profiler._record_function_enter_new
+_exit = torch.ops.profiler._record_function_exit
+
+
+def _NOBODY() -> None:  # a dead weak reference's stand-in
+    return None
+
+
+_RECORDERS: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
+_LOCK = threading.Lock()
+
+
+def wall(stamp_ns: int) -> float:
+    """A ``perf_counter_ns`` stamp as seconds since the epoch."""
+    return stamp_ns / 1e9 + _WALL_OFFSET
+
+
+def configured_size() -> int:
+    """The ring's length from ``FASTCOMM_FLIGHT_SIZE`` (0: off)."""
+    raw = os.environ.get(SIZE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_SIZE
+    try:
+        size = int(raw)
+    except ValueError:
+        raise ValueError(f"{SIZE_ENV}={raw!r}: expected an int >= 0 (0 turns the flight "
+                         "recorder off)") from None
+    if size < 0:
+        raise ValueError(f"{SIZE_ENV}={size}: expected an int >= 0")
+    return size
+
+
+class FlightRecorder:
+    """The ring of one communicator's last ``capacity`` operations.
+
+    Args:
+        name: names the communicator in reports (``"world"``, ``"shm"``).
+        rank: this process's rank in it.
+        size: its ranks.
+        capacity: slots in the ring.
+    """
+
+    __slots__ = ("name", "rank", "size", "capacity", "seq", "_op", "_arg", "_extra", "_t0",
+                 "_t1", "_state", "_last", "_range", "backend", "main", "__weakref__")
+
+    def __init__(self, name: str, rank: int, size: int, capacity: int = DEFAULT_SIZE) -> None:
+        if capacity < 1:
+            raise ValueError(f"flight recorder capacity must be >= 1, got {capacity}")
+        self.name = name
+        self.backend = name
+        self.rank = rank
+        self.size = size
+        self.capacity = capacity
+        self.main = False
+        """Whether reports follow this communicator (the one the job's ranks all call)."""
+        self.seq = 0
+        """The last sequence number issued (1 is the first call)."""
+        self._op: list[str | None] = [None] * capacity
+        self._arg: list[tuple] = [()] * capacity  # (dtype, numel) of the call's tensor, or ()
+        self._extra: list[Any] = [None] * capacity  # the reduce op or the root
+        self._t0 = [0] * capacity
+        self._t1 = [0] * capacity
+        self._state = bytearray(capacity)
+        # the last tensor described (weakly) and its (dtype, numel): a tensor passed call
+        # after call is described once
+        self._last: tuple = (_NOBODY, ())
+        self._range: tuple | None = None  # (seq, the profiler range of the call on the caller)
+        with _LOCK:
+            _RECORDERS.add(self)
+
+    # ------------------------------------------------------------------ hot path
+    def issue(self, op: str, arg: Any, extra: Any) -> int:
+        """Records a call of ``op`` (``arg``: its tensor, a list of them, or ``None``;
+        ``extra``: its reduce op or root); returns its sequence number. The slot keeps the
+        tensor's ``(dtype, numel)``, never the tensor."""
+        seq = self.seq = self.seq + 1
+        i = seq % self.capacity
+        if arg.__class__ is _Tensor:
+            last = self._last
+            if last[0]() is arg:  # the same tensor again (a bucket, a loop's buffer)
+                shape = last[1]
+            else:
+                shape = (arg.dtype, arg.numel())
+                self._last = (_weak(arg), shape)
+        else:
+            shape = _shape_of(arg)
+        self._op[i] = op
+        self._arg[i] = shape
+        self._extra[i] = extra
+        self._state[i] = STARTED
+        if _profiler._is_profiler_enabled:  # a range in the trace, only while profiling
+            self._range = (seq, _enter(f"fastcomm.{self.name}.{op}", None))
+        self._t0[i] = _now()
+        return seq
+
+    def end(self, seq: int, ok: bool = True) -> None:
+        """Marks call ``seq`` completed (or failed)."""
+        i = seq % self.capacity
+        self._t1[i] = _now()
+        self._state[i] = COMPLETED if ok else FAILED
+        if self._range is not None and self._range[0] == seq:
+            self._close_range()
+
+    def _close_range(self) -> None:
+        _exit(self._range[1])
+        self._range = None
+
+    def finish(self, seq: int, result: Any) -> Any:
+        """Ends call ``seq`` that returned ``result``: done now (``None``), or when its
+        ``Work`` completes (on a CUDA stream: when its event does, as the stream's watchdog
+        sees it)."""
+        if self._range is not None:  # the caller's range ends as the call returns
+            self._close_range()
+        if result is None:
+            self.end(seq)
+        elif getattr(result, "_flight", 0) is None:  # a fastcomm Work: it reports its end
+            self._state[seq % self.capacity] = ISSUED
+            result._flight = (self, seq)
+            if getattr(result, "_done", False) and getattr(result, "event", None) is None:
+                self.end(seq, result._error is None)  # finished before it was told
+        else:
+            self.end(seq)  # another kind of handle: counted done once issued
+        return result
+
+    # ------------------------------------------------------------------ reading
+    def in_flight(self) -> tuple[int, str, float] | None:
+        """The oldest call not ended: ``(seq, op, issued at (epoch s))``, or ``None``."""
+        first = max(1, self.seq - self.capacity + 1)
+        for seq in range(first, self.seq + 1):
+            i = seq % self.capacity
+            if self._state[i] in (ISSUED, STARTED):
+                return seq, self._op[i], wall(self._t0[i])
+        return None
+
+    def last_done(self) -> int:
+        """The highest sequence number that ended (completed or failed), 0 for none."""
+        first = max(1, self.seq - self.capacity + 1)
+        for seq in range(self.seq, first - 1, -1):
+            if self._state[seq % self.capacity] in (COMPLETED, FAILED):
+                return seq
+        return 0
+
+    def entries(self, last: int | None = None) -> list[dict]:
+        """The recorded calls, oldest first, in words (``last``: only that many)."""
+        from .flight_describe import entry
+
+        first = max(1, self.seq - self.capacity + 1)
+        if last is not None:
+            first = max(first, self.seq - last + 1)
+        rows = []
+        for seq in range(first, self.seq + 1):
+            i = seq % self.capacity
+            state = self._state[i]
+            rows.append(entry(seq, self._op[i], self._arg[i], self._extra[i], state,
+                              self._t0[i], self._t1[i] if state >= COMPLETED else 0))
+        return rows
+
+    def latencies(self) -> dict[tuple[str, int], list[float]]:
+        """Seconds each completed call in the ring took, by ``(op, bytes)``."""
+        from .flight_describe import nbytes_of
+
+        out: dict[tuple[str, int], list[float]] = {}
+        first = max(1, self.seq - self.capacity + 1)
+        for seq in range(first, self.seq + 1):
+            i = seq % self.capacity
+            if self._state[i] == COMPLETED and self._t1[i]:
+                key = (self._op[i], nbytes_of(self._arg[i]))
+                out.setdefault(key, []).append((self._t1[i] - self._t0[i]) / 1e9)
+        return out
+
+    def clear(self) -> None:
+        """Forgets every call (the sequence numbers go on)."""
+        self._state[:] = bytes(self.capacity)
+
+
+def _shape_of(arg: Any) -> tuple:
+    """``(dtype, numel)`` of a tensor, or of the first tensor of a list; ``()`` otherwise."""
+    if arg is None:
+        return ()
+    if isinstance(arg, list | tuple):
+        arg = next((a for a in arg if hasattr(a, "dtype")), None)
+    if arg is None or not hasattr(arg, "dtype"):
+        return ()
+    return (arg.dtype, arg.numel())
+
+
+def recorder_for(comm) -> FlightRecorder | None:
+    """A new recorder for ``comm`` (``None`` where ``FASTCOMM_FLIGHT_SIZE=0``)."""
+    size = configured_size()
+    if not size:
+        return None
+    recorder = FlightRecorder(comm.backend, comm.rank, comm.size, size)
+    return recorder
+
+
+def recorders() -> list[FlightRecorder]:
+    """Every live recorder of this process."""
+    with _LOCK:
+        return list(_RECORDERS)
+
+
+def recorded(op: str, arg: int = 0, extra: int | None = None,
+             extra_name: str | None = None) -> Callable:
+    """Records every call of the decorated public method as ``op``: positional argument
+    ``arg`` describes it (-1: none), ``extra`` (index after ``self``, or keyword
+    ``extra_name``) is its reduce op or root. A call that raises is recorded failed, and a
+    timeout or abort dumps the record (:mod:`.flight_watch`)."""
+
+    def wrap(method: Callable) -> Callable:
+        @wraps(method)
+        def call(self, *args, **kwargs):
+            recorder = self.flight
+            if recorder is None:
+                return method(self, *args, **kwargs)
+            value = args[arg] if 0 <= arg < len(args) else None
+            more = None
+            if extra is not None:
+                more = args[extra] if extra < len(args) else kwargs.get(extra_name)
+            seq = recorder.issue(op, value, more)
+            try:
+                result = method(self, *args, **kwargs)
+            except BaseException as exc:
+                failed(recorder, exc)  # dumped while the call still shows as in flight
+                recorder.end(seq, False)
+                raise
+            return recorder.finish(seq, result)
+
+        return call
+
+    return wrap
+
+
+def work_ended(work: Any, error: BaseException | None) -> None:
+    """A stream's watchdog saw ``work``'s event complete (``error`` ``None``) or failed it:
+    its call ends in its recorder; a failure dumps the record (once per error)."""
+    flight = getattr(work, "_flight", None)
+    if flight is None:
+        return
+    work._flight = None
+    recorder, seq = flight
+    if error is not None and getattr(error, "_flight_dumped", False) is False:
+        try:
+            error._flight_dumped = True
+        except AttributeError:
+            pass
+        failed(recorder, error)
+    recorder.end(seq, error is None)
+
+
+def failed(recorder: FlightRecorder, exc: BaseException) -> None:
+    """A call of ``recorder``'s communicator raised ``exc``: a timeout, an abort, a lost peer
+    or a collective mismatch dumps every rank's record (:mod:`.flight_watch`); an argument
+    error raised before anything was sent does not."""
+    from .errors import CommClosedError, FastcommError
+
+    if isinstance(exc, CommClosedError):
+        return
+    if isinstance(exc, FastcommError) or "collective mismatch" in str(exc):
+        from .flight_watch import on_failure
+
+        on_failure(recorder, exc)

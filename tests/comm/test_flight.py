@@ -1,0 +1,252 @@
+"""The flight recorder and the hang report on real ranks: shm, Gloo and hier.
+
+Each check runs 3 ranks with a short collective timeout and suspect interval; one rank goes
+wrong (sleeps in its data loader, calls another op, is SIGSTOPped or killed) and the others'
+error carries the report's first line as a note, which must name the rank, the op, the
+sequence number and the frame. The early warning's report (a request before the timeout) is
+read from ``FASTCOMM_FLIGHT_DIR``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from fastcomm.comm.errors import FastcommError
+from fastcomm.comm.flight import FlightRecorder
+from fastcomm.trace import analyze
+from tests.harness import RankPool, fresh_comm
+
+TIMEOUT = 6.0
+ENV = {"FASTCOMM_SUSPECT_S": "2", "FASTCOMM_FLIGHT_POLL_S": "0.5"}
+WARMUP = 5  # calls before the faulty one: it is #6
+
+
+def next_batch(seconds):
+    time.sleep(seconds)  # the data loader that never delivers
+
+
+def _note(exc):
+    return next((n for n in getattr(exc, "__notes__", []) if n.startswith("flight report: ")),
+                "").removeprefix("flight report: ")
+
+
+def _run(backend, name, fault):
+    """Every rank: WARMUP all_reduces, then rank 1 misbehaves as ``fault`` says; returns
+    (rank, first line of the report from the error's note, or None)."""
+    if backend == "hier":  # two namespaced hosts: ranks 0,1 on one, rank 2 on the other
+        os.environ["FASTCOMM_HOST_ID"] = f"host{int(os.environ['RANK']) // 2}"
+    try:
+        comm = fresh_comm(backend, name, timeout=TIMEOUT)
+    finally:
+        os.environ.pop("FASTCOMM_HOST_ID", None)
+    tensor = torch.ones(1024)
+    for _ in range(WARMUP):
+        comm.all_reduce(tensor)
+    if comm.rank == 1:
+        if fault == "sleep":
+            next_batch(TIMEOUT + 5)
+            comm.close()
+            return comm.rank, None
+        if fault == "other":
+            try:
+                comm.broadcast(torch.zeros(256, dtype=torch.int64), 0)
+            except FastcommError as exc:
+                return comm.rank, _note(exc)
+            return comm.rank, None
+        if fault == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if fault == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        comm.all_reduce(tensor)
+    except FastcommError as exc:
+        return comm.rank, _note(exc)
+    finally:
+        comm.close()
+    return comm.rank, None
+
+
+def _early_reports(folder):
+    """First lines of the reports written before the timeout (request 1: the warning)."""
+    out = []
+    for root, _, files in os.walk(folder):
+        for f in files:
+            if f.startswith("report.rank"):
+                with open(os.path.join(root, f)) as fh:
+                    out.append((root, fh.readline().strip()))
+    return sorted(out)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("flight")
+    with RankPool(3, env={**ENV, "FASTCOMM_FLIGHT_DIR": str(folder)}, timeout=60) as p:
+        p.folder = folder
+        yield p
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["shm", "gloo", "hier"])
+def test_rank_in_its_data_loader(pool, backend):
+    name = f"sleep-{backend}"
+    results = pool.run(_run, backend, name, "sleep")
+    for rank, line in results:
+        if rank == 1:
+            continue
+        assert line.startswith(f"rank 1 never entered all_reduce #{WARMUP + 1} of {backend}"), line
+        assert "ranks 0,2 waiting since" in line and "in next_batch" in line, line
+        assert "test_flight.py:" in line, line
+    early = [line for root, line in _early_reports(pool.folder) if f"{backend}{os.sep}1" in root]
+    assert early and early[0].startswith("rank 1 never entered all_reduce #6"), early
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["shm", "gloo", "hier"])
+def test_rank_calls_another_op(pool, backend):
+    results = pool.run(_run, backend, f"other-{backend}", "other")
+    lines = [line for _, line in results]
+    assert any(line and line.startswith("ranks disagree at #6: ") for line in lines), lines
+    line = next(x for x in lines if x)
+    assert "ranks 0,2 all_reduce(float32, 1024 elements" in line, line
+    assert "rank 1 broadcast(int64, 256 elements, src 0)" in line, line
+
+
+def test_recorder_ring_wraps():
+    recorder = FlightRecorder("t", 0, 1, capacity=4)
+    tensor = torch.ones(3)
+    for _ in range(6):
+        recorder.end(recorder.issue("all_reduce", tensor, None))
+    seq = recorder.issue("broadcast", tensor, 0)
+    rows = recorder.entries()
+    assert [r["seq"] for r in rows] == [4, 5, 6, 7]
+    assert rows[-1]["state"] == "started"
+    assert rows[-1]["desc"] == "broadcast(float32, 3 elements, src 0)"
+    assert recorder.in_flight()[:2] == (seq, "broadcast") and recorder.last_done() == 6
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fault,why", [("stop", "is stopped"), ("kill", "exited")])
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_rank_stopped_or_killed(pool, backend, fault, why):
+    failure = pool.expect_failure(_run, backend, f"{fault}-{backend}", fault)
+    assert 1 in failure.unfinished or 1 in failure.errors, failure
+    lines = [line for rank, line in failure.results.values() if rank != 1]
+    assert len(lines) == 2, failure
+    for line in lines:
+        assert line.startswith("rank 1 (host "), line
+        assert "stopped answering at" in line and why in line, line
+
+
+def test_profiler_ranges_and_latency():
+    from fastcomm.comm import new_communicator
+    from fastcomm.comm.store import Store
+
+    store = Store(is_server=True, timeout=30)
+    comm = new_communicator("shm", store=store.prefixed("prof", rank=0), rank=0, size=1,
+                            timeout=30, watch=False)
+    try:
+        x = torch.ones(1024)
+        comm.all_reduce(x)  # outside the profiler: no range
+        with torch.profiler.profile() as prof:
+            comm.all_reduce(x)
+            comm.broadcast(x, 0, async_op=True).wait()
+        names = [e.name for e in prof.events()]
+        assert names.count("fastcomm.shm.all_reduce") == 1, names
+        assert names.count("fastcomm.shm.broadcast") == 1, names
+        from fastcomm.ddp import DDP
+
+        model = DDP(torch.nn.Linear(8, 2), comm=comm)
+        with torch.profiler.profile() as prof:
+            model(torch.ones(4, 8)).sum().backward()
+        names = [e.name for e in prof.events()]
+        assert any(n.startswith("fastcomm.ddp.bucket") for n in names), names
+        latency = comm.stats.latency()
+        assert latency["all_reduce"][4096]["count"] == 2, latency
+        assert 0 < latency["all_reduce"][4096]["p50"] <= latency["all_reduce"][4096]["p99"]
+    finally:
+        comm.close()
+
+
+class _Event:
+    """A CUDA event stand-in (no CUDA here): done or never done."""
+
+    def __init__(self, done):
+        self.done = done
+
+    def query(self):
+        return self.done
+
+
+def test_stream_work_that_never_completes():
+    """NCCL's path: an EventWork whose event never completes stays in flight until the
+    stream's watchdog times it out; the record then names the call, and the report the rank
+    that never issued it."""
+    from fastcomm.comm.errors import CommTimeoutError
+    from fastcomm.comm.stream import EventWork, StreamWatchdog
+
+    recorders = [FlightRecorder("nccl", r, 2) for r in range(2)]
+    stuck = threading.Event()
+
+    def on_stuck(work):
+        stuck.set()
+        return CommTimeoutError(f"rank 0: {work.op} timed out")
+
+    dogs = [StreamWatchdog(f"test-watchdog{r}", 0.2, 0.02, on_stuck) for r in range(2)]
+    x = torch.ones(16)
+    try:
+        for rank, recorder in enumerate(recorders):
+            dog = dogs[rank]
+            calls = 3 if rank == 0 else 2  # rank 1 never issues #3
+            for i in range(calls):
+                seq = recorder.issue("all_reduce", x, None)
+                work = EventWork("all_reduce", rank, x, torch.device("cuda", 0),
+                                 _Event(i < 2), (x,), None)
+                recorder.finish(seq, work)
+                with dog.lock:
+                    dog.track(work)
+        assert recorders[0].in_flight()[:2] == (3, "all_reduce")
+        assert stuck.wait(10)
+        deadline = time.monotonic() + 10
+        while (recorders[0].entries()[-1]["state"] != "failed"
+               or recorders[1].in_flight()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        for dog in dogs:
+            dog.close()
+    states = [e["state"] for e in recorders[0].entries()]
+    assert states == ["completed", "completed", "failed"], states
+    dumps = {r: {"rank": r, "size": 2, "host": "h", "pid": 100 + r,
+                 "recorders": [{"name": "nccl", "main": True, "seq": rec.seq,
+                                "entries": rec.entries()}],
+                 "where": "train.py:12 in step" if r == 0 else "train.py:5 in next_batch"}
+             for r, rec in enumerate(recorders)}
+    line = analyze(dumps, {}, 2, "nccl")[0]
+    assert line.startswith("rank 1 never entered all_reduce #3 of nccl (rank 0 waiting since "
+                           ), line
+    assert line.endswith("rank 1 is at train.py:5 in next_batch"), line
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_async_call_ends_when_its_work_does(backend):
+    from fastcomm.comm import new_communicator
+    from fastcomm.comm.store import Store
+
+    store = Store(is_server=True, timeout=30)
+    comm = new_communicator(backend, store=store.prefixed("async", rank=0), rank=0, size=1,
+                            timeout=30, watch=False)
+    try:
+        work = comm.all_reduce(torch.ones(8), async_op=True)
+        work.wait()
+        comm.barrier()
+        rows = comm.flight.entries()
+        assert [(r["op"], r["state"]) for r in rows] == [("all_reduce", "completed"),
+                                                         ("barrier", "completed")], rows
+        assert rows[0]["desc"] == "all_reduce(float32, 8 elements, op sum)", rows
+    finally:
+        comm.close()
