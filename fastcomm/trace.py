@@ -109,7 +109,7 @@ def _cause(dumps: dict[int, dict], beats: dict[int, dict], size: int, name: str
            ) -> tuple[str, list[int]]:
     """The first line and the ranks it blames."""
     waiting = {r: p for r, d in dumps.items() if (p := _pending(d)) is not None}
-    since = min((p["issued"] or 0 for p in waiting.values()), default=None)
+    since = min((p["issued"] for p in waiting.values() if p["issued"]), default=None)
     waiting_text = ""
     if waiting:
         seq = min(p["seq"] for p in waiting.values())

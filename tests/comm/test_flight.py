@@ -166,8 +166,12 @@ def test_profiler_ranges_and_latency():
             model(torch.ones(4, 8)).sum().backward()
         names = [e.name for e in prof.events()]
         assert any(n.startswith("fastcomm.ddp.bucket") for n in names), names
+        from fastcomm.comm.flight import SAMPLE
+
+        for _ in range(2 * SAMPLE):  # every SAMPLE-th call is timed: two or three of these
+            comm.all_reduce(x)
         latency = comm.stats.latency()
-        assert latency["all_reduce"][4096]["count"] == 2, latency
+        assert 2 <= latency["all_reduce"][4096]["count"] <= 3, latency
         assert 0 < latency["all_reduce"][4096]["p50"] <= latency["all_reduce"][4096]["p99"]
     finally:
         comm.close()
