@@ -1,0 +1,90 @@
+"""``--recover in-process`` on the launcher's side: a lost worker is reported, not restarted.
+
+With it, a worker that dies (a signal, an exception, an exit code) is reported at once -- its
+rank, host, exit code or signal and traceback, as the failure report shows them -- and the
+round goes on with the others (``FASTCOMM_RECOVER=in-process`` in their environment tells
+fastcomm DDP to shrink in place). The job's live ranks are counted in the round's store
+(``lost``, every node adds its own); once fewer than the minimum are left (``--min-ranks``,
+and ``--nnodes MIN`` nodes' worth of ranks) the round fails as without recovery: today's
+report, naming the first loss as the root cause. A round whose live workers all succeed
+ends in success.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from .config import LaunchConfig
+from .errors import Failure, exit_description
+from .rendezvous import RoundInfo
+
+__all__ = ["RECOVER_ENV", "LossWatch", "loss_report"]
+
+#: The workers' variable: ``in-process`` turns on fastcomm DDP's in-place shrink.
+RECOVER_ENV = "FASTCOMM_RECOVER"
+
+
+def loss_report(failure: Failure, live: int, world: int) -> str:
+    """The lines printed when `failure` is absorbed: who was lost, how, its traceback."""
+    how = (
+        f"killed by {exit_description(failure.exitcode)}" if failure.exitcode < 0
+        else f"failed with {exit_description(failure.exitcode)}"
+    )
+    lines = [
+        f"rank {failure.rank} (local_rank {failure.local_rank}, host {failure.host}, pid "
+        f"{failure.pid}) was lost: {how}; the job goes on with {live} of {world} ranks "
+        "(--recover in-process)",
+    ]
+    if failure.traceback:
+        lines.append("  traceback :")
+        lines.extend("    " + line for line in failure.traceback.rstrip("\n").splitlines())
+    elif failure.message:
+        lines.append(f"  error     : {failure.message}")
+    return "\n".join(lines)
+
+
+class LossWatch:
+    """The losses of one round under ``--recover in-process``.
+
+    Args:
+        cfg: the launch configuration (``min_ranks``, ``min_nodes``, ``nproc_per_node``).
+        info: the running round (its store counts the job's losses).
+        log: prints a line prefixed with the node.
+    """
+
+    def __init__(self, cfg: LaunchConfig, info: RoundInfo, log: Callable[[str], None] | None
+                 = None) -> None:
+        self.info = info
+        self.minimum = max(cfg.min_ranks, cfg.min_nodes * cfg.nproc_per_node
+                           if cfg.min_nodes > 1 else 1)
+        self.lost: list[Failure] = []
+        """This node's absorbed losses, in the order they were seen."""
+        self.lost_ranks: set[int] = set()
+        self._log = log or _stderr
+
+    def take(self, failure: Failure) -> bool:
+        """Absorbs `failure` (reported, the job goes on): ``True``; ``False`` when the job
+        would fall below the minimum (the round must fail, with :attr:`lost` in its report)."""
+        if failure.local_rank in self.lost_ranks:
+            return True
+        total = self.info.store.add("lost", 1)
+        live = self.info.world_size - total
+        self.lost.append(failure)
+        self.lost_ranks.add(failure.local_rank)
+        if live < self.minimum:
+            self._log(
+                f"rank {failure.rank} was lost ({exit_description(failure.exitcode)}); "
+                f"{live} live rank(s) are fewer than the minimum {self.minimum}: stopping"
+            )
+            return False
+        self._log(loss_report(failure, live, self.info.world_size))
+        return True
+
+    def is_lost(self, worker) -> bool:
+        """Whether `worker` is one of this node's absorbed losses."""
+        return worker.spec.local_rank in self.lost_ranks
+
+
+def _stderr(message: str) -> None:
+    print(f"[fastcomm-run] {message}", file=sys.stderr, flush=True)
