@@ -53,6 +53,7 @@ from .config import DDPConfig, check_param_dtype
 from .health import GradHealth
 from .join import Join, notify_join
 from .pickling import ddp_getstate, ddp_setstate
+from .recover import Keeper, MembershipChange, Recovery, recovery_enabled
 from .reducer import Reducer
 from .sparse import sparse_param_indices
 
@@ -178,13 +179,51 @@ class DDP(nn.Module):
         )
         if mixed_precision is not None:
             _apply_mixed_precision(module, mixed_precision)
+        # in-place recovery from a lost rank (recover.py), only when asked for
+        self._recovery = Recovery(self) if recovery_enabled() and self.comm.size > 1 else None
         if self.config.init_sync:
-            verify_same_parameters(self.comm, names, params)
-            state = list(params)
-            if self.config.init_sync_buffers:
-                state += self.synced_buffers()
-            broadcast_tensors(self.comm, state, src=0)
+            self._collective(lambda: self._init_sync(names, params), "init")
         self._build_reducer(names, params, check_finite)
+        if self._recovery is not None:
+            self.reducer.keeper = Keeper(self.reducer)
+            self.reducer.recovery = self._recovery
+
+    def _init_sync(self, names: list[str], params: list) -> None:
+        verify_same_parameters(self.comm, names, params)
+        state = list(params)
+        if self.config.init_sync_buffers:
+            state += self.synced_buffers()
+        broadcast_tensors(self.comm, state, src=0)
+
+    def _collective(self, fn: Callable[[], Any], where: str) -> Any:
+        """``fn()``; with recovery on, recovered from a lost peer and retried (recover.py)."""
+        if self._recovery is None:
+            return fn()
+        return self._recovery.run(fn, where)
+
+    # ------------------------------------------------------------------ membership
+    @property
+    def world_size(self) -> int:
+        """The number of ranks reducing now (smaller after a rank was lost, with recovery)."""
+        return self.comm.size
+
+    @property
+    def rank(self) -> int:
+        """This process's rank now (renumbered after a rank was lost, with recovery)."""
+        return self.comm.rank
+
+    def on_membership_change(self, fn: Callable[[MembershipChange], None]) -> None:
+        """Calls ``fn(change)`` after each shrink (``fastcomm.ddp.recover.MembershipChange``:
+        the new rank and world size, the ranks lost), e.g. to re-shard the data; only with
+        in-place recovery on (``FASTCOMM_RECOVER=in-process``), else never.
+
+        Raises:
+            TypeError: `fn` is not callable.
+        """
+        if not callable(fn):
+            raise TypeError(f"on_membership_change takes a callable, got {type(fn).__name__}")
+        if self._recovery is not None:
+            self._recovery.callbacks.append(fn)
 
     def _build_reducer(self, names: list[str], params: list, check_finite: bool) -> None:
         self.reducer = Reducer(
@@ -285,9 +324,9 @@ class DDP(nn.Module):
         if self.active_join is not None:
             notify_join(self, sync)
         if sync and reducer.rebuild_due:
-            reducer.rebuild()
+            self._collective(lambda: self.reducer.rebuild(), "rebuild")
         if self.will_sync_buffers():
-            self._sync_buffers()
+            self._collective(self._sync_buffers, "buffers")
         return sync
 
     def _post_forward(self, output: Any, sync: bool) -> None:

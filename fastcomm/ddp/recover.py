@@ -1,0 +1,397 @@
+"""In-place recovery of a lost rank (``FASTCOMM_RECOVER=in-process``, ``fastcomm-run --recover
+in-process``): the survivors agree on who is left, rebuild the communicator and finish the step.
+
+A collective that fails because a peer died (``CommAbortedError``, ``CommClosedError``) starts a
+new epoch. Over the job's store (keys ``epoch<e>/...`` in a namespace of the DDP's first
+communicator; no extra server), each survivor posts where it failed; the survivors are the
+members whose process still runs (pid and start time gathered at construction); the first
+complete list is decided by ``compare_set``, then a liveness-checked barrier confirms it (a
+member lost meanwhile starts the next epoch). Ranks are renumbered densely in old-rank order
+and a new communicator of the same backend is built on ``epoch<e>/comm``.
+
+In backward, each gradient is copied as it arrives (only with recovery on: ``Keeper``), so the
+failed step's reduction is redone among the survivors from those copies: one all-reduce of every
+gradient scaled by ``1/survivors``, written where the buckets put it; ``backward()`` returns as if
+nothing happened. A failure outside backward (``DDP()``'s broadcast, a bucket rebuild, the
+buffers' broadcast) recovers and retries that collective. Limits: ranks on one host (liveness is
+read from ``/proc``), dense gradients, no comm hook state carried to the new communicator.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fastcomm.comm.errors import CommAbortedError, CommClosedError, FastcommError
+from fastcomm.comm.shm.segment import pid_start_time, process_alive
+from fastcomm.comm.topology import host_id
+from fastcomm.kernels._launch import fp32_scale
+
+__all__ = [
+    "RECOVER_ENV",
+    "Keeper",
+    "Membership",
+    "MembershipChange",
+    "Recovery",
+    "RecoveryError",
+    "recovery_enabled",
+]
+
+#: ``in-process``: DDP shrinks in place when a rank is lost (``fastcomm-run --recover``).
+RECOVER_ENV = "FASTCOMM_RECOVER"
+#: Seconds the survivors wait for each other in one epoch's agreement (default 60).
+RECOVER_TIMEOUT_ENV = "FASTCOMM_RECOVER_TIMEOUT"
+_POLL_S = 0.002
+#: Errors that say a peer went away (a timeout is a hang, the hang report's business).
+LOSS_ERRORS = (CommAbortedError, CommClosedError)
+
+
+class RecoveryError(FastcommError):
+    """The survivors could not agree on a new membership (timeout, disagreement, excluded)."""
+
+
+def recovery_enabled(environ=None) -> bool:
+    """Whether ``FASTCOMM_RECOVER`` asks for in-place recovery.
+
+    Raises:
+        ValueError: a value other than ``in-process``, ``restart`` or empty.
+    """
+    text = (os.environ if environ is None else environ).get(RECOVER_ENV, "").strip().lower()
+    if text not in ("", "restart", "in-process"):
+        raise ValueError(f"{RECOVER_ENV}={text!r}: must be in-process or restart (or unset)")
+    return text == "in-process"
+
+
+@dataclass(frozen=True, slots=True)
+class MembershipChange:
+    """What ``DDP.on_membership_change`` callbacks receive after a shrink.
+
+    Attributes:
+        epoch: the new epoch (1 after the first loss).
+        rank: this process's new rank.
+        world_size: the new number of ranks.
+        lost: the ranks lost, numbered as in the previous epoch.
+        members: every member's original rank (the rank at construction), in new-rank order.
+        where: the collective that failed (``"backward 20"``, ``"init"``...).
+        seconds: from the failure seen here to the new communicator.
+    """
+
+    epoch: int
+    rank: int
+    world_size: int
+    lost: tuple[int, ...]
+    members: tuple[int, ...]
+    where: str
+    seconds: float
+
+
+class Membership:
+    """The job's members over epochs, agreed over a store namespace of ``comm``.
+
+    A collective call at construction (every rank gathers every rank's host, pid and start
+    time through the store).
+    """
+
+    def __init__(self, comm, timeout: float | None = None) -> None:
+        store = getattr(comm, "store", None)
+        if store is None:
+            raise RuntimeError(
+                f"fastcomm DDP (rank {comm.rank}): {RECOVER_ENV}=in-process needs a communicator "
+                f"with a store; {type(comm).__name__} has none"
+            )
+        self.store = store.prefixed(comm.next_key("ddp-recover"))
+        self.me = comm.rank
+        self.epoch = 0
+        self.members = list(range(comm.size))
+        text = os.environ.get(RECOVER_TIMEOUT_ENV, "").strip()
+        self.timeout = float(text) if text else (60.0 if timeout is None else timeout)
+        mine = [host_id(), os.getpid(), pid_start_time(os.getpid()) or 0]
+        self.identity = self.store.all_gather_object(
+            "ids", comm.rank, comm.size, mine, comm.timeout
+        )
+        self._host = mine[0]
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the current epoch."""
+        return self.members.index(self.me)
+
+    def alive(self, original: int) -> bool:
+        """Whether member `original` still runs (a member on another host counts as alive)."""
+        host, pid, start = self.identity[original]
+        if original == self.me or host != self._host:
+            return True
+        return process_alive(pid, start or None)
+
+    def _key(self, epoch: int, what: str, rank: int | None = None) -> str:
+        return f"epoch{epoch}/{what}" + ("" if rank is None else f"/{rank}")
+
+    def _post_here(self, epoch: int, where: str) -> None:
+        self.store.set(self._key(epoch, "here", self.me), where)
+
+    def agree(self, where: str) -> list[int]:
+        """Agrees with the other survivors on the next epoch's members (original ranks, in
+        new-rank order); every survivor gets the same list, or raises ``RecoveryError``."""
+        for _ in range(len(self.members) + 1):
+            epoch = self.epoch + 1
+            self._post_here(epoch, where)
+            members = self._decide(epoch)
+            confirmed = self._confirm(epoch, members)
+            self.epoch, self.members = epoch, members
+            if confirmed:
+                self._check_where(epoch, where)
+                return members
+        raise RecoveryError(f"rank {self.me}: no membership settled after {self.epoch} epochs")
+
+    def _decide(self, epoch: int) -> list[int]:
+        """The first complete list of live members that posted, as the store decided it."""
+        decided = self._key(epoch, "members")
+        start = time.monotonic()
+        while True:
+            if self.store.check([decided]):
+                break
+            alive = [r for r in self.members if self.alive(r)]
+            if self.store.check([self._key(epoch, "here", r) for r in alive]):
+                self.store.compare_set(decided, "", json.dumps(alive))
+                break
+            self._waited(start, f"the survivors of epoch {epoch - 1} to report")
+            time.sleep(_POLL_S)
+        members = json.loads(self.store.get(decided))
+        if self.me not in members:
+            raise RecoveryError(
+                f"rank {self.me}: left out of epoch {epoch} (members {members}); this rank "
+                "was taken for lost"
+            )
+        return members
+
+    def _confirm(self, epoch: int, members: list[int]) -> bool:
+        """A barrier of `members` that fails (``False``) as soon as one of them is gone."""
+        self.store.set(self._key(epoch, "ready", self.me), "1")
+        start = time.monotonic()
+        keys = [self._key(epoch, "ready", r) for r in members]
+        while not self.store.check(keys):
+            if any(not self.alive(r) for r in members):
+                # gone before it confirmed: nobody can pass this barrier, all go on to the next
+                return False
+            self._waited(start, f"the members {members} of epoch {epoch} to confirm")
+            time.sleep(_POLL_S)
+        return True
+
+    def _check_where(self, epoch: int, where: str) -> None:
+        seen = {r: self.store.get(self._key(epoch, "here", r)).decode() for r in self.members}
+        if len(set(seen.values())) > 1:
+            raise RecoveryError(
+                f"rank {self.me}: the survivors failed at different collectives ({seen}); "
+                "their states may differ, so the job cannot go on in place"
+            )
+
+    def _waited(self, start: float, what: str) -> None:
+        elapsed = time.monotonic() - start
+        if elapsed > self.timeout:
+            raise RecoveryError(
+                f"rank {self.me}: recovery timed out after {elapsed:.1f} s waiting for {what} "
+                f"({RECOVER_TIMEOUT_ENV}={self.timeout:g})"
+            )
+
+
+class Keeper:
+    """Each parameter's local gradient of this backward, copied as it arrives (the redo's
+    input): a shared or in-place bucket's own data is overwritten by its reduction."""
+
+    def __init__(self, reducer) -> None:
+        self.reducer = reducer
+        self.saved: list[torch.Tensor | None] = [None] * len(reducer.params)
+        self.stamp = [-1] * len(reducer.params)
+
+    def keep(self, i: int, grad: torch.Tensor | None) -> None:
+        """Copies parameter `i`'s fresh gradient (called from its hook)."""
+        if grad is None or grad.is_sparse:
+            return
+        buf = self.saved[i]
+        if buf is None or buf.shape != grad.shape or buf.dtype != grad.dtype:
+            buf = self.saved[i] = torch.empty_like(grad, memory_format=torch.contiguous_format)
+        buf.copy_(grad.detach())
+        self.stamp[i] = self.reducer.synced_iterations
+
+    def local(self, i: int) -> torch.Tensor:
+        """Parameter `i`'s local gradient of this step (zeros when it got none)."""
+        p = self.reducer.params[i]
+        if self.stamp[i] == self.reducer.synced_iterations and self.saved[i] is not None:
+            return self.saved[i]
+        return torch.zeros_like(p)
+
+
+class Recovery:
+    """One DDP's recovery: the membership, the callbacks, and the redo of a failed step.
+
+    Args:
+        ddp: the DDP (its ``comm`` is replaced after each shrink).
+    """
+
+    def __init__(self, ddp) -> None:
+        self.ddp = ddp
+        self.membership = Membership(ddp.comm)
+        self.callbacks: list[Callable[[MembershipChange], None]] = []
+        self.changes: list[MembershipChange] = []
+
+    # ------------------------------------------------------------------ comm
+    def run(self, fn: Callable[[], object], where: str):
+        """``fn()`` (a collective), recovering and retrying it while peers are lost."""
+        for _ in range(len(self.membership.members)):
+            try:
+                return fn()
+            except LOSS_ERRORS as exc:
+                self.shrink(where, exc)
+        return fn()
+
+    def shrink(self, where: str, cause: BaseException) -> MembershipChange:
+        """Closes the failed communicator, agrees on the survivors and builds theirs."""
+        ddp, start = self.ddp, time.monotonic()
+        old = ddp.comm
+        reducer = getattr(ddp, "reducer", None)
+        if reducer is not None:
+            _detach_from_region(reducer)
+        before = list(self.membership.members)
+        _close_quietly(old)
+        members = self.membership.agree(where)
+        comm = _new_comm(old, self.membership)
+        ddp.comm = comm
+        if reducer is not None:
+            rebind(reducer, comm)
+        _replace_world(old, comm)
+        change = MembershipChange(
+            epoch=self.membership.epoch, rank=comm.rank, world_size=comm.size,
+            lost=tuple(before.index(r) for r in before if r not in members),
+            members=tuple(members), where=where, seconds=time.monotonic() - start,
+        )
+        self.changes.append(change)
+        for fn in list(self.callbacks):
+            fn(change)
+        return change
+
+    # ------------------------------------------------------------------ backward
+    def finalize(self, reducer) -> None:
+        """The reducer's end of backward, with the failed step redone among the survivors."""
+        try:
+            if reducer.failure is not None:
+                raise reducer.failure
+            reducer._finalize_steps()
+            return
+        except LOSS_ERRORS as exc:
+            cause: BaseException = exc
+        where = f"backward {reducer.synced_iterations}"
+        for _ in range(len(self.membership.members)):
+            self.shrink(where, cause)
+            try:
+                redo_step(reducer, reducer.keeper)
+                return
+            except LOSS_ERRORS as exc:
+                cause = exc
+        raise RecoveryError(f"{where}: the redo kept failing") from cause
+
+
+def redo_step(reducer, keeper: Keeper) -> None:
+    """Reduces every dense gradient of this step again over ``reducer.comm`` from `keeper`'s
+    copies (scaled by ``1/size``, summed in rank order) and writes the averages into ``.grad``
+    (the bucket views where they are ``.grad``); then ends the iteration."""
+    comm = reducer.comm
+    scale = fp32_scale(1.0 / comm.size)
+    dense = [i for i in range(len(reducer.params)) if i not in reducer.sparse]
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i in dense:
+        by_dtype.setdefault(reducer.params[i].dtype, []).append(i)
+    for indices in by_dtype.values():
+        flat = torch.cat([keeper.local(i).reshape(-1) for i in indices]).mul_(scale)
+        comm.all_reduce(flat)
+        offset = 0
+        for i in indices:
+            p = reducer.params[i]
+            value = flat[offset : offset + p.numel()].view(p.shape)
+            offset += p.numel()
+            target = reducer.grad_views[i] if reducer.bucket_view else p.grad
+            if target is None:
+                target = torch.empty_like(p)
+            target.copy_(value)
+            p.grad = target
+    reducer.failure = None
+    reducer._results = []
+    reducer._incomplete = None
+    reducer.expect_hooks = False
+    reducer._started = False
+    reducer._used_work = reducer._used_map = None
+    reducer._after_synced_iteration()
+
+
+def rebind(reducer, comm) -> None:
+    """Points `reducer` at `comm`: its scale, shared region, buckets (same order), strategies
+    and health; ``.grad`` moved into the new bucket views where those are ``.grad``."""
+    from .health import GradHealth
+    from .plan import grads_are_views, shared_request
+    from .shared import SharedBuckets
+
+    order = [i for b in reducer.buckets for i in b.param_indices]
+    reducer.comm = comm
+    reducer.scale = 1.0 / comm.size
+    request = shared_request(
+        reducer.params, reducer.sparse, comm.capabilities, comm.size, reducer.config
+    )
+    reducer.shared = None if request is None else SharedBuckets.create(
+        comm, request, reducer.config.shared_bucket_cap_mb
+    )
+    reducer.bucket_view = grads_are_views(reducer.config, reducer.shared is not None)
+    reducer.buckets = []
+    reducer._build(order)
+    if reducer.bucket_view:
+        for i, p in enumerate(reducer.params):
+            view = reducer.grad_views[i]
+            if view is not None and p.grad is not None and not p.grad.is_sparse:
+                view.copy_(p.grad)
+                p.grad = view
+    check = reducer.health.check_finite if reducer.health is not None else False
+    reducer.health = GradHealth(reducer, check_finite=check)
+
+
+def _detach_from_region(reducer) -> None:
+    """Copies every ``.grad`` that lives in the shared region out of it (the region is unmapped
+    with its communicator)."""
+    if reducer.shared is None:
+        return
+    for p in reducer.params:
+        g = p.grad
+        if g is not None and not g.is_sparse:
+            p.grad = g.detach().clone()
+
+
+def _close_quietly(comm) -> None:
+    """Closes the failed communicator (its threads drained, its peers told); errors ignored."""
+    try:
+        comm.close()
+    except Exception:  # it failed already; the survivors' new one replaces it
+        pass
+
+
+def _new_comm(old, membership: Membership):
+    """A communicator of `old`'s backend over the members of the current epoch."""
+    from fastcomm.comm.world import BACKENDS, new_communicator
+
+    backend = old.backend if old.backend in BACKENDS else "gloo"
+    size = len(membership.members)
+    store = membership.store.prefixed(f"epoch{membership.epoch}/comm", rank=membership.rank)
+    cpu = old.device.type == "cpu"
+    return new_communicator(
+        backend, store=store, rank=membership.rank, size=size, timeout=old.timeout,
+        fallback=not cpu, options=getattr(old, "options", None) if backend == "shm" else None,
+    )
+
+
+def _replace_world(old, new) -> None:
+    """``fastcomm.get_world()`` returns `new` where it returned the failed `old`."""
+    from fastcomm.comm import world
+
+    if world._WORLD is old:
+        world._WORLD = new
