@@ -9,10 +9,11 @@ complete list is decided by ``compare_set``, then a liveness-checked barrier con
 member lost meanwhile starts the next epoch). Ranks are renumbered densely in old-rank order
 and a new communicator of the same backend is built on ``epoch<e>/comm``.
 
-In backward, each gradient is copied as it arrives (only with recovery on: ``Keeper``), so the
-failed step's reduction is redone among the survivors from those copies: one all-reduce of every
-gradient scaled by ``1/survivors``, written where the buckets put it; ``backward()`` returns as if
-nothing happened. A failure outside backward (``DDP()``'s broadcast, a bucket rebuild, the
+In backward, each gradient a reduction may overwrite is kept as it arrives (only with recovery
+on: ``Keeper``, a reference where it can, a copy where it must), so the failed step's reduction
+is redone among the survivors from the local gradients: one all-reduce of every gradient scaled
+by ``1/survivors``, written where the buckets put it; ``backward()`` returns as if nothing
+happened. A failure outside backward (``DDP()``'s broadcast, a bucket rebuild, the
 buffers' broadcast) recovers and retries that collective. Limits: ranks on one host (liveness is
 read from ``/proc``), dense gradients, no comm hook state carried to the new communicator.
 """
@@ -200,29 +201,75 @@ class Membership:
 
 
 class Keeper:
-    """Each parameter's local gradient of this backward, copied as it arrives (the redo's
-    input): a shared or in-place bucket's own data is overwritten by its reduction."""
+    """Each parameter's local gradient of this backward, kept as it arrives where its
+    reduction may overwrite it (the redo's input), at the least cost:
+
+    - a bucket view's fresh gradient (``.grad`` was ``None``): a reference to autograd's own
+      tensor, which the reduction only reads (no copy);
+    - a gradient reduced where it lies (a bucket view accumulated into, an in-place large
+      gradient, a comm hook's bucket): a copy;
+    - a packed bucket's gradient: nothing (its ``.grad`` is written only once every bucket's
+      reduction is done, the reducer's order with recovery on).
+    """
+
+    _NOTHING, _REFERENCE, _COPY = 0, 1, 2
 
     def __init__(self, reducer) -> None:
         self.reducer = reducer
-        self.saved: list[torch.Tensor | None] = [None] * len(reducer.params)
-        self.stamp = [-1] * len(reducer.params)
+        n = len(reducer.params)
+        self.saved: list[torch.Tensor | None] = [None] * n
+        self.copies: list[torch.Tensor | None] = [None] * n
+        self.stamp = [-1] * n
+        self._modes: list[int] = []
+        self._for = None  # the strategies the modes were made for
+
+    def _refresh(self) -> list[int]:
+        from .in_place import InPlaceAllReduce
+        from .strategy import ARRIVAL_PACKED, PACKED
+
+        reducer = self.reducer
+        modes = [self._NOTHING] * len(reducer.params)
+        for bucket, strategy in zip(reducer.buckets, reducer.strategies, strict=True):
+            if bucket.sparse or strategy is PACKED or strategy is ARRIVAL_PACKED:
+                continue
+            if isinstance(strategy, InPlaceAllReduce):
+                for k in strategy.plan.large:
+                    modes[bucket.param_indices[k]] = self._COPY
+                continue
+            kind = self._REFERENCE if strategy.grads_in_flat and not hasattr(
+                strategy, "hook") else self._COPY
+            for i in bucket.param_indices:
+                modes[i] = kind
+        self._modes, self._for = modes, reducer.strategies
+        return modes
 
     def keep(self, i: int, grad: torch.Tensor | None) -> None:
-        """Copies parameter `i`'s fresh gradient (called from its hook)."""
-        if grad is None or grad.is_sparse:
+        """Keeps parameter `i`'s fresh gradient where needed (called from its hook)."""
+        modes = self._modes if self._for is self.reducer.strategies else self._refresh()
+        mode = modes[i]
+        if mode == self._NOTHING or grad is None or grad.is_sparse:
             return
-        buf = self.saved[i]
-        if buf is None or buf.shape != grad.shape or buf.dtype != grad.dtype:
-            buf = self.saved[i] = torch.empty_like(grad, memory_format=torch.contiguous_format)
-        buf.copy_(grad.detach())
-        self.stamp[i] = self.reducer.synced_iterations
+        reducer = self.reducer
+        view = reducer.grad_views[i]
+        if mode == self._REFERENCE and view is not None and grad.data_ptr() != view.data_ptr():
+            self.saved[i] = grad.detach()
+        else:
+            buf = self.copies[i]
+            if buf is None or buf.shape != grad.shape or buf.dtype != grad.dtype:
+                buf = self.copies[i] = torch.empty_like(
+                    grad, memory_format=torch.contiguous_format
+                )
+            buf.copy_(grad.detach())
+            self.saved[i] = buf
+        self.stamp[i] = reducer.synced_iterations
 
     def local(self, i: int) -> torch.Tensor:
         """Parameter `i`'s local gradient of this step (zeros when it got none)."""
         p = self.reducer.params[i]
         if self.stamp[i] == self.reducer.synced_iterations and self.saved[i] is not None:
             return self.saved[i]
+        if p.grad is not None and not p.grad.is_sparse:
+            return p.grad
         return torch.zeros_like(p)
 
 

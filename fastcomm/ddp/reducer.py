@@ -430,8 +430,14 @@ class Reducer:
         health = self.health
         if health is not None:
             health.begin_step()
+        if self.keeper is not None:  # every reduction done before any write (recover.py)
+            values = [self.wait_bucket(b) if health is None else health.wait(b)
+                      for b in self.buckets]
         for bucket, strategy in zip(self.buckets, self.strategies, strict=True):
-            value = self.wait_bucket(bucket) if health is None else health.wait(bucket)
+            if self.keeper is not None:
+                value = values[bucket.index]
+            else:
+                value = self.wait_bucket(bucket) if health is None else health.wait(bucket)
             if value is not None:
                 strategy.write_back(self, bucket, value, global_unused)
         self._results = []

@@ -1,0 +1,233 @@
+"""Losing a rank: ``fastcomm-run --recover in-process`` against today's restart (3 shm ranks).
+
+    PYTHONPATH=. python -m pytest bench/test_recover.py -q -s
+
+Writes ``bench/results/recover.json`` and ``bench/results/recover.png``. The job: an MLP of
+1.38M parameters (``Linear(64, 1024) + ReLU + Linear(1024, 1024) + ReLU + Linear(1024, 256)``),
+batch 64 per rank, SGD with momentum, fastcomm DDP on the shm communicator, 3 ranks under the
+real launcher. Rank 1 SIGKILLs itself at step 20, either inside that step's backward (in a
+gradient hook, buckets in flight) or between steps 19 and 20. Each rank logs the wall time at
+which each step completed; the victim logs the time just before the kill.
+
+- kill -> next step: from the kill to the moment every survivor completed a step again (the
+  restarted job's first step under ``restart``);
+- steps lost: steps whose work is thrown away (under ``restart``: every step done before the
+  kill and the one in flight, run again from the top of the script, as no checkpoint is kept).
+
+The A/B cost of recovery when nothing fails: one job, two DDP models over the same 3 processes,
+one built with ``FASTCOMM_RECOVER=in-process`` and one without, their steps interleaved (the
+order swapped every step); the medians of each rank's step times, the slowest rank's reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+STEPS, KILL_STEP, VICTIM = 30, 20, 1
+
+JOB = """
+import json, os, signal, sys, time
+import torch
+from torch import nn
+import fastcomm
+from fastcomm.ddp import DDP
+
+out, point, steps, kill_step, victim = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+comm = fastcomm.init(timeout=60)
+me = comm.rank
+log = open(os.path.join(out, f"steps_{me}_{attempt}.jsonl"), "w")
+state = {"step": -1}
+
+def kill():
+    with open(os.path.join(out, "kill.json"), "w") as fh:
+        json.dump({"time": time.time(), "step": state["step"], "point": point}, fh)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                      nn.Linear(1024, 256))
+ddp = DDP(model)
+doomed = me == victim and attempt == 0
+if doomed and point == "backward":
+    def hook(param):
+        if state["step"] == kill_step:
+            kill()
+    model[0].weight.register_post_accumulate_grad_hook(hook)
+opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+gen = torch.Generator().manual_seed(me)
+x, y = torch.randn(64, 64, generator=gen), torch.randn(64, 256, generator=gen)
+for step in range(steps):
+    state["step"] = step
+    if doomed and point == "between" and step == kill_step:
+        kill()
+    opt.zero_grad(set_to_none=True)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    opt.step()
+    log.write(json.dumps([step, time.time(), ddp.world_size]) + "\\n")
+    log.flush()
+fastcomm.shutdown()
+"""
+
+AB_JOB = """
+import json, os, sys, time
+import torch
+from torch import nn
+import fastcomm
+from fastcomm.ddp import DDP
+
+out, steps = sys.argv[1], int(sys.argv[2])
+comm = fastcomm.init(timeout=60)
+def make(recover):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                          nn.Linear(1024, 256))
+    os.environ["FASTCOMM_RECOVER"] = "in-process" if recover else ""
+    ddp = DDP(model, comm=comm)
+    return ddp, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+models = {"off": make(False), "on": make(True)}
+assert models["on"][0]._recovery is not None and models["off"][0]._recovery is None
+gen = torch.Generator().manual_seed(comm.rank)
+x, y = torch.randn(64, 64, generator=gen), torch.randn(64, 256, generator=gen)
+times = {"off": [], "on": []}
+for step in range(steps):
+    order = ("off", "on") if step % 2 == 0 else ("on", "off")
+    for name in order:
+        ddp, opt = models[name]
+        comm.barrier()
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        times[name].append(time.perf_counter() - start)
+with open(os.path.join(out, f"ab_{comm.rank}.json"), "w") as fh:
+    json.dump(times, fh)
+fastcomm.shutdown()
+"""
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TORCHELASTIC_", "FASTCOMM_RECOVER")) and k not in (
+               "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+               "MASTER_PORT")}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _launch(out: Path, body: str, flags: list[str], args: list) -> tuple[float, str]:
+    path = out / "job.py"
+    path.write_text(body)
+    start = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastcomm.launch", "--nproc-per-node", "3", *flags, path,
+         out, *map(str, args)],
+        cwd=out, env=_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return start, proc.stderr
+
+
+def _records(out: Path) -> dict[tuple[int, int], list]:
+    found = {}
+    for path in out.glob("steps_*_*.jsonl"):
+        _, rank, attempt = path.stem.split("_")
+        found[(int(rank), int(attempt))] = [json.loads(line) for line in path.read_text()
+                                            .splitlines() if line]
+    return found
+
+
+def measure_loss(out: Path, mode: str, point: str) -> dict:
+    """One job under ``--recover mode``, rank 1 killed at step 20 (`point`); the figures."""
+    out.mkdir(parents=True, exist_ok=True)
+    flags = ["--recover", "in-process"] if mode == "in-process" else ["--max-restarts", "1"]
+    _launch(out, JOB, flags, [point, STEPS, KILL_STEP, VICTIM])
+    kill = json.loads((out / "kill.json").read_text())
+    records = _records(out)
+    survivors = [r for r in range(3) if r != VICTIM]
+    if mode == "in-process":
+        after = [min(t for _, t, _ in records[(r, 0)] if t > kill["time"]) for r in survivors]
+        done = {r: [s for s, _, _ in records[(r, 0)]] for r in survivors}
+        lost = max(len(d) - len(set(d)) for d in done.values())
+        assert all(d == list(range(STEPS)) for d in done.values()), done
+        sizes = [w for _, _, w in records[(survivors[0], 0)]]
+    else:
+        after = [records[(r, 1)][0][1] for r in range(3)]
+        # every step done before the kill is done again, and so is the one in flight
+        lost = len(records[(VICTIM, 0)]) + (1 if point == "backward" else 0)
+        sizes = [w for _, _, w in records[(0, 1)]]
+    return {
+        "mode": mode, "point": point, "kill_step": KILL_STEP,
+        "kill_to_next_step_ms": round((max(after) - kill["time"]) * 1e3, 1),
+        "steps_lost": lost, "world_sizes_after": sorted(set(sizes)),
+    }
+
+
+def measure_ab(out: Path, steps: int = 80) -> dict:
+    """The interleaved A/B of the DDP step, recovery on against off, no failure."""
+    out.mkdir(parents=True, exist_ok=True)
+    _launch(out, AB_JOB, [], [steps])
+    per_rank = [json.loads((out / f"ab_{r}.json").read_text()) for r in range(3)]
+    warm = 5
+    med = {name: max(statistics.median(t[name][warm:]) for t in per_rank)
+           for name in ("off", "on")}
+    return {
+        "steps": steps, "off_ms": round(med["off"] * 1e3, 3), "on_ms": round(med["on"] * 1e3, 3),
+        "overhead_pct": round(100 * (med["on"] / med["off"] - 1), 2),
+    }
+
+
+def plot(result: dict, path: Path) -> Path | None:
+    """Bar chart: kill -> next step (ms) and steps lost per mode and kill point."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = result["loss"]
+    labels = [f"{r['mode']}\n{r['point']}" for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    left.bar(labels, [r["kill_to_next_step_ms"] for r in rows], color="tab:blue")
+    left.set_ylabel("ms from SIGKILL to the survivors' next step")
+    left.set_yscale("log")
+    right.bar(labels, [r["steps_lost"] for r in rows], color="tab:red")
+    right.set_ylabel("steps lost")
+    ab = result["ab"]
+    fig.suptitle(
+        f"3 shm ranks, 1.38M MLP, rank 1 SIGKILLed at step {KILL_STEP}; recovery on costs "
+        f"{ab['overhead_pct']:+.1f}% of the step ({ab['on_ms']} vs {ab['off_ms']} ms)",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+@pytest.mark.timeout(1200)
+def test_recover(tmp_path):
+    result = {"machine": os.uname().nodename, "cpus": os.cpu_count(), "loss": []}
+    for mode in ("in-process", "restart"):
+        for point in ("backward", "between"):
+            row = measure_loss(tmp_path / f"{mode}-{point}", mode, point)
+            print(row)
+            result["loss"].append(row)
+    result["ab"] = measure_ab(tmp_path / "ab")
+    print(result["ab"])
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "recover.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, RESULTS / "recover.png")
+    fast = [r for r in result["loss"] if r["mode"] == "in-process"]
+    assert all(r["steps_lost"] == 0 for r in fast)
