@@ -9,8 +9,8 @@ real launcher. Rank 1 SIGKILLs itself at step 20, either inside that step's back
 gradient hook, buckets in flight) or between steps 19 and 20. Each rank logs the wall time at
 which each step completed; the victim logs the time just before the kill.
 
-- kill -> next step: from the kill to the moment every survivor completed a step again (the
-  restarted job's first step under ``restart``);
+- kill -> next step: from the kill to the moment every survivor completed step 20, the first
+  step the victim takes no part in (the restarted job's first step under ``restart``);
 - steps lost: steps whose work is thrown away (under ``restart``: every step done before the
   kill and the one in flight, run again from the top of the script, as no checkpoint is kept).
 
@@ -64,6 +64,10 @@ if doomed and point == "backward":
         if state["step"] == kill_step:
             kill()
     model[0].weight.register_post_accumulate_grad_hook(hook)
+def changed(change):
+    with open(os.path.join(out, f"change_{me}.json"), "w") as fh:
+        json.dump({"seconds": change.seconds, "where": change.where}, fh)
+ddp.on_membership_change(changed)
 opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
 gen = torch.Generator().manual_seed(me)
 x, y = torch.randn(64, 64, generator=gen), torch.randn(64, 256, generator=gen)
@@ -156,12 +160,16 @@ def measure_loss(out: Path, mode: str, point: str) -> dict:
     records = _records(out)
     survivors = [r for r in range(3) if r != VICTIM]
     if mode == "in-process":
-        after = [min(t for _, t, _ in records[(r, 0)] if t > kill["time"]) for r in survivors]
+        after = [min(t for s, t, _ in records[(r, 0)] if s >= KILL_STEP) for r in survivors]
         done = {r: [s for s, _, _ in records[(r, 0)]] for r in survivors}
         lost = max(len(d) - len(set(d)) for d in done.values())
         assert all(d == list(range(STEPS)) for d in done.values()), done
         sizes = [w for _, _, w in records[(survivors[0], 0)]]
+        changes = [json.loads((out / f"change_{r}.json").read_text()) for r in survivors]
+        extra = {"rebuild_ms": round(max(c["seconds"] for c in changes) * 1e3, 1),
+                 "failed_at": changes[0]["where"]}
     else:
+        extra = {}
         after = [records[(r, 1)][0][1] for r in range(3)]
         # every step done before the kill is done again, and so is the one in flight
         lost = len(records[(VICTIM, 0)]) + (1 if point == "backward" else 0)
@@ -169,7 +177,63 @@ def measure_loss(out: Path, mode: str, point: str) -> dict:
     return {
         "mode": mode, "point": point, "kill_step": KILL_STEP,
         "kill_to_next_step_ms": round((max(after) - kill["time"]) * 1e3, 1),
-        "steps_lost": lost, "world_sizes_after": sorted(set(sizes)),
+        "steps_lost": lost, "world_sizes_after": sorted(set(sizes)), **extra,
+    }
+
+
+TORCHFT_PYTHON = Path(os.environ.get("FASTCOMM_BENCH_TORCHFT_PYTHON",
+                                     "/work/venv-torchft/bin/python"))
+LIGHTHOUSE = """
+import sys
+from torchft.coordination import LighthouseServer
+server = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000,
+                          quorum_tick_ms=20, heartbeat_timeout_ms=500)
+print(server.address(), flush=True)
+sys.stdin.read()
+server.shutdown()
+"""
+TORCHFT_JOB = (Path(__file__).parent / "_torchft_replica.py")
+
+
+def measure_torchft(out: Path) -> dict | None:
+    """The same job on torchft 0.2.0 (its Lighthouse, Manager, DDP and Optimizer wrappers,
+    ``ProcessGroupGloo``): 3 replicas of one process each, replica 1 SIGKILLed right before
+    its step 20 (torchft's survivors crash on a kill inside a step). ``None`` where torchft's
+    interpreter (``FASTCOMM_BENCH_TORCHFT_PYTHON``, a venv of its own) is missing."""
+    if not TORCHFT_PYTHON.exists():
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+    lighthouse = subprocess.Popen([TORCHFT_PYTHON, "-c", LIGHTHOUSE], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        address = lighthouse.stdout.readline().strip()
+        replicas = [
+            subprocess.Popen([TORCHFT_PYTHON, TORCHFT_JOB, out, address, str(r), str(STEPS),
+                              str(KILL_STEP), str(VICTIM)], env=env, cwd=out,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            for r in range(3)
+        ]
+        errors = [p.communicate(timeout=300)[1] for p in replicas]
+    finally:
+        lighthouse.stdin.close()
+        lighthouse.wait(timeout=30)
+    kill = json.loads((out / "kill.json").read_text())
+    survivors = [r for r in range(3) if r != VICTIM]
+    rows = {r: [json.loads(line) for line in (out / f"tft_{r}.jsonl").read_text().splitlines()]
+            for r in survivors}
+    for r in survivors:
+        assert rows[r] and rows[r][-1][2] >= STEPS, errors[r][-3000:]
+    # the first step the victim never took part in, committed
+    after = [min(t for s, t, now, _ in rows[r] if s >= KILL_STEP and now > s)
+             for r in survivors]
+    thrown = max(sum(1 for s, t, now, _ in rows[r] if t > kill["time"] and now == s)
+                 for r in survivors)
+    return {
+        "mode": "torchft", "point": "between", "kill_step": KILL_STEP,
+        "kill_to_next_step_ms": round((max(after) - kill["time"]) * 1e3, 1),
+        "steps_lost": thrown,
+        "world_sizes_after": sorted({n for r in survivors for _, _, _, n in rows[r]}),
     }
 
 
@@ -198,12 +262,17 @@ def plot(result: dict, path: Path) -> Path | None:
         return None
     rows = result["loss"]
     labels = [f"{r['mode']}\n{r['point']}" for r in rows]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
-    left.bar(labels, [r["kill_to_next_step_ms"] for r in rows], color="tab:blue")
-    left.set_ylabel("ms from SIGKILL to the survivors' next step")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+    ms = [r["kill_to_next_step_ms"] for r in rows]
+    left.bar(labels, ms, color="tab:blue")
+    left.set_ylabel("ms, SIGKILL -> survivors' step 20")
     left.set_yscale("log")
+    for k, value in enumerate(ms):
+        left.annotate(f"{value:.0f}", (k, value), ha="center", va="bottom", fontsize=8)
     right.bar(labels, [r["steps_lost"] for r in rows], color="tab:red")
     right.set_ylabel("steps lost")
+    for ax in (left, right):
+        ax.tick_params(axis="x", labelsize=8)
     ab = result["ab"]
     fig.suptitle(
         f"3 shm ranks, 1.38M MLP, rank 1 SIGKILLed at step {KILL_STEP}; recovery on costs "
@@ -224,6 +293,10 @@ def test_recover(tmp_path):
             row = measure_loss(tmp_path / f"{mode}-{point}", mode, point)
             print(row)
             result["loss"].append(row)
+    torchft = measure_torchft(tmp_path / "torchft")
+    print(torchft or "torchft: not measured (no interpreter with torchft)")
+    if torchft is not None:
+        result["loss"].append(torchft)
     result["ab"] = measure_ab(tmp_path / "ab")
     print(result["ab"])
     RESULTS.mkdir(exist_ok=True)
