@@ -1,21 +1,15 @@
-"""In-place recovery of a lost rank (``FASTCOMM_RECOVER=in-process``, ``fastcomm-run --recover
-in-process``): the survivors agree on who is left, rebuild the communicator and finish the step.
+"""In-place recovery from a lost rank (``FASTCOMM_RECOVER=in-process``, which ``fastcomm-run
+--recover in-process`` sets): the survivors agree on who is left and finish the step.
 
-A collective that fails because a peer died (``CommAbortedError``, ``CommClosedError``) starts a
-new epoch. Over the job's store (keys ``epoch<e>/...`` in a namespace of the DDP's first
-communicator; no extra server), each survivor posts where it failed; the survivors are the
-members whose process still runs (pid and start time gathered at construction); the first
-complete list is decided by ``compare_set``, then a liveness-checked barrier confirms it (a
-member lost meanwhile starts the next epoch). Ranks are renumbered densely in old-rank order
-and a new communicator of the same backend is built on ``epoch<e>/comm``.
-
-In backward, each gradient a reduction may overwrite is kept as it arrives (only with recovery
-on: ``Keeper``, a reference where it can, a copy where it must), so the failed step's reduction
-is redone among the survivors from the local gradients: one all-reduce of every gradient scaled
-by ``1/survivors``, written where the buckets put it; ``backward()`` returns as if nothing
-happened. A failure outside backward (``DDP()``'s broadcast, a bucket rebuild, the
-buffers' broadcast) recovers and retries that collective. Limits: ranks on one host (liveness is
-read from ``/proc``), dense gradients, no comm hook state carried to the new communicator.
+A collective failing because a peer died starts an epoch: over the job's store (no extra
+server) each survivor posts where it failed; the live members that posted are decided by
+``compare_set`` and confirmed by a barrier that fails when one of them dies (then the next
+epoch). Ranks are renumbered densely in old-rank order and a communicator of the same backend
+is built. In backward, gradients a reduction may overwrite are kept as they arrive (``Keeper``:
+a reference where it can, a copy where it must), so the failed step is reduced again among the
+survivors, scaled by ``1/survivors``, and ``backward()`` returns as if nothing happened. Other
+collectives (``DDP()``'s broadcast, the bucket rebuild, the buffers) recover and retry. Limits:
+one host (liveness from ``/proc``), dense gradients.
 """
 
 from __future__ import annotations
@@ -80,6 +74,7 @@ class MembershipChange:
         members: every member's original rank (the rank at construction), in new-rank order.
         where: the collective that failed (``"backward 20"``, ``"init"``...).
         seconds: from the failure seen here to the new communicator.
+        seen_at: when the failure was seen here (``time.time()``).
     """
 
     epoch: int
@@ -89,6 +84,7 @@ class MembershipChange:
     members: tuple[int, ...]
     where: str
     seconds: float
+    seen_at: float
 
 
 class Membership:
@@ -298,7 +294,7 @@ class Recovery:
 
     def shrink(self, where: str, cause: BaseException) -> MembershipChange:
         """Closes the failed communicator, agrees on the survivors and builds theirs."""
-        ddp, start = self.ddp, time.monotonic()
+        ddp, start, seen_at = self.ddp, time.monotonic(), time.time()
         old = ddp.comm
         reducer = getattr(ddp, "reducer", None)
         if reducer is not None:
@@ -315,6 +311,7 @@ class Recovery:
             epoch=self.membership.epoch, rank=comm.rank, world_size=comm.size,
             lost=tuple(before.index(r) for r in before if r not in members),
             members=tuple(members), where=where, seconds=time.monotonic() - start,
+            seen_at=seen_at,
         )
         self.changes.append(change)
         for fn in list(self.callbacks):

@@ -59,13 +59,13 @@ if point == "reduce":  # inside a shared bucket's reduction (its peers' slices h
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
                       nn.Linear(512, 4))
-ddp = DDP(model, bucket_cap_mb=0.25, shared_buckets=shared,
-          gradient_as_bucket_view=True if shared else None)
-if point == "backward":  # in a gradient hook: later layers' buckets already launched
+if point == "backward":  # in a gradient hook, before DDP's: later buckets already launched
     def hook(param):
         if state["step"] == KILL_STEP:
             die()
     model[0].weight.register_post_accumulate_grad_hook(hook)
+ddp = DDP(model, bucket_cap_mb=0.25, shared_buckets=shared,
+          gradient_as_bucket_view=True if shared else None)
 seen = []
 ddp.on_membership_change(seen.append)
 opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
@@ -204,3 +204,19 @@ def test_second_loss_during_recovery(tmp_path):
     reports, sizes = _check(tmp_path, result, {1, 2})
     assert [s[0] for s in sizes] == [3] * KILL_STEP + [1] * (STEPS - KILL_STEP)
     assert reports[0]["changes"][-1][2] == 1
+
+
+@pytest.mark.parametrize("value, on", [("in-process", True), ("IN-PROCESS", True), ("", False),
+                                       ("restart", False)])
+def test_recovery_enabled_reads_the_variable(value, on):
+    from fastcomm.ddp.recover import recovery_enabled
+
+    assert recovery_enabled({"FASTCOMM_RECOVER": value}) is on
+    assert recovery_enabled({}) is False
+
+
+def test_recovery_enabled_refuses_other_values():
+    from fastcomm.ddp.recover import recovery_enabled
+
+    with pytest.raises(ValueError, match="FASTCOMM_RECOVER='sometimes'"):
+        recovery_enabled({"FASTCOMM_RECOVER": "sometimes"})
