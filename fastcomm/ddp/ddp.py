@@ -181,6 +181,8 @@ class DDP(nn.Module):
             _apply_mixed_precision(module, mixed_precision)
         # in-place recovery from a lost rank (recover.py), only when asked for
         self._recovery = Recovery(self) if recovery_enabled() and self.comm.size > 1 else None
+        if self._recovery is not None and not self._recovery.membership.one_host:
+            self._recovery = None  # it warned: liveness is known on one host only
         if self.config.init_sync:
             self._collective(lambda: self._init_sync(names, params), "init")
         self._build_reducer(names, params, check_finite)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -112,6 +113,8 @@ class Membership:
             "ids", comm.rank, comm.size, mine, comm.timeout
         )
         self._host = mine[0]
+        self.one_host = len({row[0] for row in self.identity}) == 1
+        """Whether every rank runs on this host (liveness is read from ``/proc``)."""
 
     @property
     def rank(self) -> int:
@@ -279,6 +282,14 @@ class Recovery:
     def __init__(self, ddp) -> None:
         self.ddp = ddp
         self.membership = Membership(ddp.comm)
+        if not self.membership.one_host:
+            warnings.warn(
+                f"fastcomm DDP (rank {ddp.comm.rank}): {RECOVER_ENV}=in-process shrinks in place "
+                "only when every rank runs on one host; these ranks span hosts, so a lost rank "
+                "fails the others as without it",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         self.callbacks: list[Callable[[MembershipChange], None]] = []
         self.changes: list[MembershipChange] = []
 

@@ -71,13 +71,13 @@ class LossWatch:
         total = self.info.store.add("lost", 1)
         live = self.info.world_size - total
         self.lost.append(failure)
-        self.lost_ranks.add(failure.local_rank)
-        if live < self.minimum:
+        if live < self.minimum:  # a failure of the round, not a loss it goes on without
             self._log(
                 f"rank {failure.rank} was lost ({exit_description(failure.exitcode)}); "
                 f"{live} live rank(s) are fewer than the minimum {self.minimum}: stopping"
             )
             return False
+        self.lost_ranks.add(failure.local_rank)
         self._log(loss_report(failure, live, self.info.world_size))
         return True
 

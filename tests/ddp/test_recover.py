@@ -220,3 +220,33 @@ def test_recovery_enabled_refuses_other_values():
 
     with pytest.raises(ValueError, match="FASTCOMM_RECOVER='sometimes'"):
         recovery_enabled({"FASTCOMM_RECOVER": "sometimes"})
+
+
+SPANNING = """
+import json, os, sys, warnings
+import torch
+os.environ["FASTCOMM_HOST_ID"] = "host" + os.environ["RANK"]  # as if on two hosts
+os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+import fastcomm
+from fastcomm.ddp import DDP
+
+comm = fastcomm.init(backend="gloo", timeout=60)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    ddp = DDP(torch.nn.Linear(4, 2))
+text = [str(w.message) for w in caught if "shrinks in place only" in str(w.message)]
+with open(os.path.join(sys.argv[1], f"w{comm.rank}.json"), "w") as fh:
+    json.dump({"off": ddp._recovery is None, "warned": text}, fh)
+fastcomm.shutdown()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_ranks_on_several_hosts_warn_and_keep_the_restart(tmp_path):
+    path = script(tmp_path, "spanning.py", SPANNING)
+    result = run(["--nproc-per-node", "2", "--recover", "in-process", path, tmp_path], tmp_path,
+                 timeout=100)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for r in range(2):
+        got = json.loads((tmp_path / f"w{r}.json").read_text())
+        assert got["off"] and len(got["warned"]) == 1, got

@@ -75,3 +75,17 @@ def test_config_carries_the_mode(tmp_path):
     config = parse_config(args)
     assert (config.recover, config.min_ranks) == ("in-process", 3)
     assert parse_config(get_parser().parse_args([str(path)])).recover == "restart"
+
+
+def test_every_rank_lost_fails_the_job(tmp_path):
+    """The last live rank failing is a failure of the job (exit 1, the report), not a success
+    of the ranks left, of which there are none."""
+    path = script(tmp_path, "job.py", """
+        import os, time
+        time.sleep(0.2 * int(os.environ["RANK"]))
+        raise RuntimeError("rank " + os.environ["RANK"] + " gives up")
+    """)
+    result = run(["--nproc-per-node", "2", "--recover", "in-process", path], tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert "the job goes on with 1 of 2 ranks" in result.stderr
+    assert "FAILED" in result.stderr and "rank 1 gives up" in result.stderr
