@@ -55,6 +55,8 @@ from .join import Join, notify_join
 from .pickling import ddp_getstate, ddp_setstate
 from .recover import Keeper, MembershipChange, Recovery, recovery_enabled
 from .reducer import Reducer
+from .regrow import Grower, joining
+from .regrow import join as join_running
 from .sparse import sparse_param_indices
 
 __all__ = ["DDP", "DistributedDataParallel"]
@@ -179,16 +181,57 @@ class DDP(nn.Module):
         )
         if mixed_precision is not None:
             _apply_mixed_precision(module, mixed_precision)
-        # in-place recovery from a lost rank (recover.py), only when asked for
-        self._recovery = Recovery(self) if recovery_enabled() and self.comm.size > 1 else None
-        if self._recovery is not None and not self._recovery.membership.one_host:
-            self._recovery = None  # it warned: liveness is known on one host only
-        if self.config.init_sync:
+        # in-place recovery from a lost rank (recover.py), only when asked for; a replacement
+        # joins the running ranks instead (regrow.py)
+        self._states: dict[str, Any] = {}
+        self._loading_states = False
+        self.join_step = 0
+        """The steps the running ranks had done when this rank joined them (0: from the start)."""
+        header = None
+        if recovery_enabled() and joining(self.comm):
+            self._recovery, header = join_running(self)
+        elif recovery_enabled() and self.comm.size > 1:
+            self._recovery = Recovery(self)
+            if not self._recovery.membership.one_host:
+                self._recovery = None  # it warned: liveness is known on one host only
+        else:
+            self._recovery = None
+        if self.config.init_sync and header is None:
             self._collective(lambda: self._init_sync(names, params), "init")
         self._build_reducer(names, params, check_finite)
         if self._recovery is not None:
             self.reducer.keeper = Keeper(self.reducer)
             self.reducer.recovery = self._recovery
+            if self._recovery.grower is None:
+                self._recovery.grower = Grower(self._recovery)
+        if header is not None:
+            self._adopt(header)
+
+    def _adopt(self, header: dict) -> None:
+        """A joiner takes the running ranks' buckets, step and state (``regrow``)."""
+        reducer = self.reducer
+        reducer._build(header["order"])
+        reducer.rebuilt, reducer.rebuild_due = header["rebuilt"], header["rebuild_due"]
+        reducer._recording = False
+        reducer.synced_iterations = self.join_step = header["step"]
+        broadcast_tensors(self.comm, list(reducer.params) + self.synced_buffers(), src=0)
+        self._loading_states = True
+
+    def register_state(self, name: str, obj: Any) -> None:
+        """Registers `obj` (anything with ``state_dict``/``load_state_dict``: the optimizer,
+        an LR scheduler, the loop's counters) to be streamed to a rank that joins (regrow).
+        Every rank registers the same names, before its first forward.
+
+        Raises:
+            TypeError: `obj` has no ``state_dict``/``load_state_dict``.
+        """
+        if not (callable(getattr(obj, "state_dict", None))
+                and callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(
+                f"register_state({name!r}, ...) needs state_dict() and load_state_dict(), got "
+                f"{type(obj).__name__}"
+            )
+        self._states[str(name)] = obj
 
     def _init_sync(self, names: list[str], params: list) -> None:
         verify_same_parameters(self.comm, names, params)
@@ -323,6 +366,8 @@ class DDP(nn.Module):
         reducer = self.reducer
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         reducer.prepare_for_forward()
+        if sync and self._recovery is not None:  # a joiner admitted at this step (regrow.py)
+            self._recovery.grower.boundary(reducer.synced_iterations)
         if self.active_join is not None:
             notify_join(self, sync)
         if sync and reducer.rebuild_due:

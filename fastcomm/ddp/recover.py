@@ -40,6 +40,8 @@ __all__ = [
 
 #: ``in-process``: DDP shrinks in place when a rank is lost (``fastcomm-run --recover``).
 RECOVER_ENV = "FASTCOMM_RECOVER"
+#: Where rank 0 publishes its DDP's recovery namespace in the world's store (for a joiner).
+NAMESPACE_KEY = "ddp-recover/current"
 #: Seconds the survivors wait for each other in one epoch's agreement (default 60).
 RECOVER_TIMEOUT_ENV = "FASTCOMM_RECOVER_TIMEOUT"
 _POLL_S = 0.002
@@ -102,7 +104,9 @@ class Membership:
                 f"fastcomm DDP (rank {comm.rank}): {RECOVER_ENV}=in-process needs a communicator "
                 f"with a store; {type(comm).__name__} has none"
             )
-        self.store = store.prefixed(comm.next_key("ddp-recover"))
+        self.key = comm.next_key("ddp-recover")
+        """The namespace's name in ``comm.store`` (a joiner finds it under ``NAMESPACE_KEY``)."""
+        self.store = store.prefixed(self.key)
         self.me = comm.rank
         self.epoch = 0
         self.members = list(range(comm.size))
@@ -115,6 +119,20 @@ class Membership:
         self._host = mine[0]
         self.one_host = len({row[0] for row in self.identity}) == 1
         """Whether every rank runs on this host (liveness is read from ``/proc``)."""
+
+    @classmethod
+    def adopt(cls, store, header: dict) -> Membership:
+        """A joiner's membership, from its admission (``regrow``): it is the last member."""
+        self = cls.__new__(cls)
+        self.store, self.key = store, ""
+        self.epoch, self.members = header["epoch"], list(header["members"])
+        self.identity = [list(row) for row in header["identity"]]
+        self.me = self.members[-1]
+        text = os.environ.get(RECOVER_TIMEOUT_ENV, "").strip()
+        self.timeout = float(text) if text else 60.0
+        self._host = host_id()
+        self.one_host = len({row[0] for row in self.identity}) == 1
+        return self
 
     @property
     def rank(self) -> int:
@@ -292,6 +310,17 @@ class Recovery:
             )
         self.callbacks: list[Callable[[MembershipChange], None]] = []
         self.changes: list[MembershipChange] = []
+        self.grower = None  # a regrow.Grower, set by DDP
+        if ddp.comm.rank == 0:  # where a replacement finds this namespace (regrow)
+            ddp.comm.store.set(NAMESPACE_KEY, self.membership.key)
+
+    @classmethod
+    def adopt(cls, ddp, membership: Membership) -> Recovery:
+        """A joiner's recovery over `membership` (``regrow.join``)."""
+        self = cls.__new__(cls)
+        self.ddp, self.membership = ddp, membership
+        self.callbacks, self.changes, self.grower = [], [], None
+        return self
 
     # ------------------------------------------------------------------ comm
     def run(self, fn: Callable[[], object], where: str):

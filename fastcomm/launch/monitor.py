@@ -104,8 +104,11 @@ class RoundMonitor:
                 continue
             failure = self.describe(worker)
             if watch is not None:
-                if watch.take(failure):
-                    continue  # reported; the others go on
+                if watch.take(failure):  # reported; the others go on
+                    spec = watch.replacement(worker, self.cfg.max_restarts)
+                    if spec is not None:
+                        self.group.add(spec)
+                    continue
                 self.failures.extend(f for f in watch.lost if f is not failure)
             self.failures.append(failure)
 

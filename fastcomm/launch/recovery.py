@@ -12,6 +12,8 @@ ends in success.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import sys
 from collections.abc import Callable
 
@@ -19,10 +21,12 @@ from .config import LaunchConfig
 from .errors import Failure, exit_description
 from .rendezvous import RoundInfo
 
-__all__ = ["RECOVER_ENV", "LossWatch", "loss_report"]
+__all__ = ["JOIN_ENV", "RECOVER_ENV", "LossWatch", "loss_report"]
 
 #: The workers' variable: ``in-process`` turns on fastcomm DDP's in-place shrink.
 RECOVER_ENV = "FASTCOMM_RECOVER"
+#: Set in a replacement's environment: it joins the running ranks instead of starting a job.
+JOIN_ENV = "FASTCOMM_RECOVER_JOIN"
 
 
 def loss_report(failure: Failure, live: int, world: int) -> str:
@@ -60,13 +64,14 @@ class LossWatch:
                            if cfg.min_nodes > 1 else 1)
         self.lost: list[Failure] = []
         """This node's absorbed losses, in the order they were seen."""
-        self.lost_ranks: set[int] = set()
+        self.lost_pids: set[int] = set()
+        self.replaced = 0
         self._log = log or _stderr
 
     def take(self, failure: Failure) -> bool:
         """Absorbs `failure` (reported, the job goes on): ``True``; ``False`` when the job
         would fall below the minimum (the round must fail, with :attr:`lost` in its report)."""
-        if failure.local_rank in self.lost_ranks:
+        if failure.pid in self.lost_pids:
             return True
         total = self.info.store.add("lost", 1)
         live = self.info.world_size - total
@@ -77,13 +82,28 @@ class LossWatch:
                 f"{live} live rank(s) are fewer than the minimum {self.minimum}: stopping"
             )
             return False
-        self.lost_ranks.add(failure.local_rank)
+        self.lost_pids.add(failure.pid)
         self._log(loss_report(failure, live, self.info.world_size))
         return True
 
     def is_lost(self, worker) -> bool:
         """Whether `worker` is one of this node's absorbed losses."""
-        return worker.spec.local_rank in self.lost_ranks
+        return worker.proc.pid in self.lost_pids
+
+    def replacement(self, worker, max_restarts: int):
+        """The spec of a replacement for the lost `worker` while the job's replacements
+        (``--max-restarts``, counted in the round's store) last, else ``None``. The
+        replacement joins the running ranks (``FASTCOMM_RECOVER_JOIN``)."""
+        if max_restarts <= 0 or self.info.store.add("replaced", 1) > max_restarts:
+            return None
+        self.replaced += 1
+        spec = worker.spec
+        log_dir = f"{spec.log_dir}_replacement{self.replaced}"
+        error_file = os.path.join(log_dir, "error.json")
+        env = {**spec.env, JOIN_ENV: str(self.replaced), "TORCHELASTIC_ERROR_FILE": error_file}
+        self._log(f"starting a replacement for rank {spec.rank} (replacement "
+                  f"{self.replaced}; it joins at the running ranks' next step)")
+        return dataclasses.replace(spec, env=env, log_dir=log_dir, error_file=error_file)
 
 
 def _stderr(message: str) -> None:

@@ -250,3 +250,75 @@ def test_ranks_on_several_hosts_warn_and_keep_the_restart(tmp_path):
     for r in range(2):
         got = json.loads((tmp_path / f"w{r}.json").read_text())
         assert got["off"] and len(got["warned"]) == 1, got
+
+
+GROW = """
+import json, os, signal, sys, time
+import torch
+from torch import nn
+import fastcomm
+from fastcomm.ddp import DDP
+
+out, STEPS, KILL = sys.argv[1], {steps}, {kill_step}
+comm = fastcomm.init(timeout=60)
+started = time.time()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                      nn.Linear(512, 4))
+ddp = DDP(model, bucket_cap_mb=0.25)
+me = ddp._recovery.membership.me  # the original rank; 3 for the replacement
+opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+ddp.register_state("opt", opt)
+joined = [ddp.join_step or None]
+ddp.on_membership_change(
+    lambda c: joined.__setitem__(0, int(c.where.split()[1])) if c.where.startswith("join")
+    else None)
+done, sizes, first = [], [], None
+step, deadline = ddp.join_step, time.monotonic() + 90
+while joined[0] is None or step < max(STEPS, joined[0] + 5):
+    assert time.monotonic() < deadline, "no replacement joined"
+    if me == 1 and step == KILL:
+        os.kill(os.getpid(), signal.SIGKILL)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1000 * me + step))
+    opt.zero_grad(set_to_none=True)
+    ddp(x).square().mean().backward()
+    opt.step()
+    first = first or time.time()
+    sizes.append([ddp.world_size, list(ddp._recovery.membership.members)])
+    done.append(step)
+    step += 1
+    time.sleep(0.02)
+torch.save([p.detach().clone() for p in model.parameters()], os.path.join(out, f"p{{me}}.pt"))
+with open(os.path.join(out, f"r{{me}}.json"), "w") as fh:
+    json.dump({{"done": done, "sizes": sizes, "join_step": ddp.join_step, "rank": ddp.rank,
+               "joined": joined[0], "first_step_s": first - started}}, fh)
+fastcomm.shutdown()
+"""
+
+
+@pytest.mark.timeout(200)
+def test_replacement_joins_and_trains_in_step(tmp_path):
+    """Rank 1 is killed at step 3; the launcher starts a replacement (--max-restarts 1) that
+    joins at a step boundary with rank 0's parameters and optimizer state: at the end the
+    three are bitwise equal and match a replay of every step over its members."""
+    path = script(tmp_path, "grow.py", GROW.format(steps=STEPS, kill_step=KILL_STEP))
+    result = run(["--nproc-per-node", "3", "--recover", "in-process", "--max-restarts", "1",
+                  path, tmp_path], tmp_path, timeout=180)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "starting a replacement for rank 1" in result.stderr
+    reports = {r: json.loads((tmp_path / f"r{r}.json").read_text()) for r in (0, 2, 3)}
+    params = {r: torch.load(tmp_path / f"p{r}.pt") for r in (0, 2, 3)}
+    join = reports[3]["join_step"]
+    assert join > KILL_STEP and reports[0]["joined"] == reports[2]["joined"] == join
+    end = reports[0]["done"][-1] + 1
+    assert reports[0]["done"] == reports[2]["done"] == list(range(end))
+    assert reports[3]["done"] == list(range(join, end))
+    assert reports[3]["rank"] == 2 and reports[3]["sizes"][0] == [3, [0, 2, 3]]
+    for r in (2, 3):
+        for a, b in zip(params[r], params[0], strict=True):
+            assert torch.equal(a, b), f"rank {r} differs from rank 0"
+    sizes = reports[0]["sizes"]
+    assert [s[0] for s in sizes] == [3] * KILL_STEP + [2] * (join - KILL_STEP) + [3] * (
+        end - join)
+    for got, want in zip(params[0], _replay(sizes), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,165 @@
+"""Regrow: a replacement rank joins the running ranks at a step boundary (``fastcomm-run
+--recover in-process --max-restarts N``; the launcher starts it with ``FASTCOMM_RECOVER_JOIN``).
+
+The joiner's ``fastcomm.init()`` returns a stand-in world of its own (``world._joining``); its
+``DDP()`` posts a request (``grow/request/<k>``) in the running DDP's recovery namespace, whose
+name rank 0 published at construction (``ddp-recover/current`` in the world's store). Every
+running rank checks for the next request at each synchronized forward (one store ``check``);
+the first to see it sets the step of admission two steps ahead (``compare_set``: a rank is at
+most one step behind, so every rank sees it in time). At that step the running ranks append the
+joiner to the members (a new epoch), rank 0 posts the admission (members, the step, the bucket
+order), all build the new communicator, and rank 0 streams the parameters and buffers, then the
+objects of ``DDP.register_state`` (their ``state_dict``s, at the joiner's first forward, once its
+loop registered them) through it. ``DDP.join_step`` tells the joiner's loop where it is.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+
+import torch
+
+from fastcomm.comm.shm.segment import pid_start_time
+from fastcomm.comm.topology import host_id
+
+from .broadcast import broadcast_tensors
+from .recover import (
+    NAMESPACE_KEY,
+    Membership,
+    MembershipChange,
+    Recovery,
+    _close_quietly,
+    _detach_from_region,
+    _new_comm,
+    _replace_world,
+    rebind,
+)
+
+__all__ = ["JOIN_ENV", "Grower", "join", "joining"]
+
+#: Set by the launcher in a replacement's environment.
+JOIN_ENV = "FASTCOMM_RECOVER_JOIN"
+
+
+def joining(comm) -> bool:
+    """Whether `comm` is a replacement's stand-in world, to be replaced by joining."""
+    return getattr(comm, "join_store", None) is not None
+
+
+class Grower:
+    """The running ranks' side of regrow: admission at a step boundary (module docstring).
+
+    Args:
+        recovery: the DDP's ``recover.Recovery``.
+        ticket: the next request to look for.
+    """
+
+    def __init__(self, recovery, ticket: int = 1) -> None:
+        self.recovery = recovery
+        self.ticket = ticket
+        self.at: int | None = None
+        self.states_pending = False  # a joiner: the registered states still to receive
+
+    def boundary(self, step: int) -> None:
+        """Called at each synchronized forward with the steps done so far."""
+        if self.states_pending:
+            self.states_pending = False
+            stream_states(self.recovery.ddp)
+        store = self.recovery.membership.store
+        k = self.ticket
+        if self.at is None:
+            if not store.check([f"grow/request/{k}"]):
+                return
+            self.at = int(store.compare_set(f"grow/at/{k}", "", str(step + 2)))
+        if step < self.at:
+            return
+        self.ticket, self.at = k + 1, None
+        self._admit(k, step)
+
+    def _admit(self, k: int, step: int) -> None:
+        start, seen_at = time.monotonic(), time.time()
+        recovery = self.recovery
+        ddp, membership = recovery.ddp, recovery.membership
+        store, reducer = membership.store, ddp.reducer
+        identity = json.loads(store.get(f"grow/request/{k}"))
+        membership.identity.append(identity)
+        membership.epoch += 1
+        membership.members = membership.members + [len(membership.identity) - 1]
+        if ddp.comm.rank == 0:
+            header = {
+                "epoch": membership.epoch, "members": membership.members,
+                "identity": membership.identity, "step": step,
+                "order": [i for b in reducer.buckets for i in b.param_indices],
+                "rebuilt": reducer.rebuilt, "rebuild_due": reducer.rebuild_due,
+            }
+            store.set(f"grow/admit/{k}", json.dumps(header))
+        old = ddp.comm
+        _detach_from_region(reducer)
+        comm = _new_comm(old, membership)
+        ddp.comm = comm
+        rebind(reducer, comm)
+        _replace_world(old, comm)
+        _close_quietly(old)
+        broadcast_tensors(comm, list(reducer.params) + ddp.synced_buffers(), src=0)
+        stream_states(ddp)
+        change = MembershipChange(
+            epoch=membership.epoch, rank=comm.rank, world_size=comm.size, lost=(),
+            members=tuple(membership.members), where=f"join {step}",
+            seconds=time.monotonic() - start, seen_at=seen_at,
+        )
+        recovery.changes.append(change)
+        for fn in list(recovery.callbacks):
+            fn(change)
+
+
+def stream_states(ddp) -> None:
+    """Rank 0's registered states (``DDP.register_state``) to every rank; loaded where the
+    DDP is joining (``ddp.join_step`` set and not yet loaded)."""
+    comm = ddp.comm
+    states = ddp._states
+    if comm.rank == 0:
+        buf = io.BytesIO()
+        torch.save({name: obj.state_dict() for name, obj in states.items()}, buf)
+        data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        length = torch.tensor([data.numel()], dtype=torch.int64)
+    else:
+        length = torch.zeros(1, dtype=torch.int64)
+    comm.broadcast(length, src=0)
+    if comm.rank != 0:
+        data = torch.empty(int(length.item()), dtype=torch.uint8)
+    comm.broadcast(data, src=0)
+    if ddp._loading_states:
+        ddp._loading_states = False
+        loaded = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
+        for name, obj in states.items():
+            if name not in loaded:
+                raise RuntimeError(
+                    f"fastcomm DDP (rank {comm.rank}): the joined state {name!r} was not "
+                    f"registered on rank 0 (it has {sorted(loaded)})"
+                )
+            obj.load_state_dict(loaded[name])
+
+
+def join(ddp, timeout: float = 600.0):
+    """The joiner's side: posts the request, waits for its admission, builds the members'
+    communicator (replacing the stand-in ``ddp.comm``); returns ``(recovery, header)``."""
+    base = ddp.comm.join_store
+    namespace = base.get(NAMESPACE_KEY, timeout).decode()
+    store = base.prefixed(namespace)
+    k = store.add("grow/tickets", 1)
+    store.set(f"grow/request/{k}", json.dumps([host_id(), os.getpid(),
+                                                pid_start_time(os.getpid()) or 0]))
+    header = json.loads(store.get(f"grow/admit/{k}", timeout))
+    membership = Membership.adopt(store, header)
+    recovery = Recovery.adopt(ddp, membership)
+    recovery.grower = Grower(recovery, k + 1)
+    recovery.grower.states_pending = True
+    stand_in = ddp.comm
+    comm = _new_comm(stand_in, membership)
+    ddp.comm = comm
+    _replace_world(stand_in, comm)
+    _close_quietly(stand_in)
+    return recovery, header
