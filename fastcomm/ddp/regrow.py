@@ -2,15 +2,15 @@
 --recover in-process --max-restarts N``; the launcher starts it with ``FASTCOMM_RECOVER_JOIN``).
 
 The joiner's ``fastcomm.init()`` returns a stand-in world of its own (``world._joining``); its
-``DDP()`` posts a request (``grow/request/<k>``) in the running DDP's recovery namespace, whose
-name rank 0 published at construction (``ddp-recover/current`` in the world's store). Every
-running rank checks for the next request at each synchronized forward (one store ``check``);
-the first to see it sets the step of admission two steps ahead (``compare_set``: a rank is at
-most one step behind, so every rank sees it in time). At that step the running ranks append the
-joiner to the members (a new epoch), rank 0 posts the admission (members, the step, the bucket
-order), all build the new communicator, and rank 0 streams the parameters and buffers, then the
-objects of ``DDP.register_state`` (their ``state_dict``s, at the joiner's first forward, once its
-loop registered them) through it. ``DDP.join_step`` tells the joiner's loop where it is.
+``DDP()`` posts a request in the running DDP's recovery namespace (named by rank 0 under
+``ddp-recover/current`` in the world's store). The running ranks look for it at every
+``FASTCOMM_RECOVER_JOIN_EVERY``-th synchronized forward (8; the same steps on every rank, one
+store ``check``); the first to see it sets the admission to the next such step
+(``compare_set``), by which every rank has seen it. Then the joiner becomes the last member of
+a new epoch, rank 0 posts the admission (members, step, bucket order), all build the new
+communicator, and rank 0 streams the parameters and buffers, then the ``DDP.register_state``
+objects' ``state_dict``s (at the joiner's first forward, once its loop registered them).
+``DDP.join_step`` tells the joiner's loop where it is.
 """
 
 from __future__ import annotations
@@ -42,6 +42,20 @@ __all__ = ["JOIN_ENV", "Grower", "join", "joining"]
 
 #: Set by the launcher in a replacement's environment.
 JOIN_ENV = "FASTCOMM_RECOVER_JOIN"
+EVERY_ENV = "FASTCOMM_RECOVER_JOIN_EVERY"
+
+
+def _every() -> int:
+    """``FASTCOMM_RECOVER_JOIN_EVERY``: the running ranks look for a joiner every this many
+    steps (default 8: one store round trip per 8 steps)."""
+    text = os.environ.get(EVERY_ENV, "").strip()
+    try:
+        every = int(text) if text else 8
+    except ValueError:
+        every = 0
+    if every < 1:
+        raise ValueError(f"{EVERY_ENV}={text!r}: must be an integer >= 1 (or unset)")
+    return every
 
 
 def joining(comm) -> bool:
@@ -61,6 +75,7 @@ class Grower:
         self.recovery = recovery
         self.ticket = ticket
         self.at: int | None = None
+        self.every = _every()
         self.states_pending = False  # a joiner: the registered states still to receive
 
     def boundary(self, step: int) -> None:
@@ -71,9 +86,9 @@ class Grower:
         store = self.recovery.membership.store
         k = self.ticket
         if self.at is None:
-            if not store.check([f"grow/request/{k}"]):
+            if step % self.every or not store.check([f"grow/request/{k}"]):
                 return
-            self.at = int(store.compare_set(f"grow/at/{k}", "", str(step + 2)))
+            self.at = int(store.compare_set(f"grow/at/{k}", "", str(step + self.every)))
         if step < self.at:
             return
         self.ticket, self.at = k + 1, None
