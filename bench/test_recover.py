@@ -178,6 +178,75 @@ def measure_loss(out: Path, mode: str, point: str) -> dict:
     }
 
 
+GROW_JOB = """
+import json, os, signal, sys, time
+import torch
+from torch import nn
+import fastcomm
+from fastcomm.ddp import DDP
+
+def process_start():
+    with open("/proc/self/stat") as fh:
+        ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/stat") as fh:
+        boot = next(int(line.split()[1]) for line in fh if line.startswith("btime"))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+imported = time.time()
+out, kill_step, victim = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+comm = fastcomm.init(timeout=60)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                      nn.Linear(1024, 256))
+before_ddp = time.time()
+ddp = DDP(model)
+after_ddp = time.time()
+me = ddp._recovery.membership.me
+opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+ddp.register_state("opt", opt)
+joined = [ddp.join_step or None]
+ddp.on_membership_change(
+    lambda c: joined.__setitem__(0, int(c.where.split()[1])) if c.where.startswith("join")
+    else None)
+gen = torch.Generator().manual_seed(me)
+x, y = torch.randn(64, 64, generator=gen), torch.randn(64, 256, generator=gen)
+step, first, deadline = ddp.join_step, None, time.monotonic() + 120
+while joined[0] is None or step < joined[0] + 10:
+    assert time.monotonic() < deadline, "no replacement joined"
+    if me == victim and step == kill_step:
+        os.kill(os.getpid(), signal.SIGKILL)
+    opt.zero_grad(set_to_none=True)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    opt.step()
+    first = first or time.time()
+    step += 1
+if ddp.join_step:
+    with open(os.path.join(out, "joiner.json"), "w") as fh:
+        json.dump({"start": process_start(), "imported": imported, "before_ddp": before_ddp,
+                   "after_ddp": after_ddp, "first_step": first, "join_step": ddp.join_step,
+                   "change_s": ddp._recovery.changes[-1].seconds if ddp._recovery.changes
+                   else None}, fh)
+fastcomm.shutdown()
+"""
+
+
+def measure_regrow(out: Path) -> dict:
+    """Rank 1 killed at step 20, a replacement started (``--max-restarts 1``): from the
+    replacement's process start to its first step, and the step it joined at."""
+    out.mkdir(parents=True, exist_ok=True)
+    _launch(out, GROW_JOB, ["--recover", "in-process", "--max-restarts", "1"],
+            [KILL_STEP, VICTIM])
+    joiner = json.loads((out / "joiner.json").read_text())
+    start = joiner["start"]
+    return {
+        "joiner_start_to_first_step_s": round(joiner["first_step"] - start, 2),
+        "imports_s": round(joiner["imported"] - start, 2),
+        "init_and_model_s": round(joiner["before_ddp"] - joiner["imported"], 2),
+        "ddp_join_s": round(joiner["after_ddp"] - joiner["before_ddp"], 2),
+        "join_step": joiner["join_step"],
+    }
+
+
 TORCHFT_PYTHON = Path(os.environ.get("FASTCOMM_BENCH_TORCHFT_PYTHON",
                                      "/work/venv-torchft/bin/python"))
 LIGHTHOUSE = """
@@ -242,9 +311,16 @@ def measure_ab(out: Path, steps: int = 80) -> dict:
     warm = 5
     med = {name: max(statistics.median(t[name][warm:]) for t in per_rank)
            for name in ("off", "on")}
+    # each step of one model next to the other's, paired: robust to the load drifting
+    paired = statistics.median(
+        statistics.median(b / a - 1 for a, b in zip(t["off"][warm:], t["on"][warm:],
+                                                    strict=True))
+        for t in per_rank
+    )
     return {
         "steps": steps, "off_ms": round(med["off"] * 1e3, 3), "on_ms": round(med["on"] * 1e3, 3),
         "overhead_pct": round(100 * (med["on"] / med["off"] - 1), 2),
+        "paired_overhead_pct": round(100 * paired, 2),
     }
 
 
@@ -271,11 +347,15 @@ def plot(result: dict, path: Path) -> Path | None:
     for ax in (left, right):
         ax.tick_params(axis="x", labelsize=8)
     ab = result["ab"]
-    fig.suptitle(
-        f"3 shm ranks, 1.38M MLP, rank 1 SIGKILLed at step {KILL_STEP}; recovery on costs "
-        f"{ab['overhead_pct']:+.1f}% of the step ({ab['on_ms']} vs {ab['off_ms']} ms)",
-        fontsize=9,
-    )
+    title = (f"3 shm ranks, 1.38M MLP, rank 1 SIGKILLed at step {KILL_STEP}; recovery on costs "
+             f"{ab['overhead_pct']:+.1f}% of the step ({ab['on_ms']} vs {ab['off_ms']} ms)")
+    grow = sorted(result.get("regrow", []), key=lambda r: r["joiner_start_to_first_step_s"])
+    if grow:
+        mid = grow[len(grow) // 2]
+        title += (f"\na replacement's first step {mid['joiner_start_to_first_step_s']} s after "
+                  f"its process started ({mid['imports_s']} s of it importing, "
+                  f"{mid['ddp_join_s']} s in DDP() joining)")
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -307,6 +387,8 @@ def test_recover(tmp_path):
     else:
         result["loss"].append(_median_row(runs))
         print(result["loss"][-1])
+    result["regrow"] = [measure_regrow(tmp_path / f"regrow-{k}") for k in range(REPEATS)]
+    print(result["regrow"])
     result["ab"] = measure_ab(tmp_path / "ab")
     print(result["ab"])
     RESULTS.mkdir(exist_ok=True)

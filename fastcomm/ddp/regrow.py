@@ -4,7 +4,7 @@
 The joiner's ``fastcomm.init()`` returns a stand-in world of its own (``world._joining``); its
 ``DDP()`` posts a request in the running DDP's recovery namespace (named by rank 0 under
 ``ddp-recover/current`` in the world's store). The running ranks look for it at every
-``FASTCOMM_RECOVER_JOIN_EVERY``-th synchronized forward (8; the same steps on every rank, one
+``FASTCOMM_RECOVER_JOIN_EVERY``-th synchronized forward (16; the same steps on every rank, one
 store ``check``); the first to see it sets the admission to the next such step
 (``compare_set``), by which every rank has seen it. Then the joiner becomes the last member of
 a new epoch, rank 0 posts the admission (members, step, bucket order), all build the new
@@ -47,10 +47,10 @@ EVERY_ENV = "FASTCOMM_RECOVER_JOIN_EVERY"
 
 def _every() -> int:
     """``FASTCOMM_RECOVER_JOIN_EVERY``: the running ranks look for a joiner every this many
-    steps (default 8: one store round trip per 8 steps)."""
+    steps (default 16: one store round trip per 16 steps)."""
     text = os.environ.get(EVERY_ENV, "").strip()
     try:
-        every = int(text) if text else 8
+        every = int(text) if text else 16
     except ValueError:
         every = 0
     if every < 1:
