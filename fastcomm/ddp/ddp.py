@@ -181,8 +181,11 @@ class DDP(nn.Module):
         )
         if mixed_precision is not None:
             _apply_mixed_precision(module, mixed_precision)
-        # in-place recovery from a lost rank (recover.py), only when asked for; a replacement
-        # joins the running ranks instead (regrow.py)
+        self._start(names, params, check_finite)
+
+    def _start(self, names: list[str], params: list, check_finite: bool) -> None:
+        """The initial broadcast and the reducer; with recovery on, its state first, and for a
+        replacement joining instead of broadcasting (``recover.py``, ``regrow.py``)."""
         self._states: dict[str, Any] = {}
         self._loading_states = False
         self.join_step = 0

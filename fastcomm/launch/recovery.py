@@ -4,10 +4,11 @@ With it, a worker that dies (a signal, an exception, an exit code) is reported a
 rank, host, exit code or signal and traceback, as the failure report shows them -- and the
 round goes on with the others (``FASTCOMM_RECOVER=in-process`` in their environment tells
 fastcomm DDP to shrink in place). The job's live ranks are counted in the round's store
-(``lost``, every node adds its own); once fewer than the minimum are left (``--min-ranks``,
-and ``--nnodes MIN`` nodes' worth of ranks) the round fails as without recovery: today's
-report, naming the first loss as the root cause. A round whose live workers all succeed
-ends in success.
+(``lost`` less ``replaced``: with ``--max-restarts N`` a lost worker gets a replacement, N in
+all, which fastcomm DDP admits at a step boundary); once fewer than the minimum are left
+(``--min-ranks``, and ``--nnodes MIN`` nodes' worth of ranks) the job stops with today's
+report, naming the first loss as the root cause (no restart). A round whose live workers all
+succeed ends in success.
 """
 
 from __future__ import annotations
@@ -73,8 +74,9 @@ class LossWatch:
         would fall below the minimum (the round must fail, with :attr:`lost` in its report)."""
         if failure.pid in self.lost_pids:
             return True
-        total = self.info.store.add("lost", 1)
-        live = self.info.world_size - total
+        store = self.info.store
+        total = store.add("lost", 1)
+        live = self.info.world_size - total + store.add("replaced", 0)  # replacements live
         self.lost.append(failure)
         if live < self.minimum:  # a failure of the round, not a loss it goes on without
             self._log(

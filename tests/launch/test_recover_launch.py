@@ -37,6 +37,8 @@ def test_loss_reported_and_the_others_go_on(tmp_path):
     assert "was lost: killed by signal 9 (SIGKILL); the job goes on with 2 of 3 ranks" in (
         result.stderr)
     assert "restarting" not in result.stderr
+    # each replacement (rank 1 again) dies as well; the budget is spent, the others finish
+    assert result.stderr.count("starting a replacement for rank 1") == 2
 
 
 def test_below_min_ranks_stops_with_the_report(tmp_path):
