@@ -15,6 +15,7 @@ objects' ``state_dict``s (at the joiner's first forward, once its loop registere
 
 from __future__ import annotations
 
+import atexit
 import io
 import json
 import os
@@ -73,6 +74,8 @@ class Grower:
 
     def __init__(self, recovery, ticket: int = 1) -> None:
         self.recovery = recovery
+        # at exit, a replacement still waiting for admission learns there is nothing to join
+        atexit.register(finished, recovery.membership.store)
         self.ticket = ticket
         self.at: int | None = None
         self.every = _every()
@@ -158,6 +161,33 @@ def stream_states(ddp) -> None:
             obj.load_state_dict(loaded[name])
 
 
+def _admission(store, k: int, timeout: float) -> bytes:
+    """Waits for request `k`'s admission; raises once the running ranks have finished
+    (``grow/closed``, set as each exits) or after `timeout` seconds."""
+    admit, closed = f"grow/admit/{k}", "grow/closed"
+    deadline = time.monotonic() + timeout
+    while not store.check([admit]):
+        if store.check([closed]):
+            raise RuntimeError(
+                f"replacement {os.environ.get(JOIN_ENV)}: the running ranks finished before "
+                "admitting it; nothing left to join"
+            )
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"replacement {os.environ.get(JOIN_ENV)}: not admitted within {timeout:.0f} s"
+            )
+        time.sleep(0.05)
+    return store.get(admit)
+
+
+def finished(store) -> None:
+    """Marks that the running ranks are done (at exit): a waiting joiner gives up."""
+    try:
+        store.set("grow/closed", "1")
+    except Exception:  # exiting anyway; a joiner then waits out its timeout
+        pass
+
+
 def join(ddp, timeout: float = 600.0):
     """The joiner's side: posts the request, waits for its admission, builds the members'
     communicator (replacing the stand-in ``ddp.comm``); returns ``(recovery, header)``."""
@@ -167,7 +197,7 @@ def join(ddp, timeout: float = 600.0):
     k = store.add("grow/tickets", 1)
     store.set(f"grow/request/{k}", json.dumps([host_id(), os.getpid(),
                                                 pid_start_time(os.getpid()) or 0]))
-    header = json.loads(store.get(f"grow/admit/{k}", timeout))
+    header = json.loads(_admission(store, k, timeout))
     membership = Membership.adopt(store, header)
     recovery = Recovery.adopt(ddp, membership)
     recovery.grower = Grower(recovery, k + 1)
