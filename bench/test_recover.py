@@ -347,8 +347,9 @@ def plot(result: dict, path: Path) -> Path | None:
     for ax in (left, right):
         ax.tick_params(axis="x", labelsize=8)
     ab = result["ab"]
+    cost = ab.get("paired_overhead_pct", ab["overhead_pct"])
     title = (f"3 shm ranks, 1.38M MLP, rank 1 SIGKILLed at step {KILL_STEP}; recovery on costs "
-             f"{ab['overhead_pct']:+.1f}% of the step ({ab['on_ms']} vs {ab['off_ms']} ms)")
+             f"{cost:+.2f}% of the step (paired with off; {ab['on_ms']} vs {ab['off_ms']} ms)")
     grow = sorted(result.get("regrow", []), key=lambda r: r["joiner_start_to_first_step_s"])
     if grow:
         mid = grow[len(grow) // 2]
