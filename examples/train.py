@@ -2,6 +2,8 @@
 
     fastcomm-run --nproc-per-node 2 examples/train.py [--hook none|fp16|bf16|int8|powersgd]
                                                       [--device cpu|cuda] [--steps N]
+    fastcomm-run --nproc-per-node 3 --recover in-process [--max-restarts N] examples/train.py
+                                                      # goes on after a loss (and regrows)
 
 Every rank generates the same synthetic data set from a fixed seed (inputs from a Gaussian,
 labels from a fixed random "teacher" network, so the task is learnable) and trains on its own
@@ -110,24 +112,41 @@ def main(argv=None) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     comm = fastcomm.init(backend=args.backend, device=device)
-    rank, world = comm.rank, comm.size
+    # the job's size at launch: a replacement (--recover in-process --max-restarts) makes the
+    # same data set as the ranks it joins
+    world = int(os.environ.get("WORLD_SIZE", comm.size))
 
     x, y = make_data(args, samples=args.batch_size * world * 50)
-    x_shard, y_shard = x[rank::world].to(device), y[rank::world].to(device)
     model = DDP(make_model(args).to(device), comm=comm)
+    comm = model.comm  # a replacement's is the one it joined
     register_hook(model, args.hook, comm)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    model.register_state("opt", opt)  # streamed to a replacement when it joins
     loss_fn = nn.CrossEntropyLoss()
 
-    batches = x_shard.shape[0] // args.batch_size
-    bar = progress(range(args.steps), rank == 0 and not args.no_progress, args.steps)
+    shard = {}
+
+    def reshard(change=None) -> None:
+        """This rank's shard of the data set; again after a lost or a joining rank
+        (``--recover in-process``): the ranks split the whole set among themselves."""
+        r, w = model.rank, model.world_size
+        shard["x"], shard["y"] = x[r::w].to(device), y[r::w].to(device)
+        shard["batches"] = shard["x"].shape[0] // args.batch_size
+        if change is not None:
+            print(f"rank {r} of {w} now ({change.where}, lost rank(s) {list(change.lost)}); "
+                  "re-sharded", flush=True)
+
+    reshard()
+    model.on_membership_change(reshard)
+    steps = range(model.join_step, args.steps)  # a replacement starts where it joined
+    bar = progress(steps, model.rank == 0 and not args.no_progress, len(steps))
     comm.stats.reset()
     start = time.perf_counter()
     last = start
     for step in bar:
-        i = step % batches
-        xb = x_shard[i * args.batch_size : (i + 1) * args.batch_size]
-        yb = y_shard[i * args.batch_size : (i + 1) * args.batch_size]
+        i = step % shard["batches"]
+        xb = shard["x"][i * args.batch_size : (i + 1) * args.batch_size]
+        yb = shard["y"][i * args.batch_size : (i + 1) * args.batch_size]
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model(xb), yb)
         loss.backward()
@@ -137,19 +156,20 @@ def main(argv=None) -> None:
             bar.set_postfix(loss=f"{loss.item():.4f}", step_ms=f"{1e3 * (now - last):.1f}")
         last = now
     elapsed = time.perf_counter() - start
-    sent = comm.stats.total_bytes
+    sent = model.comm.stats.total_bytes  # the communicator in use (a new one after a loss)
 
     with torch.no_grad():
         full = loss_fn(model(x.to(device)), y.to(device)).item()
         accuracy = (model(x.to(device)).argmax(1) == y.to(device)).float().mean().item()
-    if rank == 0:
+    if model.rank == 0:
         params = sum(p.numel() for p in model.parameters())
         print(
-            f"hook={args.hook} ranks={world} device={device.type} backend={comm.backend} "
+            f"hook={args.hook} ranks={model.world_size} device={device.type} "
+            f"backend={model.comm.backend} "
             f"params={params:,}\n"
             f"final loss {full:.4f}  accuracy {accuracy:.3f}  "
-            f"{args.steps / elapsed:.1f} steps/s  "
-            f"{sent / args.steps / 1e6:.3f} MB communicated per step (rank 0)",
+            f"{len(steps) / elapsed:.1f} steps/s  "
+            f"{sent / len(steps) / 1e6:.3f} MB communicated per step (rank 0)",
             flush=True,
         )
     fastcomm.shutdown()

@@ -547,6 +547,9 @@ def init(
         _WORLD_STORE = base
         _INIT_COUNT += 1
         store = base.prefixed(f"fastcomm/world{_INIT_COUNT}", rank=rank)
+    if os.environ.get("FASTCOMM_RECOVER_JOIN"):  # a replacement: DDP joins the running ranks
+        _WORLD = _joining(store, timeout)
+        return _WORLD
     try:
         _WORLD = _build_planned(store, rank, world_size, timeout, plan, launch)
         if _WORLD.flight is not None:
@@ -555,6 +558,17 @@ def init(
         _WORLD_STORE = None  # a failed init keeps no server port or connection open
         raise
     return _WORLD
+
+
+def _joining(store: Store, timeout) -> Communicator:
+    """A replacement's stand-in world (``fastcomm-run --recover in-process``): a communicator
+    of this rank alone, carrying the running ranks' world store (``join_store``) where
+    ``fastcomm.ddp``'s recovery admits it and replaces it."""
+    backend = "shm" if shm_available() else "gloo"
+    comm = new_communicator(backend, store=store.prefixed(f"joiner/{os.getpid()}", rank=0),
+                            rank=0, size=1, timeout=timeout, fallback=False)
+    comm.join_store = store
+    return comm
 
 
 def get_world() -> Communicator:

@@ -42,7 +42,10 @@ from .config import DDPConfig, check_param_dtype
 from .health import GradHealth
 from .join import Join, notify_join
 from .pickling import ddp_getstate, ddp_setstate
+from .recover import Keeper, MembershipChange, Recovery, recovery_enabled
 from .reducer import Reducer
+from .regrow import Grower, joining
+from .regrow import join as join_running
 from .sparse import sparse_param_indices
 
 __all__ = ["DDP", "DistributedDataParallel"]
@@ -167,13 +170,97 @@ class DDP(nn.Module):
         )
         if mixed_precision is not None:
             _apply_mixed_precision(module, mixed_precision)
-        if self.config.init_sync:
-            verify_same_parameters(self.comm, names, params)
-            state = list(params)
-            if self.config.init_sync_buffers:
-                state += self.synced_buffers()
-            broadcast_tensors(self.comm, state, src=0)
+        self._start(names, params, check_finite)
+
+    def _start(self, names: list[str], params: list, check_finite: bool) -> None:
+        """The initial broadcast and the reducer; with recovery on, its state first, and for a
+        replacement joining instead of broadcasting (``recover.py``, ``regrow.py``)."""
+        self._states: dict[str, Any] = {}
+        self._loading_states = False
+        self.join_step = 0
+        """The steps the running ranks had done when this rank joined them (0: from the start)."""
+        header = None
+        if recovery_enabled() and joining(self.comm):
+            self._recovery, header = join_running(self)
+        elif recovery_enabled() and self.comm.size > 1:
+            self._recovery = Recovery(self)
+            if not self._recovery.membership.one_host:
+                self._recovery = None  # it warned: liveness is known on one host only
+        else:
+            self._recovery = None
+        if self.config.init_sync and header is None:
+            self._collective(lambda: self._init_sync(names, params), "init")
         self._build_reducer(names, params, check_finite)
+        if self._recovery is not None:
+            self.reducer.keeper = Keeper(self.reducer)
+            self.reducer.recovery = self._recovery
+            if self._recovery.grower is None:
+                self._recovery.grower = Grower(self._recovery)
+        if header is not None:
+            self._adopt(header)
+
+    def _adopt(self, header: dict) -> None:
+        """A joiner takes the running ranks' buckets, step and state (``regrow``)."""
+        reducer = self.reducer
+        reducer._build(header["order"])
+        reducer.rebuilt, reducer.rebuild_due = header["rebuilt"], header["rebuild_due"]
+        reducer._recording = False
+        reducer.synced_iterations = self.join_step = header["step"]
+        broadcast_tensors(self.comm, list(reducer.params) + self.synced_buffers(), src=0)
+        self._loading_states = True
+
+    def register_state(self, name: str, obj: Any) -> None:
+        """Registers `obj` (anything with ``state_dict``/``load_state_dict``: the optimizer,
+        an LR scheduler, the loop's counters) to be streamed to a rank that joins (regrow).
+        Every rank registers the same names, before its first forward.
+
+        Raises:
+            TypeError: `obj` has no ``state_dict``/``load_state_dict``.
+        """
+        if not (callable(getattr(obj, "state_dict", None))
+                and callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(
+                f"register_state({name!r}, ...) needs state_dict() and load_state_dict(), got "
+                f"{type(obj).__name__}"
+            )
+        self._states[str(name)] = obj
+
+    def _init_sync(self, names: list[str], params: list) -> None:
+        verify_same_parameters(self.comm, names, params)
+        state = list(params)
+        if self.config.init_sync_buffers:
+            state += self.synced_buffers()
+        broadcast_tensors(self.comm, state, src=0)
+
+    def _collective(self, fn: Callable[[], Any], where: str) -> Any:
+        """``fn()``; with recovery on, recovered from a lost peer and retried (recover.py)."""
+        if self._recovery is None:
+            return fn()
+        return self._recovery.run(fn, where)
+
+    # ------------------------------------------------------------------ membership
+    @property
+    def world_size(self) -> int:
+        """The number of ranks reducing now (smaller after a rank was lost, with recovery)."""
+        return self.comm.size
+
+    @property
+    def rank(self) -> int:
+        """This process's rank now (renumbered after a rank was lost, with recovery)."""
+        return self.comm.rank
+
+    def on_membership_change(self, fn: Callable[[MembershipChange], None]) -> None:
+        """Calls ``fn(change)`` after each shrink (``fastcomm.ddp.recover.MembershipChange``:
+        the new rank and world size, the ranks lost), e.g. to re-shard the data; only with
+        in-place recovery on (``FASTCOMM_RECOVER=in-process``), else never.
+
+        Raises:
+            TypeError: `fn` is not callable.
+        """
+        if not callable(fn):
+            raise TypeError(f"on_membership_change takes a callable, got {type(fn).__name__}")
+        if self._recovery is not None:
+            self._recovery.callbacks.append(fn)
 
     def _build_reducer(self, names: list[str], params: list, check_finite: bool) -> None:
         self.reducer = Reducer(
@@ -272,12 +359,14 @@ class DDP(nn.Module):
         reducer = self.reducer
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         reducer.prepare_for_forward()
+        if sync and self._recovery is not None:  # a joiner admitted at this step (regrow.py)
+            self._recovery.grower.boundary(reducer.synced_iterations)
         if self.active_join is not None:
             notify_join(self, sync)
         if sync and reducer.rebuild_due:
-            reducer.rebuild()
+            self._collective(lambda: self.reducer.rebuild(), "rebuild")
         if self.will_sync_buffers():
-            self._sync_buffers()
+            self._collective(self._sync_buffers, "buffers")
         return sync
 
     def _post_forward(self, output: Any, sync: bool) -> None:

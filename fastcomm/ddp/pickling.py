@@ -25,7 +25,7 @@ from .sparse import sparse_param_indices
 __all__ = ["ddp_getstate", "ddp_setstate"]
 
 # what __getstate__ leaves out: rebuilt by __setstate__
-_TRANSIENT = ("comm", "process_group", "reducer", "active_join")
+_TRANSIENT = ("comm", "process_group", "reducer", "active_join", "_recovery", "_states")
 
 
 def ddp_getstate(ddp: nn.Module) -> dict[str, Any]:
@@ -55,6 +55,8 @@ def ddp_setstate(ddp: nn.Module, state: dict[str, Any]) -> None:
     """``DDP.__setstate__``: restores the module, then finds a communicator and a reducer."""
     nn.Module.__setstate__(ddp, state)
     ddp.active_join = None
+    ddp._recovery = None  # an unpickled copy does not shrink in place
+    ddp._states, ddp._loading_states = {}, False
     ddp.comm = resolve_comm(None, None, ddp.module)
     ddp.process_group = default_group()
     names, params = reduced_parameters(ddp.module, ddp.parameters_to_ignore)

@@ -25,6 +25,7 @@ import torch
 import torch.autograd.profiler as _profiler
 
 from fastcomm.comm.base import Communicator
+from fastcomm.comm.errors import CommAbortedError, CommClosedError
 from fastcomm.comm.work import Work
 
 from .bucket import Bucket, build_buckets
@@ -120,6 +121,11 @@ class Reducer:
         # count as used (torch's local_used_map), so every rank reduces their accumulated grads
         self._used_no_sync = bytearray(len(self.params))
         self.health = None  # a fastcomm.ddp.health.GradHealth, set by DDP
+        # in-place recovery (recover.py), set by DDP only when it is on: the gradients' copies,
+        # and the first lost-peer error of this backward's launches
+        self.keeper = None
+        self.recovery = None
+        self.failure: BaseException | None = None
 
         ref = weakref.ref(self)
         for i, p in enumerate(self.params):
@@ -256,6 +262,8 @@ class Reducer:
         if not self._started:
             self._start_backward()
         state = self._ready[i]
+        if self.keeper is not None:
+            self.keeper.keep(i, param.grad)
         if state == _GOT_GRAD:
             raise RuntimeError(
                 f"rank {self.comm.rank}: parameter {self.names[i]!r} received its gradient "
@@ -354,14 +362,32 @@ class Reducer:
         grads = [p.grad for p in bucket.params]
         if self.create_graph:  # reduce the values; no autograd through the allreduce
             grads = [None if g is None else g.detach() for g in grads]
+        if self.recovery is None:
+            self._results[index] = self._launch_one(index, bucket, grads)
+            return
+        if self.failure is not None:  # the step is redone at its end (recover.py)
+            self._results[index] = _SKIPPED
+            return
+        try:
+            self._results[index] = self._launch_one(index, bucket, grads)
+        except (CommAbortedError, CommClosedError) as exc:
+            self.failure = exc
+            self._results[index] = _SKIPPED
+
+    def _launch_one(self, index: int, bucket: Bucket, grads: list) -> Any:
         if _profiler._is_profiler_enabled:  # a range per bucket, only while profiling
             with _profiler.record_function(f"fastcomm.ddp.bucket{index}"):
-                self._results[index] = self.strategies[index].launch(self, bucket, grads)
-            return
-        self._results[index] = self.strategies[index].launch(self, bucket, grads)
+                return self.strategies[index].launch(self, bucket, grads)
+        return self.strategies[index].launch(self, bucket, grads)
 
     # ------------------------------------------------------------------ finalize
     def _finalize(self) -> None:
+        if self.recovery is not None:  # a lost peer's step is redone by the survivors
+            self.recovery.finalize(self)
+        else:
+            self._finalize_steps()
+
+    def _finalize_steps(self) -> None:
         self.expect_hooks = False
         self._started = False
         if self._delay or self.config.find_unused_parameters:
@@ -387,8 +413,14 @@ class Reducer:
         health = self.health
         if health is not None:
             health.begin_step()
+        if self.keeper is not None:  # every reduction done before any write (recover.py)
+            values = [self.wait_bucket(b) if health is None else health.wait(b)
+                      for b in self.buckets]
         for bucket, strategy in zip(self.buckets, self.strategies, strict=True):
-            value = self.wait_bucket(bucket) if health is None else health.wait(bucket)
+            if self.keeper is not None:
+                value = values[bucket.index]
+            else:
+                value = self.wait_bucket(bucket) if health is None else health.wait(bucket)
             if value is not None:
                 strategy.write_back(self, bucket, value, global_unused)
         self._results = []

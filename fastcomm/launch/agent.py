@@ -261,7 +261,9 @@ class Agent:
                 self.rdzv.exit_barrier(info, self.is_host)
                 return 0
             if kind is RoundEnd.FAILURE:
-                if info.restart_count >= self.config.max_restarts:
+                # under --recover in-process the restarts went to replacements: no new round
+                if (info.restart_count >= self.config.max_restarts
+                        or self.config.recover == "in-process"):
                     self._outcome = (info, local)
                     return self._give_up(info, local)
                 self._announce_restart(info, payload, info.restart_count + 1)

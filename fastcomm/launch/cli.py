@@ -18,6 +18,7 @@ import uuid
 from .config import (
     EVENT_LOG_HANDLERS,
     RDZV_CONF_KEYS,
+    RECOVER_MODES,
     SECRET_ENV,
     SECRET_FILE_ENV,
     LaunchConfig,
@@ -111,6 +112,11 @@ def _add_job_flags(p: argparse.ArgumentParser) -> None:
     # restarts and monitoring
     _opt(p, "--max-restarts", type=int, default=0,
          help="failure restarts of the worker group before giving up")
+    _opt(p, "--recover", default="restart", choices=list(RECOVER_MODES),
+         help="what a lost worker costs: restart (every worker starts again, the default) or "
+         "in-process (the loss is reported, the others go on; fastcomm DDP shrinks in place)")
+    _opt(p, "--min-ranks", type=int, default=1,
+         help="with --recover in-process: the fewest live ranks the job goes on with")
     _opt(p, "--monitor-interval", type=float, default=0.1,
          help="seconds between checks of the workers")
     _opt(p, "--start-method", default="spawn", choices=["spawn", "fork", "forkserver"],
@@ -260,6 +266,8 @@ def parse_config(args: argparse.Namespace) -> LaunchConfig:
         keep_alive_interval=conf_float(conf, "keep_alive_interval", 5.0),
         keep_alive_max_attempt=keep_alive_max_attempt,
         max_restarts=args.max_restarts,
+        recover=args.recover,
+        min_ranks=args.min_ranks,
         monitor_interval=args.monitor_interval,
         shutdown_timeout=float(shutdown),
         role=args.role,

@@ -24,6 +24,7 @@ __all__ = [
     "read_job_secret",
     "check_seconds",
     "RDZV_CONF_KEYS",
+    "RECOVER_MODES",
     "EVENT_LOG_HANDLERS",
     "parse_filters",
 ]
@@ -57,6 +58,9 @@ RDZV_CONF_KEYS = {
     "keep_alive_max_attempt": "missed heartbeats before a node is declared lost (3)",
     "store_type": "the rendezvous store: tcp only (torch's file store is refused)",
 }
+
+#: ``--recover`` modes: today's restart of every worker, or the survivors going on in place.
+RECOVER_MODES = ("restart", "in-process")
 
 #: ``--event-log-handler`` names: torch registers these three (``console`` logs every event as a
 #: JSON line on stderr; the other two drop them); no other can be registered from a command line.
@@ -289,6 +293,12 @@ class LaunchConfig:
     """Heartbeats missed before the other agents declare a node lost (a failure)."""
     max_restarts: int = 0
     """Failure restarts allowed (admitting a new node is not counted)."""
+    recover: str = "restart"
+    """What a lost worker costs: ``restart`` (every worker stopped and started again in a new
+    round) or ``in-process`` (the loss is reported and the others go on: ``recovery``)."""
+    min_ranks: int = 1
+    """With ``recover="in-process"``: the fewest live ranks the job goes on with; below it
+    (or below ``min_nodes`` nodes' worth of ranks) it stops with the failure report."""
     monitor_interval: float = 0.1
     """Seconds between checks of the workers and of the store."""
     shutdown_timeout: float = 30.0
@@ -367,6 +377,14 @@ class LaunchConfig:
             )
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.recover not in RECOVER_MODES:
+            raise ValueError(
+                f"--recover must be one of {', '.join(RECOVER_MODES)}, got {self.recover!r}"
+            )
+        if isinstance(self.min_ranks, bool) or not isinstance(self.min_ranks, int) or (
+            self.min_ranks < 1
+        ):
+            raise ValueError(f"--min-ranks must be an int >= 1, got {self.min_ranks!r}")
         for name, flag in (
             ("monitor_interval", "--monitor-interval"),
             ("join_timeout", "--rdzv-conf join_timeout"),

@@ -9,6 +9,9 @@ Every ``--monitor-interval`` the agent polls its workers and the round, and prop
 * every agent's workers succeeded  -> ``SUCCESS``
 * a node waits and there is room   -> ``MEMBERSHIP`` (not a failure restart)
 * a peer agent stops heartbeating  -> ``FAILURE`` (node lost)
+
+Under ``--recover in-process`` a failing worker is reported and the round goes on
+(``recovery``) until fewer than the minimum of ranks are left.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from .config import LaunchConfig
 from .errors import Failure
 from .failures import write_local
 from .heartbeat import Heartbeats
+from .recovery import LossWatch
 from .rendezvous import Rendezvous, RoundEnd, RoundInfo
 from .workers import WorkerGroup
 
@@ -100,6 +104,8 @@ class RoundMonitor:
         """This node's failures in the round, in the order they were seen."""
         self._grace_until: float | None = None
         self._reported_done = False
+        self.recovery = LossWatch(cfg, info) if cfg.recover == "in-process" else None
+        """The losses absorbed under ``--recover in-process`` (``None``: restart)."""
 
     def run(self) -> End:
         """Polls the workers and the round until it ends; returns the end that won."""
@@ -125,8 +131,20 @@ class RoundMonitor:
             failing = worker.exitcode not in (None, 0) or (
                 worker.exitcode is None and os.path.exists(worker.spec.error_file)
             )
-            if failing and all(f.local_rank != worker.spec.local_rank for f in self.failures):
-                self.failures.append(self.describe(worker))
+            if not failing or any(f.local_rank == worker.spec.local_rank for f in self.failures):
+                continue
+            watch = self.recovery
+            if watch is not None and watch.is_lost(worker):
+                continue
+            failure = self.describe(worker)
+            if watch is not None:
+                if watch.take(failure):  # reported; the others go on
+                    spec = watch.replacement(worker, self.cfg.max_restarts)
+                    if spec is not None:
+                        self.group.add(spec)
+                    continue
+                self.failures.extend(f for f in watch.lost if f is not failure)
+            self.failures.append(failure)
 
     def _end_on_failure(self) -> End | None:
         if not self.failures:
@@ -146,7 +164,11 @@ class RoundMonitor:
         return self.rdzv.end_round(self.info.round, RoundEnd.FAILURE, self.failures)
 
     def _end_on_success(self) -> End | None:
-        if self._reported_done or any(w.exitcode != 0 for w in self.group.workers):
+        watch = self.recovery
+        if self._reported_done or any(
+            w.exitcode != 0 for w in self.group.workers
+            if watch is None or not watch.is_lost(w)
+        ):
             return None
         self._reported_done = True  # this node's workers are counted in the round's "done"
         if self.info.store.add("done", 1) < self.info.group_world_size:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from .config import SECRET_ENV, SECRET_FILE_ENV, LaunchConfig, read_job_secret, std_for
 from .errors import LaunchError, UsageError
 from .net import interface_of
+from .recovery import RECOVER_ENV
 from .rendezvous import RoundInfo
 from .workers import BOOTSTRAP, WorkerSpec, line_prefix
 
@@ -52,6 +53,8 @@ def base_env(cfg: LaunchConfig, log: Log, info: Log) -> tuple[dict[str, str], by
         info("setting OMP_NUM_THREADS=1 for each worker (set it to override)")
         env["OMP_NUM_THREADS"] = "1"
     env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(cfg.signals_to_handle)
+    if cfg.recover == "in-process":  # fastcomm DDP in the workers shrinks in place
+        env[RECOVER_ENV] = "in-process"
     secret = job_secret(cfg, log)
     env.pop(SECRET_FILE_ENV, None)
     if secret is None:

@@ -182,47 +182,57 @@ class WorkerGroup:
             os.makedirs(attempt, exist_ok=True)
             self._filtered[name] = _Filtered(os.path.join(attempt, f"filtered_{name}.log"), needles)
         for spec in self.specs:
-            os.makedirs(spec.log_dir, exist_ok=True)
-            env = dict(spec.env)
-            env[AGENT_PID_ENV] = env_pid
-            plan = []  # (Popen kwarg, Std bit, console stream, file name)
-            files: list[BinaryIO] = []
-            kwargs = {}
-            for name, bit, stream in (
-                ("stdout", STD_OUT, sys.stdout),
-                ("stderr", STD_ERR, sys.stderr),
-            ):
-                to_file = bool((spec.redirect | spec.tee) & bit)
-                to_console = not (spec.redirect & bit) and spec.console_prefix is not None
-                fh = open(os.path.join(spec.log_dir, f"{name}.log"), "wb") if to_file else None
-                if fh is not None:
-                    files.append(fh)
-                if to_console:
-                    kwargs[name] = subprocess.PIPE
-                    dup = self._filtered.get(name) if spec.tee & bit else None
-                    plan.append((name, _console(stream), fh, dup))
-                elif fh is not None:
-                    kwargs[name] = fh
-                else:
-                    kwargs[name] = subprocess.DEVNULL
-            proc = subprocess.Popen(
-                spec.cmd,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                **kwargs,
+            self._spawn(spec, env_pid)
+
+    def add(self, spec: WorkerSpec) -> _Worker:
+        """Starts one more worker (a replacement under ``--recover in-process``)."""
+        self.specs.append(spec)
+        return self._spawn(spec, str(os.getpid()))
+
+    def _spawn(self, spec: WorkerSpec, env_pid: str) -> _Worker:
+        """Starts `spec`'s worker in its own process group, with its output pumps."""
+        os.makedirs(spec.log_dir, exist_ok=True)
+        env = dict(spec.env)
+        env[AGENT_PID_ENV] = env_pid
+        plan = []  # (Popen kwarg, Std bit, console stream, file name)
+        files: list[BinaryIO] = []
+        kwargs = {}
+        for name, bit, stream in (
+            ("stdout", STD_OUT, sys.stdout),
+            ("stderr", STD_ERR, sys.stderr),
+        ):
+            to_file = bool((spec.redirect | spec.tee) & bit)
+            to_console = not (spec.redirect & bit) and spec.console_prefix is not None
+            fh = open(os.path.join(spec.log_dir, f"{name}.log"), "wb") if to_file else None
+            if fh is not None:
+                files.append(fh)
+            if to_console:
+                kwargs[name] = subprocess.PIPE
+                dup = self._filtered.get(name) if spec.tee & bit else None
+                plan.append((name, _console(stream), fh, dup))
+            elif fh is not None:
+                kwargs[name] = fh
+            else:
+                kwargs[name] = subprocess.DEVNULL
+        proc = subprocess.Popen(
+            spec.cmd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            **kwargs,
+        )
+        worker = _Worker(spec, proc, files=files, start_time=_start_time(proc.pid))
+        for name, console, fh, dup in plan:
+            thread = threading.Thread(
+                target=_pump,
+                args=(getattr(proc, name), spec.console_prefix, console, fh, dup),
+                name=f"fastcomm-run-{name}-{spec.local_rank}",
+                daemon=True,
             )
-            worker = _Worker(spec, proc, files=files, start_time=_start_time(proc.pid))
-            for name, console, fh, dup in plan:
-                thread = threading.Thread(
-                    target=_pump,
-                    args=(getattr(proc, name), spec.console_prefix, console, fh, dup),
-                    name=f"fastcomm-run-{name}-{spec.local_rank}",
-                    daemon=True,
-                )
-                thread.start()
-                worker.threads.append(thread)
-            self.workers.append(worker)
+            thread.start()
+            worker.threads.append(thread)
+        self.workers.append(worker)
+        return worker
 
     def poll(self) -> list[_Worker]:
         """Updates and returns the workers (``exitcode`` set once exited)."""

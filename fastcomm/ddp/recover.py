@@ -1,0 +1,481 @@
+"""In-place recovery from a lost rank (``FASTCOMM_RECOVER=in-process``, which ``fastcomm-run
+--recover in-process`` sets): the survivors agree on who is left and finish the step.
+
+A collective failing because a peer died starts an epoch: over the job's store (no extra
+server) each survivor posts where it failed; the live members that posted are decided by
+``compare_set`` and confirmed by a barrier that fails when one of them dies (then the next
+epoch). Ranks are renumbered densely in old-rank order and a communicator of the same backend
+is built. In backward, gradients a reduction may overwrite are kept as they arrive (``Keeper``:
+a reference where it can, a copy where it must), so the failed step is reduced again among the
+survivors, scaled by ``1/survivors``, and ``backward()`` returns as if nothing happened. Other
+collectives (``DDP()``'s broadcast, the bucket rebuild, the buffers) recover and retry. Limits:
+one host (liveness from ``/proc``), dense gradients.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fastcomm.comm.errors import CommAbortedError, CommClosedError, FastcommError
+from fastcomm.comm.shm.segment import pid_start_time, process_alive
+from fastcomm.comm.topology import host_id
+from fastcomm.kernels._launch import fp32_scale
+
+__all__ = [
+    "RECOVER_ENV",
+    "Keeper",
+    "Membership",
+    "MembershipChange",
+    "Recovery",
+    "RecoveryError",
+    "recovery_enabled",
+]
+
+#: ``in-process``: DDP shrinks in place when a rank is lost (``fastcomm-run --recover``).
+RECOVER_ENV = "FASTCOMM_RECOVER"
+#: Where rank 0 publishes its DDP's recovery namespace in the world's store (for a joiner).
+NAMESPACE_KEY = "ddp-recover/current"
+#: Seconds the survivors wait for each other in one epoch's agreement (default 60).
+RECOVER_TIMEOUT_ENV = "FASTCOMM_RECOVER_TIMEOUT"
+_POLL_S = 0.002
+#: Errors that say a peer went away (a timeout is a hang, the hang report's business).
+LOSS_ERRORS = (CommAbortedError, CommClosedError)
+
+
+class RecoveryError(FastcommError):
+    """The survivors could not agree on a new membership (timeout, disagreement, excluded)."""
+
+
+def recovery_enabled(environ=None) -> bool:
+    """Whether ``FASTCOMM_RECOVER`` asks for in-place recovery.
+
+    Raises:
+        ValueError: a value other than ``in-process``, ``restart`` or empty.
+    """
+    text = (os.environ if environ is None else environ).get(RECOVER_ENV, "").strip().lower()
+    if text not in ("", "restart", "in-process"):
+        raise ValueError(f"{RECOVER_ENV}={text!r}: must be in-process or restart (or unset)")
+    return text == "in-process"
+
+
+@dataclass(frozen=True, slots=True)
+class MembershipChange:
+    """What ``DDP.on_membership_change`` callbacks receive after a shrink.
+
+    Attributes:
+        epoch: the new epoch (1 after the first loss).
+        rank: this process's new rank.
+        world_size: the new number of ranks.
+        lost: the ranks lost, numbered as in the previous epoch.
+        members: every member's original rank (the rank at construction), in new-rank order.
+        where: the collective that failed (``"backward 20"``, ``"init"``...).
+        seconds: from the failure seen here to the new communicator.
+        seen_at: when the failure was seen here (``time.time()``).
+    """
+
+    epoch: int
+    rank: int
+    world_size: int
+    lost: tuple[int, ...]
+    members: tuple[int, ...]
+    where: str
+    seconds: float
+    seen_at: float
+
+
+class Membership:
+    """The job's members over epochs, agreed over a store namespace of ``comm``.
+
+    A collective call at construction (every rank gathers every rank's host, pid and start
+    time through the store).
+    """
+
+    def __init__(self, comm, timeout: float | None = None) -> None:
+        store = getattr(comm, "store", None)
+        if store is None:
+            raise RuntimeError(
+                f"fastcomm DDP (rank {comm.rank}): {RECOVER_ENV}=in-process needs a communicator "
+                f"with a store; {type(comm).__name__} has none"
+            )
+        self.key = comm.next_key("ddp-recover")
+        """The namespace's name in ``comm.store`` (a joiner finds it under ``NAMESPACE_KEY``)."""
+        self.store = store.prefixed(self.key)
+        self.me = comm.rank
+        self.epoch = 0
+        self.members = list(range(comm.size))
+        text = os.environ.get(RECOVER_TIMEOUT_ENV, "").strip()
+        self.timeout = float(text) if text else (60.0 if timeout is None else timeout)
+        mine = [host_id(), os.getpid(), pid_start_time(os.getpid()) or 0]
+        self.identity = self.store.all_gather_object(
+            "ids", comm.rank, comm.size, mine, comm.timeout
+        )
+        self._host = mine[0]
+        self.one_host = len({row[0] for row in self.identity}) == 1
+        """Whether every rank runs on this host (liveness is read from ``/proc``)."""
+
+    @classmethod
+    def adopt(cls, store, header: dict) -> Membership:
+        """A joiner's membership, from its admission (``regrow``): it is the last member."""
+        self = cls.__new__(cls)
+        self.store, self.key = store, ""
+        self.epoch, self.members = header["epoch"], list(header["members"])
+        self.identity = [list(row) for row in header["identity"]]
+        self.me = self.members[-1]
+        text = os.environ.get(RECOVER_TIMEOUT_ENV, "").strip()
+        self.timeout = float(text) if text else 60.0
+        self._host = host_id()
+        self.one_host = len({row[0] for row in self.identity}) == 1
+        return self
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the current epoch."""
+        return self.members.index(self.me)
+
+    def alive(self, original: int) -> bool:
+        """Whether member `original` still runs (a member on another host counts as alive)."""
+        host, pid, start = self.identity[original]
+        if original == self.me or host != self._host:
+            return True
+        return process_alive(pid, start or None)
+
+    def _key(self, epoch: int, what: str, rank: int | None = None) -> str:
+        return f"epoch{epoch}/{what}" + ("" if rank is None else f"/{rank}")
+
+    def _post_here(self, epoch: int, where: str) -> None:
+        self.store.set(self._key(epoch, "here", self.me), where)
+
+    def agree(self, where: str) -> list[int]:
+        """Agrees with the other survivors on the next epoch's members (original ranks, in
+        new-rank order); every survivor gets the same list, or raises ``RecoveryError``."""
+        for _ in range(len(self.members) + 1):
+            epoch = self.epoch + 1
+            self._post_here(epoch, where)
+            members = self._decide(epoch)
+            confirmed = self._confirm(epoch, members)
+            self.epoch, self.members = epoch, members
+            if confirmed:
+                self._check_where(epoch, where)
+                return members
+        raise RecoveryError(f"rank {self.me}: no membership settled after {self.epoch} epochs")
+
+    def _decide(self, epoch: int) -> list[int]:
+        """The first complete list of live members that posted, as the store decided it."""
+        decided = self._key(epoch, "members")
+        start = time.monotonic()
+        while True:
+            if self.store.check([decided]):
+                break
+            alive = [r for r in self.members if self.alive(r)]
+            if self.store.check([self._key(epoch, "here", r) for r in alive]):
+                self.store.compare_set(decided, "", json.dumps(alive))
+                break
+            self._waited(start, f"the survivors of epoch {epoch - 1} to report")
+            time.sleep(_POLL_S)
+        members = json.loads(self.store.get(decided))
+        if self.me not in members:
+            raise RecoveryError(
+                f"rank {self.me}: left out of epoch {epoch} (members {members}); this rank "
+                "was taken for lost"
+            )
+        return members
+
+    def _confirm(self, epoch: int, members: list[int]) -> bool:
+        """A barrier of `members` that fails (``False``) as soon as one of them is gone."""
+        self.store.set(self._key(epoch, "ready", self.me), "1")
+        start = time.monotonic()
+        keys = [self._key(epoch, "ready", r) for r in members]
+        while not self.store.check(keys):
+            if any(not self.alive(r) for r in members):
+                # gone before it confirmed: nobody can pass this barrier, all go on to the next
+                return False
+            self._waited(start, f"the members {members} of epoch {epoch} to confirm")
+            time.sleep(_POLL_S)
+        return True
+
+    def _check_where(self, epoch: int, where: str) -> None:
+        seen = {r: self.store.get(self._key(epoch, "here", r)).decode() for r in self.members}
+        if len(set(seen.values())) > 1:
+            raise RecoveryError(
+                f"rank {self.me}: the survivors failed at different collectives ({seen}); "
+                "their states may differ, so the job cannot go on in place"
+            )
+
+    def _waited(self, start: float, what: str) -> None:
+        elapsed = time.monotonic() - start
+        if elapsed > self.timeout:
+            raise RecoveryError(
+                f"rank {self.me}: recovery timed out after {elapsed:.1f} s waiting for {what} "
+                f"({RECOVER_TIMEOUT_ENV}={self.timeout:g})"
+            )
+
+
+class Keeper:
+    """Each parameter's local gradient of this backward, kept as it arrives where its
+    reduction may overwrite it (the redo's input), at the least cost:
+
+    - a bucket view's fresh gradient (``.grad`` was ``None``): a reference to autograd's own
+      tensor, which the reduction only reads (no copy);
+    - a gradient reduced where it lies (a bucket view accumulated into, an in-place large
+      gradient, a comm hook's bucket): a copy;
+    - a packed bucket's gradient: nothing (its ``.grad`` is written only once every bucket's
+      reduction is done, the reducer's order with recovery on).
+    """
+
+    _NOTHING, _REFERENCE, _COPY = 0, 1, 2
+
+    def __init__(self, reducer) -> None:
+        self.reducer = reducer
+        n = len(reducer.params)
+        self.saved: list[torch.Tensor | None] = [None] * n
+        self.copies: list[torch.Tensor | None] = [None] * n
+        self.stamp = [-1] * n
+        self._modes: list[int] = []
+        self._for = None  # the strategies the modes were made for
+
+    def _refresh(self) -> list[int]:
+        from .in_place import InPlaceAllReduce
+        from .strategy import ARRIVAL_PACKED, PACKED
+
+        reducer = self.reducer
+        modes = [self._NOTHING] * len(reducer.params)
+        for bucket, strategy in zip(reducer.buckets, reducer.strategies, strict=True):
+            if bucket.sparse or strategy is PACKED or strategy is ARRIVAL_PACKED:
+                continue
+            if isinstance(strategy, InPlaceAllReduce):
+                for k in strategy.plan.large:
+                    modes[bucket.param_indices[k]] = self._COPY
+                continue
+            kind = self._REFERENCE if strategy.grads_in_flat and not hasattr(
+                strategy, "hook") else self._COPY
+            for i in bucket.param_indices:
+                modes[i] = kind
+        self._modes, self._for = modes, reducer.strategies
+        return modes
+
+    def keep(self, i: int, grad: torch.Tensor | None) -> None:
+        """Keeps parameter `i`'s fresh gradient where needed (called from its hook)."""
+        modes = self._modes if self._for is self.reducer.strategies else self._refresh()
+        mode = modes[i]
+        if mode == self._NOTHING or grad is None or grad.is_sparse:
+            return
+        reducer = self.reducer
+        view = reducer.grad_views[i]
+        if mode == self._REFERENCE and view is not None and grad.data_ptr() != view.data_ptr():
+            self.saved[i] = grad.detach()
+        else:
+            buf = self.copies[i]
+            if buf is None or buf.shape != grad.shape or buf.dtype != grad.dtype:
+                buf = self.copies[i] = torch.empty_like(
+                    grad, memory_format=torch.contiguous_format
+                )
+            buf.copy_(grad.detach())
+            self.saved[i] = buf
+        self.stamp[i] = reducer.synced_iterations
+
+    def local(self, i: int) -> torch.Tensor:
+        """Parameter `i`'s local gradient of this step (zeros when it got none)."""
+        p = self.reducer.params[i]
+        if self.stamp[i] == self.reducer.synced_iterations and self.saved[i] is not None:
+            return self.saved[i]
+        if p.grad is not None and not p.grad.is_sparse:
+            return p.grad
+        return torch.zeros_like(p)
+
+
+class Recovery:
+    """One DDP's recovery: the membership, the callbacks, and the redo of a failed step.
+
+    Args:
+        ddp: the DDP (its ``comm`` is replaced after each shrink).
+    """
+
+    def __init__(self, ddp) -> None:
+        self.ddp = ddp
+        self.membership = Membership(ddp.comm)
+        if not self.membership.one_host:
+            warnings.warn(
+                f"fastcomm DDP (rank {ddp.comm.rank}): {RECOVER_ENV}=in-process shrinks in place "
+                "only when every rank runs on one host; these ranks span hosts, so a lost rank "
+                "fails the others as without it",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self.callbacks: list[Callable[[MembershipChange], None]] = []
+        self.changes: list[MembershipChange] = []
+        self.grower = None  # a regrow.Grower, set by DDP
+        if ddp.comm.rank == 0:  # where a replacement finds this namespace (regrow)
+            ddp.comm.store.set(NAMESPACE_KEY, self.membership.key)
+
+    @classmethod
+    def adopt(cls, ddp, membership: Membership) -> Recovery:
+        """A joiner's recovery over `membership` (``regrow.join``)."""
+        self = cls.__new__(cls)
+        self.ddp, self.membership = ddp, membership
+        self.callbacks, self.changes, self.grower = [], [], None
+        return self
+
+    # ------------------------------------------------------------------ comm
+    def run(self, fn: Callable[[], object], where: str):
+        """``fn()`` (a collective), recovering and retrying it while peers are lost."""
+        for _ in range(len(self.membership.members)):
+            try:
+                return fn()
+            except LOSS_ERRORS as exc:
+                self.shrink(where, exc)
+        return fn()
+
+    def shrink(self, where: str, cause: BaseException) -> MembershipChange:
+        """Closes the failed communicator, agrees on the survivors and builds theirs."""
+        ddp, start, seen_at = self.ddp, time.monotonic(), time.time()
+        old = ddp.comm
+        reducer = getattr(ddp, "reducer", None)
+        if reducer is not None:
+            _detach_from_region(reducer)
+        before = list(self.membership.members)
+        _close_quietly(old)
+        members = self.membership.agree(where)
+        comm = _new_comm(old, self.membership)
+        ddp.comm = comm
+        if reducer is not None:
+            rebind(reducer, comm)
+        _replace_world(old, comm)
+        change = MembershipChange(
+            epoch=self.membership.epoch, rank=comm.rank, world_size=comm.size,
+            lost=tuple(before.index(r) for r in before if r not in members),
+            members=tuple(members), where=where, seconds=time.monotonic() - start,
+            seen_at=seen_at,
+        )
+        self.changes.append(change)
+        for fn in list(self.callbacks):
+            fn(change)
+        return change
+
+    # ------------------------------------------------------------------ backward
+    def finalize(self, reducer) -> None:
+        """The reducer's end of backward, with the failed step redone among the survivors."""
+        try:
+            if reducer.failure is not None:
+                raise reducer.failure
+            reducer._finalize_steps()
+            return
+        except LOSS_ERRORS as exc:
+            cause: BaseException = exc
+        where = f"backward {reducer.synced_iterations}"
+        for _ in range(len(self.membership.members)):
+            self.shrink(where, cause)
+            try:
+                redo_step(reducer, reducer.keeper)
+                return
+            except LOSS_ERRORS as exc:
+                cause = exc
+        raise RecoveryError(f"{where}: the redo kept failing") from cause
+
+
+def redo_step(reducer, keeper: Keeper) -> None:
+    """Reduces every dense gradient of this step again over ``reducer.comm`` from `keeper`'s
+    copies (scaled by ``1/size``, summed in rank order) and writes the averages into ``.grad``
+    (the bucket views where they are ``.grad``); then ends the iteration."""
+    comm = reducer.comm
+    scale = fp32_scale(1.0 / comm.size)
+    dense = [i for i in range(len(reducer.params)) if i not in reducer.sparse]
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i in dense:
+        by_dtype.setdefault(reducer.params[i].dtype, []).append(i)
+    for indices in by_dtype.values():
+        flat = torch.cat([keeper.local(i).reshape(-1) for i in indices]).mul_(scale)
+        comm.all_reduce(flat)
+        offset = 0
+        for i in indices:
+            p = reducer.params[i]
+            value = flat[offset : offset + p.numel()].view(p.shape)
+            offset += p.numel()
+            target = reducer.grad_views[i] if reducer.bucket_view else p.grad
+            if target is None:
+                target = torch.empty_like(p)
+            target.copy_(value)
+            p.grad = target
+    reducer.failure = None
+    reducer._results = []
+    reducer._incomplete = None
+    reducer.expect_hooks = False
+    reducer._started = False
+    reducer._used_work = reducer._used_map = None
+    reducer._after_synced_iteration()
+
+
+def rebind(reducer, comm) -> None:
+    """Points `reducer` at `comm`: its scale, shared region, buckets (same order), strategies
+    and health; ``.grad`` moved into the new bucket views where those are ``.grad``."""
+    from .health import GradHealth
+    from .plan import grads_are_views, shared_request
+    from .shared import SharedBuckets
+
+    order = [i for b in reducer.buckets for i in b.param_indices]
+    reducer.comm = comm
+    reducer.scale = 1.0 / comm.size
+    request = shared_request(
+        reducer.params, reducer.sparse, comm.capabilities, comm.size, reducer.config
+    )
+    reducer.shared = None if request is None else SharedBuckets.create(
+        comm, request, reducer.config.shared_bucket_cap_mb
+    )
+    reducer.bucket_view = grads_are_views(reducer.config, reducer.shared is not None)
+    reducer.buckets = []
+    reducer._build(order)
+    if reducer.bucket_view:
+        for i, p in enumerate(reducer.params):
+            view = reducer.grad_views[i]
+            if view is not None and p.grad is not None and not p.grad.is_sparse:
+                view.copy_(p.grad)
+                p.grad = view
+    check = reducer.health.check_finite if reducer.health is not None else False
+    reducer.health = GradHealth(reducer, check_finite=check)
+
+
+def _detach_from_region(reducer) -> None:
+    """Copies every ``.grad`` that lives in the shared region out of it (the region is unmapped
+    with its communicator)."""
+    if reducer.shared is None:
+        return
+    for p in reducer.params:
+        g = p.grad
+        if g is not None and not g.is_sparse:
+            p.grad = g.detach().clone()
+
+
+def _close_quietly(comm) -> None:
+    """Closes the failed communicator (its threads drained, its peers told); errors ignored."""
+    try:
+        comm.close()
+    except Exception:  # it failed already; the survivors' new one replaces it
+        pass
+
+
+def _new_comm(old, membership: Membership):
+    """A communicator of `old`'s backend over the members of the current epoch."""
+    from fastcomm.comm.world import BACKENDS, new_communicator
+
+    backend = old.backend if old.backend in BACKENDS else "gloo"
+    size = len(membership.members)
+    store = membership.store.prefixed(f"epoch{membership.epoch}/comm", rank=membership.rank)
+    cpu = old.device.type == "cpu"
+    return new_communicator(
+        backend, store=store, rank=membership.rank, size=size, timeout=old.timeout,
+        fallback=not cpu, options=getattr(old, "options", None) if backend == "shm" else None,
+    )
+
+
+def _replace_world(old, new) -> None:
+    """``fastcomm.get_world()`` returns `new` where it returned the failed `old`."""
+    from fastcomm.comm import world
+
+    if world._WORLD is old:
+        world._WORLD = new

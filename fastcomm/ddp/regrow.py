@@ -1,0 +1,210 @@
+"""Regrow: a replacement rank joins the running ranks at a step boundary (``fastcomm-run
+--recover in-process --max-restarts N``; the launcher starts it with ``FASTCOMM_RECOVER_JOIN``).
+
+The joiner's ``fastcomm.init()`` returns a stand-in world of its own (``world._joining``); its
+``DDP()`` posts a request in the running DDP's recovery namespace (named by rank 0 under
+``ddp-recover/current`` in the world's store). The running ranks look for it at every
+``FASTCOMM_RECOVER_JOIN_EVERY``-th synchronized forward (16; the same steps on every rank, one
+store ``check``); the first to see it sets the admission to the next such step
+(``compare_set``), by which every rank has seen it. Then the joiner becomes the last member of
+a new epoch, rank 0 posts the admission (members, step, bucket order), all build the new
+communicator, and rank 0 streams the parameters and buffers, then the ``DDP.register_state``
+objects' ``state_dict``s (at the joiner's first forward, once its loop registered them).
+``DDP.join_step`` tells the joiner's loop where it is.
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import json
+import os
+import time
+
+import torch
+
+from fastcomm.comm.shm.segment import pid_start_time
+from fastcomm.comm.topology import host_id
+
+from .broadcast import broadcast_tensors
+from .recover import (
+    NAMESPACE_KEY,
+    Membership,
+    MembershipChange,
+    Recovery,
+    _close_quietly,
+    _detach_from_region,
+    _new_comm,
+    _replace_world,
+    rebind,
+)
+
+__all__ = ["JOIN_ENV", "Grower", "join", "joining"]
+
+#: Set by the launcher in a replacement's environment.
+JOIN_ENV = "FASTCOMM_RECOVER_JOIN"
+EVERY_ENV = "FASTCOMM_RECOVER_JOIN_EVERY"
+
+
+def _every() -> int:
+    """``FASTCOMM_RECOVER_JOIN_EVERY``: the running ranks look for a joiner every this many
+    steps (default 16: one store round trip per 16 steps)."""
+    text = os.environ.get(EVERY_ENV, "").strip()
+    try:
+        every = int(text) if text else 16
+    except ValueError:
+        every = 0
+    if every < 1:
+        raise ValueError(f"{EVERY_ENV}={text!r}: must be an integer >= 1 (or unset)")
+    return every
+
+
+def joining(comm) -> bool:
+    """Whether `comm` is a replacement's stand-in world, to be replaced by joining."""
+    return getattr(comm, "join_store", None) is not None
+
+
+class Grower:
+    """The running ranks' side of regrow: admission at a step boundary (module docstring).
+
+    Args:
+        recovery: the DDP's ``recover.Recovery``.
+        ticket: the next request to look for.
+    """
+
+    def __init__(self, recovery, ticket: int = 1) -> None:
+        self.recovery = recovery
+        # at exit, a replacement still waiting for admission learns there is nothing to join
+        atexit.register(finished, recovery.membership.store)
+        self.ticket = ticket
+        self.at: int | None = None
+        self.every = _every()
+        self.states_pending = False  # a joiner: the registered states still to receive
+
+    def boundary(self, step: int) -> None:
+        """Called at each synchronized forward with the steps done so far."""
+        if self.states_pending:
+            self.states_pending = False
+            stream_states(self.recovery.ddp)
+        store = self.recovery.membership.store
+        k = self.ticket
+        if self.at is None:
+            if step % self.every or not store.check([f"grow/request/{k}"]):
+                return
+            self.at = int(store.compare_set(f"grow/at/{k}", "", str(step + self.every)))
+        if step < self.at:
+            return
+        self.ticket, self.at = k + 1, None
+        self._admit(k, step)
+
+    def _admit(self, k: int, step: int) -> None:
+        start, seen_at = time.monotonic(), time.time()
+        recovery = self.recovery
+        ddp, membership = recovery.ddp, recovery.membership
+        store, reducer = membership.store, ddp.reducer
+        identity = json.loads(store.get(f"grow/request/{k}"))
+        membership.identity.append(identity)
+        membership.epoch += 1
+        membership.members = membership.members + [len(membership.identity) - 1]
+        if ddp.comm.rank == 0:
+            header = {
+                "epoch": membership.epoch, "members": membership.members,
+                "identity": membership.identity, "step": step,
+                "order": [i for b in reducer.buckets for i in b.param_indices],
+                "rebuilt": reducer.rebuilt, "rebuild_due": reducer.rebuild_due,
+            }
+            store.set(f"grow/admit/{k}", json.dumps(header))
+        old = ddp.comm
+        _detach_from_region(reducer)
+        comm = _new_comm(old, membership)
+        ddp.comm = comm
+        rebind(reducer, comm)
+        _replace_world(old, comm)
+        _close_quietly(old)
+        broadcast_tensors(comm, list(reducer.params) + ddp.synced_buffers(), src=0)
+        stream_states(ddp)
+        change = MembershipChange(
+            epoch=membership.epoch, rank=comm.rank, world_size=comm.size, lost=(),
+            members=tuple(membership.members), where=f"join {step}",
+            seconds=time.monotonic() - start, seen_at=seen_at,
+        )
+        recovery.changes.append(change)
+        for fn in list(recovery.callbacks):
+            fn(change)
+
+
+def stream_states(ddp) -> None:
+    """Rank 0's registered states (``DDP.register_state``) to every rank; loaded where the
+    DDP is joining (``ddp.join_step`` set and not yet loaded)."""
+    comm = ddp.comm
+    states = ddp._states
+    if comm.rank == 0:
+        buf = io.BytesIO()
+        torch.save({name: obj.state_dict() for name, obj in states.items()}, buf)
+        data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        length = torch.tensor([data.numel()], dtype=torch.int64)
+    else:
+        length = torch.zeros(1, dtype=torch.int64)
+    comm.broadcast(length, src=0)
+    if comm.rank != 0:
+        data = torch.empty(int(length.item()), dtype=torch.uint8)
+    comm.broadcast(data, src=0)
+    if ddp._loading_states:
+        ddp._loading_states = False
+        loaded = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
+        for name, obj in states.items():
+            if name not in loaded:
+                raise RuntimeError(
+                    f"fastcomm DDP (rank {comm.rank}): the joined state {name!r} was not "
+                    f"registered on rank 0 (it has {sorted(loaded)})"
+                )
+            obj.load_state_dict(loaded[name])
+
+
+def _admission(store, k: int, timeout: float) -> bytes:
+    """Waits for request `k`'s admission; raises once the running ranks have finished
+    (``grow/closed``, set as each exits) or after `timeout` seconds."""
+    admit, closed = f"grow/admit/{k}", "grow/closed"
+    deadline = time.monotonic() + timeout
+    while not store.check([admit]):
+        if store.check([closed]):
+            raise RuntimeError(
+                f"replacement {os.environ.get(JOIN_ENV)}: the running ranks finished before "
+                "admitting it; nothing left to join"
+            )
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"replacement {os.environ.get(JOIN_ENV)}: not admitted within {timeout:.0f} s"
+            )
+        time.sleep(0.05)
+    return store.get(admit)
+
+
+def finished(store) -> None:
+    """Marks that the running ranks are done (at exit): a waiting joiner gives up."""
+    try:
+        store.set("grow/closed", "1")
+    except Exception:  # exiting anyway; a joiner then waits out its timeout
+        pass
+
+
+def join(ddp, timeout: float = 600.0):
+    """The joiner's side: posts the request, waits for its admission, builds the members'
+    communicator (replacing the stand-in ``ddp.comm``); returns ``(recovery, header)``."""
+    base = ddp.comm.join_store
+    namespace = base.get(NAMESPACE_KEY, timeout).decode()
+    store = base.prefixed(namespace)
+    k = store.add("grow/tickets", 1)
+    store.set(f"grow/request/{k}", json.dumps([host_id(), os.getpid(),
+                                                pid_start_time(os.getpid()) or 0]))
+    header = json.loads(_admission(store, k, timeout))
+    membership = Membership.adopt(store, header)
+    recovery = Recovery.adopt(ddp, membership)
+    recovery.grower = Grower(recovery, k + 1)
+    recovery.grower.states_pending = True
+    stand_in = ddp.comm
+    comm = _new_comm(stand_in, membership)
+    ddp.comm = comm
+    _replace_world(stand_in, comm)
+    _close_quietly(stand_in)
+    return recovery, header

@@ -1,0 +1,324 @@
+"""In-place recovery: 3 ranks on shm under ``fastcomm-run --recover in-process``, one SIGKILLed
+from inside at a chosen point; the survivors finish every step, agree bitwise, and match a
+replay of the same steps averaged over the ranks each step was reduced over."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from tests.launch._util import run, script
+
+STEPS = 6
+KILL_STEP = 3
+
+# argv: out dir, the points ("<rank>:<point>", comma separated), shared buckets (0/1)
+JOB = """
+import json, os, signal, sys
+import torch
+from torch import nn
+import fastcomm
+from fastcomm.ddp import DDP
+from fastcomm.ddp import ddp as ddp_module, recover
+from fastcomm.comm.shm import buckets as shm_buckets
+
+out, points, shared = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+STEPS, KILL_STEP = {steps}, {kill_step}
+comm = fastcomm.init(timeout=60)
+me = comm.rank
+mine = [p.split(":", 1)[1] for p in points.split(",") if int(p.split(":", 1)[0]) == me]
+point = mine[0] if mine else ""
+state = {{"step": -1}}
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+if point == "init":  # in DDP()'s broadcast of rank 0's state
+    real = ddp_module.broadcast_tensors
+    def broadcast(*args, **kwargs):
+        die()
+    ddp_module.broadcast_tensors = broadcast
+if point == "recovery":  # during the survivors' agreement, once it reported itself
+    real_post = recover.Membership._post_here
+    def post(self, epoch, where):
+        real_post(self, epoch, where)
+        die()
+    recover.Membership._post_here = post
+if point == "reduce":  # inside a shared bucket's reduction (its peers' slices half pushed)
+    real_reduce = shm_buckets.ShmBucketRegion._reduce
+    calls = [0]
+    def reduce(self, bucket):
+        if state["step"] == KILL_STEP and bucket.index == 1:
+            die()
+        real_reduce(self, bucket)
+    shm_buckets.ShmBucketRegion._reduce = reduce
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                      nn.Linear(512, 4))
+if point == "backward":  # in a gradient hook, before DDP's: later buckets already launched
+    def hook(param):
+        if state["step"] == KILL_STEP:
+            die()
+    model[0].weight.register_post_accumulate_grad_hook(hook)
+ddp = DDP(model, bucket_cap_mb=0.25, shared_buckets=shared,
+          gradient_as_bucket_view=True if shared else None)
+seen = []
+ddp.on_membership_change(seen.append)
+opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+done, sizes = [], []
+for step in range(STEPS):
+    state["step"] = step
+    gen = torch.Generator().manual_seed(1000 * me + step)
+    x = torch.randn(8, 16, generator=gen)
+    opt.zero_grad(set_to_none=True)
+    ddp(x).square().mean().backward()
+    sizes.append([ddp.world_size, list(ddp._recovery.membership.members)])
+    if point == "optimizer" and step == KILL_STEP:
+        die()
+    opt.step()
+    done.append(step)
+torch.save([p.detach().clone() for p in model.parameters()], os.path.join(out, f"p{{me}}.pt"))
+with open(os.path.join(out, f"r{{me}}.json"), "w") as fh:
+    changes = [[c.epoch, c.rank, c.world_size, list(c.lost), list(c.members), c.where]
+               for c in ddp._recovery.changes]
+    json.dump({{"done": done, "sizes": sizes, "changes": changes, "rank": ddp.rank,
+               "seen": len(seen)}}, fh)
+fastcomm.shutdown()
+"""
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                         nn.Linear(512, 4))
+
+
+def _replay(sizes: list) -> list[torch.Tensor]:
+    """The survivors' training replayed here: each step's gradients averaged over the ranks
+    that step was reduced over (``sizes[step][1]``, original ranks in rank order)."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step, (_, members) in enumerate(sizes):
+        grads = []
+        for r in members:
+            model.zero_grad(set_to_none=True)
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1000 * r + step))
+            model(x).square().mean().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        scale = torch.tensor(1.0 / len(members), dtype=torch.float32).item()
+        for k, p in enumerate(model.parameters()):
+            total = grads[0][k] * scale
+            for g in grads[1:]:
+                total = total + g[k] * scale
+            p.grad = total
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def _launch(tmp_path, points: str, shared: bool):
+    path = script(tmp_path, "job.py", JOB.format(steps=STEPS, kill_step=KILL_STEP))
+    result = run(
+        ["--nproc-per-node", "3", "--recover", "in-process", path, tmp_path, points,
+         "1" if shared else "0"],
+        tmp_path, timeout=150,
+    )
+    return result
+
+
+def _check(tmp_path, result, lost: set[int], *, last_members: list[int] | None = None):
+    assert result.returncode == 0, result.stderr[-4000:]
+    survivors = sorted({0, 1, 2} - lost)
+    reports = {r: json.loads((tmp_path / f"r{r}.json").read_text()) for r in survivors}
+    params = {r: torch.load(tmp_path / f"p{r}.pt") for r in survivors}
+    for r in lost:
+        assert not (tmp_path / f"r{r}.json").exists()
+        assert f"rank {r} (local_rank {r}" in result.stderr and "was lost" in result.stderr
+    first = survivors[0]
+    for r in survivors:  # every step done once, in order: the counter never goes back
+        assert reports[r]["done"] == list(range(STEPS))
+        assert reports[r]["sizes"] == reports[first]["sizes"]
+        for a, b in zip(params[r], params[first], strict=True):
+            assert torch.equal(a, b), f"rank {r} differs from rank {first}"
+    sizes = reports[first]["sizes"]
+    assert sizes[-1][0] == len(survivors)
+    assert sizes[-1][1] == (last_members or survivors)
+    assert sorted(reports[r]["rank"] for r in survivors) == list(range(len(survivors)))
+    expected = _replay(sizes)
+    untrained = [p.detach() for p in _model().parameters()]
+    for got, want, before in zip(params[first], expected, untrained, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert not torch.equal(got, before)
+    return reports, sizes
+
+
+@pytest.mark.timeout(200)
+def test_kill_in_backward_packed_buckets(tmp_path):
+    """Killed in a gradient hook while later buckets are in flight: the step in flight is
+    completed among the survivors (averaged over 2), nothing is redone twice."""
+    result = _launch(tmp_path, "1:backward", shared=False)
+    reports, sizes = _check(tmp_path, result, {1})
+    assert [s[0] for s in sizes] == [3] * KILL_STEP + [2] * (STEPS - KILL_STEP)
+    change = reports[0]["changes"][0]
+    assert change[:5] == [1, 0, 2, [1], [0, 2]]
+    assert change[5] == f"backward {KILL_STEP}"
+    assert reports[2]["changes"][0][1] == 1  # rank 2 is renumbered 1
+    assert reports[0]["seen"] == reports[2]["seen"] == 1  # on_membership_change called
+
+
+@pytest.mark.timeout(200)
+def test_kill_inside_shared_bucket_reduction(tmp_path):
+    """Killed inside a shared bucket's reduction (its peers' slices partly pushed into the
+    survivors' buckets): the survivors redo the step from their own gradients' copies."""
+    result = _launch(tmp_path, "2:reduce", shared=True)
+    _, sizes = _check(tmp_path, result, {2})
+    assert [s[0] for s in sizes] == [3] * KILL_STEP + [2] * (STEPS - KILL_STEP)
+
+
+@pytest.mark.timeout(200)
+def test_kill_in_optimizer_step(tmp_path):
+    """Killed after its step's reduction: the survivors' next step runs over 2."""
+    result = _launch(tmp_path, "0:optimizer", shared=True)
+    _, sizes = _check(tmp_path, result, {0})
+    assert [s[0] for s in sizes] == [3] * (KILL_STEP + 1) + [2] * (STEPS - KILL_STEP - 1)
+
+
+@pytest.mark.timeout(200)
+def test_kill_in_initial_broadcast(tmp_path):
+    """Rank 0, the broadcast's source, dies in DDP(): rank 1 becomes rank 0 and broadcasts."""
+    result = _launch(tmp_path, "0:init", shared=False)
+    reports, sizes = _check(tmp_path, result, {0})
+    assert [s[0] for s in sizes] == [2] * STEPS
+    assert reports[1]["changes"][0][5] == "init"
+    assert reports[1]["seen"] == 0  # registered after DDP() returned
+
+
+@pytest.mark.timeout(200)
+def test_second_loss_during_recovery(tmp_path):
+    """Rank 1 dies in backward, rank 2 right after it reported itself in the agreement: the
+    next epoch leaves rank 0 alone, which finishes the job."""
+    result = _launch(tmp_path, "1:backward,2:recovery", shared=False)
+    reports, sizes = _check(tmp_path, result, {1, 2})
+    assert [s[0] for s in sizes] == [3] * KILL_STEP + [1] * (STEPS - KILL_STEP)
+    assert reports[0]["changes"][-1][2] == 1
+
+
+@pytest.mark.parametrize("value, on", [("in-process", True), ("IN-PROCESS", True), ("", False),
+                                       ("restart", False)])
+def test_recovery_enabled_reads_the_variable(value, on):
+    from fastcomm.ddp.recover import recovery_enabled
+
+    assert recovery_enabled({"FASTCOMM_RECOVER": value}) is on
+    assert recovery_enabled({}) is False
+
+
+def test_recovery_enabled_refuses_other_values():
+    from fastcomm.ddp.recover import recovery_enabled
+
+    with pytest.raises(ValueError, match="FASTCOMM_RECOVER='sometimes'"):
+        recovery_enabled({"FASTCOMM_RECOVER": "sometimes"})
+
+
+SPANNING = """
+import json, os, sys, warnings
+import torch
+os.environ["FASTCOMM_HOST_ID"] = "host" + os.environ["RANK"]  # as if on two hosts
+os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+import fastcomm
+from fastcomm.ddp import DDP
+
+comm = fastcomm.init(backend="gloo", timeout=60)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    ddp = DDP(torch.nn.Linear(4, 2))
+text = [str(w.message) for w in caught if "shrinks in place only" in str(w.message)]
+with open(os.path.join(sys.argv[1], f"w{comm.rank}.json"), "w") as fh:
+    json.dump({"off": ddp._recovery is None, "warned": text}, fh)
+fastcomm.shutdown()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_ranks_on_several_hosts_warn_and_keep_the_restart(tmp_path):
+    path = script(tmp_path, "spanning.py", SPANNING)
+    result = run(["--nproc-per-node", "2", "--recover", "in-process", path, tmp_path], tmp_path,
+                 timeout=100)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for r in range(2):
+        got = json.loads((tmp_path / f"w{r}.json").read_text())
+        assert got["off"] and len(got["warned"]) == 1, got
+
+
+GROW = """
+import json, os, signal, sys, time
+import torch
+from torch import nn
+import fastcomm
+from fastcomm.ddp import DDP
+
+out, STEPS, KILL = sys.argv[1], {steps}, {kill_step}
+comm = fastcomm.init(timeout=60)
+started = time.time()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                      nn.Linear(512, 4))
+ddp = DDP(model, bucket_cap_mb=0.25)
+me = ddp._recovery.membership.me  # the original rank; 3 for the replacement
+opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+ddp.register_state("opt", opt)
+joined = [ddp.join_step or None]
+ddp.on_membership_change(
+    lambda c: joined.__setitem__(0, int(c.where.split()[1])) if c.where.startswith("join")
+    else None)
+done, sizes, first = [], [], None
+step, deadline = ddp.join_step, time.monotonic() + 90
+while joined[0] is None or step < max(STEPS, joined[0] + 5):
+    assert time.monotonic() < deadline, "no replacement joined"
+    if me == 1 and step == KILL:
+        os.kill(os.getpid(), signal.SIGKILL)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1000 * me + step))
+    opt.zero_grad(set_to_none=True)
+    ddp(x).square().mean().backward()
+    opt.step()
+    first = first or time.time()
+    sizes.append([ddp.world_size, list(ddp._recovery.membership.members)])
+    done.append(step)
+    step += 1
+    time.sleep(0.02)
+torch.save([p.detach().clone() for p in model.parameters()], os.path.join(out, f"p{{me}}.pt"))
+with open(os.path.join(out, f"r{{me}}.json"), "w") as fh:
+    json.dump({{"done": done, "sizes": sizes, "join_step": ddp.join_step, "rank": ddp.rank,
+               "joined": joined[0], "first_step_s": first - started}}, fh)
+fastcomm.shutdown()
+"""
+
+
+@pytest.mark.timeout(200)
+def test_replacement_joins_and_trains_in_step(tmp_path):
+    """Rank 1 is killed at step 3; the launcher starts a replacement (--max-restarts 1) that
+    joins at a step boundary with rank 0's parameters and optimizer state: at the end the
+    three are bitwise equal and match a replay of every step over its members."""
+    path = script(tmp_path, "grow.py", GROW.format(steps=STEPS, kill_step=KILL_STEP))
+    result = run(["--nproc-per-node", "3", "--recover", "in-process", "--max-restarts", "1",
+                  path, tmp_path], tmp_path, timeout=180)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "starting a replacement for rank 1" in result.stderr
+    reports = {r: json.loads((tmp_path / f"r{r}.json").read_text()) for r in (0, 2, 3)}
+    params = {r: torch.load(tmp_path / f"p{r}.pt") for r in (0, 2, 3)}
+    join = reports[3]["join_step"]
+    assert join > KILL_STEP and reports[0]["joined"] == reports[2]["joined"] == join
+    end = reports[0]["done"][-1] + 1
+    assert reports[0]["done"] == reports[2]["done"] == list(range(end))
+    assert reports[3]["done"] == list(range(join, end))
+    assert reports[3]["rank"] == 2 and reports[3]["sizes"][0] == [3, [0, 2, 3]]
+    for r in (2, 3):
+        for a, b in zip(params[r], params[0], strict=True):
+            assert torch.equal(a, b), f"rank {r} differs from rank 0"
+    sizes = reports[0]["sizes"]
+    assert [s[0] for s in sizes] == [3] * KILL_STEP + [2] * (join - KILL_STEP) + [3] * (
+        end - join)
+    for got, want in zip(params[0], _replay(sizes), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
