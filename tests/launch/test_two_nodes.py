@@ -331,3 +331,43 @@ def test_srun_variables_train_across_the_nodes(nodes):
     assert {(r["size"], r["backend"], r["torch_sum"], r["fastcomm_sum"]) for r in rows} == {
         (4, "hier", 10.0, 10.0)}
     assert all(r["weights"] == rows[0]["weights"] for r in rows)  # the replicas stayed equal
+
+
+# rank 3 (node1) sleeps in its data loader before all_reduce #6; the other three time out
+STALL = """
+import os, time
+os.environ.update(FASTCOMM_SUSPECT_S="2", FASTCOMM_FLIGHT_POLL_S="0.5")
+import torch
+import fastcomm
+
+def next_batch(seconds):
+    time.sleep(seconds)
+
+comm = fastcomm.init("hier", timeout=8)
+x = torch.ones(1024)
+for _ in range(5):
+    comm.all_reduce(x)
+if comm.rank == 3:
+    next_batch(60)
+comm.all_reduce(x)
+fastcomm.shutdown()
+"""
+
+
+def test_a_hang_across_the_nodes_is_named_in_one_line(nodes):
+    """The hang report of a hier job: the stalled rank on node1, the call and its number, the
+    frame, in the launchers' first lines; the early warning before the timeout."""
+    script(nodes.shared, "stall.py", STALL)
+    args = _job("--max-restarts", "0", "--monitor-interval", "0.1", "stall.py")
+    results = _run_both(nodes, args, "stall", timeout=90)
+    reports = []
+    for code, err in results:
+        assert code == 1, err
+        reports += [x for x in err.splitlines() if x.startswith("Hang report: ")]
+    assert reports, results
+    for line in reports:
+        assert line.startswith("Hang report: rank 3 never entered all_reduce #6 of world "
+                               "(ranks 0,1,2 waiting since "), line
+        assert "rank 3 is at stall.py:" in line and "in next_batch" in line, line
+    warned = nodes.err("stall0") + nodes.err("stall1")
+    assert "has waited" in warned and "still waiting" in warned, warned
