@@ -25,6 +25,7 @@ from collections.abc import Sequence
 __all__ = ["analyze", "first_line", "load", "load_latest", "main", "report_head", "stragglers"]
 
 IN_FLIGHT = ("issued", "started")
+_BOOTSTRAP = os.path.join("fastcomm", "launch", "_bootstrap.py")
 
 
 def _clock(stamp: float | None) -> str:
@@ -195,8 +196,12 @@ def analyze(dumps: dict[int, dict], beats: dict[int, dict], size: int, name: str
     for rank in sorted(set(named) & set(dumps)):
         main = next((t for t in dumps[rank].get("threads", []) if t.get("main")), None)
         if main:
+            frames = main["frames"]
+            # the user's frames only: what runs the script (the launcher's bootstrap, runpy) cut
+            start = max((k + 1 for k, f in enumerate(frames) if f[0].startswith("<frozen runpy")
+                         or f[0].endswith(_BOOTSTRAP)), default=0)
             lines.append(f"  rank {rank} main thread (innermost last):")
-            lines.extend(f"    {f}:{n} in {fn}: {text}" for f, n, fn, text in main["frames"][-8:])
+            lines.extend(f"    {f}:{n} in {fn}: {text}" for f, n, fn, text in frames[start:][-8:])
     return lines
 
 

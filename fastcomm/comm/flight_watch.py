@@ -276,8 +276,10 @@ class Watch(threading.Thread):
                                wait_s=2 * self.poll_s + 1.0)
         message = (f"rank {target.rank}: {op} #{seq} has waited {time.time() - issued:.0f} s "
                    f"(suspect after {self.suspect_s:.0f} s; still waiting): " + "\n".join(lines))
-        logger.warning("%s", message)
-        print(f"[fastcomm] warning: {message}", file=sys.stderr, flush=True)
+        if logger.hasHandlers():
+            logger.warning("%s", message)
+        else:  # no logging set up: stderr once (logging's last resort would print it bare)
+            print(f"[fastcomm] warning: {message}", file=sys.stderr, flush=True)
 
 
 _WATCH: Watch | None = None
