@@ -450,6 +450,9 @@ class Mailboxes(StoppableThread):
         name = f"{op.kind} {'to' if op.kind == 'send' else 'from'} " + (
             "any rank" if op.peer is None else f"rank {op.peer}") + f" (tag {_signed(op.tag)})"
         peers = self._peers if op.peer is None else [op.peer]
+        look = now - self._liveness > _LIVENESS_S  # the peers' processes, every 50 ms
+        if look:
+            self._liveness = now
         if words[flags.state_idx[self.rank]]:
             raise CommClosedError(f"rank {self.rank}: {name} interrupted: this communicator "
                                   "was closed")
@@ -462,7 +465,7 @@ class Mailboxes(StoppableThread):
             gone = None
             if words[flags.state_idx[peer]]:
                 gone = flags.peer_gone(peer, name, op.start)
-            elif now - self._liveness > _LIVENESS_S:
+            elif look:
                 pid, start_time = flags.identity[peer]
                 if not process_alive(pid, start_time):
                     gone = CommAbortedError(
@@ -474,7 +477,6 @@ class Mailboxes(StoppableThread):
                     self._progress()
                 if not op.done:
                     self._fail(op, name, gone)
-        self._liveness = now
         if elapsed > self._timeout_s:
             missing = [op.peer] if op.peer is not None else self._peers
             self._fail(op, name, CommTimeoutError(

@@ -12,6 +12,9 @@ never sends; and torch's pipelining schedules trained on each backend to the sam
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections import Counter
 from contextlib import contextmanager
 from datetime import timedelta
@@ -429,3 +432,30 @@ def check_send_to_self():
 
 def test_send_to_self_is_refused(pool):
     pool.run(check_send_to_self)
+
+
+def check_recv_from_a_killed_rank():
+    group, _ = _groups()
+    dead = env_world() - 1
+    dist.barrier(group=group)
+    if env_rank() == dead:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        dist.recv(torch.empty(4), src=dead, group=group)
+    except Exception as exc:  # noqa: BLE001 - the error is the result
+        return type(exc).__name__, time.monotonic() - start, str(exc)
+    raise AssertionError(f"rank {env_rank()}: recv from a killed rank returned")
+
+
+def test_recv_from_a_killed_rank_fails_fast(pool):
+    """A receive from a rank that died fails within a fraction of the group's 60 s timeout,
+    naming it (last in the module: the pool restarts its ranks after it)."""
+    failure = pool.expect_failure(check_recv_from_a_killed_rank)
+    dead = pool.world_size - 1
+    assert list(failure.errors) == [dead], failure.errors
+    for rank in range(dead):
+        kind, elapsed, message = failure.results[rank]
+        assert kind == "CommAbortedError", message
+        assert f"recv from rank {dead}" in message and "exited" in message, message
+        assert elapsed < 20, (elapsed, message)

@@ -79,6 +79,16 @@ def check_rank_killed_mid_collective(name):
     return _collect(comm, lambda: comm.all_reduce(torch.ones(BIG // 4)))
 
 
+def check_recv_from_a_killed_rank(name):
+    torch.set_num_threads(1)
+    comm = fresh_comm("shm", name, timeout=TIMEOUT)
+    comm.all_reduce(torch.ones(8))
+    dead = comm.size - 1
+    if comm.rank == dead:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _collect(comm, lambda: comm.recv(torch.empty(4), dead))
+
+
 def short_op_timeout(comm, seconds: float) -> None:
     """Shortens the timeout of ``comm``'s later operations only: setup ran under the generous
     one, so a busy machine cannot fire it before the peers have even connected."""
@@ -216,6 +226,19 @@ def test_rank_killed_mid_collective_fails_the_others_fast(pool, unique_name):
         _, kind, elapsed, message = failure.results[rank]
         assert kind == "CommAbortedError", message
         assert f"rank {dead}" in message and "exited" in message and "all_reduce" in message
+        assert elapsed < TIMEOUT / 3, (elapsed, message)
+
+
+def test_recv_from_a_killed_rank_fails_fast(pool, unique_name):
+    """A point-to-point wait looks at its peer's process too (every 50 ms), not only at the
+    timeout."""
+    failure = pool.expect_failure(check_recv_from_a_killed_rank, unique_name)
+    dead = pool.world_size - 1
+    assert list(failure.errors) == [dead] and "died" in failure.errors[dead]
+    for rank in range(dead):
+        _, kind, elapsed, message = failure.results[rank]
+        assert kind == "CommAbortedError", message
+        assert "recv" in message and f"rank {dead}" in message and "exited" in message, message
         assert elapsed < TIMEOUT / 3, (elapsed, message)
 
 
