@@ -94,7 +94,8 @@ def rooted_pieces(comm, op: str, mine: torch.Tensor, theirs: list | None, root: 
     empty = empty_piece(mine)
     pieces = [empty] * size
     pieces[root] = mine
-    plain = mine.__class__ is torch.Tensor and mine.is_cpu and plain_pieces((mine,), mine)
+    plain = (mine.__class__ is torch.Tensor and mine.is_cpu and mine.layout is torch.strided
+             and mine.is_contiguous())
     if comm.rank != root:
         theirs = [empty] * size
         if plain:

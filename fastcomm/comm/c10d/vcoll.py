@@ -21,7 +21,6 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 from ..types import ReduceOp
-from ..vcoll import split_bytes
 from .multi import copier
 
 _STRIDED = torch.strided
@@ -34,15 +33,6 @@ def _options_of(opts: Any, cls: type) -> Any:
 
 def _dense(tensors) -> bool:
     return all(t.layout is _STRIDED for t in tensors)
-
-
-def _plain(tensors) -> bool:
-    """Whether every tensor is dense and contiguous (a loop: cheaper than a generator at a few
-    tensors)."""
-    for t in tensors:
-        if t.layout is not _STRIDED or not t.is_contiguous():
-            return False
-    return True
 
 
 def _sendable(tensors: list) -> list:
@@ -98,15 +88,12 @@ class VCollOps:
         opts = _options_of(opts, dist.GatherOptions)
         root = opts.rootRank
         if len(input_tensors) == 1 and not opts.asyncOp and self._coalescing is None:
-            # the usual call: contiguous CPU tensors, waited for; straight to the communicator
-            input = input_tensors[0]
-            if input.is_cpu and input.layout is _STRIDED and input.is_contiguous():
-                if self._rank != root:
-                    self.communicator.gather(None, input, root)
-                    return self._done(output_tensors)
-                if len(output_tensors) == 1 and _plain(output_tensors[0]):
-                    self.communicator.gather(output_tensors[0], input, root)
-                    return self._done(output_tensors)
+            # the usual call (contiguous CPU tensors, waited for): the communicator does it
+            outs = None if self._rank != root else (
+                output_tensors[0] if len(output_tensors) == 1 else False)
+            if outs is not False and self.communicator._rooted_now("gather", input_tensors[0],
+                                                                   outs, root):
+                return self._done(output_tensors)
         comm = self._comm_for(input_tensors[0]) if len(input_tensors) == 1 else None
         outs = output_tensors[0] if output_tensors else None
         if (comm is None or not _dense(input_tensors)
@@ -124,15 +111,12 @@ class VCollOps:
         opts = _options_of(opts, dist.ScatterOptions)
         root = opts.rootRank
         if len(output_tensors) == 1 and not opts.asyncOp and self._coalescing is None:
-            # the usual call: contiguous CPU tensors, waited for; straight to the communicator
-            output = output_tensors[0]
-            if output.is_cpu and output.layout is _STRIDED and output.is_contiguous():
-                if self._rank != root:
-                    self.communicator.scatter(output, None, root)
-                    return self._done(output_tensors)
-                if len(input_tensors) == 1 and _plain(input_tensors[0]):
-                    self.communicator.scatter(output, input_tensors[0], root)
-                    return self._done(output_tensors)
+            # the usual call (contiguous CPU tensors, waited for): the communicator does it
+            ins = None if self._rank != root else (
+                input_tensors[0] if len(input_tensors) == 1 else False)
+            if ins is not False and self.communicator._rooted_now("scatter", output_tensors[0],
+                                                                  ins, root):
+                return self._done(output_tensors)
         comm = self._comm_for(output_tensors[0]) if len(output_tensors) == 1 else None
         ins = input_tensors[0] if input_tensors else None
         if (comm is None or not _dense(output_tensors)
@@ -157,14 +141,9 @@ class VCollOps:
     def _all_to_all_split(self, output, input, output_split_sizes, input_split_sizes, opts):
         """``all_to_all_single`` with split sizes (or dtypes the even path does not take)."""
         if (output_split_sizes and input_split_sizes and not opts.asyncOp
-                and self._coalescing is None and input.is_cpu and output.dtype is input.dtype
-                and output.layout is _STRIDED and input.layout is _STRIDED
-                and output.is_contiguous() and input.is_contiguous()
-                and split_bytes(self._size, output, input, output_split_sizes,
-                                input_split_sizes) is not None):
-            # the usual call: contiguous CPU tensors, valid splits, waited for
-            self.communicator.all_to_all_split(output, input, output_split_sizes,
-                                               input_split_sizes)
+                and self._coalescing is None and self.communicator._split_now(
+                    output, input, output_split_sizes, input_split_sizes)):
+            # the usual call (contiguous CPU tensors, valid splits, waited for): done
             return self._done([output])
         comm = self._comm_for(input)
         if comm is not None and output.layout is _STRIDED and input.layout is _STRIDED:

@@ -72,7 +72,11 @@ class VSchedule:
         self._plan_struct = struct.Struct(f"<{self.width + 2 * n}q")
         self._plan = (ctypes.c_int64 * (self.width + 2 * n))()
         self._plan_address = ctypes.addressof(self._plan)
+        self._addr_struct = struct.Struct(f"<{2 * n}q")
+        self._addr_offset = 8 * self.width
+        self._packed: tuple | None = None  # the layout whose words the plan holds
         self._ranks = tuple(range(n))
+        self._zeros = [0] * n  # read only: the sizes and addresses of n empty pieces
         self._plans: dict[tuple, tuple] = {}  # by a call's signature: see _layout
 
     def fits(self) -> bool:
@@ -85,8 +89,13 @@ class VSchedule:
         CPU tensors, one dtype; checked by the communicator). A tensor given for several
         destinations goes into the slot once."""
         first = inputs[0]
-        sent = [t.nbytes for t in inputs]
-        expected = [t.nbytes for t in outputs]
+        if kind == "gather" or kind == "scatter":  # every piece but the root's is empty
+            sent, expected, in_addrs, out_addrs = self._rooted(kind, root, outputs, inputs)
+        else:
+            sent = [t.nbytes for t in inputs]
+            expected = [t.nbytes for t in outputs]
+            in_addrs = [t.data_ptr() for t in inputs]
+            out_addrs = [t.data_ptr() for t in outputs]
         key = (kind, root, first.dtype, *sent, *expected)
         if self.size > 2:  # which destinations share a buffer (two ranks: one peer, no choice)
             seen: dict[int, int] = {}
@@ -95,9 +104,28 @@ class VSchedule:
         if plan is None:
             plan = self._layout(key, kind, root, first, sent, expected)
         bump = plan[-1]
-        self._run(kind, plan, sent, expected, [t.data_ptr() for t in inputs],
-                  [t.data_ptr() for t in outputs],
+        self._run(kind, plan, sent, expected, in_addrs, out_addrs,
                   outputs if bump is True else [outputs[q] for q in bump])
+
+    def _rooted(self, kind: str, root: int, outputs: list, inputs: list) -> tuple:
+        """``(sent, expected, input addresses, output addresses)`` of a ``gather`` or
+        ``scatter``, whose pieces are empty but the root's (``adapt.rooted_pieces``): only the
+        pieces that can hold bytes are read (an empty piece has address 0)."""
+        me, zeros = self.rank, self._zeros
+        if kind == "gather":
+            mine = inputs[root]
+            sent, in_addrs = zeros.copy(), zeros.copy()
+            sent[root], in_addrs[root] = mine.nbytes, mine.data_ptr()
+            if me != root:
+                return sent, zeros, in_addrs, zeros
+            return (sent, [t.nbytes for t in outputs], in_addrs,
+                    [t.data_ptr() for t in outputs])
+        mine = outputs[root]
+        expected, out_addrs = zeros.copy(), zeros.copy()
+        expected[root], out_addrs[root] = mine.nbytes, mine.data_ptr()
+        if me != root:
+            return zeros, expected, zeros, out_addrs
+        return [t.nbytes for t in inputs], expected, [t.data_ptr() for t in inputs], out_addrs
 
     def run_split(self, output: torch.Tensor, input: torch.Tensor, out_bytes: list[int],
                   in_bytes: list[int]) -> None:
@@ -163,7 +191,12 @@ class VSchedule:
         if compiled is not None and fits:
             # the round in one C call; it returns having copied nothing out when the ranks
             # disagree or a peer's piece needs more rounds (then on as below)
-            self._plan_struct.pack_into(self._plan, 0, *words, *out_addrs, *in_addrs)
+            if plan is self._packed:  # its words are in the plan already: the addresses only
+                self._addr_struct.pack_into(self._plan, self._addr_offset, *out_addrs,
+                                            *in_addrs)
+            else:
+                self._plan_struct.pack_into(self._plan, 0, *words, *out_addrs, *in_addrs)
+                self._packed = plan
             half, status = compiled.v_call(self._plan_address, _CODE, kind, start)
             if status == Status.DONE:
                 if changed:
