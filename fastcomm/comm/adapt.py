@@ -16,7 +16,7 @@ import torch
 from . import checks
 from .reduction import reduce_gathered
 from .types import BITWISE_OPS, PremulSum, ReduceOp, check_reduction
-from .vcoll import input_bytes, plain_pieces
+from .vcoll import input_bytes, plain_pieces, split_bytes
 from .work import Task, Work
 
 __all__ = [
@@ -27,7 +27,9 @@ __all__ = [
     "overlap",
     "premultiplied",
     "reduce_by_all_reduce",
+    "rooted_now",
     "rooted_pieces",
+    "split_now",
     "staged",
 ]
 
@@ -107,6 +109,44 @@ def rooted_pieces(comm, op: str, mine: torch.Tensor, theirs: list | None, root: 
                                                                                       mine):
         return pieces, theirs, mine.nbytes if op == "gather" else input_bytes(theirs)
     return pieces, theirs, -1
+
+
+def rooted_now(comm, kind: str, mine: torch.Tensor, theirs: list | None, root: int) -> bool:
+    """A synchronous ``comm.gather`` (``kind``; ``mine``: the input, ``theirs``: the root's
+    outputs) or ``comm.scatter`` (``mine``: the output, ``theirs``: the root's inputs) done,
+    ``True``, where every piece is a contiguous CPU tensor of one dtype; else ``False`` having
+    done nothing (the process group then stages or hands the call on).
+
+    Raises:
+        ValueError: ``root`` out of range (as ``comm.gather`` raises it).
+    """
+    pieces, others, checked = rooted_pieces(comm, kind, mine, theirs, root)
+    if checked < 0 or comm._closed or not comm._cpu_native:
+        return False
+    outputs, inputs = (others, pieces) if kind == "gather" else (pieces, others)
+    comm.stats.count(kind, checked)
+    if not comm._run_inline_v(kind, root, outputs, inputs):
+        comm._run(comm._impl_v_call(kind, root, outputs, inputs), False)
+    return True
+
+
+def split_now(comm, output: torch.Tensor, input: torch.Tensor, output_splits,
+              input_splits) -> bool:
+    """A synchronous ``comm.all_to_all_split`` done, ``True``, where both tensors are
+    contiguous CPU tensors of one dtype and the splits are valid; else ``False`` having done
+    nothing (the process group then stages or hands the call on)."""
+    if (comm._closed or not comm._cpu_native or input.__class__ is not torch.Tensor
+            or not input.is_cpu or not plain_pieces((output, input), input)):
+        return False
+    byte_splits = split_bytes(comm.size, output, input, output_splits, input_splits)
+    if byte_splits is None:
+        return False
+    comm.stats.count("all_to_all", input.nbytes)
+    if not comm._run_inline_v_split(output, input, *byte_splits):
+        outputs = list(output.split_with_sizes(list(output_splits)))
+        inputs = list(input.split_with_sizes(list(input_splits)))
+        comm._run(comm._impl_v_call("all_to_all", -1, outputs, inputs), False)
+    return True
 
 
 def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

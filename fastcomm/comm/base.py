@@ -732,43 +732,6 @@ class Communicator(CommBackend):
             return None
         return self._run(target._impl_v_call(kind, root, outputs, inputs), async_op)
 
-    def _rooted_now(self, kind: str, mine: torch.Tensor, theirs: list | None,
-                    root: int) -> bool:
-        """A synchronous ``gather`` (``kind``; ``mine``: the input, ``theirs``: the root's
-        outputs) or ``scatter`` (``mine``: the output, ``theirs``: the root's inputs) done,
-        ``True``, where every piece is a contiguous CPU tensor of one dtype; else ``False``
-        having done nothing (the process group then stages or hands the call on).
-
-        Raises:
-            ValueError: ``root`` out of range (as :meth:`gather` raises it).
-        """
-        pieces, others, checked = rooted_pieces(self, kind, mine, theirs, root)
-        if checked < 0 or self._closed or not self._cpu_native:
-            return False
-        outputs, inputs = (others, pieces) if kind == "gather" else (pieces, others)
-        self.stats.count(kind, checked)
-        if not self._run_inline_v(kind, root, outputs, inputs):
-            self._run(self._impl_v_call(kind, root, outputs, inputs), False)
-        return True
-
-    def _split_now(self, output: torch.Tensor, input: torch.Tensor, output_splits,
-                   input_splits) -> bool:
-        """A synchronous :meth:`all_to_all_split` done, ``True``, where both tensors are
-        contiguous CPU tensors of one dtype and the splits are valid; else ``False`` having
-        done nothing (the process group then stages or hands the call on)."""
-        if (self._closed or not self._cpu_native or input.__class__ is not torch.Tensor
-                or not input.is_cpu or not plain_pieces((output, input), input)):
-            return False
-        byte_splits = split_bytes(self.size, output, input, output_splits, input_splits)
-        if byte_splits is None:
-            return False
-        self.stats.count("all_to_all", input.nbytes)
-        if not self._run_inline_v_split(output, input, *byte_splits):
-            outputs = list(output.split_with_sizes(list(output_splits)))
-            inputs = list(input.split_with_sizes(list(input_splits)))
-            self._run(self._impl_v_call("all_to_all", -1, outputs, inputs), False)
-        return True
-
     def _v_task(self, kind: str, root: int, outputs, inputs) -> Task:
         """A checked and counted v-call's task on the communicator that moves it."""
         target, outputs, inputs = self._v_target(kind, outputs, inputs)
