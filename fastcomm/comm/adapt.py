@@ -16,6 +16,7 @@ import torch
 from . import checks
 from .reduction import reduce_gathered
 from .types import BITWISE_OPS, PremulSum, ReduceOp, check_reduction
+from .vcoll import input_bytes, plain_pieces, split_bytes
 from .work import Task, Work
 
 __all__ = [
@@ -26,7 +27,9 @@ __all__ = [
     "overlap",
     "premultiplied",
     "reduce_by_all_reduce",
+    "rooted_now",
     "rooted_pieces",
+    "split_now",
     "staged",
 ]
 
@@ -59,11 +62,17 @@ def premultiplied(task: Task, tensor: torch.Tensor, factor: float) -> Task:
 
 
 _EMPTY: dict[tuple, torch.Tensor] = {}
+_EMPTY_CPU: dict[torch.dtype, torch.Tensor] = {}  # the usual case, found without a device object
 
 
 def empty_piece(like: torch.Tensor) -> torch.Tensor:
     """An empty tensor of ``like``'s dtype and device (the piece of a v-call a rank neither
     sends nor receives), made once per dtype and device."""
+    if like.is_cpu:
+        empty = _EMPTY_CPU.get(like.dtype)
+        if empty is None:
+            empty = _EMPTY_CPU[like.dtype] = like.new_empty(0)
+        return empty
     key = (like.dtype, like.device)
     empty = _EMPTY.get(key)
     if empty is None:
@@ -74,21 +83,70 @@ def empty_piece(like: torch.Tensor) -> torch.Tensor:
 def rooted_pieces(comm, op: str, mine: torch.Tensor, theirs: list | None, root: int):
     """The v-call pieces of ``gather`` (``op``; ``mine``: the input, ``theirs``: the root's
     outputs) or ``scatter`` (``mine``: the output, ``theirs``: the root's inputs): ``(mine's
-    side, theirs's side)``, every piece but the root's empty.
+    side, theirs's side, checked)``, every piece but the root's empty; ``checked``: the bytes
+    the call's inputs give where every piece is a contiguous CPU tensor of one dtype (the
+    checks of :func:`~.vcoll.check_v`, passed), else -1 (not checked).
 
     Raises:
         ValueError: ``root`` out of range; the root gave no ``theirs``.
     """
-    checks.check_peer(root, comm.size, op, "root")
+    size = comm.size
+    if root.__class__ is not int or not 0 <= root < size:
+        checks.check_peer(root, size, op, "root")
     empty = empty_piece(mine)
-    pieces = [empty] * comm.size
+    pieces = [empty] * size
     pieces[root] = mine
+    plain = (mine.__class__ is torch.Tensor and mine.is_cpu and mine.layout is torch.strided
+             and mine.is_contiguous())
     if comm.rank != root:
-        theirs = [empty] * comm.size
+        theirs = [empty] * size
+        if plain:
+            return pieces, theirs, mine.nbytes if op == "gather" else 0
     elif theirs is None:
         per_rank = "output" if op == "gather" else "input"
         raise ValueError(f"{op}: rank {root} is the root and needs one {per_rank} per rank")
-    return pieces, theirs
+    elif plain and theirs.__class__ is list and len(theirs) == size and plain_pieces(theirs,
+                                                                                      mine):
+        return pieces, theirs, mine.nbytes if op == "gather" else input_bytes(theirs)
+    return pieces, theirs, -1
+
+
+def rooted_now(comm, kind: str, mine: torch.Tensor, theirs: list | None, root: int) -> bool:
+    """A synchronous ``comm.gather`` (``kind``; ``mine``: the input, ``theirs``: the root's
+    outputs) or ``comm.scatter`` (``mine``: the output, ``theirs``: the root's inputs) done,
+    ``True``, where every piece is a contiguous CPU tensor of one dtype; else ``False`` having
+    done nothing (the process group then stages or hands the call on).
+
+    Raises:
+        ValueError: ``root`` out of range (as ``comm.gather`` raises it).
+    """
+    pieces, others, checked = rooted_pieces(comm, kind, mine, theirs, root)
+    if checked < 0 or comm._closed or not comm._cpu_native:
+        return False
+    outputs, inputs = (others, pieces) if kind == "gather" else (pieces, others)
+    comm.stats.count(kind, checked)
+    if not comm._run_inline_v(kind, root, outputs, inputs):
+        comm._run(comm._impl_v_call(kind, root, outputs, inputs), False)
+    return True
+
+
+def split_now(comm, output: torch.Tensor, input: torch.Tensor, output_splits,
+              input_splits) -> bool:
+    """A synchronous ``comm.all_to_all_split`` done, ``True``, where both tensors are
+    contiguous CPU tensors of one dtype and the splits are valid; else ``False`` having done
+    nothing (the process group then stages or hands the call on)."""
+    if (comm._closed or not comm._cpu_native or input.__class__ is not torch.Tensor
+            or not input.is_cpu or not plain_pieces((output, input), input)):
+        return False
+    byte_splits = split_bytes(comm.size, output, input, output_splits, input_splits)
+    if byte_splits is None:
+        return False
+    comm.stats.count("all_to_all", input.nbytes)
+    if not comm._run_inline_v_split(output, input, *byte_splits):
+        outputs = list(output.split_with_sizes(list(output_splits)))
+        inputs = list(input.split_with_sizes(list(input_splits)))
+        comm._run(comm._impl_v_call("all_to_all", -1, outputs, inputs), False)
+    return True
 
 
 def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -54,7 +54,7 @@ from .reduction import torch_reduce
 from .stats import CommStats
 from .store import DEFAULT_TIMEOUT, Store, as_timedelta
 from .types import BITWISE_OPS, Capabilities, PremulSum, ReduceOp
-from .vcoll import check_v, default_task
+from .vcoll import check_v, default_task, input_bytes, plain_pieces, split_bytes
 from .work import OrderedExecutor, Task, Work, completed_work, wrap_error
 
 __all__ = ["Communicator", "CommStats", "reject_premul"]
@@ -694,10 +694,16 @@ class Communicator(CommBackend):
             TypeError, ValueError: as for :meth:`all_to_all_v`; splits that are not ``size``
                 non-negative ints summing to the tensor's rows.
         """
-        outputs, inputs = check_v(self, "all_to_all", [output] * self.size, [input] * self.size)
-        byte_splits = check_splits(self.size, output, input, output_splits, input_splits)
+        size = self.size
+        if (self._closed or input.__class__ is not torch.Tensor
+                or not plain_pieces((output, input), input)):  # check_v names what is wrong
+            check_v(self, "all_to_all", (output,) * size, (input,) * size)
+        byte_splits = split_bytes(size, output, input, output_splits, input_splits)
+        if byte_splits is None:  # raises, naming what is wrong
+            byte_splits = check_splits(size, output, input, output_splits, input_splits)
         self.stats.count("all_to_all", input.nbytes)
-        target = self._target(input, "all_to_all")
+        target = self if input.is_cpu and self._cpu_native else self.route(input.device,
+                                                                            "all_to_all")
         if not async_op and target._run_inline_v_split(output, input, *byte_splits):
             return None
         outputs = list(output.split_with_sizes(list(output_splits)))
@@ -709,16 +715,16 @@ class Communicator(CommBackend):
                async_op: bool = False) -> Work | None:
         """Writes every rank's ``input`` into ``outputs[q]`` of rank ``root`` (``outputs``:
         one tensor per rank on the root, ignored elsewhere; sizes may differ by rank)."""
-        inputs, outputs = rooted_pieces(self, "gather", input, outputs, root)
-        return self._v_call("gather", root, outputs, inputs, async_op)
+        inputs, outputs, checked = rooted_pieces(self, "gather", input, outputs, root)
+        return self._v_call("gather", root, outputs, inputs, async_op, checked)
 
     @recorded("scatter", 0, 2, "root")
     def scatter(self, output: torch.Tensor, inputs: list | None, root: int = 0,
                 async_op: bool = False) -> Work | None:
         """Writes ``inputs[r]`` of rank ``root`` into ``output`` of rank ``r`` (``inputs``:
         one tensor per rank on the root, ignored elsewhere)."""
-        outputs, inputs = rooted_pieces(self, "scatter", output, inputs, root)
-        return self._v_call("scatter", root, outputs, inputs, async_op)
+        outputs, inputs, checked = rooted_pieces(self, "scatter", output, inputs, root)
+        return self._v_call("scatter", root, outputs, inputs, async_op, checked)
 
     @recorded("all_gather_v", 1)
     def all_gather_v(self, outputs: list, input: torch.Tensor,
@@ -744,8 +750,16 @@ class Communicator(CommBackend):
         task = self._v_task("reduce_scatter", -1, terms, inputs)
         return self._run(followed_by(task, lambda: torch_reduce(output, terms, op)), async_op)
 
-    def _v_call(self, kind: str, root: int, outputs, inputs, async_op: bool) -> Work | None:
-        target, outputs, inputs = self._v_target(kind, outputs, inputs)
+    def _v_call(self, kind: str, root: int, outputs, inputs, async_op: bool,
+                checked: int = -1) -> Work | None:
+        """A v-call, checked, counted and run; ``checked``: the bytes of the inputs where the
+        caller checked the pieces already (lists of contiguous CPU tensors of one dtype), else
+        -1."""
+        if checked < 0 or async_op or self._closed or not self._cpu_native:
+            target, outputs, inputs = self._v_target(kind, outputs, inputs)
+        else:  # the usual synchronous call: the caller's checks are check_v's
+            self.stats.count(kind, checked)
+            target = self
         if not async_op and target._run_inline_v(kind, root, outputs, inputs):
             return None
         return self._run(target._impl_v_call(kind, root, outputs, inputs), async_op)
@@ -760,10 +774,10 @@ class Communicator(CommBackend):
         inputs)`` (that one stages inputs overlapping outputs where its schedule needs it)."""
         outputs, inputs = check_v(self, kind, outputs, inputs)
         first = inputs[0]
-        nbytes = first.nbytes if all(t is first for t in inputs) else sum(
-            t.nbytes for t in inputs)
-        self.stats.count(kind, nbytes)
-        return self._target(first, kind), outputs, inputs
+        self.stats.count(kind, input_bytes(inputs))
+        if first.is_cpu and self._cpu_native:  # _target inlined
+            return self, outputs, inputs
+        return self.route(first.device, kind), outputs, inputs
 
     # ------------------------------------------------------------------ point to point
     @recorded("send", 0, 1, "dst")

@@ -22,8 +22,8 @@ from .calls import HEAD, encode, first_difference, mismatch_message, v_call
 from .errors import FastcommError
 from .work import Task
 
-__all__ = ["KINDS", "SizesDisagreement", "check_v", "default_task", "overlaps",
-           "raise_disagreement"]
+__all__ = ["KINDS", "SizesDisagreement", "check_v", "default_task", "input_bytes", "overlaps",
+           "plain_pieces", "raise_disagreement", "split_bytes"]
 
 #: the v-calls (names of ``calls.OPS``)
 KINDS = ("gather", "scatter", "all_to_all", "all_gather", "reduce_scatter", "all_gather_coalesced")
@@ -49,15 +49,14 @@ def check_v(comm, op: str, outputs: Sequence, inputs: Sequence) -> tuple[list, l
         ValueError: lists of the wrong length, non-contiguous or sparse pieces, devices that
             differ.
     """
-    comm._check_open(op)
-    outputs, inputs = list(outputs), list(inputs)
+    if comm._closed:
+        comm._check_open(op)
+    outputs, inputs = list(outputs), list(inputs)  # the caller's lists may change later
     size = comm.size
     if len(outputs) == size and len(inputs) == size:
         first = inputs[0]
-        if type(first) is torch.Tensor:  # the usual call, checked in one pass
-            dtype, device = first.dtype, first.device
-            if all(type(t) is torch.Tensor and t.dtype is dtype and t.layout is _STRIDED
-                   and t.is_contiguous() and t.device == device for t in outputs + inputs):
+        if first.__class__ is torch.Tensor:  # the usual call, checked in one pass
+            if plain_pieces(outputs, first) and plain_pieces(inputs, first):
                 return outputs, inputs
     for name, pieces in (("outputs", outputs), ("inputs", inputs)):
         if len(pieces) != size:
@@ -81,6 +80,68 @@ def check_v(comm, op: str, outputs: Sequence, inputs: Sequence) -> tuple[list, l
                 raise ValueError(f"{op}: {name}[{i}] is on {t.device}, inputs[0] on "
                                  f"{first.device}")
     return outputs, inputs
+
+
+def input_bytes(inputs: list) -> int:
+    """The bytes a v-call's ``inputs`` give (a tensor sent to every rank, as ``all_gather_v``
+    sends it, counts once)."""
+    first = inputs[0]
+    if inputs[-1] is first and all(t is first for t in inputs):
+        return first.nbytes
+    return sum([t.nbytes for t in inputs])
+
+
+def plain_pieces(pieces, first: torch.Tensor) -> bool:
+    """Whether every piece is a dense contiguous tensor of ``first``'s dtype and device (a
+    loop: a generator costs more than the checks themselves at a few pieces)."""
+    dtype = first.dtype
+    if first.is_cpu:  # no device object built per piece
+        for t in pieces:
+            if (t.__class__ is not torch.Tensor or t.dtype is not dtype
+                    or t.layout is not _STRIDED or not t.is_cpu or not t.is_contiguous()):
+                return False
+        return True
+    device = first.device
+    for t in pieces:
+        if (t.__class__ is not torch.Tensor or t.dtype is not dtype or t.layout is not _STRIDED
+                or not t.is_contiguous() or t.device != device):
+            return False
+    return True
+
+
+_SPLIT_BYTES: dict[tuple, tuple | None] = {}
+_SPLIT_CACHE = 512  # signatures kept (the cache starts over beyond)
+
+
+def split_bytes(size: int, output: torch.Tensor, input: torch.Tensor, output_splits,
+                input_splits) -> tuple[list[int], list[int]] | None:
+    """The bytes of each piece of an ``all_to_all`` of row blocks (``all_to_all_split``):
+    ``(output's, input's)``, or ``None`` where the splits are not ``size`` sizes >= 0 summing
+    to the tensor's rows along dim 0 (``checks.check_splits`` says why). Worked out once per
+    (shapes, dtype, splits): the key costs a fraction of the checks."""
+    try:
+        key = (size, output.shape, input.shape, input.dtype, tuple(output_splits),
+               tuple(input_splits))
+        found = _SPLIT_BYTES.get(key, False)
+    except TypeError:  # splits that do not hash: worked out every time
+        key, found = None, False
+    if found is not False:
+        return found
+    result = []
+    for t, splits in ((output, output_splits), (input, input_splits)):
+        rows = t.shape[0] if t.dim() else -1
+        if rows < 0 or len(splits) != size or sum(splits) != rows or min(splits) < 0:
+            result = None
+            break
+        row_bytes = t.nbytes // rows if rows else 0
+        result.append([n * row_bytes for n in splits])
+    found = None if result is None else tuple(result)
+    if key is not None and (found is None or all(
+            b.__class__ is int for part in found for b in part)):
+        if len(_SPLIT_BYTES) >= _SPLIT_CACHE:
+            _SPLIT_BYTES.clear()
+        _SPLIT_BYTES[key] = found
+    return found
 
 
 def overlaps(outputs: Sequence[tuple[int, int]], inputs: Sequence[tuple[int, int]]) -> bool:

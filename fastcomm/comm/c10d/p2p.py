@@ -15,6 +15,7 @@ What torch calls, and when: docs/torch_backend.md.
 
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from ..calls import DTYPE_CODES as _CODES
 from ..errors import CommAbortedError, CommTimeoutError
 from ..shm.p2p import MessageMismatchError
+from .issue import _REUSE_DONE
 from .multi import copier
 from .works import FinishedWork, finished_work, thread_future, wait_seconds
 
@@ -33,6 +35,7 @@ __all__ = ["MessageMismatchError", "MessageWork", "recv", "send"]
 _STRIDED = torch.strided
 _TAG_MIN, _TAG_MAX = -(1 << 63), (1 << 63) - 1
 _increment_version = torch._C._increment_version
+_refcount = sys.getrefcount
 
 
 class _Received(FinishedWork):
@@ -44,6 +47,18 @@ class _Received(FinishedWork):
         return self._src
 
     source_rank = _source_rank
+
+
+def _received(group, tensors: list, src: int) -> _Received:
+    """The handle of a receive that finished at once: the group's previous one when nothing
+    holds that any more (as ``IssueOps._done``: making a ``dist._Work`` costs more than the
+    rest of the call), else a new one."""
+    work = group._last_received
+    # 3: the attribute, `work` and the argument: no one else holds it
+    if work is None or not _REUSE_DONE or _refcount(work) != 3:
+        work = group._last_received = _Received()
+    work._outputs, work._src = tensors, src
+    return work
 
 
 class MessageWork(dist._Work):
@@ -219,14 +234,16 @@ def send(group, tensors: list, dst: int, tag: int) -> Any:
         engine = _engine(group, tensor)
         if engine is None:
             return group._forward("send", tensors, tensor, tensors, dst, tag, peer=dst)
-    _check_usable(group, "send")
-    group.communicator.stats.record("send", tensor)
+    comm = group.communicator
+    if comm._closed or comm._broken is not None:
+        _check_usable(group, "send")
+    comm.stats.record("send", tensor)
     engine.check_rejects(dst, "send to")
     code = _CODES[tensor.dtype]
     if tensor.is_contiguous():
         if group._coalescing is None and engine.send_now(
                 tensor.data_ptr(), tensor.nbytes, dst, tag, code):
-            return finished_work(tensors)
+            return group._done(tensors)
         data = tensor
     else:
         data = tensor.contiguous()
@@ -244,8 +261,10 @@ def recv(group, tensors: list, src: int | None, tag: int) -> Any:
             if src is None:
                 return group._forward(name, tensors, tensor, tensors, tag)
             return group._forward(name, tensors, tensor, tensors, src, tag, peer=src)
-    _check_usable(group, name)
-    group.communicator.stats.record("recv", None)
+    comm = group.communicator
+    if comm._closed or comm._broken is not None:
+        _check_usable(group, name)
+    comm.stats.record("recv", None)
     code = _CODES[tensor.dtype]
     if src is not None:
         engine.check_rejects(src, "receive from")
@@ -253,9 +272,7 @@ def recv(group, tensors: list, src: int | None, tag: int) -> Any:
         if src is not None and group._coalescing is None and engine.recv_now(
                 tensor.data_ptr(), tensor.nbytes, src, tag, code):
             _increment_version((tensor,))  # written behind autograd's back
-            work = _Received()
-            work._outputs, work._src = tensors, src
-            return work
+            return _received(group, tensors, src)
         data, post = tensor, partial(_increment_version, (tensor,))
     else:
         data = torch.empty_like(tensor, memory_format=torch.contiguous_format)

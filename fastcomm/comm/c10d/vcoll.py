@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
+from ..adapt import rooted_now, split_now
 from ..types import ReduceOp
 from .multi import copier
 
@@ -28,7 +29,7 @@ _STRIDED = torch.strided
 
 def _options_of(opts: Any, cls: type) -> Any:
     """torch's options object, or a default one for a call made without (``pg.gather(o, i)``)."""
-    return opts if isinstance(opts, cls) else cls()
+    return opts if opts.__class__ is cls or isinstance(opts, cls) else cls()
 
 
 def _dense(tensors) -> bool:
@@ -87,6 +88,13 @@ class VCollOps:
     def gather(self, output_tensors, input_tensors, opts=None):
         opts = _options_of(opts, dist.GatherOptions)
         root = opts.rootRank
+        if len(input_tensors) == 1 and not opts.asyncOp and self._coalescing is None:
+            # the usual call (contiguous CPU tensors, waited for): the communicator does it
+            outs = None if self._rank != root else (
+                output_tensors[0] if len(output_tensors) == 1 else False)
+            if outs is not False and rooted_now(self.communicator, "gather",
+                                                   input_tensors[0], outs, root):
+                return self._done(output_tensors)
         comm = self._comm_for(input_tensors[0]) if len(input_tensors) == 1 else None
         outs = output_tensors[0] if output_tensors else None
         if (comm is None or not _dense(input_tensors)
@@ -103,6 +111,13 @@ class VCollOps:
     def scatter(self, output_tensors, input_tensors, opts=None):
         opts = _options_of(opts, dist.ScatterOptions)
         root = opts.rootRank
+        if len(output_tensors) == 1 and not opts.asyncOp and self._coalescing is None:
+            # the usual call (contiguous CPU tensors, waited for): the communicator does it
+            ins = None if self._rank != root else (
+                input_tensors[0] if len(input_tensors) == 1 else False)
+            if ins is not False and rooted_now(self.communicator, "scatter",
+                                                  output_tensors[0], ins, root):
+                return self._done(output_tensors)
         comm = self._comm_for(output_tensors[0]) if len(output_tensors) == 1 else None
         ins = input_tensors[0] if input_tensors else None
         if (comm is None or not _dense(output_tensors)
@@ -126,6 +141,11 @@ class VCollOps:
 
     def _all_to_all_split(self, output, input, output_split_sizes, input_split_sizes, opts):
         """``all_to_all_single`` with split sizes (or dtypes the even path does not take)."""
+        if (output_split_sizes and input_split_sizes and not opts.asyncOp
+                and self._coalescing is None and split_now(
+                    self.communicator, output, input, output_split_sizes, input_split_sizes)):
+            # the usual call (contiguous CPU tensors, valid splits, waited for): done
+            return self._done([output])
         comm = self._comm_for(input)
         if comm is not None and output.layout is _STRIDED and input.layout is _STRIDED:
             send = input if input.is_contiguous() else input.contiguous()

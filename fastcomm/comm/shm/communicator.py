@@ -215,6 +215,7 @@ class ShmCommunicator(Communicator):
             self._flags, self._seg.layout, u8, one_shot, reduce, compiled=opts.compiled
         )
         self._v = self._schedules.v
+        self._v_fits = self._v.fits()  # a v-call's header leaves every peer room in a slot
         self._p2p: dict[tuple[str, int], OrderedExecutor] = {}
         self._mailboxes: Mailboxes | None = None
         self._broken: BaseException | None = None
@@ -422,7 +423,7 @@ class ShmCommunicator(Communicator):
         """A synchronous v-call with no asynchronous work pending runs on the caller's thread
         with no task or ``Work`` built (as :meth:`_run_inline`); a disagreement leaves the
         communicator usable (every rank raised after the same round)."""
-        if self._executor.busy or self._broken is not None or not self._v.fits():
+        if self._executor.busy or self._broken is not None or not self._v_fits:
             return False
         start = time.monotonic()
         try:
@@ -434,7 +435,7 @@ class ShmCommunicator(Communicator):
     def _run_inline_v_split(self, output: torch.Tensor, input: torch.Tensor, out_bytes: list[int],
                       in_bytes: list[int]) -> bool:
         """:meth:`_run_inline_v` of consecutive pieces of one tensor each side (no view made)."""
-        if self._executor.busy or self._broken is not None or not self._v.fits():
+        if self._executor.busy or self._broken is not None or not self._v_fits:
             return False
         start = time.monotonic()
         try:
@@ -444,7 +445,7 @@ class ShmCommunicator(Communicator):
         return True
 
     def _impl_v_call(self, kind: str, root: int, outputs: list, inputs: list) -> Task:
-        if not self._v.fits():  # more ranks than a slot has headers for
+        if not self._v_fits:  # more ranks than a slot has headers for
             return default_task(self, kind, root, outputs, inputs)
         run = self._v.run
         return self._task(kind, outputs[self.rank], lambda: run(kind, root, outputs, inputs))

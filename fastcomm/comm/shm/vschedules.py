@@ -30,6 +30,7 @@ _CODE = OP_CODES["all_to_all_v"] << 56
 # and the dtype's codes of calls.py, the root, the element size; then the bytes sent to and
 # expected from each rank, then where each piece sits in the slot
 HEAD = 4
+_PLAN_CACHE = 512  # signatures whose layout is kept (the cache starts over beyond)
 
 
 def _call_of(header, size: int) -> Call:
@@ -71,6 +72,12 @@ class VSchedule:
         self._plan_struct = struct.Struct(f"<{self.width + 2 * n}q")
         self._plan = (ctypes.c_int64 * (self.width + 2 * n))()
         self._plan_address = ctypes.addressof(self._plan)
+        self._addr_struct = struct.Struct(f"<{2 * n}q")
+        self._addr_offset = 8 * self.width
+        self._packed: tuple | None = None  # the layout whose words the plan holds
+        self._ranks = tuple(range(n))
+        self._zeros = [0] * n  # read only: the sizes and addresses of n empty pieces
+        self._plans: dict[tuple, tuple] = {}  # by a call's signature: see _layout
 
     def fits(self) -> bool:
         """Whether a header leaves every peer 64 bytes of a slot (up to ~40 ranks at 4 KiB
@@ -82,16 +89,55 @@ class VSchedule:
         CPU tensors, one dtype; checked by the communicator). A tensor given for several
         destinations goes into the slot once."""
         first = inputs[0]
-        self._run(kind, root, first.dtype, first.element_size(),
-                  [t.nbytes for t in inputs], [t.nbytes for t in outputs],
-                  [t.data_ptr() for t in inputs], [t.data_ptr() for t in outputs],
-                  [id(t) for t in inputs], tuple(t for t in outputs if t.nbytes))
+        if kind == "gather" or kind == "scatter":  # every piece but the root's is empty
+            sent, expected, in_addrs, out_addrs = self._rooted(kind, root, outputs, inputs)
+        else:
+            sent = [t.nbytes for t in inputs]
+            expected = [t.nbytes for t in outputs]
+            in_addrs = [t.data_ptr() for t in inputs]
+            out_addrs = [t.data_ptr() for t in outputs]
+        key = (kind, root, first.dtype, *sent, *expected)
+        if self.size > 2:  # which destinations share a buffer (two ranks: one peer, no choice)
+            seen: dict[int, int] = {}
+            key += (tuple(map(seen.setdefault, map(id, inputs), self._ranks)),)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._layout(key, kind, root, first, sent, expected)
+        bump = plan[-1]
+        self._run(kind, plan, sent, expected, in_addrs, out_addrs,
+                  outputs if bump is True else [outputs[q] for q in bump])
+
+    def _rooted(self, kind: str, root: int, outputs: list, inputs: list) -> tuple:
+        """``(sent, expected, input addresses, output addresses)`` of a ``gather`` or
+        ``scatter``, whose pieces are empty but the root's (``adapt.rooted_pieces``): only the
+        pieces that can hold bytes are read (an empty piece has address 0)."""
+        me, zeros = self.rank, self._zeros
+        if kind == "gather":
+            mine = inputs[root]
+            sent, in_addrs = zeros.copy(), zeros.copy()
+            sent[root], in_addrs[root] = mine.nbytes, mine.data_ptr()
+            if me != root:
+                return sent, zeros, in_addrs, zeros
+            return (sent, [t.nbytes for t in outputs], in_addrs,
+                    [t.data_ptr() for t in outputs])
+        mine = outputs[root]
+        expected, out_addrs = zeros.copy(), zeros.copy()
+        expected[root], out_addrs[root] = mine.nbytes, mine.data_ptr()
+        if me != root:
+            return zeros, expected, zeros, out_addrs
+        return [t.nbytes for t in inputs], expected, [t.data_ptr() for t in inputs], out_addrs
 
     def run_split(self, output: torch.Tensor, input: torch.Tensor, out_bytes: list[int],
                   in_bytes: list[int]) -> None:
         """An ``all_to_all`` v-call of consecutive pieces of one tensor each side (``out_bytes``
         and ``in_bytes``: each piece's bytes, in rank order; contiguous CPU tensors of one
         dtype, checked by the communicator), with no tensor made per piece."""
+        key = ("all_to_all", -1, input.dtype, *in_bytes, *out_bytes)
+        if self.size > 2:
+            key += (self._ranks,)  # every destination its own buffer
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._layout(key, "all_to_all", -1, input, in_bytes, out_bytes)
         out_addrs, in_addrs = [], []
         address = output.data_ptr()
         for nbytes in out_bytes:
@@ -101,50 +147,82 @@ class VSchedule:
         for nbytes in in_bytes:
             in_addrs.append(address)
             address += nbytes
-        self._run("all_to_all", -1, input.dtype, input.element_size(), in_bytes, out_bytes,
-                  in_addrs, out_addrs, range(self.size), (output,) if output.nbytes else ())
+        self._run("all_to_all", plan, in_bytes, out_bytes, in_addrs, out_addrs,
+                  (output,) if output.nbytes else ())
 
-    def _run(self, kind: str, root: int, dtype: torch.dtype, esize: int, sent: list,
-             expected: list, in_addrs: list, out_addrs: list, keys, changed: tuple) -> None:
-        """A v-call of pieces given as addresses and bytes; ``keys[r]``: the identity of the
-        buffer sent to rank ``r`` (equal keys: one buffer); ``changed``: the tensors whose
-        version counters the call bumps."""
-        start = time.monotonic()
-        steps, n, me, head = self.rounds, self.size, self.rank, self.header
-        flags = steps.flags
-        # the distinct buffers sent to peers, in order of first use, each at its slot offset
-        buffers: list[list[int]] = []  # [address, bytes]
-        offsets = [-1] * n
+    def _layout(self, key: tuple, kind: str, root: int, first: torch.Tensor, sent: list,
+              expected: list) -> tuple:
+        """What a call's signature (``key``: the op, the root, the dtype, the bytes to and from
+        every rank, which destinations share a buffer) fixes, worked out once: ``(header
+        words, bytes per buffer per round, the first destination of each distinct buffer,
+        whether each fits one round, the outputs written: True for all, else their ranks)``."""
+        n, me, head = self.size, self.rank, self.header
+        keys = key[-1] if n > 2 else self._ranks
+        firsts: list[int] = []  # per distinct buffer sent to peers: the first rank it goes to
+        index = [-1] * n
         seen: dict[int, int] = {}
-        for r, key in enumerate(keys):
+        for r in self._ranks:
             if r == me or not sent[r]:
                 continue
-            i = seen.get(key)
+            i = seen.get(keys[r])
             if i is None:
-                i = seen[key] = len(buffers)
-                buffers.append([in_addrs[r], sent[r]])
-            offsets[r] = i
-        room = self.rooms[len(buffers)]
-        offsets = [-1 if i < 0 else head + i * room for i in offsets]
-        words = (OP_CODES[kind], root, DTYPE_CODES[dtype], esize, *sent, *expected, *offsets)
-        if self.compiled is not None and all(nbytes <= room for _, nbytes in buffers):
+                i = seen[keys[r]] = len(firsts)
+                firsts.append(r)
+            index[r] = i
+        room = self.rooms[len(firsts)]
+        offsets = [-1 if i < 0 else head + i * room for i in index]
+        words = (OP_CODES[kind], root, DTYPE_CODES[first.dtype], first.element_size(), *sent,
+                 *expected, *offsets)
+        fits = all(sent[r] <= room for r in firsts)
+        written = tuple(q for q in self._ranks if expected[q])
+        if len(self._plans) >= _PLAN_CACHE:
+            self._plans.clear()
+        plan = self._plans[key] = (words, room, tuple(firsts), fits,
+                                   True if len(written) == n else written)
+        return plan
+
+    def _run(self, kind: str, plan: tuple, sent: list, expected: list, in_addrs: list,
+             out_addrs: list, changed) -> None:
+        """A v-call of pieces given as addresses and bytes, laid out by ``plan``
+        (:meth:`_layout`); ``changed``: the tensors whose version counters the call bumps."""
+        start = time.monotonic()
+        words, room, firsts, fits, _ = plan
+        compiled = self.compiled
+        if compiled is not None and fits:
             # the round in one C call; it returns having copied nothing out when the ranks
             # disagree or a peer's piece needs more rounds (then on as below)
-            self._plan_struct.pack_into(self._plan, 0, *words, *out_addrs, *in_addrs)
-            half, status = self.compiled.v_call(self._plan_address, _CODE, kind, start)
+            if plan is self._packed:  # its words are in the plan already: the addresses only
+                self._addr_struct.pack_into(self._plan, self._addr_offset, *out_addrs,
+                                            *in_addrs)
+            else:
+                self._plan_struct.pack_into(self._plan, 0, *words, *out_addrs, *in_addrs)
+                self._packed = plan
+            half, status = compiled.v_call(self._plan_address, _CODE, kind, start)
             if status == Status.DONE:
                 if changed:
                     _increment_version(changed)
                 return
+            buffers = [[in_addrs[r], sent[r]] for r in firsts]
         else:
+            buffers = [[in_addrs[r], sent[r]] for r in firsts]
+            steps, head = self.rounds, self.header
             half = steps.enter(kind, start, _CODE)
-            self._header.pack_into(self._mm, self._offsets[half][me], *words)
-            mine = self.slots[half][me]
+            self._header.pack_into(self._mm, self._offsets[half][self.rank], *words)
+            mine = self.slots[half][self.rank]
             for i, (addr, nbytes) in enumerate(buffers):
                 _memmove(mine + head + i * room, addr, nbytes if nbytes < room else room)
             steps.publish_first()
-            flags.wait_all(flags.seq, kind, start)
+            steps.flags.wait_all(steps.flags.seq, kind, start)
             steps.check(half, _CODE)
+        self._after_round0(kind, start, half, room, buffers, expected, in_addrs, out_addrs)
+        if changed:
+            _increment_version(changed)
+
+    def _after_round0(self, kind: str, start: float, half: int, room: int, buffers: list,
+                      expected: list, in_addrs: list, out_addrs: list) -> None:
+        """The rest of a v-call once round 0 is published and every header is in: the sizes
+        compared, the peers' pieces copied out, later rounds where a buffer needs them."""
+        n, me = self.size, self.rank
         unpack, mm = self._header.unpack_from, self._mm
         table = [unpack(mm, offset) for offset in self._offsets[half]]
         problem = calls_difference([_call_of(header, n) for header in table])
@@ -177,8 +255,6 @@ class VSchedule:
         for k in range(1, rounds):
             self._later_round(kind, start, k, room, buffers, sources)
         del keep
-        if changed:
-            _increment_version(changed)
 
     def _later_round(self, kind: str, start: float, k: int, room: int, buffers: list,
                      sources: list) -> None:
