@@ -49,7 +49,7 @@ from .checks import (
     untracked,
 )
 from .errors import CommClosedError
-from .flight import failed, recorded, recorder_for
+from .flight import SAMPLE, failed, recorded, recorder_for
 from .reduction import torch_reduce
 from .stats import CommStats
 from .store import DEFAULT_TIMEOUT, Store, as_timedelta
@@ -63,6 +63,7 @@ logger = logging.getLogger("fastcomm")
 
 _DTYPES = DTYPES
 _STRIDED = torch.strided
+_UNTIMED = SAMPLE - 1  # a call whose sequence number has these bits set is not timed
 
 
 class CommBackend(abc.ABC):
@@ -515,7 +516,9 @@ class Communicator(CommBackend):
                 recorder.end(seq, False)
             raise
         if recorder is not None:
-            if result is None:
+            if result is None and seq & _UNTIMED and recorder._range is None:
+                recorder.done = seq  # completed, in one store (FlightRecorder.done)
+            elif result is None:
                 recorder.end(seq)
             else:
                 recorder.finish(seq, result)

@@ -85,7 +85,8 @@ class FlightRecorder:
     """
 
     __slots__ = ("name", "rank", "size", "capacity", "seq", "_op", "_arg", "_extra", "_t0",
-                 "_t1", "_state", "_last", "_range", "_seen", "backend", "main", "__weakref__")
+                 "_t1", "_state", "_last", "_range", "_seen", "done", "backend", "main",
+                 "__weakref__")
 
     def __init__(self, name: str, rank: int, size: int, capacity: int = DEFAULT_SIZE) -> None:
         if capacity < 1:
@@ -99,6 +100,9 @@ class FlightRecorder:
         """Whether reports follow this communicator (the one the job's ranks all call)."""
         self.seq = 0
         """The last sequence number issued (1 is the first call)."""
+        self.done = 0
+        """The last synchronous call that returned without ``end`` (the hottest path marks its
+        call completed with this one store): a ``started`` slot at or below it completed."""
         self._op: list[str | None] = [None] * capacity
         self._arg: list[tuple] = [()] * capacity  # (dtype, numel) of the call's tensor, or ()
         self._extra: list[Any] = [None] * capacity  # the reduce op or the root
@@ -178,7 +182,8 @@ class FlightRecorder:
         first = max(1, self.seq - self.capacity + 1)
         for seq in range(first, self.seq + 1):
             i = seq % self.capacity
-            if self._state[i] in (ISSUED, STARTED):
+            state = self._state[i]
+            if state == ISSUED or (state == STARTED and seq > self.done):
                 if self._t0[i]:
                     return seq, self._op[i], wall(self._t0[i])
                 if self._seen[0] != seq:
@@ -190,7 +195,8 @@ class FlightRecorder:
         """The highest sequence number that ended (completed or failed), 0 for none."""
         first = max(1, self.seq - self.capacity + 1)
         for seq in range(self.seq, first - 1, -1):
-            if self._state[seq % self.capacity] in (COMPLETED, FAILED):
+            state = self._state[seq % self.capacity]
+            if state >= COMPLETED or (state == STARTED and seq <= self.done):
                 return seq
         return 0
 
@@ -205,8 +211,11 @@ class FlightRecorder:
         for seq in range(first, self.seq + 1):
             i = seq % self.capacity
             state = self._state[i]
+            if state == STARTED and seq <= self.done:
+                state = COMPLETED
             rows.append(entry(seq, self._op[i], self._arg[i], self._extra[i], state,
-                              self._t0[i], self._t1[i] if state >= COMPLETED else 0))
+                              self._t0[i], self._t1[i] if state >= COMPLETED and self._t0[i]
+                              else 0))
         pending = self.in_flight()
         for row in rows:  # the oldest call in flight has an issue time, timed or not
             if pending is not None and row["seq"] == pending[0] and row["issued"] is None:
