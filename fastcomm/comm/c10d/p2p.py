@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..calls import DTYPE_CODES as _CODES
 from ..errors import CommAbortedError, CommTimeoutError
+from ..flight import failed
 from ..shm.p2p import MessageMismatchError
 from .issue import _REUSE_DONE
 from .multi import copier
@@ -67,7 +68,8 @@ class MessageWork(dist._Work):
     into a non-contiguous tensor, autograd's version counter), raising its error naming the
     rank, the operation and the peer. ``_source_rank()`` is the sender of a receive."""
 
-    __slots__ = ("_engine", "_op", "_outputs", "_post", "_error", "_finished", "_future")
+    __slots__ = ("_engine", "_op", "_outputs", "_post", "_error", "_finished", "_future",
+                 "_flight")
 
     def __init__(self, engine, op, outputs: list, post) -> None:
         super().__init__()
@@ -78,6 +80,7 @@ class MessageWork(dist._Work):
         self._error: BaseException | None = None
         self._finished = False
         self._future: torch.futures.Future | None = None
+        self._flight: tuple | None = None  # (recorder, seq) until the operation ends
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         """Blocks until the operation is done and raises its error.
@@ -98,6 +101,8 @@ class MessageWork(dist._Work):
             except BaseException as exc:
                 self._error = exc
                 self._finished = True
+                _ended(self._flight, exc)
+                self._flight = None
                 raise
             self._settle()
         if self._error is not None:
@@ -115,6 +120,8 @@ class MessageWork(dist._Work):
                 error = exc
         self._error = error
         self._finished = True
+        _ended(self._flight, error)
+        self._flight = None
 
     def is_completed(self) -> bool:
         if not self._finished:
@@ -208,9 +215,27 @@ def _check_usable(group, op: str) -> None:
         )
 
 
-def _issued(group, tensors: list, engine, op, post) -> Any:
+def _recorded(comm, name: str, tensor: torch.Tensor, peer: int | None) -> tuple | None:
+    """The call recorded in ``comm``'s flight recorder, as ``comm.send``/``comm.recv`` record
+    theirs: ``(recorder, seq)``, or ``None`` with the recorder off."""
+    recorder = comm.flight
+    return None if recorder is None else (recorder, recorder.issue(name, tensor, peer))
+
+
+def _ended(flight: tuple | None, error: BaseException | None) -> None:
+    """Ends a recorded call; a failure dumps the record (a timeout, a lost peer)."""
+    if flight is None:
+        return
+    recorder, seq = flight
+    if error is not None:
+        failed(recorder, error)
+    recorder.end(seq, error is None)
+
+
+def _issued(group, tensors: list, engine, op, post, flight: tuple | None = None) -> Any:
     """The handle of an operation the engine took: finished already, or pending."""
     if op.done and group._coalescing is None:
+        _ended(flight, op.error)
         if op.error is not None:
             raise op.error
         if post is not None:
@@ -221,6 +246,7 @@ def _issued(group, tensors: list, engine, op, post) -> Any:
         work._outputs, work._src = tensors, op.source
         return work
     handle = MessageWork(engine, op, tensors, post)
+    handle._flight = flight
     if group._coalescing is not None:
         group._coalescing.append(handle)
     return handle
@@ -240,14 +266,21 @@ def send(group, tensors: list, dst: int, tag: int) -> Any:
     comm.stats.record("send", tensor)
     engine.check_rejects(dst, "send to")
     code = _CODES[tensor.dtype]
-    if tensor.is_contiguous():
-        if group._coalescing is None and engine.send_now(
-                tensor.data_ptr(), tensor.nbytes, dst, tag, code):
-            return group._done(tensors)
-        data = tensor
-    else:
-        data = tensor.contiguous()
-    return _issued(group, tensors, engine, engine.isend(data, dst, tag, code), None)
+    flight = _recorded(comm, "send", tensor, dst)
+    try:
+        if tensor.is_contiguous():
+            if group._coalescing is None and engine.send_now(
+                    tensor.data_ptr(), tensor.nbytes, dst, tag, code):
+                _ended(flight, None)
+                return group._done(tensors)
+            data = tensor
+        else:
+            data = tensor.contiguous()
+        op = engine.isend(data, dst, tag, code)
+    except BaseException as exc:
+        _ended(flight, exc)
+        raise
+    return _issued(group, tensors, engine, op, None, flight)
 
 
 def recv(group, tensors: list, src: int | None, tag: int) -> Any:
@@ -268,14 +301,21 @@ def recv(group, tensors: list, src: int | None, tag: int) -> Any:
     code = _CODES[tensor.dtype]
     if src is not None:
         engine.check_rejects(src, "receive from")
-    if tensor.is_contiguous():
-        if src is not None and group._coalescing is None and engine.recv_now(
-                tensor.data_ptr(), tensor.nbytes, src, tag, code):
-            _increment_version((tensor,))  # written behind autograd's back
-            return _received(group, tensors, src)
-        data, post = tensor, partial(_increment_version, (tensor,))
-    else:
-        data = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        post = copier(tensor, data)
-    return _issued(group, tensors, engine, engine.irecv(data, src, tag, code), post)
+    flight = _recorded(comm, "recv", tensor, src)
+    try:
+        if tensor.is_contiguous():
+            if src is not None and group._coalescing is None and engine.recv_now(
+                    tensor.data_ptr(), tensor.nbytes, src, tag, code):
+                _ended(flight, None)
+                _increment_version((tensor,))  # written behind autograd's back
+                return _received(group, tensors, src)
+            data, post = tensor, partial(_increment_version, (tensor,))
+        else:
+            data = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+            post = copier(tensor, data)
+        op = engine.irecv(data, src, tag, code)
+    except BaseException as exc:
+        _ended(flight, exc)
+        raise
+    return _issued(group, tensors, engine, op, post, flight)
 

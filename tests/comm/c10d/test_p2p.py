@@ -434,6 +434,30 @@ def test_send_to_self_is_refused(pool):
     pool.run(check_send_to_self)
 
 
+def check_torch_calls_are_recorded():
+    """The calls the group runs without the communicator's methods (the short way of gather
+    and split all_to_all_single, point-to-point on the engine) are in its flight record."""
+    fast, _ = _groups()
+    recorder = fast.communicator.flight
+    rank, world = env_rank(), env_world()
+    first = recorder.seq + 1
+    x = torch.arange(2 * world, dtype=torch.float32)
+    outs = [torch.empty_like(x) for _ in range(world)] if rank == 0 else None
+    dist.gather(x, outs, dst=0, group=fast)
+    dist.all_to_all_single(torch.empty_like(x), x, [2] * world, [2] * world, group=fast)
+    send = dist.isend(x, (rank + 1) % world, group=fast)
+    recv = dist.irecv(torch.empty_like(x), (rank - 1) % world, group=fast)
+    send.wait()
+    recv.wait()
+    return [(e["op"], e["state"]) for e in recorder.entries() if e["seq"] >= first]
+
+
+def test_torch_calls_are_recorded(pool):
+    expected = [("gather", "completed"), ("all_to_all_v", "completed"), ("send", "completed"),
+                ("recv", "completed")]
+    assert pool.run(check_torch_calls_are_recorded) == [expected] * pool.world_size
+
+
 def check_recv_from_a_killed_rank():
     group, _ = _groups()
     dead = env_world() - 1
