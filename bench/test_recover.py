@@ -10,7 +10,8 @@ under ``restart`` every step before the kill and the one in flight). torchft 0.2
 same job from its own interpreter (``FASTCOMM_BENCH_TORCHFT_PYTHON``). Each scenario runs
 ``FASTCOMM_BENCH_RECOVER_REPEATS`` (3) times; the row is the median run's. The A/B cost when
 nothing fails: two DDP models in the same 3 processes, recovery on and off, steps interleaved
-(order swapped every step); the slowest rank's median step time of each.
+(order swapped every step); the slowest rank's median step time of each. Quick mode
+(``--benchmark-disable``, as the test suite runs it): one in-process loss, nothing written.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 STEPS, KILL_STEP, VICTIM = 30, 20, 1
 REPEATS = int(os.environ.get("FASTCOMM_BENCH_RECOVER_REPEATS", "3"))
+QUICK = bool(os.environ.get("FASTCOMM_BENCH_QUICK")) or "--benchmark-disable" in sys.argv
 
 JOB = """
 import json, os, signal, sys, time
@@ -373,7 +375,18 @@ def _median_row(runs: list[dict]) -> dict:
 
 
 @pytest.mark.timeout(1800)
+def test_recover_quick(tmp_path):
+    """Quick mode (``--benchmark-disable``, the test suite): one in-process loss in backward,
+    checked, nothing written to bench/results."""
+    if not QUICK:
+        pytest.skip("the full benchmark is test_recover")
+    row = measure_loss(tmp_path / "quick", "in-process", "backward")
+    assert row["steps_lost"] == 0 and row["world_sizes_after"] == [2, 3], row
+
+
 def test_recover(tmp_path):
+    if QUICK:
+        pytest.skip("quick mode runs test_recover_quick; the figures need the full run")
     result = {"machine": os.uname().nodename, "cpus": os.cpu_count(), "repeats": REPEATS,
               "loss": []}
     for mode in ("in-process", "restart"):
