@@ -11,13 +11,16 @@ are compared by form only:
 * ``TORCHELASTIC_ERROR_FILE``: a per-run temporary path ending ``attempt_0/<local_rank>/
   error.json`` in both.
 
-One variable is fastcomm-run's own: ``FASTCOMM_JOB_SECRET``, the random per-job secret (64 hex
-digits) that signs the values workers read back from the store.
+Two variables are fastcomm-run's own: ``FASTCOMM_JOB_SECRET``, the random per-job secret (64
+hex digits) that signs the values workers read back from the store, and
+``FASTCOMM_FLIGHT_DIR``, where the workers' flight records go (``attempt_0/flight`` of the run's
+folder) for the launcher's hang report.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -58,6 +61,7 @@ def _compare(ours, theirs, *, standalone):
         assert a["name"] == b["name"] == "__main__" and a["file"] == b["file"]
         env_a, env_b = dict(a["env"]), b["env"]
         assert re.fullmatch(r"[0-9a-f]{64}", env_a.pop("FASTCOMM_JOB_SECRET"))
+        assert env_a.pop("FASTCOMM_FLIGHT_DIR").endswith(os.path.join("attempt_0", "flight"))
         assert sorted(env_a) == sorted(env_b), (
             f"only fastcomm-run: {sorted(set(env_a) - set(env_b))}, "
             f"only torchrun: {sorted(set(env_b) - set(env_a))}"
