@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from . import checks
-from .flight import failed
+from .flight import run_recorded
 from .reduction import reduce_gathered
 from .types import BITWISE_OPS, PremulSum, ReduceOp, check_reduction
 from .vcoll import input_bytes, plain_pieces, split_bytes
@@ -126,23 +126,13 @@ def rooted_now(comm, kind: str, mine: torch.Tensor, theirs: list | None, root: i
         return False
     outputs, inputs = (others, pieces) if kind == "gather" else (pieces, others)
     comm.stats.count(kind, checked)
-    recorder = comm.flight  # recorded as comm.gather / comm.scatter record their calls
-    seq = recorder.issue(kind, mine, root) if recorder is not None else 0
-    try:
+    def run() -> None:
         if not comm._run_inline_v(kind, root, outputs, inputs):
             comm._run(comm._impl_v_call(kind, root, outputs, inputs), False)
-    except BaseException as exc:
-        _failed(recorder, seq, exc)
-        raise
-    if recorder is not None:
-        recorder.end(seq)
+
+    # recorded as comm.gather / comm.scatter record their calls
+    run_recorded(comm.flight, kind, mine, root, run)
     return True
-
-
-def _failed(recorder, seq: int, exc: BaseException) -> None:
-    if recorder is not None:
-        failed(recorder, exc)  # dumped while the call still shows as in flight
-        recorder.end(seq, False)
 
 
 def split_now(comm, output: torch.Tensor, input: torch.Tensor, output_splits,
@@ -157,18 +147,14 @@ def split_now(comm, output: torch.Tensor, input: torch.Tensor, output_splits,
     if byte_splits is None:
         return False
     comm.stats.count("all_to_all", input.nbytes)
-    recorder = comm.flight  # recorded as comm.all_to_all_split records its calls
-    seq = recorder.issue("all_to_all_v", input, None) if recorder is not None else 0
-    try:
+    def run() -> None:
         if not comm._run_inline_v_split(output, input, *byte_splits):
             outputs = list(output.split_with_sizes(list(output_splits)))
             inputs = list(input.split_with_sizes(list(input_splits)))
             comm._run(comm._impl_v_call("all_to_all", -1, outputs, inputs), False)
-    except BaseException as exc:
-        _failed(recorder, seq, exc)
-        raise
-    if recorder is not None:
-        recorder.end(seq)
+
+    # recorded as comm.all_to_all_split records its calls
+    run_recorded(comm.flight, "all_to_all_v", input, None, run)
     return True
 
 

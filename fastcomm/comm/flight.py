@@ -28,7 +28,7 @@ import torch
 import torch.autograd.profiler as _profiler
 from torch import Tensor as _Tensor
 
-__all__ = ["FlightRecorder", "STATES", "recorded", "recorder_for", "recorders"]
+__all__ = ["FlightRecorder", "STATES", "recorded", "recorder_for", "recorders", "run_recorded"]
 
 SIZE_ENV = "FASTCOMM_FLIGHT_SIZE"
 DEFAULT_SIZE = 2000
@@ -296,6 +296,23 @@ def recorded(op: str, arg: int = 0, extra: int | None = None,
         return call
 
     return wrap
+
+
+def run_recorded(recorder: FlightRecorder | None, op: str, arg: Any, extra: Any,
+                 run: Callable[[], None]) -> None:
+    """``run()``, a synchronous call of ``op`` made outside the recorded public methods,
+    recorded as they record theirs (``recorder`` ``None``: not recorded)."""
+    if recorder is None:
+        run()
+        return
+    seq = recorder.issue(op, arg, extra)
+    try:
+        run()
+    except BaseException as exc:
+        failed(recorder, exc)  # dumped while the call still shows as in flight
+        recorder.end(seq, False)
+        raise
+    recorder.end(seq)
 
 
 def work_ended(work: Any, error: BaseException | None) -> None:
