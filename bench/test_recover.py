@@ -216,6 +216,8 @@ step, first, deadline = ddp.join_step, None, time.monotonic() + 120
 while joined[0] is None or step < joined[0] + 10:
     assert time.monotonic() < deadline, "no replacement joined"
     if me == victim and step == kill_step:
+        with open(os.path.join(out, "kill.json"), "w") as fh:
+            json.dump({"time": time.time()}, fh)
         os.kill(os.getpid(), signal.SIGKILL)
     opt.zero_grad(set_to_none=True)
     nn.functional.mse_loss(ddp(x), y).backward()
@@ -224,7 +226,10 @@ while joined[0] is None or step < joined[0] + 10:
     step += 1
 if ddp.join_step:
     with open(os.path.join(out, "joiner.json"), "w") as fh:
-        json.dump({"start": process_start(), "imported": imported, "before_ddp": before_ddp,
+        # a replacement started from a warm spare starts where the spare was handed its rank
+        activated = os.environ.get("FASTCOMM_SPARE_ACTIVATED")
+        json.dump({"start": float(activated) if activated else process_start(),
+                   "spare": bool(activated), "imported": imported, "before_ddp": before_ddp,
                    "after_ddp": after_ddp, "first_step": first, "join_step": ddp.join_step,
                    "change_s": ddp._recovery.changes[-1].seconds if ddp._recovery.changes
                    else None}, fh)
@@ -234,14 +239,17 @@ fastcomm.shutdown()
 
 def measure_regrow(out: Path) -> dict:
     """Rank 1 killed at step 20, a replacement started (``--max-restarts 1``): from the
-    replacement's process start to its first step, and the step it joined at."""
+    replacement's process start (a warm spare's activation) to its first step, from the kill
+    to it, and the step it joined at."""
     out.mkdir(parents=True, exist_ok=True)
     _launch(out, GROW_JOB, ["--recover", "in-process", "--max-restarts", "1"],
             [KILL_STEP, VICTIM])
     joiner = json.loads((out / "joiner.json").read_text())
-    start = joiner["start"]
+    start, kill = joiner["start"], json.loads((out / "kill.json").read_text())["time"]
     return {
         "joiner_start_to_first_step_s": round(joiner["first_step"] - start, 2),
+        "kill_to_joiner_first_step_s": round(joiner["first_step"] - kill, 2),
+        "spare": joiner["spare"],
         "imports_s": round(joiner["imported"] - start, 2),
         "init_and_model_s": round(joiner["before_ddp"] - joiner["imported"], 2),
         "ddp_join_s": round(joiner["after_ddp"] - joiner["before_ddp"], 2),

@@ -5,8 +5,8 @@ The joiner's ``fastcomm.init()`` returns a stand-in world of its own (``world._j
 ``DDP()`` posts a request in the running DDP's recovery namespace (named by rank 0 under
 ``ddp-recover/current`` in the world's store). The running ranks look for it at every
 ``FASTCOMM_RECOVER_JOIN_EVERY``-th synchronized forward (16; the same steps on every rank, one
-store ``check``); the first to see it sets the admission to the next such step
-(``compare_set``), by which every rank has seen it. Then the joiner becomes the last member of
+store ``check``), at every one while a replacement for a lost rank is due; the first to see it
+sets the admission to the next such step (``compare_set``), by which every rank has seen it. Then the joiner becomes the last member of
 a new epoch, rank 0 posts the admission (members, step, bucket order), all build the new
 communicator, and rank 0 streams the parameters and buffers, then the ``DDP.register_state``
 objects' ``state_dict``s (at the joiner's first forward, once its loop registered them).
@@ -44,6 +44,7 @@ __all__ = ["JOIN_ENV", "Grower", "join", "joining"]
 #: Set by the launcher in a replacement's environment.
 JOIN_ENV = "FASTCOMM_RECOVER_JOIN"
 EVERY_ENV = "FASTCOMM_RECOVER_JOIN_EVERY"
+_POLL_S = 0.005
 
 
 def _every() -> int:
@@ -59,6 +60,13 @@ def _every() -> int:
     return every
 
 
+def _replacements() -> int:
+    """The replacements the launcher may start (``TORCHELASTIC_MAX_RESTARTS``, which
+    ``fastcomm-run`` sets; 0 when unset or not a number)."""
+    text = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "").strip()
+    return int(text) if text.isdigit() else 0
+
+
 def joining(comm) -> bool:
     """Whether `comm` is a replacement's stand-in world, to be replaced by joining."""
     return getattr(comm, "join_store", None) is not None
@@ -72,7 +80,7 @@ class Grower:
         ticket: the next request to look for.
     """
 
-    def __init__(self, recovery, ticket: int = 1) -> None:
+    def __init__(self, recovery, ticket: int = 1, lost: int = 0) -> None:
         self.recovery = recovery
         # at exit, a replacement still waiting for admission learns there is nothing to join
         atexit.register(finished, recovery.membership.store)
@@ -80,6 +88,20 @@ class Grower:
         self.at: int | None = None
         self.every = _every()
         self.states_pending = False  # a joiner: the registered states still to receive
+        self.lost = lost
+        """Ranks lost so far (every rank counts the same shrinks, so all agree on it)."""
+        self.replacements = _replacements()
+        recovery.callbacks.insert(0, self._changed)
+
+    def _changed(self, change) -> None:
+        self.lost += len(change.lost)
+
+    def expected(self) -> bool:
+        """Whether a replacement is on its way: the launcher starts one per loss while its
+        ``--max-restarts`` last. Then every step is a boundary (one store ``check`` each):
+        every rank counts the same losses and admissions at the same steps, so all switch
+        together."""
+        return min(self.lost, self.replacements) >= self.ticket
 
     def boundary(self, step: int) -> None:
         """Called at each synchronized forward with the steps done so far."""
@@ -89,9 +111,10 @@ class Grower:
         store = self.recovery.membership.store
         k = self.ticket
         if self.at is None:
-            if step % self.every or not store.check([f"grow/request/{k}"]):
+            every = 1 if self.expected() else self.every
+            if step % every or not store.check([f"grow/request/{k}"]):
                 return
-            self.at = int(store.compare_set(f"grow/at/{k}", "", str(step + self.every)))
+            self.at = int(store.compare_set(f"grow/at/{k}", "", str(step + every)))
         if step < self.at:
             return
         self.ticket, self.at = k + 1, None
@@ -112,6 +135,7 @@ class Grower:
                 "identity": membership.identity, "step": step,
                 "order": [i for b in reducer.buckets for i in b.param_indices],
                 "rebuilt": reducer.rebuilt, "rebuild_due": reducer.rebuild_due,
+                "lost": self.lost,
             }
             store.set(f"grow/admit/{k}", json.dumps(header))
         old = ddp.comm
@@ -176,7 +200,7 @@ def _admission(store, k: int, timeout: float) -> bytes:
             raise RuntimeError(
                 f"replacement {os.environ.get(JOIN_ENV)}: not admitted within {timeout:.0f} s"
             )
-        time.sleep(0.05)
+        time.sleep(_POLL_S)
     return store.get(admit)
 
 
@@ -200,7 +224,7 @@ def join(ddp, timeout: float = 600.0):
     header = json.loads(_admission(store, k, timeout))
     membership = Membership.adopt(store, header)
     recovery = Recovery.adopt(ddp, membership)
-    recovery.grower = Grower(recovery, k + 1)
+    recovery.grower = Grower(recovery, k + 1, lost=header.get("lost", 0))
     recovery.grower.states_pending = True
     stand_in = ddp.comm
     comm = _new_comm(stand_in, membership)

@@ -5,10 +5,11 @@ binds the CPUs (``--cpus``, ``--numa-binding``), runs the target with ``runpy`` 
 ``__main__`` with the ``sys.argv``/``sys.path[0]`` of ``python TARGET ARGS``, records an
 uncaught exception to ``$TORCHELASTIC_ERROR_FILE`` in torch's ``@record`` format (exit 1), and
 SIGKILLs the worker's process group when the agent is gone. ``--exec`` (``--no-python``) sets
-``PR_SET_PDEATHSIG`` and ``exec``s the program. Details: docs/launch.md.
+``PR_SET_PDEATHSIG`` and ``exec``s the program. ``--spare``: a warm spare (``spare.py``)
+imports torch and fastcomm first, then reads the rest from stdin. Details: docs/launch.md.
 
 It is run by path, not as ``-m fastcomm.launch._bootstrap``, so the worker does not import
-the fastcomm package (nor torch) before the user's code does.
+the fastcomm package (nor torch) before the user's code does (a spare does, by design).
 """
 
 import os
@@ -127,9 +128,39 @@ def _run_python(module: bool, target: str, args: list) -> None:
         runpy.run_path(target, run_name="__main__")
 
 
+#: What a spare imports while it waits (a failing import is left to the worker's own).
+SPARE_IMPORTS = ("torch", "torch._dynamo", "torch.optim", "fastcomm", "fastcomm.ddp")
+
+
+def _spare() -> list:
+    """``--spare`` (``fastcomm/launch/spare.py``): imports :data:`SPARE_IMPORTS`, then waits for
+    one JSON line on stdin -- the worker's arguments and environment -- and returns the
+    arguments; exits quietly at end of input (not needed: the agent is done or gone)."""
+    import importlib
+
+    for name in SPARE_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except Exception:  # the worker's own import reports it, where it matters
+            pass
+    line = sys.stdin.buffer.readline()
+    if not line:
+        sys.exit(0)
+    job = json.loads(line)
+    os.environ.clear()
+    os.environ.update(job["env"])
+    null = os.open(os.devnull, os.O_RDONLY)  # a worker's stdin, as the agent starts the others
+    os.dup2(null, 0)
+    os.close(null)
+    return list(job["args"])
+
+
 def main() -> None:
-    """Parses ``[--module|--exec] [--cpus LIST] -- TARGET ARGS...``; runs the target as above."""
+    """Parses ``[--spare] | [--module|--exec] [--cpus LIST] -- TARGET ARGS...``; runs the
+    target as above (``--spare``: the rest comes on stdin)."""
     argv = sys.argv[1:]
+    if argv == ["--spare"]:
+        argv = _spare()
     try:
         split = argv.index("--")
     except ValueError:

@@ -355,6 +355,8 @@ class Agent:
                 "stdout": self.config.duplicate_stdout_filters,
                 "stderr": self.config.duplicate_stderr_filters,
             },
+            # replacements (--recover in-process) start from a warm spare
+            spares=self.config.max_restarts if self.config.recover == "in-process" else 0,
         )
         self._last_workers = self.group.workers
         self.check_stop()

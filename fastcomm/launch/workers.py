@@ -23,6 +23,7 @@ from string import Template
 from typing import BinaryIO
 
 from .config import STD_ERR, STD_OUT
+from .spare import Spare, spare_command
 
 __all__ = ["WorkerSpec", "WorkerGroup", "BOOTSTRAP"]
 
@@ -164,15 +165,20 @@ class WorkerGroup:
     """The workers this agent runs in one round."""
 
     def __init__(
-        self, specs: list[WorkerSpec], duplicate_filters: dict[str, tuple[str, ...]] | None = None
+        self, specs: list[WorkerSpec], duplicate_filters: dict[str, tuple[str, ...]] | None = None,
+        spares: int = 0,
     ) -> None:
         """``duplicate_filters``: per stream (``stdout``, ``stderr``), the substrings of the
-        tee'd lines copied to ``filtered_<stream>.log`` next to the workers' log folders."""
+        tee'd lines copied to ``filtered_<stream>.log`` next to the workers' log folders.
+        ``spares``: how many replacements (``add``) may start from a warm spare (``spare.py``),
+        one kept ready at a time."""
         self.specs = specs
         self.workers: list[_Worker] = []
         self._signalled: set[int] = set()
         self._duplicate = {k: v for k, v in (duplicate_filters or {}).items() if v}
         self._filtered: dict[str, _Filtered] = {}
+        self._spares = spares
+        self._spare: Spare | None = None
 
     def start(self) -> None:
         """Starts every worker, each in its own process group, and its output pumps."""
@@ -183,17 +189,36 @@ class WorkerGroup:
             self._filtered[name] = _Filtered(os.path.join(attempt, f"filtered_{name}.log"), needles)
         for spec in self.specs:
             self._spawn(spec, env_pid)
+        self._keep_spare()
+
+    def _keep_spare(self) -> None:
+        """Starts a warm spare while replacements may still come (none for ``--no-python``)."""
+        if self._spare is not None or self._spares <= 0 or not self.specs:
+            return
+        template = self.specs[0]
+        cmd = spare_command(template.cmd, BOOTSTRAP)
+        if cmd is not None:
+            self._spare = Spare(cmd, template.env)
 
     def add(self, spec: WorkerSpec) -> _Worker:
-        """Starts one more worker (a replacement under ``--recover in-process``)."""
+        """Starts one more worker (a replacement under ``--recover in-process``), from the warm
+        spare where there is one."""
         self.specs.append(spec)
-        return self._spawn(spec, str(os.getpid()))
+        spare, self._spare = self._spare, None
+        worker = self._spawn(spec, str(os.getpid()), spare)
+        self._spares -= 1
+        self._keep_spare()
+        return worker
 
-    def _spawn(self, spec: WorkerSpec, env_pid: str) -> _Worker:
-        """Starts `spec`'s worker in its own process group, with its output pumps."""
+    def _spawn(self, spec: WorkerSpec, env_pid: str, spare: Spare | None = None) -> _Worker:
+        """Starts `spec`'s worker in its own process group (or hands it to `spare`), with its
+        output pumps."""
         os.makedirs(spec.log_dir, exist_ok=True)
         env = dict(spec.env)
         env[AGENT_PID_ENV] = env_pid
+        proc = None
+        if spare is not None and BOOTSTRAP in spec.cmd:
+            proc = spare.activate(spec.cmd[spec.cmd.index(BOOTSTRAP) + 1 :], env, time.time())
         plan = []  # (Popen kwarg, Std bit, console stream, file name)
         files: list[BinaryIO] = []
         kwargs = {}
@@ -206,21 +231,24 @@ class WorkerGroup:
             fh = open(os.path.join(spec.log_dir, f"{name}.log"), "wb") if to_file else None
             if fh is not None:
                 files.append(fh)
-            if to_console:
+            dup = self._filtered.get(name) if spec.tee & bit else None
+            if proc is not None:  # a spare's output is piped: drained even where dropped
+                plan.append((name, _console(stream) if to_console else None, fh, dup))
+            elif to_console:
                 kwargs[name] = subprocess.PIPE
-                dup = self._filtered.get(name) if spec.tee & bit else None
                 plan.append((name, _console(stream), fh, dup))
             elif fh is not None:
                 kwargs[name] = fh
             else:
                 kwargs[name] = subprocess.DEVNULL
-        proc = subprocess.Popen(
-            spec.cmd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            **kwargs,
-        )
+        if proc is None:
+            proc = subprocess.Popen(
+                spec.cmd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                **kwargs,
+            )
         worker = _Worker(spec, proc, files=files, start_time=_start_time(proc.pid))
         for name, console, fh, dup in plan:
             thread = threading.Thread(
@@ -262,6 +290,7 @@ class WorkerGroup:
         """Signals every worker's process group that has something running (``again=False``:
         only those not signalled yet), SIGKILLs the groups still running after ``timeout`` s,
         then reaps the workers and closes their output."""
+        self._drop_spare()
         self.poll()
         live = _live_groups()
         running = [w for w in self.workers if _running(w, live)]
@@ -279,6 +308,7 @@ class WorkerGroup:
 
     def close(self) -> None:
         """Reaps every worker, SIGKILLs leftovers of their process groups, joins the output."""
+        self._drop_spare()
         for worker in self.workers:
             if worker.proc.poll() is None:
                 _killpg(worker.proc.pid, signal.SIGKILL)
@@ -305,6 +335,13 @@ class WorkerGroup:
                 pass  # what the pumps wrote is flushed already
         reaped = [w for w in self.workers if w.proc.returncode is not None]
         remove_segments_of({(w.proc.pid, w.start_time) for w in reaped if w.start_time})
+
+
+    def _drop_spare(self) -> None:
+        self._spares = 0
+        if self._spare is not None:
+            self._spare.kill()
+            self._spare = None
 
 
 SHM_DIR = "/dev/shm"
