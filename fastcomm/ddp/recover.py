@@ -474,8 +474,10 @@ def _new_comm(old, membership: Membership):
 
 
 def _replace_world(old, new) -> None:
-    """``fastcomm.get_world()`` returns `new` where it returned the failed `old`."""
+    """``fastcomm.get_world()`` returns `new` where it returned the failed `old`, and so does a
+    comm hook's state that names `old` (``old.replaced_by``, followed by ``hooks.hook_comm``)."""
     from fastcomm.comm import world
 
+    old.replaced_by = new
     if world._WORLD is old:
         world._WORLD = new

@@ -5,6 +5,7 @@ replay of the same steps averaged over the ranks each step was reduced over."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -15,7 +16,8 @@ from tests.launch._util import run, script
 STEPS = 6
 KILL_STEP = 3
 
-# argv: out dir, the points ("<rank>:<point>", comma separated), shared buckets (0/1)
+# argv: out dir, the points ("<rank>:<point>", comma separated), shared buckets (0/1), and a
+# comm hook ("", "int8": QuantizeState over the world, "powersgd": PowerSGD over the DDP's)
 JOB = """
 import json, os, signal, sys
 import torch
@@ -25,7 +27,7 @@ from fastcomm.ddp import DDP
 from fastcomm.ddp import ddp as ddp_module, recover
 from fastcomm.comm.shm import buckets as shm_buckets
 
-out, points, shared = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+out, points, shared, comm_hook = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
 STEPS, KILL_STEP = {steps}, {kill_step}
 comm = fastcomm.init(timeout=60)
 me = comm.rank
@@ -66,6 +68,14 @@ if point == "backward":  # in a gradient hook, before DDP's: later buckets alrea
     model[0].weight.register_post_accumulate_grad_hook(hook)
 ddp = DDP(model, bucket_cap_mb=0.25, shared_buckets=shared,
           gradient_as_bucket_view=True if shared else None)
+if comm_hook == "int8":  # the state holds the world: the communicator that fails
+    from fastcomm.ddp.hooks import QuantizeState, int8_compress_hook
+    hook_state = QuantizeState(comm)
+    ddp.register_comm_hook(hook_state, int8_compress_hook)
+elif comm_hook == "powersgd":  # compressing from the first step
+    from fastcomm.ddp.hooks import PowerSGDState, powersgd_hook
+    hook_state = PowerSGDState(None, start_powerSGD_iter=0, min_compression_rate=1)
+    ddp.register_comm_hook(hook_state, powersgd_hook)
 seen = []
 ddp.on_membership_change(seen.append)
 opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
@@ -86,7 +96,9 @@ with open(os.path.join(out, f"r{{me}}.json"), "w") as fh:
     changes = [[c.epoch, c.rank, c.world_size, list(c.lost), list(c.members), c.where]
                for c in ddp._recovery.changes]
     json.dump({{"done": done, "sizes": sizes, "changes": changes, "rank": ddp.rank,
-               "seen": len(seen)}}, fh)
+               "seen": len(seen),
+               "hook_comm": None if not comm_hook else [hook_state.phases.first is ddp.comm,
+                                                   hook_state.phases.first.size]}}, fh)
 fastcomm.shutdown()
 """
 
@@ -119,17 +131,18 @@ def _replay(sizes: list) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
-def _launch(tmp_path, points: str, shared: bool):
+def _launch(tmp_path, points: str, shared: bool, hook: str = ""):
     path = script(tmp_path, "job.py", JOB.format(steps=STEPS, kill_step=KILL_STEP))
     result = run(
         ["--nproc-per-node", "3", "--recover", "in-process", path, tmp_path, points,
-         "1" if shared else "0"],
+         "1" if shared else "0", hook],
         tmp_path, timeout=150,
     )
     return result
 
 
-def _check(tmp_path, result, lost: set[int], *, last_members: list[int] | None = None):
+def _check(tmp_path, result, lost: set[int], *, last_members: list[int] | None = None,
+           replay: bool = True):
     assert result.returncode == 0, result.stderr[-4000:]
     survivors = sorted({0, 1, 2} - lost)
     reports = {r: json.loads((tmp_path / f"r{r}.json").read_text()) for r in survivors}
@@ -147,6 +160,8 @@ def _check(tmp_path, result, lost: set[int], *, last_members: list[int] | None =
     assert sizes[-1][0] == len(survivors)
     assert sizes[-1][1] == (last_members or survivors)
     assert sorted(reports[r]["rank"] for r in survivors) == list(range(len(survivors)))
+    if not replay:  # a compressing hook's steps are not plain averages
+        return reports, sizes
     expected = _replay(sizes)
     untrained = [p.detach() for p in _model().parameters()]
     for got, want, before in zip(params[first], expected, untrained, strict=True):
@@ -167,6 +182,20 @@ def test_kill_in_backward_packed_buckets(tmp_path):
     assert change[5] == f"backward {KILL_STEP}"
     assert reports[2]["changes"][0][1] == 1  # rank 2 is renumbered 1
     assert reports[0]["seen"] == reports[2]["seen"] == 1  # on_membership_change called
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("hook", ["int8", "powersgd"])
+def test_kill_in_backward_with_a_compressing_hook(tmp_path, hook):
+    """Killed in backward with a compressing comm hook registered (its state holding the
+    world, or following the DDP's): the survivors redo the step, then the hook reduces over
+    the new communicator (a second one split from it); their parameters agree bitwise."""
+    result = _launch(tmp_path, "1:backward", shared=False, hook=hook)
+    reports, sizes = _check(tmp_path, result, {1}, replay=False)
+    assert [s[0] for s in sizes] == [3] * KILL_STEP + [2] * (STEPS - KILL_STEP)
+    assert reports[0]["changes"][0][5] == f"backward {KILL_STEP}"
+    for r in (0, 2):
+        assert reports[r]["hook_comm"] == [True, 2], reports[r]
 
 
 @pytest.mark.timeout(200)
@@ -291,9 +320,26 @@ while joined[0] is None or step < max(STEPS, joined[0] + 5):
 torch.save([p.detach().clone() for p in model.parameters()], os.path.join(out, f"p{{me}}.pt"))
 with open(os.path.join(out, f"r{{me}}.json"), "w") as fh:
     json.dump({{"done": done, "sizes": sizes, "join_step": ddp.join_step, "rank": ddp.rank,
-               "joined": joined[0], "first_step_s": first - started}}, fh)
+               "joined": joined[0], "first_step_s": first - started,
+               "spare": "FASTCOMM_SPARE_ACTIVATED" in os.environ}}, fh)
 fastcomm.shutdown()
 """
+
+
+def _spares_left() -> list[int]:
+    """The pids of this checkout's warm spares still running."""
+    from fastcomm.launch.workers import BOOTSTRAP
+
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                argv = fh.read().split(b"\0")
+        except OSError:
+            continue
+        if BOOTSTRAP.encode() in argv and b"--spare" in argv:
+            found.append(int(entry))
+    return found
 
 
 @pytest.mark.timeout(200)
@@ -310,6 +356,9 @@ def test_replacement_joins_and_trains_in_step(tmp_path):
     params = {r: torch.load(tmp_path / f"p{r}.pt") for r in (0, 2, 3)}
     join = reports[3]["join_step"]
     assert join > KILL_STEP and reports[0]["joined"] == reports[2]["joined"] == join
+    # started from the launcher's warm spare, which is gone with the job
+    assert reports[3]["spare"] and not reports[0]["spare"]
+    assert not _spares_left()
     end = reports[0]["done"][-1] + 1
     assert reports[0]["done"] == reports[2]["done"] == list(range(end))
     assert reports[3]["done"] == list(range(join, end))

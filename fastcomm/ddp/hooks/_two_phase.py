@@ -11,7 +11,8 @@ even when callbacks run on several threads.
 Error feedback (`ErrorFeedback`): residuals are kept per parameter name, as views into one
 flat fp32 buffer per bucket layout. When the buckets are rebuilt, the next call of a bucket
 with a new parameter list builds a new flat buffer and copies each parameter's residual over,
-so nothing is lost; ``state_dict()`` holds a plain ``{name: tensor}``.
+so nothing is lost; ``state_dict()`` holds a plain ``{name: tensor}``. After in-place recovery
+replaced the first communicator, the pair is made again from its successor.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Any
 import torch
 
 from fastcomm.comm.base import Communicator
+
+from .default import successor
 
 __all__ = ["ErrorFeedback", "OrderedIssuer", "new_future", "PhaseComms"]
 
@@ -62,6 +65,8 @@ class PhaseComms:
         self.issuer = OrderedIssuer()
 
     def get(self, comm: Communicator) -> tuple[Communicator, Communicator]:
+        if self.first is not None and comm is not self.first and successor(self.first) is comm:
+            self._drop()  # in-place recovery replaced the first: a second split from the new
         if self.first is None:
             self.first = comm
             self.second = comm.split(0)
@@ -71,6 +76,15 @@ class PhaseComms:
                 "state per DDP"
             )
         return self.first, self.second
+
+    def _drop(self) -> None:
+        """Forgets the replaced pair; the second, split from a failed one, is closed."""
+        second, self.first, self.second = self.second, None, None
+        self.issuer = OrderedIssuer()
+        try:
+            second.close()
+        except Exception:  # its communicator failed; the new pair replaces it
+            pass
 
 
 def new_future(device: torch.device) -> torch.futures.Future:

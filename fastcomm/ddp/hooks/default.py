@@ -19,18 +19,22 @@ from fastcomm.comm import Communicator, group_communicator
 
 from ..bucket import GradBucket
 
-__all__ = ["allreduce_hook", "bf16_compress_hook", "fp16_compress_hook", "hook_comm"]
+__all__ = [
+    "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook", "hook_comm", "successor",
+]
 
 # group -> its communicator, for every hook of the process; an entry goes with its group
 _ADAPTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def hook_comm(group: object, bucket: GradBucket) -> Communicator:
-    """The communicator a hook reduces over: `group` if it names one, else the DDP's."""
+    """The communicator a hook reduces over: `group` if it names one, else the DDP's. A
+    communicator that in-place recovery replaced (a lost rank, a joiner) stands for its
+    successor (``replaced_by``): a state made with the failed one follows the DDP's."""
     if group is None:
         return bucket.comm
     if isinstance(group, Communicator):
-        return group
+        return successor(group)
     if isinstance(group, dist.ProcessGroup):
         comm = _ADAPTED.get(group)
         if comm is None or comm.closed:
@@ -40,6 +44,14 @@ def hook_comm(group: object, bucket: GradBucket) -> Communicator:
         f"hook state must be None, a fastcomm Communicator or a torch ProcessGroup, got "
         f"{type(group).__name__}"
     )
+
+
+def successor(comm: Communicator) -> Communicator:
+    """`comm`, or the communicator that replaced it after a shrink or a regrow (the last of
+    a chain of them)."""
+    while getattr(comm, "replaced_by", None) is not None:
+        comm = comm.replaced_by
+    return comm
 
 
 def average_scale(comm: Communicator, bucket: GradBucket) -> float:
