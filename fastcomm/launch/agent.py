@@ -34,6 +34,7 @@ from .failures import (
 from .heartbeat import Heartbeats
 from .monitor import RoundMonitor
 from .net import listen_address
+from .recovery import JOIN_ENV
 from .rendezvous import (
     Interrupted,
     JobEnded,
@@ -343,7 +344,12 @@ class Agent:
 
     def _start_workers(self, info: RoundInfo) -> None:
         start = time.perf_counter()
-        specs = worker_specs(self.config, info, self._env, self.dirs.attempt(info.round))
+        env = self._env
+        if info.joined:  # --recover in-process: the workers join the running ranks (regrow)
+            env = {**env, JOIN_ENV: f"node{info.group_rank}"}
+            self.log(f"joined the running round {info.round}; its workers join the running "
+                     "ranks at a step boundary")
+        specs = worker_specs(self.config, info, env, self.dirs.attempt(info.round))
         self.events.agent(
             "ASSIGN_WORKER_RANKS",
             restarts=info.restart_count,

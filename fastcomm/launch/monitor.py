@@ -7,7 +7,8 @@ Every ``--monitor-interval`` the agent polls its workers and the round, and prop
                                       the workers still running are asked for their flight
                                       records first, SIGUSR1 where they handle it)
 * every agent's workers succeeded  -> ``SUCCESS``
-* a node waits and there is room   -> ``MEMBERSHIP`` (not a failure restart)
+* a node waits and there is room   -> ``MEMBERSHIP`` (not a failure restart; under
+                                      ``--recover in-process`` it joins the running round)
 * a peer agent stops heartbeating  -> ``FAILURE`` (node lost)
 
 Under ``--recover in-process`` a failing worker is reported and the round goes on
@@ -171,13 +172,22 @@ class RoundMonitor:
         ):
             return None
         self._reported_done = True  # this node's workers are counted in the round's "done"
-        if self.info.store.add("done", 1) < self.info.group_world_size:
+        if self.info.store.add("done", 1) < self.rdzv.members(self.info.round):
             return None
         return self.rdzv.end_round(self.info.round, RoundEnd.SUCCESS)
 
     def _end_to_admit(self) -> End | None:
-        """Ends the round to admit a waiting node, if there is room and no worker finished."""
+        """Ends the round to admit a waiting node, if there is room and no worker finished.
+        Under ``--recover in-process`` the node of group rank 0 admits it into the running
+        round instead (its workers join the running ranks at a step boundary)."""
         info = self.info
+        if self.recovery is not None:
+            if (self.cfg.max_nodes > 1 and info.group_rank == 0 and not info.joined
+                    and info.store.add("done", 0) == 0):
+                for group_rank in self.rdzv.admit_waiting(info):
+                    self.recovery.log(f"node {group_rank} joins the running round "
+                                      f"{info.round} (--recover in-process)")
+            return None
         if (
             info.group_world_size < self.cfg.max_nodes
             and self.rdzv.waiting(info.round) > 0

@@ -8,7 +8,9 @@ fastcomm DDP to shrink in place). The job's live ranks are counted in the round'
 all, which fastcomm DDP admits at a step boundary); once fewer than the minimum are left
 (``--min-ranks``, and ``--nnodes MIN`` nodes' worth of ranks) the job stops with today's
 report, naming the first loss as the root cause (no restart). A round whose live workers all
-succeed ends in success.
+succeed ends in success. A node arriving in an elastic ``--nnodes MIN:MAX`` job joins the running
+round (``rendezvous``): its workers start with ``FASTCOMM_RECOVER_JOIN`` and join the running
+ranks as a replacement does.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ class LossWatch:
         """This node's absorbed losses, in the order they were seen."""
         self.lost_pids: set[int] = set()
         self.replaced = 0
-        self._log = log or _stderr
+        self.log = log or _stderr
+        """Prints a line of the launcher's (prefixed)."""
 
     def take(self, failure: Failure) -> bool:
         """Absorbs `failure` (reported, the job goes on): ``True``; ``False`` when the job
@@ -76,16 +79,17 @@ class LossWatch:
             return True
         store = self.info.store
         total = store.add("lost", 1)
-        live = self.info.world_size - total + store.add("replaced", 0)  # replacements live
+        world = self.info.world_size_now()  # with the nodes that joined the running round
+        live = world - total + store.add("replaced", 0)  # replacements live
         self.lost.append(failure)
         if live < self.minimum:  # a failure of the round, not a loss it goes on without
-            self._log(
+            self.log(
                 f"rank {failure.rank} was lost ({exit_description(failure.exitcode)}); "
                 f"{live} live rank(s) are fewer than the minimum {self.minimum}: stopping"
             )
             return False
         self.lost_pids.add(failure.pid)
-        self._log(loss_report(failure, live, self.info.world_size))
+        self.log(loss_report(failure, live, world))
         return True
 
     def is_lost(self, worker) -> bool:
@@ -103,7 +107,7 @@ class LossWatch:
         log_dir = f"{spec.log_dir}_replacement{self.replaced}"
         error_file = os.path.join(log_dir, "error.json")
         env = {**spec.env, JOIN_ENV: str(self.replaced), "TORCHELASTIC_ERROR_FILE": error_file}
-        self._log(f"starting a replacement for rank {spec.rank} (replacement "
+        self.log(f"starting a replacement for rank {spec.rank} (replacement "
                   f"{self.replaced}; it joins at the running ranks' next step)")
         return dataclasses.replace(spec, env=env, log_dir=log_dir, error_file=error_file)
 

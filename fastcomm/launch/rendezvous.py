@@ -90,6 +90,11 @@ class RoundInfo:
     master_port: int
     store: Store = field(repr=False)
     """The round's namespace in the rendezvous store."""
+    joined: bool = False
+    """This node joined the round while it ran (``--recover in-process``): its workers join
+    the running ranks at a step boundary instead of starting with them."""
+    grown_ranks: int = 0
+    """The ranks of ``nodes`` that joined the round while it ran."""
 
     @property
     def group_world_size(self) -> int:
@@ -105,6 +110,10 @@ class RoundInfo:
     def rank_offset(self) -> int:
         """RANK of this node's local rank 0."""
         return sum(n.nproc for n in self.nodes[: self.group_rank])
+
+    def world_size_now(self) -> int:
+        """WORLD_SIZE with every node the round admitted while it ran, so far."""
+        return self.world_size - self.grown_ranks + self.store.add("grow/ranks", 0)
 
     def role_ranks(self, role: str) -> tuple[int, int]:
         """(ROLE_RANK of this node's local rank 0, ROLE_WORLD_SIZE)."""
@@ -380,6 +389,11 @@ class Rendezvous:
             first.compare_set("restarts", b"", first.encode("restarts", 0))
         info = NodeInfo(**{k: getattr(self.node, k) for k in NodeInfo.__slots__})
         info.prev_group_rank = prev_group_rank if returning else None
+        if not returning and self.config.recover == "in-process" and r > 0 and (
+                self.end_of(r - 1) is None):
+            joined = self._ask_running(r - 1, info)
+            if joined is not None:
+                return joined
         while True:
             round_store = self.round_store(r)
             index = round_store.add("join", 1) - 1
@@ -416,7 +430,7 @@ class Rendezvous:
                     if end[0] is RoundEnd.FAILURE and self.restarts_of(r - 1) >= cfg.max_restarts:
                         return JobEnded.FAILED
                     prev_ended = True
-                    prev_members = self._closed(r - 1)
+                    prev_members = self.members(r - 1)
                     if end[0] is RoundEnd.FAILURE:  # nodes declared lost will not be back
                         prev_members -= len({f.group_rank for f in end[1] or [] if f.rank < 0})
                     deadline = time.monotonic() + cfg.join_timeout
@@ -492,13 +506,10 @@ class Rendezvous:
             )
             master = f"{addr}:{self._worker_store.port}"
             round_store.set("master", round_store.encode("master", master))
-        master = self._get(round_store, "master", f"the worker store address of round {r}", str)
-        addr, _, port = master.rpartition(":")
-        if not addr or not port.isdigit() or not 0 < int(port) < 65536:
-            raise LaunchError(f"{_where(round_store, 'master')}: not host:port: {master!r}")
+        addr, port = self._master(r)
         self._log(
             f"round {r}: {count} node(s), group rank {group_rank}, world size "
-            f"{sum(n.nproc for n in ordered)}, restart count {restarts}, master {master}"
+            f"{sum(n.nproc for n in ordered)}, restart count {restarts}, master {addr}:{port}"
         )
         return RoundInfo(
             round=r,
@@ -509,6 +520,78 @@ class Rendezvous:
             master_port=int(port),
             store=round_store,
         )
+
+    def _master(self, r: int) -> tuple[str, int]:
+        """Round ``r``'s worker store address (waits ``read_timeout`` for it)."""
+        round_store = self.round_store(r)
+        master = self._get(round_store, "master", f"the worker store address of round {r}", str)
+        addr, _, port = master.rpartition(":")
+        if not addr or not port.isdigit() or not 0 < int(port) < 65536:
+            raise LaunchError(f"{_where(round_store, 'master')}: not host:port: {master!r}")
+        return addr, int(port)
+
+    # ------------------------------------------------------------------ growing in place
+    def members(self, r: int) -> int:
+        """The nodes of round ``r``: those it closed with and those admitted while it ran."""
+        return self._closed(r) + self.round_store(r).add("grow/nodes", 0)
+
+    def _ask_running(self, r: int, node: NodeInfo) -> RoundInfo | None:
+        """``--recover in-process``: asks the running round ``r`` to take this node in (its
+        node of group rank 0 answers, :meth:`admit_waiting`). The round's info once admitted;
+        ``None`` when it was full or ended first (this node then waits for the next round)."""
+        store = self.round_store(r)
+        j = store.add("grow/asked", 1) - 1
+        store.set(f"grow/ask/{j}", store.encode(f"grow/ask/{j}", to_record(node)))
+        key = f"grow/answer/{j}"
+        self._log(f"round {r} runs; asking it to admit this node (--recover in-process)")
+        while not store.check([key]):
+            if self.end_of(r) is not None:  # withdrawn, unless the answer came first
+                store.compare_set(key, b"", store.encode(key, {"full": True}))
+                break
+            self._sleep()
+        answer = read_value(store, key, store.get(key), dict)
+        if "group_rank" not in answer:
+            return None
+        where = _where(store, key)
+        nodes = [from_record(NodeInfo, n, where) for n in answer["nodes"]]
+        addr, port = self._master(r)
+        group_rank = answer["group_rank"]
+        self._log(f"admitted to the running round {r} as group rank {group_rank}")
+        return RoundInfo(
+            round=r, group_rank=group_rank, nodes=nodes, restart_count=self.restarts_of(r),
+            master_addr=addr, master_port=port, store=store, joined=True,
+            grown_ranks=answer["grown_ranks"],
+        )
+
+    def admit_waiting(self, info: RoundInfo) -> list[int]:
+        """The node of group rank 0 of a running round answers the nodes that asked to join
+        it (:meth:`_ask_running`): each admitted while the round has room (``MAX`` nodes),
+        as the next group rank. Returns the group ranks admitted."""
+        store = info.store
+        asked, answered = store.add("grow/asked", 0), store.add("grow/answered", 0)
+        admitted = []
+        for j in range(answered, asked):
+            record = self._get(store, f"grow/ask/{j}", f"the node asking to join ({j})", dict)
+            node = from_record(NodeInfo, record, _where(store, f"grow/ask/{j}"))
+            members = self.members(info.round)
+            key = f"grow/answer/{j}"
+            if members >= self.config.max_nodes:
+                store.compare_set(key, b"", store.encode(key, {"full": True}))
+            else:
+                closed = self._closed(info.round)
+                grown = [self._get(store, f"grow/node/{g}", f"grown node {g}", dict)
+                         for g in range(closed, members)]
+                nodes = [to_record(n) for n in info.nodes[:closed]]
+                answer = {"group_rank": members, "nodes": [*nodes, *grown, record],
+                          "grown_ranks": store.add("grow/ranks", 0) + node.nproc}
+                store.set(f"grow/node/{members}", store.encode(f"grow/node/{members}", record))
+                won = store.compare_set(key, b"", store.encode(key, answer))
+                if "group_rank" in read_value(store, key, won, dict):
+                    store.add("grow/ranks", node.nproc)
+                    store.add("grow/nodes", 1)
+                    admitted.append(members)
+            store.add("grow/answered", 1)
+        return admitted
 
     def release_worker_store(self) -> None:
         """Stops serving the finished round's worker store (its workers are gone)."""
@@ -528,7 +611,7 @@ class Rendezvous:
         nxt = self.round_store(info.round + 1)
         deadline = time.monotonic() + (self.config.close_timeout if timeout is None else timeout)
         while time.monotonic() < deadline:
-            if round_store.add("exited", 0) >= info.group_world_size - lost and (
+            if round_store.add("exited", 0) >= self.members(info.round) - lost and (
                 nxt.add("join", 0) <= nxt.add("left", 0)
             ):
                 return

@@ -1,13 +1,18 @@
 """``--recover in-process`` on the launcher's side: a lost worker is reported and the others go
-on (no restart); below ``--min-ranks`` the job stops with today's report."""
+on (no restart); below ``--min-ranks`` the job stops with today's report; an elastic job's late
+node joins the running round."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 from fastcomm.launch.cli import get_parser, parse_config
+from tests.harness import free_port
 
-from ._util import run, script
+from ._util import clean_env, finish, run, script, start, wait_files
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -91,3 +96,83 @@ def test_every_rank_lost_fails_the_job(tmp_path):
     assert result.returncode == 1, result.stderr
     assert "the job goes on with 1 of 2 ranks" in result.stderr
     assert "FAILED" in result.stderr and "rank 1 gives up" in result.stderr
+
+
+ELASTIC = """
+    import json, os, sys, time
+    import torch
+    from torch import nn
+    import fastcomm
+    from fastcomm.ddp import DDP
+
+    out = sys.argv[1]
+    comm = fastcomm.init(timeout=60)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))
+    ddp = DDP(model)
+    me = ddp._recovery.membership.me  # the original rank; 2 and 3 for the late node's
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    ddp.register_state("opt", opt)
+    last = [ddp.join_step]
+    ddp.on_membership_change(
+        lambda c: last.__setitem__(0, int(c.where.split()[1])) if c.where.startswith("join")
+        else None)
+    done, step, deadline = [], ddp.join_step, time.monotonic() + 100
+    while ddp.world_size < 4 or step < last[0] + 5:
+        assert time.monotonic() < deadline, "the late node's ranks never joined"
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1000 * me + step))
+        opt.zero_grad(set_to_none=True)
+        ddp(x).square().mean().backward()
+        opt.step()
+        done.append(step)
+        step += 1
+        if step == 3:
+            open(os.path.join(out, f"training_{me}"), "w").close()
+        time.sleep(0.02)
+    torch.save([p.detach() for p in model.parameters()], os.path.join(out, f"p{me}.pt"))
+    env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                                      "TORCHELASTIC_RESTART_COUNT")}
+    with open(os.path.join(out, f"r{me}.json"), "w") as fh:
+        json.dump({"done": done, "join_step": ddp.join_step, "rank": ddp.rank,
+                   "world_size": ddp.world_size, "env": env}, fh)
+    fastcomm.shutdown()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_elastic_node_joins_the_running_round(tmp_path):
+    """--nnodes 1:2 --recover in-process: a second agent arriving while the job runs is
+    admitted into the running round (no restart); its two workers join the running ranks at
+    step boundaries with rank 0's state, and all four end bitwise equal."""
+    path = script(tmp_path, "elastic.py", ELASTIC)
+    flags = ["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+             "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "grow",
+             "--monitor-interval", "0.05", "--rdzv-conf", "last_call_timeout=0.5",
+             "--recover", "in-process"]
+    env = clean_env(FASTCOMM_RECOVER_JOIN_EVERY="4")
+    first = start([*flags, path, tmp_path], tmp_path, env)
+    wait_files(tmp_path, "training_*", 2, proc=first, timeout=90)
+    late = start([*flags, path, tmp_path], tmp_path, env)
+    results = [finish(first, timeout=150), finish(late, timeout=150)]
+    for r in results:
+        assert r.returncode == 0, r.stderr[-4000:]
+    assert "node 1 joins the running round 0" in results[0].stderr
+    assert "admitted to the running round 0 as group rank 1" in results[1].stderr or (
+        "joined the running round 0" in results[1].stderr)
+    assert "restarting" not in results[0].stderr + results[1].stderr
+    reports = {r: json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(4)}
+    params = {r: torch.load(tmp_path / f"p{r}.pt") for r in range(4)}
+    end = reports[0]["done"][-1] + 1
+    for r in range(4):
+        assert reports[r]["world_size"] == 4 and reports[r]["done"][-1] == end - 1
+        for a, b in zip(params[r], params[0], strict=True):
+            assert torch.equal(a, b), f"rank {r} differs from rank 0"
+    assert reports[0]["done"] == reports[1]["done"] == list(range(end))
+    first_join, second_join = reports[2]["join_step"], reports[3]["join_step"]
+    assert 3 <= first_join < second_join < end
+    assert reports[2]["done"] == list(range(first_join, end))
+    assert reports[3]["done"] == list(range(second_join, end))
+    late_env = reports[2]["env"]
+    assert (late_env["GROUP_RANK"], late_env["GROUP_WORLD_SIZE"], late_env["WORLD_SIZE"],
+            late_env["TORCHELASTIC_RESTART_COUNT"]) == ("1", "2", "4", "0")
+    assert sorted(reports[r]["env"]["RANK"] for r in (2, 3)) == ["2", "3"]
