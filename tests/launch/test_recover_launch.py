@@ -22,6 +22,10 @@ JOB = """
     rank = int(os.environ["RANK"])
     assert os.environ.get("FASTCOMM_RECOVER", "") == sys.argv[2], os.environ.get("FASTCOMM_RECOVER")
     if rank == 1:
+        if os.environ.get("FASTCOMM_RECOVER_JOIN"):  # a replacement: which way it started
+            spare = "FASTCOMM_SPARE_ACTIVATED" in os.environ and "torch" in sys.modules
+            print("replacement", os.environ["FASTCOMM_RECOVER_JOIN"],
+                  "from a spare" if spare else "cold", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == 2 and sys.argv[3] == "2":
         time.sleep(0.5)
@@ -44,6 +48,9 @@ def test_loss_reported_and_the_others_go_on(tmp_path):
     assert "restarting" not in result.stderr
     # each replacement (rank 1 again) dies as well; the budget is spent, the others finish
     assert result.stderr.count("starting a replacement for rank 1") == 2
+    # both started from a warm spare (torch imported ahead), their output pumped as a worker's
+    for k in (1, 2):
+        assert f"[rank 1]: replacement {k} from a spare" in result.stdout, result.stdout
 
 
 def test_below_min_ranks_stops_with_the_report(tmp_path):
