@@ -1,16 +1,17 @@
-"""Regrow: a replacement rank joins the running ranks at a step boundary (``fastcomm-run
---recover in-process --max-restarts N``; the launcher starts it with ``FASTCOMM_RECOVER_JOIN``).
+"""Regrow: ranks join the running ranks at a step boundary: a replacement (``fastcomm-run
+--recover in-process --max-restarts N``) or an elastic node's (``FASTCOMM_RECOVER_JOIN``).
 
 The joiner's ``fastcomm.init()`` returns a stand-in world of its own (``world._joining``); its
 ``DDP()`` posts a request in the running DDP's recovery namespace (named by rank 0 under
-``ddp-recover/current`` in the world's store). The running ranks look for it at every
-``FASTCOMM_RECOVER_JOIN_EVERY``-th synchronized forward (16; the same steps on every rank, one
-store ``check``), at every one while a replacement for a lost rank is due; the first to see it
-sets the admission to the next such step (``compare_set``), by which every rank has seen it. Then the joiner becomes the last member of
-a new epoch, rank 0 posts the admission (members, step, bucket order), all build the new
-communicator, and rank 0 streams the parameters and buffers, then the ``DDP.register_state``
-objects' ``state_dict``s (at the joiner's first forward, once its loop registered them).
-``DDP.join_step`` tells the joiner's loop where it is.
+``ddp-recover/current`` in the world's store). The running ranks look for one at every
+``FASTCOMM_RECOVER_JOIN_EVERY``-th synchronized forward (16; at every one while a replacement
+is due; the same steps on every rank, one store ``check``); the first to see it sets the
+admission to the next such step (``compare_set``), by which every rank has seen it. There the
+requests posted by then (a node's ranks together) become the last members of a new epoch, rank
+0 posts their admissions (members, step, bucket order), all build the new communicator, and
+rank 0 streams the parameters and buffers, then the ``DDP.register_state`` objects'
+``state_dict``s (at the joiners' first forward, once their loop registered them).
+``DDP.join_step`` tells a joiner's loop where it is.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ __all__ = ["JOIN_ENV", "Grower", "join", "joining"]
 JOIN_ENV = "FASTCOMM_RECOVER_JOIN"
 EVERY_ENV = "FASTCOMM_RECOVER_JOIN_EVERY"
 _POLL_S = 0.005
+_BATCH_MAX = 64  # requests admitted at one boundary at most
 
 
 def _every() -> int:
@@ -117,27 +119,40 @@ class Grower:
             self.at = int(store.compare_set(f"grow/at/{k}", "", str(step + every)))
         if step < self.at:
             return
-        self.ticket, self.at = k + 1, None
-        self._admit(k, step)
+        n = self._batch(k)
+        self.ticket, self.at = k + n, None
+        self._admit(k, n, step)
 
-    def _admit(self, k: int, step: int) -> None:
+    def _batch(self, k: int) -> int:
+        """How many requests from `k` on are admitted together: those posted by now (a node's
+        ranks arrive together), as the first rank here decided (``compare_set``)."""
+        store = self.recovery.membership.store
+        n = 1
+        while n < _BATCH_MAX and store.check([f"grow/request/{k + n}"]):
+            n += 1
+        return int(store.compare_set(f"grow/batch/{k}", "", str(n)))
+
+    def _admit(self, k: int, n: int, step: int) -> None:
         start, seen_at = time.monotonic(), time.time()
         recovery = self.recovery
         ddp, membership = recovery.ddp, recovery.membership
         store, reducer = membership.store, ddp.reducer
-        identity = json.loads(store.get(f"grow/request/{k}"))
-        membership.identity.append(identity)
+        before = len(membership.members)
+        for j in range(k, k + n):
+            membership.identity.append(json.loads(store.get(f"grow/request/{j}")))
+            membership.members = membership.members + [len(membership.identity) - 1]
         membership.epoch += 1
-        membership.members = membership.members + [len(membership.identity) - 1]
         if ddp.comm.rank == 0:
             header = {
                 "epoch": membership.epoch, "members": membership.members,
                 "identity": membership.identity, "step": step,
                 "order": [i for b in reducer.buckets for i in b.param_indices],
                 "rebuilt": reducer.rebuilt, "rebuild_due": reducer.rebuild_due,
-                "lost": self.lost,
+                "lost": self.lost, "next": k + n,
             }
-            store.set(f"grow/admit/{k}", json.dumps(header))
+            for j in range(k, k + n):
+                header["me"] = membership.members[before + j - k]
+                store.set(f"grow/admit/{j}", json.dumps(header))
         old = ddp.comm
         _detach_from_region(reducer)
         comm = _new_comm(old, membership)
@@ -223,8 +238,9 @@ def join(ddp, timeout: float = 600.0):
                                                 pid_start_time(os.getpid()) or 0]))
     header = json.loads(_admission(store, k, timeout))
     membership = Membership.adopt(store, header)
+    membership.me = header.get("me", membership.me)  # one of the requests admitted together
     recovery = Recovery.adopt(ddp, membership)
-    recovery.grower = Grower(recovery, k + 1, lost=header.get("lost", 0))
+    recovery.grower = Grower(recovery, header.get("next", k + 1), lost=header.get("lost", 0))
     recovery.grower.states_pending = True
     stand_in = ddp.comm
     comm = _new_comm(stand_in, membership)
