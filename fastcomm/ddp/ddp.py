@@ -436,7 +436,8 @@ class DDP(nn.Module):
             raise RuntimeError(
                 "register_comm_hook or register_builtin_comm_hook can only be called once."
             )
-        if self.reducer.synced_iterations or self.reducer.expect_hooks:
+        # a rank that joined running ones (regrow) starts counting at its join step
+        if self.reducer.synced_iterations > self.join_step or self.reducer.expect_hooks:
             raise RuntimeError("register_comm_hook must be called before the first backward")
         self._comm_hook_registered = True
         self.reducer.comm_hook = hook

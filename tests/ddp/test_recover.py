@@ -288,13 +288,16 @@ from torch import nn
 import fastcomm
 from fastcomm.ddp import DDP
 
-out, STEPS, KILL = sys.argv[1], {steps}, {kill_step}
+out, STEPS, KILL, comm_hook = sys.argv[1], {steps}, {kill_step}, sys.argv[2]
 comm = fastcomm.init(timeout=60)
 started = time.time()
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
                       nn.Linear(512, 4))
 ddp = DDP(model, bucket_cap_mb=0.25)
+if comm_hook:  # over the world: the replacement's is its stand-in, replaced as it joins
+    from fastcomm.ddp.hooks import QuantizeState, int8_compress_hook
+    ddp.register_comm_hook(QuantizeState(comm), int8_compress_hook)
 me = ddp._recovery.membership.me  # the original rank; 3 for the replacement
 opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
 ddp.register_state("opt", opt)
@@ -343,13 +346,15 @@ def _spares_left() -> list[int]:
 
 
 @pytest.mark.timeout(200)
-def test_replacement_joins_and_trains_in_step(tmp_path):
+@pytest.mark.parametrize("comm_hook", ["", "int8"])
+def test_replacement_joins_and_trains_in_step(tmp_path, comm_hook):
     """Rank 1 is killed at step 3; the launcher starts a replacement (--max-restarts 1) that
     joins at a step boundary with rank 0's parameters and optimizer state: at the end the
-    three are bitwise equal and match a replay of every step over its members."""
+    three are bitwise equal and (without a compressing hook, whose state follows the joined
+    communicator) match a replay of every step over its members."""
     path = script(tmp_path, "grow.py", GROW.format(steps=STEPS, kill_step=KILL_STEP))
     result = run(["--nproc-per-node", "3", "--recover", "in-process", "--max-restarts", "1",
-                  path, tmp_path], tmp_path, timeout=180)
+                  path, tmp_path, comm_hook], tmp_path, timeout=180)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "starting a replacement for rank 1" in result.stderr
     reports = {r: json.loads((tmp_path / f"r{r}.json").read_text()) for r in (0, 2, 3)}
@@ -369,5 +374,7 @@ def test_replacement_joins_and_trains_in_step(tmp_path):
     sizes = reports[0]["sizes"]
     assert [s[0] for s in sizes] == [3] * KILL_STEP + [2] * (join - KILL_STEP) + [3] * (
         end - join)
+    if comm_hook:
+        return
     for got, want in zip(params[0], _replay(sizes), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
