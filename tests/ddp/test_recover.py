@@ -5,13 +5,12 @@ replay of the same steps averaged over the ranks each step was reduced over."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
 from torch import nn
 
-from tests.launch._util import run, script
+from tests.launch._util import run, script, spares_left
 
 STEPS = 6
 KILL_STEP = 3
@@ -329,22 +328,6 @@ fastcomm.shutdown()
 """
 
 
-def _spares_left() -> list[int]:
-    """The pids of this checkout's warm spares still running."""
-    from fastcomm.launch.workers import BOOTSTRAP
-
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                argv = fh.read().split(b"\0")
-        except OSError:
-            continue
-        if BOOTSTRAP.encode() in argv and b"--spare" in argv:
-            found.append(int(entry))
-    return found
-
-
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("comm_hook", ["", "int8"])
 def test_replacement_joins_and_trains_in_step(tmp_path, comm_hook):
@@ -363,7 +346,7 @@ def test_replacement_joins_and_trains_in_step(tmp_path, comm_hook):
     assert join > KILL_STEP and reports[0]["joined"] == reports[2]["joined"] == join
     # started from the launcher's warm spare, which is gone with the job
     assert reports[3]["spare"] and not reports[0]["spare"]
-    assert not _spares_left()
+    assert not spares_left()
     end = reports[0]["done"][-1] + 1
     assert reports[0]["done"] == reports[2]["done"] == list(range(end))
     assert reports[3]["done"] == list(range(join, end))

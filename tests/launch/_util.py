@@ -178,3 +178,19 @@ with open(sys.argv[1] % comm.rank, "w") as f:
 fastcomm.shutdown()
 dist.destroy_process_group()
 """
+
+
+def spares_left() -> list[int]:
+    """The pids of this checkout's warm spare workers (``_bootstrap.py --spare``) running."""
+    from fastcomm.launch.workers import BOOTSTRAP
+
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                argv = fh.read().split(b"\0")
+        except OSError:
+            continue
+        if BOOTSTRAP.encode() in argv and b"--spare" in argv:
+            found.append(int(entry))
+    return found

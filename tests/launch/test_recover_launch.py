@@ -12,7 +12,7 @@ import torch
 from fastcomm.launch.cli import get_parser, parse_config
 from tests.harness import free_port
 
-from ._util import clean_env, finish, run, script, start, wait_files
+from ._util import clean_env, finish, run, script, spares_left, start, wait_files
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -51,6 +51,21 @@ def test_loss_reported_and_the_others_go_on(tmp_path):
     # both started from a warm spare (torch imported ahead), their output pumped as a worker's
     for k in (1, 2):
         assert f"[rank 1]: replacement {k} from a spare" in result.stdout, result.stdout
+
+
+def test_an_unused_spare_goes_with_the_job(tmp_path):
+    """No loss: the warm spare (--max-restarts 1) never runs the script and is killed with
+    the workers; the job's output is the workers' only."""
+    path = script(tmp_path, "job.py", """
+        import os
+        print("worker", os.environ["RANK"], flush=True)
+    """)
+    result = run(["--nproc-per-node", "2", "--recover", "in-process", "--max-restarts", "1",
+                  path], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert sorted(line for line in result.stdout.splitlines() if "worker" in line) == [
+        "[rank 0]: worker 0", "[rank 1]: worker 1"]
+    assert not spares_left()
 
 
 def test_below_min_ranks_stops_with_the_report(tmp_path):
