@@ -138,12 +138,18 @@ def _spare() -> list:
     arguments; exits quietly at end of input (not needed: the agent is done or gone)."""
     import importlib
 
+    # read at once, so that the agent's write never waits for the imports (a pipe holds 64 KiB)
+    box = []
+    reader = threading.Thread(target=lambda: box.append(sys.stdin.buffer.readline()),
+                              name="fastcomm-spare-stdin", daemon=True)
+    reader.start()
     for name in SPARE_IMPORTS:
         try:
             importlib.import_module(name)
         except Exception:  # the worker's own import reports it, where it matters
             pass
-    line = sys.stdin.buffer.readline()
+    reader.join()
+    line = box[0]
     if not line:
         sys.exit(0)
     job = json.loads(line)
