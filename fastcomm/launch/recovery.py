@@ -108,7 +108,7 @@ class LossWatch:
         error_file = os.path.join(log_dir, "error.json")
         env = {**spec.env, JOIN_ENV: str(self.replaced), "TORCHELASTIC_ERROR_FILE": error_file}
         self.log(f"starting a replacement for rank {spec.rank} (replacement "
-                  f"{self.replaced}; it joins at the running ranks' next step)")
+                 f"{self.replaced}; it joins at the running ranks' next step)")
         return dataclasses.replace(spec, env=env, log_dir=log_dir, error_file=error_file)
 
 

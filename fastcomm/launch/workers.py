@@ -219,7 +219,7 @@ class WorkerGroup:
         proc = None
         if spare is not None and BOOTSTRAP in spec.cmd:
             proc = spare.activate(spec.cmd[spec.cmd.index(BOOTSTRAP) + 1 :], env, time.time())
-        plan = []  # (Popen kwarg, Std bit, console stream, file name)
+        plan = []  # (stream name, console stream, log file, filtered copy)
         files: list[BinaryIO] = []
         kwargs = {}
         for name, bit, stream in (
@@ -336,8 +336,8 @@ class WorkerGroup:
         reaped = [w for w in self.workers if w.proc.returncode is not None]
         remove_segments_of({(w.proc.pid, w.start_time) for w in reaped if w.start_time})
 
-
     def _drop_spare(self) -> None:
+        """Kills the spare (the round is over: no more replacements)."""
         self._spares = 0
         if self._spare is not None:
             self._spare.kill()
