@@ -80,6 +80,7 @@ class Grower:
     Args:
         recovery: the DDP's ``recover.Recovery``.
         ticket: the next request to look for.
+        lost: the ranks lost before (a joiner's, from its admission).
     """
 
     def __init__(self, recovery, ticket: int = 1, lost: int = 0) -> None:
