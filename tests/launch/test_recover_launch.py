@@ -5,6 +5,7 @@ node joins the running round."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -198,3 +199,46 @@ def test_elastic_node_joins_the_running_round(tmp_path):
     assert (late_env["GROUP_RANK"], late_env["GROUP_WORLD_SIZE"], late_env["WORLD_SIZE"],
             late_env["TORCHELASTIC_RESTART_COUNT"]) == ("1", "2", "4", "0")
     assert sorted(reports[r]["env"]["RANK"] for r in (2, 3)) == ["2", "3"]
+
+
+WAITER = """
+    import json, os, sys, time
+    out = sys.argv[1]
+    keys = ("RANK", "WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "FASTCOMM_RECOVER_JOIN")
+    with open(os.path.join(out, "w" + os.environ["RANK"] + ".json"), "w") as fh:
+        json.dump({k: os.environ.get(k) for k in keys}, fh)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(out, "stop")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_node_beyond_max_waits_and_the_job_ends_without_it(tmp_path):
+    """--nnodes 1:2: the second node is admitted into the running round (its workers get
+    the grown world and FASTCOMM_RECOVER_JOIN); a third finds the round full, waits for a
+    next round, and leaves with exit 0 when the job ends without one."""
+    path = script(tmp_path, "waiter.py", WAITER)
+    flags = ["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+             "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "full",
+             "--monitor-interval", "0.05", "--rdzv-conf", "last_call_timeout=0.5",
+             "--recover", "in-process"]
+    agents = [start([*flags, path, tmp_path], tmp_path)]
+    wait_files(tmp_path, "w*.json", 2, proc=agents[0])
+    agents.append(start([*flags, path, tmp_path], tmp_path))
+    wait_files(tmp_path, "w*.json", 4, proc=agents[1])
+    agents.append(start([*flags, path, tmp_path], tmp_path))
+    time.sleep(3)  # the third asks, is refused and waits for a next round
+    (tmp_path / "stop").touch()
+    results = [finish(a, timeout=60) for a in agents]
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert "node 1 joins the running round 0" in results[0].stderr
+    assert "the job finished before this node was admitted" in results[2].stderr
+    grown = [json.loads((tmp_path / f"w{r}.json").read_text()) for r in (2, 3)]
+    for env in grown:
+        assert (env["GROUP_RANK"], env["GROUP_WORLD_SIZE"], env["WORLD_SIZE"],
+                env["FASTCOMM_RECOVER_JOIN"]) == ("1", "2", "4", "node1"), env
+    first = json.loads((tmp_path / "w0.json").read_text())
+    assert (first["WORLD_SIZE"], first["FASTCOMM_RECOVER_JOIN"]) == ("2", None)
+    assert not list(tmp_path.glob("w4.json"))  # the third node's workers never started
