@@ -10,8 +10,8 @@ Every ``--monitor-interval`` the agent polls its workers and the round, and prop
 * a node waits and there is room   -> ``MEMBERSHIP`` (not a failure restart)
 * a peer agent stops heartbeating  -> ``FAILURE`` (node lost)
 
-Under ``--recover in-process`` a failing worker is reported and the round goes on
-(``recovery``) until fewer than the minimum of ranks are left.
+Under ``--recover in-process`` a failing worker, or a node whose agent stopped heartbeating, is
+reported and the round goes on (``recovery``) until fewer than the minimum of ranks are left.
 """
 
 from __future__ import annotations
@@ -165,14 +165,19 @@ class RoundMonitor:
 
     def _end_on_success(self) -> End | None:
         watch = self.recovery
-        if self._reported_done or any(
+        if self._reported_done:
+            # under recovery a lost node is counted done later (recovery.take_node): look again
+            if watch is None or self.info.store.add("done", 0) < self.info.group_world_size:
+                return None
+        elif any(
             w.exitcode != 0 for w in self.group.workers
             if watch is None or not watch.is_lost(w)
         ):
             return None
-        self._reported_done = True  # this node's workers are counted in the round's "done"
-        if self.info.store.add("done", 1) < self.info.group_world_size:
-            return None
+        else:
+            self._reported_done = True  # this node's workers are counted in the round's "done"
+            if self.info.store.add("done", 1) < self.info.group_world_size:
+                return None
         return self.rdzv.end_round(self.info.round, RoundEnd.SUCCESS)
 
     def _end_to_admit(self) -> End | None:
@@ -193,4 +198,8 @@ class RoundMonitor:
         lost = self.beats.lost_peer(self.peers, now)
         if lost is None:
             return None
+        if self.recovery is not None:
+            self.peers.remove(lost.group_rank)  # watched no more
+            if self.recovery.take_node(lost):
+                return None
         return self.rdzv.end_round(self.info.round, RoundEnd.FAILURE, [lost])

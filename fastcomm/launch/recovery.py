@@ -9,6 +9,11 @@ all, which fastcomm DDP admits at a step boundary); once fewer than the minimum 
 (``--min-ranks``, and ``--nnodes MIN`` nodes' worth of ranks) the job stops with today's
 report, naming the first loss as the root cause (no restart). A round whose live workers all
 succeed ends in success.
+
+A whole node lost (its agent's heartbeat stopped for the limit) is absorbed the same way: its
+ranks are counted lost, and it is counted out of the round (``done``, ``exited``) so the
+survivors' round ends without it. Every absorbed loss is named in the workers' store
+(``lost_rank_key``): the survivors on other hosts learn it there (fastcomm DDP's recovery).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import dataclasses
 import os
 import sys
 from collections.abc import Callable
+
+from fastcomm.comm.store import Store, lost_rank_key
 
 from .config import LaunchConfig
 from .errors import Failure, exit_description
@@ -68,6 +75,7 @@ class LossWatch:
         self.lost_pids: set[int] = set()
         self.replaced = 0
         self._log = log or _stderr
+        self._workers_store: Store | None = None
 
     def take(self, failure: Failure) -> bool:
         """Absorbs `failure` (reported, the job goes on): ``True``; ``False`` when the job
@@ -85,8 +93,49 @@ class LossWatch:
             )
             return False
         self.lost_pids.add(failure.pid)
-        self._log(loss_report(failure, live, self.info.world_size))
+        report = loss_report(failure, live, self.info.world_size)
+        self.name_lost([failure.rank], report)
+        self._log(report)
         return True
+
+    def take_node(self, failure: Failure) -> bool:
+        """Absorbs the loss of node ``failure.group_rank`` (its agent stopped heartbeating):
+        ``True`` when the job goes on (its ranks named lost in the workers' store, the node
+        counted out of the round); ``False`` when it would fall below the minimum."""
+        info, store = self.info, self.info.store
+        g = failure.group_rank
+        first = sum(n.nproc for n in info.nodes[:g])
+        ranks = list(range(first, first + info.nodes[g].nproc))
+        tag = str(info.group_rank)
+        mine = store.compare_set(f"lost-node/{g}", "", tag) == tag.encode()
+        total = store.add("lost", len(ranks) if mine else 0)  # one agent counts each node
+        live = info.world_size - total + store.add("replaced", 0)
+        self.lost.append(failure)
+        node = f"node {g} ({failure.host})"
+        if live < self.minimum:
+            self._log(f"{node} was lost ({failure.message}); {live} live rank(s) are fewer "
+                      f"than the minimum {self.minimum}: stopping")
+            return False
+        why = f"{node} was lost: {failure.message}"
+        self.name_lost(ranks, why)
+        if mine:  # it will neither report done nor pass the exit barrier
+            store.add("done", 1)
+            store.add("exited", 1)
+        self._log(f"{why}; its ranks {', '.join(map(str, ranks))} are lost; the job goes on "
+                  f"with {live} of {info.world_size} ranks (--recover in-process)")
+        return True
+
+    def name_lost(self, ranks: list[int], why: str) -> None:
+        """Sets ``lost_rank_key`` of each of ``ranks`` in the workers' store (best effort: a
+        store that cannot be reached leaves the survivors to their own liveness checks)."""
+        try:
+            if self._workers_store is None:
+                self._workers_store = Store(self.info.master_addr, self.info.master_port,
+                                            timeout=10.0, _secret=None)
+            for rank in ranks:
+                self._workers_store.set(lost_rank_key(rank), why.splitlines()[0])
+        except RuntimeError as exc:
+            self._log(f"could not name rank(s) {ranks} lost in the workers' store: {exc}")
 
     def is_lost(self, worker) -> bool:
         """Whether `worker` is one of this node's absorbed losses."""
