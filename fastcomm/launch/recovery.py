@@ -76,6 +76,8 @@ class LossWatch:
         self.replaced = 0
         self._log = log or _stderr
         self._workers_store: Store | None = None
+        self.lost_nodes: set[int] = set()
+        """The GROUP_RANKs of the nodes this agent found lost."""
 
     def take(self, failure: Failure) -> bool:
         """Absorbs `failure` (reported, the job goes on): ``True``; ``False`` when the job
@@ -104,6 +106,9 @@ class LossWatch:
         counted out of the round); ``False`` when it would fall below the minimum."""
         info, store = self.info, self.info.store
         g = failure.group_rank
+        if g in self.lost_nodes:
+            return True
+        self.lost_nodes.add(g)
         first = sum(n.nproc for n in info.nodes[:g])
         ranks = list(range(first, first + info.nodes[g].nproc))
         tag = str(info.group_rank)
