@@ -9,10 +9,8 @@ other backend): ``intra`` (shm over this host's ranks, ``None`` for a lone rank)
 Invariants: hosts are numbered by their lowest rank and each host's first rank is its leader;
 every collective is first compared across all ranks (its :class:`~.calls.Call` row), so a
 disagreement raises ``FastcommError`` on every rank before any tensor changes; every
-collective, ``flat`` ones included, runs in issue order on the communicator's executor.
-
-A lost rank (in-place recovery): :meth:`HierCommunicator.abort` fails the pending calls from
-any thread, the waits on Gloo (polled every ``ABORT_SLICE_S``) and on shm alike.
+collective, ``flat`` ones included, runs in issue order on the communicator's executor; a
+lost rank's :meth:`HierCommunicator.abort` (any thread) stops the waits on Gloo and shm.
 
 The topology, the agreement exchange and small all-reduces riding in it: docs/architecture.md.
 """

@@ -8,12 +8,9 @@ fastcomm DDP to shrink in place). The job's live ranks are counted in the round'
 all, which fastcomm DDP admits at a step boundary); once fewer than the minimum are left
 (``--min-ranks``, and ``--nnodes MIN`` nodes' worth of ranks) the job stops with today's
 report, naming the first loss as the root cause (no restart). A round whose live workers all
-succeed ends in success.
-
-A whole node lost (its agent's heartbeat stopped for the limit) is absorbed the same way: its
-ranks are counted lost, and it is counted out of the round (``done``, ``exited``) so the
-survivors' round ends without it. Every absorbed loss is named in the workers' store
-(``lost_rank_key``): the survivors on other hosts learn it there (fastcomm DDP's recovery).
+succeed ends in success. A node lost whole (no heartbeat from its agent) is absorbed alike,
+counted out of the round; every absorbed rank is named in the workers' store
+(``lost_rank_key``), where the survivors on other hosts learn of it.
 """
 
 from __future__ import annotations
