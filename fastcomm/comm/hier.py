@@ -24,7 +24,7 @@ import torch
 
 from .base import Communicator
 from .calls import HEAD, Call, encode, first_difference, mismatch_message, tensor_call
-from .errors import CommAbortedError, CommTimeoutError, FastcommError
+from .errors import CommAbortedError, CommClosedError, CommTimeoutError, FastcommError
 from .reduction import reduce_into
 from .store import Store
 from .topology import HostLayout
@@ -41,6 +41,9 @@ _PAIR_BYTES = 2 * _WIDTH * 8  # a host's verdict in the leaders' exchange: two r
 _RIDE_BYTES = 4096
 #: Seconds a wait on Gloo sleeps before it looks whether the communicator was aborted.
 ABORT_SLICE_S = 0.02
+# what Gloo's errors say when a peer's connection went (its process or its host is gone)
+_CONNECTION_LOST = ("connection closed", "connection reset", "broken pipe", "no route to host",
+                    "connection refused", "socket closed")
 
 
 def _mismatch(table: torch.Tensor) -> str | None:
@@ -297,9 +300,12 @@ class HierCommunicator(Communicator):
 
     def _loss_behind(self, exc: FastcommError) -> BaseException | None:
         """The lost rank behind ``exc``: named by :meth:`abort` already, or within
-        ``loss_grace`` (a timeout is a hang, not a loss: it is not waited on)."""
-        deadline = time.monotonic() + (0 if isinstance(exc, CommTimeoutError)
-                                       else self.loss_grace)
+        ``loss_grace`` where ``exc`` says a Gloo peer's connection went (a timeout is a hang;
+        a shm peer's loss is already a loss error, on this host's liveness)."""
+        text = str(exc).lower()
+        went = not isinstance(exc, (CommTimeoutError, CommAbortedError, CommClosedError)) and \
+            any(word in text for word in _CONNECTION_LOST)
+        deadline = time.monotonic() + (self.loss_grace if went else 0.0)
         while self._aborted is None and time.monotonic() < deadline:
             time.sleep(0.01)
         return self._aborted

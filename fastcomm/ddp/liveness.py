@@ -85,6 +85,8 @@ class LossWatch:
             self.lost[original] = why
             found.append(original)
             comm = self.current()
+            if original not in membership.members:  # the survivors agreed without it already
+                continue
             abort = getattr(comm, "abort", None)
             if abort is not None:
                 host = membership.identity[original][0]
