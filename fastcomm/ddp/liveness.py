@@ -44,7 +44,8 @@ class LossWatch:
 
     Args:
         membership: the recovery's ``Membership`` (its members, and the key of each one).
-        current: returns the communicator in use (it changes at each shrink).
+        current: returns the communicator in use (it changes at each shrink); ``None`` once
+            its DDP is gone (the thread then ends).
         poll_s: seconds between two looks.
     """
 
@@ -64,6 +65,8 @@ class LossWatch:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_s):
+            if self.current() is None:
+                return
             try:
                 self.look()
             except RuntimeError:  # the store is gone: the job is ending

@@ -20,6 +20,7 @@ import json
 import os
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -344,7 +345,7 @@ class Recovery:
                 stacklevel=3,
             )
         elif not self.membership.one_host:
-            self.watch = LossWatch(self.membership, lambda: self.ddp.comm)
+            self.watch = LossWatch(self.membership, _comm_of(self))
             self._arm(ddp.comm)
         self.callbacks: list[Callable[[MembershipChange], None]] = []
         self.changes: list[MembershipChange] = []
@@ -360,7 +361,7 @@ class Recovery:
         self.callbacks, self.changes, self.grower = [], [], None
         self.supported, self.watch = True, None
         if not membership.one_host and ddp.comm.backend == "hier":
-            self.watch = LossWatch(membership, lambda: self.ddp.comm)
+            self.watch = LossWatch(membership, _comm_of(self))
             self._arm(ddp.comm)
         return self
 
@@ -426,6 +427,18 @@ class Recovery:
             except LOSS_ERRORS as exc:
                 cause = exc
         raise RecoveryError(f"{where}: the redo kept failing") from cause
+
+
+def _comm_of(recovery: Recovery) -> Callable[[], object]:
+    """The communicator in use by `recovery`'s DDP, ``None`` once it is gone (the watch thread
+    holds no reference that would keep the DDP alive)."""
+    ref = weakref.ref(recovery)
+
+    def current():
+        alive = ref()
+        return None if alive is None else alive.ddp.comm
+
+    return current
 
 
 def redo_step(reducer, keeper: Keeper) -> None:

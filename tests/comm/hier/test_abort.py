@@ -70,6 +70,8 @@ def test_a_lost_host_stops_the_pending_calls(pool, case):
     assert results[1] is None and results[3] is None
     for rank in (0, 2):
         outcome, later = results[rank].split(" | ")
-        assert outcome.startswith(f"rank {rank}: all_reduce failed after "), outcome
+        # rank 2 may hear it first from its host's leader, over shm (then its shm rank names it)
+        assert outcome.startswith(f"rank {rank}: all_reduce failed after ") or (
+            rank == 2 and "failed after" in outcome and "rank 0 aborted" in outcome), outcome
         assert outcome.endswith("rank 1 (host b) was lost: powered off"), outcome
         assert later == f"rank {rank}: all_reduce refused: rank 1 (host b) was lost: powered off"
