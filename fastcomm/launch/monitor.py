@@ -165,20 +165,25 @@ class RoundMonitor:
 
     def _end_on_success(self) -> End | None:
         watch = self.recovery
-        if self._reported_done:
-            # under recovery a lost node is counted done later (recovery.take_node): look again
-            if watch is None or self.info.store.add("done", 0) < self.info.group_world_size:
+        if not self._reported_done:
+            if any(w.exitcode != 0 for w in self.group.workers
+                   if watch is None or not watch.is_lost(w)):
                 return None
-        elif any(
-            w.exitcode != 0 for w in self.group.workers
-            if watch is None or not watch.is_lost(w)
-        ):
-            return None
-        else:
             self._reported_done = True  # this node's workers are counted in the round's "done"
-            if self.info.store.add("done", 1) < self.info.group_world_size:
-                return None
+            done = self.info.store.add("done", 1)
+        elif watch is None:
+            return None
+        else:  # under recovery a node lost later is no longer waited for: look again
+            done = self.info.store.add("done", 0)
+        if done < self._nodes_to_succeed():
+            return None
         return self.rdzv.end_round(self.info.round, RoundEnd.SUCCESS)
+
+    def _nodes_to_succeed(self) -> int:
+        """The nodes whose workers must all succeed: the round's, less (under recovery) the
+        nodes lost whole (``recovery.LossWatch.take_node``)."""
+        total = self.info.group_world_size
+        return total if self.recovery is None else total - self.info.store.add("lost-nodes", 0)
 
     def _end_to_admit(self) -> End | None:
         """Ends the round to admit a waiting node, if there is room and no worker finished."""

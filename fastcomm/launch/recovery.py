@@ -120,8 +120,8 @@ class LossWatch:
             return False
         why = f"{node} was lost: {failure.message}"
         self.name_lost(ranks, why)
-        if mine:  # it will neither report done nor pass the exit barrier
-            store.add("done", 1)
+        if mine:  # its workers' success is not waited for, nor its exit
+            store.add("lost-nodes", 1)
             store.add("exited", 1)
         self._log(f"{why}; its ranks {', '.join(map(str, ranks))} are lost; the job goes on "
                   f"with {live} of {info.world_size} ranks (--recover in-process)")
