@@ -97,7 +97,8 @@ def _silent(rank: int, dumps: dict, beats: dict) -> str:
     if fresh and not status:
         return f"rank {rank} (host {host}) is alive (heartbeat at {when}) but sent no record"
     why = {"stopped": f" (pid {beat.get('pid')} is stopped)",
-           "exited": f" (pid {beat.get('pid')} exited)"}.get(status, "")
+           "exited": f" (pid {beat.get('pid')} exited)",
+           "lost": " (named lost by the launcher)"}.get(status, "")
     return f"rank {rank} (host {host}) stopped answering at {when}{why}"
 
 

@@ -28,7 +28,7 @@ import weakref
 
 from .. import trace
 from .flight import recorders
-from .store import Store
+from .store import Store, lost_rank_key
 
 __all__ = ["Watch", "dump_record", "on_failure", "request_report", "watch"]
 
@@ -98,7 +98,8 @@ class _Target:
         recorder = self.recorder
         pending = recorder.in_flight()
         return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
-                "time": time.time(), "poll": _WATCH.poll_s if _WATCH else 1.0,
+                "launch": os.environ.get("RANK"), "time": time.time(),
+                "poll": _WATCH.poll_s if _WATCH else 1.0,
                 "seq": recorder.seq, "done": recorder.last_done(),
                 "in": list(pending) if pending else None}
 
@@ -152,6 +153,17 @@ def _process_state(pid: int) -> str | None:
     return {"T": "stopped", "t": "stopped", "Z": "exited", "X": "exited"}.get(state)
 
 
+def _named_lost(target: _Target, launch_rank) -> bool:
+    """Whether the launcher named the rank of ``RANK`` ``launch_rank``, on another host, lost
+    (``fastcomm-run --recover in-process``): it will not answer either."""
+    if launch_rank is None or not str(launch_rank).isdigit():
+        return False
+    try:
+        return target.store.root().check([lost_rank_key(int(launch_rank))])
+    except Exception:  # noqa: BLE001 - unknown is not lost
+        return False
+
+
 def _beats(target: _Target) -> dict[int, dict]:
     beats = {}
     host = socket.gethostname()
@@ -165,6 +177,8 @@ def _beats(target: _Target) -> dict[int, dict]:
             continue
         if beat.get("host") == host and beat.get("pid"):
             beat["status"] = _process_state(int(beat["pid"]))
+        elif _named_lost(target, beat.get("launch")):
+            beat["status"] = "lost"
         beats[rank] = beat
     return beats
 

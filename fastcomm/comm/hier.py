@@ -9,20 +9,22 @@ other backend): ``intra`` (shm over this host's ranks, ``None`` for a lone rank)
 Invariants: hosts are numbered by their lowest rank and each host's first rank is its leader;
 every collective is first compared across all ranks (its :class:`~.calls.Call` row), so a
 disagreement raises ``FastcommError`` on every rank before any tensor changes; every
-collective, ``flat`` ones included, runs in issue order on the communicator's executor.
+collective, ``flat`` ones included, runs in issue order on the communicator's executor; a
+lost rank's :meth:`HierCommunicator.abort` (any thread) stops the waits on Gloo and shm.
 
 The topology, the agreement exchange and small all-reduces riding in it: docs/architecture.md.
 """
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch
 
 from .base import Communicator
 from .calls import HEAD, Call, encode, first_difference, mismatch_message, tensor_call
-from .errors import FastcommError
+from .errors import CommAbortedError, CommClosedError, CommTimeoutError, FastcommError
 from .reduction import reduce_into
 from .store import Store
 from .topology import HostLayout
@@ -37,6 +39,11 @@ _PAIR_BYTES = 2 * _WIDTH * 8  # a host's verdict in the leaders' exchange: two r
 # the largest all-reduce whose hosts' sums ride in the agreement's exchange across leaders (a
 # Gloo gather of this much costs about what the Gloo all-reduce of it does)
 _RIDE_BYTES = 4096
+#: Seconds a wait on Gloo sleeps before it looks whether the communicator was aborted.
+ABORT_SLICE_S = 0.02
+# what Gloo's errors say when a peer's connection went (its process or its host is gone)
+_CONNECTION_LOST = ("connection closed", "connection reset", "broken pipe", "no route to host",
+                    "connection refused", "socket closed")
 
 
 def _mismatch(table: torch.Tensor) -> str | None:
@@ -88,6 +95,14 @@ class HierCommunicator(Communicator):
         # CPU tensors, hierarchically; the leaders' sum order depends on an element's place
         # beyond two hosts, the shm sum inside a host does not
         self.capabilities = Capabilities(layout_free=size <= 2)
+        for part in (leaders, flat):
+            if part is not None and hasattr(part, "abort_slice_s"):
+                part.abort_slice_s = ABORT_SLICE_S
+        self.loss_grace = 0.0
+        """Seconds a failed call waits for :meth:`abort` to name a lost rank before its own
+        error stands (in-place recovery sets it: a peer's closed socket is seen before the
+        launcher names the loss)."""
+        self._aborted: BaseException | None = None
 
     @property
     def flat(self) -> Communicator:
@@ -256,6 +271,44 @@ class HierCommunicator(Communicator):
 
     def _impl_recv(self, tensor: torch.Tensor, src: int) -> Task:
         return self.flat._impl_recv(tensor, src)
+
+    # ------------------------------------------------------------------ lost ranks
+    def abort(self, error: BaseException) -> None:
+        """From any thread: every pending and later call raises ``CommAbortedError`` naming
+        ``error`` (a lost rank); the shm part is marked aborted (this host's peers fail at
+        once), the Gloo parts' waits stop within ``ABORT_SLICE_S``. :meth:`close` follows."""
+        if self._aborted is not None or self._closed:
+            return
+        self._aborted = error
+        for part in (self.leaders, self.flat, self.intra):
+            if part is not None and hasattr(part, "abort"):
+                part.abort(error)
+
+    def _run_task(self, task: Task, start: float) -> None:
+        if self._aborted is not None:
+            raise CommAbortedError(f"rank {self.rank}: {task.op} refused: {self._aborted}")
+        try:
+            super()._run_task(task, start)
+        except FastcommError as exc:
+            why = self._loss_behind(exc)
+            if why is None:
+                raise
+            elapsed = time.monotonic() - start
+            raise CommAbortedError(
+                f"rank {self.rank}: {task.op} failed after {elapsed:.1f} s: {why}"
+            ) from exc
+
+    def _loss_behind(self, exc: FastcommError) -> BaseException | None:
+        """The lost rank behind ``exc``: named by :meth:`abort` already, or within
+        ``loss_grace`` where ``exc`` says a Gloo peer's connection went (a timeout is a hang;
+        a shm peer's loss is already a loss error, on this host's liveness)."""
+        text = str(exc).lower()
+        went = not isinstance(exc, (CommTimeoutError, CommAbortedError, CommClosedError)) and \
+            any(word in text for word in _CONNECTION_LOST)
+        deadline = time.monotonic() + (self.loss_grace if went else 0.0)
+        while self._aborted is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self._aborted
 
     # ------------------------------------------------------------------ lifetime
     def _new_child(self, store: Store, rank: int, size: int, timeout: timedelta):

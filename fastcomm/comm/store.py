@@ -41,6 +41,7 @@ __all__ = [
     "Store",
     "as_timedelta",
     "job_secret_from_env",
+    "lost_rank_key",
 ]
 
 SECRET_ENV = "FASTCOMM_JOB_SECRET"
@@ -55,6 +56,13 @@ _FROM_ENV = object()  # Store(_secret=...) default: read the secret from the env
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 """How long a store wait, a rendezvous or a collective may take when no timeout is given (the
 one default of the store, every communicator and ``fastcomm.init``)."""
+
+
+def lost_rank_key(rank: int) -> str:
+    """The root key of a job's store that says its rank ``rank`` (the launcher's ``RANK``) is
+    lost: ``fastcomm-run --recover in-process`` sets it (the reason as its value), the
+    survivors' in-place recovery reads it (liveness across hosts)."""
+    return f"fastcomm/lost/{rank}"
 
 
 def as_timedelta(timeout: float | timedelta | None, default: timedelta) -> timedelta:
@@ -556,6 +564,11 @@ class Store:
             _secret=self._secret,
             _guard=self.guard,
         )
+
+    def root(self) -> Store:
+        """A view of the same store with no prefix (another connection is not opened)."""
+        return Store(timeout=self.timeout, rank=self.rank, _base=self._root, _root=self._root,
+                     _secret=self._secret, _guard=self.guard)
 
     def bound_answers(self, limit: float, interrupt: Callable[[], None] | None = None) -> None:
         """Has every later operation of this view (and of the namespaces made from it

@@ -184,8 +184,8 @@ class DDP(nn.Module):
             self._recovery, header = join_running(self)
         elif recovery_enabled() and self.comm.size > 1:
             self._recovery = Recovery(self)
-            if not self._recovery.membership.one_host:
-                self._recovery = None  # it warned: liveness is known on one host only
+            if not self._recovery.supported:
+                self._recovery = None  # it warned: liveness across hosts needs hier
         else:
             self._recovery = None
         if self.config.init_sync and header is None:

@@ -8,8 +8,10 @@ epoch). Ranks are renumbered densely in old-rank order and a communicator of the
 is built. In backward, gradients a reduction may overwrite are kept as they arrive (``Keeper``:
 a reference where it can, a copy where it must), so the failed step is reduced again among the
 survivors, scaled by ``1/survivors``, and ``backward()`` returns as if nothing happened. Other
-collectives (``DDP()``'s broadcast, the bucket rebuild, the buffers) recover and retry. Limits:
-one host (liveness from ``/proc``), dense gradients.
+collectives (``DDP()``'s broadcast, the bucket rebuild, the buffers) recover and retry.
+Liveness: from ``/proc`` on this host; on other hosts (``hier`` only) from the keys
+``fastcomm-run`` sets for the losses it absorbs, watched by ``liveness.LossWatch``. Limits:
+dense gradients; across hosts, the ``hier`` backend under ``fastcomm-run``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import os
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,8 +28,11 @@ import torch
 
 from fastcomm.comm.errors import CommAbortedError, CommClosedError, FastcommError
 from fastcomm.comm.shm.segment import pid_start_time, process_alive
+from fastcomm.comm.store import lost_rank_key
 from fastcomm.comm.topology import host_id
 from fastcomm.kernels._launch import fp32_scale
+
+from .liveness import LossWatch
 
 __all__ = [
     "RECOVER_ENV",
@@ -51,6 +57,12 @@ LOSS_ERRORS = (CommAbortedError, CommClosedError)
 
 class RecoveryError(FastcommError):
     """The survivors could not agree on a new membership (timeout, disagreement, excluded)."""
+
+
+def launch_rank(environ=None) -> int | None:
+    """This process's ``RANK`` from its launcher (``None``: unset or not a number)."""
+    text = (os.environ if environ is None else environ).get("RANK", "")
+    return int(text) if text.strip().isdigit() else None
 
 
 def recovery_enabled(environ=None) -> bool:
@@ -112,13 +124,15 @@ class Membership:
         self.members = list(range(comm.size))
         text = os.environ.get(RECOVER_TIMEOUT_ENV, "").strip()
         self.timeout = float(text) if text else (60.0 if timeout is None else timeout)
-        mine = [host_id(), os.getpid(), pid_start_time(os.getpid()) or 0]
+        mine = [host_id(), os.getpid(), pid_start_time(os.getpid()) or 0, launch_rank()]
         self.identity = self.store.all_gather_object(
             "ids", comm.rank, comm.size, mine, comm.timeout
         )
         self._host = mine[0]
         self.one_host = len({row[0] for row in self.identity}) == 1
         """Whether every rank runs on this host (liveness is read from ``/proc``)."""
+        self.lost_store = store.root()
+        """The job's store at its root, where the launcher names the ranks it lost."""
 
     @classmethod
     def adopt(cls, store, header: dict) -> Membership:
@@ -132,6 +146,7 @@ class Membership:
         self.timeout = float(text) if text else 60.0
         self._host = host_id()
         self.one_host = len({row[0] for row in self.identity}) == 1
+        self.lost_store = store.root()
         return self
 
     @property
@@ -139,11 +154,28 @@ class Membership:
         """This process's rank in the current epoch."""
         return self.members.index(self.me)
 
+    def launch_rank(self, original: int) -> int | None:
+        """Member `original`'s ``RANK`` from its launcher (``None``: unknown)."""
+        row = self.identity[original]
+        return row[3] if len(row) > 3 else None
+
+    def lost_key(self, original: int) -> str | None:
+        """The store key the launcher sets when member `original`, on another host, is lost
+        (``None``: on this host, or its launcher rank is unknown)."""
+        rank = self.launch_rank(original)
+        if rank is None or self.identity[original][0] == self._host:
+            return None
+        return lost_rank_key(rank)
+
     def alive(self, original: int) -> bool:
-        """Whether member `original` still runs (a member on another host counts as alive)."""
-        host, pid, start = self.identity[original]
-        if original == self.me or host != self._host:
+        """Whether member `original` still runs: on this host from ``/proc``, on another from
+        the launcher's key (alive until it names it lost)."""
+        host, pid, start = self.identity[original][:3]
+        if original == self.me:
             return True
+        if host != self._host:
+            key = self.lost_key(original)
+            return key is None or not self.lost_store.check([key])
         return process_alive(pid, start or None)
 
     def _key(self, epoch: int, what: str, rank: int | None = None) -> str:
@@ -300,14 +332,21 @@ class Recovery:
     def __init__(self, ddp) -> None:
         self.ddp = ddp
         self.membership = Membership(ddp.comm)
-        if not self.membership.one_host:
+        self.supported = self.membership.one_host or ddp.comm.backend == "hier"
+        """Whether a loss can be recovered from: one host, or ``hier`` across hosts."""
+        self.watch = None
+        if not self.supported:
             warnings.warn(
                 f"fastcomm DDP (rank {ddp.comm.rank}): {RECOVER_ENV}=in-process shrinks in place "
-                "only when every rank runs on one host; these ranks span hosts, so a lost rank "
-                "fails the others as without it",
+                "only when every rank runs on one host, or across hosts on the hier backend; "
+                f"these ranks span hosts on {ddp.comm.backend}, so a lost rank fails the others "
+                "as without it",
                 RuntimeWarning,
                 stacklevel=3,
             )
+        elif not self.membership.one_host:
+            self.watch = LossWatch(self.membership, _comm_of(self))
+            self._arm(ddp.comm)
         self.callbacks: list[Callable[[MembershipChange], None]] = []
         self.changes: list[MembershipChange] = []
         self.grower = None  # a regrow.Grower, set by DDP
@@ -320,7 +359,17 @@ class Recovery:
         self = cls.__new__(cls)
         self.ddp, self.membership = ddp, membership
         self.callbacks, self.changes, self.grower = [], [], None
+        self.supported, self.watch = True, None
+        if not membership.one_host and ddp.comm.backend == "hier":
+            self.watch = LossWatch(membership, _comm_of(self))
+            self._arm(ddp.comm)
         return self
+
+    def _arm(self, comm) -> None:
+        """A failed ``hier`` call waits for the watch to name a lost rank (a closed socket is
+        seen before the launcher names the loss)."""
+        if self.watch is not None and hasattr(comm, "loss_grace"):
+            comm.loss_grace = self.membership.timeout
 
     # ------------------------------------------------------------------ comm
     def run(self, fn: Callable[[], object], where: str):
@@ -343,6 +392,7 @@ class Recovery:
         _close_quietly(old)
         members = self.membership.agree(where)
         comm = _new_comm(old, self.membership)
+        self._arm(comm)
         ddp.comm = comm
         if reducer is not None:
             rebind(reducer, comm)
@@ -377,6 +427,18 @@ class Recovery:
             except LOSS_ERRORS as exc:
                 cause = exc
         raise RecoveryError(f"{where}: the redo kept failing") from cause
+
+
+def _comm_of(recovery: Recovery) -> Callable[[], object]:
+    """The communicator in use by `recovery`'s DDP, ``None`` once it is gone (the watch thread
+    holds no reference that would keep the DDP alive)."""
+    ref = weakref.ref(recovery)
+
+    def current():
+        alive = ref()
+        return None if alive is None else alive.ddp.comm
+
+    return current
 
 
 def redo_step(reducer, keeper: Keeper) -> None:

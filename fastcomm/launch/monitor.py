@@ -11,8 +11,8 @@ Every ``--monitor-interval`` the agent polls its workers and the round, and prop
                                       ``--recover in-process`` it joins the running round)
 * a peer agent stops heartbeating  -> ``FAILURE`` (node lost)
 
-Under ``--recover in-process`` a failing worker is reported and the round goes on
-(``recovery``) until fewer than the minimum of ranks are left.
+Under ``--recover in-process`` a failing worker, or a node whose agent stopped heartbeating, is
+reported and the round goes on (``recovery``) until fewer than the minimum of ranks are left.
 """
 
 from __future__ import annotations
@@ -166,15 +166,25 @@ class RoundMonitor:
 
     def _end_on_success(self) -> End | None:
         watch = self.recovery
-        if self._reported_done or any(
-            w.exitcode != 0 for w in self.group.workers
-            if watch is None or not watch.is_lost(w)
-        ):
+        if not self._reported_done:
+            if any(w.exitcode != 0 for w in self.group.workers
+                   if watch is None or not watch.is_lost(w)):
+                return None
+            self._reported_done = True  # this node's workers are counted in the round's "done"
+            done = self.info.store.add("done", 1)
+        elif watch is None:
             return None
-        self._reported_done = True  # this node's workers are counted in the round's "done"
-        if self.info.store.add("done", 1) < self.rdzv.members(self.info.round):
+        else:  # under recovery a node lost later is no longer waited for: look again
+            done = self.info.store.add("done", 0)
+        if done < self._nodes_to_succeed():
             return None
         return self.rdzv.end_round(self.info.round, RoundEnd.SUCCESS)
+
+    def _nodes_to_succeed(self) -> int:
+        """The nodes whose workers must all succeed: the round's, less (under recovery) the
+        nodes lost whole (``recovery.LossWatch.take_node``)."""
+        total = self.rdzv.members(self.info.round)  # with the nodes that joined it
+        return total if self.recovery is None else total - self.info.store.add("lost-nodes", 0)
 
     def _end_to_admit(self) -> End | None:
         """Ends the round to admit a waiting node, if there is room and no worker finished.
@@ -203,4 +213,8 @@ class RoundMonitor:
         lost = self.beats.lost_peer(self.peers, now)
         if lost is None:
             return None
+        if self.recovery is not None:
+            self.peers.remove(lost.group_rank)  # watched no more
+            if self.recovery.take_node(lost):
+                return None
         return self.rdzv.end_round(self.info.round, RoundEnd.FAILURE, [lost])

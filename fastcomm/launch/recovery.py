@@ -8,9 +8,11 @@ fastcomm DDP to shrink in place). The job's live ranks are counted in the round'
 all, which fastcomm DDP admits at a step boundary); once fewer than the minimum are left
 (``--min-ranks``, and ``--nnodes MIN`` nodes' worth of ranks) the job stops with today's
 report, naming the first loss as the root cause (no restart). A round whose live workers all
-succeed ends in success. A node arriving in an elastic ``--nnodes MIN:MAX`` job joins the running
-round (``rendezvous``): its workers start with ``FASTCOMM_RECOVER_JOIN`` and join the running
-ranks as a replacement does.
+succeed ends in success. A node lost whole (no heartbeat from its agent) is absorbed alike,
+counted out of the round; every absorbed rank is named in the workers' store
+(``lost_rank_key``), where the survivors on other hosts learn of it. A node arriving in an
+elastic ``--nnodes MIN:MAX`` job joins the running round (``rendezvous``): its workers start
+with ``FASTCOMM_RECOVER_JOIN`` and join the running ranks as a replacement does.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import dataclasses
 import os
 import sys
 from collections.abc import Callable
+
+from fastcomm.comm.store import Store, lost_rank_key
 
 from .config import LaunchConfig
 from .errors import Failure, exit_description
@@ -71,6 +75,9 @@ class LossWatch:
         self.replaced = 0
         self.log = log or _stderr
         """Prints a line of the launcher's (prefixed)."""
+        self._workers_store: Store | None = None
+        self.lost_nodes: set[int] = set()
+        """The GROUP_RANKs of the nodes this agent found lost."""
 
     def take(self, failure: Failure) -> bool:
         """Absorbs `failure` (reported, the job goes on): ``True``; ``False`` when the job
@@ -89,8 +96,52 @@ class LossWatch:
             )
             return False
         self.lost_pids.add(failure.pid)
-        self.log(loss_report(failure, live, world))
+        report = loss_report(failure, live, world)
+        self.name_lost([failure.rank], report)
+        self.log(report)
         return True
+
+    def take_node(self, failure: Failure) -> bool:
+        """Absorbs the loss of node ``failure.group_rank`` (its agent stopped heartbeating):
+        ``True`` when the job goes on (its ranks named lost in the workers' store, the node
+        counted out of the round); ``False`` when it would fall below the minimum."""
+        info, store = self.info, self.info.store
+        g = failure.group_rank
+        if g in self.lost_nodes:
+            return True
+        self.lost_nodes.add(g)
+        first = sum(n.nproc for n in info.nodes[:g])
+        ranks = list(range(first, first + info.nodes[g].nproc))
+        tag = str(info.group_rank)
+        mine = store.compare_set(f"lost-node/{g}", "", tag) == tag.encode()
+        total = store.add("lost", len(ranks) if mine else 0)  # one agent counts each node
+        live = info.world_size_now() - total + store.add("replaced", 0)
+        self.lost.append(failure)
+        node = f"node {g} ({failure.host})"
+        if live < self.minimum:
+            self.log(f"{node} was lost ({failure.message}); {live} live rank(s) are fewer "
+                      f"than the minimum {self.minimum}: stopping")
+            return False
+        why = f"{node} was lost: {failure.message}"
+        self.name_lost(ranks, why)
+        if mine:  # its workers' success is not waited for, nor its exit
+            store.add("lost-nodes", 1)
+            store.add("exited", 1)
+        self.log(f"{why}; its ranks {', '.join(map(str, ranks))} are lost; the job goes on "
+                  f"with {live} of {info.world_size_now()} ranks (--recover in-process)")
+        return True
+
+    def name_lost(self, ranks: list[int], why: str) -> None:
+        """Sets ``lost_rank_key`` of each of ``ranks`` in the workers' store (best effort: a
+        store that cannot be reached leaves the survivors to their own liveness checks)."""
+        try:
+            if self._workers_store is None:
+                self._workers_store = Store(self.info.master_addr, self.info.master_port,
+                                            timeout=10.0, _secret=None)
+            for rank in ranks:
+                self._workers_store.set(lost_rank_key(rank), why.splitlines()[0])
+        except RuntimeError as exc:
+            self.log(f"could not name rank(s) {ranks} lost in the workers' store: {exc}")
 
     def is_lost(self, worker) -> bool:
         """Whether `worker` is one of this node's absorbed losses."""

@@ -361,3 +361,74 @@ def test_replacement_joins_and_trains_in_step(tmp_path, comm_hook):
         return
     for got, want in zip(params[0], _replay(sizes), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# 4 ranks as two hosts on hier (ranks 0, 1 on host a; 2, 3 on host b, as FASTCOMM_HOST_ID
+# says): liveness across hosts comes from the launcher's keys, not /proc. argv: out dir, the
+# ranks killed in a gradient hook at KILL_STEP (comma separated)
+HIER_JOB = """
+import json, os, signal, sys
+rank = int(os.environ["RANK"])
+os.environ.update(FASTCOMM_HOST_ID="host-" + "aabb"[rank], LOCAL_RANK=str(rank % 2),
+                  LOCAL_WORLD_SIZE="2")
+import torch
+from torch import nn
+import fastcomm
+from fastcomm.ddp import DDP
+
+out, killed = sys.argv[1], [int(r) for r in sys.argv[2].split(",")]
+STEPS, KILL_STEP = {steps}, {kill_step}
+comm = fastcomm.init(backend="hier", timeout=30)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                      nn.Linear(512, 4))
+state = {{"step": -1}}
+if rank in killed:
+    def hook(param):
+        if state["step"] == KILL_STEP:
+            os.kill(os.getpid(), signal.SIGKILL)
+    model[0].weight.register_post_accumulate_grad_hook(hook)
+ddp = DDP(model, bucket_cap_mb=0.25)
+assert ddp._recovery is not None and ddp._recovery.watch is not None
+opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+done, sizes = [], []
+for step in range(STEPS):
+    state["step"] = step
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1000 * rank + step))
+    opt.zero_grad(set_to_none=True)
+    ddp(x).square().mean().backward()
+    sizes.append([ddp.world_size, list(ddp._recovery.membership.members)])
+    opt.step()
+    done.append(step)
+torch.save([p.detach().clone() for p in model.parameters()], os.path.join(out, f"p{{rank}}.pt"))
+with open(os.path.join(out, f"r{{rank}}.json"), "w") as fh:
+    json.dump({{"done": done, "sizes": sizes, "backend": ddp.comm.backend,
+               "changes": [[list(c.lost), c.where] for c in ddp._recovery.changes]}}, fh)
+fastcomm.shutdown()
+"""
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("killed", ["3", "2,3"], ids=["a rank of host b", "all of host b"])
+def test_hier_across_hosts_recovers_in_place(tmp_path, killed):
+    """hier over two hosts: ranks of host b killed mid-backward (one, or the whole host); the
+    survivors learn it from the launcher's keys, rebuild hier over themselves and finish every
+    step, bitwise equal, matching the replay."""
+    path = script(tmp_path, "hier.py", HIER_JOB.format(steps=STEPS, kill_step=KILL_STEP))
+    result = run(["--nproc-per-node", "4", "--recover", "in-process", path, tmp_path, killed],
+                 tmp_path, timeout=180)
+    assert result.returncode == 0, result.stderr[-4000:]
+    lost = [int(r) for r in killed.split(",")]
+    survivors = [r for r in range(4) if r not in lost]
+    reports = {r: json.loads((tmp_path / f"r{r}.json").read_text()) for r in survivors}
+    params = {r: torch.load(tmp_path / f"p{r}.pt") for r in survivors}
+    for r in survivors:
+        assert reports[r]["done"] == list(range(STEPS))
+        assert reports[r]["sizes"] == [[4, [0, 1, 2, 3]]] * KILL_STEP + [
+            [len(survivors), survivors]] * (STEPS - KILL_STEP)
+        assert reports[r]["changes"] == [[lost, f"backward {KILL_STEP}"]]
+        assert reports[r]["backend"] == "hier"
+        for a, b in zip(params[r], params[0], strict=True):
+            assert torch.equal(a, b), f"rank {r} differs from rank 0"
+    for got, want in zip(params[0], _replay(reports[0]["sizes"]), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -242,3 +242,73 @@ def test_a_node_beyond_max_waits_and_the_job_ends_without_it(tmp_path):
     first = json.loads((tmp_path / "w0.json").read_text())
     assert (first["WORLD_SIZE"], first["FASTCOMM_RECOVER_JOIN"]) == ("2", None)
     assert not list(tmp_path.glob("w4.json"))  # the third node's workers never started
+
+
+def _round(workers_port: int, nproc: int = 2, seen_by: int = 0, server=None):
+    """Round 0 of 3 nodes x ``nproc`` as node ``seen_by`` sees it: a real round store and the
+    workers' store at ``workers_port``."""
+    from fastcomm.comm.store import Store
+    from fastcomm.launch.rendezvous import NodeInfo, RoundInfo
+
+    server = server or Store(is_server=True, timeout=10, _secret=None)
+    nodes = [NodeInfo(f"agent{g}", f"node{g}", "127.0.0.1", nproc, "default", 100 + g)
+             for g in range(3)]
+    return server, RoundInfo(round=0, group_rank=seen_by, nodes=nodes, restart_count=0,
+                             master_addr="127.0.0.1", master_port=workers_port,
+                             store=server.prefixed("round0"))
+
+
+def _node_lost(g: int):
+    from fastcomm.launch.errors import Failure
+
+    return Failure(rank=-1, local_rank=-1, group_rank=g, host=f"node{g}", pid=100 + g,
+                   exitcode=1, timestamp=0.0, message=f"no heartbeat from the agent of node {g}")
+
+
+def test_a_lost_node_is_absorbed_once_and_named_in_the_workers_store():
+    """Two agents absorb the loss of node 1 (ranks 2, 3): counted once, counted out of the
+    round (lost-nodes, exited), each rank named lost in the workers' store (real TCPStores)."""
+    from fastcomm.comm.store import Store, lost_rank_key
+    from fastcomm.launch.config import LaunchConfig
+    from fastcomm.launch.recovery import LossWatch
+
+    workers = Store(is_server=True, timeout=10, _secret=None)
+    server, info = _round(workers.port)
+    cfg = LaunchConfig(entrypoint="train.py", min_nodes=1, max_nodes=3, nproc_per_node=2,
+                       recover="in-process", min_ranks=2, rdzv_port=29999)
+    lines: list[str] = []
+    _, info2 = _round(workers.port, seen_by=2, server=server)
+    watches = [LossWatch(cfg, info, lines.append), LossWatch(cfg, info2, lines.append)]
+    assert all(w.take_node(_node_lost(1)) for w in watches)
+    assert info.store.add("lost", 0) == 2
+    assert info.store.add("lost-nodes", 0) == info.store.add("exited", 0) == 1
+    assert info.store.add("done", 0) == 0  # a node waiting to join may still be admitted
+    for rank in (2, 3):
+        assert workers.get(lost_rank_key(rank)).decode().startswith(
+            "node 1 (node1) was lost: no heartbeat")
+    assert not workers.check([lost_rank_key(r) for r in (0, 1, 4, 5)])
+    assert "its ranks 2, 3 are lost; the job goes on with 4 of 6 ranks" in lines[0], lines
+    # node 2 as well: 2 ranks left, the minimum; then node 0's own worker: below it
+    assert watches[0].take_node(_node_lost(2))
+    assert "the job goes on with 2 of 6 ranks" in lines[-1]
+    from fastcomm.launch.errors import Failure
+
+    worker = Failure(rank=0, local_rank=0, group_rank=0, host="node0", pid=7, exitcode=-9,
+                     timestamp=0.0)
+    assert not watches[0].take(worker)
+    assert "fewer than the minimum 2: stopping" in lines[-1]
+
+
+def test_a_lost_node_below_the_minimum_is_not_absorbed():
+    from fastcomm.comm.store import Store, lost_rank_key
+    from fastcomm.launch.config import LaunchConfig
+    from fastcomm.launch.recovery import LossWatch
+
+    workers = Store(is_server=True, timeout=10, _secret=None)
+    server, info = _round(workers.port)
+    cfg = LaunchConfig(entrypoint="train.py", min_nodes=1, max_nodes=3, nproc_per_node=2,
+                       recover="in-process", min_ranks=5, rdzv_port=29999)
+    lines: list[str] = []
+    assert not LossWatch(cfg, info, lines.append).take_node(_node_lost(1))
+    assert "4 live rank(s) are fewer than the minimum 5: stopping" in lines[-1]
+    assert not workers.check([lost_rank_key(2)])  # the round fails: nobody is told to go on

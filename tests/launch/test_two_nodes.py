@@ -371,3 +371,111 @@ def test_a_hang_across_the_nodes_is_named_in_one_line(nodes):
         assert "rank 3 is at stall.py:" in line and "in next_batch" in line, line
     warned = nodes.err("stall0") + nodes.err("stall1")
     assert "has waited" in warned and "still waiting" in warned, warned
+
+
+# 2 nodes x 2 ranks on hier under --recover in-process; rank 3 (node1) stops in its gradient
+# hook at step KILL (mid-backward: its peers' buckets are in flight) and says so; the test
+# powers node1 off. argv: out dir. Each survivor writes its steps, their end times and params.
+RECOVER = """
+import json, os, socket, sys, time
+import torch
+from torch import nn
+import fastcomm
+from fastcomm.ddp import DDP
+
+out, STEPS, KILL = sys.argv[1], {steps}, {kill}
+comm = fastcomm.init(timeout=15)
+me = comm.rank
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                      nn.Linear(512, 4))
+state = {{"step": -1}}
+if me == 3:
+    def hook(param):
+        if state["step"] == KILL:
+            with open(os.path.join(out, "stopped"), "w") as fh:
+                fh.write(socket.gethostname())
+            time.sleep(120)  # node1 is powered off meanwhile
+    model[0].weight.register_post_accumulate_grad_hook(hook)
+ddp = DDP(model, bucket_cap_mb=0.25)
+opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+done, sizes, ends = [], [], []
+for step in range(STEPS):
+    state["step"] = step
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1000 * me + step))
+    opt.zero_grad(set_to_none=True)
+    ddp(x).square().mean().backward()
+    ends.append(time.time())
+    opt.step()
+    sizes.append([ddp.world_size, list(ddp._recovery.membership.members)])
+    done.append(step)
+torch.save([p.detach().clone() for p in model.parameters()], os.path.join(out, f"p{{me}}.pt"))
+with open(os.path.join(out, f"r{{me}}.json"), "w") as fh:
+    json.dump({{"done": done, "sizes": sizes, "ends": ends, "host": socket.gethostname(),
+               "backend": comm.backend, "changes": [[list(c.lost), c.where, c.seconds, c.seen_at]
+                                                    for c in ddp._recovery.changes]}}, fh)
+fastcomm.shutdown()
+"""
+RECOVER_STEPS, RECOVER_KILL = 8, 3
+HEARTBEAT_LIMIT_S = 0.5 * 4  # FAST
+
+
+def test_a_node_powered_off_mid_backward_is_recovered_in_place(nodes, record_property):
+    """node1 (ranks 2, 3) is powered off in the middle of a backward: its link goes down first
+    (nothing it sends arrives any more, no connection is closed), then every process of it
+    dies. node0's agent misses its heartbeat and names ranks 2 and 3 lost; the survivors'
+    collectives stop waiting, they agree, rebuild hier over node0 and finish the step among
+    the two of them: every step done, parameters bitwise equal, the time from the power-off to
+    their next step recorded."""
+    import json
+
+    import torch
+
+    from tests.ddp.test_recover import _replay
+
+    out = nodes.shared / "recover"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    out.chmod(0o777)
+    script(nodes.shared, "recover.py", RECOVER.format(steps=RECOVER_STEPS, kill=RECOVER_KILL))
+    # 1:2 nodes: the job may go on with one; node0 joins first (group rank 0: it serves the
+    # workers' store) and waits for node1 (the last call)
+    args = _job("--recover", "in-process", "--monitor-interval", "0.1", "recover.py",
+                "/mnt/recover", conf=FAST.replace("last_call_timeout=1", "last_call_timeout=20"))
+    args[1] = "1:2"
+    node0 = nodes.start(0, args, "recover0")
+    time.sleep(3)
+    node1 = nodes.start(1, args, "recover1")
+    deadline = time.monotonic() + 60
+    while not (out / "stopped").exists():
+        assert time.monotonic() < deadline and node0.poll() is None, nodes.err("recover0")
+        time.sleep(0.02)
+    assert (out / "stopped").read_text() == "node1"
+    powered_off = time.time()
+    try:
+        _ip("-n", nodes.netns[1], "link", "set", nodes.veth[1], "down")
+        nodes.kill(node1)
+        code, err = nodes.result(node0, "recover0", 90)
+    finally:
+        _ip("-n", nodes.netns[1], "link", "set", nodes.veth[1], "up")
+    assert code == 0, err
+    assert "node 1 (node1) was lost: no heartbeat from the agent of node 1" in err, err
+    assert "its ranks 2, 3 are lost; the job goes on with 2 of 4 ranks" in err, err
+    reports = {r: json.loads((out / f"r{r}.json").read_text()) for r in (0, 1)}
+    params = {r: torch.load(out / f"p{r}.pt") for r in (0, 1)}
+    for r in (0, 1):
+        got = reports[r]
+        assert got["host"] == "node0" and got["backend"] == "hier", got
+        assert got["done"] == list(range(RECOVER_STEPS)), got  # no step lost, none twice
+        assert [s[0] for s in got["sizes"]] == [4] * RECOVER_KILL + [2] * (
+            RECOVER_STEPS - RECOVER_KILL), got
+        assert got["changes"][0][:2] == [[2, 3], f"backward {RECOVER_KILL}"], got
+    for a, b in zip(params[0], params[1], strict=True):
+        assert torch.equal(a, b)
+    for got, want in zip(params[0], _replay(reports[0]["sizes"]), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    resumed = min(t for t in reports[0]["ends"] if t > powered_off) - powered_off
+    record_property("power_off_to_next_step_s", round(resumed, 3))
+    print(f"\npower-off -> survivors' next step: {resumed:.2f} s (heartbeat limit "
+          f"{HEARTBEAT_LIMIT_S:g} s)")
+    assert resumed < HEARTBEAT_LIMIT_S + 20, resumed  # room for a loaded machine

@@ -8,6 +8,7 @@ issue order on a per-communicator thread, with ``AVG`` applied as ``SUM`` and a 
 
 from __future__ import annotations
 
+import atexit
 import time
 from datetime import timedelta
 
@@ -20,6 +21,23 @@ from ..types import Capabilities
 from .process_group import ProcessGroupCommunicator
 
 __all__ = ["GlooCommunicator"]
+
+# groups of aborted communicators: an operation on a lost peer may still run in one until its
+# timeout, and destroying the group waits for it; they are destroyed at exit instead
+_STRANDED: list = []
+
+
+@atexit.register
+def _release_stranded() -> None:
+    """Destroys the stranded groups while the interpreter still runs (each waits, without the
+    GIL, for its last operation to end or time out)."""
+    while _STRANDED:
+        group = _STRANDED.pop()
+        try:
+            group.shutdown()
+        except RuntimeError:
+            pass
+        del group
 
 
 class GlooCommunicator(ProcessGroupCommunicator):
@@ -78,6 +96,9 @@ class GlooCommunicator(ProcessGroupCommunicator):
         # its work succeeded. Destroying the group joins those threads now, with the GIL
         # released (torch's binding drops it to destroy a group), so they finish first.
         group, self.process_group = self.process_group, None
+        if self._aborted is not None:
+            _STRANDED.append(group)
+            return
         try:
             group.shutdown()
         except RuntimeError:

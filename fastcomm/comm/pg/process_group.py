@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..base import Communicator
+from ..errors import CommAbortedError
 from ..flight import work_ended
 from ..store import as_timedelta
 from ..types import ReduceOp, divide_
@@ -88,6 +89,8 @@ class PGWork(SettledByWait, Work):
             try:
                 if limit is None:
                     self._handle.wait()
+                elif self._comm.abort_slice_s:
+                    self._wait_in_slices(limit)
                 else:
                     self._handle.wait(limit)
             except RuntimeError as exc:
@@ -100,6 +103,26 @@ class PGWork(SettledByWait, Work):
         if self._error is not None:
             raise self._error
         return True
+
+    def _wait_in_slices(self, limit: timedelta) -> None:
+        """Waits up to ``limit`` in slices, raising ``CommAbortedError`` once the communicator
+        was aborted (a Gloo wait on a peer that went silent returns only at its timeout)."""
+        comm, handle = self._comm, self._handle
+        piece = timedelta(seconds=comm.abort_slice_s)
+        deadline = time.monotonic() + limit.total_seconds()
+        while True:
+            if comm._aborted is not None:
+                raise CommAbortedError(
+                    f"rank {self.rank}: {self.op} failed after "
+                    f"{time.monotonic() - self.start:.1f} s: {comm._aborted}"
+                )
+            left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+            try:
+                handle.wait(min(piece, left))
+                return
+            except RuntimeError:
+                if handle.is_completed() or time.monotonic() >= deadline:
+                    raise
 
     def _inner_done(self) -> bool:
         return self._handle.is_completed()
@@ -138,12 +161,22 @@ class ProcessGroupCommunicator(Communicator):
 
     process_group: dist.ProcessGroup
     native_avg: bool = False
+    abort_slice_s: float = 0.0
+    """Seconds a host wait sleeps before it looks whether :meth:`abort` was called (0: one
+    wait to the timeout; ``hier`` sets it on its Gloo parts)."""
+    _aborted: BaseException | None = None
     # all_reduce's options and whether AVG is emulated, by the op's name (filled on first use)
     _allreduce_opts: dict[str, tuple[dist.AllreduceOptions, bool]]
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._allreduce_opts = {}
+
+    def abort(self, error: BaseException) -> None:
+        """From any thread: the host waits of pending operations raise ``CommAbortedError``
+        naming ``error`` within ``abort_slice_s`` (the operations themselves run on in the
+        backend until they end or time out)."""
+        self._aborted = error
 
     def _issue(
         self,

@@ -451,6 +451,15 @@ class ShmCommunicator(Communicator):
         return self._task(kind, outputs[self.rank], lambda: run(kind, root, outputs, inputs))
 
     # ------------------------------------------------------------------ lifetime
+    def abort(self, error: BaseException) -> None:
+        """Fails this communicator from any thread: this rank is marked ABORTED (its peers' waits
+        fail at once), its own waits raise ``CommClosedError`` within a sleep slice and later
+        calls raise ``error``; the mapping stays until :meth:`close`."""
+        if self._broken is not None or self._closed or os.getpid() != self._pid:
+            return
+        self._broken = error
+        self._flags.mark(ABORTED, f"aborted: {error}")
+
     def _impl_close(self) -> None:
         _LIVE.discard(self)
         if os.getpid() != self._pid:
