@@ -5,6 +5,7 @@ node joins the running round."""
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from fastcomm.launch.cli import get_parser, parse_config
 from tests.harness import free_port
 
-from ._util import clean_env, finish, run, script, spares_left, start, wait_files
+from ._util import LAUNCH, clean_env, finish, run, script, spares_left, start, wait_files
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -227,10 +228,22 @@ def test_a_node_beyond_max_waits_and_the_job_ends_without_it(tmp_path):
     wait_files(tmp_path, "w*.json", 2, proc=agents[0])
     agents.append(start([*flags, path, tmp_path], tmp_path))
     wait_files(tmp_path, "w*.json", 4, proc=agents[1])
-    agents.append(start([*flags, path, tmp_path], tmp_path))
-    time.sleep(3)  # the third asks, is refused and waits for a next round
+    # the third's log goes to a file, read until it has asked the running round
+    with open(tmp_path / "third.err", "w") as err:
+        third = subprocess.Popen([*LAUNCH, *map(str, [*flags, path, tmp_path])], cwd=tmp_path,
+                                 env={**clean_env(), "LOGLEVEL": "INFO"},
+                                 stdout=subprocess.DEVNULL, stderr=err,
+                                 text=True)
+    deadline = time.monotonic() + 60
+    while "asking it to admit" not in (tmp_path / "third.err").read_text():
+        assert third.poll() is None and time.monotonic() < deadline, \
+            (tmp_path / "third.err").read_text()[-3000:]
+        time.sleep(0.05)
     (tmp_path / "stop").touch()
     results = [finish(a, timeout=60) for a in agents]
+    assert third.wait(timeout=60) == 0, (tmp_path / "third.err").read_text()[-3000:]
+    results.append(subprocess.CompletedProcess(third.args, 0, "",
+                                               (tmp_path / "third.err").read_text()))
     for r in results:
         assert r.returncode == 0, r.stderr[-3000:]
     assert "node 1 joins the running round 0" in results[0].stderr
