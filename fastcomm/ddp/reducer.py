@@ -27,13 +27,14 @@ import torch.autograd.profiler as _profiler
 from fastcomm.comm.base import Communicator
 from fastcomm.comm.errors import CommAbortedError, CommClosedError
 from fastcomm.comm.work import Work
+from fastcomm.kernels._launch import fp32_scale
 
 from .bucket import Bucket, build_buckets
 from .config import DDPConfig
 from .in_place import InPlaceReduction
 from .plan import grads_are_views, plan_buckets, shared_request
 from .shared import SharedBuckets
-from .strategy import BucketStrategy
+from .strategy import ArrivalPackedAllReduce, BucketStrategy, pack_into
 
 __all__ = ["Reducer", "find_unused"]
 
@@ -107,6 +108,10 @@ class Reducer:
         self.expect_hooks = False
         self._started = False
         self._delay = False
+        # this backward takes the plain path of _on_grad (see _start_backward), and the
+        # arrival multiply's factor
+        self._plain = False
+        self._arrival_scale = 1.0
         self._ready = bytearray(len(self.params))
         self._pending: list[int] = []
         self.next_bucket = 0  # index of the next bucket to launch, in launch order
@@ -181,6 +186,13 @@ class Reducer:
         # peers' parts copied in, fastcomm.ddp.shared), or None: a copy
         self._stage_in = plan.stage_in
         self._arrived = [0] * len(self.buckets)  # gradients packed on arrival, this iteration
+        # per parameter: its view, where its bucket is an ArrivalPackedAllReduce (the plain
+        # path of _on_grad makes its pack_one's multiply without the method call), else None
+        self._arrival_views: list[torch.Tensor | None] = [None] * len(self.params)
+        for bucket, strategy in zip(self.buckets, self.strategies, strict=True):
+            if type(strategy) is ArrivalPackedAllReduce:
+                for i, view in zip(bucket.param_indices, bucket.views, strict=True):
+                    self._arrival_views[i] = view
 
     def bucket_indices(self) -> list[list[int]]:
         """Each bucket's parameter indices, in launch order (for tests and logging)."""
@@ -262,6 +274,27 @@ class Reducer:
         if not self._started:
             self._start_backward()
         state = self._ready[i]
+        if state or not self._plain:
+            self._on_grad_checked(i, param, state)
+            return
+        # the plain case, a first gradient (most hooks of most steps): the checked path's
+        # steps that apply, with the arrival pack's multiply made here
+        self._ready[i] = _GOT_GRAD
+        b = self._bucket_of[i]
+        view = self._arrival_views[i]
+        if view is not None:
+            if pack_into(view, param.grad, self._arrival_scale):
+                self._arrived[b] += 1
+        elif self._on_arrival[b] and self.strategies[b].pack_one(
+            self, self.buckets[b], self._position[i], param.grad
+        ):
+            self._arrived[b] += 1
+        left = self._pending[b] - 1
+        self._pending[b] = left
+        if not left and b == self.next_bucket and not self._delay:
+            self._launch_ready()
+
+    def _on_grad_checked(self, i: int, param: torch.Tensor, state: int) -> None:
         if self.keeper is not None:
             self.keeper.keep(i, param.grad)
         if state == _GOT_GRAD:
@@ -315,6 +348,10 @@ class Reducer:
         self.create_graph = torch.is_grad_enabled()
         if self.create_graph:
             warnings.warn(_CREATE_GRAPH_WARNING, UserWarning, stacklevel=2)
+        self._plain = not (
+            self.create_graph or self.bucket_view or self._recording or self.keeper is not None
+        )
+        self._arrival_scale = fp32_scale(self.scale)
         torch.autograd.Variable._execution_engine.queue_callback(_make_finalize(weakref.ref(self)))
         for i in self._unused_now:
             self._mark_unused(i)
@@ -363,7 +400,10 @@ class Reducer:
         if self.create_graph:  # reduce the values; no autograd through the allreduce
             grads = [None if g is None else g.detach() for g in grads]
         if self.recovery is None:
-            self._results[index] = self._launch_one(index, bucket, grads)
+            if _profiler._is_profiler_enabled:
+                self._results[index] = self._launch_one(index, bucket, grads)
+            else:  # _launch_one without its range, one call fewer per bucket
+                self._results[index] = self.strategies[index].launch(self, bucket, grads)
             return
         if self.failure is not None:  # the step is redone at its end (recover.py)
             self._results[index] = _SKIPPED
@@ -419,8 +459,13 @@ class Reducer:
         for bucket, strategy in zip(self.buckets, self.strategies, strict=True):
             if self.keeper is not None:
                 value = values[bucket.index]
-            else:
-                value = self.wait_bucket(bucket) if health is None else health.wait(bucket)
+            else:  # health.wait, one call fewer per bucket
+                try:
+                    value = self.wait_bucket(bucket)
+                except Exception as exc:
+                    if health is None:
+                        raise
+                    health.readiness.failed(bucket, exc)
             if value is not None:
                 strategy.write_back(self, bucket, value, global_unused)
         self._results = []
