@@ -34,7 +34,7 @@ from .config import DDPConfig
 from .in_place import InPlaceReduction
 from .plan import grads_are_views, plan_buckets, shared_request
 from .shared import SharedBuckets
-from .strategy import ArrivalPackedAllReduce, BucketStrategy, pack_into
+from .strategy import ArrivalPackedAllReduce, BucketStrategy
 
 __all__ = ["Reducer", "find_unused"]
 
@@ -283,7 +283,15 @@ class Reducer:
         b = self._bucket_of[i]
         view = self._arrival_views[i]
         if view is not None:
-            if pack_into(view, param.grad, self._arrival_scale):
+            g = param.grad
+            if (  # strategy.pack_into, inlined: a call fewer per gradient
+                type(g) is torch.Tensor
+                and not g.is_sparse
+                and g.dtype is view.dtype
+                and g.is_cpu
+                and g.shape == view.shape
+            ):
+                torch.mul(g, self._arrival_scale, out=view)
                 self._arrived[b] += 1
         elif self._on_arrival[b] and self.strategies[b].pack_one(
             self, self.buckets[b], self._position[i], param.grad
@@ -459,9 +467,10 @@ class Reducer:
         for bucket, strategy in zip(self.buckets, self.strategies, strict=True):
             if self.keeper is not None:
                 value = values[bucket.index]
-            else:  # health.wait, one call fewer per bucket
+            else:  # health.wait and wait_bucket, inlined: two calls fewer per bucket
                 try:
-                    value = self.wait_bucket(bucket)
+                    result = self._results[bucket.index]
+                    value = None if result is _SKIPPED else strategy.wait(self, bucket, result)
                 except Exception as exc:
                     if health is None:
                         raise
