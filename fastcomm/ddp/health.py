@@ -108,13 +108,12 @@ class GradHealth:
     def _record(self, bucket, targets: list[torch.Tensor | None]) -> None:
         self._unpacked += 1
         # one record per bucket on the hot path; clip_grad_norm_ checks it parameter by parameter
-        if any(t is None for t in targets) and any(
+        versions = [t._version for t in targets if t is not None]
+        if len(versions) != len(targets) and any(
             t is None and p.grad is not None for t, p in zip(targets, bucket.params, strict=True)
         ):
             self._complete = False  # a stale gradient the unpack did not write
-        self._written.append(
-            (bucket.params, targets, [t._version for t in targets if t is not None])
-        )
+        self._written.append((bucket.params, targets, versions))
 
     @staticmethod
     def _measure(targets, stats: torch.Tensor) -> None:

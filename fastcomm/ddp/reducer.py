@@ -34,7 +34,7 @@ from .config import DDPConfig
 from .in_place import InPlaceReduction
 from .plan import grads_are_views, plan_buckets, shared_request
 from .shared import SharedBuckets
-from .strategy import ArrivalPackedAllReduce, BucketStrategy
+from .strategy import BucketStrategy
 
 __all__ = ["Reducer", "find_unused"]
 
@@ -186,13 +186,7 @@ class Reducer:
         # peers' parts copied in, fastcomm.ddp.shared), or None: a copy
         self._stage_in = plan.stage_in
         self._arrived = [0] * len(self.buckets)  # gradients packed on arrival, this iteration
-        # per parameter: its view, where its bucket is an ArrivalPackedAllReduce (the plain
-        # path of _on_grad makes its pack_one's multiply without the method call), else None
-        self._arrival_views: list[torch.Tensor | None] = [None] * len(self.params)
-        for bucket, strategy in zip(self.buckets, self.strategies, strict=True):
-            if type(strategy) is ArrivalPackedAllReduce:
-                for i, view in zip(bucket.param_indices, bucket.views, strict=True):
-                    self._arrival_views[i] = view
+        self._arrival_views = plan.arrival_views
 
     def bucket_indices(self) -> list[list[int]]:
         """Each bucket's parameter indices, in launch order (for tests and logging)."""
@@ -313,22 +307,7 @@ class Reducer:
                 "iteration"
             )
         if self.bucket_view:
-            g = param.grad
-            view = self.grad_views[i]  # None for a sparse parameter: its gradient stays its own
-            if view is not None and g is not None and g.data_ptr() != view.data_ptr():
-                g = g.detach() if self.create_graph else g
-                bucket = self._stage_in[i]
-                if (
-                    bucket is not None
-                    and type(g) is torch.Tensor
-                    and g.dtype == view.dtype
-                    and g.shape == view.shape
-                    and g.is_contiguous()
-                ):  # its own slice is read where autograd left it (fastcomm.ddp.shared)
-                    bucket.shared.stage(bucket.offsets[self._position[i]], g)
-                else:
-                    view.copy_(g)
-                param.grad = view
+            _into_view(self, i, param)
         if self._recording:
             self._arrivals.append(i)
         self._ready[i] = _GOT_GRAD
@@ -514,6 +493,13 @@ class Reducer:
     def grad_targets(self, bucket: Bucket, unused: frozenset[int]) -> list[torch.Tensor | None]:
         """Where `bucket`'s reduced gradients go: each parameter's ``.grad`` (made when it has
         none), ``None`` for the parameters in `unused` (no rank produced their gradient)."""
+        if not unused and not self.create_graph:  # the usual step: every .grad, as it is
+            targets = [p.grad for p in bucket.params]
+            for k, g in enumerate(targets):
+                if g is None:
+                    p = bucket.params[k]
+                    targets[k] = p.grad = torch.empty_like(p)
+            return targets
         targets: list[torch.Tensor | None] = []
         for i, p in zip(bucket.param_indices, bucket.params, strict=True):
             if i in unused:
@@ -557,6 +543,27 @@ class Reducer:
 
     def __del__(self) -> None:
         self.remove_hooks()
+
+
+def _into_view(reducer: Reducer, i: int, param: torch.Tensor) -> None:
+    """With bucket views: parameter `i`'s fresh gradient moves into its view (staged into a
+    shared bucket where the plan says so), and ``.grad`` becomes the view."""
+    g = param.grad
+    view = reducer.grad_views[i]  # None for a sparse parameter: its gradient stays its own
+    if view is not None and g is not None and g.data_ptr() != view.data_ptr():
+        g = g.detach() if reducer.create_graph else g
+        bucket = reducer._stage_in[i]
+        if (
+            bucket is not None
+            and type(g) is torch.Tensor
+            and g.dtype == view.dtype
+            and g.shape == view.shape
+            and g.is_contiguous()
+        ):  # its own slice is read where autograd left it (fastcomm.ddp.shared)
+            bucket.shared.stage(bucket.offsets[reducer._position[i]], g)
+        else:
+            view.copy_(g)
+        param.grad = view
 
 
 def _arrival_order(arrivals: list[int], n: int) -> list[int]:
