@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import NoReturn
 
 from fastcomm.comm.errors import CommTimeoutError
 
@@ -135,14 +136,19 @@ class Readiness:
         try:
             return self.reducer.wait_bucket(bucket)
         except Exception as exc:
-            if self.store is None or not _is_timeout(exc):
-                raise
-            self.publish()
-            grace = min(GRACE_S, self.reducer.comm.timeout.total_seconds())
-            message = self.describe(self.gather(grace), grace)
-            if message is None:
-                raise
-            raise CommTimeoutError(f"{message}\n  (bucket {bucket.index}'s wait: {exc})") from exc
+            self.failed(bucket, exc)
+
+    def failed(self, bucket, exc: Exception) -> NoReturn:
+        """Raises `exc`, the failure of `bucket`'s wait; a timeout as a ``CommTimeoutError``
+        naming the ranks' readiness where they disagree (chained to `exc`)."""
+        if self.store is None or not _is_timeout(exc):
+            raise exc
+        self.publish()
+        grace = min(GRACE_S, self.reducer.comm.timeout.total_seconds())
+        message = self.describe(self.gather(grace), grace)
+        if message is None:
+            raise exc
+        raise CommTimeoutError(f"{message}\n  (bucket {bucket.index}'s wait: {exc})") from exc
 
     def explain_incomplete(self) -> str:
         """For a rank that ended its backward with a bucket unlaunched: the ranks' readiness.

@@ -54,6 +54,7 @@ class GradHealth:
         self.eager = eager
         self._lazy: dict[int, list[torch.Tensor]] = {}  # bucket -> targets not yet measured
         self.stats: torch.Tensor | None = None  # [n_buckets, 2]: sum of squares, non-finite
+        self._stale = False  # stats still hold an earlier step's rows (zeroed on first use)
         self._step = -1  # reducer.synced_iterations the stats belong to
         self._unpacked = 0  # buckets unpacked with stats in that step
         self._complete = False  # every bucket unpacked, no stray gradient left out
@@ -65,17 +66,23 @@ class GradHealth:
     # ------------------------------------------------------------------ reducer side
     def begin_step(self) -> None:
         """Called by the reducer before it unpacks the buckets of a synchronized backward."""
+        # the rows are zeroed now where the unpack fills them, else when first measured
+        self._stale = not self.eager
+        if self.eager:
+            self._zero_stats()
+        self._unpacked = 0
+        self._complete = not self.reducer.bucket_view
+        self._written = []
+        self._lazy = {}
+        self._step = -1
+
+    def _zero_stats(self) -> None:
         n = len(self.reducer.buckets)
         device = self.reducer.buckets[0].device
         if self.stats is None or self.stats.shape[0] != n or self.stats.device != device:
             self.stats = torch.zeros(n, 2, dtype=torch.float32, device=device)
         else:
             self.stats.zero_()
-        self._unpacked = 0
-        self._complete = not self.reducer.bucket_view
-        self._written = []
-        self._lazy = {}
-        self._step = -1
 
     def unpack(self, bucket, value: torch.Tensor, targets: list[torch.Tensor | None]) -> None:
         """The reducer's unpack of one reduced bucket, measuring what it writes."""
@@ -101,13 +108,12 @@ class GradHealth:
     def _record(self, bucket, targets: list[torch.Tensor | None]) -> None:
         self._unpacked += 1
         # one record per bucket on the hot path; clip_grad_norm_ checks it parameter by parameter
-        if any(t is None for t in targets) and any(
+        versions = [t._version for t in targets if t is not None]
+        if len(versions) != len(targets) and any(
             t is None and p.grad is not None for t, p in zip(targets, bucket.params, strict=True)
         ):
             self._complete = False  # a stale gradient the unpack did not write
-        self._written.append(
-            (bucket.params, targets, [t._version for t in targets if t is not None])
-        )
+        self._written.append((bucket.params, targets, versions))
 
     @staticmethod
     def _measure(targets, stats: torch.Tensor) -> None:
@@ -125,6 +131,9 @@ class GradHealth:
 
     def _materialize(self) -> None:
         """Measures the buckets the unpack left unmeasured (see ``eager``)."""
+        if self._stale:
+            self._zero_stats()
+            self._stale = False
         for index, targets in self._lazy.items():
             self._measure(targets, self.stats[index])
         self._lazy = {}

@@ -29,7 +29,14 @@ from .config import DDPConfig
 from .in_place import InPlaceAllReduce, InPlacePlan
 from .shared import SHARED_VIEW, eligible
 from .sparse import SPARSE
-from .strategy import ARRIVAL_PACKED, PACKED, VIEW, BucketStrategy, CommHook
+from .strategy import (
+    ARRIVAL_PACKED,
+    PACKED,
+    VIEW,
+    ArrivalPackedAllReduce,
+    BucketStrategy,
+    CommHook,
+)
 
 __all__ = [
     "BucketPlan",
@@ -103,11 +110,15 @@ class BucketPlan(NamedTuple):
         on_arrival: per bucket, whether its strategy packs each gradient as it arrives.
         stage_in: per parameter, the shared bucket whose staging takes its fresh gradient, or
             ``None``: copied whole into its view (or no bucket view at all).
+        arrival_views: per parameter, its view where its bucket is an
+            `ArrivalPackedAllReduce` (the reducer's plain hook path makes that strategy's
+            ``pack_one`` multiply itself, a call fewer per gradient), else ``None``.
     """
 
     strategies: list[BucketStrategy]
     on_arrival: list[bool]
     stage_in: list[Bucket | None]
+    arrival_views: list[torch.Tensor | None]
 
 
 def plan_buckets(
@@ -125,12 +136,17 @@ def plan_buckets(
         choose_strategy(b, capabilities, config, hook, bucket_view) for b in buckets
     ]
     stage_in: list[Bucket | None] = [None] * n_params
+    arrival_views: list[torch.Tensor | None] = [None] * n_params
     for bucket, strategy in zip(buckets, strategies, strict=True):
         if staged and strategy is SHARED_VIEW:
             for i, view in zip(bucket.param_indices, bucket.views, strict=True):
                 if stages(view, config):
                     stage_in[i] = bucket
-    return BucketPlan(strategies, [s.packs_on_arrival for s in strategies], stage_in)
+        if type(strategy) is ArrivalPackedAllReduce:
+            for i, view in zip(bucket.param_indices, bucket.views, strict=True):
+                arrival_views[i] = view
+    on_arrival = [s.packs_on_arrival for s in strategies]
+    return BucketPlan(strategies, on_arrival, stage_in, arrival_views)
 
 
 def choose_strategy(

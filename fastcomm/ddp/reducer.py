@@ -27,6 +27,7 @@ import torch.autograd.profiler as _profiler
 from fastcomm.comm.base import Communicator
 from fastcomm.comm.errors import CommAbortedError, CommClosedError
 from fastcomm.comm.work import Work
+from fastcomm.kernels._launch import fp32_scale
 
 from .bucket import Bucket, build_buckets
 from .config import DDPConfig
@@ -107,6 +108,10 @@ class Reducer:
         self.expect_hooks = False
         self._started = False
         self._delay = False
+        # this backward takes the plain path of _on_grad (see _start_backward), and the
+        # arrival multiply's factor
+        self._plain = False
+        self._arrival_scale = 1.0
         self._ready = bytearray(len(self.params))
         self._pending: list[int] = []
         self.next_bucket = 0  # index of the next bucket to launch, in launch order
@@ -181,6 +186,7 @@ class Reducer:
         # peers' parts copied in, fastcomm.ddp.shared), or None: a copy
         self._stage_in = plan.stage_in
         self._arrived = [0] * len(self.buckets)  # gradients packed on arrival, this iteration
+        self._arrival_views = plan.arrival_views
 
     def bucket_indices(self) -> list[list[int]]:
         """Each bucket's parameter indices, in launch order (for tests and logging)."""
@@ -262,6 +268,35 @@ class Reducer:
         if not self._started:
             self._start_backward()
         state = self._ready[i]
+        if state or not self._plain:
+            self._on_grad_checked(i, param, state)
+            return
+        # the plain case, a first gradient (most hooks of most steps): the checked path's
+        # steps that apply, with the arrival pack's multiply made here
+        self._ready[i] = _GOT_GRAD
+        b = self._bucket_of[i]
+        view = self._arrival_views[i]
+        if view is not None:
+            g = param.grad
+            if (  # strategy.pack_into, inlined: a call fewer per gradient
+                type(g) is torch.Tensor
+                and not g.is_sparse
+                and g.dtype is view.dtype
+                and g.is_cpu
+                and g.shape == view.shape
+            ):
+                torch.mul(g, self._arrival_scale, out=view)
+                self._arrived[b] += 1
+        elif self._on_arrival[b] and self.strategies[b].pack_one(
+            self, self.buckets[b], self._position[i], param.grad
+        ):
+            self._arrived[b] += 1
+        left = self._pending[b] - 1
+        self._pending[b] = left
+        if not left and b == self.next_bucket and not self._delay:
+            self._launch_ready()
+
+    def _on_grad_checked(self, i: int, param: torch.Tensor, state: int) -> None:
         if self.keeper is not None:
             self.keeper.keep(i, param.grad)
         if state == _GOT_GRAD:
@@ -272,22 +307,7 @@ class Reducer:
                 "iteration"
             )
         if self.bucket_view:
-            g = param.grad
-            view = self.grad_views[i]  # None for a sparse parameter: its gradient stays its own
-            if view is not None and g is not None and g.data_ptr() != view.data_ptr():
-                g = g.detach() if self.create_graph else g
-                bucket = self._stage_in[i]
-                if (
-                    bucket is not None
-                    and type(g) is torch.Tensor
-                    and g.dtype == view.dtype
-                    and g.shape == view.shape
-                    and g.is_contiguous()
-                ):  # its own slice is read where autograd left it (fastcomm.ddp.shared)
-                    bucket.shared.stage(bucket.offsets[self._position[i]], g)
-                else:
-                    view.copy_(g)
-                param.grad = view
+            _into_view(self, i, param)
         if self._recording:
             self._arrivals.append(i)
         self._ready[i] = _GOT_GRAD
@@ -315,6 +335,10 @@ class Reducer:
         self.create_graph = torch.is_grad_enabled()
         if self.create_graph:
             warnings.warn(_CREATE_GRAPH_WARNING, UserWarning, stacklevel=2)
+        self._plain = not (
+            self.create_graph or self.bucket_view or self._recording or self.keeper is not None
+        )
+        self._arrival_scale = fp32_scale(self.scale)
         torch.autograd.Variable._execution_engine.queue_callback(_make_finalize(weakref.ref(self)))
         for i in self._unused_now:
             self._mark_unused(i)
@@ -363,7 +387,10 @@ class Reducer:
         if self.create_graph:  # reduce the values; no autograd through the allreduce
             grads = [None if g is None else g.detach() for g in grads]
         if self.recovery is None:
-            self._results[index] = self._launch_one(index, bucket, grads)
+            if _profiler._is_profiler_enabled:
+                self._results[index] = self._launch_one(index, bucket, grads)
+            else:  # _launch_one without its range, one call fewer per bucket
+                self._results[index] = self.strategies[index].launch(self, bucket, grads)
             return
         if self.failure is not None:  # the step is redone at its end (recover.py)
             self._results[index] = _SKIPPED
@@ -419,8 +446,14 @@ class Reducer:
         for bucket, strategy in zip(self.buckets, self.strategies, strict=True):
             if self.keeper is not None:
                 value = values[bucket.index]
-            else:
-                value = self.wait_bucket(bucket) if health is None else health.wait(bucket)
+            else:  # health.wait and wait_bucket, inlined: two calls fewer per bucket
+                try:
+                    result = self._results[bucket.index]
+                    value = None if result is _SKIPPED else strategy.wait(self, bucket, result)
+                except Exception as exc:
+                    if health is None:
+                        raise
+                    health.readiness.failed(bucket, exc)
             if value is not None:
                 strategy.write_back(self, bucket, value, global_unused)
         self._results = []
@@ -460,6 +493,13 @@ class Reducer:
     def grad_targets(self, bucket: Bucket, unused: frozenset[int]) -> list[torch.Tensor | None]:
         """Where `bucket`'s reduced gradients go: each parameter's ``.grad`` (made when it has
         none), ``None`` for the parameters in `unused` (no rank produced their gradient)."""
+        if not unused and not self.create_graph:  # the usual step: every .grad, as it is
+            targets = [p.grad for p in bucket.params]
+            for k, g in enumerate(targets):
+                if g is None:
+                    p = bucket.params[k]
+                    targets[k] = p.grad = torch.empty_like(p)
+            return targets
         targets: list[torch.Tensor | None] = []
         for i, p in zip(bucket.param_indices, bucket.params, strict=True):
             if i in unused:
@@ -503,6 +543,27 @@ class Reducer:
 
     def __del__(self) -> None:
         self.remove_hooks()
+
+
+def _into_view(reducer: Reducer, i: int, param: torch.Tensor) -> None:
+    """With bucket views: parameter `i`'s fresh gradient moves into its view (staged into a
+    shared bucket where the plan says so), and ``.grad`` becomes the view."""
+    g = param.grad
+    view = reducer.grad_views[i]  # None for a sparse parameter: its gradient stays its own
+    if view is not None and g is not None and g.data_ptr() != view.data_ptr():
+        g = g.detach() if reducer.create_graph else g
+        bucket = reducer._stage_in[i]
+        if (
+            bucket is not None
+            and type(g) is torch.Tensor
+            and g.dtype == view.dtype
+            and g.shape == view.shape
+            and g.is_contiguous()
+        ):  # its own slice is read where autograd left it (fastcomm.ddp.shared)
+            bucket.shared.stage(bucket.offsets[reducer._position[i]], g)
+        else:
+            view.copy_(g)
+        param.grad = view
 
 
 def _arrival_order(arrivals: list[int], n: int) -> list[int]:

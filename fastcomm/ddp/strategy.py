@@ -38,6 +38,7 @@ __all__ = [
     "PackedAllReduce",
     "ReducerLike",
     "ViewAllReduce",
+    "pack_into",
 ]
 
 
@@ -163,18 +164,9 @@ class ArrivalPackedAllReduce(PackedAllReduce):
     packs_on_arrival = True
 
     def pack_one(self, reducer: ReducerLike, bucket: Bucket, k: int, grad) -> bool:
-        view = bucket.views[k]
-        if (
-            reducer.create_graph
-            or type(grad) is not torch.Tensor
-            or grad.is_sparse
-            or grad.dtype != view.dtype
-            or grad.device != view.device
-            or grad.shape != view.shape
-        ):
+        if reducer.create_graph:
             return False
-        torch.mul(grad, fp32_scale(reducer.scale), out=view)
-        return True
+        return pack_into(bucket.views[k], grad, fp32_scale(reducer.scale))
 
     def launch(self, reducer: ReducerLike, bucket: Bucket, grads: Grads) -> Work:
         if not reducer.packed_on_arrival(bucket):
@@ -261,6 +253,23 @@ class CommHook(BucketStrategy):
 
     def __repr__(self) -> str:
         return f"CommHook({getattr(self.hook, '__name__', self.hook)!r}, {self.inner!r})"
+
+
+def pack_into(view: torch.Tensor, grad, scale: float) -> bool:
+    """``view = grad * scale`` (`view` on the CPU, `scale` already rounded to fp32 by
+    ``fp32_scale``): the arrival pack of one gradient; whether it was made (not for ``None``
+    or a gradient of another type, layout, dtype, device or shape: the launch packs the
+    bucket whole)."""
+    if (
+        type(grad) is not torch.Tensor
+        or grad.is_sparse
+        or grad.dtype is not view.dtype
+        or not grad.is_cpu
+        or grad.shape != view.shape
+    ):
+        return False
+    torch.mul(grad, scale, out=view)
+    return True
 
 
 #: The stateless strategies, shared by every bucket that takes them.

@@ -214,8 +214,15 @@ class ProcessGroupCommunicator(Communicator):
             cached = self._allreduce_opts[op._name_] = (opts, divide is not None)
         opts, emulated_avg = cached
         post = partial(divide_, tensor, self.size) if emulated_avg else None
-        issue = partial(self.process_group.allreduce, [tensor], opts)
-        return Task("all_reduce", tensor, partial(self._issue, "all_reduce", tensor, issue, post))
+        return Task("all_reduce", tensor, partial(self._issue_all_reduce, tensor, opts, post))
+
+    def _issue_all_reduce(self, tensor: torch.Tensor, opts, post) -> Work:
+        """:meth:`_issue` of an all_reduce, without its closure (a call fewer per bucket)."""
+        try:
+            handle = self.process_group.allreduce([tensor], opts)
+        except RuntimeError as exc:
+            raise wrap_error("all_reduce", self.rank, time.monotonic(), exc) from exc
+        return PGWork(self, "all_reduce", tensor, handle, post)
 
     def _impl_broadcast(self, tensor: torch.Tensor, src: int) -> Task:
         opts = dist.BroadcastOptions()
