@@ -9,6 +9,7 @@ issue order on a per-communicator thread, with ``AVG`` applied as ``SUM`` and a 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import time
 from datetime import timedelta
 
@@ -22,22 +23,18 @@ from .process_group import ProcessGroupCommunicator
 
 __all__ = ["GlooCommunicator"]
 
-# groups of aborted communicators: an operation on a lost peer may still run in one until its
-# timeout, and destroying the group waits for it; they are destroyed at exit instead
+# groups of aborted communicators: an operation on a lost peer (a powered-off host answers
+# nothing) may still run in one until its timeout, and destroying the group waits for it
 _STRANDED: list = []
 
 
 @atexit.register
-def _release_stranded() -> None:
-    """Destroys the stranded groups while the interpreter still runs (each waits, without the
-    GIL, for its last operation to end or time out)."""
-    while _STRANDED:
-        group = _STRANDED.pop()
-        try:
-            group.shutdown()
-        except RuntimeError:
-            pass
-        del group
+def _strand_forever() -> None:
+    """Keeps the stranded groups alive past the interpreter's finalization: destroying one
+    would hold the exit for up to the collective timeout (minutes) while its operation waits on
+    a peer that is gone; the process's exit ends its threads instead."""
+    for group in _STRANDED:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 
 
 class GlooCommunicator(ProcessGroupCommunicator):
