@@ -240,6 +240,16 @@ class FastcommProcessGroup(VCollOps, IssueOps, dist.ProcessGroup):
     def getBackendName(self) -> str:  # noqa: N802 - torch's name (its C++ virtual)
         return BACKEND_NAME
 
+    # torch's Python wrappers ask the group for these on every call (dist.gather, scatter, send):
+    # the C++ getters release the GIL each time, about a microsecond; these are the same ints
+    def rank(self) -> int:
+        """This process's rank in the group."""
+        return self._rank
+
+    def size(self) -> int:
+        """The group's size."""
+        return self._size
+
     def get_group_store(self) -> dist.Store:
         return self._c10d_store
 
