@@ -184,22 +184,32 @@ def split_now(comm, output: torch.Tensor, input: torch.Tensor, output_splits,
               input_splits) -> bool:
     """A synchronous ``comm.all_to_all_split`` done, ``True``, where both tensors are
     contiguous CPU tensors of one dtype and the splits are valid; else ``False`` having done
-    nothing (the process group then stages or hands the call on)."""
-    if (comm._closed or not comm._cpu_native or input.__class__ is not torch.Tensor
-            or not input.is_cpu or not plain_pieces((output, input), input)):
+    nothing (the process group then stages or hands the call on). Counted and recorded as
+    ``comm.all_to_all_split`` counts and records its calls."""
+    if (comm._closed or not comm._cpu_native or input.__class__ is not _Tensor
+            or output.__class__ is not _Tensor or output.dtype is not input.dtype
+            or not input.is_cpu or not output.is_cpu or input.layout is not _STRIDED
+            or output.layout is not _STRIDED or not input.is_contiguous()
+            or not output.is_contiguous()):  # plain_pieces((output, input), input), inlined
         return False
     byte_splits = split_bytes(comm.size, output, input, output_splits, input_splits)
     if byte_splits is None:
         return False
     comm.stats.count("all_to_all", input.nbytes)
-    def run() -> None:
+    recorder = comm.flight
+    seq = 0 if recorder is None else recorder.issue("all_to_all_v", input, None)
+    try:
         if not comm._run_inline_v_split(output, input, *byte_splits):
             outputs = list(output.split_with_sizes(list(output_splits)))
             inputs = list(input.split_with_sizes(list(input_splits)))
             comm._run(comm._impl_v_call("all_to_all", -1, outputs, inputs), False)
-
-    # recorded as comm.all_to_all_split records its calls
-    run_recorded(comm.flight, "all_to_all_v", input, None, run)
+    except BaseException as exc:
+        if recorder is not None:
+            failed(recorder, exc)  # dumped while the call still shows as in flight
+            recorder.end(seq, False)
+        raise
+    if recorder is not None:
+        recorder.returned(seq)
     return True
 
 

@@ -153,6 +153,11 @@ class FlightRecorder:
         if self._range is not None and self._range[0] == seq:
             self._close_range()
 
+    def pending(self, seq: int) -> None:
+        """Marks call ``seq``, which returned with its operation still in flight, ``issued``
+        (until :meth:`end`)."""
+        self._state[seq % self.capacity] = ISSUED
+
     def returned(self, seq: int) -> None:
         """Ends synchronous call ``seq``, which returned: an untimed call with no profiler range
         open is marked completed with one store (:attr:`done`), any other by :meth:`end`."""

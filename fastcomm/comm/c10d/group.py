@@ -593,11 +593,9 @@ class FastcommProcessGroup(VCollOps, IssueOps, dist.ProcessGroup):
 
     # ------------------------------------------------------------------ point to point
     # On shm: the communicator's tagged engine; else handed to Gloo (p2p.py).
-    def send(self, tensors, dstRank, tag=0):  # noqa: N803 - torch's names
-        return _p2p.send(self, tensors, dstRank, tag)
-
-    def recv(self, tensors, srcRank, tag=0):  # noqa: N803
-        return _p2p.recv(self, tensors, srcRank, tag)
+    # (the functions themselves: a method that only calls one costs a frame per message)
+    send = _p2p.send
+    recv = _p2p.recv
 
     def recv_anysource(self, tensors, tag=0):
         return _p2p.recv(self, tensors, None, tag)
