@@ -4,11 +4,13 @@ contiguous CPU tensors, waited for, are done by a lane of their own (counted her
 give what the communicator's own call gives (values, version counters, flight record), raise
 the same disagreement naming the difference with the group still usable, and leave anything
 unusual (a non-contiguous tensor, a receive left pending, a bad tag) to the general path,
-correct. The group's ``rank()``/``size()`` answer as torch's C++ getters do.
+correct; a communicator with no inline lane (Gloo's) still gets the calls. The group's
+``rank()``/``size()`` answer as torch's C++ getters do.
 """
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -250,6 +252,46 @@ def check_p2p_short_and_general():
     return "ok"
 
 
+def check_other_communicator():
+    """A group whose communicator has no inline v-call lane (Gloo's): gather, scatter and
+    all_to_all_single with split sizes still take the communicator (not the Gloo group beside
+    it), through the default lane and its task, with the same values as on shm."""
+    pg = _group()
+    me, n = env_rank(), env_world()
+    saved = os.environ.get("FASTCOMM_BACKEND")
+    os.environ["FASTCOMM_BACKEND"] = "gloo"
+    try:
+        other = dist.new_group(backend="fastcomm")
+    finally:
+        if saved is None:
+            del os.environ["FASTCOMM_BACKEND"]
+        else:
+            os.environ["FASTCOMM_BACKEND"] = saved
+    assert other.communicator.backend != pg.communicator.backend, other.communicator
+    handed: list = []
+    forward = other._forward
+    other._forward = lambda op, *args, **kwargs: handed.append(op) or forward(op, *args,
+                                                                              **kwargs)
+    results = []
+    for group in (pg, other):
+        outs = [torch.zeros(q + 1) for q in range(n)] if me == 0 else None
+        dist.gather(_values(me, me + 1, torch.float32), outs, dst=0, group=group)
+        out = torch.zeros(2)
+        dist.scatter(out, [_values(0, 2, torch.float32, salt=r) for r in range(n)]
+                     if me == 0 else None, src=0, group=group)
+        moved = torch.zeros(n)
+        dist.all_to_all_single(moved, _values(me, n, torch.float32), [1] * n, [1] * n,
+                               group=group)
+        results.append((outs, out, moved))
+    del other._forward
+    assert not handed, handed
+    dist.destroy_process_group(other)
+    (outs, out, moved), (outs2, out2, moved2) = results
+    assert torch.equal(out, out2) and torch.equal(moved, moved2), results
+    assert me != 0 or all(torch.equal(a, b) for a, b in zip(outs, outs2, strict=True)), results
+    return "ok"
+
+
 pool = pool_fixture([2, 3], env={"OMP_NUM_THREADS": "1"}, timeout=180)
 
 
@@ -284,3 +326,7 @@ def test_rank_and_size_are_torch_s(pool):
 
 def test_send_recv_short_and_general(pool):
     pool.run(check_p2p_short_and_general)
+
+
+def test_communicator_without_inline_lane(pool):
+    pool.run(check_other_communicator)
