@@ -11,6 +11,7 @@ runs in one C call where the compiled core takes it; bytes otherwise move with
 from __future__ import annotations
 
 import ctypes
+import operator
 import struct
 import time
 
@@ -24,6 +25,10 @@ from .rounds import Rounds
 __all__ = ["VSchedule"]
 
 _memmove = ctypes.memmove
+_monotonic = time.monotonic
+_DONE = Status.DONE
+_nbytes = operator.attrgetter("nbytes")
+_data_ptr = torch.Tensor.data_ptr
 _increment_version = torch._C._increment_version
 _CODE = OP_CODES["all_to_all_v"] << 56
 # a header's fixed words (the compiled core's V_HEAD, which compares the first three): the op's
@@ -105,7 +110,7 @@ class VSchedule:
         if me != root:
             key = (kind, root, mine.dtype, mine.nbytes)
         else:
-            key = (kind, root, mine.dtype, mine.nbytes, *[t.nbytes for t in theirs])
+            key = (kind, root, mine.dtype, mine.nbytes, *map(_nbytes, theirs))
             if not gather and self.size > 2:  # which of a scatter's inputs share a buffer
                 seen: dict[int, int] = {}
                 key += (tuple(map(seen.setdefault, map(id, theirs), self._ranks)),)
@@ -121,12 +126,12 @@ class VSchedule:
                 self._run(kind, plan, sent, expected, in_addrs, zeros, ())
                 return
             changed = theirs if bump is True else [theirs[q] for q in bump]
-            self._run(kind, plan, sent, expected, in_addrs, [t.data_ptr() for t in theirs],
+            self._run(kind, plan, sent, expected, in_addrs, list(map(_data_ptr, theirs)),
                       changed)
             return
         out_addrs = zeros.copy()
         out_addrs[root] = mine.data_ptr()
-        in_addrs = zeros if me != root else [t.data_ptr() for t in theirs]
+        in_addrs = zeros if me != root else list(map(_data_ptr, theirs))
         self._run(kind, plan, sent, expected, in_addrs, out_addrs, (mine,) if bump else ())
 
     def _rooted_layout(self, key: tuple, kind: str, root: int, mine: torch.Tensor,
@@ -246,7 +251,7 @@ class VSchedule:
              out_addrs: list, changed) -> None:
         """A v-call of pieces given as addresses and bytes, laid out by ``plan``
         (:meth:`_layout`); ``changed``: the tensors whose version counters the call bumps."""
-        start = time.monotonic()
+        start = _monotonic()
         words, room, firsts, fits, _ = plan
         compiled = self.compiled
         if compiled is not None and fits:
@@ -259,7 +264,7 @@ class VSchedule:
                 self._plan_struct.pack_into(self._plan, 0, *words, *out_addrs, *in_addrs)
                 self._packed = plan
             half, status = compiled.v_call(self._plan_address, _CODE, kind, start)
-            if status == Status.DONE:
+            if status == _DONE:
                 if changed:
                     _increment_version(changed)
                 return
