@@ -14,11 +14,14 @@ from collections.abc import Callable
 import torch
 
 from . import checks
-from .flight import run_recorded
+from .flight import failed, run_recorded
 from .reduction import reduce_gathered
 from .types import BITWISE_OPS, PremulSum, ReduceOp, check_reduction
 from .vcoll import input_bytes, plain_pieces, split_bytes
 from .work import Task, Work
+
+_Tensor = torch.Tensor
+_STRIDED = torch.strided
 
 __all__ = [
     "all_reduce_general",
@@ -116,16 +119,58 @@ def rooted_now(comm, kind: str, mine: torch.Tensor, theirs: list | None, root: i
     """A synchronous ``comm.gather`` (``kind``; ``mine``: the input, ``theirs``: the root's
     outputs) or ``comm.scatter`` (``mine``: the output, ``theirs``: the root's inputs) done,
     ``True``, where every piece is a contiguous CPU tensor of one dtype; else ``False`` having
-    done nothing (the process group then stages or hands the call on).
+    done nothing (the process group then stages or hands the call on). Counted and recorded
+    as ``comm.gather`` / ``comm.scatter`` count and record theirs.
 
     Raises:
         ValueError: ``root`` out of range (as ``comm.gather`` raises it).
     """
+    size = comm.size
+    if (root.__class__ is not int or not 0 <= root < size or mine.__class__ is not _Tensor
+            or not mine.is_cpu or mine.layout is not _STRIDED or not mine.is_contiguous()
+            or comm._closed or not comm._cpu_native):
+        return _rooted_general(comm, kind, mine, theirs, root)
+    gather = kind == "gather"
+    if comm.rank != root:
+        comm.stats.count(kind, mine.nbytes if gather else 0)
+    elif theirs.__class__ is list and len(theirs) == size and plain_pieces(theirs, mine):
+        comm.stats.count(kind, mine.nbytes if gather else input_bytes(theirs))
+    else:
+        return _rooted_general(comm, kind, mine, theirs, root)
+    recorder = comm.flight
+    if recorder is None:
+        if not comm._run_inline_rooted(kind, root, mine, theirs):
+            _rooted_task(comm, kind, mine, theirs, root)
+        return True
+    seq = recorder.issue(kind, mine, root)  # as comm.gather / comm.scatter record their calls
+    try:
+        if not comm._run_inline_rooted(kind, root, mine, theirs):
+            _rooted_task(comm, kind, mine, theirs, root)
+    except BaseException as exc:
+        failed(recorder, exc)  # dumped while the call still shows as in flight
+        recorder.end(seq, False)
+        raise
+    recorder.returned(seq)
+    return True
+
+
+def _rooted_task(comm, kind: str, mine: torch.Tensor, theirs: list | None, root: int) -> None:
+    """:func:`rooted_now`'s call as a task, where the communicator has no inline lane free."""
+    pieces, others, _ = rooted_pieces(comm, kind, mine, theirs, root)
+    outputs, inputs = (others, pieces) if kind == "gather" else (pieces, others)
+    comm._run(comm._impl_v_call(kind, root, outputs, inputs), False)
+
+
+def _rooted_general(comm, kind: str, mine: torch.Tensor, theirs: list | None,
+                    root: int) -> bool:
+    """:func:`rooted_now` of anything but its usual call: every check of
+    :func:`rooted_pieces`."""
     pieces, others, checked = rooted_pieces(comm, kind, mine, theirs, root)
     if checked < 0 or comm._closed or not comm._cpu_native:
         return False
     outputs, inputs = (others, pieces) if kind == "gather" else (pieces, others)
     comm.stats.count(kind, checked)
+
     def run() -> None:
         if not comm._run_inline_v(kind, root, outputs, inputs):
             comm._run(comm._impl_v_call(kind, root, outputs, inputs), False)
@@ -139,22 +184,32 @@ def split_now(comm, output: torch.Tensor, input: torch.Tensor, output_splits,
               input_splits) -> bool:
     """A synchronous ``comm.all_to_all_split`` done, ``True``, where both tensors are
     contiguous CPU tensors of one dtype and the splits are valid; else ``False`` having done
-    nothing (the process group then stages or hands the call on)."""
-    if (comm._closed or not comm._cpu_native or input.__class__ is not torch.Tensor
-            or not input.is_cpu or not plain_pieces((output, input), input)):
+    nothing (the process group then stages or hands the call on). Counted and recorded as
+    ``comm.all_to_all_split`` counts and records its calls."""
+    if (comm._closed or not comm._cpu_native or input.__class__ is not _Tensor
+            or output.__class__ is not _Tensor or output.dtype is not input.dtype
+            or not input.is_cpu or not output.is_cpu or input.layout is not _STRIDED
+            or output.layout is not _STRIDED or not input.is_contiguous()
+            or not output.is_contiguous()):  # plain_pieces((output, input), input), inlined
         return False
     byte_splits = split_bytes(comm.size, output, input, output_splits, input_splits)
     if byte_splits is None:
         return False
     comm.stats.count("all_to_all", input.nbytes)
-    def run() -> None:
+    recorder = comm.flight
+    seq = 0 if recorder is None else recorder.issue("all_to_all_v", input, None)
+    try:
         if not comm._run_inline_v_split(output, input, *byte_splits):
             outputs = list(output.split_with_sizes(list(output_splits)))
             inputs = list(input.split_with_sizes(list(input_splits)))
             comm._run(comm._impl_v_call("all_to_all", -1, outputs, inputs), False)
-
-    # recorded as comm.all_to_all_split records its calls
-    run_recorded(comm.flight, "all_to_all_v", input, None, run)
+    except BaseException as exc:
+        if recorder is not None:
+            failed(recorder, exc)  # dumped while the call still shows as in flight
+            recorder.end(seq, False)
+        raise
+    if recorder is not None:
+        recorder.returned(seq)
     return True
 
 

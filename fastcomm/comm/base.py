@@ -348,6 +348,16 @@ class CommBackend(abc.ABC):
         order). Default: no such lane."""
         return False
 
+    def _run_inline_rooted(self, kind: str, root: int, mine: torch.Tensor,
+                           theirs: list | None) -> bool:
+        """:meth:`_run_inline_v` of a ``gather`` (``kind``; ``mine``: the input, ``theirs``: the
+        root's outputs) or ``scatter`` (``mine``: the output, ``theirs``: the root's inputs) of
+        contiguous CPU tensors of one dtype, checked (``adapt.rooted_now``). Default: the
+        pieces made (:func:`~.adapt.rooted_pieces`) and handed to :meth:`_run_inline_v`."""
+        pieces, others, _ = rooted_pieces(self, kind, mine, theirs, root)
+        outputs, inputs = (others, pieces) if kind == "gather" else (pieces, others)
+        return self._run_inline_v(kind, root, outputs, inputs)
+
     def _split_child(
         self,
         color: int | None,

@@ -153,6 +153,19 @@ class FlightRecorder:
         if self._range is not None and self._range[0] == seq:
             self._close_range()
 
+    def pending(self, seq: int) -> None:
+        """Marks call ``seq``, which returned with its operation still in flight, ``issued``
+        (until :meth:`end`)."""
+        self._state[seq % self.capacity] = ISSUED
+
+    def returned(self, seq: int) -> None:
+        """Ends synchronous call ``seq``, which returned: an untimed call with no profiler range
+        open is marked completed with one store (:attr:`done`), any other by :meth:`end`."""
+        if seq & _UNSAMPLED and self._range is None:
+            self.done = seq
+        else:
+            self.end(seq)
+
     def _close_range(self) -> None:
         _exit(self._range[1])
         self._range = None
@@ -312,7 +325,7 @@ def run_recorded(recorder: FlightRecorder | None, op: str, arg: Any, extra: Any,
         failed(recorder, exc)  # dumped while the call still shows as in flight
         recorder.end(seq, False)
         raise
-    recorder.end(seq)
+    recorder.returned(seq)
 
 
 def work_ended(work: Any, error: BaseException | None) -> None:

@@ -86,9 +86,10 @@ def input_bytes(inputs: list) -> int:
     """The bytes a v-call's ``inputs`` give (a tensor sent to every rank, as ``all_gather_v``
     sends it, counts once)."""
     first = inputs[0]
-    if inputs[-1] is first and all(t is first for t in inputs):
-        return first.nbytes
-    return sum([t.nbytes for t in inputs])
+    for t in inputs:  # a loop: a generator costs more than the test at a few pieces
+        if t is not first:
+            return sum([t.nbytes for t in inputs])
+    return first.nbytes
 
 
 def plain_pieces(pieces, first: torch.Tensor) -> bool:

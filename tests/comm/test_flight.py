@@ -130,6 +130,26 @@ def test_recorder_ring_wraps():
     assert recorder.in_flight()[:2] == (seq, "broadcast") and recorder.last_done() == 6
 
 
+def test_returned_and_pending_calls():
+    """A synchronous call that returned ends with one store when untimed, by ``end`` when
+    timed; a call left pending stays in flight whatever returns after it."""
+    recorder = FlightRecorder("t", 0, 1, capacity=16)
+    tensor = torch.ones(3)
+    for _ in range(9):  # seqs 1..9: 8 is timed
+        recorder.returned(recorder.issue("gather", tensor, 0))
+    rows = recorder.entries()
+    assert [r["state"] for r in rows] == ["completed"] * 9 and recorder.in_flight() is None
+    assert rows[7]["issued"] is not None and rows[7]["ended"] is not None  # timed: both stamps
+    pending = recorder.issue("recv", tensor, 1)
+    recorder.pending(pending)
+    for _ in range(3):
+        recorder.returned(recorder.issue("send", tensor, 1))
+    assert recorder.entries(last=4)[0]["state"] == "issued"
+    assert recorder.in_flight()[:2] == (pending, "recv") and recorder.last_done() == 13
+    recorder.end(pending)
+    assert recorder.entries(last=4)[0]["state"] == "completed" and recorder.in_flight() is None
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fault,why", [("stop", "is stopped"), ("kill", "exited")])
 @pytest.mark.parametrize("backend", ["shm", "gloo"])

@@ -240,6 +240,16 @@ class FastcommProcessGroup(VCollOps, IssueOps, dist.ProcessGroup):
     def getBackendName(self) -> str:  # noqa: N802 - torch's name (its C++ virtual)
         return BACKEND_NAME
 
+    # torch's Python wrappers ask the group for these on every call (dist.gather, scatter, send):
+    # the C++ getters release the GIL each time, about a microsecond; these are the same ints
+    def rank(self) -> int:
+        """This process's rank in the group."""
+        return self._rank
+
+    def size(self) -> int:
+        """The group's size."""
+        return self._size
+
     def get_group_store(self) -> dist.Store:
         return self._c10d_store
 
@@ -583,11 +593,9 @@ class FastcommProcessGroup(VCollOps, IssueOps, dist.ProcessGroup):
 
     # ------------------------------------------------------------------ point to point
     # On shm: the communicator's tagged engine; else handed to Gloo (p2p.py).
-    def send(self, tensors, dstRank, tag=0):  # noqa: N803 - torch's names
-        return _p2p.send(self, tensors, dstRank, tag)
-
-    def recv(self, tensors, srcRank, tag=0):  # noqa: N803
-        return _p2p.recv(self, tensors, srcRank, tag)
+    # (the functions themselves: a method that only calls one costs a frame per message)
+    send = _p2p.send
+    recv = _p2p.recv
 
     def recv_anysource(self, tensors, tag=0):
         return _p2p.recv(self, tensors, None, tag)

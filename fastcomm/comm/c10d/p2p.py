@@ -34,6 +34,7 @@ from .works import FinishedWork, finished_work, thread_future, wait_seconds
 __all__ = ["MessageMismatchError", "MessageWork", "recv", "send"]
 
 _STRIDED = torch.strided
+_Tensor = torch.Tensor
 _TAG_MIN, _TAG_MAX = -(1 << 63), (1 << 63) - 1
 _increment_version = torch._C._increment_version
 _refcount = sys.getrefcount
@@ -247,13 +248,47 @@ def _issued(group, tensors: list, engine, op, post, flight: tuple | None = None)
         return work
     handle = MessageWork(engine, op, tensors, post)
     handle._flight = flight
+    if flight is not None:  # recorded as pending until the operation ends (MessageWork)
+        flight[0].pending(flight[1])
     if group._coalescing is not None:
         group._coalescing.append(handle)
     return handle
 
 
-def send(group, tensors: list, dst: int, tag: int) -> Any:
-    """The group's ``send``: see the module docstring."""
+def send(group, tensors: list, dstRank: int, tag: int = 0) -> Any:  # noqa: N803 - torch's
+    """The group's ``send``: see the module docstring. The usual call (one contiguous CPU
+    tensor to another rank of a group whose engine is built, not coalescing) is done here,
+    with the checks of :func:`_send` in its order; anything else goes to :func:`_send`."""
+    engine = group._mailboxes
+    if (engine and tensors.__class__ is list and len(tensors) == 1
+            and dstRank.__class__ is int and tag.__class__ is int
+            and 0 <= dstRank < group._size and dstRank != group._rank
+            and _TAG_MIN <= tag <= _TAG_MAX and group._coalescing is None):
+        tensor = tensors[0]
+        comm = group.communicator
+        if (tensor.__class__ is _Tensor and tensor.is_cpu and tensor.layout is _STRIDED
+                and tensor.is_contiguous() and not comm._closed and comm._broken is None):
+            comm.stats.record("send", tensor)
+            engine.check_rejects(dstRank, "send to")
+            code = _CODES[tensor.dtype]
+            recorder = comm.flight
+            seq = 0 if recorder is None else recorder.issue("send", tensor, dstRank)
+            try:
+                if engine.send_now(tensor.data_ptr(), tensor.nbytes, dstRank, tag, code):
+                    if recorder is not None:
+                        recorder.returned(seq)
+                    return group._done(tensors)
+                op = engine.isend(tensor, dstRank, tag, code)
+            except BaseException as exc:
+                _ended(None if recorder is None else (recorder, seq), exc)
+                raise
+            return _issued(group, tensors, engine, op, None,
+                           None if recorder is None else (recorder, seq))
+    return _send(group, tensors, dstRank, tag)
+
+
+def _send(group, tensors: list, dst: int, tag: int) -> Any:
+    """:func:`send` of any call: every check, staging, handing on."""
     tensor = _checked(group, tensors, dst, tag, "send")
     engine = group._mailboxes
     if not engine or not tensor.is_cpu or tensor.layout is not _STRIDED:
@@ -283,8 +318,42 @@ def send(group, tensors: list, dst: int, tag: int) -> Any:
     return _issued(group, tensors, engine, op, None, flight)
 
 
-def recv(group, tensors: list, src: int | None, tag: int) -> Any:
-    """The group's ``recv`` (``src``: a rank) and ``recv_anysource`` (``src``: ``None``)."""
+def recv(group, tensors: list, srcRank: int | None, tag: int = 0) -> Any:  # noqa: N803
+    """The group's ``recv`` (``srcRank``: a rank) and ``recv_anysource`` (``None``). The usual
+    call (one contiguous CPU tensor from another rank of a group whose engine is built, not
+    coalescing) is done here, with the checks of :func:`_recv` in its order; anything else
+    goes to :func:`_recv`."""
+    engine = group._mailboxes
+    if (engine and tensors.__class__ is list and len(tensors) == 1
+            and srcRank.__class__ is int and tag.__class__ is int
+            and 0 <= srcRank < group._size and srcRank != group._rank
+            and _TAG_MIN <= tag <= _TAG_MAX and group._coalescing is None):
+        tensor = tensors[0]
+        comm = group.communicator
+        if (tensor.__class__ is _Tensor and tensor.is_cpu and tensor.layout is _STRIDED
+                and tensor.is_contiguous() and not comm._closed and comm._broken is None):
+            comm.stats.record("recv", None)
+            code = _CODES[tensor.dtype]
+            engine.check_rejects(srcRank, "receive from")
+            recorder = comm.flight
+            seq = 0 if recorder is None else recorder.issue("recv", tensor, srcRank)
+            try:
+                if engine.recv_now(tensor.data_ptr(), tensor.nbytes, srcRank, tag, code):
+                    if recorder is not None:
+                        recorder.returned(seq)
+                    _increment_version((tensor,))  # written behind autograd's back
+                    return _received(group, tensors, srcRank)
+                op = engine.irecv(tensor, srcRank, tag, code)
+            except BaseException as exc:
+                _ended(None if recorder is None else (recorder, seq), exc)
+                raise
+            return _issued(group, tensors, engine, op, partial(_increment_version, (tensor,)),
+                           None if recorder is None else (recorder, seq))
+    return _recv(group, tensors, srcRank, tag)
+
+
+def _recv(group, tensors: list, src: int | None, tag: int) -> Any:
+    """:func:`recv` of any call: every check, staging, handing on."""
     name = "recv" if src is not None else "recv_anysource"
     tensor = _checked(group, tensors, src, tag, name)
     engine = group._mailboxes

@@ -432,6 +432,19 @@ class ShmCommunicator(Communicator):
             self._abort(kind, start, exc)
         return True
 
+    def _run_inline_rooted(self, kind: str, root: int, mine: torch.Tensor,
+                           theirs: list | None) -> bool:
+        """:meth:`_run_inline_v` of a ``gather`` or ``scatter`` with no piece list made
+        (``VSchedule.run_rooted``)."""
+        if self._executor.busy or self._broken is not None or not self._v_fits:
+            return False
+        start = time.monotonic()
+        try:
+            self._v.run_rooted(kind, root, mine, theirs)
+        except BaseException as exc:
+            self._abort(kind, start, exc)
+        return True
+
     def _run_inline_v_split(self, output: torch.Tensor, input: torch.Tensor, out_bytes: list[int],
                       in_bytes: list[int]) -> bool:
         """:meth:`_run_inline_v` of consecutive pieces of one tensor each side (no view made)."""

@@ -46,6 +46,8 @@ class Status:
     V_DISAGREE, V_MORE = 7, 8  # v_call's statuses beyond a round's own
 
 
+_DONE, _ENTER_WAIT, _EXCHANGE_WAIT = Status.DONE, Status.ENTER_WAIT, Status.EXCHANGE_WAIT
+
 if BUILT:
     assert (_core.DONE, _core.ENTER_WAIT, _core.EXCHANGE_WAIT, _core.MISMATCH, _core.SLOT_WAIT,
             _core.MESSAGE_WAIT, _core.SIZE_MISMATCH, _core.TAG_OTHER) == tuple(range(8))
@@ -170,11 +172,12 @@ class CompiledRounds:
         """Round 0 of a v-call from the plan at ``plan_address`` (``vschedules``): ``(half,
         status)``, status :attr:`Status.DONE`, ``V_DISAGREE`` or ``V_MORE``."""
         rounds, flags = self.rounds, self.flags
-        half = rounds.next_half()
+        half = rounds.started & 1  # rounds.next_half(), inlined: a frame less per v-call
+        rounds.started += 1
         target = flags.seq + 1
         first, spin = rounds.first_seq, flags.spin_budget_ns()
         status = self._v_call(plan_address, word_a, half, first, target, _FRESH, spin)
-        if status == Status.ENTER_WAIT or status == Status.EXCHANGE_WAIT:
+        if status == _ENTER_WAIT or status == _EXCHANGE_WAIT:
             args = [plan_address, word_a, half, first, target, _FRESH, spin]
             while status in (Status.ENTER_WAIT, Status.EXCHANGE_WAIT):
                 if status == Status.ENTER_WAIT:
@@ -186,7 +189,7 @@ class CompiledRounds:
                     args[5] = _EXCHANGED
                 status = self._v_call(*args)
         flags.seq = rounds.first_seq = target
-        if status == Status.DONE:  # the usual outcome: one comparison
+        if status == _DONE:  # the usual outcome: one comparison
             return half, status
         if status == Status.MISMATCH:
             rounds.check(half, word_a)

@@ -11,6 +11,7 @@ runs in one C call where the compiled core takes it; bytes otherwise move with
 from __future__ import annotations
 
 import ctypes
+import operator
 import struct
 import time
 
@@ -24,6 +25,10 @@ from .rounds import Rounds
 __all__ = ["VSchedule"]
 
 _memmove = ctypes.memmove
+_monotonic = time.monotonic
+_DONE = Status.DONE
+_nbytes = operator.attrgetter("nbytes")
+_data_ptr = torch.Tensor.data_ptr
 _increment_version = torch._C._increment_version
 _CODE = OP_CODES["all_to_all_v"] << 56
 # a header's fixed words (the compiled core's V_HEAD, which compares the first three): the op's
@@ -78,6 +83,7 @@ class VSchedule:
         self._ranks = tuple(range(n))
         self._zeros = [0] * n  # read only: the sizes and addresses of n empty pieces
         self._plans: dict[tuple, tuple] = {}  # by a call's signature: see _layout
+        self._rooted_plans: dict[tuple, tuple] = {}  # by a gather's or scatter's sizes
 
     def fits(self) -> bool:
         """Whether a header leaves every peer 64 bytes of a slot (up to ~40 ranks at 4 KiB
@@ -88,6 +94,68 @@ class VSchedule:
         """One v-call: ``inputs[r]`` to rank ``r``, ``outputs[q]`` from rank ``q`` (contiguous
         CPU tensors, one dtype; checked by the communicator). A tensor given for several
         destinations goes into the slot once."""
+        plan, sent, expected, in_addrs, out_addrs = self._plan_of(kind, root, outputs, inputs)
+        bump = plan[-1]
+        self._run(kind, plan, sent, expected, in_addrs, out_addrs,
+                  outputs if bump is True else [outputs[q] for q in bump])
+
+    def run_rooted(self, kind: str, root: int, mine: torch.Tensor, theirs: list | None) -> None:
+        """:meth:`run` of a ``gather`` (``mine``: the input; ``theirs``: the root's outputs) or
+        ``scatter`` (``mine``: the output; ``theirs``: the root's inputs), whose pieces are
+        empty but the root's (``adapt.rooted_pieces``), with no list of pieces made: the plan,
+        the sizes and which outputs change are found by the call's sizes (worked out once by
+        :meth:`_plan_of`, so the same as :meth:`run`'s). ``theirs`` is read on the root only;
+        the tensors are contiguous CPU tensors of one dtype (checked by the caller)."""
+        me, gather = self.rank, kind == "gather"
+        if me != root:
+            key = (kind, root, mine.dtype, mine.nbytes)
+        else:
+            key = (kind, root, mine.dtype, mine.nbytes, *map(_nbytes, theirs))
+            if not gather and self.size > 2:  # which of a scatter's inputs share a buffer
+                seen: dict[int, int] = {}
+                key += (tuple(map(seen.setdefault, map(id, theirs), self._ranks)),)
+        found = self._rooted_plans.get(key)
+        if found is None:
+            found = self._rooted_layout(key, kind, root, mine, theirs)
+        plan, sent, expected, bump = found
+        zeros = self._zeros
+        if gather:
+            in_addrs = zeros.copy()
+            in_addrs[root] = mine.data_ptr()
+            if me != root:
+                self._run(kind, plan, sent, expected, in_addrs, zeros, ())
+                return
+            changed = theirs if bump is True else [theirs[q] for q in bump]
+            self._run(kind, plan, sent, expected, in_addrs, list(map(_data_ptr, theirs)),
+                      changed)
+            return
+        out_addrs = zeros.copy()
+        out_addrs[root] = mine.data_ptr()
+        in_addrs = zeros if me != root else list(map(_data_ptr, theirs))
+        self._run(kind, plan, sent, expected, in_addrs, out_addrs, (mine,) if bump else ())
+
+    def _rooted_layout(self, key: tuple, kind: str, root: int, mine: torch.Tensor,
+                       theirs: list | None) -> tuple:
+        """What :meth:`run_rooted` keeps for a call's ``key``: ``(plan, sent, expected,
+        outputs written)`` of :meth:`_plan_of` on the call's pieces (a scatter's: whether its
+        output is written)."""
+        empty = mine.new_empty(0)
+        pieces = [empty] * self.size
+        pieces[root] = mine
+        others = theirs if self.rank == root else [empty] * self.size
+        outputs, inputs = (others, pieces) if kind == "gather" else (pieces, others)
+        plan, sent, expected, _, _ = self._plan_of(kind, root, outputs, inputs)
+        bump = plan[-1]
+        if kind == "scatter":
+            bump = bump is True or root in bump
+        if len(self._rooted_plans) >= _PLAN_CACHE:
+            self._rooted_plans.clear()
+        found = self._rooted_plans[key] = (plan, sent, expected, bump)
+        return found
+
+    def _plan_of(self, kind: str, root: int, outputs: list, inputs: list) -> tuple:
+        """``(plan, sent, expected, input addresses, output addresses)`` of a v-call's pieces
+        (:meth:`run`)."""
         first = inputs[0]
         if kind == "gather" or kind == "scatter":  # every piece but the root's is empty
             sent, expected, in_addrs, out_addrs = self._rooted(kind, root, outputs, inputs)
@@ -103,9 +171,7 @@ class VSchedule:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._layout(key, kind, root, first, sent, expected)
-        bump = plan[-1]
-        self._run(kind, plan, sent, expected, in_addrs, out_addrs,
-                  outputs if bump is True else [outputs[q] for q in bump])
+        return plan, sent, expected, in_addrs, out_addrs
 
     def _rooted(self, kind: str, root: int, outputs: list, inputs: list) -> tuple:
         """``(sent, expected, input addresses, output addresses)`` of a ``gather`` or
@@ -185,7 +251,7 @@ class VSchedule:
              out_addrs: list, changed) -> None:
         """A v-call of pieces given as addresses and bytes, laid out by ``plan``
         (:meth:`_layout`); ``changed``: the tensors whose version counters the call bumps."""
-        start = time.monotonic()
+        start = _monotonic()
         words, room, firsts, fits, _ = plan
         compiled = self.compiled
         if compiled is not None and fits:
@@ -198,7 +264,7 @@ class VSchedule:
                 self._plan_struct.pack_into(self._plan, 0, *words, *out_addrs, *in_addrs)
                 self._packed = plan
             half, status = compiled.v_call(self._plan_address, _CODE, kind, start)
-            if status == Status.DONE:
+            if status == _DONE:
                 if changed:
                     _increment_version(changed)
                 return
