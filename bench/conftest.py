@@ -56,6 +56,11 @@ def collectives_report():
 def pytest_configure(config):
     import os
 
+    # quick mode for the modules that read it at import: an xdist worker's argv has no
+    # --benchmark-disable, its options do
+    if getattr(config.option, "benchmark_disable", False):
+        os.environ["FASTCOMM_BENCH_QUICK"] = "1"
+
     # under fastcomm-run every rank runs pytest; only rank 0 writes results
     if int(os.environ.get("RANK", "0") or 0) != 0:
         for name in ("benchmark_json", "benchmark_save", "benchmark_autosave"):

@@ -38,6 +38,7 @@ from .checks import (
     DTYPES,
     REDUCED_DTYPES,
     bad_sizes,
+    check_members,
     check_p2p,
     check_pair,
     check_peer,
@@ -421,19 +422,7 @@ class Communicator(CommBackend):
         *,
         fallback: Communicator | None = None,
     ) -> None:
-        if not isinstance(size, int) or size < 1:
-            raise ValueError(f"size must be a positive int, got {size!r}")
-        if not isinstance(rank, int) or not 0 <= rank < size:
-            raise ValueError(f"rank must be an int in [0, {size}), got {rank!r}")
-        if fallback is not None and not isinstance(fallback, Communicator):
-            raise TypeError(
-                f"fallback must be a fastcomm Communicator or None, got {type(fallback).__name__}"
-            )
-        if fallback is not None and (fallback.rank, fallback.size) != (rank, size):
-            raise ValueError(
-                f"the fallback must span the same ranks: rank {fallback.rank} of "
-                f"{fallback.size}, this communicator rank {rank} of {size}"
-            )
+        check_members(rank, size, fallback, Communicator)
         self.store = store
         self.rank = rank
         self.size = size

@@ -17,6 +17,7 @@ __all__ = [
     "DTYPES",
     "REDUCED_DTYPES",
     "bad_sizes",
+    "check_members",
     "check_pair",
     "check_peer",
     "check_premul_dtype",
@@ -243,3 +244,27 @@ def check_split_args(color: object, key: object) -> None:
         raise TypeError(f"split: color must be an int or None, got {color!r}")
     if key is not None and (not isinstance(key, int) or isinstance(key, bool)):
         raise TypeError(f"split: key must be an int or None, got {key!r}")
+
+
+def check_members(rank: Any, size: Any, fallback: Any, kind: type) -> None:
+    """A communicator's ``rank`` of ``size``, and its ``fallback`` (``None`` or an instance of
+    ``kind`` over the same ranks).
+
+    Raises:
+        ValueError: ``size`` is not a positive int, ``rank`` not in ``[0, size)``, or the
+            fallback spans other ranks.
+        TypeError: ``fallback`` is not a ``kind``.
+    """
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"size must be a positive int, got {size!r}")
+    if not isinstance(rank, int) or not 0 <= rank < size:
+        raise ValueError(f"rank must be an int in [0, {size}), got {rank!r}")
+    if fallback is not None and not isinstance(fallback, kind):
+        raise TypeError(
+            f"fallback must be a fastcomm Communicator or None, got {type(fallback).__name__}"
+        )
+    if fallback is not None and (fallback.rank, fallback.size) != (rank, size):
+        raise ValueError(
+            f"the fallback must span the same ranks: rank {fallback.rank} of "
+            f"{fallback.size}, this communicator rank {rank} of {size}"
+        )
