@@ -51,6 +51,7 @@ from .checks import (
 )
 from .errors import CommClosedError
 from .flight import SAMPLE, failed, recorded, recorder_for
+from .flight_watch import on_failure as _dumps_on_failure  # noqa: F401 (registers it)
 from .reduction import torch_reduce
 from .stats import CommStats
 from .store import DEFAULT_TIMEOUT, Store, as_timedelta

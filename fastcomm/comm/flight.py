@@ -28,7 +28,12 @@ import torch
 import torch.autograd.profiler as _profiler
 from torch import Tensor as _Tensor
 
-__all__ = ["FlightRecorder", "STATES", "recorded", "recorder_for", "recorders", "run_recorded"]
+from .flight_describe import STATES, entry, nbytes_of, wall
+
+__all__ = [
+    "FlightRecorder", "ON_FAILURE", "STATES", "recorded", "recorder_for", "recorders",
+    "run_recorded", "wall",
+]
 
 SIZE_ENV = "FASTCOMM_FLIGHT_SIZE"
 DEFAULT_SIZE = 2000
@@ -36,10 +41,10 @@ EMPTY, ISSUED, STARTED, COMPLETED, FAILED = 0, 1, 2, 3, 4
 SAMPLE = 8
 """Every ``SAMPLE``-th call (by sequence number) is timed: its latency, its issue time."""
 _UNSAMPLED = SAMPLE - 1
-STATES = ("empty", "issued", "started", "completed", "failed")
+#: ``[handler]`` once :mod:`.flight_watch` is imported: ``handler(recorder, exc)`` dumps every
+#: rank's record after a failed call (set there: the watch sits above the recorder)
+ON_FAILURE: list[Callable[[Any, BaseException], None]] = []
 _now = time.perf_counter_ns
-# perf_counter_ns to wall-clock seconds: stamps are taken with the cheap clock on the hot path
-_WALL_OFFSET = time.time() - time.perf_counter_ns() / 1e9
 
 _weak = weakref.ref
 _enter = torch.ops.profiler._record_function_enter_new
@@ -52,11 +57,6 @@ def _NOBODY() -> None:  # a dead weak reference's stand-in
 
 _RECORDERS: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
 _LOCK = threading.Lock()
-
-
-def wall(stamp_ns: int) -> float:
-    """A ``perf_counter_ns`` stamp as seconds since the epoch."""
-    return stamp_ns / 1e9 + _WALL_OFFSET
 
 
 def configured_size() -> int:
@@ -215,7 +215,6 @@ class FlightRecorder:
 
     def entries(self, last: int | None = None) -> list[dict]:
         """The recorded calls, oldest first, in words (``last``: only that many)."""
-        from .flight_describe import entry
 
         first = max(1, self.seq - self.capacity + 1)
         if last is not None:
@@ -238,7 +237,6 @@ class FlightRecorder:
     def latencies(self) -> dict[tuple[str, int], list[float]]:
         """Seconds each timed (every ``SAMPLE``-th) completed call in the ring took, by
         ``(op, bytes)``."""
-        from .flight_describe import nbytes_of
 
         out: dict[tuple[str, int], list[float]] = {}
         first = max(1, self.seq - self.capacity + 1)
@@ -353,7 +351,5 @@ def failed(recorder: FlightRecorder, exc: BaseException) -> None:
 
     if isinstance(exc, CommClosedError):
         return
-    if isinstance(exc, FastcommError) or "collective mismatch" in str(exc):
-        from .flight_watch import on_failure
-
-        on_failure(recorder, exc)
+    if (isinstance(exc, FastcommError) or "collective mismatch" in str(exc)) and ON_FAILURE:
+        ON_FAILURE[0](recorder, exc)

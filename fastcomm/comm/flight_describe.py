@@ -7,13 +7,24 @@ the :class:`~.calls.Call` of the call and its :func:`~.calls.describe` text.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
 from .calls import OPS, Call, describe
 
-__all__ = ["entry", "nbytes_of"]
+__all__ = ["STATES", "entry", "nbytes_of", "wall"]
+
+#: A slot's state, by its code.
+STATES = ("empty", "issued", "started", "completed", "failed")
+# perf_counter_ns to wall-clock seconds: stamps are taken with the cheap clock on the hot path
+_WALL_OFFSET = time.time() - time.perf_counter_ns() / 1e9
+
+
+def wall(stamp_ns: int) -> float:
+    """A ``perf_counter_ns`` stamp as seconds since the epoch."""
+    return stamp_ns / 1e9 + _WALL_OFFSET
 
 _ROOTED = {"broadcast", "reduce", "gather", "scatter"}
 
@@ -73,8 +84,6 @@ def entry(seq: int, op: str | None, arg: Any, extra: Any, state: int, t0: int, t
           ) -> dict:
     """One slot as a JSON-ready row: ``seq``, ``op``, ``state``, ``call`` (its fields),
     ``desc`` (in words), ``issued`` and ``ended`` (epoch s; ``None`` while in flight)."""
-    from .flight import STATES, wall
-
     dtype, numel, pieces = _dtype_numel(arg)
     call = call_of(op or "?", arg, extra)
     desc = describe(call)

@@ -27,7 +27,7 @@ import traceback
 import weakref
 
 from .. import trace
-from .flight import recorders
+from .flight import ON_FAILURE, recorders
 from .store import Store, lost_rank_key
 
 __all__ = ["Watch", "dump_record", "on_failure", "request_report", "watch"]
@@ -339,3 +339,6 @@ def on_failure(recorder, exc: BaseException) -> None:
         return
     logger.error("rank %d: flight report:\n%s", target.rank, "\n".join(lines))
     exc.add_note(f"flight report: {lines[0]}")
+
+
+ON_FAILURE[:] = [on_failure]
