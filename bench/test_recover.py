@@ -131,13 +131,23 @@ def _launch(out: Path, body: str, flags: list[str], args: list) -> tuple[float, 
     path = out / "job.py"
     path.write_text(body)
     start = time.time()
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "fastcomm.launch", "--nproc-per-node", "3", *flags, path,
          out, *map(str, args)],
-        cwd=out, env=_env(), capture_output=True, text=True, timeout=300,
+        cwd=out, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return start, proc.stderr
+    try:
+        _, err = proc.communicate(timeout=300)
+    except BaseException:  # a timeout, pytest's included: SIGTERM lets the launcher clean up
+        proc.terminate()
+        try:
+            proc.communicate(timeout=40)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        raise
+    assert proc.returncode == 0, err[-4000:]
+    return start, err
 
 
 def _records(out: Path) -> dict[tuple[int, int], list]:

@@ -8,6 +8,7 @@ round. Logs and error files go under ``--log-dir``, else a temporary folder remo
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import tempfile
@@ -18,7 +19,7 @@ from .errors import LaunchError, UsageError
 from .net import interface_of
 from .recovery import RECOVER_ENV
 from .rendezvous import RoundInfo
-from .workers import BOOTSTRAP, WorkerSpec, line_prefix
+from .workers import BOOTSTRAP, WorkerSpec, line_prefix, pid_namespace, start_time
 
 __all__ = ["RunDirs", "base_env", "job_secret", "worker_specs"]
 
@@ -196,7 +197,8 @@ class RunDirs:
                     self._run_dir = tempfile.mkdtemp(prefix=prefix, dir=cfg.log_dir)
                     self.log(f"logs and error files under {self._run_dir}", always=False)
                 else:
-                    self._base_dir = tempfile.mkdtemp(prefix="fastcomm_launch_")
+                    sweep_stale_folders()
+                    self._base_dir = tempfile.mkdtemp(prefix=_temp_prefix())
                     self._run_dir = self._base_dir
                     if _any_std(cfg.redirects) or _any_std(cfg.tee):
                         self.log(f"worker logs under {self._run_dir} (no --log-dir given)")
@@ -212,3 +214,41 @@ class RunDirs:
         if self._base_dir is not None:
             shutil.rmtree(self._base_dir, ignore_errors=True)
         self._base_dir = None
+
+
+#: A launcher's temporary folder: ``fastcomm_launch_<pid namespace>-<pid>-<start time>_<random>``
+TEMP_PATTERN = re.compile(r"fastcomm_launch_(\d+)-(\d+)-(\d+)_\w+")
+
+
+def _temp_prefix() -> str:
+    pid = os.getpid()
+    return f"fastcomm_launch_{pid_namespace()}-{pid}-{start_time(pid) or 0}_"
+
+
+def sweep_stale_folders(tmp: str | None = None) -> list[str]:
+    """Removes the temporary folders that launchers killed without cleaning up (SIGKILL) left
+    in ``tmp`` (default: the temporary directory); returns their paths.
+
+    A folder is removed only when it is this user's, its launcher ran in this PID namespace and
+    its pid now runs nothing or another process (a different start time).
+    """
+    tmp = tmp or tempfile.gettempdir()
+    namespace, removed = pid_namespace(), []
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        return removed
+    for name in names:
+        match = TEMP_PATTERN.fullmatch(name)
+        if match is None or not namespace or int(match[1]) != namespace or not int(match[3]):
+            continue
+        path = os.path.join(tmp, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        if start_time(int(match[2])) != int(match[3]):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed

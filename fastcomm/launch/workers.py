@@ -25,7 +25,7 @@ from typing import BinaryIO
 from .config import STD_ERR, STD_OUT
 from .spare import Spare, spare_command
 
-__all__ = ["WorkerSpec", "WorkerGroup", "BOOTSTRAP"]
+__all__ = ["WorkerSpec", "WorkerGroup", "BOOTSTRAP", "pid_namespace", "start_time"]
 
 BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap.py")
 AGENT_PID_ENV = "FASTCOMM_LAUNCH_AGENT_PID"
@@ -249,7 +249,7 @@ class WorkerGroup:
                 start_new_session=True,
                 **kwargs,
             )
-        worker = _Worker(spec, proc, files=files, start_time=_start_time(proc.pid))
+        worker = _Worker(spec, proc, files=files, start_time=start_time(proc.pid))
         for name, console, fh, dup in plan:
             thread = threading.Thread(
                 target=_pump,
@@ -348,7 +348,7 @@ SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "fastcomm-"
 
 
-def _start_time(pid: int) -> int | None:
+def start_time(pid: int) -> int | None:
     """Start time of ``pid`` in clock ticks since boot (field 22 of ``/proc/<pid>/stat``)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
@@ -357,7 +357,8 @@ def _start_time(pid: int) -> int | None:
         return None
 
 
-def _pid_namespace() -> int:
+def pid_namespace() -> int:
+    """Inode of this process's PID namespace (0 when ``/proc`` does not say)."""
     try:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
@@ -367,7 +368,7 @@ def _pid_namespace() -> int:
 def remove_segments_of(owners: set[tuple[int, int]]) -> list[str]:
     """Unlinks the ``/dev/shm`` segment files created by one of ``owners`` (reaped workers,
     as ``(pid, start time)``) in this PID namespace; returns their names."""
-    namespace = _pid_namespace()
+    namespace = pid_namespace()
     if not owners or not namespace:
         return []
     try:

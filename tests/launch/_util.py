@@ -61,8 +61,12 @@ def finish(proc: subprocess.Popen, timeout: float = 60) -> subprocess.CompletedP
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
+        proc.terminate()  # the launcher stops its workers and removes its folder
+        try:
+            out, err = proc.communicate(timeout=40)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
         raise AssertionError(f"launcher timed out\nstdout:\n{out}\nstderr:\n{err}") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
