@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from . import checks
-from .flight import failed, run_recorded
+from .flight import run_recorded
 from .reduction import reduce_gathered
 from .types import BITWISE_OPS, PremulSum, ReduceOp, check_reduction
 from .vcoll import input_bytes, plain_pieces, split_bytes
@@ -147,8 +147,7 @@ def rooted_now(comm, kind: str, mine: torch.Tensor, theirs: list | None, root: i
         if not comm._run_inline_rooted(kind, root, mine, theirs):
             _rooted_task(comm, kind, mine, theirs, root)
     except BaseException as exc:
-        failed(recorder, exc)  # dumped while the call still shows as in flight
-        recorder.end(seq, False)
+        recorder.fail(seq, exc)
         raise
     recorder.returned(seq)
     return True
@@ -205,8 +204,7 @@ def split_now(comm, output: torch.Tensor, input: torch.Tensor, output_splits,
             comm._run(comm._impl_v_call("all_to_all", -1, outputs, inputs), False)
     except BaseException as exc:
         if recorder is not None:
-            failed(recorder, exc)  # dumped while the call still shows as in flight
-            recorder.end(seq, False)
+            recorder.fail(seq, exc)
         raise
     if recorder is not None:
         recorder.returned(seq)

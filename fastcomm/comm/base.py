@@ -50,7 +50,7 @@ from .checks import (
     untracked,
 )
 from .errors import CommClosedError
-from .flight import SAMPLE, failed, recorded, recorder_for
+from .flight import SAMPLE, recorded, recorder_for
 from .flight_watch import on_failure as _dumps_on_failure  # noqa: F401 (registers it)
 from .reduction import torch_reduce
 from .stats import CommStats
@@ -512,8 +512,7 @@ class Communicator(CommBackend):
                 result = all_reduce_general(self, tensor, op, async_op)
         except BaseException as exc:
             if recorder is not None:
-                failed(recorder, exc)  # dumped while the call still shows as in flight
-                recorder.end(seq, False)
+                recorder.fail(seq, exc)
             raise
         if recorder is not None:
             if result is None and seq & _UNTIMED and recorder._range is None:

@@ -153,6 +153,12 @@ class FlightRecorder:
         if self._range is not None and self._range[0] == seq:
             self._close_range()
 
+    def fail(self, seq: int, exc: BaseException) -> None:
+        """Ends call ``seq``, which raised ``exc``: the record is dumped first (:func:`failed`),
+        while the call still shows as in flight."""
+        failed(self, exc)
+        self.end(seq, False)
+
     def pending(self, seq: int) -> None:
         """Marks call ``seq``, which returned with its operation still in flight, ``issued``
         (until :meth:`end`)."""
@@ -299,8 +305,7 @@ def recorded(op: str, arg: int = 0, extra: int | None = None,
             try:
                 result = method(self, *args, **kwargs)
             except BaseException as exc:
-                failed(recorder, exc)  # dumped while the call still shows as in flight
-                recorder.end(seq, False)
+                recorder.fail(seq, exc)
                 raise
             return recorder.finish(seq, result)
 
@@ -320,8 +325,7 @@ def run_recorded(recorder: FlightRecorder | None, op: str, arg: Any, extra: Any,
     try:
         run()
     except BaseException as exc:
-        failed(recorder, exc)  # dumped while the call still shows as in flight
-        recorder.end(seq, False)
+        recorder.fail(seq, exc)
         raise
     recorder.returned(seq)
 

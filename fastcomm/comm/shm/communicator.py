@@ -423,24 +423,22 @@ class ShmCommunicator(Communicator):
         """A synchronous v-call with no asynchronous work pending runs on the caller's thread
         with no task or ``Work`` built (as :meth:`_run_inline`); a disagreement leaves the
         communicator usable (every rank raised after the same round)."""
-        if self._executor.busy or self._broken is not None or not self._v_fits:
-            return False
-        start = time.monotonic()
-        try:
-            self._v.run(kind, root, outputs, inputs)
-        except BaseException as exc:
-            self._abort(kind, start, exc)
-        return True
+        return self._v_inline(self._v.run, kind, root, outputs, inputs)
 
     def _run_inline_rooted(self, kind: str, root: int, mine: torch.Tensor,
                            theirs: list | None) -> bool:
         """:meth:`_run_inline_v` of a ``gather`` or ``scatter`` with no piece list made
         (``VSchedule.run_rooted``)."""
+        return self._v_inline(self._v.run_rooted, kind, root, mine, theirs)
+
+    def _v_inline(self, run, kind: str, *args) -> bool:
+        """``run(kind, *args)`` on the caller's thread where nothing asynchronous is pending
+        (``False``: the caller builds a task); a failure aborts the communicator's v-calls."""
         if self._executor.busy or self._broken is not None or not self._v_fits:
             return False
         start = time.monotonic()
         try:
-            self._v.run_rooted(kind, root, mine, theirs)
+            run(kind, *args)
         except BaseException as exc:
             self._abort(kind, start, exc)
         return True
