@@ -34,7 +34,7 @@ from .config import DDPConfig
 from .in_place import InPlaceReduction
 from .plan import grads_are_views, plan_buckets, shared_request
 from .shared import SharedBuckets
-from .strategy import BucketStrategy
+from .strategy import BucketStrategy, pack_into
 
 __all__ = ["Reducer", "find_unused"]
 
@@ -277,15 +277,7 @@ class Reducer:
         b = self._bucket_of[i]
         view = self._arrival_views[i]
         if view is not None:
-            g = param.grad
-            if (  # strategy.pack_into, inlined: a call fewer per gradient
-                type(g) is torch.Tensor
-                and not g.is_sparse
-                and g.dtype is view.dtype
-                and g.is_cpu
-                and g.shape == view.shape
-            ):
-                torch.mul(g, self._arrival_scale, out=view)
+            if pack_into(view, param.grad, self._arrival_scale):
                 self._arrived[b] += 1
         elif self._on_arrival[b] and self.strategies[b].pack_one(
             self, self.buckets[b], self._position[i], param.grad
@@ -387,10 +379,7 @@ class Reducer:
         if self.create_graph:  # reduce the values; no autograd through the allreduce
             grads = [None if g is None else g.detach() for g in grads]
         if self.recovery is None:
-            if _profiler._is_profiler_enabled:
-                self._results[index] = self._launch_one(index, bucket, grads)
-            else:  # _launch_one without its range, one call fewer per bucket
-                self._results[index] = self.strategies[index].launch(self, bucket, grads)
+            self._results[index] = self._launch_one(index, bucket, grads)
             return
         if self.failure is not None:  # the step is redone at its end (recover.py)
             self._results[index] = _SKIPPED
@@ -440,20 +429,11 @@ class Reducer:
         health = self.health
         if health is not None:
             health.begin_step()
+        wait = self.wait_bucket if health is None else health.wait
         if self.keeper is not None:  # every reduction done before any write (recover.py)
-            values = [self.wait_bucket(b) if health is None else health.wait(b)
-                      for b in self.buckets]
+            values = [wait(b) for b in self.buckets]
         for bucket, strategy in zip(self.buckets, self.strategies, strict=True):
-            if self.keeper is not None:
-                value = values[bucket.index]
-            else:  # health.wait and wait_bucket, inlined: two calls fewer per bucket
-                try:
-                    result = self._results[bucket.index]
-                    value = None if result is _SKIPPED else strategy.wait(self, bucket, result)
-                except Exception as exc:
-                    if health is None:
-                        raise
-                    health.readiness.failed(bucket, exc)
+            value = values[bucket.index] if self.keeper is not None else wait(bucket)
             if value is not None:
                 strategy.write_back(self, bucket, value, global_unused)
         self._results = []
