@@ -14,7 +14,17 @@ import torch
 from fastcomm.launch.cli import get_parser, parse_config
 from tests.harness import free_port
 
-from ._util import LAUNCH, clean_env, finish, run, script, spares_left, start, wait_files
+from ._util import (
+    LAUNCH,
+    clean_env,
+    finish,
+    run,
+    script,
+    spares_left,
+    start,
+    wait_files,
+    wait_gone,
+)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -131,6 +141,8 @@ ELASTIC = """
 
     out = sys.argv[1]
     comm = fastcomm.init(timeout=60)
+    if os.environ.get("FASTCOMM_RECOVER_JOIN") and os.environ["LOCAL_RANK"] == "1":
+        time.sleep(1.0)  # the late node's second rank asks about 40 steps after its first
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))
     ddp = DDP(model)
@@ -166,8 +178,9 @@ ELASTIC = """
 @pytest.mark.timeout(180)
 def test_elastic_node_joins_the_running_round(tmp_path):
     """--nnodes 1:2 --recover in-process: a second agent arriving while the job runs is
-    admitted into the running round (no restart); its two workers join the running ranks at
-    step boundaries with rank 0's state, and all four end bitwise equal."""
+    admitted into the running round (no restart); its two workers, asking a second apart, join
+    the running ranks at one step boundary (the agent said the node brings two) with rank 0's
+    state, and all four end bitwise equal."""
     path = script(tmp_path, "elastic.py", ELASTIC)
     flags = ["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
              "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "grow",
@@ -193,7 +206,7 @@ def test_elastic_node_joins_the_running_round(tmp_path):
             assert torch.equal(a, b), f"rank {r} differs from rank 0"
     assert reports[0]["done"] == reports[1]["done"] == list(range(end))
     first_join, second_join = reports[2]["join_step"], reports[3]["join_step"]
-    assert 3 <= first_join <= second_join < end  # together when both asked in time
+    assert 3 <= first_join == second_join < end  # a node's ranks join together
     assert reports[2]["done"] == list(range(first_join, end))
     assert reports[3]["done"] == list(range(second_join, end))
     late_env = reports[2]["env"]
@@ -325,3 +338,94 @@ def test_a_lost_node_below_the_minimum_is_not_absorbed():
     assert not LossWatch(cfg, info, lines.append).take_node(_node_lost(1))
     assert "4 live rank(s) are fewer than the minimum 5: stopping" in lines[-1]
     assert not workers.check([lost_rank_key(2)])  # the round fails: nobody is told to go on
+
+
+REJOIN = """
+    import json, os, sys, time
+    import torch
+    from torch import nn
+    import fastcomm
+    from fastcomm.ddp import DDP
+
+    out = sys.argv[1]
+    fastcomm.init(timeout=60)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    ddp = DDP(model)
+    membership = ddp._recovery.membership
+    me = membership.me  # 0, 1: the first node's; 2, 3: the node lost; 4, 5: the node back
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    ddp.register_state("opt", opt)
+    last = [ddp.join_step]
+    ddp.on_membership_change(
+        lambda c: last.__setitem__(0, int(c.where.split()[1])) if c.where.startswith("join")
+        else None)
+    step, deadline = ddp.join_step, time.monotonic() + 100
+    while len(membership.identity) < 6 or ddp.world_size < 4 or step < last[0] + 5:
+        assert time.monotonic() < deadline, f"rank {me}: the node never came back"
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1000 * me + step))
+        opt.zero_grad(set_to_none=True)
+        ddp(x).square().mean().backward()
+        opt.step()
+        step += 1
+        if step == ddp.join_step + 3:
+            (open(os.path.join(out, f"training_{me}"), "w")).write(str(os.getpid()))
+        time.sleep(0.02)
+    torch.save([p.detach() for p in model.parameters()], os.path.join(out, f"p{me}.pt"))
+    with open(os.path.join(out, f"r{me}.json"), "w") as fh:
+        json.dump({"join_step": ddp.join_step, "world_size": ddp.world_size, "step": step,
+                   "members": membership.members, "RANK": os.environ["RANK"],
+                   "GROUP_RANK": os.environ["GROUP_RANK"]}, fh)
+    fastcomm.shutdown()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_node_lost_then_back_is_admitted_into_the_running_round(tmp_path):
+    """--nnodes 1:2: node 1 joins the running round, its agent is SIGKILLed (its workers go
+    with it), the first agent absorbs the node's loss (no heartbeat) and the survivors shrink;
+    a new agent for that node is then admitted like any joining node (a lost node makes room
+    under MAX) and its two ranks join at one step boundary; all four end bitwise equal."""
+    path = script(tmp_path, "rejoin.py", REJOIN)
+    flags = ["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+             "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "rejoin",
+             "--monitor-interval", "0.05", "--rdzv-conf",
+             "last_call_timeout=0.5,keep_alive_interval=0.25,keep_alive_max_attempt=4",
+             "--recover", "in-process"]
+    env = clean_env(FASTCOMM_RECOVER_JOIN_EVERY="4")
+    err = tmp_path / "first.err"
+    with open(err, "w") as fh:  # read while it runs: the loss must be absorbed first
+        first = subprocess.Popen([*LAUNCH, *map(str, [*flags, path, tmp_path])], cwd=tmp_path,
+                                 env=env, stdout=subprocess.DEVNULL, stderr=fh, text=True)
+    try:
+        wait_files(tmp_path, "training_*", 2, proc=first, timeout=90)
+        lost = start([*flags, path, tmp_path], tmp_path, env)
+        wait_files(tmp_path, "training_*", 4, proc=first, timeout=90)
+        lost.kill()  # the node goes: its agent, and with it its workers
+        lost.communicate()
+        pids = [int((tmp_path / f"training_{r}").read_text()) for r in (2, 3)]
+        deadline = time.monotonic() + 60
+        while "node 1 (" not in err.read_text():
+            assert first.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
+            time.sleep(0.05)
+        back = finish(start([*flags, path, tmp_path], tmp_path, env), timeout=120)
+        assert first.wait(timeout=60) == 0, err.read_text()[-4000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert back.returncode == 0, back.stderr[-4000:]
+    assert not wait_gone(pids)
+    log = err.read_text()
+    assert "its ranks 2, 3 are lost; the job goes on with 2 of 4 ranks" in log, log[-3000:]
+    assert "node 2 joins the running round 0" in log, log[-3000:]
+    reports = {r: json.loads((tmp_path / f"r{r}.json").read_text()) for r in (0, 1, 4, 5)}
+    params = {r: torch.load(tmp_path / f"p{r}.pt") for r in (0, 1, 4, 5)}
+    for r in (0, 1, 4, 5):
+        assert reports[r]["world_size"] == 4 and reports[r]["members"] == [0, 1, 4, 5]
+        assert reports[r]["step"] == reports[0]["step"]
+        for a, b in zip(params[r], params[0], strict=True):
+            assert torch.equal(a, b), f"rank {r} differs from rank 0"
+    assert reports[4]["join_step"] == reports[5]["join_step"] > 0
+    assert [reports[r]["GROUP_RANK"] for r in (4, 5)] == ["2", "2"]
+    assert sorted(reports[r]["RANK"] for r in (4, 5)) == ["4", "5"]
