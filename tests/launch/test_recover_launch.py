@@ -142,7 +142,7 @@ ELASTIC = """
     out = sys.argv[1]
     comm = fastcomm.init(timeout=60)
     if os.environ.get("FASTCOMM_RECOVER_JOIN") and os.environ["LOCAL_RANK"] == "1":
-        time.sleep(1.0)  # the late node's second rank asks about 40 steps after its first
+        time.sleep(float(sys.argv[2]))  # the late node's second rank asks after its first
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))
     ddp = DDP(model)
@@ -176,20 +176,23 @@ ELASTIC = """
 
 
 @pytest.mark.timeout(180)
-def test_elastic_node_joins_the_running_round(tmp_path):
+@pytest.mark.parametrize("delay", [1.0, 4.0], ids=["together", "after the timeout"])
+def test_elastic_node_joins_the_running_round(tmp_path, delay):
     """--nnodes 1:2 --recover in-process: a second agent arriving while the job runs is
-    admitted into the running round (no restart); its two workers, asking a second apart, join
-    the running ranks at one step boundary (the agent said the node brings two) with rank 0's
-    state, and all four end bitwise equal."""
+    admitted into the running round (no restart); its two workers, the second asking `delay`
+    s after the first, join the running ranks with rank 0's state, and all four end bitwise
+    equal. Within the recovery timeout (2 s here) they join at one step boundary (the agent
+    said the node brings two); past it the first is admitted alone, rank 0 naming the
+    missing one, and the second at a later boundary."""
     path = script(tmp_path, "elastic.py", ELASTIC)
     flags = ["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
              "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "grow",
              "--monitor-interval", "0.05", "--rdzv-conf", "last_call_timeout=0.5",
              "--recover", "in-process"]
-    env = clean_env(FASTCOMM_RECOVER_JOIN_EVERY="4")
-    first = start([*flags, path, tmp_path], tmp_path, env)
+    env = clean_env(FASTCOMM_RECOVER_JOIN_EVERY="4", FASTCOMM_RECOVER_TIMEOUT="2")
+    first = start([*flags, path, tmp_path, delay], tmp_path, env)
     wait_files(tmp_path, "training_*", 2, proc=first, timeout=90)
-    late = start([*flags, path, tmp_path], tmp_path, env)
+    late = start([*flags, path, tmp_path, delay], tmp_path, env)
     results = [finish(first, timeout=150), finish(late, timeout=150)]
     for r in results:
         assert r.returncode == 0, r.stderr[-4000:]
@@ -205,10 +208,16 @@ def test_elastic_node_joins_the_running_round(tmp_path):
         for a, b in zip(params[r], params[0], strict=True):
             assert torch.equal(a, b), f"rank {r} differs from rank 0"
     assert reports[0]["done"] == reports[1]["done"] == list(range(end))
-    first_join, second_join = reports[2]["join_step"], reports[3]["join_step"]
-    assert 3 <= first_join == second_join < end  # a node's ranks join together
-    assert reports[2]["done"] == list(range(first_join, end))
-    assert reports[3]["done"] == list(range(second_join, end))
+    joins = {r: reports[r]["join_step"] for r in (2, 3)}
+    for r in (2, 3):
+        assert reports[r]["done"] == list(range(joins[r], end))
+    warned = "without node1's local ranks [1] (1 of 2 asked)"
+    if delay < 2:
+        assert 3 <= joins[2] == joins[3] < end, joins  # a node's ranks join together
+        assert warned not in results[0].stderr
+    else:
+        assert 3 <= joins[2] < joins[3] < end, joins
+        assert warned in results[0].stderr, results[0].stderr[-3000:]
     late_env = reports[2]["env"]
     assert (late_env["GROUP_RANK"], late_env["GROUP_WORLD_SIZE"], late_env["WORLD_SIZE"],
             late_env["TORCHELASTIC_RESTART_COUNT"]) == ("1", "2", "4", "0")
