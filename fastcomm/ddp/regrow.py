@@ -29,6 +29,7 @@ from fastcomm.comm.shm.segment import pid_start_time
 from fastcomm.comm.topology import host_id
 
 from .broadcast import broadcast_tensors
+from .liveness import LossWatch
 from .recover import (
     NAMESPACE_KEY,
     RECOVER_TIMEOUT_ENV,
@@ -36,6 +37,7 @@ from .recover import (
     MembershipChange,
     Recovery,
     _close_quietly,
+    _comm_of,
     _detach_from_region,
     _new_comm,
     _replace_world,
@@ -216,8 +218,11 @@ class Grower:
             membership.identity.append(self._request(j)["id"])
             membership.members = membership.members + [len(membership.identity) - 1]
         membership.epoch += 1
+        old = ddp.comm
+        backend = _backend_for(old, membership)
         if ddp.comm.rank == 0:
             header = {
+                "backend": backend,
                 "epoch": membership.epoch, "members": membership.members,
                 "identity": membership.identity, "step": step,
                 "order": [i for b in reducer.buckets for i in b.param_indices],
@@ -227,10 +232,10 @@ class Grower:
             for j in range(k, k + n):
                 header["me"] = membership.members[before + j - k]
                 store.set(f"grow/admit/{j}", json.dumps(header))
-        old = ddp.comm
         _detach_from_region(reducer)
-        comm = _new_comm(old, membership)
+        comm = _new_comm(old, membership, backend)
         ddp.comm = comm
+        _watch_other_hosts(recovery, comm)
         rebind(reducer, comm)
         _replace_world(old, comm)
         _close_quietly(old)
@@ -244,6 +249,28 @@ class Grower:
         recovery.changes.append(change)
         for fn in list(recovery.callbacks):
             fn(change)
+
+
+def _backend_for(old, membership) -> str:
+    """The backend of the grown communicator: `old`'s, but ``hier`` where the members now
+    span hosts and `old` was ``shm`` (a node joining from another host)."""
+    from fastcomm.comm.world import BACKENDS
+
+    backend = old.backend if old.backend in BACKENDS else "gloo"
+    hosts = {membership.identity[m][0] for m in membership.members}
+    return "hier" if backend == "shm" and len(hosts) > 1 else backend
+
+
+def _watch_other_hosts(recovery, comm) -> None:
+    """Once the members span hosts (a node joined from another), their losses are learnt from
+    the launcher's keys (``liveness.LossWatch``), as for ranks that started across hosts."""
+    membership = recovery.membership
+    hosts = {membership.identity[m][0] for m in membership.members}
+    if membership.one_host and len(hosts) > 1:
+        membership.one_host = False
+        if recovery.watch is None and comm.backend == "hier":
+            recovery.watch = LossWatch(membership, _comm_of(recovery))
+    recovery._arm(comm)  # a failed hier call waits for the watch to name the lost rank
 
 
 def stream_states(ddp) -> None:
@@ -327,12 +354,13 @@ def join(ddp, timeout: float = 600.0):
     header = json.loads(_admission(store, k, timeout))
     membership = Membership.adopt(store, header)
     membership.me = header.get("me", membership.me)  # one of the requests admitted together
-    recovery = Recovery.adopt(ddp, membership)
+    stand_in = ddp.comm
+    # the running ranks' backend, not the stand-in's (shm on one host, hier across hosts)
+    comm = _new_comm(stand_in, membership, header.get("backend"))
+    ddp.comm = comm
+    recovery = Recovery.adopt(ddp, membership)  # on hier across hosts: a loss watch
     recovery.grower = Grower(recovery, header.get("next", k + 1), lost=header.get("lost", 0))
     recovery.grower.states_pending = True
-    stand_in = ddp.comm
-    comm = _new_comm(stand_in, membership)
-    ddp.comm = comm
     _replace_world(stand_in, comm)
     _close_quietly(stand_in)
     return recovery, header

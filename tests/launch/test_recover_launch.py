@@ -27,6 +27,7 @@ from ._util import (
 )
 
 pytestmark = pytest.mark.timeout(90)
+HOST_ID = "FASTCOMM_HOST_ID"  # "": this host's own; a name: a node of its own, as fastcomm sees it
 
 JOB = """
     import os, signal, sys, time
@@ -170,29 +171,32 @@ ELASTIC = """
                                       "TORCHELASTIC_RESTART_COUNT")}
     with open(os.path.join(out, f"r{me}.json"), "w") as fh:
         json.dump({"done": done, "join_step": ddp.join_step, "rank": ddp.rank,
+                   "backend": ddp.comm.backend,
                    "world_size": ddp.world_size, "env": env}, fh)
     fastcomm.shutdown()
 """
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("delay", [1.0, 4.0], ids=["together", "after the timeout"])
-def test_elastic_node_joins_the_running_round(tmp_path, delay):
+@pytest.mark.parametrize("delay, hosts", [(1.0, ("hosta", "hostb")), (4.0, ("", ""))],
+                         ids=["together, from another host", "one host, past the timeout"])
+def test_elastic_node_joins_the_running_round(tmp_path, delay, hosts):
     """--nnodes 1:2 --recover in-process: a second agent arriving while the job runs is
     admitted into the running round (no restart); its two workers, the second asking `delay`
     s after the first, join the running ranks with rank 0's state, and all four end bitwise
     equal. Within the recovery timeout (2 s here) they join at one step boundary (the agent
     said the node brings two); past it the first is admitted alone, rank 0 naming the
-    missing one, and the second at a later boundary."""
+    missing one, and the second at a later boundary. From another host (FASTCOMM_HOST_ID)
+    the running ranks go from shm to hier as they admit it, and the joiners build hier."""
     path = script(tmp_path, "elastic.py", ELASTIC)
     flags = ["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
              "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "grow",
              "--monitor-interval", "0.05", "--rdzv-conf", "last_call_timeout=0.5",
              "--recover", "in-process"]
     env = clean_env(FASTCOMM_RECOVER_JOIN_EVERY="4", FASTCOMM_RECOVER_TIMEOUT="2")
-    first = start([*flags, path, tmp_path, delay], tmp_path, env)
+    first = start([*flags, path, tmp_path, delay], tmp_path, {**env, HOST_ID: hosts[0]})
     wait_files(tmp_path, "training_*", 2, proc=first, timeout=90)
-    late = start([*flags, path, tmp_path, delay], tmp_path, env)
+    late = start([*flags, path, tmp_path, delay], tmp_path, {**env, HOST_ID: hosts[1]})
     results = [finish(first, timeout=150), finish(late, timeout=150)]
     for r in results:
         assert r.returncode == 0, r.stderr[-4000:]
@@ -205,6 +209,7 @@ def test_elastic_node_joins_the_running_round(tmp_path, delay):
     end = reports[0]["done"][-1] + 1
     for r in range(4):
         assert reports[r]["world_size"] == 4 and reports[r]["done"][-1] == end - 1
+        assert reports[r]["backend"] == ("hier" if hosts[0] else "shm")
         for a, b in zip(params[r], params[0], strict=True):
             assert torch.equal(a, b), f"rank {r} differs from rank 0"
     assert reports[0]["done"] == reports[1]["done"] == list(range(end))
@@ -383,6 +388,8 @@ REJOIN = """
     torch.save([p.detach() for p in model.parameters()], os.path.join(out, f"p{me}.pt"))
     with open(os.path.join(out, f"r{me}.json"), "w") as fh:
         json.dump({"join_step": ddp.join_step, "world_size": ddp.world_size, "step": step,
+                   "backend": ddp.comm.backend,
+                   "lost": [list(c.lost) for c in ddp._recovery.changes],
                    "members": membership.members, "RANK": os.environ["RANK"],
                    "GROUP_RANK": os.environ["GROUP_RANK"]}, fh)
     fastcomm.shutdown()
@@ -391,10 +398,12 @@ REJOIN = """
 
 @pytest.mark.timeout(180)
 def test_a_node_lost_then_back_is_admitted_into_the_running_round(tmp_path):
-    """--nnodes 1:2: node 1 joins the running round, its agent is SIGKILLed (its workers go
-    with it), the first agent absorbs the node's loss (no heartbeat) and the survivors shrink;
-    a new agent for that node is then admitted like any joining node (a lost node makes room
-    under MAX) and its two ranks join at one step boundary; all four end bitwise equal."""
+    """--nnodes 1:2, each node a host of its own to fastcomm (FASTCOMM_HOST_ID): node 1 joins
+    the running round, its agent is SIGKILLed (its workers go with it), the first agent
+    absorbs the node's loss (no heartbeat) and names its ranks lost, and the survivors, on
+    hier since node 1 joined, shrink; a new agent for that node is then admitted like any
+    joining node (a lost node makes room under MAX) and its two ranks join at one step
+    boundary; all four end bitwise equal."""
     path = script(tmp_path, "rejoin.py", REJOIN)
     flags = ["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
              "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "rejoin",
@@ -405,10 +414,11 @@ def test_a_node_lost_then_back_is_admitted_into_the_running_round(tmp_path):
     err = tmp_path / "first.err"
     with open(err, "w") as fh:  # read while it runs: the loss must be absorbed first
         first = subprocess.Popen([*LAUNCH, *map(str, [*flags, path, tmp_path])], cwd=tmp_path,
-                                 env=env, stdout=subprocess.DEVNULL, stderr=fh, text=True)
+                                 env={**env, HOST_ID: "hosta"}, stdout=subprocess.DEVNULL,
+                                 stderr=fh, text=True)
     try:
         wait_files(tmp_path, "training_*", 2, proc=first, timeout=90)
-        lost = start([*flags, path, tmp_path], tmp_path, env)
+        lost = start([*flags, path, tmp_path], tmp_path, {**env, HOST_ID: "hostb"})
         wait_files(tmp_path, "training_*", 4, proc=first, timeout=90)
         lost.kill()  # the node goes: its agent, and with it its workers
         lost.communicate()
@@ -417,7 +427,8 @@ def test_a_node_lost_then_back_is_admitted_into_the_running_round(tmp_path):
         while "node 1 (" not in err.read_text():
             assert first.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
             time.sleep(0.05)
-        back = finish(start([*flags, path, tmp_path], tmp_path, env), timeout=120)
+        back = finish(start([*flags, path, tmp_path], tmp_path, {**env, HOST_ID: "hostc"}),
+                      timeout=120)
         assert first.wait(timeout=60) == 0, err.read_text()[-4000:]
     finally:
         if first.poll() is None:
@@ -432,9 +443,11 @@ def test_a_node_lost_then_back_is_admitted_into_the_running_round(tmp_path):
     params = {r: torch.load(tmp_path / f"p{r}.pt") for r in (0, 1, 4, 5)}
     for r in (0, 1, 4, 5):
         assert reports[r]["world_size"] == 4 and reports[r]["members"] == [0, 1, 4, 5]
+        assert reports[r]["backend"] == "hier"
         assert reports[r]["step"] == reports[0]["step"]
         for a, b in zip(params[r], params[0], strict=True):
             assert torch.equal(a, b), f"rank {r} differs from rank 0"
     assert reports[4]["join_step"] == reports[5]["join_step"] > 0
+    assert reports[0]["lost"] == [[], [2, 3], []]  # node 1 joined, was lost, node 2 joined
     assert [reports[r]["GROUP_RANK"] for r in (4, 5)] == ["2", "2"]
     assert sorted(reports[r]["RANK"] for r in (4, 5)) == ["4", "5"]
