@@ -5,15 +5,15 @@ The joiner's ``fastcomm.init()`` returns a stand-in world of its own (``world._j
 ``DDP()`` posts a request in the running DDP's recovery namespace (named by rank 0 under
 ``ddp-recover/current`` in the world's store). The running ranks look for one at every
 ``FASTCOMM_RECOVER_JOIN_EVERY``-th synchronized forward (16; at every one while a replacement
-is due; the same steps on every rank, one store ``check``); the first to see it sets the
-admission to the next such step (``compare_set``), by which every rank has seen it. There the
-requests posted by then (a node's ranks together) become the last members of a new epoch, rank
-0 posts their admissions (members, step, bucket order), all build the new communicator, and
-rank 0 streams the parameters and buffers, then the ``DDP.register_state`` objects'
-``state_dict``s (at the joiners' first forward, once their loop registered them).
-``DDP.join_step`` tells a joiner's loop where it is.
+is due; one store ``check``); the first to see it sets the admission to the next such step
+(``compare_set``). There the requests posted by then become the last members of a new epoch,
+once every joining node among them has posted as many as its agent said it brings
+(``node_key``; else a step later, and past the recovery timeout without the missing ones, as
+decided per step by ``compare_set``). Rank 0 posts their admissions (members, step, bucket
+order, backend: ``hier`` once the members span hosts), all build the new communicator, and
+rank 0 streams the parameters, buffers and ``DDP.register_state`` objects' ``state_dict``s
+(at the joiners' first forward). ``DDP.join_step`` tells a joiner's loop where it is.
 """
-
 from __future__ import annotations
 
 import atexit
