@@ -17,9 +17,11 @@ rank 0 streams the parameters, buffers and ``DDP.register_state`` objects' ``sta
 from __future__ import annotations
 
 import atexit
+import importlib
 import io
 import json
 import os
+import sys
 import time
 import warnings
 
@@ -343,9 +345,21 @@ def _request_of_mine() -> dict:
     return {"id": row, "node": node, "local_rank": int(text) if text.isdigit() else 0}
 
 
+def _import_ahead() -> None:
+    """Imports ``torch._dynamo`` before the joiner asks: a ``torch.optim`` optimizer imports it
+    as it is made (about 1 s), between ``DDP()`` and the first forward, while the running ranks,
+    once they admitted the joiner, wait for that forward (a warm spare has it already)."""
+    if "torch._dynamo" not in sys.modules:
+        try:
+            importlib.import_module("torch._dynamo")
+        except Exception:  # the optimizer's own import reports it, where it matters
+            pass
+
+
 def join(ddp, timeout: float = 600.0):
     """The joiner's side: posts the request, waits for its admission, builds the members'
     communicator (replacing the stand-in ``ddp.comm``); returns ``(recovery, header)``."""
+    _import_ahead()
     base = ddp.comm.join_store
     namespace = base.get(NAMESPACE_KEY, timeout).decode()
     store = base.prefixed(namespace)
