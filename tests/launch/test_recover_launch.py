@@ -447,3 +447,50 @@ def test_a_node_lost_then_back_is_admitted_into_the_running_round(tmp_path):
     assert reports[0]["lost"] == [[], [2, 3], []]  # node 1 joined, was lost, node 2 joined
     assert [reports[r]["GROUP_RANK"] for r in (4, 5)] == ["2", "2"]
     assert sorted(reports[r]["RANK"] for r in (4, 5)) == ["4", "5"]
+
+
+def test_a_lost_node_makes_room_and_the_agents_learn_the_nodes_admitted():
+    """Round 0 of 2 nodes under MAX 2 (a real rendezvous store): a node asking to join is
+    answered full; once node 1 is counted lost (``lost-nodes``) the next is admitted as group
+    rank 2, and node 1's agent learns of it (``grown_nodes``: its nodes and ranks grow, the
+    world size it counts stays)."""
+    from fastcomm.comm.store import Store
+    from fastcomm.launch.config import LaunchConfig
+    from fastcomm.launch.rendezvous import NodeInfo, Rendezvous, RoundInfo, to_record
+
+    cfg = LaunchConfig(entrypoint="train.py", min_nodes=1, max_nodes=2, nproc_per_node=2,
+                       recover="in-process", rdzv_port=29999, run_id="room")
+    server = Store(is_server=True, timeout=10, _secret=None)
+    nodes = [NodeInfo(f"agent{g}", f"node{g}", "127.0.0.1", 2, "default", 100 + g)
+             for g in range(2)]
+    views = []
+    for g in range(2):
+        rdzv = Rendezvous(server, cfg, nodes[g], lambda: None)
+        store = rdzv.round_store(0)
+        views.append((rdzv, RoundInfo(round=0, group_rank=g, nodes=list(nodes), restart_count=0,
+                                      master_addr="127.0.0.1", master_port=1, store=store)))
+    (rdzv0, info0), (rdzv1, info1) = views
+    info0.store.set("closed", info0.store.encode("closed", 2))
+    asking = NodeInfo("agent2", "node2", "127.0.0.1", 2, "default", 102)
+
+    def ask(j):
+        info0.store.add("grow/asked", 1)
+        info0.store.set(f"grow/ask/{j}", info0.store.encode(f"grow/ask/{j}", to_record(asking)))
+        return rdzv0.admit_waiting(info0)
+
+    assert ask(0) == []  # full: 2 of MAX 2
+    assert "full" in info0.store.get("grow/answer/0").decode()
+    info0.store.add("lost-nodes", 1)  # as LossWatch.take_node counts node 1's loss
+    assert ask(1) == [2]
+    assert rdzv1.grown_nodes(info1) == [asking]
+    assert [n.host for n in info1.nodes] == ["node0", "node1", "node2"]
+    assert info1.world_size == 6 and info1.world_size_now() == 6
+    assert rdzv1.grown_nodes(info1) == []  # read once
+
+
+def test_the_agent_and_ddp_name_the_same_key_for_a_joining_node():
+    from fastcomm.ddp import regrow
+    from fastcomm.launch import recovery
+
+    assert recovery.node_key("node3") == regrow.node_key("node3") == "fastcomm/join/node3"
+    assert recovery.JOIN_ENV == regrow.JOIN_ENV
