@@ -521,11 +521,11 @@ def _close_quietly(comm) -> None:
         pass
 
 
-def _new_comm(old, membership: Membership):
-    """A communicator of `old`'s backend over the members of the current epoch."""
+def _new_comm(old, membership: Membership, backend: str | None = None):
+    """A communicator of `old`'s backend (or `backend`) over the members of the current epoch."""
     from fastcomm.comm.world import BACKENDS, new_communicator
 
-    backend = old.backend if old.backend in BACKENDS else "gloo"
+    backend = backend or (old.backend if old.backend in BACKENDS else "gloo")
     size = len(membership.members)
     store = membership.store.prefixed(f"epoch{membership.epoch}/comm", rank=membership.rank)
     cpu = old.device.type == "cpu"

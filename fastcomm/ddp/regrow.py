@@ -5,22 +5,25 @@ The joiner's ``fastcomm.init()`` returns a stand-in world of its own (``world._j
 ``DDP()`` posts a request in the running DDP's recovery namespace (named by rank 0 under
 ``ddp-recover/current`` in the world's store). The running ranks look for one at every
 ``FASTCOMM_RECOVER_JOIN_EVERY``-th synchronized forward (16; at every one while a replacement
-is due; the same steps on every rank, one store ``check``); the first to see it sets the
-admission to the next such step (``compare_set``), by which every rank has seen it. There the
-requests posted by then (a node's ranks together) become the last members of a new epoch, rank
-0 posts their admissions (members, step, bucket order), all build the new communicator, and
-rank 0 streams the parameters and buffers, then the ``DDP.register_state`` objects'
-``state_dict``s (at the joiners' first forward, once their loop registered them).
-``DDP.join_step`` tells a joiner's loop where it is.
+is due; one store ``check``); the first to see it sets the admission to the next such step
+(``compare_set``). There the requests posted by then become the last members of a new epoch,
+once every joining node among them has posted as many as its agent said it brings
+(``node_key``; else a step later, and past the recovery timeout without the missing ones, as
+decided per step by ``compare_set``). Rank 0 posts their admissions (members, step, bucket
+order, backend: ``hier`` once the members span hosts), all build the new communicator, and
+rank 0 streams the parameters, buffers and ``DDP.register_state`` objects' ``state_dict``s
+(at the joiners' first forward). ``DDP.join_step`` tells a joiner's loop where it is.
 """
-
 from __future__ import annotations
 
 import atexit
+import importlib
 import io
 import json
 import os
+import sys
 import time
+import warnings
 
 import torch
 
@@ -28,25 +31,44 @@ from fastcomm.comm.shm.segment import pid_start_time
 from fastcomm.comm.topology import host_id
 
 from .broadcast import broadcast_tensors
+from .liveness import LossWatch
 from .recover import (
     NAMESPACE_KEY,
+    RECOVER_TIMEOUT_ENV,
     Membership,
     MembershipChange,
     Recovery,
     _close_quietly,
+    _comm_of,
     _detach_from_region,
     _new_comm,
     _replace_world,
     rebind,
 )
 
-__all__ = ["JOIN_ENV", "Grower", "join", "joining"]
+__all__ = ["JOIN_ENV", "Grower", "join", "joining", "node_key"]
 
 #: Set by the launcher in a replacement's environment.
 JOIN_ENV = "FASTCOMM_RECOVER_JOIN"
 EVERY_ENV = "FASTCOMM_RECOVER_JOIN_EVERY"
 _POLL_S = 0.005
 _BATCH_MAX = 64  # requests admitted at one boundary at most
+_NODE_PREFIX = "node"  # FASTCOMM_RECOVER_JOIN of a joining node's workers: node<GROUP_RANK>
+
+
+def node_key(node: str) -> str:
+    """The root key of the job's store where the agent of joining `node` (``node1``) puts how
+    many ranks it brings (``fastcomm.launch.recovery.node_key``, the same)."""
+    return f"fastcomm/join/{node}"
+
+
+def _parse_request(raw: bytes) -> dict:
+    """A join request: ``id`` (the identity row), ``node`` (the joining node, ``None`` for a
+    replacement) and ``local_rank``."""
+    request = json.loads(raw)
+    if not isinstance(request, dict) or not isinstance(request.get("id"), list):
+        raise RuntimeError(f"fastcomm DDP: a join request is malformed: {raw[:200]!r}")
+    return request
 
 
 def _every() -> int:
@@ -94,6 +116,9 @@ class Grower:
         self.lost = lost
         """Ranks lost so far (every rank counts the same shrinks, so all agree on it)."""
         self.replacements = _replacements()
+        self.seen = 0.0  # when request `ticket` was first seen here (time.monotonic())
+        self._requests: dict[int, dict] = {}
+        self._sizes: dict[str, int] = {}  # the ranks each joining node brings
         recovery.callbacks.insert(0, self._changed)
 
     def _changed(self, change) -> None:
@@ -118,20 +143,72 @@ class Grower:
             if step % every or not store.check([f"grow/request/{k}"]):
                 return
             self.at = int(store.compare_set(f"grow/at/{k}", "", str(step + every)))
+            self.seen = time.monotonic()
         if step < self.at:
             return
-        n = self._batch(k)
+        n = self._batch(k, step)
+        if n == 0:  # a node's ranks still on their way: every rank looks again next step
+            self.at = step + 1
+            return
         self.ticket, self.at = k + n, None
         self._admit(k, n, step)
 
-    def _batch(self, k: int) -> int:
-        """How many requests from `k` on are admitted together: those posted by now (a node's
-        ranks arrive together), as the first rank here decided (``compare_set``)."""
+    def _batch(self, k: int, step: int) -> int:
+        """How many requests from `k` on are admitted together at `step` (0: none yet), as the
+        first rank here decided (``compare_set``): those posted by now, once every node among
+        them has posted as many as its agent said it brings (``node_key``); after the
+        recovery timeout, those that came (the missing ones named)."""
         store = self.recovery.membership.store
-        n = 1
-        while n < _BATCH_MAX and store.check([f"grow/request/{k + n}"]):
-            n += 1
-        return int(store.compare_set(f"grow/batch/{k}", "", str(n)))
+        key = f"grow/batch/{k}/{step}"
+        if store.check([key]):
+            n = int(store.get(key))
+        else:
+            n = 1
+            while n < _BATCH_MAX and store.check([f"grow/request/{k + n}"]):
+                n += 1
+            late = time.monotonic() - self.seen > self.recovery.membership.timeout
+            ready = late or not self._missing(k, n)
+            n = int(store.compare_set(key, "", str(n if ready else 0)))
+        if n and self.recovery.ddp.comm.rank == 0:
+            missing = self._missing(k, n)
+            if missing:
+                warnings.warn(
+                    f"fastcomm DDP: admitting {n} joining rank(s) at step {step} without "
+                    f"{'; '.join(missing)}: they had not asked within "
+                    f"{self.recovery.membership.timeout:g} s ({RECOVER_TIMEOUT_ENV})",
+                    RuntimeWarning, stacklevel=2,
+                )
+        return n
+
+    def _request(self, j: int) -> dict:
+        """Request `j` (cached: requests are set once)."""
+        if j not in self._requests:
+            store = self.recovery.membership.store
+            self._requests[j] = _parse_request(store.get(f"grow/request/{j}"))
+        return self._requests[j]
+
+    def _missing(self, k: int, n: int) -> list[str]:
+        """The nodes among requests ``k..k+n-1`` that have not all asked, each as
+        ``"node1's local ranks [1] (1 of 2 asked)"``: a node's count is what its agent
+        published (``node_key``), its requests counted from the first ticket on."""
+        nodes = {self._request(j)["node"] for j in range(k, k + n)} - {None}
+        missing = []
+        for node in sorted(nodes):
+            brings = self._brings(node)
+            asked = sorted(r["local_rank"] for r in map(self._request, range(1, k + n))
+                           if r["node"] == node)
+            if len(asked) < brings:
+                gone = [r for r in range(brings) if r not in asked]
+                missing.append(f"{node}'s local ranks {gone} ({len(asked)} of {brings} asked)")
+        return missing
+
+    def _brings(self, node: str) -> int:
+        """How many ranks joining `node` brings, as its agent published it (1 if it did not)."""
+        if node not in self._sizes:
+            root = self.recovery.membership.lost_store
+            key = node_key(node)
+            self._sizes[node] = int(root.get(key)) if root.check([key]) else 1
+        return self._sizes[node]
 
     def _admit(self, k: int, n: int, step: int) -> None:
         start, seen_at = time.monotonic(), time.time()
@@ -140,11 +217,14 @@ class Grower:
         store, reducer = membership.store, ddp.reducer
         before = len(membership.members)
         for j in range(k, k + n):
-            membership.identity.append(json.loads(store.get(f"grow/request/{j}")))
+            membership.identity.append(self._request(j)["id"])
             membership.members = membership.members + [len(membership.identity) - 1]
         membership.epoch += 1
+        old = ddp.comm
+        backend = _backend_for(old, membership)
         if ddp.comm.rank == 0:
             header = {
+                "backend": backend,
                 "epoch": membership.epoch, "members": membership.members,
                 "identity": membership.identity, "step": step,
                 "order": [i for b in reducer.buckets for i in b.param_indices],
@@ -154,10 +234,10 @@ class Grower:
             for j in range(k, k + n):
                 header["me"] = membership.members[before + j - k]
                 store.set(f"grow/admit/{j}", json.dumps(header))
-        old = ddp.comm
         _detach_from_region(reducer)
-        comm = _new_comm(old, membership)
+        comm = _new_comm(old, membership, backend)
         ddp.comm = comm
+        _watch_other_hosts(recovery, comm)
         rebind(reducer, comm)
         _replace_world(old, comm)
         _close_quietly(old)
@@ -171,6 +251,28 @@ class Grower:
         recovery.changes.append(change)
         for fn in list(recovery.callbacks):
             fn(change)
+
+
+def _backend_for(old, membership) -> str:
+    """The backend of the grown communicator: `old`'s, but ``hier`` where the members now
+    span hosts and `old` was ``shm`` (a node joining from another host)."""
+    from fastcomm.comm.world import BACKENDS
+
+    backend = old.backend if old.backend in BACKENDS else "gloo"
+    hosts = {membership.identity[m][0] for m in membership.members}
+    return "hier" if backend == "shm" and len(hosts) > 1 else backend
+
+
+def _watch_other_hosts(recovery, comm) -> None:
+    """Once the members span hosts (a node joined from another), their losses are learnt from
+    the launcher's keys (``liveness.LossWatch``), as for ranks that started across hosts."""
+    membership = recovery.membership
+    hosts = {membership.identity[m][0] for m in membership.members}
+    if membership.one_host and len(hosts) > 1:
+        membership.one_host = False
+        if recovery.watch is None and comm.backend == "hier":
+            recovery.watch = LossWatch(membership, _comm_of(recovery))
+    recovery._arm(comm)  # a failed hier call waits for the watch to name the lost rank
 
 
 def stream_states(ddp) -> None:
@@ -228,24 +330,51 @@ def finished(store) -> None:
         pass
 
 
+def _request_of_mine() -> dict:
+    """This joiner's request: its identity row, and for a joining node's rank (its
+    ``FASTCOMM_RECOVER_JOIN`` is ``node<g>``) the node and its local rank. A node's rank has a
+    ``RANK`` of its own, in the row for the survivors' liveness on other hosts; a replacement's
+    is the lost rank's, already named lost (``lost_rank_key``), so it is left out."""
+    tag = os.environ.get(JOIN_ENV, "")
+    row = [host_id(), os.getpid(), pid_start_time(os.getpid()) or 0]
+    node = tag if tag.startswith(_NODE_PREFIX) else None
+    text = os.environ.get("LOCAL_RANK", "").strip()
+    rank = os.environ.get("RANK", "").strip()
+    if node is not None and rank.isdigit():
+        row.append(int(rank))
+    return {"id": row, "node": node, "local_rank": int(text) if text.isdigit() else 0}
+
+
+def _import_ahead() -> None:
+    """Imports ``torch._dynamo`` before the joiner asks: a ``torch.optim`` optimizer imports it
+    as it is made (about 1 s), between ``DDP()`` and the first forward, while the running ranks,
+    once they admitted the joiner, wait for that forward (a warm spare has it already)."""
+    if "torch._dynamo" not in sys.modules:
+        try:
+            importlib.import_module("torch._dynamo")
+        except Exception:  # the optimizer's own import reports it, where it matters
+            pass
+
+
 def join(ddp, timeout: float = 600.0):
     """The joiner's side: posts the request, waits for its admission, builds the members'
     communicator (replacing the stand-in ``ddp.comm``); returns ``(recovery, header)``."""
+    _import_ahead()
     base = ddp.comm.join_store
     namespace = base.get(NAMESPACE_KEY, timeout).decode()
     store = base.prefixed(namespace)
     k = store.add("grow/tickets", 1)
-    store.set(f"grow/request/{k}", json.dumps([host_id(), os.getpid(),
-                                                pid_start_time(os.getpid()) or 0]))
+    store.set(f"grow/request/{k}", json.dumps(_request_of_mine()))
     header = json.loads(_admission(store, k, timeout))
     membership = Membership.adopt(store, header)
     membership.me = header.get("me", membership.me)  # one of the requests admitted together
-    recovery = Recovery.adopt(ddp, membership)
+    stand_in = ddp.comm
+    # the running ranks' backend, not the stand-in's (shm on one host, hier across hosts)
+    comm = _new_comm(stand_in, membership, header.get("backend"))
+    ddp.comm = comm
+    recovery = Recovery.adopt(ddp, membership)  # on hier across hosts: a loss watch
     recovery.grower = Grower(recovery, header.get("next", k + 1), lost=header.get("lost", 0))
     recovery.grower.states_pending = True
-    stand_in = ddp.comm
-    comm = _new_comm(stand_in, membership)
-    ddp.comm = comm
     _replace_world(stand_in, comm)
     _close_quietly(stand_in)
     return recovery, header

@@ -34,7 +34,7 @@ from .failures import (
 from .heartbeat import Heartbeats
 from .monitor import RoundMonitor
 from .net import listen_address
-from .recovery import JOIN_ENV
+from .recovery import JOIN_ENV, announce_node
 from .rendezvous import (
     Interrupted,
     JobEnded,
@@ -347,6 +347,7 @@ class Agent:
         env = self._env
         if info.joined:  # --recover in-process: the workers join the running ranks (regrow)
             env = {**env, JOIN_ENV: f"node{info.group_rank}"}
+            announce_node(info, env[JOIN_ENV], self.log)
             self.log(f"joined the running round {info.round}; its workers join the running "
                      "ranks at a step boundary")
         specs = worker_specs(self.config, info, env, self.dirs.attempt(info.round))

@@ -98,8 +98,10 @@ class RoundMonitor:
         self.group = group
         self.describe = describe
         self.check_stop = check_stop
-        self.peers = [g for g in range(info.group_world_size) if g != info.group_rank]
-        """GROUP_RANKs of the other agents, whose heartbeats are watched."""
+        self.peers = [g for g in range(info.group_world_size) if g != info.group_rank and not (
+            cfg.recover == "in-process" and info.store.check([f"lost-node/{g}"]))]
+        """GROUP_RANKs of the other agents, whose heartbeats are watched (with those the
+        running round admits later; not those already lost)."""
         self.beats = Heartbeats(info, cfg.keep_alive_interval, cfg.keep_alive_max_attempt)
         self.failures: list[Failure] = []
         """This node's failures in the round, in the order they were seen."""
@@ -210,6 +212,10 @@ class RoundMonitor:
         now = time.monotonic()
         if not self.beats.beat(now):
             return None
+        if self.recovery is not None and self.cfg.max_nodes > 1:  # nodes admitted meanwhile
+            first = len(self.info.nodes)
+            grown = self.rdzv.grown_nodes(self.info)
+            self.peers += [g for g in range(first, first + len(grown)) if g != self.info.group_rank]
         lost = self.beats.lost_peer(self.peers, now)
         if lost is None:
             return None

@@ -575,7 +575,8 @@ class Rendezvous:
             node = from_record(NodeInfo, record, _where(store, f"grow/ask/{j}"))
             members = self.members(info.round)
             key = f"grow/answer/{j}"
-            if members >= self.config.max_nodes:
+            # a node lost whole (``lost-nodes``) makes room: the same node back, or another
+            if members - store.add("lost-nodes", 0) >= self.config.max_nodes:
                 store.compare_set(key, b"", store.encode(key, {"full": True}))
             else:
                 closed = self._closed(info.round)
@@ -592,6 +593,20 @@ class Rendezvous:
                     admitted.append(members)
             store.add("grow/answered", 1)
         return admitted
+
+    def grown_nodes(self, info: RoundInfo) -> list[NodeInfo]:
+        """The nodes admitted into the running round `info` that ``info.nodes`` lacks yet
+        (group ranks ``len(info.nodes)`` on), appended to it (``grown_ranks`` too, so
+        ``world_size_now`` stays), and returned."""
+        store, new = info.store, []
+        for g in range(len(info.nodes), self.members(info.round)):
+            where = _where(store, f"grow/node/{g}")
+            record = self._get(store, f"grow/node/{g}", f"grown node {g}", dict)
+            node = from_record(NodeInfo, record, where)
+            info.nodes.append(node)
+            info.grown_ranks += node.nproc
+            new.append(node)
+        return new
 
     def release_worker_store(self) -> None:
         """Stops serving the finished round's worker store (its workers are gone)."""

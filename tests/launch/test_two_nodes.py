@@ -488,3 +488,40 @@ def test_a_node_powered_off_mid_backward_is_recovered_in_place(nodes, record_pro
     record_property("last_step_to_exit_s", round(lag, 3))
     print(f"survivors' last step -> exit: {lag:.2f} s")
     assert lag < RECOVER_TIMEOUT / 2, lag  # the pending call to node1 is not waited out
+
+
+def test_a_node_joins_the_running_round_across_the_link(nodes):
+    """--nnodes 1:2 --recover in-process: node0 trains alone on shm; node1, started later,
+    is admitted into the running round and its two ranks join at one step boundary over the
+    link: the running ranks go from shm to hier, all four end bitwise equal."""
+    import json
+
+    import torch
+
+    from .test_recover_launch import ELASTIC
+
+    out = nodes.shared / "join"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    out.chmod(0o777)
+    script(nodes.shared, "elastic.py", ELASTIC)
+    args = _job("--recover", "in-process", "--monitor-interval", "0.1", "elastic.py",
+                "/mnt/join", "1.0")
+    args[1] = "1:2"
+    node0 = nodes.start(0, args, "join0")
+    deadline = time.monotonic() + 60
+    while len(list(out.glob("training_*"))) < 2:
+        assert time.monotonic() < deadline and node0.poll() is None, nodes.err("join0")
+        time.sleep(0.05)
+    node1 = nodes.start(1, args, "join1")
+    for proc, name in ((node0, "join0"), (node1, "join1")):
+        code, err = nodes.result(proc, name, 90)
+        assert code == 0, err
+    assert "node 1 joins the running round 0" in nodes.err("join0")
+    reports = {r: json.loads((out / f"r{r}.json").read_text()) for r in range(4)}
+    params = {r: torch.load(out / f"p{r}.pt") for r in range(4)}
+    assert reports[2]["join_step"] == reports[3]["join_step"] > 0
+    for r in range(4):
+        assert reports[r]["world_size"] == 4 and reports[r]["backend"] == "hier", reports[r]
+        for a, b in zip(params[r], params[0], strict=True):
+            assert torch.equal(a, b), f"rank {r} differs from rank 0"
