@@ -546,19 +546,23 @@ def _new_comm(old, membership: Membership):
     backend = old.backend if old.backend in BACKENDS else "gloo"
     size = len(membership.members)
     store = membership.store.prefixed(f"epoch{membership.epoch}/comm", rank=membership.rank)
-    cpu = old.device.type == "cpu"
     return new_communicator(
         backend, store=store, rank=membership.rank, size=size, timeout=old.timeout,
         device=old.device if backend == "nccl" else None,  # a fresh unique id, same GPU
-        fallback=not cpu, options=getattr(old, "options", None) if backend == "shm" else None,
+        # ipc's Gloo side for its CUDA ops but all_reduce (decided alike on every rank,
+        # a joiner included: from the backend alone)
+        fallback=old.device.type != "cpu" or backend == "ipc",
+        options=getattr(old, "options", None) if backend == "shm" else None,
     )
 
 
 def _replace_world(old, new) -> None:
     """``fastcomm.get_world()`` returns `new` where it returned the failed `old`, and so does a
-    comm hook's state that names `old` (``old.replaced_by``, followed by ``hooks.hook_comm``)."""
+    comm hook's state that names `old` (``old.replaced_by``, followed by ``hooks.hook_comm``)
+    or a torch group of as many ranks as the first of the line (``new.shrunk_from``)."""
     from fastcomm.comm import world
 
     old.replaced_by = new
+    new.shrunk_from = getattr(old, "shrunk_from", old.size)
     if world._WORLD is old:
         world._WORLD = new
