@@ -12,7 +12,8 @@ hand-off: the tasks of this backend are issued at once (torch orders them) and r
 communicator's executor thread when a future is asked for, and so is every handle of a
 communicator armed for a lost rank (``loss_grace``), whose waits :meth:`abort` must stop.
 
-A lost rank: :meth:`ProcessGroupCommunicator.abort` (any thread) makes the host waits raise
+A lost rank: :meth:`ProcessGroupCommunicator.abort` (any thread) makes the host waits of the
+collectives (not of ``send``/``recv``: a timed Gloo p2p wait fails its operation) raise
 ``CommAbortedError`` naming it within ``abort_slice_s`` and refuses later calls; a failure whose
 words say a peer's connection went waits up to ``loss_grace`` for that abort to name the loss.
 """
@@ -37,6 +38,9 @@ from ..work import SettledByWait, Task, Work, wrap_error
 
 __all__ = ["PGWork", "ProcessGroupCommunicator"]
 
+# ops whose handle is waited on in one piece: a Gloo send or recv whose timed wait runs out is
+# failed by it (and the pairs it used closed), so no abort slice applies to them
+_WHOLE_WAITS = frozenset({"send", "recv"})
 # what Gloo's errors say when a peer's connection went (its process or its host is gone)
 _CONNECTION_LOST = ("connection closed", "connection reset", "broken pipe", "no route to host",
                     "connection refused", "socket closed")
@@ -104,7 +108,7 @@ class PGWork(SettledByWait, Work):
             try:
                 if limit is None:
                     self._handle.wait()
-                elif self._comm.abort_slice_s:
+                elif self._comm.abort_slice_s and self.op not in _WHOLE_WAITS:
                     self._wait_in_slices(limit)
                 else:
                     self._handle.wait(limit)
