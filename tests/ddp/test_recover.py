@@ -194,16 +194,18 @@ def test_kill_in_backward_packed_buckets(tmp_path):
 
 
 @pytest.mark.timeout(200)
-def test_gloo_kill_in_backward(tmp_path):
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
+def test_kill_in_backward_on_gloo_and_ipc(tmp_path, backend):
     """On Gloo (one host): rank 1 is killed in a gradient hook while buckets are in flight;
     the liveness watch sees it gone from ``/proc`` and aborts the survivors' Gloo waits (one of
     them may wait on the other, not on the dead rank); they rebuild Gloo over themselves and
-    redo the step."""
-    result = _launch(tmp_path, "1:backward", shared=False, backend="gloo")
+    redo the step. On ipc (its CPU part here: shm with the kernels' reduction) the same, the
+    watch aborting every part (``IpcCommunicator.abort``)."""
+    result = _launch(tmp_path, "1:backward", shared=False, backend=backend)
     reports, sizes = _check(tmp_path, result, {1})
     assert [s[0] for s in sizes] == [3] * KILL_STEP + [2] * (STEPS - KILL_STEP)
     for r in (0, 2):
-        assert reports[r]["backend"] == "gloo" and reports[r]["watch"]
+        assert reports[r]["backend"] == backend and reports[r]["watch"]
         assert reports[r]["changes"][0][3:] == [[1], [0, 2], f"backward {KILL_STEP}"]
 
 

@@ -140,7 +140,10 @@ class PGWork(SettledByWait, Work):
                 handle.wait(min(piece, left))
                 return
             except RuntimeError:
-                if handle.is_completed() or time.monotonic() >= deadline:
+                if handle.is_completed():  # its own error, or done just as the slice ran out
+                    handle.wait()
+                    return
+                if time.monotonic() >= deadline:
                     raise
 
     def _inner_done(self) -> bool:
