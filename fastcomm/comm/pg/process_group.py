@@ -8,14 +8,12 @@ what the backend lacks (``AVG`` as ``SUM`` then a division), once; ``get_future(
 same onto the handle's own future (run on the backend's thread; stream-aware on a CUDA group).
 No thread of ours sits between the backend and the caller, so a DDP bucket costs no thread
 hand-off: the tasks of this backend are issued at once (torch orders them) and return that
-``Work``. A handle without a future (Gloo's ``reduce_scatter``) is waited on by the
-communicator's executor thread when a future is asked for, and so is every handle of a
-communicator armed for a lost rank (``loss_grace``), whose waits :meth:`abort` must stop.
-
-A lost rank: :meth:`ProcessGroupCommunicator.abort` (any thread) makes the host waits of the
-collectives (not of ``send``/``recv``: a timed Gloo p2p wait fails its operation) raise
-``CommAbortedError`` naming it within ``abort_slice_s`` and refuses later calls; a failure whose
-words say a peer's connection went waits up to ``loss_grace`` for that abort to name the loss.
+``Work``. A handle without a future (Gloo's ``reduce_scatter``), or of a communicator armed
+for a lost rank (``loss_grace``), is waited on by the executor thread when a future is asked for.
+A lost rank: :meth:`ProcessGroupCommunicator.abort` (any thread) makes the collectives' host
+waits raise ``CommAbortedError`` within ``abort_slice_s`` (not ``send``/``recv``'s: a timed Gloo
+p2p wait fails its operation) and refuses later calls; a failure on a peer's closed connection
+waits up to ``loss_grace`` for that abort to name the loss.
 """
 
 from __future__ import annotations
