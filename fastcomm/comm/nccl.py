@@ -8,7 +8,9 @@ Invariants: every collective runs on ``self.stream``, which first waits on the c
 stream; each call returns an :class:`~fastcomm.comm.stream.EventWork` that the
 :class:`~fastcomm.comm.stream.StreamWatchdog` keeps (with its tensors) until its event
 completes, so no ``record_stream``; a collective past the timeout aborts the NCCL communicator
-(``ncclCommAbort``) and fails every pending ``Work``.
+(``ncclCommAbort``) and fails every pending ``Work``, and so does :meth:`NcclCommunicator.abort`
+(a lost rank, from in-place recovery's liveness watch: a NCCL kernel waiting on a dead peer
+spins forever); an aborted communicator refuses later calls and closes without waiting.
 
 Never run on a GPU in this project's CI (no GPU there): see the README and docs/architecture.md.
 """
@@ -189,6 +191,10 @@ class NcclCommunicator(Communicator):
         self._watchdog = StreamWatchdog(
             f"fastcomm-nccl-watchdog-r{rank}", self.timeout.total_seconds(), 0.05, self._stuck
         )
+        self._aborted: BaseException | None = None
+        self.loss_grace = 0.0
+        """Non-zero once in-place recovery watches the peers: ``wait()`` then blocks the host
+        until the collective is done, so a lost peer's abort is seen before the step goes on."""
         # CUDA tensors of its own device (`_moves`); two-term sums are layout free (NCCL's
         # rings and trees order more terms by their position)
         self.capabilities = Capabilities(devices=frozenset({"cuda"}), layout_free=size <= 2)
@@ -210,11 +216,9 @@ class NcclCommunicator(Communicator):
         launch: Callable[[int], None],
     ) -> EventWork:
         watchdog = self._watchdog
-        if watchdog.error is not None:
-            raise CommAbortedError(
-                f"rank {self.rank}: {op} on an aborted NCCL communicator: {watchdog.error}"
-            )
         with watchdog.lock:  # one (wait on the caller, launch, record) sequence at a time
+            if watchdog.error is not None:  # under the lock: abort() holds it to set it
+                raise self._refused(op)
             ready = self._caller_ready
             ready.record(torch.cuda.current_stream(self._index))
             self.stream.wait_event(ready)  # waits on the record made just now
@@ -226,8 +230,25 @@ class NcclCommunicator(Communicator):
             event.record(self.stream)
             work = EventWork(op, self.rank, output, self._device, event, keep,
                              self._future_stream)
+            work.host_waits = self.loss_grace > 0
             watchdog.track(work)
         return work
+
+    def _refused(self, op: str) -> CommAbortedError:
+        cause = self._aborted or self._watchdog.error
+        return CommAbortedError(f"rank {self.rank}: {op} refused: NCCL communicator aborted: "
+                                f"{cause}")
+
+    def abort(self, error: BaseException) -> None:
+        """From any thread (a lost rank): every pending ``Work`` fails with
+        ``CommAbortedError`` naming ``error``, later calls raise it, and ``ncclCommAbort``
+        stops this rank's NCCL kernels (they return; their outputs are garbage).
+        :meth:`close` follows without waiting on the peers."""
+        if self._closed or self._watchdog.error is not None:
+            return
+        self._aborted = error
+        failure = CommAbortedError(f"rank {self.rank}: NCCL communicator aborted: {error}")
+        self._watchdog.abort(failure, self._comm.abort)
 
     def _stuck(self, work: EventWork) -> BaseException:
         """The watchdog's verdict on a collective past the timeout: abort NCCL."""
@@ -349,6 +370,11 @@ class NcclCommunicator(Communicator):
 
     def _impl_close(self) -> None:
         self._watchdog.close()
+        if self._watchdog.error is not None:
+            # aborted (a lost peer, or a timeout): ncclCommAbort freed the communicator and
+            # released its kernels; waiting on the stream or destroying it would only risk
+            # a wait on a peer that is gone
+            return
         self.stream.synchronize()
         try:
             self._comm.destroy()

@@ -94,15 +94,22 @@ class EventWork(Work):
             self._error = self._failure()
         return self._error
 
+    host_waits = False
+    """Whether ``wait()`` without a timeout also blocks the host until the collective has
+    finished or failed (set where a lost peer must be seen before the caller goes on:
+    in-place recovery, whose abort lets an aborted collective's garbage reach the stream)."""
+
     def wait(self, timeout: float | timedelta | None = None) -> bool:
-        """Orders the current stream after the collective; with ``timeout``, also blocks the
-        host until it has finished.
+        """Orders the current stream after the collective; with ``timeout`` (or
+        ``host_waits``), also blocks the host until it has finished.
 
         Raises:
             CommTimeoutError: ``timeout`` passed before the device finished it.
             FastcommError: the collective failed or its transport was aborted.
         """
         self._check()
+        if timeout is None and self.host_waits:
+            timeout = float("inf")  # the watchdog fails it past the transport's timeout
         if timeout is not None:
             if isinstance(timeout, timedelta):
                 timeout = timeout.total_seconds()
@@ -115,6 +122,7 @@ class EventWork(Work):
                     )
                 time.sleep(0.0002)
                 self._check()
+            self._check()  # an abort completes the event too: its error is this wait's
         torch.cuda.current_stream().wait_event(self.event)
         return True
 
@@ -175,6 +183,28 @@ class StreamWatchdog:
             if error is not None:
                 self.fail_all(error)
                 return
+
+    def abort(self, error: BaseException, stop: Callable[[], None]) -> bool:
+        """From any thread: fails every pending work with ``error``, refuses later ones
+        (:attr:`error`), then calls ``stop()`` (the transport's own abort, which lets the
+        device finish its kernels) and ends the thread. Once only.
+
+        Returns:
+            Whether this call aborted (``False``: already failed or aborted).
+        """
+        with self.lock:  # after an enqueue in progress, before any later one
+            if self.error is not None:
+                return False
+            self.error = error
+        # failed before the device is stopped: a wait that sees its event complete then
+        # finds the error, not the garbage an aborted kernel left
+        self.fail_all(error)
+        try:
+            stop()
+        except Exception:  # already broken: the abort is best effort
+            pass
+        self._stop.set()
+        return True
 
     def fail_all(self, error: BaseException) -> None:
         """Fails every pending work with ``error`` and forgets them."""

@@ -1,12 +1,13 @@
-"""Liveness of the members on other hosts, for in-place recovery over ``hier``.
+"""Liveness of the members, for in-place recovery: a thread that aborts the communicator in use.
 
-``fastcomm-run --recover in-process`` sets ``lost_rank_key(RANK)`` in the job's store for every
-loss it absorbs: a worker that died, or each rank of a node whose agent stopped heartbeating
-(within the heartbeat limit). :class:`LossWatch` is a thread in each rank that looks at those
-keys for the current members on other hosts every ``POLL_S`` and aborts the communicator in use
-(``HierCommunicator.abort``) once one is set, so a collective waiting on the lost rank raises
-``CommAbortedError`` naming it, instead of waiting out its timeout. It reads the store through
-a connection of its own; it is stopped at exit, before the interpreter finalizes.
+On other hosts: ``fastcomm-run --recover in-process`` sets ``lost_rank_key(RANK)`` in the job's
+store for every loss it absorbs (a worker that died, or each rank of a node whose agent stopped
+heartbeating). On this host: ``/proc`` (pid and start time), for the backends whose waits cannot
+see a dead peer themselves (:func:`watches_here`: Gloo, NCCL; shared memory sees it).
+:class:`LossWatch` looks every ``POLL_S`` and aborts the communicator in use (its ``abort``)
+once a current member is gone, so a collective waiting on it raises ``CommAbortedError`` naming
+it instead of waiting out its timeout. It reads the store through a connection of its own; it
+is stopped at exit, before the interpreter finalizes.
 """
 
 from __future__ import annotations
@@ -19,10 +20,18 @@ from collections.abc import Callable
 from fastcomm.comm.errors import CommAbortedError
 from fastcomm.comm.store import Store
 
-__all__ = ["POLL_S", "LossWatch"]
+__all__ = ["POLL_S", "SEES_DEATH_HERE", "LossWatch", "watches_here"]
 
-#: Seconds between two looks at the lost ranks' keys.
+#: Seconds between two looks at the lost ranks' keys and at ``/proc``.
 POLL_S = 0.05
+#: Backends whose waits see a peer on this host die (shared memory checks ``/proc`` itself).
+SEES_DEATH_HERE = frozenset({"shm", "hier"})
+
+
+def watches_here(backend: str) -> bool:
+    """Whether the watch must look at this host's members for ``backend`` (a Gloo wait sees a
+    dead peer only as a closed socket, when it reads from it; a NCCL kernel spins forever)."""
+    return backend not in SEES_DEATH_HERE
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
@@ -40,23 +49,26 @@ def own_connection(store: Store) -> Store:
 
 
 class LossWatch:
-    """Aborts the communicator in use once a member on another host is named lost.
+    """Aborts the communicator in use once a member is lost: on another host named so by the
+    launcher, on this one (with ``here``) gone from ``/proc``.
 
     Args:
         membership: the recovery's ``Membership`` (its members, and the key of each one).
         current: returns the communicator in use (it changes at each shrink); ``None`` once
             its DDP is gone (the thread then ends).
         poll_s: seconds between two looks.
+        here: also look at the members on this host (:func:`watches_here`).
     """
 
-    def __init__(self, membership, current: Callable[[], object], poll_s: float = POLL_S
-                 ) -> None:
+    def __init__(self, membership, current: Callable[[], object], poll_s: float = POLL_S,
+                 *, here: bool = False) -> None:
         self.membership = membership
         self.current = current
         self.poll_s = poll_s
+        self.here = here
         self.lost: dict[int, str] = {}
-        """Original rank -> why it was lost, as the launcher said."""
-        self._store = own_connection(membership.lost_store)
+        """Original rank -> why it was lost (the launcher's words, or ``exited``)."""
+        self._store: Store | None = None  # made at the first look at a remote member
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="fastcomm-loss-watch",
                                         daemon=True)
@@ -81,23 +93,39 @@ class LossWatch:
         membership = self.membership
         found = []
         for original in list(membership.members):
-            key = membership.lost_key(original)
-            if key is None or original in self.lost or not self._store.check([key]):
+            if original in self.lost or original == membership.me:
                 continue
-            why = self._store.get(key).decode("utf-8", "replace")
-            self.lost[original] = why
+            error = self._gone(original)
+            if error is None:
+                continue
             found.append(original)
             comm = self.current()
             if original not in membership.members:  # the survivors agreed without it already
                 continue
             abort = getattr(comm, "abort", None)
             if abort is not None:
-                host = membership.identity[original][0]
-                abort(CommAbortedError(
-                    f"member {original} (launcher rank {membership.launch_rank(original)}, "
-                    f"host {host}) was lost: {why}"
-                ))
+                abort(error)
         return found
+
+    def _gone(self, original: int) -> CommAbortedError | None:
+        """The error naming member `original` if it is lost (kept in :attr:`lost`), else
+        ``None``."""
+        membership = self.membership
+        host, pid = membership.identity[original][:2]
+        who = f"member {original} (launcher rank {membership.launch_rank(original)}"
+        key = membership.lost_key(original)
+        if key is not None:
+            if self._store is None:
+                self._store = own_connection(membership.lost_store)
+            if not self._store.check([key]):
+                return None
+            why = self._store.get(key).decode("utf-8", "replace")
+            self.lost[original] = why
+            return CommAbortedError(f"{who}, host {host}) was lost: {why}")
+        if not self.here or host != membership.host or membership.alive(original):
+            return None
+        self.lost[original] = "exited"
+        return CommAbortedError(f"{who}, pid {pid}, this host) exited")
 
     def close(self) -> None:
         """Stops the thread (idempotent)."""

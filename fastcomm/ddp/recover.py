@@ -9,9 +9,10 @@ is built. In backward, gradients a reduction may overwrite are kept as they arri
 a reference where it can, a copy where it must), so the failed step is reduced again among the
 survivors, scaled by ``1/survivors``, and ``backward()`` returns as if nothing happened. Other
 collectives (``DDP()``'s broadcast, the bucket rebuild, the buffers) recover and retry.
-Liveness: from ``/proc`` on this host; on other hosts (``hier`` only) from the keys
-``fastcomm-run`` sets for the losses it absorbs, watched by ``liveness.LossWatch``. Limits:
-dense gradients; across hosts, the ``hier`` backend under ``fastcomm-run``.
+Liveness: from ``/proc`` on this host (the shm waits' own look, or ``liveness.LossWatch`` for
+Gloo and NCCL); on other hosts from the keys ``fastcomm-run`` sets for the losses it absorbs,
+watched by ``LossWatch``. Limits: dense gradients; across hosts, ``fastcomm-run`` and a backend
+in ``SHRINKS_ACROSS_HOSTS``.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ from fastcomm.comm.store import lost_rank_key
 from fastcomm.comm.topology import host_id
 from fastcomm.kernels._launch import fp32_scale
 
-from .liveness import LossWatch
+from .liveness import LossWatch, watches_here
 
 __all__ = [
     "RECOVER_ENV",
+    "SHRINKS_ACROSS_HOSTS",
     "Keeper",
     "Membership",
     "MembershipChange",
@@ -53,6 +55,9 @@ RECOVER_TIMEOUT_ENV = "FASTCOMM_RECOVER_TIMEOUT"
 _POLL_S = 0.002
 #: Errors that say a peer went away (a timeout is a hang, the hang report's business).
 LOSS_ERRORS = (CommAbortedError, CommClosedError)
+#: Backends whose communicator a lost rank on another host can abort (``abort``) and that are
+#: rebuilt over the survivors; the others (a torch group) fail the job as without recovery.
+SHRINKS_ACROSS_HOSTS = frozenset({"hier", "gloo", "nccl"})
 
 
 class RecoveryError(FastcommError):
@@ -148,6 +153,11 @@ class Membership:
         self.one_host = len({row[0] for row in self.identity}) == 1
         self.lost_store = store.root()
         return self
+
+    @property
+    def host(self) -> str:
+        """This process's host (``topology.host_id``)."""
+        return self._host
 
     @property
     def rank(self) -> int:
@@ -332,21 +342,21 @@ class Recovery:
     def __init__(self, ddp) -> None:
         self.ddp = ddp
         self.membership = Membership(ddp.comm)
-        self.supported = self.membership.one_host or ddp.comm.backend == "hier"
-        """Whether a loss can be recovered from: one host, or ``hier`` across hosts."""
+        backend = ddp.comm.backend
+        self.supported = self.membership.one_host or backend in SHRINKS_ACROSS_HOSTS
+        """Whether a loss can be recovered from: one host, or a backend that shrinks across."""
         self.watch = None
         if not self.supported:
             warnings.warn(
                 f"fastcomm DDP (rank {ddp.comm.rank}): {RECOVER_ENV}=in-process shrinks in place "
-                "only when every rank runs on one host, or across hosts on the hier backend; "
-                f"these ranks span hosts on {ddp.comm.backend}, so a lost rank fails the others "
-                "as without it",
+                "only when every rank runs on one host, or across hosts on the "
+                f"{', '.join(sorted(SHRINKS_ACROSS_HOSTS))} backends; these ranks span hosts on "
+                f"{backend}, so a lost rank fails the others as without it",
                 RuntimeWarning,
                 stacklevel=3,
             )
-        elif not self.membership.one_host:
-            self.watch = LossWatch(self.membership, _comm_of(self))
-            self._arm(ddp.comm)
+        else:
+            self._start_watch()
         self.callbacks: list[Callable[[MembershipChange], None]] = []
         self.changes: list[MembershipChange] = []
         self.grower = None  # a regrow.Grower, set by DDP
@@ -360,14 +370,22 @@ class Recovery:
         self.ddp, self.membership = ddp, membership
         self.callbacks, self.changes, self.grower = [], [], None
         self.supported, self.watch = True, None
-        if not membership.one_host and ddp.comm.backend == "hier":
-            self.watch = LossWatch(membership, _comm_of(self))
-            self._arm(ddp.comm)
+        if membership.one_host or ddp.comm.backend in SHRINKS_ACROSS_HOSTS:
+            self._start_watch()
         return self
 
+    def _start_watch(self) -> None:
+        """The liveness watch, where the communicator's waits need one: members on other hosts
+        (the launcher's keys), or on this host for a backend that cannot see a peer die."""
+        here = watches_here(self.ddp.comm.backend)
+        if self.membership.one_host and not here:
+            return
+        self.watch = LossWatch(self.membership, _comm_of(self), here=here)
+        self._arm(self.ddp.comm)
+
     def _arm(self, comm) -> None:
-        """A failed ``hier`` call waits for the watch to name a lost rank (a closed socket is
-        seen before the launcher names the loss)."""
+        """A call that failed on a peer's closed connection waits for the watch to name the
+        lost rank (the socket closes before ``/proc`` or the launcher says it)."""
         if self.watch is not None and hasattr(comm, "loss_grace"):
             comm.loss_grace = self.membership.timeout
 
@@ -528,18 +546,23 @@ def _new_comm(old, membership: Membership, backend: str | None = None):
     backend = backend or (old.backend if old.backend in BACKENDS else "gloo")
     size = len(membership.members)
     store = membership.store.prefixed(f"epoch{membership.epoch}/comm", rank=membership.rank)
-    cpu = old.device.type == "cpu"
     return new_communicator(
         backend, store=store, rank=membership.rank, size=size, timeout=old.timeout,
-        fallback=not cpu, options=getattr(old, "options", None) if backend == "shm" else None,
+        device=old.device if backend == "nccl" else None,  # a fresh unique id, same GPU
+        # ipc's Gloo side for its CUDA ops but all_reduce (decided alike on every rank,
+        # a joiner included: from the backend alone)
+        fallback=old.device.type != "cpu" or backend == "ipc",
+        options=getattr(old, "options", None) if backend == "shm" else None,
     )
 
 
 def _replace_world(old, new) -> None:
     """``fastcomm.get_world()`` returns `new` where it returned the failed `old`, and so does a
-    comm hook's state that names `old` (``old.replaced_by``, followed by ``hooks.hook_comm``)."""
+    comm hook's state that names `old` (``old.replaced_by``, followed by ``hooks.hook_comm``)
+    or a torch group of as many ranks as the first of the line (``new.shrunk_from``)."""
     from fastcomm.comm import world
 
     old.replaced_by = new
+    new.shrunk_from = getattr(old, "shrunk_from", old.size)
     if world._WORLD is old:
         world._WORLD = new

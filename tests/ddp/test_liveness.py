@@ -1,19 +1,25 @@
-"""Liveness across hosts for in-place recovery: a member on another host is alive until the
-launcher names it lost in the job's store (a real TCPStore), and the watch then aborts the
-communicator in use (a real ``hier`` one): its calls raise ``CommAbortedError`` naming it."""
+"""Liveness for in-place recovery: a member on another host is alive until the launcher names
+it lost in the job's store (a real TCPStore), and the watch then aborts the communicator in use
+(a real ``hier`` one): its calls raise ``CommAbortedError`` naming it. On this host, for the
+backends whose waits cannot see a dead peer (Gloo here), the watch reads ``/proc``: a real
+process killed aborts a real Gloo communicator."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from fastcomm.comm import new_communicator
 from fastcomm.comm.errors import CommAbortedError
+from fastcomm.comm.shm.segment import pid_start_time
 from fastcomm.comm.store import Store, lost_rank_key
 from fastcomm.comm.topology import host_id
-from fastcomm.ddp.liveness import LossWatch
+from fastcomm.ddp.liveness import LossWatch, watches_here
 from fastcomm.ddp.recover import Membership, launch_rank
 
 pytestmark = pytest.mark.timeout(60)
@@ -66,3 +72,44 @@ def test_the_watch_aborts_the_communicator_in_use(store):
 @pytest.mark.parametrize("text, rank", [("3", 3), ("", None), ("x", None), (" 12 ", 12)])
 def test_launch_rank_reads_rank(text, rank):
     assert launch_rank({"RANK": text}) == rank
+
+
+@pytest.mark.parametrize("backend, here", [("gloo", True), ("nccl", True), ("ipc", True),
+                                           ("torch", True), ("shm", False), ("hier", False)])
+def test_which_backends_the_watch_looks_at_this_host_for(backend, here):
+    assert watches_here(backend) is here
+
+
+def test_the_watch_aborts_gloo_when_a_member_here_dies(store):
+    """Member 0 is a real process of this host (``sleep``), member 1 this one."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = pid_start_time(child.pid)
+        identity = [[host_id(), child.pid, start, 4], [host_id(), os.getpid(), 0, 7]]
+        membership = Membership.adopt(store.prefixed("ddp-recover"), {
+            "epoch": 0, "members": [0, 1], "identity": identity})
+        comm = new_communicator("gloo", store=store.prefixed("comm", rank=0), rank=0, size=1,
+                                timeout=30, watch=False)
+        watch = LossWatch(membership, lambda: comm, poll_s=3600, here=True)
+        blind = LossWatch(membership, lambda: None, poll_s=3600)  # the launcher's keys only
+        try:
+            assert watch.look() == [] and membership.alive(0)
+            comm.all_reduce(torch.ones(4))
+            child.send_signal(signal.SIGKILL)
+            child.wait(timeout=30)
+            assert not membership.alive(0)
+            assert blind.look() == []
+            assert watch.look() == [0]
+            assert watch.look() == []  # once
+            assert watch.lost == {0: "exited"}
+            with pytest.raises(CommAbortedError, match=(
+                    rf"rank 0: all_reduce refused: member 0 \(launcher rank 4, pid {child.pid}, "
+                    r"this host\) exited")):
+                comm.all_reduce(torch.ones(4))
+        finally:
+            watch.close()
+            blind.close()
+            comm.close()
+    finally:
+        child.kill()
+        child.wait(timeout=30)

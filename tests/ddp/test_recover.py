@@ -1,6 +1,7 @@
-"""In-place recovery: 3 ranks on shm under ``fastcomm-run --recover in-process``, one SIGKILLed
-from inside at a chosen point; the survivors finish every step, agree bitwise, and match a
-replay of the same steps averaged over the ranks each step was reduced over."""
+"""In-place recovery: 3 ranks on shm (or Gloo) under ``fastcomm-run --recover in-process``, one
+SIGKILLed from inside at a chosen point; the survivors finish every step, agree bitwise, and
+match a replay of the same steps averaged over the ranks each step was reduced over. Across
+hosts (``FASTCOMM_HOST_ID`` set per rank): ``hier`` and Gloo, from the launcher's keys."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ import pytest
 import torch
 from torch import nn
 
-from tests.launch._util import run, script, spares_left
+from tests.launch._util import clean_env, run, script, spares_left
 
 STEPS = 6
 KILL_STEP = 3
 
 # argv: out dir, the points ("<rank>:<point>", comma separated), shared buckets (0/1), and a
-# comm hook ("", "int8": QuantizeState over the world, "powersgd": PowerSGD over the DDP's)
+# comm hook ("", "int8": QuantizeState over the world, "int8-torch": over torch's default group,
+# "powersgd": PowerSGD over the DDP's)
 JOB = """
 import json, os, signal, sys
 import torch
@@ -30,6 +32,9 @@ out, points, shared, comm_hook = sys.argv[1], sys.argv[2], sys.argv[3] == "1", s
 STEPS, KILL_STEP = {steps}, {kill_step}
 comm = fastcomm.init(timeout=60)
 me = comm.rank
+if comm_hook == "int8-torch":
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
 mine = [p.split(":", 1)[1] for p in points.split(",") if int(p.split(":", 1)[0]) == me]
 point = mine[0] if mine else ""
 state = {{"step": -1}}
@@ -71,6 +76,10 @@ if comm_hook == "int8":  # the state holds the world: the communicator that fail
     from fastcomm.ddp.hooks import QuantizeState, int8_compress_hook
     hook_state = QuantizeState(comm)
     ddp.register_comm_hook(hook_state, int8_compress_hook)
+elif comm_hook == "int8-torch":  # the state holds a torch group: it cannot be rebuilt
+    from fastcomm.ddp.hooks import QuantizeState, int8_compress_hook
+    hook_state = QuantizeState(dist.group.WORLD)
+    ddp.register_comm_hook(hook_state, int8_compress_hook)
 elif comm_hook == "powersgd":  # compressing from the first step
     from fastcomm.ddp.hooks import PowerSGDState, powersgd_hook
     hook_state = PowerSGDState(None, start_powerSGD_iter=0, min_compression_rate=1)
@@ -95,7 +104,8 @@ with open(os.path.join(out, f"r{{me}}.json"), "w") as fh:
     changes = [[c.epoch, c.rank, c.world_size, list(c.lost), list(c.members), c.where]
                for c in ddp._recovery.changes]
     json.dump({{"done": done, "sizes": sizes, "changes": changes, "rank": ddp.rank,
-               "seen": len(seen),
+               "seen": len(seen), "backend": ddp.comm.backend,
+               "watch": ddp._recovery.watch is not None,
                "hook_comm": None if not comm_hook else [hook_state.phases.first is ddp.comm,
                                                    hook_state.phases.first.size]}}, fh)
 fastcomm.shutdown()
@@ -130,12 +140,12 @@ def _replay(sizes: list) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
-def _launch(tmp_path, points: str, shared: bool, hook: str = ""):
+def _launch(tmp_path, points: str, shared: bool, hook: str = "", backend: str = ""):
     path = script(tmp_path, "job.py", JOB.format(steps=STEPS, kill_step=KILL_STEP))
     result = run(
         ["--nproc-per-node", "3", "--recover", "in-process", path, tmp_path, points,
          "1" if shared else "0", hook],
-        tmp_path, timeout=150,
+        tmp_path, timeout=150, env=clean_env(FASTCOMM_BACKEND=backend) if backend else None,
     )
     return result
 
@@ -184,6 +194,22 @@ def test_kill_in_backward_packed_buckets(tmp_path):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
+def test_kill_in_backward_on_gloo_and_ipc(tmp_path, backend):
+    """On Gloo (one host): rank 1 is killed in a gradient hook while buckets are in flight;
+    the liveness watch sees it gone from ``/proc`` and aborts the survivors' Gloo waits (one of
+    them may wait on the other, not on the dead rank); they rebuild Gloo over themselves and
+    redo the step. On ipc (its CPU part here: shm with the kernels' reduction) the same, the
+    watch aborting every part (``IpcCommunicator.abort``)."""
+    result = _launch(tmp_path, "1:backward", shared=False, backend=backend)
+    reports, sizes = _check(tmp_path, result, {1})
+    assert [s[0] for s in sizes] == [3] * KILL_STEP + [2] * (STEPS - KILL_STEP)
+    for r in (0, 2):
+        assert reports[r]["backend"] == backend and reports[r]["watch"]
+        assert reports[r]["changes"][0][3:] == [[1], [0, 2], f"backward {KILL_STEP}"]
+
+
+@pytest.mark.timeout(200)
 @pytest.mark.parametrize("hook", ["int8", "powersgd"])
 def test_kill_in_backward_with_a_compressing_hook(tmp_path, hook):
     """Killed in backward with a compressing comm hook registered (its state holding the
@@ -212,6 +238,18 @@ def test_kill_in_optimizer_step(tmp_path):
     result = _launch(tmp_path, "0:optimizer", shared=True)
     _, sizes = _check(tmp_path, result, {0})
     assert [s[0] for s in sizes] == [3] * (KILL_STEP + 1) + [2] * (STEPS - KILL_STEP - 1)
+
+
+@pytest.mark.timeout(200)
+def test_a_hook_state_holding_a_torch_group_follows_the_shrink(tmp_path):
+    """Rank 1 dies in ``DDP()``'s broadcast; the int8 hook's state holds torch's default group,
+    which spans the lost rank: it reduces over the survivors' communicator instead (a split of
+    it for its second phase), and the survivors agree bitwise."""
+    result = _launch(tmp_path, "1:init", shared=False, hook="int8-torch")
+    reports, sizes = _check(tmp_path, result, {1}, replay=False)
+    assert [s[0] for s in sizes] == [2] * STEPS
+    for r in (0, 2):
+        assert reports[r]["hook_comm"] == [True, 2], reports[r]
 
 
 @pytest.mark.timeout(200)
@@ -255,22 +293,25 @@ import json, os, sys, warnings
 import torch
 os.environ["FASTCOMM_HOST_ID"] = "host" + os.environ["RANK"]  # as if on two hosts
 os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-import fastcomm
+import torch.distributed as dist
 from fastcomm.ddp import DDP
 
-comm = fastcomm.init(backend="gloo", timeout=60)
+dist.init_process_group("gloo")
+group = dist.new_group([0, 1])  # a torch group: its communicator cannot be aborted
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    ddp = DDP(torch.nn.Linear(4, 2))
+    ddp = DDP(torch.nn.Linear(4, 2), process_group=group)
 text = [str(w.message) for w in caught if "shrinks in place only" in str(w.message)]
-with open(os.path.join(sys.argv[1], f"w{comm.rank}.json"), "w") as fh:
-    json.dump({"off": ddp._recovery is None, "warned": text}, fh)
-fastcomm.shutdown()
+with open(os.path.join(sys.argv[1], f"w{dist.get_rank()}.json"), "w") as fh:
+    json.dump({"off": ddp._recovery is None, "warned": text, "backend": ddp.comm.backend}, fh)
+dist.destroy_process_group()
 """
 
 
 @pytest.mark.timeout(120)
 def test_ranks_on_several_hosts_warn_and_keep_the_restart(tmp_path):
+    """A torch group across hosts: nothing here can abort its waits, so no shrink (a warning);
+    the hier, Gloo and NCCL backends shrink across hosts."""
     path = script(tmp_path, "spanning.py", SPANNING)
     result = run(["--nproc-per-node", "2", "--recover", "in-process", path, tmp_path], tmp_path,
                  timeout=100)
@@ -278,6 +319,8 @@ def test_ranks_on_several_hosts_warn_and_keep_the_restart(tmp_path):
     for r in range(2):
         got = json.loads((tmp_path / f"w{r}.json").read_text())
         assert got["off"] and len(got["warned"]) == 1, got
+        assert got["backend"] == "torch" and "across hosts on the gloo, hier, nccl" in \
+            got["warned"][0], got
 
 
 GROW = """
@@ -363,14 +406,15 @@ def test_replacement_joins_and_trains_in_step(tmp_path, comm_hook):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-# 4 ranks as two hosts on hier (ranks 0, 1 on host a; 2, 3 on host b, as FASTCOMM_HOST_ID
-# says): liveness across hosts comes from the launcher's keys, not /proc. argv: out dir, the
-# ranks killed in a gradient hook at KILL_STEP (comma separated)
-HIER_JOB = """
+# ranks on hosts as FASTCOMM_HOST_ID says ("aabb": ranks 0, 1 on host a; 2, 3 on host b), each
+# host's ranks numbered locally in order: liveness across hosts comes from the launcher's keys,
+# not /proc. argv: out dir, the ranks killed in a gradient hook at KILL_STEP (comma separated)
+SPAN_JOB = """
 import json, os, signal, sys
-rank = int(os.environ["RANK"])
-os.environ.update(FASTCOMM_HOST_ID="host-" + "aabb"[rank], LOCAL_RANK=str(rank % 2),
-                  LOCAL_WORLD_SIZE="2")
+rank, HOSTS = int(os.environ["RANK"]), "{hosts}"
+os.environ.update(FASTCOMM_HOST_ID="host-" + HOSTS[rank],
+                  LOCAL_RANK=str(HOSTS[:rank].count(HOSTS[rank])),
+                  LOCAL_WORLD_SIZE=str(HOSTS.count(HOSTS[rank])))
 import torch
 from torch import nn
 import fastcomm
@@ -378,7 +422,7 @@ from fastcomm.ddp import DDP
 
 out, killed = sys.argv[1], [int(r) for r in sys.argv[2].split(",")]
 STEPS, KILL_STEP = {steps}, {kill_step}
-comm = fastcomm.init(backend="hier", timeout=30)
+comm = fastcomm.init(backend="{backend}", timeout=30)
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
                       nn.Linear(512, 4))
@@ -414,20 +458,34 @@ def test_hier_across_hosts_recovers_in_place(tmp_path, killed):
     """hier over two hosts: ranks of host b killed mid-backward (one, or the whole host); the
     survivors learn it from the launcher's keys, rebuild hier over themselves and finish every
     step, bitwise equal, matching the replay."""
-    path = script(tmp_path, "hier.py", HIER_JOB.format(steps=STEPS, kill_step=KILL_STEP))
-    result = run(["--nproc-per-node", "4", "--recover", "in-process", path, tmp_path, killed],
-                 tmp_path, timeout=180)
+    _span(tmp_path, "aabb", "hier", killed)
+
+
+@pytest.mark.timeout(200)
+def test_gloo_across_hosts_recovers_in_place(tmp_path):
+    """Gloo over three hosts (a rank each): rank 1 killed mid-backward; the survivors learn it
+    from the launcher's key, rebuild Gloo over themselves and finish every step, bitwise
+    equal, matching the replay."""
+    _span(tmp_path, "abc", "gloo", "1")
+
+
+def _span(tmp_path, hosts: str, backend: str, killed: str) -> None:
+    job = SPAN_JOB.format(steps=STEPS, kill_step=KILL_STEP, hosts=hosts, backend=backend)
+    path = script(tmp_path, "span.py", job)
+    world = len(hosts)
+    result = run(["--nproc-per-node", str(world), "--recover", "in-process", path, tmp_path,
+                  killed], tmp_path, timeout=180)
     assert result.returncode == 0, result.stderr[-4000:]
     lost = [int(r) for r in killed.split(",")]
-    survivors = [r for r in range(4) if r not in lost]
+    survivors = [r for r in range(world) if r not in lost]
     reports = {r: json.loads((tmp_path / f"r{r}.json").read_text()) for r in survivors}
     params = {r: torch.load(tmp_path / f"p{r}.pt") for r in survivors}
     for r in survivors:
         assert reports[r]["done"] == list(range(STEPS))
-        assert reports[r]["sizes"] == [[4, [0, 1, 2, 3]]] * KILL_STEP + [
+        assert reports[r]["sizes"] == [[world, list(range(world))]] * KILL_STEP + [
             [len(survivors), survivors]] * (STEPS - KILL_STEP)
         assert reports[r]["changes"] == [[lost, f"backward {KILL_STEP}"]]
-        assert reports[r]["backend"] == "hier"
+        assert reports[r]["backend"] == backend
         for a, b in zip(params[r], params[0], strict=True):
             assert torch.equal(a, b), f"rank {r} differs from rank 0"
     for got, want in zip(params[0], _replay(reports[0]["sizes"]), strict=True):

@@ -130,6 +130,8 @@ class IpcCommunicator(Communicator):
             in_place=cpu.capabilities.in_place,
             shared_buckets=frozenset({"cuda"}) | cpu.capabilities.shared_buckets,
         )
+        self._aborted: BaseException | None = None
+        self._loss_grace = 0.0
         self._cuda = None  # the CUDA transport, once built
         self._cuda_device: torch.device | None = None
         self._cuda_tried = False
@@ -139,6 +141,18 @@ class IpcCommunicator(Communicator):
     def device(self) -> torch.device:
         """CPU: the tensors this communicator moves through shared memory."""
         return torch.device("cpu")
+
+    @property
+    def loss_grace(self) -> float:
+        """Non-zero once in-place recovery watches the peers: the CUDA transport's ``wait()``
+        then blocks the host, so a lost peer's abort is seen before the step goes on."""
+        return self._loss_grace
+
+    @loss_grace.setter
+    def loss_grace(self, seconds: float) -> None:
+        self._loss_grace = seconds
+        if self._cuda is not None:
+            self._cuda.host_waits = seconds > 0
 
     @property
     def cuda_transport(self):
@@ -184,6 +198,7 @@ class IpcCommunicator(Communicator):
             self._cuda_tried = True
             self._cuda = self._build_cuda(device)
             self._cuda_device = device
+            self.loss_grace = self._loss_grace  # passed on to the transport
         if self._cuda is not None and device != self._cuda_device:
             raise ValueError(
                 f"{self._where()}: its CUDA transport lives on {self._cuda_device}, got a tensor "
@@ -293,6 +308,17 @@ class IpcCommunicator(Communicator):
         return region
 
     # ------------------------------------------------------------------ lifetime
+    def abort(self, error: BaseException) -> None:
+        """From any thread (a lost rank): every part is aborted (the shm part marks this rank
+        aborted, the CUDA transport stops its barriers, the Gloo fallback's waits stop), so
+        pending and later calls raise ``CommAbortedError``; :meth:`close` follows."""
+        if self._aborted is not None or self._closed:
+            return
+        self._aborted = error
+        for part in (self._cuda, self.cpu, self.fallback):
+            if part is not None and hasattr(part, "abort"):
+                part.abort(error)
+
     def _new_child(self, store: Store, rank: int, size: int, timeout: timedelta):
         raise TypeError(
             "an ipc communicator's sub-communicators are built by fastcomm.comm.world "

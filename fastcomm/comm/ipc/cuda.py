@@ -81,6 +81,8 @@ class CudaIpcTransport:
         self.options = options or IpcCudaOptions.from_env()
         self.layout = workspace_layout(self.options, size)
         self._closed = False
+        self.host_waits = False
+        """Whether the works' ``wait()`` blocks the host (``EventWork.host_waits``)."""
         self._failure: BaseException | None = None
         self._timed_out: tuple[str, float] | None = None
         self._opened: list[int] = []
@@ -238,6 +240,7 @@ class CudaIpcTransport:
             event.record(self.stream)
             work = EventWork(op, self.rank, output, self.device, event, (output,),
                              self._future_stream, failure=self.failure)
+            work.host_waits = self.host_waits
             self._watchdog.track(work)
         return work
 
@@ -282,6 +285,16 @@ class CudaIpcTransport:
                                       words[1], words[2])
             self._failure = CommTimeoutError(message)
         return self._failure
+
+    def abort(self, error: BaseException) -> None:
+        """From any thread (a lost rank): pending works fail with ``CommAbortedError`` naming
+        ``error``, later calls raise it, and every spinning or later barrier gives up (the stop
+        word); :meth:`close` then meets no peer, it only announces itself."""
+        if self._closed or self._failure is not None:
+            return
+        failure = CommAbortedError(f"rank {self.rank}: CUDA IPC transport aborted: {error}")
+        self._failure = failure  # first: the stop word alone would read as a timeout
+        self._watchdog.abort(failure, lambda: self._words.__setitem__(0, 1))
 
     def _barrier_report(self) -> BaseException | None:
         """The watchdog's poll: a barrier that ran out of spins reported missing ranks, or one

@@ -4,6 +4,11 @@ No global ``torch.distributed`` state is touched: the process group is private t
 so a program may hold several (``split``) beside an ``init_process_group`` of its own. The
 collectives are ``ProcessGroupCommunicator``'s (``process_group.py``): handles complete in
 issue order on a per-communicator thread, with ``AVG`` applied as ``SUM`` and a division.
+
+A lost rank (in-place recovery's watch, from any thread): :meth:`~.process_group.
+ProcessGroupCommunicator.abort` stops the host waits within ``ABORT_SLICE_S`` (Gloo's own abort
+does not release a waiting call) and refuses later calls; the aborted group is stranded, kept
+past the interpreter's exit, so that neither :meth:`close` nor the exit waits on it.
 """
 
 from __future__ import annotations
@@ -21,7 +26,10 @@ from ..store import Store
 from ..types import Capabilities
 from .process_group import ProcessGroupCommunicator
 
-__all__ = ["GlooCommunicator"]
+__all__ = ["ABORT_SLICE_S", "GlooCommunicator"]
+
+#: Seconds a wait on Gloo sleeps before it looks whether the communicator was aborted.
+ABORT_SLICE_S = 0.02
 
 # groups of aborted communicators: an operation on a lost peer (a powered-off host answers
 # nothing) may still run in one until its timeout, and destroying the group waits for it
@@ -51,6 +59,7 @@ class GlooCommunicator(ProcessGroupCommunicator):
     """
 
     backend = "gloo"
+    abort_slice_s = ABORT_SLICE_S
 
     def __init__(
         self,

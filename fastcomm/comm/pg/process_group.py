@@ -8,8 +8,12 @@ what the backend lacks (``AVG`` as ``SUM`` then a division), once; ``get_future(
 same onto the handle's own future (run on the backend's thread; stream-aware on a CUDA group).
 No thread of ours sits between the backend and the caller, so a DDP bucket costs no thread
 hand-off: the tasks of this backend are issued at once (torch orders them) and return that
-``Work``. A handle without a future (Gloo's ``reduce_scatter``) is waited on by the
-communicator's executor thread when a future is asked for.
+``Work``. A handle without a future (Gloo's ``reduce_scatter``), or of a communicator armed
+for a lost rank (``loss_grace``), is waited on by the executor thread when a future is asked for.
+A lost rank: :meth:`ProcessGroupCommunicator.abort` (any thread) makes the collectives' host
+waits raise ``CommAbortedError`` within ``abort_slice_s`` (not ``send``/``recv``'s: a timed Gloo
+p2p wait fails its operation) and refuses later calls; a failure on a peer's closed connection
+waits up to ``loss_grace`` for that abort to name the loss.
 """
 
 from __future__ import annotations
@@ -31,6 +35,13 @@ from ..types import ReduceOp, divide_
 from ..work import SettledByWait, Task, Work, wrap_error
 
 __all__ = ["PGWork", "ProcessGroupCommunicator"]
+
+# ops whose handle is waited on in one piece: a Gloo send or recv whose timed wait runs out is
+# failed by it (and the pairs it used closed), so no abort slice applies to them
+_WHOLE_WAITS = frozenset({"send", "recv"})
+# what Gloo's errors say when a peer's connection went (its process or its host is gone)
+_CONNECTION_LOST = ("connection closed", "connection reset", "broken pipe", "no route to host",
+                    "connection refused", "socket closed")
 
 _TORCH_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -69,6 +80,12 @@ class PGWork(SettledByWait, Work):
                 return
             try:
                 if exc is not None:
+                    why = None if isinstance(exc, CommAbortedError) else self._comm.lost(exc)
+                    if why is not None:
+                        raise CommAbortedError(
+                            f"rank {self.rank}: {self.op} failed after "
+                            f"{time.monotonic() - self.start:.1f} s: {why}"
+                        ) from exc
                     raise exc
                 if self._post is not None:
                     self._post()
@@ -89,7 +106,7 @@ class PGWork(SettledByWait, Work):
             try:
                 if limit is None:
                     self._handle.wait()
-                elif self._comm.abort_slice_s:
+                elif self._comm.abort_slice_s and self.op not in _WHOLE_WAITS:
                     self._wait_in_slices(limit)
                 else:
                     self._handle.wait(limit)
@@ -121,7 +138,10 @@ class PGWork(SettledByWait, Work):
                 handle.wait(min(piece, left))
                 return
             except RuntimeError:
-                if handle.is_completed() or time.monotonic() >= deadline:
+                if handle.is_completed():  # its own error, or done just as the slice ran out
+                    handle.wait()
+                    return
+                if time.monotonic() >= deadline:
                     raise
 
     def _inner_done(self) -> bool:
@@ -133,7 +153,7 @@ class PGWork(SettledByWait, Work):
                 native = self._handle.get_future()
             except (RuntimeError, NotImplementedError, AttributeError):
                 native = None
-            if native is None:
+            if native is None or self._comm.loss_grace:  # a wait abort() stops
                 waiter = Task(self.op, self.output, self.wait)
                 self._future = self._comm._executor.run(waiter, async_op=True).get_future()
             else:  # torch's future: stream-aware on a CUDA group
@@ -163,7 +183,10 @@ class ProcessGroupCommunicator(Communicator):
     native_avg: bool = False
     abort_slice_s: float = 0.0
     """Seconds a host wait sleeps before it looks whether :meth:`abort` was called (0: one
-    wait to the timeout; ``hier`` sets it on its Gloo parts)."""
+    wait to the timeout; Gloo's default, and ``hier`` sets it on its Gloo parts)."""
+    loss_grace: float = 0.0
+    """Seconds a call that failed because a peer's connection went waits for :meth:`abort` to
+    name the lost rank before its own error stands (in-place recovery sets it)."""
     _aborted: BaseException | None = None
     # all_reduce's options and whether AVG is emulated, by the op's name (filled on first use)
     _allreduce_opts: dict[str, tuple[dist.AllreduceOptions, bool]]
@@ -175,8 +198,22 @@ class ProcessGroupCommunicator(Communicator):
     def abort(self, error: BaseException) -> None:
         """From any thread: the host waits of pending operations raise ``CommAbortedError``
         naming ``error`` within ``abort_slice_s`` (the operations themselves run on in the
-        backend until they end or time out)."""
-        self._aborted = error
+        backend until they end or time out); later calls raise it at once."""
+        if self._aborted is None:
+            self._aborted = error
+
+    def lost(self, exc: BaseException) -> BaseException | None:
+        """The lost rank behind the failure ``exc``: named by :meth:`abort` already, or within
+        ``loss_grace`` where ``exc`` says a peer's connection went (a timeout is a hang)."""
+        text = str(exc).lower()
+        went = self.loss_grace > 0 and any(word in text for word in _CONNECTION_LOST)
+        deadline = time.monotonic() + (self.loss_grace if went else 0.0)
+        while self._aborted is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self._aborted
+
+    def _refuse(self, op: str) -> CommAbortedError:
+        return CommAbortedError(f"rank {self.rank}: {op} refused: {self._aborted}")
 
     def _issue(
         self,
@@ -185,6 +222,8 @@ class ProcessGroupCommunicator(Communicator):
         issue: Callable[[], object],
         post: Callable[[], None] | None = None,
     ) -> Work:
+        if self._aborted is not None:
+            raise self._refuse(op)
         try:
             handle = issue()
         except RuntimeError as exc:
@@ -218,6 +257,8 @@ class ProcessGroupCommunicator(Communicator):
 
     def _issue_all_reduce(self, tensor: torch.Tensor, opts, post) -> Work:
         """:meth:`_issue` of an all_reduce, without its closure (a call fewer per bucket)."""
+        if self._aborted is not None:
+            raise self._refuse("all_reduce")
         try:
             handle = self.process_group.allreduce([tensor], opts)
         except RuntimeError as exc:

@@ -30,12 +30,17 @@ _ADAPTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def hook_comm(group: object, bucket: GradBucket) -> Communicator:
     """The communicator a hook reduces over: `group` if it names one, else the DDP's. A
     communicator that in-place recovery replaced (a lost rank, a joiner) stands for its
-    successor (``replaced_by``): a state made with the failed one follows the DDP's."""
+    successor (``replaced_by``): a state made with the failed one follows the DDP's, and so
+    does a torch ``ProcessGroup`` of as many ranks as the DDP had before it shrank (a torch
+    group cannot be rebuilt over the survivors; one spanning the lost rank would fail)."""
     if group is None:
         return bucket.comm
     if isinstance(group, Communicator):
         return successor(group)
     if isinstance(group, dist.ProcessGroup):
+        own = bucket.comm
+        if own is not None and getattr(own, "shrunk_from", None) == group.size():
+            return own
         comm = _ADAPTED.get(group)
         if comm is None or comm.closed:
             comm = _ADAPTED[group] = group_communicator(group)
