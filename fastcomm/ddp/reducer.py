@@ -91,6 +91,9 @@ class Reducer:
         self.hook_state: Any = None
         self.buckets: list[Bucket] = []
         self.strategies: list[BucketStrategy] = []  # per bucket, decided in plan.py
+        # per bucket index: the uses of its flat buffer's storage when the last write-back
+        # made parts of it ``.grad`` (hand_over), the reducer's own uses only
+        self._handed: dict[int, int] = {}
         self._build(list(reversed(range(len(self.params)))))
 
         # rebuild: arrival order recorded during the first synchronized backward
@@ -151,6 +154,7 @@ class Reducer:
             self.params, self.names, order, self.config.bucket_caps_bytes, self.sparse,
             self.shared,
         )
+        self._handed = {}  # new buffers: the handed-over ones stay their gradients' alone
         self._bucket_of = [0] * len(self.params)
         self._position = [0] * len(self.params)  # each parameter's place in its bucket
         # each parameter's view into its bucket (None for a sparse parameter)
@@ -182,6 +186,12 @@ class Reducer:
         )
         self.strategies = plan.strategies
         self._on_arrival = plan.on_arrival
+        # write-backs may hand the reduced buffer over as .grad (hand_over): not where .grad
+        # already is a bucket view, nor under a comm hook (it may keep the buffer)
+        self.hands_over = (
+            self.config.hand_over_grads and self._comm_hook is None and not self.bucket_view
+            and self.shared is None and _COUNTS_USES
+        )
         # per parameter: the shm bucket whose staging takes its fresh gradient (only its
         # peers' parts copied in, fastcomm.ddp.shared), or None: a copy
         self._stage_in = plan.stage_in
@@ -321,6 +331,8 @@ class Reducer:
 
     def _start_backward(self) -> None:
         self._started = True
+        if self._handed:
+            self._take_back()
         if self.shared is not None:
             self.shared.begin_backward()
         # The engine runs the hooks in grad mode exactly when backward has create_graph=True.
@@ -470,6 +482,61 @@ class Reducer:
         """Whether every gradient of `bucket` was packed as it arrived this iteration."""
         return self._arrived[bucket.index] == len(bucket.params)
 
+    def hand_over(self, bucket: Bucket, targets: list[torch.Tensor | None]) -> bool:
+        """Writes `bucket`'s reduced flat buffer back without copying where it can: each target
+        that autograd made in this backward (unmodified since, laid out as its view: the
+        bucket's gradients the caller cannot have held before) is replaced as ``.grad`` by a
+        view of the buffer; the other targets take a copy. Whether it did (else the caller
+        unpacks). The buffer is written again only once nothing else holds it (_take_back).
+        """
+        if (
+            not self.hands_over or self.create_graph or self.keeper is not None
+            or bucket.device.type != "cpu"
+        ):
+            return False
+        views = bucket.views
+        fresh = [
+            type(t) is torch.Tensor and t._version == 0 and t._base is None
+            and t.dtype is v.dtype and t.stride() == v.stride() and t.shape == v.shape
+            for t, v in zip(targets, views, strict=True)
+        ]
+        if not any(fresh):
+            return False
+        flat = bucket.flat
+        self._handed[bucket.index] = _uses(flat)
+        written: list[torch.Tensor | None] = []
+        into, out_of = [], []
+        for p, t, v, offset, new in zip(
+            bucket.params, targets, views, bucket.offsets, fresh, strict=True
+        ):
+            if new:  # a view of its own, not the bucket's (the bucket keeps its views)
+                t = p.grad = flat[offset : offset + v.numel()].view(v.shape)
+            elif t is not None:
+                into.append(t)
+                out_of.append(v)
+            written.append(t)
+        if into:
+            torch._foreach_copy_(into, out_of)
+        if self.health is not None:
+            self.health.written(bucket, written)
+        return True
+
+    def _take_back(self) -> None:
+        """Before a backward writes the buckets: a bucket whose flat buffer the last write-back
+        handed over (hand_over) keeps it where nothing but the reducer holds it any more
+        (``zero_grad(set_to_none=True)`` dropped those gradients), else takes a new one."""
+        handed, self._handed = self._handed, {}
+        if self.health is not None:
+            self.health.begin_step()  # its records of the last step hold those gradients
+        for bucket in self.buckets:
+            own = handed.get(bucket.index)
+            if own is None or bucket.sparse or _uses(bucket.flat) <= own:
+                continue
+            bucket.use_flat(torch.zeros_like(bucket.flat))
+            for i, view in zip(bucket.param_indices, bucket.views, strict=True):
+                if self._arrival_views[i] is not None:
+                    self._arrival_views[i] = view
+
     def grad_targets(self, bucket: Bucket, unused: frozenset[int]) -> list[torch.Tensor | None]:
         """Where `bucket`'s reduced gradients go: each parameter's ``.grad`` (made when it has
         none), ``None`` for the parameters in `unused` (no rank produced their gradient)."""
@@ -495,6 +562,8 @@ class Reducer:
     def shadow_backward(self) -> None:
         """A joined rank's side of one synchronized backward: every bucket's collective with
         zero gradients (through the comm hook when one is set), in bucket order."""
+        if self._handed:
+            self._take_back()
         results = [s.shadow(self, b) for b, s in zip(self.buckets, self.strategies, strict=True)]
         if self._needs_used_map():
             used = torch.zeros(len(self.params), dtype=torch.int32, device=self.comm.device)
@@ -523,6 +592,14 @@ class Reducer:
 
     def __del__(self) -> None:
         self.remove_hooks()
+
+
+_COUNTS_USES = hasattr(torch._C, "_storage_Use_Count")
+
+
+def _uses(t: torch.Tensor) -> int:
+    """How many tensors (and storage objects) hold `t`'s storage."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
 def _into_view(reducer: Reducer, i: int, param: torch.Tensor) -> None:

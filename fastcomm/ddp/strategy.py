@@ -56,6 +56,8 @@ class ReducerLike(Protocol):
 
     def packed_on_arrival(self, bucket: Bucket) -> bool: ...
 
+    def hand_over(self, bucket: Bucket, targets: Grads) -> bool: ...
+
 
 class BucketStrategy(ABC):
     """How one bucket's gradients are reduced and written back (see the module docstring).
@@ -145,6 +147,8 @@ class PackedAllReduce(BucketStrategy):
         self, reducer: ReducerLike, bucket: Bucket, value: torch.Tensor, unused: frozenset[int]
     ) -> None:
         targets = reducer.grad_targets(bucket, unused)
+        if value is bucket.flat and reducer.hand_over(bucket, targets):
+            return
         if reducer.health is not None:
             reducer.health.unpack(bucket, value, targets)  # also measures norm and NaN/Inf
         else:
