@@ -31,6 +31,7 @@ from fastcomm.kernels._launch import fp32_scale
 
 from .bucket import Bucket, build_buckets
 from .config import DDPConfig
+from .hand_over import COUNTS_USES, take_back
 from .in_place import InPlaceReduction
 from .plan import grads_are_views, plan_buckets, shared_request
 from .shared import SharedBuckets
@@ -190,7 +191,7 @@ class Reducer:
         # already is a bucket view, nor under a comm hook (it may keep the buffer)
         self.hands_over = (
             self.config.hand_over_grads and self._comm_hook is None and not self.bucket_view
-            and self.shared is None and _COUNTS_USES
+            and self.shared is None and COUNTS_USES
         )
         # per parameter: the shm bucket whose staging takes its fresh gradient (only its
         # peers' parts copied in, fastcomm.ddp.shared), or None: a copy
@@ -332,7 +333,7 @@ class Reducer:
     def _start_backward(self) -> None:
         self._started = True
         if self._handed:
-            self._take_back()
+            take_back(self)
         if self.shared is not None:
             self.shared.begin_backward()
         # The engine runs the hooks in grad mode exactly when backward has create_graph=True.
@@ -482,61 +483,6 @@ class Reducer:
         """Whether every gradient of `bucket` was packed as it arrived this iteration."""
         return self._arrived[bucket.index] == len(bucket.params)
 
-    def hand_over(self, bucket: Bucket, targets: list[torch.Tensor | None]) -> bool:
-        """Writes `bucket`'s reduced flat buffer back without copying where it can: each target
-        that autograd made in this backward (unmodified since, laid out as its view: the
-        bucket's gradients the caller cannot have held before) is replaced as ``.grad`` by a
-        view of the buffer; the other targets take a copy. Whether it did (else the caller
-        unpacks). The buffer is written again only once nothing else holds it (_take_back).
-        """
-        if (
-            not self.hands_over or self.create_graph or self.keeper is not None
-            or bucket.device.type != "cpu"
-        ):
-            return False
-        views = bucket.views
-        fresh = [
-            type(t) is torch.Tensor and t._version == 0 and t._base is None
-            and t.dtype is v.dtype and t.stride() == v.stride() and t.shape == v.shape
-            for t, v in zip(targets, views, strict=True)
-        ]
-        if not any(fresh):
-            return False
-        flat = bucket.flat
-        self._handed[bucket.index] = _uses(flat)
-        written: list[torch.Tensor | None] = []
-        into, out_of = [], []
-        for p, t, v, offset, new in zip(
-            bucket.params, targets, views, bucket.offsets, fresh, strict=True
-        ):
-            if new:  # a view of its own, not the bucket's (the bucket keeps its views)
-                t = p.grad = flat[offset : offset + v.numel()].view(v.shape)
-            elif t is not None:
-                into.append(t)
-                out_of.append(v)
-            written.append(t)
-        if into:
-            torch._foreach_copy_(into, out_of)
-        if self.health is not None:
-            self.health.written(bucket, written)
-        return True
-
-    def _take_back(self) -> None:
-        """Before a backward writes the buckets: a bucket whose flat buffer the last write-back
-        handed over (hand_over) keeps it where nothing but the reducer holds it any more
-        (``zero_grad(set_to_none=True)`` dropped those gradients), else takes a new one."""
-        handed, self._handed = self._handed, {}
-        if self.health is not None:
-            self.health.begin_step()  # its records of the last step hold those gradients
-        for bucket in self.buckets:
-            own = handed.get(bucket.index)
-            if own is None or bucket.sparse or _uses(bucket.flat) <= own:
-                continue
-            bucket.use_flat(torch.zeros_like(bucket.flat))
-            for i, view in zip(bucket.param_indices, bucket.views, strict=True):
-                if self._arrival_views[i] is not None:
-                    self._arrival_views[i] = view
-
     def grad_targets(self, bucket: Bucket, unused: frozenset[int]) -> list[torch.Tensor | None]:
         """Where `bucket`'s reduced gradients go: each parameter's ``.grad`` (made when it has
         none), ``None`` for the parameters in `unused` (no rank produced their gradient)."""
@@ -563,7 +509,7 @@ class Reducer:
         """A joined rank's side of one synchronized backward: every bucket's collective with
         zero gradients (through the comm hook when one is set), in bucket order."""
         if self._handed:
-            self._take_back()
+            take_back(self)
         results = [s.shadow(self, b) for b, s in zip(self.buckets, self.strategies, strict=True)]
         if self._needs_used_map():
             used = torch.zeros(len(self.params), dtype=torch.int32, device=self.comm.device)
@@ -592,14 +538,6 @@ class Reducer:
 
     def __del__(self) -> None:
         self.remove_hooks()
-
-
-_COUNTS_USES = hasattr(torch._C, "_storage_Use_Count")
-
-
-def _uses(t: torch.Tensor) -> int:
-    """How many tensors (and storage objects) hold `t`'s storage."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
 def _into_view(reducer: Reducer, i: int, param: torch.Tensor) -> None:
