@@ -96,6 +96,15 @@ class DDPConfig:
     world size times the gradients' bytes); over it, today's buffers with a warning. ``None``
     (default, or ``FASTCOMM_DDP_SHARED_CAP_MB``): no cap but ``/dev/shm``'s free space."""
 
+    hand_over_grads: bool = field(
+        default_factory=lambda: os.environ.get("FASTCOMM_DDP_HAND_OVER", "1").strip() != "0"
+    )
+    """Without bucket views, write a CPU bucket's reduced gradients back by making each
+    ``.grad`` that autograd created in this backward a view of the reduced buffer, instead of
+    copying the buffer into it (``gradient_as_bucket_view``'s saving without its aliasing: the
+    buffer is written again only once no gradient holds it). Default on;
+    ``FASTCOMM_DDP_HAND_OVER=0`` copies, as torch DDP does."""
+
     static_graph: bool = False
     """The set of used parameters and the order gradients arrive in never change: the first
     iteration reduces everything at the end of backward and learns the unused set; later
@@ -165,6 +174,7 @@ class DDPConfig:
         for name in (
             "find_unused_parameters",
             "shared_buckets",
+            "hand_over_grads",
             "static_graph",
             "forward_sync_buffers",
             "init_sync",

@@ -31,6 +31,7 @@ from fastcomm.kernels._launch import fp32_scale
 
 from .bucket import Bucket, build_buckets
 from .config import DDPConfig
+from .hand_over import COUNTS_USES, take_back
 from .in_place import InPlaceReduction
 from .plan import grads_are_views, plan_buckets, shared_request
 from .shared import SharedBuckets
@@ -91,6 +92,9 @@ class Reducer:
         self.hook_state: Any = None
         self.buckets: list[Bucket] = []
         self.strategies: list[BucketStrategy] = []  # per bucket, decided in plan.py
+        # per bucket index: the uses of its flat buffer's storage when the last write-back
+        # made parts of it ``.grad`` (hand_over), the reducer's own uses only
+        self._handed: dict[int, int] = {}
         self._build(list(reversed(range(len(self.params)))))
 
         # rebuild: arrival order recorded during the first synchronized backward
@@ -151,6 +155,7 @@ class Reducer:
             self.params, self.names, order, self.config.bucket_caps_bytes, self.sparse,
             self.shared,
         )
+        self._handed = {}  # new buffers: the handed-over ones stay their gradients' alone
         self._bucket_of = [0] * len(self.params)
         self._position = [0] * len(self.params)  # each parameter's place in its bucket
         # each parameter's view into its bucket (None for a sparse parameter)
@@ -182,6 +187,12 @@ class Reducer:
         )
         self.strategies = plan.strategies
         self._on_arrival = plan.on_arrival
+        # write-backs may hand the reduced buffer over as .grad (hand_over): not where .grad
+        # already is a bucket view, nor under a comm hook (it may keep the buffer)
+        self.hands_over = (
+            self.config.hand_over_grads and self._comm_hook is None and not self.bucket_view
+            and self.shared is None and COUNTS_USES
+        )
         # per parameter: the shm bucket whose staging takes its fresh gradient (only its
         # peers' parts copied in, fastcomm.ddp.shared), or None: a copy
         self._stage_in = plan.stage_in
@@ -321,6 +332,8 @@ class Reducer:
 
     def _start_backward(self) -> None:
         self._started = True
+        if self._handed:
+            take_back(self)
         if self.shared is not None:
             self.shared.begin_backward()
         # The engine runs the hooks in grad mode exactly when backward has create_graph=True.
@@ -495,6 +508,8 @@ class Reducer:
     def shadow_backward(self) -> None:
         """A joined rank's side of one synchronized backward: every bucket's collective with
         zero gradients (through the comm hook when one is set), in bucket order."""
+        if self._handed:
+            take_back(self)
         results = [s.shadow(self, b) for b, s in zip(self.buckets, self.strategies, strict=True)]
         if self._needs_used_map():
             used = torch.zeros(len(self.params), dtype=torch.int32, device=self.comm.device)

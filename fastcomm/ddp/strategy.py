@@ -27,6 +27,7 @@ from fastcomm.comm.work import Work
 from fastcomm.kernels._launch import fp32_scale
 
 from .bucket import Bucket, GradBucket, pack_bucket, unpack_bucket
+from .hand_over import hand_over
 
 #: A bucket's gradients in bucket order (``None``: that parameter has none).
 Grads = list[torch.Tensor | None]
@@ -145,6 +146,8 @@ class PackedAllReduce(BucketStrategy):
         self, reducer: ReducerLike, bucket: Bucket, value: torch.Tensor, unused: frozenset[int]
     ) -> None:
         targets = reducer.grad_targets(bucket, unused)
+        if value is bucket.flat and hand_over(reducer, bucket, targets):
+            return
         if reducer.health is not None:
             reducer.health.unpack(bucket, value, targets)  # also measures norm and NaN/Inf
         else:
