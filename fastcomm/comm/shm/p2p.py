@@ -124,6 +124,8 @@ class Mailboxes(StoppableThread):
         self._core_recv = None if compiled is None else compiled.recv_chunk
         self._sent, self._received = streams.sent, streams.received
         self._room = streams.chunk_bytes
+        # the most bytes those paths take: a chunk, none without the core (one test per call)
+        self._room_now = -1 if compiled is None else self._room
         self._idx = streams.pair_words  # per peer: (sent, peer's acked, peer's sent, acked)
         self._peers = [r for r in range(self.size) if r != self.rank]
         self._lock = threading.Lock()
@@ -182,7 +184,7 @@ class Mailboxes(StoppableThread):
         """A message of one chunk sent at once, with no operation built, when nothing is
         queued to ``dst`` and its slot is free within the spin budget (the caller checked the
         rejects); else ``False`` having done nothing."""
-        if not self._compiled or nbytes > self._room or self._sends[dst]:
+        if nbytes > self._room_now:
             return False
         lock = self._lock
         lock.acquire()  # not `with`: its __enter__/__exit__ calls cost twice as much
@@ -205,11 +207,10 @@ class Mailboxes(StoppableThread):
         so ``irecv`` still returns at once), has ``tag`` and fits, and no earlier receive
         could claim it; else ``False`` having done nothing (the general path then decides:
         wait, set aside, mismatch)."""
-        if (not self._compiled or nbytes > self._room or self._wanted_any or self._wanted[src]
-                or self._incoming[src] is not None or self._stash[src]):
+        if nbytes > self._room_now:
             return False
         lock = self._lock
-        lock.acquire()  # as send_now's
+        lock.acquire()  # as send_now's (what is pending is looked at once, under the lock)
         try:
             if (self._incoming[src] is not None or self._stash[src] or self._wanted_any
                     or self._wanted[src]):
