@@ -17,7 +17,7 @@ from . import checks
 from .flight import run_recorded
 from .reduction import reduce_gathered
 from .types import BITWISE_OPS, PremulSum, ReduceOp, check_reduction
-from .vcoll import input_bytes, plain_pieces, split_bytes
+from .vcoll import input_bytes, plain_bytes, plain_pieces, split_bytes
 from .work import Task, Work
 
 _Tensor = torch.Tensor
@@ -132,11 +132,18 @@ def rooted_now(comm, kind: str, mine: torch.Tensor, theirs: list | None, root: i
         return _rooted_general(comm, kind, mine, theirs, root)
     gather = kind == "gather"
     if comm.rank != root:
-        comm.stats.count(kind, mine.nbytes if gather else 0)
-    elif theirs.__class__ is list and len(theirs) == size and plain_pieces(theirs, mine):
-        comm.stats.count(kind, mine.nbytes if gather else input_bytes(theirs))
-    else:
+        nbytes = mine.nbytes if gather else 0
+    elif theirs.__class__ is not list or len(theirs) != size:
         return _rooted_general(comm, kind, mine, theirs, root)
+    else:
+        nbytes = plain_bytes(theirs, mine) if not gather else (
+            mine.nbytes if plain_pieces(theirs, mine) else -1)
+        if nbytes < 0:
+            return _rooted_general(comm, kind, mine, theirs, root)
+    stats = comm.stats  # stats.count(kind, nbytes), inlined
+    calls, counted = stats.calls, stats.bytes
+    calls[kind] = calls.get(kind, 0) + 1
+    counted[kind] = counted.get(kind, 0) + nbytes
     recorder = comm.flight
     if recorder is None:
         if not comm._run_inline_rooted(kind, root, mine, theirs):

@@ -27,6 +27,9 @@ from .multi import copier
 _STRIDED = torch.strided
 
 
+_GatherOptions, _ScatterOptions = dist.GatherOptions, dist.ScatterOptions
+
+
 def _options_of(opts: Any, cls: type) -> Any:
     """torch's options object, or a default one for a call made without (``pg.gather(o, i)``)."""
     return opts if opts.__class__ is cls or isinstance(opts, cls) else cls()
@@ -86,7 +89,8 @@ class VCollOps:
         return self._issue(op, outputs, opts.asyncOp, fn, *args, post=post)
 
     def gather(self, output_tensors, input_tensors, opts=None):
-        opts = _options_of(opts, dist.GatherOptions)
+        if opts.__class__ is not _GatherOptions:
+            opts = _options_of(opts, _GatherOptions)
         root = opts.rootRank
         if len(input_tensors) == 1 and not opts.asyncOp and self._coalescing is None:
             # the usual call (contiguous CPU tensors, waited for): the communicator does it
@@ -109,7 +113,8 @@ class VCollOps:
                              outs if self._rank == root else None, input, root, post=post)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
-        opts = _options_of(opts, dist.ScatterOptions)
+        if opts.__class__ is not _ScatterOptions:
+            opts = _options_of(opts, _ScatterOptions)
         root = opts.rootRank
         if len(output_tensors) == 1 and not opts.asyncOp and self._coalescing is None:
             # the usual call (contiguous CPU tensors, waited for): the communicator does it

@@ -26,6 +26,7 @@ CROWD_SAMPLE_S = 1.0  # how often the automatic spin looks at the load average
 CROWD_FACTOR = 1.5  # load average above this many times our cores: skip the spin
 LIVENESS_S = 0.05
 _MASK32 = 0xFFFFFFFF
+_monotonic = time.monotonic  # read on every wait's budget: a global, not two lookups
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 _MEMBARRIER_PRIVATE_EXPEDITED, _MEMBARRIER_REGISTER = 8, 16
 _SYSCALLS = {  # machine: (futex, membarrier)
@@ -203,7 +204,7 @@ class PeerFlags:
     def spin_budget_ns(self) -> int:
         """Nanoseconds the next wait may spin: ``spin_us``, or 0 while the host is crowded."""
         if self._crowd_check:
-            now = time.monotonic()
+            now = _monotonic()
             if now >= self._crowd_next:
                 self._crowd_next = now + CROWD_SAMPLE_S
                 try:

@@ -115,9 +115,17 @@ class Mailboxes(StoppableThread):
         self.size = streams.size
         self._timeout_s = timeout_s
         self._on_fail = on_fail
-        self._compiled = streams.compiled is not None  # the one-chunk fast paths need it
         self._send_chunk, self._recv_chunk = streams.send_chunk, streams.recv_chunk
+        # the one-chunk fast paths call the compiled core themselves (a frame less each) and
+        # count the chunk in the streams' own counters, as Streams.send_chunk/recv_chunk do
+        compiled = streams.compiled
+        self._compiled = compiled is not None
+        self._core_send = None if compiled is None else compiled.send_chunk
+        self._core_recv = None if compiled is None else compiled.recv_chunk
+        self._sent, self._received = streams.sent, streams.received
         self._room = streams.chunk_bytes
+        # the most bytes those paths take: a chunk, none without the core (one test per call)
+        self._room_now = -1 if compiled is None else self._room
         self._idx = streams.pair_words  # per peer: (sent, peer's acked, peer's sent, acked)
         self._peers = [r for r in range(self.size) if r != self.rank]
         self._lock = threading.Lock()
@@ -176,11 +184,21 @@ class Mailboxes(StoppableThread):
         """A message of one chunk sent at once, with no operation built, when nothing is
         queued to ``dst`` and its slot is free within the spin budget (the caller checked the
         rejects); else ``False`` having done nothing."""
-        if not self._compiled or nbytes > self._room or self._sends[dst]:
+        if nbytes > self._room_now:
             return False
-        with self._lock:
-            return not self._sends[dst] and not self._send_chunk(
-                dst, addr, nbytes, nbytes, self._flags.spin_budget_ns(), tag, dtype)
+        lock = self._lock
+        lock.acquire()  # not `with`: its __enter__/__exit__ calls cost twice as much
+        try:
+            if self._sends[dst]:
+                return False
+            k = self._sent[dst]  # Streams.send_chunk, inlined
+            if self._core_send(addr, nbytes, nbytes, dst, k, self._flags.spin_budget_ns(),
+                               tag & _U64, dtype):
+                return False
+            self._sent[dst] = k + 1
+            return True
+        finally:
+            lock.release()
 
     def recv_now(self, addr: int, nbytes: int, src: int, tag: int, dtype: int) -> bool:
         """A message of one chunk from ``src`` received at once, with no operation built,
@@ -189,13 +207,22 @@ class Mailboxes(StoppableThread):
         so ``irecv`` still returns at once), has ``tag`` and fits, and no earlier receive
         could claim it; else ``False`` having done nothing (the general path then decides:
         wait, set aside, mismatch)."""
-        if (not self._compiled or nbytes > self._room or self._wanted_any or self._wanted[src]
-                or self._incoming[src] is not None or self._stash[src]):
+        if nbytes > self._room_now:
             return False
-        with self._lock:
-            return not (self._incoming[src] is not None or self._stash[src] or self._wanted_any
-                        or self._wanted[src]) and not self._recv_chunk(
-                src, addr, nbytes, nbytes, self._flags.spin_budget_ns(), tag, dtype)
+        lock = self._lock
+        lock.acquire()  # as send_now's (what is pending is looked at once, under the lock)
+        try:
+            if (self._incoming[src] is not None or self._stash[src] or self._wanted_any
+                    or self._wanted[src]):
+                return False
+            k = self._received[src]  # Streams.recv_chunk, inlined
+            if self._core_recv(addr, nbytes, nbytes, src, k, self._flags.spin_budget_ns(),
+                               tag & _U64, dtype):
+                return False
+            self._received[src] = k + 1
+            return True
+        finally:
+            lock.release()
 
     def check_rejects(self, peer: int, verb: str) -> None:
         """Raises the notice of a message of ours ``peer`` rejected, once (module docstring)."""
