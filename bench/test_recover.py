@@ -402,6 +402,7 @@ def test_recover_quick(tmp_path):
     assert row["steps_lost"] == 0 and row["world_sizes_after"] == [2, 3], row
 
 
+@pytest.mark.timeout(1800)
 def test_recover(tmp_path):
     if QUICK:
         pytest.skip("quick mode runs test_recover_quick; the figures need the full run")

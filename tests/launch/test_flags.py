@@ -1,7 +1,8 @@
 """torchrun flags fastcomm-run used to accept and ignore: each now does what torchrun 2.13 does,
 or a value it cannot honour is one usage error line (exit 2) before any worker starts.
 
-Every check runs the real launcher (``python -m fastcomm.launch``) as a process.
+Every check runs the real launcher (``python -m fastcomm.launch``) as a process, except the
+refused values after the first: those go through its ``main`` in the test's process.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from fastcomm.launch.cli import main
 from fastcomm.launch.workers import BOOTSTRAP
 
 from ._util import clean_env, finish, run, script, start
@@ -42,17 +44,24 @@ def _events(stderr: str) -> list[dict]:
     return [json.loads(line) for line in stderr.splitlines() if line.startswith('{"name"')]
 
 
-def test_refused_values_are_one_usage_error_line(tmp_path):
-    """All at once (each launcher only parses its flags); none starts its worker."""
+def _one_error_line(flags, named, message, returncode, stderr) -> None:
+    errors = [line for line in stderr.splitlines() if "error:" in line]
+    assert returncode == 2, (flags, stderr)
+    assert len(errors) == 1 and named in errors[0] and message in errors[0], (flags, errors)
+    assert "Traceback" not in stderr
+
+
+def test_refused_values_are_one_usage_error_line(tmp_path, capsys):
+    """The first through the real launcher process, the others through its ``main`` here (the
+    same parser and checks, without an interpreter each); none starts its worker."""
     marker = tmp_path / "started"
     path = script(tmp_path, "train.py", f"open({str(marker)!r}, 'w').close()\n")
-    procs = [start([*flags, path], tmp_path) for flags, _, _ in REFUSED]
-    for (flags, named, message), proc in zip(REFUSED, procs, strict=True):
-        result = finish(proc, timeout=60)
-        errors = [line for line in result.stderr.splitlines() if "error:" in line]
-        assert result.returncode == 2, (flags, result.stderr)
-        assert len(errors) == 1 and named in errors[0] and message in errors[0], (flags, errors)
-        assert "Traceback" not in result.stderr
+    (flags, named, message), *others = REFUSED
+    result = finish(start([*flags, path], tmp_path), timeout=60)
+    _one_error_line(flags, named, message, result.returncode, result.stderr)
+    for flags, named, message in others:
+        returncode = main([*flags, str(path)])
+        _one_error_line(flags, named, message, returncode, capsys.readouterr().err)
     assert not marker.exists()
 
 
