@@ -247,13 +247,13 @@ fastcomm.shutdown()
 """
 
 
-def measure_regrow(out: Path) -> dict:
-    """Rank 1 killed at step 20, a replacement started (``--max-restarts 1``): from the
-    replacement's process start (a warm spare's activation) to its first step, from the kill
-    to it, and the step it joined at."""
+def measure_regrow(out: Path, spare: bool = True) -> dict:
+    """Rank 1 killed at step 20, a replacement started (``--max-restarts 1``; from a warm
+    spare, or cold with ``--no-spare``): from the replacement's process start (a warm spare's
+    activation) to its first step, from the kill to it, and the step it joined at."""
     out.mkdir(parents=True, exist_ok=True)
-    _launch(out, GROW_JOB, ["--recover", "in-process", "--max-restarts", "1"],
-            [KILL_STEP, VICTIM])
+    _launch(out, GROW_JOB, ["--recover", "in-process", "--max-restarts", "1",
+                            *([] if spare else ["--no-spare"])], [KILL_STEP, VICTIM])
     joiner = json.loads((out / "joiner.json").read_text())
     start, kill = joiner["start"], json.loads((out / "kill.json").read_text())["time"]
     return {
@@ -422,6 +422,9 @@ def test_recover(tmp_path):
         print(result["loss"][-1])
     result["regrow"] = [measure_regrow(tmp_path / f"regrow-{k}") for k in range(REPEATS)]
     print(result["regrow"])
+    result["regrow_cold"] = [measure_regrow(tmp_path / f"regrow-cold-{k}", spare=False)
+                             for k in range(REPEATS)]
+    print(result["regrow_cold"])
     runs = [measure_ab(tmp_path / f"ab-{k}", steps=200) for k in range(REPEATS)]
     result["ab"] = sorted(runs, key=lambda r: r["paired_overhead_pct"])[len(runs) // 2]
     result["ab"]["runs_paired_overhead_pct"] = [r["paired_overhead_pct"] for r in runs]

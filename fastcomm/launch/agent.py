@@ -363,7 +363,8 @@ class Agent:
                 "stderr": self.config.duplicate_stderr_filters,
             },
             # replacements (--recover in-process) start from a warm spare
-            spares=self.config.max_restarts if self.config.recover == "in-process" else 0,
+            spares=self.config.max_restarts
+            if self.config.recover == "in-process" and self.config.spare else 0,
         )
         self._last_workers = self.group.workers
         self.check_stop()

@@ -117,6 +117,9 @@ def _add_job_flags(p: argparse.ArgumentParser) -> None:
          "in-process (the loss is reported, the others go on; fastcomm DDP shrinks in place)")
     _opt(p, "--min-ranks", type=int, default=1,
          help="with --recover in-process: the fewest live ranks the job goes on with")
+    _opt(p, "--no-spare", action=_CheckEnv,
+         help="with --recover in-process --max-restarts N: start a replacement as a new "
+         "interpreter instead of keeping a warm spare (an idle interpreter with torch imported)")
     _opt(p, "--monitor-interval", type=float, default=0.1,
          help="seconds between checks of the workers")
     _opt(p, "--start-method", default="spawn", choices=["spawn", "fork", "forkserver"],
@@ -268,6 +271,7 @@ def parse_config(args: argparse.Namespace) -> LaunchConfig:
         max_restarts=args.max_restarts,
         recover=args.recover,
         min_ranks=args.min_ranks,
+        spare=not args.no_spare,
         monitor_interval=args.monitor_interval,
         shutdown_timeout=float(shutdown),
         role=args.role,

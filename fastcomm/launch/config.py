@@ -299,6 +299,9 @@ class LaunchConfig:
     min_ranks: int = 1
     """With ``recover="in-process"``: the fewest live ranks the job goes on with; below it
     (or below ``min_nodes`` nodes' worth of ranks) it stops with the failure report."""
+    spare: bool = True
+    """With ``recover="in-process"`` and ``max_restarts``: replacements start from a warm
+    spare (``spare.py``); ``False`` (``--no-spare``): each starts as a new interpreter."""
     monitor_interval: float = 0.1
     """Seconds between checks of the workers and of the store."""
     shutdown_timeout: float = 30.0

@@ -184,8 +184,9 @@ dist.destroy_process_group()
 """
 
 
-def spares_left() -> list[int]:
-    """The pids of this checkout's warm spare workers (``_bootstrap.py --spare``) running."""
+def spares_left(parent: int | None = None) -> list[int]:
+    """The pids of this checkout's warm spare workers (``_bootstrap.py --spare``) running
+    (only `parent`'s children, where given)."""
     from fastcomm.launch.workers import BOOTSTRAP
 
     found = []
@@ -196,5 +197,15 @@ def spares_left() -> list[int]:
         except OSError:
             continue
         if BOOTSTRAP.encode() in argv and b"--spare" in argv:
+            if parent is not None and _parent(entry) != parent:
+                continue
             found.append(int(entry))
     return found
+
+
+def _parent(pid: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None

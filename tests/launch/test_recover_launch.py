@@ -66,6 +66,24 @@ def test_loss_reported_and_the_others_go_on(tmp_path):
         assert f"[rank 1]: replacement {k} from a spare" in result.stdout, result.stdout
 
 
+def test_no_spare_starts_the_replacement_cold(tmp_path):
+    """``--no-spare``: no warm spare runs beside the workers; the replacement is a new
+    interpreter that imports torch itself."""
+    path = script(tmp_path, "job.py", JOB)
+    proc = start(["--nproc-per-node", "3", "--recover", "in-process", "--max-restarts", "1",
+                  "--no-spare", path, tmp_path, "in-process", "1"], tmp_path)
+    try:
+        deadline = time.monotonic() + 30
+        while not list(tmp_path.glob("done_*")) and time.monotonic() < deadline:
+            assert not spares_left(proc.pid)  # none while the workers run
+            time.sleep(0.1)
+    finally:
+        result = finish(proc, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in tmp_path.glob("done_*")) == ["done_0_0", "done_2_0"]
+    assert "[rank 1]: replacement 1 cold" in result.stdout, result.stdout
+
+
 def test_an_unused_spare_goes_with_the_job(tmp_path):
     """No loss: the warm spare (--max-restarts 1) never runs the script and is killed with
     the workers; the job's output is the workers' only."""
