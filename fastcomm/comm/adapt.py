@@ -140,23 +140,13 @@ def rooted_now(comm, kind: str, mine: torch.Tensor, theirs: list | None, root: i
             mine.nbytes if plain_pieces(theirs, mine) else -1)
         if nbytes < 0:
             return _rooted_general(comm, kind, mine, theirs, root)
-    stats = comm.stats  # stats.count(kind, nbytes), inlined
-    calls, counted = stats.calls, stats.bytes
-    calls[kind] = calls.get(kind, 0) + 1
-    counted[kind] = counted.get(kind, 0) + nbytes
-    recorder = comm.flight
-    if recorder is None:
+    comm.stats.count(kind, nbytes)
+
+    def run() -> None:
         if not comm._run_inline_rooted(kind, root, mine, theirs):
             _rooted_task(comm, kind, mine, theirs, root)
-        return True
-    seq = recorder.issue(kind, mine, root)  # as comm.gather / comm.scatter record their calls
-    try:
-        if not comm._run_inline_rooted(kind, root, mine, theirs):
-            _rooted_task(comm, kind, mine, theirs, root)
-    except BaseException as exc:
-        recorder.fail(seq, exc)
-        raise
-    recorder.returned(seq)
+
+    run_recorded(comm.flight, kind, mine, root, run)  # as comm.gather / comm.scatter record
     return True
 
 
@@ -193,28 +183,21 @@ def split_now(comm, output: torch.Tensor, input: torch.Tensor, output_splits,
     nothing (the process group then stages or hands the call on). Counted and recorded as
     ``comm.all_to_all_split`` counts and records its calls."""
     if (comm._closed or not comm._cpu_native or input.__class__ is not _Tensor
-            or output.__class__ is not _Tensor or output.dtype is not input.dtype
-            or not input.is_cpu or not output.is_cpu or input.layout is not _STRIDED
-            or output.layout is not _STRIDED or not input.is_contiguous()
-            or not output.is_contiguous()):  # plain_pieces((output, input), input), inlined
+            or not input.is_cpu or not plain_pieces((output, input), input)):
         return False
     byte_splits = split_bytes(comm.size, output, input, output_splits, input_splits)
     if byte_splits is None:
         return False
     comm.stats.count("all_to_all", input.nbytes)
-    recorder = comm.flight
-    seq = 0 if recorder is None else recorder.issue("all_to_all_v", input, None)
-    try:
+
+    def run() -> None:
         if not comm._run_inline_v_split(output, input, *byte_splits):
             outputs = list(output.split_with_sizes(list(output_splits)))
             inputs = list(input.split_with_sizes(list(input_splits)))
             comm._run(comm._impl_v_call("all_to_all", -1, outputs, inputs), False)
-    except BaseException as exc:
-        if recorder is not None:
-            recorder.fail(seq, exc)
-        raise
-    if recorder is not None:
-        recorder.returned(seq)
+
+    # recorded as comm.all_to_all_split records its calls
+    run_recorded(comm.flight, "all_to_all_v", input, None, run)
     return True
 
 

@@ -890,3 +890,15 @@ class Communicator(CommBackend):
     def group(self) -> Iterator[None]:
         """Groups the collectives issued inside (NCCL's groupStart/End); a no-op elsewhere."""
         yield
+
+
+def abort_parts(comm: Communicator, error: BaseException, parts) -> None:
+    """``abort`` of a communicator made of `parts` (``hier``, ``ipc``): from any thread, marks
+    `comm` aborted by `error` (a lost rank) and aborts each part that can be (``None`` parts
+    skipped), so their pending and later calls fail; once only, and not after ``close``."""
+    if comm._aborted is not None or comm._closed:
+        return
+    comm._aborted = error
+    for part in parts:
+        if part is not None and hasattr(part, "abort"):
+            part.abort(error)

@@ -22,7 +22,7 @@ from datetime import timedelta
 
 import torch
 
-from .base import Communicator
+from .base import Communicator, abort_parts
 from .calls import HEAD, Call, encode, first_difference, mismatch_message, tensor_call
 from .errors import CommAbortedError, CommClosedError, CommTimeoutError, FastcommError
 from .reduction import reduce_into
@@ -277,12 +277,7 @@ class HierCommunicator(Communicator):
         """From any thread: every pending and later call raises ``CommAbortedError`` naming
         ``error`` (a lost rank); the shm part is marked aborted (this host's peers fail at
         once), the Gloo parts' waits stop within ``ABORT_SLICE_S``. :meth:`close` follows."""
-        if self._aborted is not None or self._closed:
-            return
-        self._aborted = error
-        for part in (self.leaders, self.flat, self.intra):
-            if part is not None and hasattr(part, "abort"):
-                part.abort(error)
+        abort_parts(self, error, (self.leaders, self.flat, self.intra))
 
     def _run_task(self, task: Task, start: float) -> None:
         if self._aborted is not None:

@@ -539,11 +539,19 @@ def _close_quietly(comm) -> None:
         pass
 
 
+def same_backend(old) -> str:
+    """The backend a communicator rebuilt from `old` uses: `old`'s (``gloo`` for a torch
+    group's)."""
+    from fastcomm.comm.world import BACKENDS
+
+    return old.backend if old.backend in BACKENDS else "gloo"
+
+
 def _new_comm(old, membership: Membership, backend: str | None = None):
     """A communicator of `old`'s backend (or `backend`) over the members of the current epoch."""
-    from fastcomm.comm.world import BACKENDS, new_communicator
+    from fastcomm.comm.world import new_communicator
 
-    backend = backend or (old.backend if old.backend in BACKENDS else "gloo")
+    backend = backend or same_backend(old)
     size = len(membership.members)
     store = membership.store.prefixed(f"epoch{membership.epoch}/comm", rank=membership.rank)
     return new_communicator(

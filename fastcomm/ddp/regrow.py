@@ -44,6 +44,7 @@ from .recover import (
     _new_comm,
     _replace_world,
     rebind,
+    same_backend,
 )
 
 __all__ = ["JOIN_ENV", "Grower", "join", "joining", "node_key"]
@@ -256,9 +257,7 @@ class Grower:
 def _backend_for(old, membership) -> str:
     """The backend of the grown communicator: `old`'s, but ``hier`` where the members now
     span hosts and `old` was ``shm`` (a node joining from another host)."""
-    from fastcomm.comm.world import BACKENDS
-
-    backend = old.backend if old.backend in BACKENDS else "gloo"
+    backend = same_backend(old)
     hosts = {membership.identity[m][0] for m in membership.members}
     return "hier" if backend == "shm" and len(hosts) > 1 else backend
 

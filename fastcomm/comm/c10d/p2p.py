@@ -255,40 +255,48 @@ def _issued(group, tensors: list, engine, op, post, flight: tuple | None = None)
     return handle
 
 
-def send(group, tensors: list, dstRank: int, tag: int = 0) -> Any:  # noqa: N803 - torch's
-    """The group's ``send``: see the module docstring. The usual call (one contiguous CPU
-    tensor to another rank of a group whose engine is built and whose communicator is usable,
-    not coalescing) is done here, with the checks of :func:`_send` in its order and nothing
-    called that it need not call; anything else goes to :func:`_send`."""
-    engine = group._mailboxes
+def _usual(group, engine, tensors: list, peer: Any, tag: Any):
+    """The one tensor of the usual point-to-point call, else ``None``: one contiguous CPU
+    tensor to or from another rank of a group whose engine is built and whose communicator is
+    usable, not coalescing (:func:`send` and :func:`recv` do it at once)."""
     if (engine and tensors.__class__ is list and len(tensors) == 1
-            and dstRank.__class__ is int and dstRank in group._peers
+            and peer.__class__ is int and peer in group._peers
             and tag.__class__ is int and _TAG_MIN <= tag <= _TAG_MAX
             and group._coalescing is None):
         tensor = tensors[0]
         comm = group.communicator
         if (tensor.__class__ is _Tensor and tensor.is_cpu and tensor.layout is _STRIDED
                 and tensor.is_contiguous() and not comm._closed and comm._broken is None):
-            nbytes = tensor.nbytes
-            stats = comm.stats  # stats.record("send", tensor), inlined
-            calls, counted = stats.calls, stats.bytes
-            calls["send"] = calls.get("send", 0) + 1
-            counted["send"] = counted.get("send", 0) + nbytes
-            engine.check_rejects(dstRank, "send to")
-            code = _CODES[tensor.dtype]
-            recorder = comm.flight
-            seq = 0 if recorder is None else recorder.issue("send", tensor, dstRank)
-            try:
-                if engine.send_now(tensor.data_ptr(), nbytes, dstRank, tag, code):
-                    if recorder is not None:
-                        recorder.returned(seq)
-                    return group._done(tensors)
-                op = engine.isend(tensor, dstRank, tag, code)
-            except BaseException as exc:
-                _ended(None if recorder is None else (recorder, seq), exc)
-                raise
-            return _issued(group, tensors, engine, op, None,
-                           None if recorder is None else (recorder, seq))
+            return tensor
+    return None
+
+
+def send(group, tensors: list, dstRank: int, tag: int = 0) -> Any:  # noqa: N803 - torch's
+    """The group's ``send``: see the module docstring. The usual call (one contiguous CPU
+    tensor to another rank of a group whose engine is built and whose communicator is usable,
+    not coalescing) is done here, with the checks of :func:`_send` in its order and nothing
+    called that it need not call; anything else goes to :func:`_send`."""
+    engine = group._mailboxes
+    tensor = _usual(group, engine, tensors, dstRank, tag)
+    if tensor is not None:
+        comm = group.communicator
+        nbytes = tensor.nbytes
+        comm.stats.count("send", nbytes)
+        engine.check_rejects(dstRank, "send to")
+        code = _CODES[tensor.dtype]
+        recorder = comm.flight
+        seq = 0 if recorder is None else recorder.issue("send", tensor, dstRank)
+        try:
+            if engine.send_now(tensor.data_ptr(), nbytes, dstRank, tag, code):
+                if recorder is not None:
+                    recorder.returned(seq)
+                return group._done(tensors)
+            op = engine.isend(tensor, dstRank, tag, code)
+        except BaseException as exc:
+            _ended(None if recorder is None else (recorder, seq), exc)
+            raise
+        return _issued(group, tensors, engine, op, None,
+                       None if recorder is None else (recorder, seq))
     return _send(group, tensors, dstRank, tag)
 
 
@@ -328,32 +336,26 @@ def recv(group, tensors: list, srcRank: int | None, tag: int = 0) -> Any:  # noq
     call (one contiguous CPU tensor from another rank, as :func:`send`'s) is done here, with
     the checks of :func:`_recv` in its order; anything else goes to :func:`_recv`."""
     engine = group._mailboxes
-    if (engine and tensors.__class__ is list and len(tensors) == 1
-            and srcRank.__class__ is int and srcRank in group._peers
-            and tag.__class__ is int and _TAG_MIN <= tag <= _TAG_MAX
-            and group._coalescing is None):
-        tensor = tensors[0]
+    tensor = _usual(group, engine, tensors, srcRank, tag)
+    if tensor is not None:
         comm = group.communicator
-        if (tensor.__class__ is _Tensor and tensor.is_cpu and tensor.layout is _STRIDED
-                and tensor.is_contiguous() and not comm._closed and comm._broken is None):
-            calls = comm.stats.calls  # stats.record("recv", None), inlined
-            calls["recv"] = calls.get("recv", 0) + 1
-            code = _CODES[tensor.dtype]
-            engine.check_rejects(srcRank, "receive from")
-            recorder = comm.flight
-            seq = 0 if recorder is None else recorder.issue("recv", tensor, srcRank)
-            try:
-                if engine.recv_now(tensor.data_ptr(), tensor.nbytes, srcRank, tag, code):
-                    if recorder is not None:
-                        recorder.returned(seq)
-                    _increment_version((tensor,))  # written behind autograd's back
-                    return _received(group, tensors, srcRank)
-                op = engine.irecv(tensor, srcRank, tag, code)
-            except BaseException as exc:
-                _ended(None if recorder is None else (recorder, seq), exc)
-                raise
-            return _issued(group, tensors, engine, op, partial(_increment_version, (tensor,)),
-                           None if recorder is None else (recorder, seq))
+        comm.stats.record("recv", None)
+        code = _CODES[tensor.dtype]
+        engine.check_rejects(srcRank, "receive from")
+        recorder = comm.flight
+        seq = 0 if recorder is None else recorder.issue("recv", tensor, srcRank)
+        try:
+            if engine.recv_now(tensor.data_ptr(), tensor.nbytes, srcRank, tag, code):
+                if recorder is not None:
+                    recorder.returned(seq)
+                _increment_version((tensor,))  # written behind autograd's back
+                return _received(group, tensors, srcRank)
+            op = engine.irecv(tensor, srcRank, tag, code)
+        except BaseException as exc:
+            _ended(None if recorder is None else (recorder, seq), exc)
+            raise
+        return _issued(group, tensors, engine, op, partial(_increment_version, (tensor,)),
+                       None if recorder is None else (recorder, seq))
     return _recv(group, tensors, srcRank, tag)
 
 

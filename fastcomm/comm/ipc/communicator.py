@@ -24,7 +24,7 @@ import torch
 
 from ...kernels._launch import fp32_scale, kernel_backend
 from ...kernels._peer_reduce import MAX_PEERS, PEER_DTYPES, peer_reduce, reduce_unchecked
-from ..base import Communicator
+from ..base import Communicator, abort_parts
 from ..reduction import Reduction, torch_reduce
 from ..store import Store
 from ..types import Capabilities, ReduceOp
@@ -312,12 +312,7 @@ class IpcCommunicator(Communicator):
         """From any thread (a lost rank): every part is aborted (the shm part marks this rank
         aborted, the CUDA transport stops its barriers, the Gloo fallback's waits stop), so
         pending and later calls raise ``CommAbortedError``; :meth:`close` follows."""
-        if self._aborted is not None or self._closed:
-            return
-        self._aborted = error
-        for part in (self._cuda, self.cpu, self.fallback):
-            if part is not None and hasattr(part, "abort"):
-                part.abort(error)
+        abort_parts(self, error, (self._cuda, self.cpu, self.fallback))
 
     def _new_child(self, store: Store, rank: int, size: int, timeout: timedelta):
         raise TypeError(

@@ -116,16 +116,10 @@ class Mailboxes(StoppableThread):
         self._timeout_s = timeout_s
         self._on_fail = on_fail
         self._send_chunk, self._recv_chunk = streams.send_chunk, streams.recv_chunk
-        # the one-chunk fast paths call the compiled core themselves (a frame less each) and
-        # count the chunk in the streams' own counters, as Streams.send_chunk/recv_chunk do
-        compiled = streams.compiled
-        self._compiled = compiled is not None
-        self._core_send = None if compiled is None else compiled.send_chunk
-        self._core_recv = None if compiled is None else compiled.recv_chunk
-        self._sent, self._received = streams.sent, streams.received
+        self._compiled = streams.compiled is not None  # the one-chunk fast paths need it
         self._room = streams.chunk_bytes
         # the most bytes those paths take: a chunk, none without the core (one test per call)
-        self._room_now = -1 if compiled is None else self._room
+        self._room_now = -1 if not self._compiled else self._room
         self._idx = streams.pair_words  # per peer: (sent, peer's acked, peer's sent, acked)
         self._peers = [r for r in range(self.size) if r != self.rank]
         self._lock = threading.Lock()
@@ -191,12 +185,8 @@ class Mailboxes(StoppableThread):
         try:
             if self._sends[dst]:
                 return False
-            k = self._sent[dst]  # Streams.send_chunk, inlined
-            if self._core_send(addr, nbytes, nbytes, dst, k, self._flags.spin_budget_ns(),
-                               tag & _U64, dtype):
-                return False
-            self._sent[dst] = k + 1
-            return True
+            return not self._send_chunk(dst, addr, nbytes, nbytes,
+                                        self._flags.spin_budget_ns(), tag, dtype)
         finally:
             lock.release()
 
@@ -215,12 +205,8 @@ class Mailboxes(StoppableThread):
             if (self._incoming[src] is not None or self._stash[src] or self._wanted_any
                     or self._wanted[src]):
                 return False
-            k = self._received[src]  # Streams.recv_chunk, inlined
-            if self._core_recv(addr, nbytes, nbytes, src, k, self._flags.spin_budget_ns(),
-                               tag & _U64, dtype):
-                return False
-            self._received[src] = k + 1
-            return True
+            return not self._recv_chunk(src, addr, nbytes, nbytes,
+                                        self._flags.spin_budget_ns(), tag, dtype)
         finally:
             lock.release()
 
