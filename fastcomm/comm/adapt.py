@@ -141,17 +141,15 @@ def rooted_now(comm, kind: str, mine: torch.Tensor, theirs: list | None, root: i
         if nbytes < 0:
             return _rooted_general(comm, kind, mine, theirs, root)
     comm.stats.count(kind, nbytes)
-
-    def run() -> None:
-        if not comm._run_inline_rooted(kind, root, mine, theirs):
-            _rooted_task(comm, kind, mine, theirs, root)
-
-    run_recorded(comm.flight, kind, mine, root, run)  # as comm.gather / comm.scatter record
+    # recorded as comm.gather / comm.scatter record their calls
+    run_recorded(comm.flight, kind, mine, root, _rooted_run, comm, kind, mine, theirs, root)
     return True
 
 
-def _rooted_task(comm, kind: str, mine: torch.Tensor, theirs: list | None, root: int) -> None:
-    """:func:`rooted_now`'s call as a task, where the communicator has no inline lane free."""
+def _rooted_run(comm, kind: str, mine: torch.Tensor, theirs: list | None, root: int) -> None:
+    """:func:`rooted_now`'s call: on the inline lane, else as a task."""
+    if comm._run_inline_rooted(kind, root, mine, theirs):
+        return
     pieces, others, _ = rooted_pieces(comm, kind, mine, theirs, root)
     outputs, inputs = (others, pieces) if kind == "gather" else (pieces, others)
     comm._run(comm._impl_v_call(kind, root, outputs, inputs), False)
@@ -189,16 +187,19 @@ def split_now(comm, output: torch.Tensor, input: torch.Tensor, output_splits,
     if byte_splits is None:
         return False
     comm.stats.count("all_to_all", input.nbytes)
-
-    def run() -> None:
-        if not comm._run_inline_v_split(output, input, *byte_splits):
-            outputs = list(output.split_with_sizes(list(output_splits)))
-            inputs = list(input.split_with_sizes(list(input_splits)))
-            comm._run(comm._impl_v_call("all_to_all", -1, outputs, inputs), False)
-
     # recorded as comm.all_to_all_split records its calls
-    run_recorded(comm.flight, "all_to_all_v", input, None, run)
+    run_recorded(comm.flight, "all_to_all_v", input, None, _split_run, comm, output, input,
+                 output_splits, input_splits, byte_splits)
     return True
+
+
+def _split_run(comm, output: torch.Tensor, input: torch.Tensor, output_splits, input_splits,
+               byte_splits) -> None:
+    """:func:`split_now`'s call: on the inline lane, else as a task."""
+    if not comm._run_inline_v_split(output, input, *byte_splits):
+        outputs = list(output.split_with_sizes(list(output_splits)))
+        inputs = list(input.split_with_sizes(list(input_splits)))
+        comm._run(comm._impl_v_call("all_to_all", -1, outputs, inputs), False)
 
 
 def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

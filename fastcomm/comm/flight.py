@@ -315,15 +315,15 @@ def recorded(op: str, arg: int = 0, extra: int | None = None,
 
 
 def run_recorded(recorder: FlightRecorder | None, op: str, arg: Any, extra: Any,
-                 run: Callable[[], None]) -> None:
-    """``run()``, a synchronous call of ``op`` made outside the recorded public methods,
+                 run: Callable[..., Any], *args: Any) -> None:
+    """``run(*args)``, a synchronous call of ``op`` made outside the recorded public methods,
     recorded as they record theirs (``recorder`` ``None``: not recorded)."""
     if recorder is None:
-        run()
+        run(*args)
         return
     seq = recorder.issue(op, arg, extra)
     try:
-        run()
+        run(*args)
     except BaseException as exc:
         recorder.fail(seq, exc)
         raise
