@@ -344,29 +344,52 @@ def keep_for_launch(bt: BlockTable) -> None:
 @functools.lru_cache(maxsize=_TABLE_CACHE_SIZE)
 def _cached_table(key) -> BlockTable:
     device, block, itemsize, flat_itemsize, ptrs, numels, offsets = key
-    addr = torch.tensor(ptrs, dtype=torch.int64)
+    layout = _layout(device, block, itemsize, numels, offsets)
+    # Blocks start at multiples of `block` inside a tensor, so a 16-byte aligned tensor
+    # start and a 16-byte aligned flat offset make every block aligned.
+    aligned = all(p % VEC_BYTES == 0 for p, n in zip(ptrs, numels, strict=True) if n)
+    tab_align = VEC_BYTES if aligned else 1
+    flat_vec = max(1, VEC_BYTES // flat_itemsize)
+    if not all(o % flat_vec == 0 for o, n in zip(offsets, numels, strict=True) if n):
+        flat_vec = 1
+    assert (block * itemsize) % VEC_BYTES == 0 and block % flat_vec == 0, block
+    blk_addr = torch.tensor(ptrs, dtype=torch.int64)[layout.tensor_of] + layout.start_bytes
+    if device.type != "cuda":
+        return BlockTable(torch.cat([blk_addr[None], layout.rows]), layout.n_blocks,
+                          tab_align, flat_vec)
+    # a pageable host-to-device copy would wait for the stream (the backward in flight): the
+    # addresses go through pinned memory, the cached rows device to device, both queued
+    table = torch.empty(3, layout.n_blocks, dtype=torch.int64, device=device)
+    table[0].copy_(blk_addr.pin_memory(), non_blocking=True)
+    table[1:].copy_(layout.rows)
+    layout.rows.record_stream(torch.cuda.current_stream(device))  # kept past an eviction
+    return BlockTable(table, layout.n_blocks, tab_align, flat_vec)
+
+
+class _Layout(NamedTuple):
+    """What a block table holds apart from the addresses: fixed by the tensors' sizes."""
+
+    tensor_of: torch.Tensor  # int64 [n_blocks], CPU: the tensor each block reads
+    start_bytes: torch.Tensor  # int64 [n_blocks], CPU: the block's byte offset in its tensor
+    rows: torch.Tensor  # int64 [2, n_blocks] on the device: flat offset, element count
+    n_blocks: int
+
+
+@functools.lru_cache(maxsize=_TABLE_CACHE_SIZE)
+def _layout(device, block: int, itemsize: int, numels: tuple, offsets: tuple) -> _Layout:
     numel = torch.tensor(numels, dtype=torch.int64)
     offset = torch.tensor(offsets, dtype=torch.int64)
     n_blk = (numel + block - 1) // block
-    tensor_of = torch.repeat_interleave(torch.arange(len(ptrs)), n_blk)
+    tensor_of = torch.repeat_interleave(torch.arange(len(numels)), n_blk)
     first = torch.cumsum(n_blk, 0) - n_blk
     start = (torch.arange(tensor_of.numel()) - first[tensor_of]) * block
-    blk_addr = addr[tensor_of] + start * itemsize
     blk_off = offset[tensor_of] + start
     blk_count = torch.clamp(numel[tensor_of] - start, max=block)
-
-    # Blocks start at multiples of `block` inside a tensor, so a 16-byte aligned tensor
-    # start and a 16-byte aligned flat offset make every block aligned.
-    nonempty = numel > 0
-    tab_align = VEC_BYTES if bool((addr[nonempty] % VEC_BYTES == 0).all()) else 1
-    flat_vec = max(1, VEC_BYTES // flat_itemsize)
-    if not bool((offset[nonempty] % flat_vec == 0).all()):
-        flat_vec = 1
-    assert (block * itemsize) % VEC_BYTES == 0 and block % flat_vec == 0, block
-    table = torch.stack([blk_addr, blk_off, blk_count])
-    return BlockTable(table.to(device), int(tensor_of.numel()), tab_align, flat_vec)
+    rows = torch.stack([blk_off, blk_count]).to(device)  # once per layout
+    return _Layout(tensor_of, start * itemsize, rows, int(tensor_of.numel()))
 
 
 def clear_table_cache() -> None:
     """Drop cached block tables (and their device memory)."""
     _cached_table.cache_clear()
+    _layout.cache_clear()

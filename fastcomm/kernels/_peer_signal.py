@@ -67,7 +67,9 @@ def _peer_signal_kernel(
 ):
     peers = tl.arange(0, BLOCK_R)
     mask = peers < N_RANKS
-    control = control_addr.to(tl.pointer_type(tl.int64))
+    # widened first: an interpreter may hold an argument that fits 32 bits as int32, and
+    # refuses to reinterpret 4 bytes as an 8-byte pointer (a no-op when compiled)
+    control = control_addr.to(tl.int64).to(tl.pointer_type(tl.int64))
     stop = tl.load(control, volatile=True)
     failed = tl.load(control + 1, volatile=True)
     if (stop == 0) & (failed == 0):

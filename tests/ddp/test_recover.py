@@ -140,12 +140,14 @@ def _replay(sizes: list) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
-def _launch(tmp_path, points: str, shared: bool, hook: str = "", backend: str = ""):
+def _launch(tmp_path, points: str, shared: bool, hook: str = "", backend: str = "shm"):
+    """The 3-rank job on CPU tensors over `backend` (named: on a GPU machine the automatic
+    choice would be ipc, where the shared-bucket kill points never come)."""
     path = script(tmp_path, "job.py", JOB.format(steps=STEPS, kill_step=KILL_STEP))
     result = run(
         ["--nproc-per-node", "3", "--recover", "in-process", path, tmp_path, points,
          "1" if shared else "0", hook],
-        tmp_path, timeout=150, env=clean_env(FASTCOMM_BACKEND=backend) if backend else None,
+        tmp_path, timeout=150, env=clean_env(FASTCOMM_BACKEND=backend),
     )
     return result
 

@@ -166,7 +166,21 @@ def test_block_table_is_cached_and_keyed_by_address(device):
     pack(a, out=out)
     assert _launch._cached_table.cache_info().hits == info.hits + 1
     b = make([(100,), (BLOCK + 1,)], F32, device, seed=5)  # same shapes, new addresses
+    layouts = _launch._layout.cache_info()
     assert torch.equal(pack(b).cpu(), torch.cat([t.cpu() for t in b]))
+    # a new table, on the layout (offsets, counts) the first one computed
+    assert _launch._cached_table.cache_info().misses == info.misses + 1
+    assert _launch._layout.cache_info().hits == layouts.hits + 1
+    fresh, reused = (
+        _launch.block_table([t.data_ptr() for t in b], [t.numel() for t in b],
+                            [0, 100], 4, out, BLOCK).table.cpu()
+        for _ in range(2)
+    )
+    _launch.clear_table_cache()
+    rebuilt = _launch.block_table([t.data_ptr() for t in b], [t.numel() for t in b],
+                                  [0, 100], 4, out, BLOCK).table.cpu()
+    assert torch.equal(fresh, rebuilt) and torch.equal(reused, rebuilt)
+    assert rebuilt[0].tolist() == [b[0].data_ptr(), b[1].data_ptr(), b[1].data_ptr() + BLOCK * 4]
 
 
 def test_block_table_layout_and_alignment():

@@ -524,8 +524,12 @@ def gpu_missing_rank(name: str, timeout: float):
     from fastcomm.comm.errors import CommTimeoutError
 
     rank = int(os.environ["RANK"])
-    transport = _transport(name, timeout=timeout, **GPU_SMALL)
     store = rank_store().prefixed(name, rank=rank)
+    # CUDA up on both ranks first: the short timeout also bounds the transport's setup
+    torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    store.barrier("cuda-up", int(os.environ["WORLD_SIZE"]), 60)
+    transport = _transport(name, timeout=timeout, **GPU_SMALL)
     try:
         if rank == 1:
             store.wait(["failed"], 120)  # close only once rank 0 has given up
@@ -604,7 +608,7 @@ def test_gpu_two_ranks_sharing_gpu0_match_reference(gpu_pool, dtype_name, sizes,
 
 @pytest.mark.gpu
 def test_gpu_rank_that_never_arrives_times_out(gpu_pool, unique_name):
-    timeout = 3.0
+    timeout = 5.0
     results = gpu_pool.run(gpu_missing_rank, unique_name, timeout)
     elapsed, text, refused = results[0]
     assert timeout <= elapsed < timeout + 10, text
