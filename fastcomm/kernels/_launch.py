@@ -8,8 +8,8 @@ when triton is imported (``TRITON_INTERPRET``); `runnable` re-wraps the kernels 
 tensor on the device (the block's address in its tensor, in bytes; its element offset in the
 flat buffer; its element count), so a bucket of many tensors is one launch.
 
-Invariants: tables are cached by (addresses, sizes, offsets), so callers keep bucket tensors at
-stable addresses (a miss costs host work and a synchronous upload on the current stream); in
+Invariants: tables are cached by (addresses, sizes, offsets), the layout apart from the
+addresses; a miss queues its upload on the current stream and never waits for it; in
 interpreter mode CUDA tensors fall back to torch (it cannot follow their device addresses).
 
 Interpreter mode and the table's layout in detail: docs/kernels.md.
