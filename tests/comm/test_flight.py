@@ -20,7 +20,7 @@ import torch
 from fastcomm.comm.errors import FastcommError
 from fastcomm.comm.flight import FlightRecorder
 from fastcomm.trace import analyze
-from tests.harness import RankPool, fresh_comm
+from tests.harness import RankPool, fresh_comm, rank_store
 
 TIMEOUT = 6.0
 ENV = {"FASTCOMM_SUSPECT_S": "2", "FASTCOMM_FLIGHT_POLL_S": "0.5"}
@@ -60,16 +60,27 @@ def _run(backend, name, fault):
                 return comm.rank, _note(exc)
             return comm.rank, None
         if fault == "stop":
+            rank_store().set(f"{name}/stopped", str(os.getpid()))
             os.kill(os.getpid(), signal.SIGSTOP)
         if fault == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
     try:
         comm.all_reduce(tensor)
     except FastcommError as exc:
+        if fault == "stop":
+            _end_stopped(name, comm.size)
         return comm.rank, _note(exc)
     finally:
         comm.close()
     return comm.rank, None
+
+
+def _end_stopped(name, size):
+    """The last of the other ranks to hold its report kills the stopped rank 1, which the pool
+    would otherwise wait for until the check's own timeout."""
+    store = rank_store()
+    if store.add(f"{name}/reported", 1) == size - 1:
+        os.kill(int(store.get(f"{name}/stopped", 30)), signal.SIGKILL)
 
 
 def _early_reports(folder):
