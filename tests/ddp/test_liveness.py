@@ -59,6 +59,9 @@ def test_the_watch_aborts_the_communicator_in_use(store):
         assert watch.look() == []
         comm.all_reduce(torch.ones(4))  # still works
         store.root().set(lost_rank_key(5), "node 1 (node1) was lost: no heartbeat")
+        # a TCPStore set is not acknowledged: a get on the same connection returns once the
+        # server applied it, which the watch's own connection then sees
+        store.root().get(lost_rank_key(5))
         assert watch.look() == [1]
         assert watch.look() == []  # once
         with pytest.raises(CommAbortedError, match=r"all_reduce refused: member 1 \(launcher "
