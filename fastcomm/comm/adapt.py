@@ -17,7 +17,7 @@ from . import checks
 from .flight import run_recorded
 from .reduction import reduce_gathered
 from .types import BITWISE_OPS, PremulSum, ReduceOp, check_reduction
-from .vcoll import input_bytes, plain_bytes, plain_pieces, split_bytes
+from .vcoll import input_bytes, plain_pieces, split_bytes
 from .work import Task, Work
 
 _Tensor = torch.Tensor
@@ -135,11 +135,10 @@ def rooted_now(comm, kind: str, mine: torch.Tensor, theirs: list | None, root: i
         nbytes = mine.nbytes if gather else 0
     elif theirs.__class__ is not list or len(theirs) != size:
         return _rooted_general(comm, kind, mine, theirs, root)
+    elif plain_pieces(theirs, mine):
+        nbytes = mine.nbytes if gather else input_bytes(theirs)
     else:
-        nbytes = plain_bytes(theirs, mine) if not gather else (
-            mine.nbytes if plain_pieces(theirs, mine) else -1)
-        if nbytes < 0:
-            return _rooted_general(comm, kind, mine, theirs, root)
+        return _rooted_general(comm, kind, mine, theirs, root)
     comm.stats.count(kind, nbytes)
     # recorded as comm.gather / comm.scatter record their calls
     run_recorded(comm.flight, kind, mine, root, _rooted_run, comm, kind, mine, theirs, root)

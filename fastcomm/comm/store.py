@@ -41,6 +41,7 @@ __all__ = [
     "Store",
     "as_timedelta",
     "job_secret_from_env",
+    "joining_node_key",
     "lost_rank_key",
 ]
 
@@ -63,6 +64,13 @@ def lost_rank_key(rank: int) -> str:
     lost: ``fastcomm-run --recover in-process`` sets it (the reason as its value), the
     survivors' in-place recovery reads it (liveness across hosts)."""
     return f"fastcomm/lost/{rank}"
+
+
+def joining_node_key(node: str) -> str:
+    """The root key of a job's store where the agent of joining `node` (``node1``: its workers'
+    ``FASTCOMM_RECOVER_JOIN``) puts how many ranks it brings; fastcomm DDP's running ranks read
+    it to admit them all at one step boundary."""
+    return f"fastcomm/join/{node}"
 
 
 def as_timedelta(timeout: float | timedelta | None, default: timedelta) -> timedelta:

@@ -23,7 +23,7 @@ from .errors import FastcommError
 from .work import Task
 
 __all__ = ["KINDS", "SizesDisagreement", "check_v", "default_task", "input_bytes", "overlaps",
-           "plain_bytes", "plain_pieces", "raise_disagreement", "split_bytes"]
+           "plain_pieces", "raise_disagreement", "split_bytes"]
 
 #: the v-calls (names of ``calls.OPS``)
 KINDS = ("gather", "scatter", "all_to_all", "all_gather", "reduce_scatter", "all_gather_coalesced")
@@ -90,22 +90,6 @@ def input_bytes(inputs: list) -> int:
         if t is not first:
             return sum([t.nbytes for t in inputs])
     return first.nbytes
-
-
-def plain_bytes(pieces, first: torch.Tensor) -> int:
-    """:func:`input_bytes` of ``pieces`` where they are :func:`plain_pieces` of a CPU
-    ``first``, else -1: both in one pass."""
-    if not first.is_cpu:
-        return input_bytes(pieces) if plain_pieces(pieces, first) else -1
-    dtype, head, total, same = first.dtype, pieces[0], 0, True
-    for t in pieces:
-        if (t.__class__ is not torch.Tensor or t.dtype is not dtype or t.layout is not _STRIDED
-                or not t.is_cpu or not t.is_contiguous()):
-            return -1
-        total += t.nbytes
-        if t is not head:
-            same = False
-    return head.nbytes if same else total
 
 
 def plain_pieces(pieces, first: torch.Tensor) -> bool:

@@ -141,7 +141,9 @@ class DDPConfig:
     )
     """With ``gradient_as_bucket_view=None``, the buckets are shared only where the gradients
     they would hold average this many bytes or more (default 16 KiB, or
-    ``FASTCOMM_DDP_SHARED_MIN_MEAN_BYTES``; 0 shares every model's buckets)."""
+    ``FASTCOMM_DDP_SHARED_MIN_MEAN_BYTES``; 0 shares every model's buckets). The same bound
+    decides which CPU buckets ``hand_over_grads`` applies to: below it, the per-gradient
+    work of either costs more than the copy it saves."""
 
     stage_min_bytes: int = field(default_factory=lambda: STAGE_MIN_BYTES)
     """Bytes from which a fresh gradient is staged into its shared CPU bucket (only the peers'

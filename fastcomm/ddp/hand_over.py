@@ -10,8 +10,9 @@ Invariant: the buffer is written again only once nothing but the reducer holds i
 `hand_over` counts the storage's uses before it gives any view out; `take_back`, when the next
 backward (or a joined rank's shadow) starts, compares: ``zero_grad(set_to_none=True)`` dropped
 the gradients and the buffer is reused; gradients someone still holds keep it, and the bucket
-takes a new one. Taken only where ``Reducer.hands_over`` (no comm hook, bucket views, shared
-buckets; ``DDPConfig.hand_over_grads``), on CPU, without ``create_graph`` or recovery.
+takes a new one. Taken only for the buckets in ``Reducer.hands_over`` (no comm hook, bucket
+views, shared buckets; ``DDPConfig.hand_over_grads``; gradients averaging
+``DDPConfig.shared_min_mean_bytes`` or more), on CPU, without ``create_graph`` or recovery.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ def hand_over(reducer, bucket: Bucket, targets: list[torch.Tensor | None]) -> bo
     ``reducer.grad_targets``) with as few copies as it can (see the module docstring); whether
     it did (else the caller unpacks as usual)."""
     if (
-        not reducer.hands_over or reducer.create_graph or reducer.keeper is not None
-        or bucket.device.type != "cpu"
+        bucket.index not in reducer.hands_over or reducer.create_graph
+        or reducer.keeper is not None or bucket.device.type != "cpu"
     ):
         return False
     views = bucket.views

@@ -187,12 +187,16 @@ class Reducer:
         )
         self.strategies = plan.strategies
         self._on_arrival = plan.on_arrival
-        # write-backs may hand the reduced buffer over as .grad (hand_over): not where .grad
-        # already is a bucket view, nor under a comm hook (it may keep the buffer)
-        self.hands_over = (
-            self.config.hand_over_grads and self._comm_hook is None and not self.bucket_view
-            and self.shared is None and COUNTS_USES
-        )
+        # the buckets whose write-back may hand the reduced buffer over as .grad (hand_over):
+        # not where .grad already is a bucket view, nor under a comm hook (it may keep the
+        # buffer), nor where the gradients are so small that its per-gradient check costs
+        # more than the copy it saves (the shared buckets' threshold)
+        config = self.config
+        self.hands_over = frozenset(
+            b.index for b in self.buckets
+            if not b.sparse and b.flat.nbytes >= len(b.params) * config.shared_min_mean_bytes
+        ) if (config.hand_over_grads and self._comm_hook is None and not self.bucket_view
+              and self.shared is None and COUNTS_USES) else frozenset()
         # per parameter: the shm bucket whose staging takes its fresh gradient (only its
         # peers' parts copied in, fastcomm.ddp.shared), or None: a copy
         self._stage_in = plan.stage_in

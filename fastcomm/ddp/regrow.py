@@ -8,8 +8,8 @@ The joiner's ``fastcomm.init()`` returns a stand-in world of its own (``world._j
 is due; one store ``check``); the first to see it sets the admission to the next such step
 (``compare_set``). There the requests posted by then become the last members of a new epoch,
 once every joining node among them has posted as many as its agent said it brings
-(``node_key``; else a step later, and past the recovery timeout without the missing ones, as
-decided per step by ``compare_set``). Rank 0 posts their admissions (members, step, bucket
+(``joining_node_key``; else a step later, and past the recovery timeout without the missing
+ones, as decided per step by ``compare_set``). Rank 0 posts their admissions (members, step, bucket
 order, backend: ``hier`` once the members span hosts), all build the new communicator, and
 rank 0 streams the parameters, buffers and ``DDP.register_state`` objects' ``state_dict``s
 (at the joiners' first forward). ``DDP.join_step`` tells a joiner's loop where it is.
@@ -28,10 +28,10 @@ import warnings
 import torch
 
 from fastcomm.comm.shm.segment import pid_start_time
+from fastcomm.comm.store import joining_node_key
 from fastcomm.comm.topology import host_id
 
 from .broadcast import broadcast_tensors
-from .liveness import LossWatch
 from .recover import (
     NAMESPACE_KEY,
     RECOVER_TIMEOUT_ENV,
@@ -39,7 +39,6 @@ from .recover import (
     MembershipChange,
     Recovery,
     _close_quietly,
-    _comm_of,
     _detach_from_region,
     _new_comm,
     _replace_world,
@@ -47,7 +46,7 @@ from .recover import (
     same_backend,
 )
 
-__all__ = ["JOIN_ENV", "Grower", "join", "joining", "node_key"]
+__all__ = ["JOIN_ENV", "Grower", "join", "joining"]
 
 #: Set by the launcher in a replacement's environment.
 JOIN_ENV = "FASTCOMM_RECOVER_JOIN"
@@ -55,12 +54,6 @@ EVERY_ENV = "FASTCOMM_RECOVER_JOIN_EVERY"
 _POLL_S = 0.005
 _BATCH_MAX = 64  # requests admitted at one boundary at most
 _NODE_PREFIX = "node"  # FASTCOMM_RECOVER_JOIN of a joining node's workers: node<GROUP_RANK>
-
-
-def node_key(node: str) -> str:
-    """The root key of the job's store where the agent of joining `node` (``node1``) puts how
-    many ranks it brings (``fastcomm.launch.recovery.node_key``, the same)."""
-    return f"fastcomm/join/{node}"
 
 
 def _parse_request(raw: bytes) -> dict:
@@ -157,7 +150,7 @@ class Grower:
     def _batch(self, k: int, step: int) -> int:
         """How many requests from `k` on are admitted together at `step` (0: none yet), as the
         first rank here decided (``compare_set``): those posted by now, once every node among
-        them has posted as many as its agent said it brings (``node_key``); after the
+        them has posted as many as its agent said it brings (``joining_node_key``); after the
         recovery timeout, those that came (the missing ones named)."""
         store = self.recovery.membership.store
         key = f"grow/batch/{k}/{step}"
@@ -191,7 +184,7 @@ class Grower:
     def _missing(self, k: int, n: int) -> list[str]:
         """The nodes among requests ``k..k+n-1`` that have not all asked, each as
         ``"node1's local ranks [1] (1 of 2 asked)"``: a node's count is what its agent
-        published (``node_key``), its requests counted from the first ticket on."""
+        published (``joining_node_key``), its requests counted from the first ticket on."""
         nodes = {self._request(j)["node"] for j in range(k, k + n)} - {None}
         missing = []
         for node in sorted(nodes):
@@ -207,7 +200,7 @@ class Grower:
         """How many ranks joining `node` brings, as its agent published it (1 if it did not)."""
         if node not in self._sizes:
             root = self.recovery.membership.lost_store
-            key = node_key(node)
+            key = joining_node_key(node)
             self._sizes[node] = int(root.get(key)) if root.check([key]) else 1
         return self._sizes[node]
 
@@ -258,20 +251,24 @@ def _backend_for(old, membership) -> str:
     """The backend of the grown communicator: `old`'s, but ``hier`` where the members now
     span hosts and `old` was ``shm`` (a node joining from another host)."""
     backend = same_backend(old)
-    hosts = {membership.identity[m][0] for m in membership.members}
-    return "hier" if backend == "shm" and len(hosts) > 1 else backend
+    return "hier" if backend == "shm" and _spans_hosts(membership) else backend
+
+
+def _spans_hosts(membership) -> bool:
+    """Whether the current members run on more than one host."""
+    return len({membership.identity[m][0] for m in membership.members}) > 1
 
 
 def _watch_other_hosts(recovery, comm) -> None:
     """Once the members span hosts (a node joined from another), their losses are learnt from
     the launcher's keys (``liveness.LossWatch``), as for ranks that started across hosts."""
     membership = recovery.membership
-    hosts = {membership.identity[m][0] for m in membership.members}
-    if membership.one_host and len(hosts) > 1:
+    if membership.one_host and _spans_hosts(membership):
         membership.one_host = False
-        if recovery.watch is None and comm.backend == "hier":
-            recovery.watch = LossWatch(membership, _comm_of(recovery))
-    recovery._arm(comm)  # a failed hier call waits for the watch to name the lost rank
+    if recovery.watch is None:
+        recovery._start_watch()  # where the new communicator's waits need one
+    else:
+        recovery._arm(comm)  # a failed call waits for the watch to name the lost rank
 
 
 def stream_states(ddp) -> None:

@@ -22,13 +22,13 @@ import os
 import sys
 from collections.abc import Callable
 
-from fastcomm.comm.store import Store, lost_rank_key
+from fastcomm.comm.store import Store, joining_node_key, lost_rank_key
 
 from .config import LaunchConfig
 from .errors import Failure, exit_description
 from .rendezvous import RoundInfo
 
-__all__ = ["JOIN_ENV", "RECOVER_ENV", "LossWatch", "announce_node", "loss_report", "node_key"]
+__all__ = ["JOIN_ENV", "RECOVER_ENV", "LossWatch", "announce_node", "loss_report"]
 
 #: The workers' variable: ``in-process`` turns on fastcomm DDP's in-place shrink.
 RECOVER_ENV = "FASTCOMM_RECOVER"
@@ -36,20 +36,13 @@ RECOVER_ENV = "FASTCOMM_RECOVER"
 JOIN_ENV = "FASTCOMM_RECOVER_JOIN"
 
 
-def node_key(node: str) -> str:
-    """The root key of the workers' store where joining `node` (``node1``: its workers'
-    ``FASTCOMM_RECOVER_JOIN``) says how many ranks it brings; fastcomm DDP's running ranks
-    admit them all at one step boundary (``fastcomm.ddp.regrow.node_key``, the same)."""
-    return f"fastcomm/join/{node}"
-
-
 def announce_node(info: RoundInfo, node: str, log: Callable[[str], None]) -> None:
     """Puts how many ranks joining `node` (this agent's, admitted into the running round
-    `info`) brings under :func:`node_key` in the workers' store, before its workers start.
-    Best effort: unreached, the running ranks admit each worker as it asks."""
+    `info`) brings under ``joining_node_key(node)`` in the workers' store, before its workers
+    start. Best effort: unreached, the running ranks admit each worker as it asks."""
     try:
         store = Store(info.master_addr, info.master_port, timeout=10.0, _secret=None)
-        store.set(node_key(node), str(info.nodes[info.group_rank].nproc))
+        store.set(joining_node_key(node), str(info.nodes[info.group_rank].nproc))
     except RuntimeError as exc:
         log(f"could not tell the running ranks how many ranks {node} brings: {exc}")
 

@@ -103,7 +103,28 @@ def check_turned_off():
     assert all(g._base is None for g in _grads(model))
 
 
-pool = pool_fixture(2, timeout=180)
+def check_small_gradients_copied():
+    """Under the default mean of 16 KiB a gradient (the test MLP's are smaller), the per-gradient
+    check would cost more than the copy it saves: copied, and as torch's."""
+    from fastcomm.ddp.config import SHARED_MIN_MEAN_BYTES
+
+    init_torch_dist()
+    ours, theirs = wrap_pair("mlp", process_group=dist.group.WORLD)
+    assert ours.reducer.hands_over
+    ours.config.shared_min_mean_bytes = SHARED_MIN_MEAN_BYTES
+    ours.reducer.comm_hook = None  # plans again, reading the option
+    assert not ours.reducer.hands_over
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    for x, y in batches("mlp", 3):
+        for model, opt in zip((ours, theirs), opts, strict=True):
+            _step(model, opt, x, y)
+        assert all(g._base is None for g in _grads(ours))
+        _same_grads(ours, theirs)
+    assert_same_state(ours, theirs)
+
+
+# the test models' gradients average under the 16 KiB from which buckets are handed over
+pool = pool_fixture(2, timeout=180, env={"FASTCOMM_DDP_SHARED_MIN_MEAN_BYTES": "0"})
 
 
 def test_handed_over_and_reused(pool):
@@ -120,3 +141,7 @@ def test_existing_gradients_copied(pool):
 
 def test_turned_off(pool):
     pool.run(check_turned_off)
+
+
+def test_small_gradients_copied(pool):
+    pool.run(check_small_gradients_copied)

@@ -151,7 +151,9 @@ def test_every_rank_lost_fails_the_job(tmp_path):
     assert "FAILED" in result.stderr and "rank 1 gives up" in result.stderr
 
 
-ELASTIC = """
+# The start of a job whose nodes join while it runs: a joining node's second rank asks
+# sys.argv[2] seconds after its first; `last` holds the step the last join happened at.
+JOINING = """
     import json, os, sys, time
     import torch
     from torch import nn
@@ -159,19 +161,23 @@ ELASTIC = """
     from fastcomm.ddp import DDP
 
     out = sys.argv[1]
-    comm = fastcomm.init(timeout=60)
+    fastcomm.init(timeout=60)
     if os.environ.get("FASTCOMM_RECOVER_JOIN") and os.environ["LOCAL_RANK"] == "1":
-        time.sleep(float(sys.argv[2]))  # the late node's second rank asks after its first
+        time.sleep(float(sys.argv[2]))
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
     ddp = DDP(model)
-    me = ddp._recovery.membership.me  # the original rank; 2 and 3 for the late node's
+    membership = ddp._recovery.membership
+    me = membership.me  # the original rank
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     ddp.register_state("opt", opt)
     last = [ddp.join_step]
     ddp.on_membership_change(
         lambda c: last.__setitem__(0, int(c.where.split()[1])) if c.where.startswith("join")
         else None)
+"""
+
+ELASTIC = JOINING + """
     done, step, deadline = [], ddp.join_step, time.monotonic() + 100
     while ddp.world_size < 4 or step < last[0] + 5:
         assert time.monotonic() < deadline, "the late node's ranks never joined"
@@ -365,28 +371,8 @@ def test_a_lost_node_below_the_minimum_is_not_absorbed():
     assert not workers.check([lost_rank_key(2)])  # the round fails: nobody is told to go on
 
 
-REJOIN = """
-    import json, os, sys, time
-    import torch
-    from torch import nn
-    import fastcomm
-    from fastcomm.ddp import DDP
-
-    out = sys.argv[1]
-    fastcomm.init(timeout=60)
-    if os.environ.get("FASTCOMM_RECOVER_JOIN") and os.environ["LOCAL_RANK"] == "1":
-        time.sleep(1.0)  # a joining node's second rank asks about 40 steps after its first
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
-    ddp = DDP(model)
-    membership = ddp._recovery.membership
-    me = membership.me  # 0, 1: the first node's; 2, 3: the node lost; 4, 5: the node back
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    ddp.register_state("opt", opt)
-    last = [ddp.join_step]
-    ddp.on_membership_change(
-        lambda c: last.__setitem__(0, int(c.where.split()[1])) if c.where.startswith("join")
-        else None)
+# me: 0, 1 the first node's; 2, 3 the node lost; 4, 5 the node back
+REJOIN = JOINING + """
     step, deadline = ddp.join_step, time.monotonic() + 100
     while len(membership.identity) < 6 or ddp.world_size < 4 or step < last[0] + 5:
         assert time.monotonic() < deadline, f"rank {me}: the node never came back"
@@ -427,12 +413,12 @@ def test_a_node_lost_then_back_is_admitted_into_the_running_round(tmp_path):
     env = clean_env(FASTCOMM_RECOVER_JOIN_EVERY="4")
     err = tmp_path / "first.err"
     with open(err, "w") as fh:  # read while it runs: the loss must be absorbed first
-        first = subprocess.Popen([*LAUNCH, *map(str, [*flags, path, tmp_path])], cwd=tmp_path,
-                                 env={**env, HOST_ID: "hosta"}, stdout=subprocess.DEVNULL,
-                                 stderr=fh, text=True)
+        first = subprocess.Popen([*LAUNCH, *map(str, [*flags, path, tmp_path, 1.0])],
+                                 cwd=tmp_path, env={**env, HOST_ID: "hosta"},
+                                 stdout=subprocess.DEVNULL, stderr=fh, text=True)
     try:
         wait_files(tmp_path, "training_*", 2, proc=first, timeout=90)
-        lost = start([*flags, path, tmp_path], tmp_path, {**env, HOST_ID: "hostb"})
+        lost = start([*flags, path, tmp_path, 1.0], tmp_path, {**env, HOST_ID: "hostb"})
         wait_files(tmp_path, "training_*", 4, proc=first, timeout=90)
         lost.kill()  # the node goes: its agent, and with it its workers
         lost.communicate()
@@ -441,7 +427,7 @@ def test_a_node_lost_then_back_is_admitted_into_the_running_round(tmp_path):
         while "node 1 (" not in err.read_text():
             assert first.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
             time.sleep(0.05)
-        back = finish(start([*flags, path, tmp_path], tmp_path, {**env, HOST_ID: "hostc"}),
+        back = finish(start([*flags, path, tmp_path, 1.0], tmp_path, {**env, HOST_ID: "hostc"}),
                       timeout=120)
         assert first.wait(timeout=60) == 0, err.read_text()[-4000:]
     finally:
@@ -506,9 +492,8 @@ def test_a_lost_node_makes_room_and_the_agents_learn_the_nodes_admitted():
     assert rdzv1.grown_nodes(info1) == []  # read once
 
 
-def test_the_agent_and_ddp_name_the_same_key_for_a_joining_node():
+def test_the_agent_and_ddp_name_the_same_join_variable():
     from fastcomm.ddp import regrow
     from fastcomm.launch import recovery
 
-    assert recovery.node_key("node3") == regrow.node_key("node3") == "fastcomm/join/node3"
     assert recovery.JOIN_ENV == regrow.JOIN_ENV

@@ -428,15 +428,8 @@ class ShmCommunicator(Communicator):
     def _run_inline_rooted(self, kind: str, root: int, mine: torch.Tensor,
                            theirs: list | None) -> bool:
         """:meth:`_run_inline_v` of a ``gather`` or ``scatter`` with no piece list made
-        (``VSchedule.run_rooted``); :meth:`_v_inline`, inlined (a frame less per call)."""
-        if self._executor.busy or self._broken is not None or not self._v_fits:
-            return False
-        start = time.monotonic()
-        try:
-            self._v.run_rooted(kind, root, mine, theirs)
-        except BaseException as exc:
-            self._abort(kind, start, exc)
-        return True
+        (``VSchedule.run_rooted``)."""
+        return self._v_inline(self._v.run_rooted, kind, root, mine, theirs)
 
     def _v_inline(self, run, kind: str, *args) -> bool:
         """``run(kind, *args)`` on the caller's thread where nothing asynchronous is pending

@@ -267,16 +267,3 @@ def test_bad_input_and_overlap(pool):
     pool.run(check_bad_input)
     pool.run(check_overlap)
 
-
-def test_plain_bytes_is_input_bytes_of_plain_pieces():
-    """``plain_bytes`` (the root's check of a gather or scatter, in one pass) is
-    ``input_bytes`` where ``plain_pieces`` holds (a tensor given twice counts once), else -1."""
-    from fastcomm.comm.vcoll import input_bytes, plain_bytes, plain_pieces
-
-    a, b = torch.ones(3), torch.ones(5)
-    cases = [[a, b], [a, a], [b, a, a], [a, torch.ones(3, dtype=torch.float64)],
-             [a, torch.ones(4, 2).t()], [a, torch.ones(3).to_sparse()], [a, [1.0]]]
-    for pieces in cases:
-        want = input_bytes(pieces) if plain_pieces(pieces, a) else -1
-        assert plain_bytes(pieces, a) == want, pieces
-    assert [plain_bytes(p, a) for p in cases[:3]] == [32, 12, 44]
