@@ -391,7 +391,7 @@ def test_replacement_joins_and_trains_in_step(tmp_path, comm_hook):
     assert join > KILL_STEP and reports[0]["joined"] == reports[2]["joined"] == join
     # started from the launcher's warm spare, which is gone with the job
     assert reports[3]["spare"] and not reports[0]["spare"]
-    assert not spares_left()
+    assert not spares_left(cwd=tmp_path)
     end = reports[0]["done"][-1] + 1
     assert reports[0]["done"] == reports[2]["done"] == list(range(end))
     assert reports[3]["done"] == list(range(join, end))

@@ -184,9 +184,10 @@ dist.destroy_process_group()
 """
 
 
-def spares_left(parent: int | None = None) -> list[int]:
+def spares_left(parent: int | None = None, cwd: Path | None = None) -> list[int]:
     """The pids of this checkout's warm spare workers (``_bootstrap.py --spare``) running
-    (only `parent`'s children, where given)."""
+    (only `parent`'s children, where given; only those working in `cwd`, a job's folder, where
+    given: other tests' jobs may have spares of their own at the same time)."""
     from fastcomm.launch.workers import BOOTSTRAP
 
     found = []
@@ -199,8 +200,17 @@ def spares_left(parent: int | None = None) -> list[int]:
         if BOOTSTRAP.encode() in argv and b"--spare" in argv:
             if parent is not None and _parent(entry) != parent:
                 continue
+            if cwd is not None and _cwd(entry) != Path(cwd).resolve():
+                continue
             found.append(int(entry))
     return found
+
+
+def _cwd(pid: str) -> Path | None:
+    try:
+        return Path(os.readlink(f"/proc/{pid}/cwd")).resolve()
+    except OSError:
+        return None
 
 
 def _parent(pid: str) -> int | None:

@@ -96,7 +96,7 @@ def test_an_unused_spare_goes_with_the_job(tmp_path):
     assert result.returncode == 0, result.stderr
     assert sorted(line for line in result.stdout.splitlines() if "worker" in line) == [
         "[rank 0]: worker 0", "[rank 1]: worker 1"]
-    assert not spares_left()
+    assert not spares_left(cwd=tmp_path)
 
 
 def test_below_min_ranks_stops_with_the_report(tmp_path):

@@ -570,7 +570,20 @@ def gpu_disagree(name: str, numel: int):
         transport.close()
 
 
-def gpu_leak_check(name: str) -> tuple[int, int]:
+def _registered(ptr: int) -> bool:
+    """Whether the CUDA driver still knows `ptr` (allocated or opened, not yet freed)."""
+    from cupy.cuda import runtime
+
+    try:
+        return runtime.pointerGetAttributes(ptr).type != 0  # 0: cudaMemoryTypeUnregistered
+    except runtime.CUDARuntimeError:  # an address the driver never knew
+        return False
+
+
+def gpu_leak_check(name: str) -> tuple[list, int, int]:
+    """Three transports made and closed: their own and opened peer addresses, whether each is
+    still registered afterwards, and torch's allocated bytes before and after. Per process:
+    the GPU's free memory moves with every other test on it."""
     world = int(os.environ["WORLD_SIZE"])
     store = rank_store()
     warm = _transport(f"{name}/warm")  # kernels loaded before the first measurement
@@ -578,14 +591,19 @@ def gpu_leak_check(name: str) -> tuple[int, int]:
     warm.close()
     torch.cuda.synchronize()
     store.barrier(f"{name}/before", world, 60)
-    free_before = torch.cuda.mem_get_info(0)[0]
-    store.barrier(f"{name}/measured", world, 60)
+    allocated = torch.cuda.memory_allocated()
+    pointers = []
     for i in range(3):
         transport = _transport(f"{name}/{i}")
         transport.all_reduce(torch.ones(1 << 20, device="cuda"), "sum").synchronize()
+        made = [transport._base, *transport._opened]
+        assert all(_registered(p) for p in made), made
         transport.close()
+        # looked at before the next transport may get the same addresses again
+        pointers += [(p, _registered(p)) for p in made]
     store.barrier(f"{name}/after", world, 60)
-    return free_before, torch.cuda.mem_get_info(0)[0]
+    torch.cuda.synchronize()
+    return pointers, allocated, torch.cuda.memory_allocated()
 
 
 TOLERANCE = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 1e-2}
@@ -629,9 +647,11 @@ def test_gpu_disagreement_raises_on_both_ranks(gpu_pool, unique_name):
 
 @pytest.mark.gpu
 def test_gpu_transports_leave_no_memory_behind(gpu_pool, unique_name):
-    for before, after in gpu_pool.run(gpu_leak_check, unique_name):
-        # three 32 MiB workspaces per rank were made and freed; allow allocator noise
-        assert before - after < 8 << 20, (before, after)
+    for rank, (pointers, before, after) in enumerate(gpu_pool.run(gpu_leak_check, unique_name)):
+        # each transport: its own workspace and the peer's opened one, both gone after close
+        assert len(pointers) == 3 * 2, (rank, pointers)
+        assert not [p for p, registered in pointers if registered], (rank, pointers)
+        assert after == before, (rank, before, after)
 
 
 # ---------------------------------------------------------------------- the data step alone
