@@ -85,7 +85,7 @@ class FlightRecorder:
     """
 
     __slots__ = ("name", "rank", "size", "capacity", "seq", "_op", "_arg", "_extra", "_t0",
-                 "_t1", "_state", "_last", "_range", "_seen", "done", "backend", "main",
+                 "_t1", "_state", "_last", "_prev", "_range", "_seen", "done", "backend", "main",
                  "__weakref__")
 
     def __init__(self, name: str, rank: int, size: int, capacity: int = DEFAULT_SIZE) -> None:
@@ -109,9 +109,11 @@ class FlightRecorder:
         self._t0 = [0] * capacity
         self._t1 = [0] * capacity
         self._state = bytearray(capacity)
-        # the last tensor described (weakly) and its (dtype, numel): a tensor passed call
-        # after call is described once
+        # the last two tensors described (weakly) and their (dtype, numel): a tensor passed
+        # call after call, or two taking turns (a send's and a receive's buffer), is described
+        # once
         self._last: tuple = (_NOBODY, ())
+        self._prev: tuple = (_NOBODY, ())
         self._range: tuple | None = None  # (seq, the profiler range of the call on the caller)
         self._seen: tuple[int, float] = (0, 0.0)  # (an untimed call in flight, first seen at)
         with _LOCK:
@@ -129,8 +131,13 @@ class FlightRecorder:
             if last[0]() is arg:  # the same tensor again (a bucket, a loop's buffer)
                 shape = last[1]
             else:
-                shape = (arg.dtype, arg.numel())
-                self._last = (_weak(arg), shape)
+                prev = self._prev
+                if prev[0]() is arg:  # the other of two taking turns
+                    shape = prev[1]
+                    self._last, self._prev = prev, last
+                else:
+                    shape = (arg.dtype, arg.numel())
+                    self._last, self._prev = (_weak(arg), shape), last
         else:
             shape = _shape_of(arg)
         self._op[i] = op

@@ -141,6 +141,24 @@ def test_recorder_ring_wraps():
     assert recorder.in_flight()[:2] == (seq, "broadcast") and recorder.last_done() == 6
 
 
+def test_tensors_taking_turns_are_described_right():
+    """The recorder remembers the last two tensors' shapes: a send's and a receive's buffer
+    taking turns, a third tensor, and a new tensor where a dead one was, each described as
+    it is."""
+    recorder = FlightRecorder("t", 0, 2, capacity=16)
+    a, b, c = torch.ones(3), torch.zeros(5, dtype=torch.int64), torch.ones(2, 4)
+    for tensor in (a, b, a, b, c, a, c, b):
+        recorder.returned(recorder.issue("send", tensor, 1))
+    descs = [row["desc"] for row in recorder.entries()]
+    want = {id(a): "float32, 3 elements", id(b): "int64, 5 elements", id(c): "float32, 8"}
+    for desc, tensor in zip(descs, (a, b, a, b, c, a, c, b), strict=True):
+        assert want[id(tensor)] in desc, descs
+    del a, b  # a new tensor may take a dead one's address: described anew
+    d = torch.ones(7, dtype=torch.float16)
+    recorder.returned(recorder.issue("recv", d, 1))
+    assert "float16, 7 elements" in recorder.entries(last=1)[0]["desc"]
+
+
 def test_returned_and_pending_calls():
     """A synchronous call that returned ends with one store when untimed, by ``end`` when
     timed; a call left pending stays in flight whatever returns after it."""
