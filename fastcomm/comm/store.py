@@ -35,6 +35,7 @@ from .errors import FastcommError, StoreTimeoutError
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "JOIN_ENV",
     "SECRET_ENV",
     "SECRET_FILE_ENV",
     "AnswerGuard",
@@ -64,6 +65,11 @@ def lost_rank_key(rank: int) -> str:
     lost: ``fastcomm-run --recover in-process`` sets it (the reason as its value), the
     survivors' in-place recovery reads it (liveness across hosts)."""
     return f"fastcomm/lost/{rank}"
+
+
+JOIN_ENV = "FASTCOMM_RECOVER_JOIN"
+"""Set by the launcher in a replacement's environment (the rank it replaces, or ``node1`` for
+a joining node's workers): it joins the running ranks instead of starting a job."""
 
 
 def joining_node_key(node: str) -> str:

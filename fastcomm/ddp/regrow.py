@@ -28,7 +28,7 @@ import warnings
 import torch
 
 from fastcomm.comm.shm.segment import pid_start_time
-from fastcomm.comm.store import joining_node_key
+from fastcomm.comm.store import JOIN_ENV, joining_node_key
 from fastcomm.comm.topology import host_id
 
 from .broadcast import broadcast_tensors
@@ -48,8 +48,6 @@ from .recover import (
 
 __all__ = ["JOIN_ENV", "Grower", "join", "joining"]
 
-#: Set by the launcher in a replacement's environment.
-JOIN_ENV = "FASTCOMM_RECOVER_JOIN"
 EVERY_ENV = "FASTCOMM_RECOVER_JOIN_EVERY"
 _POLL_S = 0.005
 _BATCH_MAX = 64  # requests admitted at one boundary at most

@@ -22,7 +22,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from fastcomm.comm.store import Store, joining_node_key, lost_rank_key
+from fastcomm.comm.store import JOIN_ENV, Store, joining_node_key, lost_rank_key
 
 from .config import LaunchConfig
 from .errors import Failure, exit_description
@@ -32,8 +32,6 @@ __all__ = ["JOIN_ENV", "RECOVER_ENV", "LossWatch", "announce_node", "loss_report
 
 #: The workers' variable: ``in-process`` turns on fastcomm DDP's in-place shrink.
 RECOVER_ENV = "FASTCOMM_RECOVER"
-#: Set in a replacement's environment: it joins the running ranks instead of starting a job.
-JOIN_ENV = "FASTCOMM_RECOVER_JOIN"
 
 
 def announce_node(info: RoundInfo, node: str, log: Callable[[str], None]) -> None:

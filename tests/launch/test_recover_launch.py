@@ -490,10 +490,3 @@ def test_a_lost_node_makes_room_and_the_agents_learn_the_nodes_admitted():
     assert [n.host for n in info1.nodes] == ["node0", "node1", "node2"]
     assert info1.world_size == 6 and info1.world_size_now() == 6
     assert rdzv1.grown_nodes(info1) == []  # read once
-
-
-def test_the_agent_and_ddp_name_the_same_join_variable():
-    from fastcomm.ddp import regrow
-    from fastcomm.launch import recovery
-
-    assert recovery.JOIN_ENV == regrow.JOIN_ENV
