@@ -22,6 +22,7 @@ __all__ = [
     "reduce_dtype_of",
     "reduced_parameters",
     "resolve_comm",
+    "torch_members",
 ]
 
 
@@ -50,6 +51,18 @@ def resolve_comm(comm, process_group, module: nn.Module | None = None) -> Commun
         "fastcomm DDP needs a communicator: call torch.distributed.init_process_group(...) or "
         "fastcomm.init() first, or pass comm= (a fastcomm communicator) or process_group="
     )
+
+
+def torch_members(comm, process_group, resolved: Communicator) -> tuple[int, ...] | None:
+    """The global ranks of the torch group whose members are `resolved`'s (the DDP's
+    communicator): the group passed, else torch's default group where it is as large; ``None``
+    for a communicator passed in (no torch group is known to share its members)."""
+    if comm is not None:
+        return None
+    group = process_group if process_group is not None else default_group()
+    if group is None or group.size() != resolved.size:
+        return None
+    return tuple(dist.get_process_group_ranks(group))
 
 
 def default_group() -> dist.ProcessGroup | None:

@@ -35,6 +35,7 @@ from ._setup import (
     reduce_dtype_of,
     reduced_parameters,
     resolve_comm,
+    torch_members,
 )
 from .broadcast import broadcast_tensors, verify_same_parameters
 from .bucket import GradBucket
@@ -155,6 +156,9 @@ class DDP(nn.Module):
         self.comm = resolve_comm(comm, process_group, module)
         # torch's attribute is the group reduced over: the default one when none was passed
         self.process_group = process_group if process_group is not None else default_group()
+        # the torch group of the communicator's members: a comm hook's state holding one of
+        # them follows the communicator through in-place recovery (hooks.hook_comm)
+        self._torch_members = torch_members(comm, process_group, self.comm)
         # how a pickled copy finds its communicator again (see pickling.py)
         self._comm_given = comm is not None or (
             process_group is not None and process_group is not default_group()

@@ -18,7 +18,13 @@ from typing import Any
 
 from torch import nn
 
-from ._setup import default_group, reduce_dtype_of, reduced_parameters, resolve_comm
+from ._setup import (
+    default_group,
+    reduce_dtype_of,
+    reduced_parameters,
+    resolve_comm,
+    torch_members,
+)
 from .reducer import Reducer
 from .sparse import sparse_param_indices
 
@@ -59,6 +65,7 @@ def ddp_setstate(ddp: nn.Module, state: dict[str, Any]) -> None:
     ddp._states, ddp._loading_states = {}, False
     ddp.comm = resolve_comm(None, None, ddp.module)
     ddp.process_group = default_group()
+    ddp._torch_members = torch_members(None, None, ddp.comm)
     names, params = reduced_parameters(ddp.module, ddp.parameters_to_ignore)
     ddp.reducer = Reducer(
         params, names, ddp.comm, ddp.config, sparse_param_indices(ddp.module, params)

@@ -414,7 +414,7 @@ class Recovery:
         ddp.comm = comm
         if reducer is not None:
             rebind(reducer, comm)
-        _replace_world(old, comm)
+        _replace_world(old, comm, ddp._torch_members)
         change = MembershipChange(
             epoch=self.membership.epoch, rank=comm.rank, world_size=comm.size,
             lost=tuple(before.index(r) for r in before if r not in members),
@@ -564,13 +564,14 @@ def _new_comm(old, membership: Membership, backend: str | None = None):
     )
 
 
-def _replace_world(old, new) -> None:
+def _replace_world(old, new, members: tuple[int, ...] | None) -> None:
     """``fastcomm.get_world()`` returns `new` where it returned the failed `old`, and so does a
     comm hook's state that names `old` (``old.replaced_by``, followed by ``hooks.hook_comm``)
-    or a torch group of as many ranks as the first of the line (``new.shrunk_from``)."""
+    or a torch group of the first communicator's members (`members`, the DDP's
+    ``_torch_members``, kept as ``new.first_members``)."""
     from fastcomm.comm import world
 
     old.replaced_by = new
-    new.shrunk_from = getattr(old, "shrunk_from", old.size)
+    new.first_members = getattr(old, "first_members", members)
     if world._WORLD is old:
         world._WORLD = new

@@ -231,7 +231,7 @@ class Grower:
         ddp.comm = comm
         _watch_other_hosts(recovery, comm)
         rebind(reducer, comm)
-        _replace_world(old, comm)
+        _replace_world(old, comm, ddp._torch_members)
         _close_quietly(old)
         broadcast_tensors(comm, list(reducer.params) + ddp.synced_buffers(), src=0)
         stream_states(ddp)
@@ -369,6 +369,6 @@ def join(ddp, timeout: float = 600.0):
     recovery = Recovery.adopt(ddp, membership)  # on hier across hosts: a loss watch
     recovery.grower = Grower(recovery, header.get("next", k + 1), lost=header.get("lost", 0))
     recovery.grower.states_pending = True
-    _replace_world(stand_in, comm)
+    _replace_world(stand_in, comm, ddp._torch_members)
     _close_quietly(stand_in)
     return recovery, header

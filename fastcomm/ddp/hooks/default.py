@@ -31,15 +31,17 @@ def hook_comm(group: object, bucket: GradBucket) -> Communicator:
     """The communicator a hook reduces over: `group` if it names one, else the DDP's. A
     communicator that in-place recovery replaced (a lost rank, a joiner) stands for its
     successor (``replaced_by``): a state made with the failed one follows the DDP's, and so
-    does a torch ``ProcessGroup`` of as many ranks as the DDP had before it shrank (a torch
-    group cannot be rebuilt over the survivors; one spanning the lost rank would fail)."""
+    does a torch ``ProcessGroup`` of the members the DDP had before it changed
+    (``first_members``; a torch group cannot be rebuilt over the survivors, and one spanning
+    the lost rank would fail). Any other torch group is its own, whatever its size."""
     if group is None:
         return bucket.comm
     if isinstance(group, Communicator):
         return successor(group)
     if isinstance(group, dist.ProcessGroup):
         own = bucket.comm
-        if own is not None and getattr(own, "shrunk_from", None) == group.size():
+        members = getattr(own, "first_members", None)
+        if members is not None and tuple(dist.get_process_group_ranks(group)) == members:
             return own
         comm = _ADAPTED.get(group)
         if comm is None or comm.closed:
