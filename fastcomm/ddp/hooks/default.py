@@ -41,7 +41,7 @@ def hook_comm(group: object, bucket: GradBucket) -> Communicator:
     if isinstance(group, dist.ProcessGroup):
         own = bucket.comm
         members = getattr(own, "first_members", None)
-        if members is not None and tuple(dist.get_process_group_ranks(group)) == members:
+        if members is not None and _global_ranks(group) == members:
             return own
         comm = _ADAPTED.get(group)
         if comm is None or comm.closed:
@@ -51,6 +51,15 @@ def hook_comm(group: object, bucket: GradBucket) -> Communicator:
         f"hook state must be None, a fastcomm Communicator or a torch ProcessGroup, got "
         f"{type(group).__name__}"
     )
+
+
+def _global_ranks(group: dist.ProcessGroup) -> tuple[int, ...] | None:
+    """`group`'s members in torch's global numbering; ``None`` for a group torch does not
+    know (made by hand, not by ``new_group``)."""
+    try:
+        return tuple(dist.get_process_group_ranks(group))
+    except (ValueError, RuntimeError):
+        return None
 
 
 def successor(comm: Communicator) -> Communicator:
