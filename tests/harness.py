@@ -1,9 +1,10 @@
 """Multi-process test harness: a pool of real ranks reused across the checks of a module.
 
 Starting a process that imports torch costs ~2 s here, so a module starts its ranks once
-(``RankPool``) and sends them many checks. Each check is a module-level function (pickled by
-reference) called as ``fn(*args)`` on every rank; its return values come back in rank order,
-and a rank's exception comes back as its formatted traceback.
+(``RankPool``, forked from a server that imported torch) and sends them many checks. Each
+check is a module-level function (pickled by reference) called as ``fn(*args)`` on every rank;
+its return values come back in rank order, and a rank's exception comes back as its formatted
+traceback.
 
 The pool's parent process serves the ``TCPStore`` (port 0), and the ranks connect as clients
 (``TORCHELASTIC_USE_AGENT_STORE=True``), so ``fastcomm.init()`` works in them unchanged. After a
@@ -24,7 +25,13 @@ from typing import Any
 
 from fastcomm.comm.store import Store
 
-_CTX = mp.get_context("spawn")
+# Ranks are forked from multiprocessing's fork server, which imported torch once (``import
+# torch`` costs ~2 s of CPU per process here): a rank is still a process of its own, with
+# nothing of fastcomm or Triton imported, the pool's environment as it is at `start`, and
+# generators seeded at random (`_reseed`). What a fork keeps in common is Python's string hash
+# seed; jobs started by ``fastcomm-run`` (tests/launch, tests/ddp/test_recover) keep theirs apart.
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch"])
 
 # Per-rank state that survives between checks of one pool (communicators, say).
 STATE: dict[str, Any] = {}
@@ -54,8 +61,23 @@ class RankFailure(AssertionError):
         self.unfinished = sorted(unfinished)
 
 
+def _reseed() -> None:
+    """Seeds torch's and numpy's default generators at random, as a fresh interpreter does (a
+    forked rank would otherwise draw what every other rank draws)."""
+    import torch
+
+    torch.seed()
+    try:
+        import numpy as np
+    except ImportError:  # torch runs without numpy
+        return
+    np.random.seed()
+
+
 def _worker(rank: int, world_size: int, port: int, env: dict[str, str], conn: Connection):
+    os.environ.clear()  # the pool's environment as it is now, not the server's at its start
     os.environ.update(env)
+    _reseed()
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -118,7 +140,7 @@ class RankPool:
             parent, child = _CTX.Pipe()
             proc = _CTX.Process(
                 target=_worker,
-                args=(rank, self.world_size, self.store.port, self.env, child),
+                args=(rank, self.world_size, self.store.port, {**os.environ, **self.env}, child),
                 name=f"rank{rank}",
                 daemon=True,
             )
