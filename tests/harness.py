@@ -33,6 +33,11 @@ from fastcomm.comm.store import Store
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch"])
 
+#: Environment of every pool's ranks unless its own ``env`` says otherwise. The flight watch
+#: polls every 0.5 s (1 s by default): a failed call's report waits 2 polls + 1 s for the peers'
+#: records, so a check that runs into a timeout or an abort waits 2 s for it, not 3 s.
+POOL_ENV = {"FASTCOMM_FLIGHT_POLL_S": "0.5"}
+
 # Per-rank state that survives between checks of one pool (communicators, say).
 STATE: dict[str, Any] = {}
 
@@ -110,7 +115,7 @@ class RankPool:
 
     Args:
         world_size: number of ranks.
-        env: extra environment for the ranks.
+        env: extra environment for the ranks (over ``POOL_ENV``).
         timeout: default seconds a check may take on all ranks together.
         grace: seconds the other ranks get to finish once one rank has failed.
     """
@@ -124,7 +129,7 @@ class RankPool:
         grace: float = 15.0,
     ) -> None:
         self.world_size = world_size
-        self.env = dict(env or {})
+        self.env = {**POOL_ENV, **(env or {})}
         self.timeout = timeout
         self.grace = grace
         self.store: Store | None = None

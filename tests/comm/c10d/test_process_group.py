@@ -737,7 +737,7 @@ def test_disagreement_raises_on_every_rank(pool, name):
 
 
 def test_missing_rank_named_within_timeout(pool):
-    messages = pool.run(check_missing_rank, 2.0)[0]
+    messages = pool.run(check_missing_rank, 1.0)[0]
     assert "all_reduce" in messages["allreduce"] and "[1] never arrived" in messages["allreduce"]
     assert "gather" in messages["gather"] and "[1] never arrived" in messages["gather"]
     assert "rank 0: recv from rank 1" in messages["recv"]

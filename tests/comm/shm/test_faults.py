@@ -26,7 +26,7 @@ from fastcomm.comm.shm.segment import SHM_DIR, sweep_stale
 from tests.harness import fresh_comm, pool_fixture
 
 TIMEOUT = 30.0  # setup and the communicators' timeout; detection must be far quicker
-OP_TIMEOUT = 2.0  # where the timeout is the thing tested, and the missing rank truly absent
+OP_TIMEOUT = 1.0  # where the timeout is the thing tested, and the missing rank truly absent
 BIG = 3 << 20  # 3 MiB of float32 = 3 rounds through the default 1 MiB slots
 
 
