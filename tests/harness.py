@@ -27,11 +27,15 @@ from fastcomm.comm.store import Store
 
 # Ranks are forked from multiprocessing's fork server, which imported torch once (``import
 # torch`` costs ~2 s of CPU per process here): a rank is still a process of its own, with
-# nothing of fastcomm or Triton imported, the pool's environment as it is at `start`, and
-# generators seeded at random (`_reseed`). What a fork keeps in common is Python's string hash
-# seed; jobs started by ``fastcomm-run`` (tests/launch, tests/ddp/test_recover) keep theirs apart.
+# nothing of fastcomm imported, the pool's environment as it is at `start`, and generators
+# seeded at random (`_reseed`). A fork keeps Python's string hash seed in common; jobs started
+# by ``fastcomm-run`` (tests/launch, tests/ddp/test_recover) keep theirs apart. torch's
+# optimizers import torch._dynamo (~1 s more) when the first is built: the server imports it
+# too where the session forces Triton to its interpreter (the root conftest, on a machine
+# without CUDA), as torch._dynamo imports triton, which reads TRITON_INTERPRET once.
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch"])
+_PRELOAD = ["torch"] + (["torch._dynamo"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
+_CTX.set_forkserver_preload(_PRELOAD)
 
 #: Environment of every pool's ranks unless its own ``env`` says otherwise. The flight watch
 #: polls every 0.5 s (1 s by default): a failed call's report waits 2 polls + 1 s for the peers'
