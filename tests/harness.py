@@ -330,6 +330,28 @@ def rank_store():
     return STATE["store"]
 
 
+def poll_keys(store, keys: list[str], timeout: float = 60.0) -> None:
+    """Waits until every key of ``keys`` is set in ``store``, looking every 20 ms.
+
+    A rank that stays away from a collective on purpose waits this way, not with
+    ``store.wait``: a blocking wait holds the rank's store connection, which its flight watch
+    shares, so the rank could not answer the failing peers' report request (the report then
+    waits its full 2 s for this rank's record, and names it as not answering)."""
+    deadline = time.monotonic() + timeout
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {os.environ.get('RANK')}: {keys} not set in {timeout} s")
+        time.sleep(0.02)
+
+
+def poll_barrier(name: str, timeout: float = 60.0) -> None:
+    """A barrier of every rank of the pool over :func:`rank_store`, waited by :func:`poll_keys`."""
+    store = rank_store()
+    if store.add(f"{name}/arrived", 1) == env_world():
+        store.set(f"{name}/done", "1")
+    poll_keys(store, [f"{name}/done"], timeout)
+
+
 def rank_comm(backend: str = "gloo", timeout: float = 30.0):
     """A communicator of ``backend`` over all ranks of the pool (cached per backend)."""
     key = f"comm/{backend}"
