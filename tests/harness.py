@@ -1,9 +1,10 @@
 """Multi-process test harness: a pool of real ranks reused across the checks of a module.
 
 Starting a process that imports torch costs ~2 s here, so a module starts its ranks once
-(``RankPool``) and sends them many checks. Each check is a module-level function (pickled by
-reference) called as ``fn(*args)`` on every rank; its return values come back in rank order,
-and a rank's exception comes back as its formatted traceback.
+(``RankPool``, forked from a server that imported torch) and sends them many checks. Each
+check is a module-level function (pickled by reference) called as ``fn(*args)`` on every rank;
+its return values come back in rank order, and a rank's exception comes back as its formatted
+traceback.
 
 The pool's parent process serves the ``TCPStore`` (port 0), and the ranks connect as clients
 (``TORCHELASTIC_USE_AGENT_STORE=True``), so ``fastcomm.init()`` works in them unchanged. After a
@@ -24,7 +25,22 @@ from typing import Any
 
 from fastcomm.comm.store import Store
 
-_CTX = mp.get_context("spawn")
+# Ranks are forked from multiprocessing's fork server, which imported torch once (``import
+# torch`` costs ~2 s of CPU per process here): a rank is still a process of its own, with
+# nothing of fastcomm imported, the pool's environment as it is at `start`, and generators
+# seeded at random (`_reseed`). A fork keeps Python's string hash seed in common; jobs started
+# by ``fastcomm-run`` (tests/launch, tests/ddp/test_recover) keep theirs apart. torch's
+# optimizers import torch._dynamo (~1 s more) when the first is built: the server imports it
+# too where the session forces Triton to its interpreter (the root conftest, on a machine
+# without CUDA), as torch._dynamo imports triton, which reads TRITON_INTERPRET once.
+_CTX = mp.get_context("forkserver")
+_PRELOAD = ["torch"] + (["torch._dynamo"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
+_CTX.set_forkserver_preload(_PRELOAD)
+
+#: Environment of every pool's ranks unless its own ``env`` says otherwise. The flight watch
+#: polls every 0.5 s (1 s by default): a failed call's report waits 2 polls + 1 s for the peers'
+#: records, so a check that runs into a timeout or an abort waits 2 s for it, not 3 s.
+POOL_ENV = {"FASTCOMM_FLIGHT_POLL_S": "0.5"}
 
 # Per-rank state that survives between checks of one pool (communicators, say).
 STATE: dict[str, Any] = {}
@@ -54,8 +70,23 @@ class RankFailure(AssertionError):
         self.unfinished = sorted(unfinished)
 
 
+def _reseed() -> None:
+    """Seeds torch's and numpy's default generators at random, as a fresh interpreter does (a
+    forked rank would otherwise draw what every other rank draws)."""
+    import torch
+
+    torch.seed()
+    try:
+        import numpy as np
+    except ImportError:  # torch runs without numpy
+        return
+    np.random.seed()
+
+
 def _worker(rank: int, world_size: int, port: int, env: dict[str, str], conn: Connection):
+    os.environ.clear()  # the pool's environment as it is now, not the server's at its start
     os.environ.update(env)
+    _reseed()
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -88,7 +119,7 @@ class RankPool:
 
     Args:
         world_size: number of ranks.
-        env: extra environment for the ranks.
+        env: extra environment for the ranks (over ``POOL_ENV``).
         timeout: default seconds a check may take on all ranks together.
         grace: seconds the other ranks get to finish once one rank has failed.
     """
@@ -102,7 +133,7 @@ class RankPool:
         grace: float = 15.0,
     ) -> None:
         self.world_size = world_size
-        self.env = dict(env or {})
+        self.env = {**POOL_ENV, **(env or {})}
         self.timeout = timeout
         self.grace = grace
         self.store: Store | None = None
@@ -118,7 +149,7 @@ class RankPool:
             parent, child = _CTX.Pipe()
             proc = _CTX.Process(
                 target=_worker,
-                args=(rank, self.world_size, self.store.port, self.env, child),
+                args=(rank, self.world_size, self.store.port, {**os.environ, **self.env}, child),
                 name=f"rank{rank}",
                 daemon=True,
             )
@@ -297,6 +328,28 @@ def rank_store():
             rank=int(os.environ["RANK"]),
         )
     return STATE["store"]
+
+
+def poll_keys(store, keys: list[str], timeout: float = 60.0) -> None:
+    """Waits until every key of ``keys`` is set in ``store``, looking every 20 ms.
+
+    A rank that stays away from a collective on purpose waits this way, not with
+    ``store.wait``: a blocking wait holds the rank's store connection, which its flight watch
+    shares, so the rank could not answer the failing peers' report request (the report then
+    waits its full 2 s for this rank's record, and names it as not answering)."""
+    deadline = time.monotonic() + timeout
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {os.environ.get('RANK')}: {keys} not set in {timeout} s")
+        time.sleep(0.02)
+
+
+def poll_barrier(name: str, timeout: float = 60.0) -> None:
+    """A barrier of every rank of the pool over :func:`rank_store`, waited by :func:`poll_keys`."""
+    store = rank_store()
+    if store.add(f"{name}/arrived", 1) == env_world():
+        store.set(f"{name}/done", "1")
+    poll_keys(store, [f"{name}/done"], timeout)
 
 
 def rank_comm(backend: str = "gloo", timeout: float = 30.0):

@@ -10,7 +10,7 @@ import torch
 
 from fastcomm import CommClosedError, CommTimeoutError, FastcommError, ReduceOp
 from tests.comm.shm.test_faults import short_op_timeout
-from tests.harness import fresh_comm, pool_fixture, rank_comm
+from tests.harness import fresh_comm, poll_keys, pool_fixture, rank_comm
 
 BACKENDS = ["gloo", "shm"]
 
@@ -91,7 +91,7 @@ def check_missing_peer_times_out(backend, name):
         comm.close()
         return elapsed, message
     # rank 1.. stay connected but never join the collective until rank 0 has timed out
-    comm.store.wait(["timed-out"], timeout=30.0)
+    poll_keys(comm.store, ["timed-out"], timeout=30.0)
     comm.close()
     return None
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fastcomm.comm.errors import CommAbortedError, FastcommError
-from tests.harness import env_rank, fresh_comm, pool_fixture, rank_store
+from tests.harness import env_rank, fresh_comm, poll_keys, pool_fixture, rank_store
 
 pytestmark = pytest.mark.timeout(200)
 
@@ -31,9 +31,9 @@ def check_abort(case: str) -> str | None:
     comm = fresh_comm("gloo", f"gloo-abort-{case}", timeout=60)
     comm.all_reduce(torch.ones(4))  # the mesh works before the loss
     if rank == 2:  # lost
-        store.wait([f"gloo-abort-{case}/pending{r}" for r in (0, 1)])
+        poll_keys(store, [f"gloo-abort-{case}/pending{r}" for r in (0, 1)])
         if case != "closed":
-            store.wait([f"gloo-abort-{case}/done{r}" for r in (0, 1)])
+            poll_keys(store, [f"gloo-abort-{case}/done{r}" for r in (0, 1)])
         comm.close()
         return None
     comm.loss_grace = 30.0 if case != "silent" else 0.0
@@ -77,7 +77,7 @@ def check_no_grace() -> str | None:
     rank, store = env_rank(), rank_store()
     comm = fresh_comm("gloo", "gloo-no-grace", timeout=10)
     if rank == 2:
-        store.wait([f"gloo-no-grace/pending{r}" for r in (0, 1)])
+        poll_keys(store, [f"gloo-no-grace/pending{r}" for r in (0, 1)])
         comm.close()
         return None
     work = comm.all_reduce(torch.ones(100_000), async_op=True)

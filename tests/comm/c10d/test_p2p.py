@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import fastcomm  # noqa: F401 - registers the backend
-from tests.harness import STATE, RankPool, env_rank, env_world, rank_store
+from tests.harness import STATE, RankPool, env_rank, env_world, poll_barrier, rank_store
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -282,7 +282,7 @@ def check_peer_never_sends(timeout_s: float):
         with pytest.raises(RuntimeError) as again:  # and stays failed
             work.wait()
         assert str(again.value) == message and work.is_completed() and not work.is_success()
-    rank_store().barrier(f"p2p-never/{STATE.setdefault('never', 0)}", env_world(), 60)
+    poll_barrier(f"p2p-never/{STATE.setdefault('never', 0)}")
     STATE["never"] += 1
     dist.destroy_process_group(group)
     return message

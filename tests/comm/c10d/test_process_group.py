@@ -28,7 +28,15 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import fastcomm  # noqa: F401 - registers the backend
-from tests.harness import STATE, env_rank, env_world, free_port, pool_fixture, rank_store
+from tests.harness import (
+    STATE,
+    env_rank,
+    env_world,
+    free_port,
+    poll_barrier,
+    pool_fixture,
+    rank_store,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -635,7 +643,7 @@ def check_missing_rank(timeout_s: float):
             elapsed = time.monotonic() - start
             assert elapsed < timeout_s + 5, f"{name} raised after {elapsed:.1f} s"
             messages[name] = str(info.value)
-    rank_store().barrier(f"missing/{STATE.setdefault('missing', 0)}", env_world(), 60)
+    poll_barrier(f"missing/{STATE.setdefault('missing', 0)}")
     STATE["missing"] += 1
     for g in (group, gloo_path, p2p, future):
         dist.destroy_process_group(g)
@@ -737,7 +745,7 @@ def test_disagreement_raises_on_every_rank(pool, name):
 
 
 def test_missing_rank_named_within_timeout(pool):
-    messages = pool.run(check_missing_rank, 2.0)[0]
+    messages = pool.run(check_missing_rank, 1.0)[0]
     assert "all_reduce" in messages["allreduce"] and "[1] never arrived" in messages["allreduce"]
     assert "gather" in messages["gather"] and "[1] never arrived" in messages["gather"]
     assert "rank 0: recv from rank 1" in messages["recv"]

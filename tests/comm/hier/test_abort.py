@@ -20,7 +20,7 @@ import torch
 from fastcomm.comm.errors import CommAbortedError
 from fastcomm.comm.shm.segment import SHM_DIR
 from tests.comm.hier.test_communicator import set_host
-from tests.harness import env_rank, fresh_comm, pool_fixture, rank_store
+from tests.harness import env_rank, fresh_comm, poll_keys, pool_fixture, rank_store
 
 pytestmark = [
     pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs POSIX shared memory"),
@@ -36,9 +36,9 @@ def check_abort(case: str) -> str | None:
     comm = fresh_comm("hier", f"abort-{case}", timeout=60)
     keys = [f"abort-{case}/done{r}" for r in (0, 2)]
     if rank in (1, 3):  # host b: lost
-        store.wait([f"abort-{case}/pending{r}" for r in (0, 2)])
+        poll_keys(store, [f"abort-{case}/pending{r}" for r in (0, 2)])
         if case == "silent":
-            store.wait(keys)
+            poll_keys(store, keys)
         comm.close()
         return None
     if case == "closed":

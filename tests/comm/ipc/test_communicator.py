@@ -30,7 +30,14 @@ import torch
 from fastcomm import CommTimeoutError, ReduceOp
 from fastcomm.comm.shm.segment import PREFIX, SHM_DIR
 from tests.comm.test_collectives import make_input, reduce_reference
-from tests.harness import INTERPRETED_KERNELS, STATE, fresh_comm, pool_fixture, rank_store
+from tests.harness import (
+    INTERPRETED_KERNELS,
+    STATE,
+    fresh_comm,
+    poll_keys,
+    pool_fixture,
+    rank_store,
+)
 
 pytestmark = [
     pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs POSIX shared memory"),
@@ -165,11 +172,12 @@ def check_other_collectives():
 
 
 def check_rank_never_arrives(name: str):
-    """Every rank but the last calls all_reduce; the last builds the communicator and sleeps."""
+    """Every rank but the last calls all_reduce; the last builds the communicator and waits."""
     comm = fresh_comm("ipc", name, timeout=OP_TIMEOUT)
     absent = comm.size - 1
-    if comm.rank == absent:
-        time.sleep(OP_TIMEOUT + 2.0)  # alive, never arriving, until the others gave up
+    store = rank_store().prefixed(f"{name}-gave-up")
+    if comm.rank == absent:  # alive, never arriving, until every other rank gave up
+        poll_keys(store, [str(r) for r in range(absent)])
         comm.close()
         return None
     start = time.monotonic()
@@ -179,6 +187,8 @@ def check_rank_never_arrives(name: str):
         elapsed, message = time.monotonic() - start, str(exc)
     else:
         raise AssertionError(f"rank {comm.rank}: all_reduce returned without rank {absent}")
+    finally:
+        store.set(str(comm.rank), "1")
     comm.close()
     return elapsed, message
 

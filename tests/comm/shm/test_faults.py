@@ -23,10 +23,10 @@ from fastcomm.comm import CommAbortedError
 from fastcomm.comm import reduction as _reduction
 from fastcomm.comm.shm import segment as _shm_segment
 from fastcomm.comm.shm.segment import SHM_DIR, sweep_stale
-from tests.harness import fresh_comm, pool_fixture
+from tests.harness import fresh_comm, poll_keys, pool_fixture
 
 TIMEOUT = 30.0  # setup and the communicators' timeout; detection must be far quicker
-OP_TIMEOUT = 2.0  # where the timeout is the thing tested, and the missing rank truly absent
+OP_TIMEOUT = 1.0  # where the timeout is the thing tested, and the missing rank truly absent
 BIG = 3 << 20  # 3 MiB of float32 = 3 rounds through the default 1 MiB slots
 
 
@@ -108,7 +108,7 @@ def check_missing_rank_is_named(name):
     if comm.rank == absent:
         # connected, never joins; stays away until every other rank has timed out (a fixed
         # sleep could end before a rank that started late timed out)
-        comm.store.wait([f"timed-out/{r}" for r in range(absent)], timeout=TIMEOUT)
+        poll_keys(comm.store, [f"timed-out/{r}" for r in range(absent)], timeout=TIMEOUT)
         comm.close()
         return None
     result = _collect(comm, lambda: comm.all_reduce(torch.ones(4)))
