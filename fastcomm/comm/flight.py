@@ -179,6 +179,13 @@ class FlightRecorder:
         else:
             self.end(seq)
 
+    def slots(self) -> tuple:
+        """The ring's lists for shm's compiled send/recv lane, which writes a completed call's
+        slot as :meth:`issue` and :meth:`end` would: ``(op, arg, extra, state, t0, t1,
+        capacity, the sampling mask, the completed state)``. The lists are never replaced."""
+        return (self._op, self._arg, self._extra, self._state, self._t0, self._t1,
+                self.capacity, _UNSAMPLED, COMPLETED)
+
     def _close_range(self) -> None:
         _exit(self._range[1])
         self._range = None

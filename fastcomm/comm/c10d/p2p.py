@@ -1,10 +1,11 @@
 """Point-to-point of the ``fastcomm`` process group: ``send``, ``recv``, ``recv_anysource``.
 
 On a group whose CPU communicator is ``shm``, a dense CPU tensor of any dtype moves as its
-bytes through the communicator's tagged engine (:class:`~fastcomm.comm.shm.p2p.Mailboxes`:
-tags, any-source receives, a size or dtype mismatch raised on both ranks); a non-contiguous one
-through a contiguous copy. Anything else (CUDA, sparse, a ``hier`` or ``gloo`` communicator) is
-handed to the Gloo group (or a device map's CUDA backend) unchanged.
+bytes through the communicator's tagged engine (:class:`~fastcomm.comm.shm.p2p.Mailboxes`);
+the usual call (one contiguous tensor of one chunk) is one call of the engine's compiled lane
+(``Mailboxes.lane``), every other one (a non-contiguous tensor: through a copy) goes through
+:func:`_send`/:func:`_recv`. Anything else (CUDA, sparse, a ``hier`` or ``gloo``
+communicator) is handed to the Gloo group (or a device map's CUDA backend) unchanged.
 
 Invariants: ``dist.batch_isend_irecv`` reaches this group as one ``send``/``recv`` per
 operation (torch does not coalesce for a Python group); a send to or receive from this rank
@@ -176,6 +177,7 @@ def _engine(group, tensor: torch.Tensor):
             group._mailboxes = False
             return None
         engine = group._mailboxes = comm.mailboxes
+        group._lane = engine.lane(comm, FinishedWork, _Received, _REUSE_DONE)
     return engine or None
 
 
@@ -255,53 +257,24 @@ def _issued(group, tensors: list, engine, op, post, flight: tuple | None = None)
     return handle
 
 
-def _usual(group, engine, tensors: list, peer: Any, tag: Any):
-    """The one tensor of the usual point-to-point call, else ``None``: one contiguous CPU
-    tensor to or from another rank of a group whose engine is built and whose communicator is
-    usable, not coalescing (:func:`send` and :func:`recv` do it at once)."""
-    if (engine and tensors.__class__ is list and len(tensors) == 1
-            and peer.__class__ is int and peer in group._peers
-            and tag.__class__ is int and _TAG_MIN <= tag <= _TAG_MAX
-            and group._coalescing is None):
-        tensor = tensors[0]
-        comm = group.communicator
-        if (tensor.__class__ is _Tensor and tensor.is_cpu and tensor.layout is _STRIDED
-                and tensor.is_contiguous() and not comm._closed and comm._broken is None):
-            return tensor
-    return None
-
-
 def send(group, tensors: list, dstRank: int, tag: int = 0) -> Any:  # noqa: N803 - torch's
     """The group's ``send``: see the module docstring. The usual call (one contiguous CPU
-    tensor to another rank of a group whose engine is built and whose communicator is usable,
-    not coalescing) is done here, with the checks of :func:`_send` in its order and nothing
-    called that it need not call; anything else goes to :func:`_send`."""
-    engine = group._mailboxes
-    tensor = _usual(group, engine, tensors, dstRank, tag)
-    if tensor is not None:
-        comm = group.communicator
-        nbytes = tensor.nbytes
-        comm.stats.count("send", nbytes)
-        engine.check_rejects(dstRank, "send to")
-        code = _CODES[tensor.dtype]
-        recorder = comm.flight
-        seq = 0 if recorder is None else recorder.issue("send", tensor, dstRank)
-        try:
-            if engine.send_now(tensor.data_ptr(), nbytes, dstRank, tag, code):
-                if recorder is not None:
-                    recorder.returned(seq)
-                return group._done(tensors)
-            op = engine.isend(tensor, dstRank, tag, code)
-        except BaseException as exc:
-            _ended(None if recorder is None else (recorder, seq), exc)
-            raise
-        return _issued(group, tensors, engine, op, None,
-                       None if recorder is None else (recorder, seq))
+    tensor of one chunk to another rank, not coalescing) is one call of the engine's compiled
+    lane (:meth:`~fastcomm.comm.shm.p2p.Mailboxes.lane`), with :func:`_send`'s checks, record
+    and handle; anything else, or a peer not ready within the spin budget, goes to
+    :func:`_send`."""
+    lane = group._lane
+    if lane is not None and group._coalescing is None:
+        work = lane.send(tensors, dstRank, tag)
+        if work is None or work is False:  # False: tried at once already
+            return _send(group, tensors, dstRank, tag, work is None)
+        return work
     return _send(group, tensors, dstRank, tag)
 
 
-def _send(group, tensors: list, dst: int, tag: int) -> Any:
-    """:func:`send` of any call: every check, staging, handing on."""
+def _send(group, tensors: list, dst: int, tag: int, now: bool = True) -> Any:
+    """:func:`send` of any call: every check, staging, handing on (``now``: a one-chunk
+    message is tried at once first)."""
     tensor = _checked(group, tensors, dst, tag, "send")
     engine = group._mailboxes
     if not engine or not tensor.is_cpu or tensor.layout is not _STRIDED:
@@ -317,7 +290,7 @@ def _send(group, tensors: list, dst: int, tag: int) -> Any:
     flight = _recorded(comm, "send", tensor, dst)
     try:
         if tensor.is_contiguous():
-            if group._coalescing is None and engine.send_now(
+            if now and group._coalescing is None and engine.send_now(
                     tensor.data_ptr(), tensor.nbytes, dst, tag, code):
                 _ended(flight, None)
                 return group._done(tensors)
@@ -333,34 +306,20 @@ def _send(group, tensors: list, dst: int, tag: int) -> Any:
 
 def recv(group, tensors: list, srcRank: int | None, tag: int = 0) -> Any:  # noqa: N803
     """The group's ``recv`` (``srcRank``: a rank) and ``recv_anysource`` (``None``). The usual
-    call (one contiguous CPU tensor from another rank, as :func:`send`'s) is done here, with
-    the checks of :func:`_recv` in its order; anything else goes to :func:`_recv`."""
-    engine = group._mailboxes
-    tensor = _usual(group, engine, tensors, srcRank, tag)
-    if tensor is not None:
-        comm = group.communicator
-        comm.stats.record("recv", None)
-        code = _CODES[tensor.dtype]
-        engine.check_rejects(srcRank, "receive from")
-        recorder = comm.flight
-        seq = 0 if recorder is None else recorder.issue("recv", tensor, srcRank)
-        try:
-            if engine.recv_now(tensor.data_ptr(), tensor.nbytes, srcRank, tag, code):
-                if recorder is not None:
-                    recorder.returned(seq)
-                _increment_version((tensor,))  # written behind autograd's back
-                return _received(group, tensors, srcRank)
-            op = engine.irecv(tensor, srcRank, tag, code)
-        except BaseException as exc:
-            _ended(None if recorder is None else (recorder, seq), exc)
-            raise
-        return _issued(group, tensors, engine, op, partial(_increment_version, (tensor,)),
-                       None if recorder is None else (recorder, seq))
+    call (one contiguous CPU tensor of one chunk from another rank, as :func:`send`'s) is one
+    call of the engine's compiled lane; anything else goes to :func:`_recv`."""
+    lane = group._lane
+    if lane is not None and group._coalescing is None:
+        work = lane.recv(tensors, srcRank, tag)
+        if work is None or work is False:  # False: tried at once already
+            return _recv(group, tensors, srcRank, tag, work is None)
+        return work
     return _recv(group, tensors, srcRank, tag)
 
 
-def _recv(group, tensors: list, src: int | None, tag: int) -> Any:
-    """:func:`recv` of any call: every check, staging, handing on."""
+def _recv(group, tensors: list, src: int | None, tag: int, now: bool = True) -> Any:
+    """:func:`recv` of any call: every check, staging, handing on (``now``: a one-chunk
+    message from a named rank is tried at once first)."""
     name = "recv" if src is not None else "recv_anysource"
     tensor = _checked(group, tensors, src, tag, name)
     engine = group._mailboxes
@@ -380,7 +339,7 @@ def _recv(group, tensors: list, src: int | None, tag: int) -> Any:
     flight = _recorded(comm, "recv", tensor, src)
     try:
         if tensor.is_contiguous():
-            if src is not None and group._coalescing is None and engine.recv_now(
+            if now and src is not None and group._coalescing is None and engine.recv_now(
                     tensor.data_ptr(), tensor.nbytes, src, tag, code):
                 _ended(flight, None)
                 _increment_version((tensor,))  # written behind autograd's back

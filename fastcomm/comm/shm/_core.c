@@ -31,6 +31,10 @@
  * after a full fence, so the usual message costs no system call and a sleeper never misses its
  * wakeup (the kernel's futex_wait fences between the announcement and its read of the word).
  *
+ * The torch backend's usual send and recv (a Lane, p2p.py's Mailboxes.lane): one contiguous
+ * CPU tensor of one chunk, checked, moved, counted and recorded in one call, on the engine's
+ * own lists and lock; anything else returns None and Python takes it (the Lane's comment).
+ *
  * Contract of the arguments. A SmallCore holds the segment itself (a buffer export: the mapping
  * cannot go away under it) and checks every word index and slot of its layout against it at
  * construction; every later argument is checked against the C type it is used as (ValueError
@@ -1128,22 +1132,47 @@ static void copy_chunk(char *dst, const char *src, size_t n) {
     Py_END_ALLOW_THREADS
 }
 
+/* Chunk c.k of a message of c.total bytes to rank c.peer (module docstring): a status. */
+static int chunk_send(SmallCore *self, const Chunk *c) {
+    const Py_ssize_t *idx = self->p2p_idx + 4 * c->peer;
+    uint64_t *words = self->words;
+    if (c->k >= 2 && !word_reached(&words[idx[1]], c->k - 1, c->spin_ns))
+        return SLOT_WAIT;
+    char *box = self->mbox[4 * c->peer + (c->k & 1)];
+    uint64_t header[3] = {c->total, c->tag, c->dtype};
+    memcpy(box, header, sizeof header);
+    copy_chunk(box + MBOX_HEADER, c->user, c->nbytes);
+    post_counter(words, idx[0], c->k + 1, idx[1] + 1);
+    return DONE;
+}
+
+/* Chunk c.k of a message from rank c.peer into c.nbytes at c.user, when the message's header
+ * says c.total bytes (module docstring): a status. */
+static int chunk_recv(SmallCore *self, const Chunk *c) {
+    const Py_ssize_t *idx = self->p2p_idx + 4 * c->peer;
+    uint64_t *words = self->words;
+    if (!word_reached(&words[idx[2]], c->k + 1, c->spin_ns))
+        return MESSAGE_WAIT;
+    const char *box = self->mbox[4 * c->peer + 2 + (c->k & 1)];
+    uint64_t header[3];
+    memcpy(header, box, sizeof header);
+    if (header[1] != c->tag)
+        return TAG_OTHER;
+    /* a dtype code of 0 on either side is not compared (the communicator's untagged calls) */
+    if (header[0] != c->total || (c->dtype && header[2] && header[2] != c->dtype))
+        return SIZE_MISMATCH;
+    copy_chunk(c->user, box + MBOX_HEADER, c->nbytes);
+    post_counter(words, idx[3], c->k + 1, idx[2] + 1);
+    return DONE;
+}
+
 /* send(user, nbytes, total, dst, k, spin_ns): chunk k (`nbytes` at `user`) of a message of
  * `total` bytes to rank `dst` (module docstring). */
 static PyObject *SmallCore_send(SmallCore *self, PyObject *const *args, Py_ssize_t nargs) {
     Chunk c;
     if (parse_chunk(self, "send", args, nargs, &c) < 0)
         return NULL;
-    const Py_ssize_t *idx = self->p2p_idx + 4 * c.peer;
-    uint64_t *words = self->words;
-    if (c.k >= 2 && !word_reached(&words[idx[1]], c.k - 1, c.spin_ns))
-        return PyLong_FromLong(SLOT_WAIT);
-    char *box = self->mbox[4 * c.peer + (c.k & 1)];
-    uint64_t header[3] = {c.total, c.tag, c.dtype};
-    memcpy(box, header, sizeof header);
-    copy_chunk(box + MBOX_HEADER, c.user, c.nbytes);
-    post_counter(words, idx[0], c.k + 1, idx[1] + 1);
-    return PyLong_FromLong(DONE);
+    return PyLong_FromLong(chunk_send(self, &c));
 }
 
 /* recv(user, nbytes, total, src, k, spin_ns): chunk k of a message from rank `src` into
@@ -1152,21 +1181,7 @@ static PyObject *SmallCore_recv(SmallCore *self, PyObject *const *args, Py_ssize
     Chunk c;
     if (parse_chunk(self, "recv", args, nargs, &c) < 0)
         return NULL;
-    const Py_ssize_t *idx = self->p2p_idx + 4 * c.peer;
-    uint64_t *words = self->words;
-    if (!word_reached(&words[idx[2]], c.k + 1, c.spin_ns))
-        return PyLong_FromLong(MESSAGE_WAIT);
-    const char *box = self->mbox[4 * c.peer + 2 + (c.k & 1)];
-    uint64_t header[3];
-    memcpy(header, box, sizeof header);
-    if (header[1] != c.tag)
-        return PyLong_FromLong(TAG_OTHER);
-    /* a dtype code of 0 on either side is not compared (the communicator's untagged calls) */
-    if (header[0] != c.total || (c.dtype && header[2] && header[2] != c.dtype))
-        return PyLong_FromLong(SIZE_MISMATCH);
-    copy_chunk(c.user, box + MBOX_HEADER, c.nbytes);
-    post_counter(words, idx[3], c.k + 1, idx[2] + 1);
-    return PyLong_FromLong(DONE);
+    return PyLong_FromLong(chunk_recv(self, &c));
 }
 
 #define P2P_DOC                                                                               \
@@ -1227,6 +1242,587 @@ static PyTypeObject SmallCoreType = {
     .tp_new = PyType_GenericNew,
 };
 
+/* ------------------------------------------------------------------ the usual send and recv */
+
+/* A Lane runs the torch backend's usual send and recv (c10d/p2p.py) in one call: one
+ * contiguous CPU tensor of at most one chunk to or from another rank, an int tag, the
+ * communicator usable, nothing queued on the pair, no rejection notice pending and no profiler
+ * running. It moves the chunk under the engine's lock as the engine's own one-chunk path does
+ * (shm/p2p.py), counts the call in the communicator's statistics, writes its flight record's
+ * slot (completed) and returns the call's finished handle. Any other call returns None before
+ * anything is done (the Python path takes it); a peer not ready within the spin budget returns
+ * False, nothing done (the Python path queues the operation without trying again). Every list
+ * and dict it writes belongs to the engine, the streams, the statistics or the recorder, as
+ * shm/p2p.py hands them over; it keeps only the two handles it reuses. */
+typedef struct {
+    PyObject_HEAD
+    SmallCore *core;
+    Py_ssize_t room;          /* the most bytes of one chunk */
+    Py_ssize_t capacity;      /* the flight record's slots (0: no recorder) */
+    long long sample_mask;    /* a sequence number with none of these bits set is timed */
+    int completed;            /* the slot state of a completed call */
+    int reuse;                /* finished handles are reused when nobody else holds them */
+    PyObject *engine, *sends, *incoming, *stash, *wanted, *rejects_seen, *sent, *received,
+        *acquire, *release, *spin_budget, *comm, *calls, *bytes, *recorder, *rec_op, *rec_arg,
+        *rec_extra, *rec_state, *rec_t0, *rec_t1, *profiler, *codes, *tensor_type, *strided,
+        *done_type, *received_type, *increment_version, *done_kept[2], *received_kept[2];
+} Lane;
+
+#define LANE_OBJECTS(X)                                                                       \
+    X(engine) X(sends) X(incoming) X(stash) X(wanted) X(rejects_seen) X(sent) X(received)     \
+    X(acquire) X(release) X(spin_budget) X(comm) X(calls) X(bytes) X(recorder) X(rec_op)      \
+    X(rec_arg) X(rec_extra) X(rec_state) X(rec_t0) X(rec_t1) X(profiler) X(codes)             \
+    X(tensor_type) X(strided) X(done_type) X(received_type) X(increment_version)             \
+    X(done_kept[0]) X(done_kept[1]) X(received_kept[0]) X(received_kept[1])
+
+static PyObject *S_IS_CPU, *S_LAYOUT, *S_IS_CONTIGUOUS, *S_DTYPE, *S_NBYTES, *S_DATA_PTR,
+    *S_NUMEL, *S_CLOSED, *S_BROKEN, *S_WANTED_ANY, *S_SEQ, *S_LAST, *S_PREV, *S_OUTPUTS, *S_SRC,
+    *S_ENABLED, *S_SEND, *S_RECV;
+
+static int intern_names(void) {
+    struct { PyObject **slot; const char *text; } names[] = {
+        {&S_IS_CPU, "is_cpu"}, {&S_LAYOUT, "layout"}, {&S_IS_CONTIGUOUS, "is_contiguous"},
+        {&S_DTYPE, "dtype"}, {&S_NBYTES, "nbytes"}, {&S_DATA_PTR, "data_ptr"},
+        {&S_NUMEL, "numel"}, {&S_CLOSED, "_closed"}, {&S_BROKEN, "_broken"},
+        {&S_WANTED_ANY, "_wanted_any"}, {&S_SEQ, "seq"}, {&S_LAST, "_last"}, {&S_PREV, "_prev"},
+        {&S_OUTPUTS, "_outputs"}, {&S_SRC, "_src"}, {&S_ENABLED, "_is_profiler_enabled"},
+        {&S_SEND, "send"}, {&S_RECV, "recv"},
+    };
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+        if (!(*names[i].slot = PyUnicode_InternFromString(names[i].text)))
+            return -1;
+    return 0;
+}
+
+static int Lane_traverse(Lane *self, visitproc visit, void *arg) {
+    Py_VISIT(self->core);
+#define VISIT(name) Py_VISIT(self->name);
+    LANE_OBJECTS(VISIT)
+#undef VISIT
+    return 0;
+}
+
+static int Lane_clear(Lane *self) {
+    Py_CLEAR(self->core);
+#define CLEAR(name) Py_CLEAR(self->name);
+    LANE_OBJECTS(CLEAR)
+#undef CLEAR
+    return 0;
+}
+
+static void Lane_dealloc(Lane *self) {
+    PyObject_GC_UnTrack(self);
+    Lane_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Lane(core, engine, sends, incoming, stash, wanted, rejects_seen, sent, received, lock,
+ * spin_budget, room, comm, calls, bytes, recorder, record, profiler, codes, tensor_type,
+ * strided, done_type, received_type, increment_version, reuse): shm/p2p.py's
+ * Mailboxes.lane names each; `record` is FlightRecorder.slots() (or None without a
+ * recorder). */
+static int Lane_init(Lane *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"core", "engine", "sends", "incoming", "stash", "wanted",
+                             "rejects_seen", "sent", "received", "lock", "spin_budget", "room",
+                             "comm", "calls", "bytes", "recorder", "record", "profiler",
+                             "codes", "tensor_type", "strided", "done_type", "received_type",
+                             "increment_version", "reuse", NULL};
+    PyObject *core, *engine, *sends, *incoming, *stash, *wanted, *rejects_seen, *sent,
+        *received, *lock, *spin_budget, *comm, *calls, *bytes, *recorder, *record, *profiler,
+        *codes, *tensor_type, *strided, *done_type, *received_type, *increment_version;
+    Py_ssize_t room;
+    int reuse;
+    if (self->core) {
+        PyErr_SetString(PyExc_ValueError, "Lane is already initialised");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(
+            args, kwds, "$O!OO!O!O!O!O!O!O!OOnOO!O!OOOO!OOOOOp", kwlist, &SmallCoreType, &core,
+            &engine, &PyList_Type, &sends, &PyList_Type, &incoming, &PyList_Type, &stash,
+            &PyList_Type, &wanted, &PyList_Type, &rejects_seen, &PyList_Type, &sent,
+            &PyList_Type, &received, &lock, &spin_budget, &room, &comm, &PyDict_Type, &calls,
+            &PyDict_Type, &bytes, &recorder, &record, &profiler, &PyDict_Type, &codes,
+            &tensor_type, &strided, &done_type, &received_type, &increment_version, &reuse))
+        return -1;
+    SmallCore *sc = (SmallCore *)core;
+    if (check_ready(sc) < 0)
+        return -1;
+    Py_ssize_t n = sc->size;
+    PyObject *lists[] = {sends, incoming, stash, wanted, rejects_seen, sent, received};
+    for (size_t i = 0; i < sizeof(lists) / sizeof(lists[0]); i++)
+        if (PyList_GET_SIZE(lists[i]) != n) {
+            PyErr_Format(PyExc_ValueError, "Lane: every per-rank list needs %zd entries", n);
+            return -1;
+        }
+    if (!sc->p2p || room < 0 || (size_t)room > sc->mbox_bytes - MBOX_HEADER) {
+        PyErr_Format(PyExc_ValueError, "Lane: room %zd does not fit this core's mailboxes", room);
+        return -1;
+    }
+    if (!PyType_Check(tensor_type)) {
+        PyErr_SetString(PyExc_TypeError, "Lane: tensor_type must be a type");
+        return -1;
+    }
+    PyObject *slots[6] = {NULL};
+    if (recorder != Py_None) {
+        long long capacity, mask, completed;
+        if (!PyTuple_Check(record) || PyTuple_GET_SIZE(record) != 9 ||
+            !PyArg_ParseTuple(record, "O!O!O!O!O!O!LLL", &PyList_Type, &slots[0], &PyList_Type,
+                              &slots[1], &PyList_Type, &slots[2], &PyByteArray_Type, &slots[3],
+                              &PyList_Type, &slots[4], &PyList_Type, &slots[5], &capacity,
+                              &mask, &completed)) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "Lane: record must be the recorder's slots()");
+            return -1;
+        }
+        for (int i = 0; i < 6; i++)
+            if ((i == 3 ? PyByteArray_GET_SIZE(slots[i]) : PyList_GET_SIZE(slots[i])) !=
+                capacity) {
+                PyErr_SetString(PyExc_ValueError, "Lane: the record's slots need capacity entries");
+                return -1;
+            }
+        if (capacity < 1 || completed < 0 || completed > 255) {
+            PyErr_SetString(PyExc_ValueError, "Lane: bad record capacity or state");
+            return -1;
+        }
+        self->capacity = (Py_ssize_t)capacity;
+        self->sample_mask = mask;
+        self->completed = (int)completed;
+    }
+    PyObject *acquire = PyObject_GetAttrString(lock, "acquire");
+    PyObject *release = acquire ? PyObject_GetAttrString(lock, "release") : NULL;
+    if (!release) {
+        Py_XDECREF(acquire);
+        return -1;
+    }
+    self->acquire = acquire;
+    self->release = release;
+    self->room = room;
+    self->reuse = reuse;
+    self->core = (SmallCore *)Py_NewRef(core);
+#define KEEP(name) self->name = Py_NewRef(name);
+    KEEP(engine) KEEP(sends) KEEP(incoming) KEEP(stash) KEEP(wanted) KEEP(rejects_seen)
+    KEEP(sent) KEEP(received) KEEP(spin_budget) KEEP(comm) KEEP(calls) KEEP(bytes)
+    KEEP(recorder) KEEP(profiler) KEEP(codes) KEEP(tensor_type) KEEP(strided) KEEP(done_type)
+    KEEP(received_type) KEEP(increment_version)
+#undef KEEP
+    self->rec_op = Py_XNewRef(slots[0]);
+    self->rec_arg = Py_XNewRef(slots[1]);
+    self->rec_extra = Py_XNewRef(slots[2]);
+    self->rec_state = Py_XNewRef(slots[3]);
+    self->rec_t0 = Py_XNewRef(slots[4]);
+    self->rec_t1 = Py_XNewRef(slots[5]);
+    return 0;
+}
+
+/* 1 when the new reference `obj` is true, 0 when false, -1 on an error (obj NULL). */
+static int truth_of(PyObject *obj) {
+    if (!obj)
+        return -1;
+    int truth = PyObject_IsTrue(obj);
+    Py_DECREF(obj);
+    return truth;
+}
+
+/* An exact int in [0, size) other than this rank. */
+static int lane_peer(Lane *self, PyObject *obj, int *peer) {
+    if (!PyLong_CheckExact(obj))
+        return 0;
+    int overflow;
+    long value = PyLong_AsLongAndOverflow(obj, &overflow);
+    if (overflow || value < 0 || value >= self->core->size || value == self->core->rank)
+        return 0;
+    *peer = (int)value;
+    return 1;
+}
+
+/* The call's tensor, `tensors` being a list of one exact torch.Tensor, CPU, strided,
+ * contiguous, of a dtype with a header code and at most `room` bytes: 1 with its address,
+ * bytes, code and dtype (a new reference), 0 for any other call, -1 on an error. */
+static int lane_tensor(Lane *self, PyObject *tensors, char **addr, Py_ssize_t *nbytes,
+                       uint64_t *code, PyObject **dtype) {
+    if (!PyList_CheckExact(tensors) || PyList_GET_SIZE(tensors) != 1)
+        return 0;
+    PyObject *t = PyList_GET_ITEM(tensors, 0);
+    if ((PyObject *)Py_TYPE(t) != self->tensor_type)
+        return 0;
+    int ok = truth_of(PyObject_GetAttr(t, S_IS_CPU));
+    if (ok <= 0)
+        return ok;
+    PyObject *layout = PyObject_GetAttr(t, S_LAYOUT);
+    if (!layout)
+        return -1;
+    ok = layout == self->strided;
+    Py_DECREF(layout);
+    if (!ok)
+        return 0;
+    ok = truth_of(PyObject_CallMethodNoArgs(t, S_IS_CONTIGUOUS));
+    if (ok <= 0)
+        return ok;
+    PyObject *dt = PyObject_GetAttr(t, S_DTYPE);
+    if (!dt)
+        return -1;
+    PyObject *found = PyDict_GetItemWithError(self->codes, dt); /* borrowed */
+    PyObject *size = found ? PyObject_GetAttr(t, S_NBYTES) : NULL;
+    PyObject *ptr = size ? PyObject_CallMethodNoArgs(t, S_DATA_PTR) : NULL;
+    if (!ptr) {
+        Py_XDECREF(size);
+        Py_DECREF(dt);
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    Py_ssize_t n = PyLong_AsSsize_t(size);
+    unsigned long long c = PyLong_AsUnsignedLongLong(found);
+    void *p = PyLong_AsVoidPtr(ptr);
+    Py_DECREF(size);
+    Py_DECREF(ptr);
+    if (PyErr_Occurred()) {
+        Py_DECREF(dt);
+        return -1;
+    }
+    if (n < 0 || n > self->room || (!p && n)) {
+        Py_DECREF(dt);
+        return 0;
+    }
+    *addr = p ? (char *)p : EMPTY;
+    *nbytes = n;
+    *code = c;
+    *dtype = dt;
+    return 1;
+}
+
+/* 1 when the communicator is open and not aborted and no profiler runs (the Python path opens
+ * its range), 0 otherwise, -1 on an error. */
+static int lane_open(Lane *self) {
+    int closed = truth_of(PyObject_GetAttr(self->comm, S_CLOSED));
+    if (closed != 0)
+        return closed < 0 ? -1 : 0;
+    PyObject *broken = PyObject_GetAttr(self->comm, S_BROKEN);
+    if (!broken)
+        return -1;
+    int ok = broken == Py_None;
+    Py_DECREF(broken);
+    if (!ok)
+        return 0;
+    int profiling = truth_of(PyObject_GetAttr(self->profiler, S_ENABLED));
+    return profiling < 0 ? -1 : !profiling;
+}
+
+/* 1 when no rejection of ours by `peer` waits to be raised (Mailboxes.check_rejects), 0 when
+ * one does (the Python path raises it), -1 on an error. */
+static int lane_no_rejects(Lane *self, int peer) {
+    const Py_ssize_t *idx = self->core->p2p_idx + 4 * peer;
+    uint64_t count = __atomic_load_n(&self->core->words[idx[1] + 2], __ATOMIC_RELAXED);
+    unsigned long long seen = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(self->rejects_seen, peer));
+    if (seen == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    return count == seen;
+}
+
+static int lane_lock(PyObject *method) {
+    PyObject *result = PyObject_CallNoArgs(method);
+    Py_XDECREF(result);
+    return result ? 0 : -1;
+}
+
+/* Adds `add` to dict[key] (absent: 0). */
+static int lane_count(PyObject *dict, PyObject *key, Py_ssize_t add) {
+    PyObject *old = PyDict_GetItemWithError(dict, key); /* borrowed */
+    if (!old && PyErr_Occurred())
+        return -1;
+    long long value = old ? PyLong_AsLongLong(old) : 0;
+    if (value == -1 && PyErr_Occurred())
+        return -1;
+    PyObject *now = PyLong_FromLongLong(value + add);
+    if (!now)
+        return -1;
+    int status = PyDict_SetItem(dict, key, now);
+    Py_DECREF(now);
+    return status;
+}
+
+static int set_slot(PyObject *list, Py_ssize_t i, PyObject *value) {
+    if (!value)
+        return -1;
+    return PyList_SetItem(list, i, value); /* steals value */
+}
+
+/* The object `ref` (a weak reference, or anything else: none) refers to, borrowed. */
+static PyObject *referent(PyObject *ref) {
+    if (!PyWeakref_CheckRef(ref))
+        return NULL;
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *obj = NULL;
+    if (PyWeakref_GetRef(ref, &obj) < 0) {
+        PyErr_Clear();
+        return NULL;
+    }
+    Py_XDECREF(obj); /* the recorder's tuple still holds the reference */
+    return obj;
+#else
+    PyObject *obj = PyWeakref_GetObject(ref);
+    return obj == Py_None ? NULL : obj;
+#endif
+}
+
+/* The record's (dtype, numel) of `tensor` (a new reference), through the recorder's two
+ * remembered tensors as FlightRecorder.issue reads them. */
+static PyObject *lane_shape(Lane *self, PyObject *tensor, PyObject *dtype) {
+    PyObject *rec = self->recorder, *shape = NULL;
+    PyObject *last = PyObject_GetAttr(rec, S_LAST);
+    if (!last)
+        return NULL;
+    if (PyTuple_Check(last) && PyTuple_GET_SIZE(last) == 2 &&
+        referent(PyTuple_GET_ITEM(last, 0)) == tensor) {
+        shape = Py_NewRef(PyTuple_GET_ITEM(last, 1));
+        Py_DECREF(last);
+        return shape;
+    }
+    PyObject *prev = PyObject_GetAttr(rec, S_PREV);
+    if (!prev) {
+        Py_DECREF(last);
+        return NULL;
+    }
+    PyObject *remembered = NULL;
+    if (PyTuple_Check(prev) && PyTuple_GET_SIZE(prev) == 2 &&
+        referent(PyTuple_GET_ITEM(prev, 0)) == tensor) {
+        shape = Py_NewRef(PyTuple_GET_ITEM(prev, 1));
+        remembered = Py_NewRef(prev);
+    } else {
+        PyObject *numel = PyObject_CallMethodNoArgs(tensor, S_NUMEL);
+        shape = numel ? PyTuple_Pack(2, dtype, numel) : NULL;
+        Py_XDECREF(numel);
+        PyObject *ref = shape ? PyWeakref_NewRef(tensor, NULL) : NULL;
+        remembered = ref ? PyTuple_Pack(2, ref, shape) : NULL;
+        Py_XDECREF(ref);
+    }
+    if (!remembered || PyObject_SetAttr(rec, S_LAST, remembered) < 0 ||
+        PyObject_SetAttr(rec, S_PREV, last) < 0)
+        Py_CLEAR(shape);
+    Py_XDECREF(remembered);
+    Py_DECREF(prev);
+    Py_DECREF(last);
+    return shape;
+}
+
+/* Writes the completed call `op` (its tensor's shape, the peer) in the recorder's next slot;
+ * a timed sequence number keeps `t0` and now. */
+static int lane_record(Lane *self, PyObject *op, PyObject *tensor, PyObject *dtype, int peer,
+                       int64_t t0) {
+    PyObject *rec = self->recorder;
+    PyObject *shape = lane_shape(self, tensor, dtype);
+    if (!shape)
+        return -1;
+    PyObject *seq_obj = PyObject_GetAttr(rec, S_SEQ);
+    long long seq = seq_obj ? PyLong_AsLongLong(seq_obj) : -1;
+    Py_XDECREF(seq_obj);
+    if (seq == -1 && PyErr_Occurred()) {
+        Py_DECREF(shape);
+        return -1;
+    }
+    seq += 1;
+    PyObject *next = PyLong_FromLongLong(seq);
+    if (!next || PyObject_SetAttr(rec, S_SEQ, next) < 0) {
+        Py_XDECREF(next);
+        Py_DECREF(shape);
+        return -1;
+    }
+    Py_DECREF(next);
+    Py_ssize_t i = (Py_ssize_t)(seq % self->capacity);
+    int timed = !(seq & self->sample_mask);
+    if (set_slot(self->rec_op, i, Py_NewRef(op)) < 0 || set_slot(self->rec_arg, i, shape) < 0 ||
+        set_slot(self->rec_extra, i, PyLong_FromLong(peer)) < 0 ||
+        set_slot(self->rec_t0, i, PyLong_FromLongLong(timed ? t0 : 0)) < 0 ||
+        (timed && set_slot(self->rec_t1, i, PyLong_FromLongLong(now_ns())) < 0))
+        return -1;
+    PyByteArray_AS_STRING(self->rec_state)[i] = (char)self->completed;
+    return 0;
+}
+
+/* The finished handle of the call: one of the lane's two previous ones that nothing else
+ * holds (a caller keeps the last handle of a loop into the next call; as c10d's group._done),
+ * else a new one in the older one's place; its outputs are `tensors` (and `src` for a
+ * receive). */
+static PyObject *lane_handle(Lane *self, PyObject **kept, PyObject *type, PyObject *tensors,
+                             int src) {
+    PyObject *work = NULL;
+    if (self->reuse) {
+        if (kept[0] && Py_REFCNT(kept[0]) == 1)
+            work = kept[0];
+        else if (kept[1] && Py_REFCNT(kept[1]) == 1)
+            work = kept[1];
+    }
+    if (!work) {
+        work = PyObject_CallNoArgs(type);
+        if (!work)
+            return NULL;
+        Py_XSETREF(kept[1], kept[0]);
+        kept[0] = work;
+    }
+    if (PyObject_SetAttr(work, S_OUTPUTS, tensors) < 0)
+        return NULL;
+    if (src >= 0) {
+        PyObject *rank = PyLong_FromLong(src);
+        int status = rank ? PyObject_SetAttr(work, S_SRC, rank) : -1;
+        Py_XDECREF(rank);
+        if (status < 0)
+            return NULL;
+    }
+    return Py_NewRef(work);
+}
+
+/* Whether nothing is queued or posted that the usual call to or from `peer` would overtake
+ * (the engine's send_now and recv_now tests, the lock held): 1, 0 or -1 on an error. */
+static int lane_quiet(Lane *self, int sending, int peer) {
+    if (sending) {
+        Py_ssize_t queued = PyObject_Length(PyList_GET_ITEM(self->sends, peer));
+        return queued < 0 ? -1 : queued == 0;
+    }
+    if (PyList_GET_ITEM(self->incoming, peer) != Py_None)
+        return 0;
+    Py_ssize_t stashed = PyObject_Length(PyList_GET_ITEM(self->stash, peer));
+    if (stashed != 0)
+        return stashed < 0 ? -1 : 0;
+    int any = truth_of(PyObject_GetAttr(self->engine, S_WANTED_ANY));
+    if (any != 0)
+        return any < 0 ? -1 : 0;
+    int named = PyObject_IsTrue(PyList_GET_ITEM(self->wanted, peer));
+    return named < 0 ? -1 : !named;
+}
+
+/* The chunk under the engine's lock: DONE (the pair's counter moved on), a wait status after
+ * the spin budget, -2 when the pair is not quiet, -1 on an error. */
+static int lane_move(Lane *self, int sending, Chunk *c) {
+    PyObject *counters = sending ? self->sent : self->received;
+    if (lane_lock(self->acquire) < 0)
+        return -1;
+    int status = lane_quiet(self, sending, c->peer);
+    if (status == 1) {
+        c->k = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(counters, c->peer));
+        status = PyErr_Occurred() ? -1 : DONE;
+    } else if (status == 0) {
+        status = -2;
+    }
+    if (status == DONE) {
+        c->spin_ns = 0;
+        status = sending ? chunk_send(self->core, c) : chunk_recv(self->core, c);
+        if (status == (sending ? SLOT_WAIT : MESSAGE_WAIT)) {
+            PyObject *budget = PyObject_CallNoArgs(self->spin_budget);
+            long long spin = budget ? PyLong_AsLongLong(budget) : -1;
+            Py_XDECREF(budget);
+            if (spin == -1 && PyErr_Occurred())
+                status = -1;
+            else if (spin > 0) {
+                c->spin_ns = spin > MAX_SPIN_NS ? MAX_SPIN_NS : spin;
+                status = sending ? chunk_send(self->core, c) : chunk_recv(self->core, c);
+            }
+        }
+        if (status == DONE &&
+            set_slot(counters, c->peer, PyLong_FromUnsignedLongLong(c->k + 1)) < 0)
+            status = -1;
+    }
+    PyObject *type, *value, *trace;
+    PyErr_Fetch(&type, &value, &trace);
+    int released = lane_lock(self->release);
+    if (type)
+        PyErr_Restore(type, value, trace);
+    return released < 0 ? -1 : status;
+}
+
+/* send and recv: (tensors, peer, tag) as the group's send and recv take them. */
+static PyObject *lane_call(Lane *self, int sending, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "Lane.%s takes 3 arguments, got %zd",
+                     sending ? "send" : "recv", nargs);
+        return NULL;
+    }
+    Chunk c;
+    int overflow;
+    if (!lane_peer(self, args[1], &c.peer) || !PyLong_CheckExact(args[2]))
+        Py_RETURN_NONE;
+    long long tag = PyLong_AsLongLongAndOverflow(args[2], &overflow);
+    if (overflow)
+        Py_RETURN_NONE;
+    int ok = lane_open(self);
+    if (ok > 0)
+        ok = lane_no_rejects(self, c.peer);
+    PyObject *dtype = NULL;
+    Py_ssize_t nbytes = 0;
+    if (ok > 0)
+        ok = lane_tensor(self, args[0], &c.user, &nbytes, &c.dtype, &dtype);
+    if (ok <= 0) {
+        if (ok < 0)
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    c.nbytes = (size_t)nbytes;
+    c.total = (uint64_t)nbytes;
+    c.tag = (uint64_t)tag;
+    int64_t t0 = self->capacity ? now_ns() : 0;
+    int status = lane_move(self, sending, &c);
+    if (status != DONE) {
+        Py_DECREF(dtype);
+        if (status == -1)
+            return NULL;
+        if (status == -2)
+            Py_RETURN_NONE;
+        Py_RETURN_FALSE;
+    }
+    PyObject *tensor = PyList_GET_ITEM(args[0], 0);
+    PyObject *op = sending ? S_SEND : S_RECV;
+    PyObject *result = NULL;
+    if (lane_count(self->calls, op, 1) < 0 ||
+        (sending && lane_count(self->bytes, op, nbytes) < 0) ||
+        (self->capacity && lane_record(self, op, tensor, dtype, c.peer, t0) < 0))
+        goto done;
+    if (sending) {
+        result = lane_handle(self, self->done_kept, self->done_type, args[0], -1);
+    } else {
+        PyObject *versioned = PyTuple_Pack(1, tensor); /* written behind autograd's back */
+        PyObject *bumped = versioned ? PyObject_CallOneArg(self->increment_version, versioned)
+                                     : NULL;
+        Py_XDECREF(versioned);
+        if (bumped) {
+            Py_DECREF(bumped);
+            result = lane_handle(self, self->received_kept, self->received_type, args[0],
+                                 c.peer);
+        }
+    }
+done:
+    Py_DECREF(dtype);
+    return result;
+}
+
+static PyObject *Lane_send(Lane *self, PyObject *const *args, Py_ssize_t nargs) {
+    return lane_call(self, 1, args, nargs);
+}
+
+static PyObject *Lane_recv(Lane *self, PyObject *const *args, Py_ssize_t nargs) {
+    return lane_call(self, 0, args, nargs);
+}
+
+#define LANE_DOC                                                                              \
+    "(tensors, peer, tag) -> the finished handle; None: not the usual call, nothing done (the " \
+    "Python path takes it); False: the peer was not ready within the spin budget, nothing "    \
+    "done (the Python path queues it without trying again)."
+
+static PyMethodDef Lane_methods[] = {
+    {"send", (PyCFunction)(void (*)(void))Lane_send, METH_FASTCALL, "send" LANE_DOC},
+    {"recv", (PyCFunction)(void (*)(void))Lane_recv, METH_FASTCALL, "recv" LANE_DOC},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject LaneType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "fastcomm.comm.shm._core.Lane",
+    .tp_basicsize = sizeof(Lane),
+    .tp_dealloc = (destructor)Lane_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The torch backend's usual send and recv over one engine (module source).",
+    .tp_methods = Lane_methods,
+    .tp_traverse = (traverseproc)Lane_traverse,
+    .tp_clear = (inquiry)Lane_clear,
+    .tp_init = (initproc)Lane_init,
+    .tp_new = PyType_GenericNew,
+};
+
 static PyMethodDef module_methods[] = {
     {"reduce", py_reduce, METH_VARARGS,
      "reduce(out, terms, numel, kind, op, scale=1.0, outs=()): out = terms[0] op terms[1] ... "
@@ -1246,7 +1842,7 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__core(void) {
-    if (PyType_Ready(&SmallCoreType) < 0)
+    if (PyType_Ready(&SmallCoreType) < 0 || PyType_Ready(&LaneType) < 0 || intern_names() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m)
@@ -1254,6 +1850,10 @@ PyMODINIT_FUNC PyInit__core(void) {
     Py_INCREF(&SmallCoreType);
     if (PyModule_AddObject(m, "SmallCore", (PyObject *)&SmallCoreType) < 0) {
         Py_DECREF(&SmallCoreType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddObjectRef(m, "Lane", (PyObject *)&LaneType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -117,9 +117,15 @@ class CompiledRounds:
         self._all_reduce, self._broadcast = core.all_reduce, core.broadcast
         self._all_gather, self._reduce_scatter = core.all_gather, core.reduce_scatter
         self._all_to_all, self._barrier, self._v_call = core.all_to_all, core.barrier, core.v_call
+        self._core = core
         self.send_chunk, self.recv_chunk = core.send, core.recv
         """``send_chunk(addr, nbytes, total, peer, k, spin_ns[, tag, dtype])`` and
         ``recv_chunk``: chunk ``k`` of a pair's stream; a :class:`Status`."""
+
+    def lane(self, **parts):
+        """The compiled usual send and recv over this core (``_core.Lane``; ``parts``: see
+        :meth:`.p2p.Mailboxes.lane`)."""
+        return _core.Lane(core=self._core, **parts)
 
     # ------------------------------------------------------------------ rounds
     def _round(self, call, args: list, name: str, start: float) -> None:

@@ -18,6 +18,7 @@ from collections import deque
 from os import sched_yield
 
 import torch
+import torch.autograd.profiler as _profiler
 
 from ..calls import DTYPE_CODES, DTYPES
 from ..errors import CommAbortedError, CommClosedError, CommTimeoutError, FastcommError
@@ -209,6 +210,41 @@ class Mailboxes(StoppableThread):
                                         self._flags.spin_budget_ns(), tag, dtype)
         finally:
             lock.release()
+
+    def lane(self, comm, done_type: type, received_type: type, reuse: bool):
+        """The compiled usual send and recv over this engine (``_core.c``'s ``Lane``), or
+        ``None`` without the compiled core.
+
+        ``lane.send(tensors, peer, tag)`` and ``lane.recv`` take one contiguous CPU tensor of at
+        most one chunk to or from another rank, as :meth:`send_now` and :meth:`recv_now` after
+        :meth:`check_rejects`, and also count the call in ``comm.stats``, write its slot in
+        ``comm.flight`` and return its finished handle: a ``done_type()``, or a
+        ``received_type()`` with ``_src``, reused while nobody else holds it when ``reuse``.
+        They return ``None`` for any other call and ``False`` when the peer was not ready
+        within the spin budget, nothing done either way.
+
+        Args:
+            comm: the communicator this engine belongs to (its ``_closed``, ``_broken``,
+                ``stats`` and ``flight``).
+            done_type: the class of a finished send's handle (``_outputs`` is set).
+            received_type: the class of a finished receive's handle (``_outputs``, ``_src``).
+            reuse: whether a handle nobody else holds is reused.
+        """
+        compiled = self._streams.compiled
+        if compiled is None:
+            return None
+        recorder = comm.flight
+        return compiled.lane(
+            engine=self, sends=self._sends, incoming=self._incoming, stash=self._stash,
+            wanted=self._wanted, rejects_seen=self._rejects_seen, sent=self._streams.sent,
+            received=self._streams.received, lock=self._lock,
+            spin_budget=self._flags.spin_budget_ns, room=self._room_now, comm=comm,
+            calls=comm.stats.calls, bytes=comm.stats.bytes, recorder=recorder,
+            record=None if recorder is None else recorder.slots(), profiler=_profiler,
+            codes=DTYPE_CODES, tensor_type=torch.Tensor, strided=torch.strided,
+            done_type=done_type, received_type=received_type,
+            increment_version=torch._C._increment_version, reuse=reuse,
+        )
 
     def check_rejects(self, peer: int, verb: str) -> None:
         """Raises the notice of a message of ours ``peer`` rejected, once (module docstring)."""

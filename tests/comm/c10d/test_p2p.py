@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import weakref
 from collections import Counter
 from contextlib import contextmanager
 from datetime import timedelta
@@ -456,6 +457,171 @@ def test_torch_calls_are_recorded(pool):
     expected = [("gather", "completed"), ("all_to_all_v", "completed"), ("send", "completed"),
                 ("recv", "completed")]
     assert pool.run(check_torch_calls_are_recorded) == [expected] * pool.world_size
+
+
+def _record(recorder, first: int) -> list[tuple]:
+    """The recorded calls from ``first`` on, without their times."""
+    return [(e["op"], e["state"], e["dtype"], e["numel"], e["root"], e["desc"])
+            for e in recorder.entries() if e["seq"] >= first]
+
+
+def check_lane_matches_the_python_path():
+    """The compiled lane (``group._lane``) takes the usual send and recv, and leaves the same
+    statistics, flight record, handles and version counter as the Python path does with the
+    lane turned off; with the pure-Python core there is no lane."""
+    fast, _ = _groups()
+    rank, world = env_rank(), env_world()
+    peer_to, peer_from = (rank + 1) % world, (rank - 1) % world
+    for work in dist.batch_isend_irecv([  # the first call builds the engine and its lane
+            dist.P2POp(dist.isend, torch.ones(1), peer_to, group=fast),
+            dist.P2POp(dist.irecv, torch.empty(1), peer_from, group=fast)]):
+        work.wait()
+    comm, recorder = fast.communicator, fast.communicator.flight
+    seen = {}
+    for lane_on in (True, False):
+        x = torch.arange(16, dtype=torch.float64) + rank
+        out = torch.empty(16, dtype=torch.float64)
+        saved = fast._lane
+        if not lane_on:
+            fast._lane = None
+        try:
+            calls, sent = dict(comm.stats.calls), dict(comm.stats.bytes)
+            first, version = recorder.seq + 1, out._version
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer_to, group=fast),
+                                            dist.P2POp(dist.irecv, out, peer_from, group=fast)])
+            for work in works:
+                work.wait()
+            assert torch.equal(out, torch.arange(16, dtype=torch.float64) + peer_from)
+            assert works[1]._source_rank() == peer_from and works[1].result() == [out]
+            assert works[0].result() == [x] and works[0].is_completed()
+            seen[lane_on] = (
+                comm.stats.calls.get("send", 0) - calls.get("send", 0),
+                comm.stats.calls.get("recv", 0) - calls.get("recv", 0),
+                comm.stats.bytes.get("send", 0) - sent.get("send", 0),
+                out._version - version,
+                _record(recorder, first),
+            )
+        finally:
+            fast._lane = saved
+    return fast._lane is not None, seen[True] == seen[False], seen[True]
+
+
+def check_lane_declines_other_calls():
+    """What the lane leaves to the Python path returns ``None`` with nothing done (statistics
+    and record unchanged); a receive whose message does not come within the spin budget
+    returns ``False``, nothing done; the call then works through torch."""
+    fast, _ = _groups()
+    rank = env_rank()
+    peer = 1 - rank
+    dist.barrier(group=fast)
+    if fast._lane is None:  # the first call builds the engine and its lane
+        work = dist.isend(torch.ones(1), peer, group=fast)
+        dist.recv(torch.empty(1), peer, group=fast)
+        work.wait()
+    lane = fast._lane
+    comm, recorder = fast.communicator, fast.communicator.flight
+    calls, seq = dict(comm.stats.calls), recorder.seq
+    x = torch.ones(8)
+    declined = [
+        lane.send([x[::2]], peer, 0),  # not contiguous
+        lane.send([torch.nn.Parameter(x)], peer, 0),  # a subclass
+        lane.send([x.to_sparse()], peer, 0),
+        lane.send([x], True, 0),  # a bool is no rank
+        lane.send([x], rank, 0),  # this rank
+        lane.send([x], peer, 1 << 63),  # beyond int64
+        lane.send([x, x], peer, 0),
+        lane.send((x,), peer, 0),
+        lane.recv([torch.empty(1 << 22)], peer, 0),  # more than one chunk
+    ]
+    with torch.profiler.profile():
+        declined.append(lane.send([x], peer, 0))  # the Python path opens the range
+    assert declined == [None] * len(declined), declined
+    assert dict(comm.stats.calls) == calls and recorder.seq == seq
+    poll_barrier("lane-declines")
+    if rank == 0:
+        early = lane.recv([torch.empty(8)], peer, 0)  # rank 1 sends only after the barrier
+        assert early is False, early
+        assert dict(comm.stats.calls) == calls and recorder.seq == seq
+    poll_barrier("lane-declines-early")
+    if rank == 1:
+        dist.send(torch.full((8,), 3.0), 0, group=fast)
+    else:
+        out = torch.empty(8)
+        dist.recv(out, 1, group=fast)
+        assert out.tolist() == [3.0] * 8
+    return "ok"
+
+
+def check_lane_reuses_only_free_handles():
+    """A finished handle the caller still holds is never handed out again; one nobody holds is."""
+    fast, _ = _groups()
+    rank = env_rank()
+    peer = 1 - rank
+    held = []
+    for i in range(4):
+        x = torch.full((4,), float(i))
+        out = torch.empty(4)
+        if rank == 0:
+            held.append(dist.isend(x, peer, group=fast))
+            held.append(dist.irecv(out, peer, group=fast))
+        else:
+            held.append(dist.irecv(out, peer, group=fast))
+            held.append(dist.isend(x, peer, group=fast))
+        for work in held[-2:]:
+            work.wait()
+        assert out.tolist() == [float(i)] * 4
+    assert len({id(w) for w in held}) == len(held)
+    for i, work in enumerate(held):
+        (tensor,) = work.result()
+        assert tensor.tolist() == [float(i // 2)] * 4
+    refs = []
+    for _ in range(6):  # nothing kept: the lane hands out a handle it made before
+        # (a send: its slot is free, the lane takes it; a receive may find its message set
+        # aside by the engine's thread, which the Python path takes)
+        if rank == 0:
+            work = dist.isend(torch.ones(2), peer, group=fast)
+            work.wait()
+            refs.append(weakref.ref(work))
+            del work
+        else:
+            dist.recv(torch.empty(2), peer, group=fast)
+        dist.barrier(group=fast)
+    alive = {id(ref()) for ref in refs if ref() is not None}
+    return len(alive), sum(ref() is None for ref in refs)
+
+
+def test_lane_matches_the_python_path(pool):
+    results = pool.run(check_lane_matches_the_python_path)
+    compiled = pool.env["FASTCOMM_SHM_COMPILED"] == "1"
+    from fastcomm.comm.shm import core
+
+    for has_lane, same, (sends, recvs, nbytes, version, record) in results:
+        assert has_lane == (compiled and core.BUILT)
+        assert same, results
+        assert (sends, recvs, nbytes, version) == (1, 1, 128, 1)
+        assert [(op, state) for op, state, *_ in record] == [("send", "completed"),
+                                                             ("recv", "completed")]
+        assert record[0][2:4] == ("float64", 16), record
+        assert {record[0][4], record[1][4]} <= set(range(pool.world_size)), record
+
+
+def test_lane_declines_other_calls(pool):
+    from fastcomm.comm.shm import core
+
+    if pool.env["FASTCOMM_SHM_COMPILED"] != "1" or pool.world_size != 2 or not core.BUILT:
+        pytest.skip("the lane: the compiled core, 2 ranks")
+    assert pool.run(check_lane_declines_other_calls) == ["ok", "ok"]
+
+
+def test_lane_reuses_only_free_handles(pool):
+    if pool.world_size != 2:
+        pytest.skip("2 ranks")
+    kinds = pool.run(check_lane_reuses_only_free_handles)
+    from fastcomm.comm.shm import core
+
+    if pool.env["FASTCOMM_SHM_COMPILED"] == "1" and core.BUILT:
+        # every handle of the six sends is one the lane still keeps (none was dropped)
+        assert kinds[0][0] in (1, 2) and kinds[0][1] == 0, kinds
 
 
 def check_recv_from_a_killed_rank():
