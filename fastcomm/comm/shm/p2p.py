@@ -309,9 +309,13 @@ class Mailboxes(StoppableThread):
         return True
 
     def _take_chunk(self, src: int) -> bool:
-        """Takes the next chunk from ``src`` when there is one and someone wants it."""
+        """Takes the next chunk from ``src`` when there is one and someone wants it: a message
+        not begun is left in the mailbox while no receive is posted for ``src`` (the receive
+        that completed in this loop was the last one)."""
         inc = self._incoming[src]
         if inc is None:
+            if not (self._wanted_any or self._wanted[src]):
+                return False
             header = self._streams.header(src)
             if header is None:
                 return False

@@ -590,6 +590,35 @@ def check_lane_reuses_only_free_handles():
     return len(alive), sum(ref() is None for ref in refs)
 
 
+def check_unwanted_message_stays_in_the_mailbox():
+    """A receive posted before its message came completes in the engine's progress, which
+    leaves the next message from the same rank in the mailbox (no receive wants it yet)
+    instead of setting it aside; the next receive takes it from there."""
+    fast, _ = _groups()
+    if env_rank() == 1:
+        poll_barrier("unwanted-posted")
+        dist.send(torch.full((4,), 1.0), 0, group=fast)
+        dist.send(torch.full((4,), 2.0), 0, group=fast)  # the pair's second slot
+        poll_barrier("unwanted-sent")
+        return None
+    first, second = torch.empty(4), torch.empty(4)
+    work = dist.irecv(first, 1, group=fast)  # nothing sent yet: posted
+    poll_barrier("unwanted-posted")
+    poll_barrier("unwanted-sent")
+    work.wait()
+    engine = fast._mailboxes
+    set_aside, in_mailbox = len(engine._stash[1]), engine._streams.header(1) is not None
+    dist.recv(second, 1, group=fast)
+    return first.tolist(), second.tolist(), set_aside, in_mailbox
+
+
+def test_an_unwanted_message_stays_in_the_mailbox(pool):
+    if pool.world_size != 2:
+        pytest.skip("2 ranks")
+    result = pool.run(check_unwanted_message_stays_in_the_mailbox)[0]
+    assert result == ([1.0] * 4, [2.0] * 4, 0, True), result
+
+
 def test_lane_matches_the_python_path(pool):
     results = pool.run(check_lane_matches_the_python_path)
     compiled = pool.env["FASTCOMM_SHM_COMPILED"] == "1"
