@@ -7,7 +7,8 @@ Figures (median over blocks of the slower rank's time per call or step):
 
 - ``us``: 4 KiB fp32 calls through ``torch.distributed`` on the fastcomm default group:
   ``all_reduce``, ``send_recv`` (one exchange), ``batch_isend_irecv``, ``gather``, ``scatter``,
-  ``all_to_all_single`` with split sizes;
+  ``all_to_all_single`` with split sizes; ``batch_isend_irecv_1mib``: a 1 MiB exchange (many
+  chunks: the engine's progress and thread);
 - ``ms``: a training step of the 1.6M MLP (6 x Linear(512, 512) + ReLU, batch 64, SGD): fastcomm
   DDP on the default group (shm), fastcomm DDP on a torch Gloo group, torch DDP on that Gloo
   group, no DDP; the DDP providers interleaved step by step.
@@ -36,6 +37,7 @@ def _ops(rank: int, world: int) -> dict:
     ins = [torch.ones(1024) for _ in range(world)]
     split = [1024 // world] * world
     peer = (rank + 1) % world
+    big, big_out = torch.ones(1 << 18), torch.empty(1 << 18)
 
     def send_recv():
         if rank == 0:
@@ -50,10 +52,16 @@ def _ops(rank: int, world: int) -> dict:
         for req in dist.batch_isend_irecv(ops):
             req.wait()
 
+    def batch_1mib():
+        ops = [dist.P2POp(dist.isend, big, peer), dist.P2POp(dist.irecv, big_out, peer)]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+
     return {
         "all_reduce": lambda: dist.all_reduce(x),
         "send_recv": send_recv,
         "batch_isend_irecv": batch,
+        "batch_isend_irecv_1mib": batch_1mib,
         "gather": lambda: dist.gather(x, outs if rank == 0 else None, dst=0),
         "scatter": lambda: dist.scatter(out, ins if rank == 0 else None, src=0),
         "all_to_all_single": lambda: dist.all_to_all_single(out, x, split, split),
