@@ -213,22 +213,14 @@ class Mailboxes(StoppableThread):
 
     def lane(self, comm, done_type: type, received_type: type, reuse: bool):
         """The compiled usual send and recv over this engine (``_core.c``'s ``Lane``), or
-        ``None`` without the compiled core.
+        ``None`` without the compiled core (docs/shm.md, "The compiled lane").
 
-        ``lane.send(tensors, peer, tag)`` and ``lane.recv`` take one contiguous CPU tensor of at
-        most one chunk to or from another rank, as :meth:`send_now` and :meth:`recv_now` after
-        :meth:`check_rejects`, and also count the call in ``comm.stats``, write its slot in
-        ``comm.flight`` and return its finished handle: a ``done_type()``, or a
-        ``received_type()`` with ``_src``, reused while nobody else holds it when ``reuse``.
-        They return ``None`` for any other call and ``False`` when the peer was not ready
-        within the spin budget, nothing done either way.
-
-        Args:
-            comm: the communicator this engine belongs to (its ``_closed``, ``_broken``,
-                ``stats`` and ``flight``).
-            done_type: the class of a finished send's handle (``_outputs`` is set).
-            received_type: the class of a finished receive's handle (``_outputs``, ``_src``).
-            reuse: whether a handle nobody else holds is reused.
+        ``lane.send(tensors, peer, tag)`` and ``lane.recv`` do what :meth:`check_rejects` then
+        :meth:`send_now` / :meth:`recv_now` do, count the call in ``comm.stats``, write its
+        slot in ``comm.flight`` and return a finished handle (a ``done_type()``, or a
+        ``received_type()`` with ``_src``; one nobody else holds is reused when ``reuse``);
+        ``None`` for any other call, ``False`` for a peer not ready within the spin budget,
+        nothing done either way. ``comm``: the communicator this engine belongs to.
         """
         compiled = self._streams.compiled
         if compiled is None:
