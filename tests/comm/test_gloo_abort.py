@@ -7,11 +7,14 @@ does not wait on the stranded group (all under a 60 s collective timeout):
 - ``closed``: it closes its communicator (a killed process: Gloo sees the socket close first,
   and the call waits ``loss_grace`` for the abort to name the loss);
 - ``future``: ``silent``, waited through ``get_future()`` (a comm hook's way).
+
+A call that completed before the abort, waited only after it, still returns its result.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -97,3 +100,27 @@ def test_a_closed_peer_without_grace_is_not_taken_for_a_loss(pool):
     # rank 0 or 1 may wait on the other's failed ring step: the abort above releases it
     assert set(results[:2]) <= {"FastcommError", "CommTimeoutError"}, results
     assert "CommAbortedError" not in results
+
+
+def check_done_before_the_abort() -> list[float] | None:
+    """An all-reduce that completed on every rank, waited only after the communicator was
+    aborted (a waiter that came late, as a slow survivor's wait on the step before the loss):
+    its result stands; the next call is refused."""
+    rank, store = env_rank(), rank_store()
+    comm = fresh_comm("gloo", "gloo-abort-late", timeout=60)
+    values = torch.full((4,), float(rank + 1))
+    work = comm.all_reduce(values, async_op=True)
+    handle = work._handle
+    while not handle.is_completed():  # the backend finished it; nobody waited yet
+        time.sleep(0.001)
+    comm.abort(CommAbortedError(LOSS))
+    work.wait()
+    with pytest.raises(CommAbortedError):
+        comm.all_reduce(torch.ones(4))
+    comm.close()
+    store.set(f"gloo-abort-late/done{rank}", "1")
+    return values.tolist()
+
+
+def test_a_call_done_before_the_abort_keeps_its_result(pool):
+    assert pool.run(check_done_before_the_abort) == [[6.0] * 4] * 3

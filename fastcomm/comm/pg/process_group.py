@@ -11,9 +11,10 @@ hand-off: the tasks of this backend are issued at once (torch orders them) and r
 ``Work``. A handle without a future (Gloo's ``reduce_scatter``), or of a communicator armed
 for a lost rank (``loss_grace``), is waited on by the executor thread when a future is asked for.
 A lost rank: :meth:`ProcessGroupCommunicator.abort` (any thread) makes the collectives' host
-waits raise ``CommAbortedError`` within ``abort_slice_s`` (not ``send``/``recv``'s: a timed Gloo
-p2p wait fails its operation) and refuses later calls; a failure on a peer's closed connection
-waits up to ``loss_grace`` for that abort to name the loss.
+waits raise ``CommAbortedError`` within two ``abort_slice_s`` unless their operation ended (not
+``send``/``recv``'s: a timed Gloo p2p wait fails its operation) and refuses later calls; a
+failure on a peer's closed connection waits up to ``loss_grace`` for that abort to name the
+loss.
 """
 
 from __future__ import annotations
@@ -129,6 +130,11 @@ class PGWork(SettledByWait, Work):
         deadline = time.monotonic() + limit.total_seconds()
         while True:
             if comm._aborted is not None:
+                try:  # done before the abort (its data had come, its waiter came late): it
+                    handle.wait(piece)  # stands, as on the ranks that waited in time
+                    return
+                except RuntimeError:
+                    pass
                 raise CommAbortedError(
                     f"rank {self.rank}: {self.op} failed after "
                     f"{time.monotonic() - self.start:.1f} s: {comm._aborted}"
