@@ -228,7 +228,6 @@ class FastcommProcessGroup(VCollOps, IssueOps, dist.ProcessGroup):
         self._coalescing: list | None = None
         self._mailboxes = None  # the communicator's tagged send/recv engine (p2p.py), or False
         self._lane = None  # the engine's compiled usual send and recv (p2p.py), once built
-        self._peers = frozenset(r for r in range(size) if r != rank)  # a send's valid peers
         self._last_received = None  # the handle of a finished receive, reused (p2p.py)
         self._cuda_lock = threading.Lock()
         # collectives handed to Gloo whose sizes the ranks compared first, by op

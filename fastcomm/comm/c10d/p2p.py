@@ -34,7 +34,6 @@ from .works import FinishedWork, finished_work, thread_future, wait_seconds
 __all__ = ["MessageMismatchError", "MessageWork", "recv", "send"]
 
 _STRIDED = torch.strided
-_Tensor = torch.Tensor
 _TAG_MIN, _TAG_MAX = -(1 << 63), (1 << 63) - 1
 _increment_version = torch._C._increment_version
 _refcount = sys.getrefcount
