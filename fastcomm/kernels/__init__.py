@@ -2,7 +2,8 @@
 
 - ``pack``/``unpack``: tensors <-> one flat buffer, scaled and cast, one launch per dtype;
   ``PackPlan``: the same for one bucket, planned once; ``unpack_with_stats``: ``unpack`` that
-  also sums the squares and counts the non-finite values it wrote.
+  also sums the squares and counts the non-finite values it wrote; ``RelocatablePlan``: a
+  bucket's pack and unpack for a captured CUDA graph, its addresses read on the device.
 - ``quantize``/``dequantize``: block-wise symmetric int8/fp8, with fused error feedback.
 - ``peer_reduce``/``peer_reduce_table`` and ``peer_signal``: the data step and the barrier of
   the kernel collectives, over peers' buffers mapped into this process.
@@ -30,11 +31,13 @@ from ._quantize import (
     quantize,
     quantize_reference,
 )
+from ._relocate import RelocatablePlan
 from ._unpack_stats import unpack_with_stats, unpack_with_stats_reference
 
 __all__ = [
     "DEFAULT_BLOCK",
     "PackPlan",
+    "RelocatablePlan",
     "clear_table_cache",
     "dequantize",
     "dequantize_reference",

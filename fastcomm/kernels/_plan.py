@@ -46,9 +46,12 @@ _VIEW_CACHE = 3
 
 #: On CUDA, a copy of at most this many tensors and this many bytes takes
 #: ``_foreach_copy_`` (host-bound: its host time beats a Triton launch's); larger buckets
-#: take the fused kernel, which stays at the copy limit for large tensors.
+#: take the fused kernel, which stays at the copy limit for large tensors. On one H200 the
+#: kernel copied 8 x 1M fp32 at 3.0 TB/s and ``_foreach_copy_`` at 2.3 (probe.log of
+#: bench/results/gpu-h200-2026-11-28-4138442): past 16 MiB the device time it saves is worth
+#: more than the few microseconds of host time the launch costs beyond the foreach call.
 FOREACH_MAX_TENSORS = 64
-FOREACH_MAX_BYTES = 64 << 20
+FOREACH_MAX_BYTES = 16 << 20
 #: ... and a scaled fp32/fp64 copy of at most this many bytes takes ``_foreach_copy_`` and one
 #: ``mul_`` of the flat buffer (the same single rounding as the kernel): a second pass over
 #: the bytes, cheaper than a launch only while the bucket is small.
@@ -92,7 +95,7 @@ class PackPlan:
     __slots__ = (
         "layout", "numels", "offsets", "total", "device", "dtypes", "backend",
         "_cat_1d", "_groups", "_views", "_tables", "_table_ptrs", "_scratch", "_dtype_list",
-        "_on_cuda",
+        "_on_cuda", "_partials",
     )
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -119,6 +122,7 @@ class PackPlan:
         self._tables: dict[int, list] = {}  # flat itemsize -> [(dtype, BlockTable)]
         self._table_ptrs: list[int] | None = None
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
+        self._partials: dict[int, torch.Tensor] = {}  # flat itemsize -> the stats scratch
 
     def __len__(self) -> int:
         return len(self.layout)
@@ -337,3 +341,49 @@ class PackPlan:
                 raise
         elif self.total:
             launch_unpack(self.block_tables(tensors, flat), flat, scale, accumulate)
+
+    # ------------------------------------------------------------------ measured unpack
+    def unpack_measured(
+        self, flat: torch.Tensor, tensors: Sequence[torch.Tensor], stats: torch.Tensor
+    ) -> None:
+        """``unpack(flat, tensors)`` that also writes ``[sum of squares, non-finite count]``
+        of the values it stored into `stats` (float32, 2 elements, on the plan's device):
+        what `unpack_with_stats` adds, written instead, from the same pass on CUDA (one
+        kernel and one sum, no allocation: the per-block scratch is the plan's).
+
+        Raises:
+            TypeError, ValueError: as `unpack`, or `stats` not a float32 (2,) tensor on the
+                plan's device.
+        """
+        self._check(tensors)
+        self._check_flat("flat", flat)
+        if (not isinstance(stats, torch.Tensor) or stats.dtype != torch.float32
+                or stats.shape != (2,) or stats.device != flat.device):
+            got = (f"a {stats.dtype} tensor of shape {tuple(stats.shape)} on {stats.device}"
+                   if isinstance(stats, torch.Tensor) else type(stats).__name__)
+            raise ValueError(f"stats is {got}; expected float32 of shape (2,) on {flat.device}")
+        if not self.layout or not self.total:
+            stats.zero_()
+            return
+        if self.backend == "torch":
+            unpack_torch(flat, tensors, 1.0, False, self)
+            values = [t.reshape(-1) for t in tensors if t.numel()]
+            compute = torch.float64 if torch.float64 in (flat.dtype, *self.dtypes) else (
+                torch.float32)
+            both = torch.cat(values) if len(values) > 1 else values[0]
+            stats[0] = torch.linalg.vector_norm(both, dtype=compute).square()
+            stats[1] = both.numel() - torch.isfinite(both).sum()
+            return
+        tables = self.block_tables(tensors, flat)
+        partials = None
+        if len(tables) == 1:
+            n_blocks = tables[0][1].n_blocks
+            itemsize = flat.element_size()
+            partials = self._partials.get(itemsize)
+            compute = torch.float64 if torch.float64 in (flat.dtype, *self.dtypes) else (
+                torch.float32)
+            if partials is None or partials.shape[1] != n_blocks or partials.dtype != compute:
+                partials = self._partials[itemsize] = torch.empty(
+                    2, n_blocks, dtype=compute, device=flat.device
+                )
+        launch_unpack(tables, flat, 1.0, False, stats, partials=partials, set_stats=True)
