@@ -10,6 +10,8 @@ Charts, each written when the JSON holds its benchmarks:
 - ``collectives_busbw.png``: bus bandwidth of every op on one page, the smallest world's rows;
 - ``ddp_step.png``: training-step time per provider and the speedup over torch DDP
   (``bench/test_ddp.py``);
+- ``ddp_gpu.png``: per model, the GPU training step of fastcomm DDP (replayed and eager),
+  torch DDP and no DDP, interleaved (``bench/test_ddp_gpu.py``);
 - ``torch_backend.png``: torch DDP and FSDP2 steps on the ``fastcomm`` torch.distributed
   backend against Gloo, from the interleaved rounds (``bench/test_torch_backend.py``);
 - ``kernels.png``: pack/unpack/quantize GB/s per provider and bucket, against the one-buffer
@@ -227,6 +229,29 @@ def _ddp_pairs(ax, medians: dict[str, float], names: list[str], title: str) -> N
                             ha="center", fontsize=7, color="white")
 
 
+def plot_ddp_gpu(benchmarks: list[dict], out: Path, title: str) -> Path | None:
+    """Per model of ``bench/test_ddp_gpu.py``: the median step of each provider over the
+    interleaved rounds, the lowest and highest round median as the error bar, and each time
+    as a multiple of torch DDP's."""
+    groups = [b["extra_info"] for b in _bench(benchmarks, "test_ddp_gpu_step")
+              if "median_step_ms" in b.get("extra_info", {})]
+    if not groups:
+        return None
+    names = ["torch", "fastcomm", "fastcomm-eager", "no-comm"]
+    fig, axes = plt.subplots(1, len(groups), figsize=(3.2 * len(groups), 3.6), squeeze=False)
+    for ax, info in zip(axes[0], groups, strict=True):
+        medians, spread = info["median_step_ms"], info["round_median_spread_ms"]
+        shown = [n for n in names if n in medians]
+        _ddp_panel(ax, medians, shown, "torch", f"{info['group']} ({info['ranks']} rank(s), "
+                   f"{info['buckets']} buckets)")
+        low = [medians[n] - spread[n][0] for n in shown]
+        high = [spread[n][1] - medians[n] for n in shown]
+        ax.errorbar(range(len(shown)), [medians[n] for n in shown], yerr=[low, high],
+                    fmt="none", ecolor="black", capsize=3, linewidth=0.8)
+    axes[0][0].set_ylabel("median training step (ms)")
+    return _save(fig, out / "ddp_gpu.png", title)
+
+
 def load_torch_backend(paths: list[Path]) -> list[dict]:
     """The interleaved rows ``bench/test_torch_backend.py`` adds to its JSON."""
     rows: list[dict] = []
@@ -332,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         plot_collectives(collectives, out, title),
         *plot_collective_ops(collectives, out, title),
         plot_ddp(benchmarks, out, title),
+        plot_ddp_gpu(benchmarks, out, title),
         plot_torch_backend(load_torch_backend(args.json), out, title),
         plot_kernels(benchmarks, out, title),
         plot_compression(benchmarks, out, title),

@@ -10,6 +10,10 @@ DDP-sized bucket of mixed sizes). Throughput counts bytes read + written. Provid
 - ``torch-copy-loop``: one ``copy_`` per tensor (what a naive reducer does);
 - ``torch-cat``: ``torch.cat(..., out=)``; ``torch-foreach``: ``torch._foreach_copy_``;
 - ``torch-flat-copy``: one ``copy_`` of a flat buffer of the same size (the ideal);
+- ``fastcomm-graph`` (GPU): the pack/unpack a DDP bucket replays from a CUDA graph
+  (``RelocatablePlan``; the unpack also measures), the timed calls captured in one graph:
+  the device's time without the host's; ``torch-cat-graph`` / ``torch-foreach-graph``: the
+  torch op captured the same way, its fair reference;
 - ``torch`` (quantize/dequantize): the reference written in torch ops.
 
 ``test_copy_bandwidth`` measures ``copy_`` of one large buffer, the physical limit; the
@@ -23,6 +27,7 @@ import torch
 
 from fastcomm.kernels import (
     PackPlan,
+    RelocatablePlan,
     dequantize,
     dequantize_reference,
     kernel_backend,
@@ -87,8 +92,37 @@ def test_copy_bandwidth(benchmark, throughput):
         _COPY["gbps"] = gbps
 
 
-PACK_PROVIDERS = ["fastcomm", "fastcomm-plan", "torch-copy-loop", "torch-cat", "torch-foreach",
-                  "torch-flat-copy"]
+PACK_PROVIDERS = ["fastcomm", "fastcomm-plan", "fastcomm-graph", "torch-copy-loop", "torch-cat",
+                  "torch-cat-graph", "torch-foreach", "torch-flat-copy"]
+GRAPHED = {"fastcomm-graph", "torch-cat-graph", "torch-foreach-graph"}
+
+
+def graphed(fn, reps: int):
+    """`reps` calls of `fn` captured in one CUDA graph (after a warm call): its replay."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return graph.replay
+
+
+def timed_provider(provider: str, fn, nbytes: int):
+    """`timed` for eager providers; for the graphed ones, one replay of all the calls."""
+    if provider not in GRAPHED:
+        return timed(fn, nbytes)
+    if not ON_GPU:
+        pytest.skip("CUDA graphs need a GPU")
+    reps = max(1, (256 << 20) // max(nbytes, 1))
+    return timed(graphed(fn, reps), nbytes * reps)[0], reps
+
+
+def relocatable(tensors):
+    """A `RelocatablePlan` of `tensors` pointed at them (what a DDP bucket's graph runs)."""
+    plan = RelocatablePlan([t.numel() for t in tensors], tensors[0].dtype, tensors[0].device)
+    assert plan.set_addresses([t.data_ptr() for t in tensors], torch.cuda.current_stream())
+    return plan
 
 
 @pytest.mark.parametrize("provider", PACK_PROVIDERS)
@@ -103,6 +137,7 @@ def test_pack(benchmark, throughput, case, provider):
     fns = {
         "fastcomm": lambda: pack(tensors, out=out),
         "fastcomm-plan": lambda: plan.pack(tensors, out),
+        "torch-cat-graph": lambda: torch.cat(flat_tensors, out=out),
         "torch-copy-loop": lambda: [v.copy_(t) for v, t in zip(views, flat_tensors, strict=True)],
         "torch-cat": lambda: torch.cat(flat_tensors, out=out),
         "torch-foreach": lambda: torch._foreach_copy_(views, flat_tensors),
@@ -110,8 +145,18 @@ def test_pack(benchmark, throughput, case, provider):
     if provider == "torch-flat-copy":
         src = torch.cat(flat_tensors)
         fns[provider] = lambda: out.copy_(src)
+    if provider == "fastcomm-graph" and ON_GPU:
+        moving = relocatable(tensors)
+
+        def graph_pack():
+            moving.relocate()
+            moving.pack(out, 1.0)
+
+        fns[provider] = graph_pack
     nbytes = 2 * out.numel() * out.element_size()
-    run, reps = timed(fns[provider], nbytes)
+    if provider not in fns:
+        pytest.skip("CUDA graphs need a GPU")
+    run, reps = timed_provider(provider, fns[provider], nbytes)
     benchmark(run)
     assert torch.equal(out, torch.cat(flat_tensors))
     gbps = throughput(benchmark, nbytes, reps, op="pack", case=case, provider=provider,
@@ -119,8 +164,8 @@ def test_pack(benchmark, throughput, case, provider):
     benchmark.extra_info["fraction_of_copy"] = fraction(gbps)
 
 
-UNPACK_PROVIDERS = ["fastcomm", "fastcomm-plan", "torch-copy-loop", "torch-foreach",
-                    "torch-flat-copy"]
+UNPACK_PROVIDERS = ["fastcomm", "fastcomm-plan", "fastcomm-graph", "torch-copy-loop",
+                    "torch-foreach", "torch-foreach-graph", "torch-flat-copy"]
 
 
 @pytest.mark.parametrize("provider", UNPACK_PROVIDERS)
@@ -137,10 +182,22 @@ def test_unpack(benchmark, throughput, case, provider):
         "fastcomm-plan": lambda: plan.unpack(flat, tensors),
         "torch-copy-loop": lambda: [t.copy_(v) for t, v in zip(tensors, views, strict=True)],
         "torch-foreach": lambda: torch._foreach_copy_(tensors, views),
+        "torch-foreach-graph": lambda: torch._foreach_copy_(tensors, views),
         "torch-flat-copy": lambda: dst.copy_(flat),
     }
+    if provider == "fastcomm-graph" and ON_GPU:
+        moving = relocatable(tensors)
+        stats = torch.zeros(2, device=DEVICE)
+
+        def graph_unpack():
+            moving.relocate()
+            moving.unpack_measured(flat, stats)
+
+        fns[provider] = graph_unpack
     nbytes = 2 * flat.numel() * flat.element_size()
-    run, reps = timed(fns[provider], nbytes)
+    if provider not in fns:
+        pytest.skip("CUDA graphs need a GPU")
+    run, reps = timed_provider(provider, fns[provider], nbytes)
     benchmark(run)
     if provider != "torch-flat-copy":
         assert torch.equal(torch.cat([t.view(-1) for t in tensors]), flat)

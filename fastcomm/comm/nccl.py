@@ -27,6 +27,7 @@ import torch
 
 from .base import Communicator
 from .errors import CommAbortedError, CommTimeoutError, FastcommError
+from .graph_lane import GraphLane
 from .store import Store
 from .stream import EventWork, StreamWatchdog
 from .types import Capabilities, ReduceOp
@@ -197,7 +198,10 @@ class NcclCommunicator(Communicator):
         until the collective is done, so a lost peer's abort is seen before the step goes on."""
         # CUDA tensors of its own device (`_moves`); two-term sums are layout free (NCCL's
         # rings and trees order more terms by their position)
-        self.capabilities = Capabilities(devices=frozenset({"cuda"}), layout_free=size <= 2)
+        self.capabilities = Capabilities(
+            devices=frozenset({"cuda"}), layout_free=size <= 2, graph_all_reduce=True
+        )
+        self._graph_lane: GraphLane | None = None
 
     @property
     def device(self) -> torch.device:
@@ -233,6 +237,29 @@ class NcclCommunicator(Communicator):
             work.host_waits = self.loss_grace > 0
             watchdog.track(work)
         return work
+
+    def graph_lane(self) -> GraphLane:
+        """This communicator's all-reduce inside CUDA graphs (``capabilities.graph_all_reduce``,
+        see :mod:`fastcomm.comm.graph_lane`): made once."""
+        if self._graph_lane is None:
+            self._graph_lane = GraphLane(
+                self,
+                stream=self.stream,
+                watchdog=self._watchdog,
+                future_stream=self._future_stream,
+                enqueue=self._enqueue_raw_all_reduce,
+                refused=self._refused,
+            )
+        return self._graph_lane
+
+    def _enqueue_raw_all_reduce(self, tensor: torch.Tensor, op: ReduceOp, stream: int) -> None:
+        """NCCL's all-reduce of `tensor` on the raw `stream`, nothing else (a capture's)."""
+        dt, red = dtype_code(self._dtypes, tensor.dtype), self._ops[op]
+        ptr = tensor.data_ptr()
+        try:
+            self._comm.allReduce(ptr, ptr, tensor.numel(), dt, red, stream)
+        except self._nccl.NcclError as exc:
+            raise FastcommError(f"rank {self.rank}: captured all_reduce failed: {exc}") from exc
 
     def _refused(self, op: str) -> CommAbortedError:
         cause = self._aborted or self._watchdog.error

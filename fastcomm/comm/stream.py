@@ -171,6 +171,11 @@ class StreamWatchdog:
             work_ended(pending.popleft(), None)
         pending.append(work)
 
+    def add(self, work: EventWork) -> None:
+        """:meth:`track` without looking at the device (call with :attr:`lock` held): a CUDA
+        graph replay's path queries no event; the thread drops finished works each poll."""
+        self.pending.append(work)
+
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             with self.lock:

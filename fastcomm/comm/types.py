@@ -255,6 +255,11 @@ class Capabilities:
     receives, one progress loop for many operations) on which the ``torch.distributed`` adapter
     runs ``send``/``recv`` of CPU tensors (``shm``); elsewhere the adapter hands them to Gloo."""
 
+    graph_all_reduce: bool = False
+    """Offers ``graph_lane()`` (:class:`~fastcomm.comm.graph_lane.GraphLane`): an all-reduce of
+    CUDA tensors enqueued inside a CUDA graph being captured, and the graph's replays issued,
+    recorded and timed out as its own calls (NCCL); DDP captures its buckets there."""
+
     in_place: bool = True
     """``all_gather`` and ``all_to_all`` accept an output that overlaps the input (torch's
     ``all_gather_into_tensor`` with the input a slice of the output, as FSDP2 calls it);

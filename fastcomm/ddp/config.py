@@ -105,6 +105,15 @@ class DDPConfig:
     buffer is written again only once no gradient holds it). Default on;
     ``FASTCOMM_DDP_HAND_OVER=0`` copies, as torch DDP does."""
 
+    cuda_graphs: bool = field(
+        default_factory=lambda: os.environ.get("FASTCOMM_DDP_CUDA_GRAPHS", "1").strip() != "0"
+    )
+    """Replay each packed CUDA bucket's pack, all-reduce and unpack from a CUDA graph captured
+    after its first launch, where the communicator offers it (``capabilities.
+    graph_all_reduce``: NCCL; see ``fastcomm.ddp.graphs``): one host call per bucket instead of
+    the eager path's checks, records and launches, the same bits. Default on;
+    ``FASTCOMM_DDP_CUDA_GRAPHS=0`` turns it off."""
+
     static_graph: bool = False
     """The set of used parameters and the order gradients arrive in never change: the first
     iteration reduces everything at the end of backward and learns the unused set; later
@@ -177,6 +186,7 @@ class DDPConfig:
             "find_unused_parameters",
             "shared_buckets",
             "hand_over_grads",
+            "cuda_graphs",
             "static_graph",
             "forward_sync_buffers",
             "init_sync",

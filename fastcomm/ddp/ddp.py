@@ -92,6 +92,10 @@ class DDP(nn.Module):
             out of the peers' buckets, where the communicator offers it (``shm``) and
             ``gradient_as_bucket_view`` is not ``False`` (see `fastcomm.ddp.shared`). Default
             on (``FASTCOMM_DDP_SHARED_BUCKETS=0``: off).
+        cuda_graphs: replay each packed CUDA bucket's pack, all-reduce and unpack from a CUDA
+            graph captured after its first launch, where the communicator offers it (NCCL):
+            one host call per bucket, the same results (see `fastcomm.ddp.graphs`). Default
+            on (``FASTCOMM_DDP_CUDA_GRAPHS=0``: off).
         shared_bucket_cap_mb: the most MiB of ``/dev/shm`` those buckets may take (default:
             ``FASTCOMM_DDP_SHARED_CAP_MB``, else no cap); over it, or when ``/dev/shm`` is too
             small, a warning and the communicator's own buffers.
@@ -131,6 +135,7 @@ class DDP(nn.Module):
         check_finite: bool = False,
         shared_buckets: bool | None = None,
         shared_bucket_cap_mb: float | None = None,
+        cuda_graphs: bool | None = None,
     ) -> None:
         super().__init__()
         _check_arguments(module, dim, broadcast_buffers, forward_sync_buffers, process_group)
@@ -146,6 +151,7 @@ class DDP(nn.Module):
             gradient_as_bucket_view=gradient_as_bucket_view,
             shared_buckets=shared_buckets,
             shared_bucket_cap_mb=shared_bucket_cap_mb,
+            cuda_graphs=cuda_graphs,
             static_graph=static_graph,
             init_sync=init_sync,
             skip_all_reduce_unused_params=skip_all_reduce_unused_params,
@@ -581,12 +587,14 @@ def _config_of(
     *,
     shared_buckets: bool | None,
     shared_bucket_cap_mb: float | None,
+    cuda_graphs: bool | None,
     **options: Any,
 ) -> DDPConfig:
     """The `DDPConfig` of torch's arguments: ``forward_sync_buffers`` overrides
     ``broadcast_buffers`` for the forwards (and then the construction-time broadcast includes
-    the buffers); ``None`` for ``shared_buckets`` / ``shared_bucket_cap_mb`` leaves the
-    config's defaults (``FASTCOMM_DDP_SHARED_BUCKETS``, ``FASTCOMM_DDP_SHARED_CAP_MB``)."""
+    the buffers); ``None`` for ``shared_buckets`` / ``shared_bucket_cap_mb`` / ``cuda_graphs``
+    leaves the config's defaults (``FASTCOMM_DDP_SHARED_BUCKETS``,
+    ``FASTCOMM_DDP_SHARED_CAP_MB``, ``FASTCOMM_DDP_CUDA_GRAPHS``)."""
     if broadcast_buffers is None:
         broadcast_buffers = True
     forward_sync = broadcast_buffers if forward_sync_buffers is None else forward_sync_buffers
@@ -594,7 +602,8 @@ def _config_of(
     defaults_unless_given = {
         k: v
         for k, v in (("shared_buckets", shared_buckets),
-                     ("shared_bucket_cap_mb", shared_bucket_cap_mb))
+                     ("shared_bucket_cap_mb", shared_bucket_cap_mb),
+                     ("cuda_graphs", cuda_graphs))
         if v is not None
     }
     return DDPConfig(

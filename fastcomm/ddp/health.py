@@ -1,6 +1,7 @@
 """Training health from the unpack: gradient norm, non-finite gradients, named hangs.
 
-`GradHealth` makes a reducer's unpack `kernels.unpack_with_stats`, so each bucket also leaves
+`GradHealth` makes a reducer's unpack measure what it writes (`PackPlan.unpack_measured`, or a
+CUDA graph's unpack, `fastcomm.ddp.graphs`), so each bucket also leaves
 ``[sum of squares, non-finite count]`` in one row of ``stats`` (float32, on the gradients'
 device, never read by the host unless asked). Every rank holds the same averaged gradients,
 hence the same rows: the norm and the NaN/Inf verdict need no collective. Where the unpack
@@ -66,43 +67,60 @@ class GradHealth:
     # ------------------------------------------------------------------ reducer side
     def begin_step(self) -> None:
         """Called by the reducer before it unpacks the buckets of a synchronized backward."""
-        # the rows are zeroed now where the unpack fills them, else when first measured
+        # Where the unpack measures (eager), every bucket's unpack writes its row, so nothing
+        # is zeroed here: a bucket replayed from a CUDA graph wrote its row during backward,
+        # before this call. Elsewhere the rows are zeroed when first measured.
         self._stale = not self.eager
         if self.eager:
-            self._zero_stats()
+            self.ensure_stats()
         self._unpacked = 0
         self._complete = not self.reducer.bucket_view
         self._written = []
         self._lazy = {}
         self._step = -1
 
-    def _zero_stats(self) -> None:
+    def ensure_stats(self) -> torch.Tensor:
+        """The ``[n_buckets, 2]`` rows, made (zeroed) when missing or of another shape."""
         n = len(self.reducer.buckets)
         device = self.reducer.buckets[0].device
         if self.stats is None or self.stats.shape[0] != n or self.stats.device != device:
             self.stats = torch.zeros(n, 2, dtype=torch.float32, device=device)
-        else:
-            self.stats.zero_()
+        return self.stats
+
+    def _zero_stats(self) -> None:
+        self.ensure_stats().zero_()
 
     def unpack(self, bucket, value: torch.Tensor, targets: list[torch.Tensor | None]) -> None:
         """The reducer's unpack of one reduced bucket, measuring what it writes."""
         if not self.eager:
             unpack_bucket(bucket, value, targets)
             self._lazy[bucket.index] = targets  # _measure skips the None entries
-        elif all(t is not None and t.is_contiguous() for t in targets):
-            kernels.unpack_with_stats(value, targets, stats=self.stats[bucket.index])
-        else:  # a gap (unused parameter) or a channels-last gradient: the plain unpack
+            self._record(bucket, targets)
+            return
+        row = self.stats[bucket.index]
+        try:  # the usual bucket: the plan's measured unpack writes the row, one pass
+            bucket.plan.unpack_measured(value, targets, row)
+        except (TypeError, ValueError):
+            # a gap (unused parameter) or a channels-last gradient: the plain unpack
             unpack_grads(value, targets, bucket.offsets, bucket.numel, plan=bucket.plan)
-            self._measure(targets, self.stats[bucket.index])
+            row.zero_()
+            self._measure(targets, row)
         self._record(bucket, targets)
 
     def written(self, bucket, targets: list[torch.Tensor | None]) -> None:
         """The reducer wrote `bucket`'s averaged gradients into `targets` without an unpack
         (reduced in place, see ``in_place.py``): measured like an unpack's."""
         if self.eager:
-            self._measure(targets, self.stats[bucket.index])
+            row = self.stats[bucket.index]
+            row.zero_()
+            self._measure(targets, row)
         else:
             self._lazy[bucket.index] = targets
+        self._record(bucket, targets)
+
+    def captured(self, bucket, targets: list[torch.Tensor]) -> None:
+        """`bucket`'s unpack ran in a CUDA graph replayed during backward, which wrote its
+        row of ``stats`` (``fastcomm.ddp.graphs``): recorded as an unpack."""
         self._record(bucket, targets)
 
     def _record(self, bucket, targets: list[torch.Tensor | None]) -> None:

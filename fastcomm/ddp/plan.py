@@ -6,8 +6,8 @@ once). The reducer calls this module when it is built, when it (re)builds its bu
 a comm hook is registered, then only executes what it returned. In order: buckets in shared
 memory or not (`shared_request`), ``.grad`` as bucket views or not (`grads_are_views`), each
 bucket's strategy (`choose_strategy`, first match wins: comm hook, sparse, shared view, view,
-in place via `in_place_plan`, packed on arrival, packed), and which gradients are staged into
-a shared bucket (`stages`).
+in place via `in_place_plan`, replayed from a CUDA graph (``graphs.py``), packed on arrival,
+packed), and which gradients are staged into a shared bucket (`stages`).
 
 Invariant: every rank takes the same decisions: they depend on the parameters' sizes, dtypes
 and devices, the config and the capabilities, never on this rank's gradients.
@@ -22,10 +22,12 @@ from typing import NamedTuple
 
 import torch
 
+from fastcomm.comm.graph_lane import GraphLane
 from fastcomm.comm.types import Capabilities
 
 from .bucket import CPU_VIEW_DTYPES, Bucket
 from .config import DDPConfig
+from .graphs import GraphedAllReduce
 from .in_place import InPlaceAllReduce, InPlacePlan
 from .shared import SHARED_VIEW, eligible
 from .sparse import SPARSE
@@ -129,11 +131,14 @@ def plan_buckets(
     hook: Callable | None,
     bucket_view: bool,
     staged: bool = False,
+    graph_lane: GraphLane | None = None,
 ) -> BucketPlan:
     """Decisions 3 and 4 for every bucket of a reducer (`staged`: its shared region stages
-    fresh gradients, ``SharedRequest.staged``)."""
+    fresh gradients, ``SharedRequest.staged``; `graph_lane`: the communicator's
+    ``graph_lane()`` where it offers one and ``config.cuda_graphs`` is on)."""
+    graphed = None if graph_lane is None else GraphedAllReduce(graph_lane)
     strategies = [
-        choose_strategy(b, capabilities, config, hook, bucket_view) for b in buckets
+        choose_strategy(b, capabilities, config, hook, bucket_view, graphed) for b in buckets
     ]
     stage_in: list[Bucket | None] = [None] * n_params
     arrival_views: list[torch.Tensor | None] = [None] * n_params
@@ -155,8 +160,10 @@ def choose_strategy(
     config: DDPConfig,
     hook: Callable | None,
     bucket_view: bool,
+    graphed: GraphedAllReduce | None = None,
 ) -> BucketStrategy:
-    """How `bucket` is reduced (decision 3 of the module docstring)."""
+    """How `bucket` is reduced (decision 3 of the module docstring; `graphed`: the reducer's
+    CUDA-graph strategy, taken by its packed CUDA buckets)."""
     if hook is not None:
         return CommHook(hook, SPARSE if bucket.sparse else VIEW if bucket_view else PACKED)
     if bucket.sparse:
@@ -166,6 +173,8 @@ def choose_strategy(
     plan = in_place_plan(bucket, capabilities, config)
     if plan is not None:
         return InPlaceAllReduce(plan)
+    if graphed is not None and bucket.device.type == "cuda":
+        return graphed
     return ARRIVAL_PACKED if packs_on_arrival(bucket, config) else PACKED
 
 

@@ -181,9 +181,12 @@ class Reducer:
         self._choose_strategies()
 
     def _choose_strategies(self) -> None:
+        caps = self.comm.capabilities
+        lane = (self.comm.graph_lane() if caps.graph_all_reduce and self.config.cuda_graphs
+                else None)
         plan = plan_buckets(
-            self.buckets, len(self.params), self.comm.capabilities, self.config,
-            self._comm_hook, self.bucket_view, self.shared is not None and self.shared.staged,
+            self.buckets, len(self.params), caps, self.config, self._comm_hook,
+            self.bucket_view, self.shared is not None and self.shared.staged, lane,
         )
         self.strategies = plan.strategies
         self._on_arrival = plan.on_arrival

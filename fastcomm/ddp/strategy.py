@@ -52,6 +52,7 @@ class ReducerLike(Protocol):
     buckets: list
     hook_state: Any
     health: Any  # a fastcomm.ddp.health.GradHealth, or None
+    keeper: Any  # in-place recovery's copies of the gradients, or None
 
     def grad_targets(self, bucket: Bucket, unused: frozenset[int]) -> Grads: ...
 
