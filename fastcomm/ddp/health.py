@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+from weakref import ref as _weakref
 
 import torch
 
@@ -60,7 +61,10 @@ class GradHealth:
         self._unpacked = 0  # buckets unpacked with stats in that step
         self._complete = False  # every bucket unpacked, no stray gradient left out
         # (parameter, its grad, the grad's version) as the unpack left them
-        self._written: list[tuple[list, list, list[int]]] = []  # (params, targets, versions)
+        # (params, weak references to the targets, versions): weak, so that the gradients a
+        # step wrote are freed by zero_grad(set_to_none=True) and the next step's take their
+        # memory (a captured bucket then finds its gradients where they were)
+        self._written: list[tuple[list, list, list[int]]] = []
         self.last_norm_source = ""  # "unpack", "buckets" or "torch": for tests and logging
         self.readiness = _readiness.Readiness(reducer)
 
@@ -131,7 +135,8 @@ class GradHealth:
             t is None and p.grad is not None for t, p in zip(targets, bucket.params, strict=True)
         ):
             self._complete = False  # a stale gradient the unpack did not write
-        self._written.append((bucket.params, targets, versions))
+        refs = [None if t is None else _weakref(t) for t in targets]
+        self._written.append((bucket.params, refs, versions))
 
     @staticmethod
     def _measure(targets, stats: torch.Tensor) -> None:
@@ -216,17 +221,19 @@ class GradHealth:
         if not self._complete or self._step != reducer.synced_iterations:
             return False
         pairs = [
-            (p, t)
-            for params, targets, _ in self._written
-            for p, t in zip(params, targets, strict=True)
-            if t is not None
+            (p, ref)
+            for params, refs, _ in self._written
+            for p, ref in zip(params, refs, strict=True)
+            if ref is not None
         ]
         versions = [v for _, _, vs in self._written for v in vs]
         if len(pairs) != sum(p.grad is not None for p in reducer.params):
             return False
-        return all(
-            p.grad is t and t._version == v for (p, t), v in zip(pairs, versions, strict=True)
-        )
+        for (p, ref), v in zip(pairs, versions, strict=True):
+            g = p.grad
+            if g is None or g is not ref() or g._version != v:
+                return False
+        return True
 
     def _views_intact(self) -> bool:
         reducer = self.reducer

@@ -11,9 +11,9 @@ the address row from that vector in two small kernels, and `set_addresses` rewri
 
 Invariants: one dtype, the flat buffer's (a DDP bucket); every address 16-byte aligned (the
 kernels are built for 128-bit accesses: `set_addresses` refuses another address, and the
-caller runs the eager path); the host buffers the vector is copied from are pinned once, two
-that take turns, each reused only after its last copy is done (an event per buffer, made
-once); nothing here allocates after construction, so a capture allocates nothing.
+caller runs the eager path); the host buffers the vector is copied from are pinned once and
+take turns (`_SLOTS` of them), each reused only after its last copy is done (an event per
+buffer, made once); nothing here allocates after construction, so a capture allocates nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ from ._launch import VEC_BYTES, BlockTable, _layout, compute_dtype, kernel_backe
 from ._pack import BLOCK, launch_pack, launch_unpack
 
 __all__ = ["RelocatablePlan"]
+
+#: Pinned host buffers the address vector is copied from, in turn: a buffer is written again
+#: only once its last copy is done, which a ring this long leaves several steps to finish.
+_SLOTS = 4
 
 
 class RelocatablePlan:
@@ -68,9 +72,9 @@ class RelocatablePlan:
         self._tables = [(dtype, BlockTable(self.table, self.n_blocks, VEC_BYTES, flat_vec))]
         self.addresses = torch.zeros(len(self.numels), dtype=torch.int64, device=device)
         self._cuda = device.type == "cuda"
-        host = [torch.empty(len(self.numels), dtype=torch.int64) for _ in range(2)]
+        host = [torch.empty(len(self.numels), dtype=torch.int64) for _ in range(_SLOTS)]
         self._host = [h.pin_memory() for h in host] if self._cuda else host
-        self._copied = [torch.cuda.Event(), torch.cuda.Event()] if self._cuda else []
+        self._copied = [torch.cuda.Event() for _ in range(_SLOTS)] if self._cuda else []
         self._turn = 0
         self._nonempty = [n > 0 for n in self.numels]
         #: the addresses `addresses` holds (as last written), or None before the first
@@ -91,14 +95,14 @@ class RelocatablePlan:
             return True
         if len(ptrs) != len(self.numels) or not self.aligned(ptrs):
             return False
-        turn = self._turn = 1 - self._turn
+        turn = self._turn = (self._turn + 1) % _SLOTS
         host = self._host[turn]
         if not self._cuda:
             host.numpy()[:] = ptrs
             self.addresses.copy_(host)
         else:
             copied = self._copied[turn]
-            copied.synchronize()  # its previous copy (two changes ago) has left the buffer
+            copied.synchronize()  # its previous copy (_SLOTS changes ago) has left the buffer
             host.numpy()[:] = ptrs
             with torch.cuda.stream(stream):
                 self.addresses.copy_(host, non_blocking=True)
