@@ -12,7 +12,7 @@ completes, so no ``record_stream``; a collective past the timeout aborts the NCC
 (a lost rank, from in-place recovery's liveness watch: a NCCL kernel waiting on a dead peer
 spins forever); an aborted communicator refuses later calls and closes without waiting.
 
-Never run on a GPU in this project's CI (no GPU there): see the README and docs/architecture.md.
+Never run on a GPU in this project's CI (no GPU there): see docs/environments.md.
 """
 
 from __future__ import annotations

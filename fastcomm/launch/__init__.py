@@ -1,4 +1,4 @@
-"""fastcomm-run, a torchrun-compatible launcher that restarts failed jobs (usage: README).
+"""fastcomm-run, a torchrun-compatible launcher that restarts failed jobs (usage: docs/launch.md).
 
 One agent per node (``agent``) runs the job in rounds: it joins a rendezvous round
 (``rendezvous``), starts its workers with torchrun's environment (``specs``, ``workers``),
