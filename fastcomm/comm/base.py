@@ -51,7 +51,7 @@ from .checks import (
 )
 from .errors import CommClosedError
 from .flight import SAMPLE, recorded, recorder_for
-from .flight_watch import on_failure as _dumps_on_failure  # noqa: F401 (registers it)
+from .hooks import CommHooks
 from .reduction import torch_reduce
 from .stats import CommStats
 from .store import DEFAULT_TIMEOUT, Store, as_timedelta
@@ -434,6 +434,8 @@ class Communicator(CommBackend):
         self._seq = 0
         self._told_route = False
         self.stats = CommStats()
+        self.hooks = CommHooks()
+        """What its owner attached to its calls (:mod:`.hooks`): the failure hooks."""
         self.flight = recorder_for(self)
         """This communicator's flight recorder (:mod:`.flight`), ``None`` when turned off."""
         self.stats.flight = self.flight

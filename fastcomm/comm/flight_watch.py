@@ -25,12 +25,13 @@ import threading
 import time
 import traceback
 import weakref
+from functools import partial
 
 from .. import trace
-from .flight import ON_FAILURE, recorders
+from .flight import recorders
 from .store import Store, lost_rank_key
 
-__all__ = ["Watch", "dump_record", "on_failure", "request_report", "watch"]
+__all__ = ["Watch", "dump_record", "request_report", "watch"]
 
 logger = logging.getLogger("fastcomm")
 
@@ -246,11 +247,13 @@ class Watch(threading.Thread):
         self.suspect_s = _seconds(SUSPECT_ENV, 30.0)
         self.signalled = threading.Event()
 
-    def add(self, comm) -> None:
+    def add(self, comm) -> _Target:
+        """Watches ``comm`` from now on; its target."""
         target = _Target(comm)
         self._beat(target)  # named by its heartbeat from the start, not after a poll
         with self.lock:
             self.targets = [t for t in self.targets if t.alive] + [target]
+        return target
 
     @staticmethod
     def _beat(target: _Target) -> None:
@@ -306,7 +309,9 @@ def _on_sigusr1(signum, frame) -> None:
 
 
 def watch(comm) -> None:
-    """Starts (once per process) the flight thread and adds ``comm`` to what it watches."""
+    """Starts (once per process) the flight thread, adds ``comm`` to what it watches and
+    registers the dump of every rank's record as one of ``comm``'s failure hooks
+    (:meth:`~.hooks.CommHooks.register_failure`)."""
     global _WATCH
     if comm.flight is None:
         return
@@ -318,19 +323,14 @@ def watch(comm) -> None:
             if threading.current_thread() is threading.main_thread() and \
                     signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
                 signal.signal(signal.SIGUSR1, _on_sigusr1)
-    _WATCH.add(comm)
+    target = _WATCH.add(comm)
+    comm.hooks.register_failure(partial(_report_failure, _WATCH, target))
 
 
-def on_failure(recorder, exc: BaseException) -> None:
-    """A call of a watched communicator timed out or was aborted: every rank's dump, the
-    report in the log, its first line as a note on ``exc``."""
-    watch_ = _WATCH
-    if watch_ is None:
-        return
-    with watch_.lock:
-        target = next((t for t in watch_.targets if t.recorder is recorder), None)
-    if target is None:
-        return
+def _report_failure(watch_: Watch, target: _Target, exc: BaseException) -> None:
+    """A call of ``target``'s communicator timed out, was aborted or disagreed with its peers'
+    (its failure hook): every rank's dump, the report in the log, its first line as a note on
+    ``exc``."""
     try:
         lines = request_report(target, f"{type(exc).__name__}: {exc}",
                                wait_s=2 * watch_.poll_s + 1.0)
@@ -339,6 +339,3 @@ def on_failure(recorder, exc: BaseException) -> None:
         return
     logger.error("rank %d: flight report:\n%s", target.rank, "\n".join(lines))
     exc.add_note(f"flight report: {lines[0]}")
-
-
-ON_FAILURE[:] = [on_failure]

@@ -24,7 +24,13 @@ import torch
 
 from .base import Communicator, abort_parts
 from .calls import HEAD, Call, encode, first_difference, mismatch_message, tensor_call
-from .errors import CommAbortedError, CommClosedError, CommTimeoutError, FastcommError
+from .errors import (
+    CollectiveMismatchError,
+    CommAbortedError,
+    CommClosedError,
+    CommTimeoutError,
+    FastcommError,
+)
 from .reduction import reduce_into
 from .store import Store
 from .topology import HostLayout
@@ -182,7 +188,7 @@ class HierCommunicator(Communicator):
             intra.broadcast(out, 0)
         problem = _mismatch(out[:head])
         if problem is not None:
-            raise FastcommError(mismatch_message(self.rank, call.op, problem))
+            raise CollectiveMismatchError(mismatch_message(self.rank, call.op, problem))
         if riding:
             flat.copy_(out[head:head + nbytes].view(flat.dtype))
         return riding

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from .calls import HEAD, encode, first_difference, mismatch_message, v_call
-from .errors import FastcommError
+from .errors import SizesDisagreement
 from .work import Task
 
 __all__ = ["KINDS", "SizesDisagreement", "check_v", "default_task", "input_bytes", "overlaps",
@@ -28,11 +28,6 @@ __all__ = ["KINDS", "SizesDisagreement", "check_v", "default_task", "input_bytes
 #: the v-calls (names of ``calls.OPS``)
 KINDS = ("gather", "scatter", "all_to_all", "all_gather", "reduce_scatter", "all_gather_coalesced")
 _STRIDED = torch.strided
-
-
-class SizesDisagreement(FastcommError, ValueError):
-    """The ranks of a v-call disagree on its op, root, dtype or sizes (raised on every rank,
-    the communicator still usable)."""
 
 
 def raise_disagreement(rank: int, kind: str, problem: str) -> None:

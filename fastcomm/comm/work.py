@@ -27,7 +27,7 @@ from datetime import timedelta
 import torch
 
 from .errors import CommTimeoutError, FastcommError
-from .flight import work_ended
+from .flight import ended
 
 __all__ = [
     "OrderedExecutor", "SettledByWait", "StoppableThread", "Task", "Work", "completed_work",
@@ -95,7 +95,20 @@ class Work:
     def _fail(self, error: BaseException) -> None:
         self._finish(error)
 
-    _flight = None  # (recorder, seq) of the call that returned it (``flight.recorded``)
+    _flight = None  # (recorder, seq) of the call that returned it, until its end is recorded
+
+    def record_in(self, recorder, seq: int) -> None:
+        """Ends call ``seq`` of ``recorder`` (the flight recorder of the call that returned
+        this work) when the operation completes: now where it already has."""
+        self._flight = (recorder, seq)
+        if self._done:  # finished before it was told (a synchronous path's completed work)
+            self.record_end(self._error)
+
+    def record_end(self, error: BaseException | None) -> None:
+        """Ends this work's call in its flight recorder (once; a failure runs the
+        communicator's failure hooks): called by whatever completes the work."""
+        flight, self._flight = self._flight, None
+        ended(flight, error)
 
     def _finish(self, error: BaseException | None) -> None:
         with _FUTURE_LOCK:
@@ -105,7 +118,7 @@ class Work:
             self._done = True
             future = self._future
         if self._flight is not None:  # its call ends in the flight recorder
-            work_ended(self, error)
+            self.record_end(error)
         if self._latch is not None:
             self._latch.release()
         if future is not None:

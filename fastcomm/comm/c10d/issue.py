@@ -12,7 +12,7 @@ import time
 import torch
 
 from ..calls import encode, first_difference, mismatch_message
-from ..errors import FastcommError
+from ..errors import FastcommError, SizesDisagreement
 from ..work import wrap_error
 from .agree import CHECKED_OPS, FINGERPRINT, agrees, fingerprint, gloo_call
 from .works import FastcommWork, FinishedWork, finished_work
@@ -149,7 +149,7 @@ class IssueOps:
             raise type(exc)(f"rank {self._rank}: {what}: comparing the ranks' sizes: {exc}") \
                 from exc
         problem = first_difference(rows.tolist()) or "their calls' fingerprints differ"
-        raise ValueError(mismatch_message(self._rank, what, problem))
+        raise SizesDisagreement(mismatch_message(self._rank, what, problem))
 
     def _start_coalescing(self, device: torch.device) -> None:
         self._coalescing = []

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ..calls import DTYPE_CODES as _CODES
 from ..errors import CommAbortedError, CommTimeoutError
+from ..flight import ended
 from ..shm.p2p import MessageMismatchError
 from .issue import _REUSE_DONE
 from .multi import copier
@@ -71,7 +72,7 @@ class MessageWork(dist._Work):
     __slots__ = ("_engine", "_op", "_outputs", "_post", "_error", "_finished", "_future",
                  "_flight")
 
-    def __init__(self, engine, op, outputs: list, post) -> None:
+    def __init__(self, engine, op, outputs: list, post, flight: tuple | None = None) -> None:
         super().__init__()
         self._engine = engine
         self._op = op
@@ -80,7 +81,7 @@ class MessageWork(dist._Work):
         self._error: BaseException | None = None
         self._finished = False
         self._future: torch.futures.Future | None = None
-        self._flight: tuple | None = None  # (recorder, seq) until the operation ends
+        self._flight = flight  # (recorder, seq) until the operation ends
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         """Blocks until the operation is done and raises its error.
@@ -101,7 +102,7 @@ class MessageWork(dist._Work):
             except BaseException as exc:
                 self._error = exc
                 self._finished = True
-                _ended(self._flight, exc)
+                ended(self._flight, exc)
                 self._flight = None
                 raise
             self._settle()
@@ -120,7 +121,7 @@ class MessageWork(dist._Work):
                 error = exc
         self._error = error
         self._finished = True
-        _ended(self._flight, error)
+        ended(self._flight, error)
         self._flight = None
 
     def is_completed(self) -> bool:
@@ -223,21 +224,10 @@ def _recorded(comm, name: str, tensor: torch.Tensor, peer: int | None) -> tuple 
     return None if recorder is None else (recorder, recorder.issue(name, tensor, peer))
 
 
-def _ended(flight: tuple | None, error: BaseException | None) -> None:
-    """Ends a recorded call; a failure dumps the record (a timeout, a lost peer)."""
-    if flight is None:
-        return
-    recorder, seq = flight
-    if error is not None:
-        recorder.fail(seq, error)
-    else:
-        recorder.end(seq)
-
-
 def _issued(group, tensors: list, engine, op, post, flight: tuple | None = None) -> Any:
     """The handle of an operation the engine took: finished already, or pending."""
     if op.done and group._coalescing is None:
-        _ended(flight, op.error)
+        ended(flight, op.error)
         if op.error is not None:
             raise op.error
         if post is not None:
@@ -247,8 +237,7 @@ def _issued(group, tensors: list, engine, op, post, flight: tuple | None = None)
         work = _Received()
         work._outputs, work._src = tensors, op.source
         return work
-    handle = MessageWork(engine, op, tensors, post)
-    handle._flight = flight
+    handle = MessageWork(engine, op, tensors, post, flight)
     if flight is not None:  # recorded as pending until the operation ends (MessageWork)
         flight[0].pending(flight[1])
     if group._coalescing is not None:
@@ -291,14 +280,14 @@ def _send(group, tensors: list, dst: int, tag: int, now: bool = True) -> Any:
         if tensor.is_contiguous():
             if now and group._coalescing is None and engine.send_now(
                     tensor.data_ptr(), tensor.nbytes, dst, tag, code):
-                _ended(flight, None)
+                ended(flight, None)
                 return group._done(tensors)
             data = tensor
         else:
             data = tensor.contiguous()
         op = engine.isend(data, dst, tag, code)
     except BaseException as exc:
-        _ended(flight, exc)
+        ended(flight, exc)
         raise
     return _issued(group, tensors, engine, op, None, flight)
 
@@ -340,7 +329,7 @@ def _recv(group, tensors: list, src: int | None, tag: int, now: bool = True) -> 
         if tensor.is_contiguous():
             if now and src is not None and group._coalescing is None and engine.recv_now(
                     tensor.data_ptr(), tensor.nbytes, src, tag, code):
-                _ended(flight, None)
+                ended(flight, None)
                 _increment_version((tensor,))  # written behind autograd's back
                 return _received(group, tensors, src)
             data, post = tensor, partial(_increment_version, (tensor,))
@@ -349,7 +338,7 @@ def _recv(group, tensors: list, src: int | None, tag: int, now: bool = True) -> 
             post = copier(tensor, data)
         op = engine.irecv(data, src, tag, code)
     except BaseException as exc:
-        _ended(flight, exc)
+        ended(flight, exc)
         raise
     return _issued(group, tensors, engine, op, post, flight)
 

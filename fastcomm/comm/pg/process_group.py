@@ -30,7 +30,6 @@ import torch.distributed as dist
 
 from ..base import Communicator
 from ..errors import CommAbortedError
-from ..flight import work_ended
 from ..store import as_timedelta
 from ..types import ReduceOp, divide_
 from ..work import SettledByWait, Task, Work, wrap_error
@@ -94,7 +93,12 @@ class PGWork(SettledByWait, Work):
                 self._error = wrap_error(self.op, self.rank, self.start, error)
             self._finished = True
         if self._flight is not None:  # its call ends in the flight recorder
-            work_ended(self, self._error)
+            self.record_end(self._error)
+
+    def record_in(self, recorder, seq: int) -> None:
+        self._flight = (recorder, seq)
+        if self._finished:
+            self.record_end(self._error)
 
     def wait(self, timeout: float | timedelta | None = None) -> bool:
         if not self._finished:
