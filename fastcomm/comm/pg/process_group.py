@@ -253,7 +253,8 @@ class ProcessGroupCommunicator(Communicator):
         return Task(op, output, partial(self._issue, op, output, issue, post))
 
     # ------------------------------------------------------------------ collectives
-    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Task:
+    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp,
+                         blocking: bool = False) -> Task:
         # the hot call of DDP over a torch group: the options are made once per op (torch
         # reads them at issue), and nothing is looked up by Enum (its hash runs Python code)
         cached = self._allreduce_opts.get(op._name_)
@@ -275,19 +276,19 @@ class ProcessGroupCommunicator(Communicator):
             raise wrap_error("all_reduce", self.rank, time.monotonic(), exc) from exc
         return PGWork(self, "all_reduce", tensor, handle, post)
 
-    def _impl_broadcast(self, tensor: torch.Tensor, src: int) -> Task:
+    def _impl_broadcast(self, tensor: torch.Tensor, src: int, blocking: bool = False) -> Task:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         pg = self.process_group
         return self._issue_task("broadcast", tensor, lambda: pg.broadcast([tensor], opts))
 
-    def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Task:
+    def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor,
+                         blocking: bool = False) -> Task:
         out_flat, in_flat, pg = output.view(-1), input.view(-1), self.process_group
         return self._issue_task("all_gather", output, lambda: pg._allgather_base(out_flat, in_flat))
 
-    def _impl_reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp
-    ) -> Task:
+    def _impl_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
+                             blocking: bool = False) -> Task:
         opts = dist.ReduceScatterOptions()
         opts.reduceOp, post = self._reduce_op(op, output)
         out_flat, in_flat = output.view(-1), input.view(-1)
@@ -296,20 +297,21 @@ class ProcessGroupCommunicator(Communicator):
             "reduce_scatter", output, lambda: pg._reduce_scatter_base(out_flat, in_flat, opts), post
         )
 
-    def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Task:
+    def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor,
+                         blocking: bool = False) -> Task:
         out_flat, in_flat, pg = output.view(-1), input.view(-1), self.process_group
         opts = dist.AllToAllOptions()
         issue = lambda: pg.alltoall_base(out_flat, in_flat, [], [], opts)  # noqa: E731
         return self._issue_task("all_to_all", output, issue)
 
-    def _impl_send(self, tensor: torch.Tensor, dst: int) -> Task:
+    def _impl_send(self, tensor: torch.Tensor, dst: int, blocking: bool = False) -> Task:
         pg = self.process_group
         return self._issue_task("send", tensor, lambda: pg.send([tensor], dst, 0))
 
-    def _impl_recv(self, tensor: torch.Tensor, src: int) -> Task:
+    def _impl_recv(self, tensor: torch.Tensor, src: int, blocking: bool = False) -> Task:
         pg = self.process_group
         return self._issue_task("recv", tensor, lambda: pg.recv([tensor], src, 0))
 
-    def _impl_barrier(self) -> Task:
+    def _impl_barrier(self, blocking: bool = False) -> Task:
         pg = self.process_group
         return self._issue_task("barrier", None, lambda: pg.barrier(dist.BarrierOptions()))

@@ -19,12 +19,12 @@ from datetime import timedelta
 
 import torch
 
+from ..backend import VKind
 from ..base import Communicator
-from ..errors import CommAbortedError, CommClosedError, FastcommError
+from ..errors import CommAbortedError, CommClosedError, FastcommError, SizesDisagreement
 from ..store import Store
 from ..topology import host_id
 from ..types import Capabilities, PremulSum, ReduceOp
-from ..vcoll import SizesDisagreement, default_task
 from ..work import OrderedExecutor, Task, wrap_error
 from .buckets import ShmBucketRegion
 from .core import PREMUL_KINDS
@@ -340,126 +340,146 @@ class ShmCommunicator(Communicator):
         raise error from exc
 
     # ------------------------------------------------------------------ collectives
-    # Every op has one entry in the schedules, named after it, taking the ``_impl_*``
-    # arguments and the time the call began: the entry itself takes the compiled core (one C
-    # call when the call fits one slot and the peers are there) or the Python rounds.
-    def _run_inline(self, op: str, *args) -> bool:
-        """A synchronous call with no asynchronous work pending runs on the caller's thread
-        with no ``Work`` or task built: below a few KiB that bookkeeping would cost as much as
-        moving the bytes. ``op`` names the schedules' entry (``Communicator._run_inline``'s hook).
-        (Routing sent only CPU tensors here.)"""
-        if self._executor.busy or self._broken is not None or (
-            args and type(args[0]) is not torch.Tensor
-        ):
-            return False
-        start = time.monotonic()
-        try:
-            getattr(self._schedules, op)(*args, start)
-        except BaseException as exc:
-            self._abort(op, start, exc)
-        return True
-
-    def _run_inline_p2p(self, op: str, tensor: torch.Tensor, peer: int) -> bool:
-        """A synchronous send or recv runs on the caller's thread, with no ``Work`` or task
-        built, when nothing is pending on that peer's executor of ``op`` (so messages keep their
-        issue order); any size, as the executor would run it there. (Routing sent only CPU
-        tensors here.)"""
-        if self._broken is not None or type(tensor) is not torch.Tensor:
-            return False
-        executor = self._p2p.get((op, peer))
-        if executor is not None and executor.busy:
-            return False
-        start = time.monotonic()
-        try:
-            getattr(self._schedules, op)(tensor, peer, start)
-        except BaseException as exc:
-            self._abort(op, start, exc)
-        return True
-
-    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp | PremulSum) -> Task:
+    # Every op has one entry in the schedules, named after it, taking the op's arguments and
+    # the time the call began: the entry itself takes the compiled core (one C call when the
+    # call fits one slot and the peers are there) or the Python rounds. A blocking call with
+    # nothing queued before it runs the entry on the caller's thread with no task or Work built:
+    # below a few KiB that bookkeeping would cost as much as moving the bytes. (Routing sends
+    # only CPU tensors here; a tensor subclass takes the task.)
+    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp | PremulSum,
+                         blocking: bool = False) -> Task | None:
         entry = self._schedules.all_reduce
+        if (blocking and not self._executor.busy and self._broken is None
+                and type(tensor) is torch.Tensor):
+            start = time.monotonic()
+            try:
+                entry(tensor, op, start)
+            except BaseException as exc:
+                self._abort("all_reduce", start, exc)
+            return None
         return self._task("all_reduce", tensor, lambda: entry(tensor, op, time.monotonic()))
 
-    def _impl_reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp) -> Task:
+    def _impl_reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp,
+                     blocking: bool = False) -> Task | None:
         entry = self._schedules.reduce
+        if blocking and self._idle(tensor):
+            return self._now("reduce", entry, tensor, root, op)
         return self._task("reduce", tensor, lambda: entry(tensor, root, op, time.monotonic()))
 
-    def _impl_broadcast(self, tensor: torch.Tensor, src: int) -> Task:
+    def _impl_broadcast(self, tensor: torch.Tensor, src: int,
+                        blocking: bool = False) -> Task | None:
         entry = self._schedules.broadcast
+        if blocking and self._idle(tensor):
+            return self._now("broadcast", entry, tensor, src)
         return self._task("broadcast", tensor, lambda: entry(tensor, src, time.monotonic()))
 
-    def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Task:
+    def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor,
+                         blocking: bool = False) -> Task | None:
         entry = self._schedules.all_gather
+        if blocking and self._idle(output):
+            return self._now("all_gather", entry, output, input)
         return self._task("all_gather", output,
                           lambda: entry(output, input, time.monotonic()))
 
-    def _impl_reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp
-    ) -> Task:
+    def _impl_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
+                             blocking: bool = False) -> Task | None:
         entry = self._schedules.reduce_scatter
+        if blocking and self._idle(output):
+            return self._now("reduce_scatter", entry, output, input, op)
         return self._task("reduce_scatter", output,
                           lambda: entry(output, input, op, time.monotonic()))
 
-    def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Task:
+    def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor,
+                         blocking: bool = False) -> Task | None:
         entry = self._schedules.all_to_all
+        if blocking and self._idle(output):
+            return self._now("all_to_all", entry, output, input)
         return self._task("all_to_all", output,
                           lambda: entry(output, input, time.monotonic()))
 
-    def _impl_send(self, tensor: torch.Tensor, dst: int) -> Task:
-        entry = self._schedules.send
-        return Task("send", tensor, lambda: entry(tensor, dst, time.monotonic()),
-                    self._p2p_executor("send", dst))
-
-    def _impl_recv(self, tensor: torch.Tensor, src: int) -> Task:
-        entry = self._schedules.recv
-        return Task("recv", tensor, lambda: entry(tensor, src, time.monotonic()),
-                    self._p2p_executor("recv", src))
-
-    def _impl_barrier(self) -> Task:
+    def _impl_barrier(self, blocking: bool = False) -> Task | None:
         entry = self._schedules.barrier
+        if blocking and not self._executor.busy and self._broken is None:
+            return self._now("barrier", entry)
         return self._task("barrier", None, lambda: entry(time.monotonic()))
 
-    def _run_inline_v(self, kind: str, root: int, outputs: list, inputs: list) -> bool:
-        """A synchronous v-call with no asynchronous work pending runs on the caller's thread
-        with no task or ``Work`` built (as :meth:`_run_inline`); a disagreement leaves the
-        communicator usable (every rank raised after the same round)."""
-        return self._v_inline(self._v.run, kind, root, outputs, inputs)
+    def _idle(self, tensor: torch.Tensor) -> bool:
+        """Whether a blocking call of ``tensor`` may run on the caller's thread now."""
+        return not self._executor.busy and self._broken is None and type(tensor) is torch.Tensor
 
-    def _run_inline_rooted(self, kind: str, root: int, mine: torch.Tensor,
-                           theirs: list | None) -> bool:
-        """:meth:`_run_inline_v` of a ``gather`` or ``scatter`` with no piece list made
-        (``VSchedule.run_rooted``)."""
-        return self._v_inline(self._v.run_rooted, kind, root, mine, theirs)
-
-    def _v_inline(self, run, kind: str, *args) -> bool:
-        """``run(kind, *args)`` on the caller's thread where nothing asynchronous is pending
-        (``False``: the caller builds a task); a failure aborts the communicator's v-calls."""
-        if self._executor.busy or self._broken is not None or not self._v_fits:
-            return False
+    def _now(self, op: str, entry, *args) -> None:
+        """``entry(*args, start)`` on the caller's thread; a failure aborts (:meth:`_abort`)."""
         start = time.monotonic()
         try:
-            run(kind, *args)
+            entry(*args, start)
         except BaseException as exc:
-            self._abort(kind, start, exc)
-        return True
+            self._abort(op, start, exc)
 
-    def _run_inline_v_split(self, output: torch.Tensor, input: torch.Tensor, out_bytes: list[int],
-                      in_bytes: list[int]) -> bool:
-        """:meth:`_run_inline_v` of consecutive pieces of one tensor each side (no view made)."""
-        if self._executor.busy or self._broken is not None or not self._v_fits:
-            return False
-        start = time.monotonic()
-        try:
-            self._v.run_split(output, input, out_bytes, in_bytes)
-        except BaseException as exc:
-            self._abort("all_to_all", start, exc)
-        return True
+    # ------------------------------------------------------------------ point to point
+    # A blocking send or recv runs on the caller's thread, with no Work or task built, when
+    # nothing is pending on that peer's executor of its kind (so messages keep their issue
+    # order); any size, as the executor would run it there.
+    def _impl_send(self, tensor: torch.Tensor, dst: int, blocking: bool = False) -> Task | None:
+        return self._p2p_op("send", self._schedules.send, tensor, dst, blocking)
 
-    def _impl_v_call(self, kind: str, root: int, outputs: list, inputs: list) -> Task:
-        if not self._v_fits:  # more ranks than a slot has headers for
-            return default_task(self, kind, root, outputs, inputs)
+    def _impl_recv(self, tensor: torch.Tensor, src: int, blocking: bool = False) -> Task | None:
+        return self._p2p_op("recv", self._schedules.recv, tensor, src, blocking)
+
+    def _p2p_op(self, kind: str, entry, tensor: torch.Tensor, peer: int,
+                blocking: bool) -> Task | None:
+        """A send or recv (``kind``; ``entry``: its schedule) of ``tensor`` with ``peer``."""
+        if blocking and self._broken is None and type(tensor) is torch.Tensor:
+            executor = self._p2p.get((kind, peer))
+            if executor is None or not executor.busy:
+                return self._now(kind, entry, tensor, peer)
+        return Task(kind, tensor, lambda: entry(tensor, peer, time.monotonic()),
+                    self._p2p_executor(kind, peer))
+
+    # ------------------------------------------------------------------ unequal sizes
+    # A blocking v-call with nothing queued runs on the caller's thread (as the collectives
+    # above); a disagreement leaves the communicator usable (every rank raised after the same
+    # round). More ranks than a slot has headers for take the contract's default v-call.
+    def _impl_v_call(self, kind: VKind, root: int, outputs: list, inputs: list,
+                     blocking: bool = False) -> Task | None:
+        if not self._v_fits:
+            return super()._impl_v_call(kind, root, outputs, inputs)
         run = self._v.run
+        if blocking and self._v_idle():
+            return self._v_now(kind, run, kind, root, outputs, inputs)
         return self._task(kind, outputs[self.rank], lambda: run(kind, root, outputs, inputs))
+
+    def _impl_gather(self, input: torch.Tensor, outputs: list | None, root: int,
+                     blocking: bool = False) -> Task | None:
+        if blocking and self._v_fits and self._v_idle():  # no list of pieces made
+            return self._v_now("gather", self._v.run_rooted, "gather", root, input, outputs)
+        return super()._impl_gather(input, outputs, root, blocking)
+
+    def _impl_scatter(self, output: torch.Tensor, inputs: list | None, root: int,
+                      blocking: bool = False) -> Task | None:
+        if blocking and self._v_fits and self._v_idle():  # no list of pieces made
+            return self._v_now("scatter", self._v.run_rooted, "scatter", root, output, inputs)
+        return super()._impl_scatter(output, inputs, root, blocking)
+
+    def _impl_all_to_all_split(self, output: torch.Tensor, input: torch.Tensor,
+                               output_splits: list[int], input_splits: list[int],
+                               byte_splits: tuple[list[int], list[int]],
+                               blocking: bool = False) -> Task | None:
+        if blocking and self._v_fits and self._v_idle():  # the offsets, no view made
+            return self._v_now("all_to_all", self._v.run_split, output, input, *byte_splits)
+        return super()._impl_all_to_all_split(output, input, output_splits, input_splits,
+                                              byte_splits, blocking)
+
+    def _v_idle(self) -> bool:
+        return not self._executor.busy and self._broken is None
+
+    def _v_now(self, op: str, run, *args) -> None:
+        """``run(*args)`` (a v-schedule) on the caller's thread; a failure aborts the
+        communicator's v-calls (:meth:`_abort`: a disagreement passes, aborting nothing)."""
+        start = time.monotonic()
+        try:
+            run(*args)
+        except BaseException as exc:
+            self._abort(op, start, exc)
 
     # ------------------------------------------------------------------ lifetime
     def abort(self, error: BaseException) -> None:
