@@ -234,9 +234,11 @@ class Communicator(UnequalCalls):
                 target, tensor, op, "all_reduce"
             ):
                 return self._run(self._gathered(target, tensor, op, None), async_op)
-            return self._run(target._impl_all_reduce(tensor, op, not async_op), async_op)
+            task = target._impl_all_reduce(tensor, op, not async_op)
+            return None if task is None else self._run(task, async_op)
         if tensor.dtype in target.capabilities.premul_dtypes:
-            return self._run(target._impl_all_reduce(tensor, op, not async_op), async_op)
+            task = target._impl_all_reduce(tensor, op, not async_op)
+            return None if task is None else self._run(task, async_op)
         task = target._impl_all_reduce(tensor, ReduceOp.SUM)
         if op.factor != 1.0:  # x * 1.0 == x: no pass needed
             task = adapt.premultiplied(task, tensor, op.factor)
@@ -298,7 +300,8 @@ class Communicator(UnequalCalls):
             target, tensor, op, "reduce"
         ):
             return self._run(self._gathered(target, tensor, op, root), async_op)
-        return self._run(target._impl_reduce(tensor, root, op, not async_op), async_op)
+        task = target._impl_reduce(tensor, root, op, not async_op)
+        return None if task is None else self._run(task, async_op)
 
     @recorded("broadcast", 0, 1, "src")
     def broadcast(
@@ -326,7 +329,8 @@ class Communicator(UnequalCalls):
             check_peer(src, self.size, "broadcast", "src")
         self.stats.record("broadcast", tensor)
         target = self._target(tensor, "broadcast")
-        return self._run(target._impl_broadcast(tensor, src, not async_op), async_op)
+        task = target._impl_broadcast(tensor, src, not async_op)
+        return None if task is None else self._run(task, async_op)
 
     def _plain_pair(self, output: object, input: object, op: str) -> tuple:
         """``(output, input)`` of a call of two tensors, checked (:func:`~.checks.check_pair`)
@@ -356,7 +360,8 @@ class Communicator(UnequalCalls):
         self.stats.record("all_gather", input)
         target = self._target(input, "all_gather")
         input = staged(target, output, input)
-        return self._run(target._impl_all_gather(output, input, not async_op), async_op)
+        task = target._impl_all_gather(output, input, not async_op)
+        return None if task is None else self._run(task, async_op)
 
     @recorded("reduce_scatter", 1, 2, "op")
     def reduce_scatter(
@@ -383,7 +388,8 @@ class Communicator(UnequalCalls):
         target = self._target(input, "reduce_scatter")
         if input.numel() and overlap(output, input):
             input = input.clone()  # a rank's reduction may read its slice after writing it
-        return self._run(target._impl_reduce_scatter(output, input, op, not async_op), async_op)
+        task = target._impl_reduce_scatter(output, input, op, not async_op)
+        return None if task is None else self._run(task, async_op)
 
     @recorded("all_to_all", 1)
     def all_to_all(
@@ -404,7 +410,8 @@ class Communicator(UnequalCalls):
         self.stats.record("all_to_all", input)
         target = self._target(input, "all_to_all")
         input = staged(target, output, input)
-        return self._run(target._impl_all_to_all(output, input, not async_op), async_op)
+        task = target._impl_all_to_all(output, input, not async_op)
+        return None if task is None else self._run(task, async_op)
 
     # ------------------------------------------------------------------ point to point
     @recorded("send", 0, 1, "dst")
@@ -418,7 +425,8 @@ class Communicator(UnequalCalls):
         check_p2p(self.rank, self.size, tensor, dst, "send", "dst", "send to")
         self.stats.record("send", tensor)
         target = self._target(tensor, "send")
-        return self._run(target._impl_send(tensor, dst, not async_op), async_op)
+        task = target._impl_send(tensor, dst, not async_op)
+        return None if task is None else self._run(task, async_op)
 
     @recorded("recv", 0, 1, "src")
     def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Work | None:
@@ -437,14 +445,16 @@ class Communicator(UnequalCalls):
         check_p2p(self.rank, self.size, tensor, src, "recv", "src", "receive from")
         self.stats.record("recv", None)
         target = self._target(tensor, "recv")
-        return self._run(target._impl_recv(tensor, src, not async_op), async_op)
+        task = target._impl_recv(tensor, src, not async_op)
+        return None if task is None else self._run(task, async_op)
 
     @recorded("barrier", -1)
     def barrier(self, async_op: bool = False) -> Work | None:
         """Returns once every rank has entered the barrier."""
         self._check_open("barrier")
         self.stats.record("barrier", None)
-        return self._run(self._impl_barrier(not async_op), async_op)
+        task = self._impl_barrier(not async_op)
+        return None if task is None else self._run(task, async_op)
 
     # ------------------------------------------------------------------ store helpers
     def next_key(self, what: str) -> str:

@@ -83,8 +83,9 @@ class UnequalCalls(CommBackend):
         self.stats.count("all_to_all", input.nbytes)
         target = self if input.is_cpu and self._cpu_native else self.route(input.device,
                                                                             "all_to_all")
-        return self._run(target._impl_all_to_all_split(
-            output, input, output_splits, input_splits, byte_splits, not async_op), async_op)
+        task = target._impl_all_to_all_split(output, input, output_splits, input_splits,
+                                             byte_splits, not async_op)
+        return None if task is None else self._run(task, async_op)
 
     @recorded("gather", 1, 2, "root")
     def gather(self, outputs: list | None, input: torch.Tensor, root: int = 0,
@@ -220,8 +221,8 @@ class UnequalCalls(CommBackend):
         else:  # the usual synchronous call: the caller's checks are check_pieces'
             self.stats.count(kind, checked)
             target = self
-        return self._run(target._impl_v_call(kind, root, outputs, inputs, not async_op),
-                         async_op)
+        task = target._impl_v_call(kind, root, outputs, inputs, not async_op)
+        return None if task is None else self._run(task, async_op)
 
     def _v_target(self, kind: VKind, outputs, inputs) -> tuple[Communicator, list, list]:
         """Checks a v-call and counts it: ``(the communicator that moves it, outputs,

@@ -61,6 +61,7 @@ class Work:
         output: the tensor the future resolves to.
         devices: CUDA devices for a stream-aware future, or ``None`` for a CPU future.
         completed: the operation has already finished (successfully).
+        executor: the :class:`OrderedExecutor` it is queued on (``wait()`` may run it there).
     """
 
     def __init__(
@@ -71,6 +72,7 @@ class Work:
         *,
         devices: list[torch.device] | None = None,
         completed: bool = False,
+        executor: OrderedExecutor | None = None,
     ) -> None:
         self.op = op
         self.rank = rank
@@ -80,7 +82,7 @@ class Work:
         self._error: BaseException | None = None
         self._future: torch.futures.Future | None = None
         self._done = completed
-        self._executor: OrderedExecutor | None = None  # queued there: wait() may run it
+        self._executor = executor  # queued there: wait() may run it
         # Held while pending, released once done: a waiter blocks on it (a bare lock is
         # several times cheaper to make than a threading.Event).
         self._latch = None
@@ -364,8 +366,7 @@ class OrderedExecutor(StoppableThread):
         if not async_op and self.busy == 0:
             self._run_task(task, time.monotonic())
             return None
-        work = Work(task.op, self.rank, task.output)
-        work._executor = self
+        work = Work(task.op, self.rank, task.output, executor=self)
         with self._lock:
             self.busy += 1
             self._queue.append((work, task))

@@ -73,8 +73,7 @@ class IssueOps:
         work = self._last_done
         # 3: the attribute, `work` and the argument: no one else holds it
         if _REUSE_DONE and _refcount(work) == 3:
-            work._outputs = outputs
-            return work
+            return work.holding(outputs)
         work = self._last_done = finished_work(outputs)
         return work
 

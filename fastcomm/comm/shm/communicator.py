@@ -241,6 +241,12 @@ class ShmCommunicator(Communicator):
         return torch.device("cpu")
 
     @property
+    def broken(self) -> BaseException | None:
+        """The error this communicator failed with (a failed operation, :meth:`abort`): every
+        later call raises; ``None`` while it works."""
+        return self._broken
+
+    @property
     def segment_name(self) -> str:
         """The segment's name under ``/dev/shm`` while it was being set up."""
         return self._seg.name
@@ -362,58 +368,81 @@ class ShmCommunicator(Communicator):
     def _impl_reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp,
                      blocking: bool = False) -> Task | None:
         entry = self._schedules.reduce
-        if blocking and self._idle(tensor):
-            return self._now("reduce", entry, tensor, root, op)
+        if (blocking and not self._executor.busy and self._broken is None
+                and type(tensor) is torch.Tensor):
+            start = time.monotonic()
+            try:
+                entry(tensor, root, op, start)
+            except BaseException as exc:
+                self._abort("reduce", start, exc)
+            return None
         return self._task("reduce", tensor, lambda: entry(tensor, root, op, time.monotonic()))
 
     def _impl_broadcast(self, tensor: torch.Tensor, src: int,
                         blocking: bool = False) -> Task | None:
         entry = self._schedules.broadcast
-        if blocking and self._idle(tensor):
-            return self._now("broadcast", entry, tensor, src)
+        if (blocking and not self._executor.busy and self._broken is None
+                and type(tensor) is torch.Tensor):
+            start = time.monotonic()
+            try:
+                entry(tensor, src, start)
+            except BaseException as exc:
+                self._abort("broadcast", start, exc)
+            return None
         return self._task("broadcast", tensor, lambda: entry(tensor, src, time.monotonic()))
 
     def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor,
                          blocking: bool = False) -> Task | None:
         entry = self._schedules.all_gather
-        if blocking and self._idle(output):
-            return self._now("all_gather", entry, output, input)
+        if (blocking and not self._executor.busy and self._broken is None
+                and type(output) is torch.Tensor):
+            start = time.monotonic()
+            try:
+                entry(output, input, start)
+            except BaseException as exc:
+                self._abort("all_gather", start, exc)
+            return None
         return self._task("all_gather", output,
                           lambda: entry(output, input, time.monotonic()))
 
     def _impl_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
                              blocking: bool = False) -> Task | None:
         entry = self._schedules.reduce_scatter
-        if blocking and self._idle(output):
-            return self._now("reduce_scatter", entry, output, input, op)
+        if (blocking and not self._executor.busy and self._broken is None
+                and type(output) is torch.Tensor):
+            start = time.monotonic()
+            try:
+                entry(output, input, op, start)
+            except BaseException as exc:
+                self._abort("reduce_scatter", start, exc)
+            return None
         return self._task("reduce_scatter", output,
                           lambda: entry(output, input, op, time.monotonic()))
 
     def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor,
                          blocking: bool = False) -> Task | None:
         entry = self._schedules.all_to_all
-        if blocking and self._idle(output):
-            return self._now("all_to_all", entry, output, input)
+        if (blocking and not self._executor.busy and self._broken is None
+                and type(output) is torch.Tensor):
+            start = time.monotonic()
+            try:
+                entry(output, input, start)
+            except BaseException as exc:
+                self._abort("all_to_all", start, exc)
+            return None
         return self._task("all_to_all", output,
                           lambda: entry(output, input, time.monotonic()))
 
     def _impl_barrier(self, blocking: bool = False) -> Task | None:
         entry = self._schedules.barrier
         if blocking and not self._executor.busy and self._broken is None:
-            return self._now("barrier", entry)
+            start = time.monotonic()
+            try:
+                entry(start)
+            except BaseException as exc:
+                self._abort("barrier", start, exc)
+            return None
         return self._task("barrier", None, lambda: entry(time.monotonic()))
-
-    def _idle(self, tensor: torch.Tensor) -> bool:
-        """Whether a blocking call of ``tensor`` may run on the caller's thread now."""
-        return not self._executor.busy and self._broken is None and type(tensor) is torch.Tensor
-
-    def _now(self, op: str, entry, *args) -> None:
-        """``entry(*args, start)`` on the caller's thread; a failure aborts (:meth:`_abort`)."""
-        start = time.monotonic()
-        try:
-            entry(*args, start)
-        except BaseException as exc:
-            self._abort(op, start, exc)
 
     # ------------------------------------------------------------------ point to point
     # A blocking send or recv runs on the caller's thread, with no Work or task built, when
@@ -431,7 +460,12 @@ class ShmCommunicator(Communicator):
         if blocking and self._broken is None and type(tensor) is torch.Tensor:
             executor = self._p2p.get((kind, peer))
             if executor is None or not executor.busy:
-                return self._now(kind, entry, tensor, peer)
+                start = time.monotonic()
+                try:
+                    entry(tensor, peer, start)
+                except BaseException as exc:
+                    self._abort(kind, start, exc)
+                return None
         return Task(kind, tensor, lambda: entry(tensor, peer, time.monotonic()),
                     self._p2p_executor(kind, peer))
 
