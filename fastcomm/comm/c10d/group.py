@@ -594,8 +594,6 @@ class FastcommProcessGroup(VCollOps, P2POps, IssueOps, dist.ProcessGroup):
 
     # ------------------------------------------------------------------ point to point
     # On shm: the communicator's tagged engine; else handed to Gloo (P2POps, p2p.py).
-    def recv_anysource(self, tensors, tag=0):
-        return self.recv(tensors, None, tag)
 
     # ------------------------------------------------------------------ lifetime
     def shutdown(self) -> None:

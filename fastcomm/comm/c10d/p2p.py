@@ -307,6 +307,17 @@ class P2POps:
             return work
         return self._recv(tensors, srcRank, tag)
 
+    def recv_anysource(self, tensors: list, tag: int = 0) -> Any:
+        """:meth:`recv` from whichever rank's message comes first (torch's
+        ``recv_anysource``); its handle's ``_source_rank()`` names that rank."""
+        lane = self._lane
+        if lane is not None and self._coalescing is None:
+            work = lane.recv(tensors, None, tag)
+            if work is None or work is False:  # False: tried at once already
+                return self._recv(tensors, None, tag, work is None)
+            return work
+        return self._recv(tensors, None, tag)
+
     def _recv(self, tensors: list, src: int | None, tag: int, now: bool = True) -> Any:
         """:func:`recv` of any call: every check, staging, handing on (``now``: a one-chunk
         message from a named rank is tried at once first)."""
