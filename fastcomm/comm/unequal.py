@@ -164,8 +164,10 @@ class UnequalCalls(CommBackend):
         return True
 
     def _split_now(self, output, input, output_splits, input_splits, byte_splits) -> None:
-        self._run(self._impl_all_to_all_split(output, input, output_splits, input_splits,
-                                              byte_splits, True), False)
+        task = self._impl_all_to_all_split(output, input, output_splits, input_splits,
+                                           byte_splits, True)
+        if task is not None:
+            self._run(task, False)
 
     def _try_rooted(self, kind: VKind, impl: Callable[..., Task | None], mine: torch.Tensor,
                     theirs: list | None, root: int) -> bool:
@@ -192,7 +194,9 @@ class UnequalCalls(CommBackend):
         return True
 
     def _rooted_now(self, impl, mine: torch.Tensor, theirs: list | None, root: int) -> None:
-        self._run(impl(mine, theirs, root, True), False)
+        task = impl(mine, theirs, root, True)
+        if task is not None:
+            self._run(task, False)
 
     def _try_rooted_general(self, kind: VKind, mine: torch.Tensor, theirs: list | None,
                             root: int) -> bool:
@@ -208,7 +212,9 @@ class UnequalCalls(CommBackend):
         return True
 
     def _v_now(self, kind: VKind, root: int, outputs: list, inputs: list) -> None:
-        self._run(self._impl_v_call(kind, root, outputs, inputs, True), False)
+        task = self._impl_v_call(kind, root, outputs, inputs, True)
+        if task is not None:
+            self._run(task, False)
 
     # ------------------------------------------------------------------ the v-call
     def _v_call(self, kind: VKind, root: int, outputs, inputs, async_op: bool,

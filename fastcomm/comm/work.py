@@ -119,8 +119,10 @@ class Work:
             self._error = error
             self._done = True
             future = self._future
-        if self._flight is not None:  # its call ends in the flight recorder
-            self.record_end(error)
+        flight = self._flight
+        if flight is not None:  # its call ends in the flight recorder (record_end, inlined)
+            self._flight = None
+            ended(flight, error)
         if self._latch is not None:
             self._latch.release()
         if future is not None:

@@ -471,49 +471,62 @@ class ShmCommunicator(Communicator):
 
     # ------------------------------------------------------------------ unequal sizes
     # A blocking v-call with nothing queued runs on the caller's thread (as the collectives
-    # above); a disagreement leaves the communicator usable (every rank raised after the same
-    # round). More ranks than a slot has headers for take the contract's default v-call.
+    # above); a failure aborts the communicator's v-calls (`_abort`), but a disagreement
+    # leaves it usable (every rank raised after the same round). More ranks than a slot has
+    # headers for take the contract's default v-call.
     def _impl_v_call(self, kind: VKind, root: int, outputs: list, inputs: list,
                      blocking: bool = False) -> Task | None:
         if not self._v_fits:
             return super()._impl_v_call(kind, root, outputs, inputs)
         run = self._v.run
-        if blocking and self._v_idle():
-            return self._v_now(kind, run, kind, root, outputs, inputs)
+        if blocking and not self._executor.busy and self._broken is None:
+            start = time.monotonic()
+            try:
+                run(kind, root, outputs, inputs)
+            except BaseException as exc:
+                self._abort(kind, start, exc)
+            return None
         return self._task(kind, outputs[self.rank], lambda: run(kind, root, outputs, inputs))
 
     def _impl_gather(self, input: torch.Tensor, outputs: list | None, root: int,
                      blocking: bool = False) -> Task | None:
-        if blocking and self._v_fits and self._v_idle():  # no list of pieces made
-            return self._v_now("gather", self._v.run_rooted, "gather", root, input, outputs)
+        if blocking and self._rooted_lane("gather", input, outputs, root):
+            return None
         return super()._impl_gather(input, outputs, root, blocking)
 
     def _impl_scatter(self, output: torch.Tensor, inputs: list | None, root: int,
                       blocking: bool = False) -> Task | None:
-        if blocking and self._v_fits and self._v_idle():  # no list of pieces made
-            return self._v_now("scatter", self._v.run_rooted, "scatter", root, output, inputs)
+        if blocking and self._rooted_lane("scatter", output, inputs, root):
+            return None
         return super()._impl_scatter(output, inputs, root, blocking)
+
+    def _rooted_lane(self, kind: VKind, mine: torch.Tensor, theirs: list | None,
+                    root: int) -> bool:
+        """A gather or scatter (``kind``) done on the caller's thread where nothing is queued,
+        with no list of pieces made (``VSchedule.run_rooted``); ``False``, having done
+        nothing, otherwise."""
+        if not self._v_fits or self._executor.busy or self._broken is not None:
+            return False
+        start = time.monotonic()
+        try:
+            self._v.run_rooted(kind, root, mine, theirs)
+        except BaseException as exc:
+            self._abort(kind, start, exc)
+        return True
 
     def _impl_all_to_all_split(self, output: torch.Tensor, input: torch.Tensor,
                                output_splits: list[int], input_splits: list[int],
                                byte_splits: tuple[list[int], list[int]],
                                blocking: bool = False) -> Task | None:
-        if blocking and self._v_fits and self._v_idle():  # the offsets, no view made
-            return self._v_now("all_to_all", self._v.run_split, output, input, *byte_splits)
+        if blocking and self._v_fits and not self._executor.busy and self._broken is None:
+            start = time.monotonic()  # the pieces' offsets: no view made
+            try:
+                self._v.run_split(output, input, *byte_splits)
+            except BaseException as exc:
+                self._abort("all_to_all", start, exc)
+            return None
         return super()._impl_all_to_all_split(output, input, output_splits, input_splits,
                                               byte_splits, blocking)
-
-    def _v_idle(self) -> bool:
-        return not self._executor.busy and self._broken is None
-
-    def _v_now(self, op: str, run, *args) -> None:
-        """``run(*args)`` (a v-schedule) on the caller's thread; a failure aborts the
-        communicator's v-calls (:meth:`_abort`: a disagreement passes, aborting nothing)."""
-        start = time.monotonic()
-        try:
-            run(*args)
-        except BaseException as exc:
-            self._abort(op, start, exc)
 
     # ------------------------------------------------------------------ lifetime
     def abort(self, error: BaseException) -> None:
