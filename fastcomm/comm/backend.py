@@ -4,9 +4,10 @@ A backend is a set of named ops (:class:`CommBackend`), each a method with its o
 arguments that gets checked tensors (possibly empty: every rank still takes part) on a device
 the backend moves (:meth:`CommBackend.route`) and returns the :class:`~.work.Task` that moves
 the data. Each also takes ``blocking``: ``True`` where the caller waits for the result and asks
-nothing of its ``Work`` (a synchronous call, nothing of this communicator's queued before it);
-a backend may then move the data at once, on the caller's thread, and return ``None`` (shm's
-small-message lane: below a few KiB, building a task would cost as much as moving the bytes).
+nothing of its ``Work`` (a synchronous call); a backend may then, where nothing of its own is
+queued before the call, move the data at once, on the caller's thread, and return ``None``
+(shm's small-message lane: below a few KiB, building a task would cost as much as moving the
+bytes).
 With ``blocking`` false it always returns a task, which callers may compose (``hier`` runs its
 Gloo part's tasks after its agreement; :mod:`.adapt` wraps them).
 
@@ -18,7 +19,8 @@ The ops: ``_impl_all_reduce``, ``_impl_reduce``, ``_impl_broadcast``, ``_impl_al
 ``_impl_reduce_scatter``, ``_impl_all_to_all``, ``_impl_v_call`` (a call of unequal sizes),
 ``_impl_gather``, ``_impl_scatter`` and ``_impl_all_to_all_split`` (the v-calls a backend may
 take without a list of pieces), ``_impl_send``, ``_impl_recv``, ``_impl_barrier``, and
-``_impl_close``. Seven have defaults built on the others.
+``_impl_close``. ``_impl_reduce``, the four v-call ops and ``_impl_close`` have defaults built
+on the others.
 """
 
 from __future__ import annotations
@@ -288,7 +290,7 @@ class CommBackend(abc.ABC):
         backend orders its own calls.
 
         Args:
-            kind: the op the ranks compare (``root``: of ``gather``/``scatter``, else ``-1``).
+            kind: the op the ranks compare (and the descriptor row names).
             root: the root of ``gather``/``scatter``, else ``-1``.
             outputs: one piece per rank (checked by ``Communicator``: contiguous, one dtype,
                 one device).
