@@ -350,18 +350,21 @@ class DDP(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the wrapped module between the reducer's pre- and post-forward steps."""
-        # Under torch.compile the wrapped module's forward is compiled; the reducer's
-        # bookkeeping and collectives around it run eagerly (graph breaks), as torch DDP's
-        # pre/post forward do. Eager calls skip the disabling wrapper, a host cost per call
-        # (docs/ddp.md).
+        # Under torch.compile (``torch.compile(DDP(model))``) the reducer's bookkeeping runs
+        # eagerly (graph breaks), and so does the frame that calls the wrapped module, which
+        # Dynamo then compiles as a frame of its own while this DDP is torch's active DDP
+        # module: its DDPOptimizer splits the graph at the bucket boundaries, so the compiled
+        # backward hands each bucket over as it finishes (docs/ddp.md). Eager calls skip the
+        # disabling wrappers, a host cost per call.
         compiling = torch.compiler.is_compiling()
         sync = _pre_forward_eagerly(self) if compiling else self._pre_forward()
         if self.device_ids:
             inputs, kwargs = _to_device((inputs, kwargs), torch.device("cuda", self.device_ids[0]))
-        output = self.module(*inputs, **kwargs)
         if compiling:
+            output = _run_module_eagerly(self, inputs, kwargs)
             _post_forward_eagerly(self, output, sync)
         else:
+            output = _run_module(self, inputs, kwargs)
             self._post_forward(output, sync)
         return output
 
@@ -542,6 +545,31 @@ DistributedDataParallel = DDP
 # not here: a rank that never compiles, a replacement joining a job above all, starts faster
 _pre_forward_eagerly = torch._disable_dynamo(DDP._pre_forward)
 _post_forward_eagerly = torch._disable_dynamo(DDP._post_forward)
+
+
+def _run_module(ddp: DDP, inputs: tuple, kwargs: dict) -> Any:
+    """``ddp.module(*inputs, **kwargs)`` with `ddp` torch's active DDP module, which is what
+    Dynamo's DDPOptimizer looks for (``DistributedDataParallel._get_active_ddp_module()``) when
+    it compiles the module (``DDP(torch.compile(model))``, or the frame below under
+    ``torch.compile(DDP(model))``): it splits the graph where `ddp`'s buckets close
+    (``ddp.bucket_bytes_cap``)."""
+    torch_ddp = nn.parallel.DistributedDataParallel
+    outer = torch_ddp._active_ddp_module
+    torch_ddp._active_ddp_module = ddp
+    try:
+        return _call_module(ddp.module, inputs, kwargs)
+    finally:
+        torch_ddp._active_ddp_module = outer
+
+
+def _call_module(module: nn.Module, inputs: tuple, kwargs: dict) -> Any:
+    # A frame of fastcomm's, which Dynamo compiles (tracing into the module), where it would
+    # leave a torch.nn container's own call frame (nn.Sequential's, say) uncompiled.
+    return module(*inputs, **kwargs)
+
+
+# not traced, but what it calls is: the module's call is compiled as a frame of its own
+_run_module_eagerly = torch._disable_dynamo(_run_module, recursive=False)
 
 
 def _check_arguments(module, dim, broadcast_buffers, forward_sync_buffers, process_group) -> None:
