@@ -555,11 +555,17 @@ def _run_module(ddp: DDP, inputs: tuple, kwargs: dict) -> Any:
     (``ddp.bucket_bytes_cap``)."""
     torch_ddp = nn.parallel.DistributedDataParallel
     outer = torch_ddp._active_ddp_module
-    torch_ddp._active_ddp_module = ddp
+    # DDPOptimizer refuses a cap below its 1 MiB first bucket (an AssertionError, torch DDP's
+    # too): such a DDP's module compiles as one graph, the reductions after its backward
+    split = ddp.bucket_bytes_cap >= _FIRST_BUCKET_BYTES
+    torch_ddp._active_ddp_module = ddp if split else None
     try:
         return _call_module(ddp.module, inputs, kwargs)
     finally:
         torch_ddp._active_ddp_module = outer
+
+
+_FIRST_BUCKET_BYTES = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1 << 20)
 
 
 def _call_module(module: nn.Module, inputs: tuple, kwargs: dict) -> Any:
