@@ -16,14 +16,16 @@ from ..base import Communicator
 from ..launch_env import LaunchEnv, LaunchEnvError, detect
 from ..store import Store, as_timedelta
 from ..types import SUPPORTED_DTYPES, BitwiseOp, PremulSum, ReduceOp
+from ..work import SettledByWait
 from ..world import communicator_for
 from . import monitored
 from . import p2p as _p2p
 from .agree import RED, as_list, kind_of
+from .compiled import never_traced
 from .issue import IssueOps
 from .multi import combined, copier, copy_to_all, same_tensors
 from .vcoll import VCollOps
-from .works import FastcommWork
+from .works import FastcommWork, FinishedWork
 
 BACKEND_NAME = "fastcomm"
 
@@ -642,6 +644,11 @@ def monitored_barrier(
     if not isinstance(pg, FastcommProcessGroup):
         return dist.monitored_barrier(group, timeout, wait_all_ranks)
     return pg.monitored_barrier(timeout, wait_all_ranks)
+
+
+# torch calls these from regions Dynamo compiles: run eagerly, as a C++ backend does
+never_traced(FastcommProcessGroup, VCollOps, IssueOps, FastcommWork, SettledByWait,
+             FinishedWork, _p2p.MessageWork, _p2p._Received)
 
 
 def create_process_group(opts: Any, backend_options: Any = None) -> FastcommProcessGroup:
