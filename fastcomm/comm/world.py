@@ -1,7 +1,8 @@
 """``fastcomm.init()``: the process-wide communicator, set up from the launcher's environment.
 
 ``init`` reads the rank layout through :mod:`.launch_env` (torchrun's variables, else srun's,
-MPICH's or Open MPI's), agrees on it across ranks, finds or serves the ``TCPStore`` and picks
+MPICH's or Open MPI's), agrees on it across ranks, finds or serves the ``TCPStore`` (or, with
+``FASTCOMM_STORE=etcd://...``, uses the job's keys in etcd) and picks
 a backend: ``FASTCOMM_BACKEND``, else ``nccl`` where every local rank can own a GPU, else
 ``ipc`` where local ranks share GPUs, else ``shm``/``hier``/``gloo`` from the host layout.
 :func:`new_communicator` is the one place that builds backends and their parts.
@@ -33,7 +34,7 @@ from .nccl import NcclCommunicator, cupy_nccl, nccl_version
 from .pg.gloo import GlooCommunicator
 from .pg.torch_pg import TorchPGCommunicator, group_store
 from .shm import ShmCommunicator, ShmOptions, shm_available
-from .store import DEFAULT_TIMEOUT, Store, as_timedelta
+from .store import DEFAULT_TIMEOUT, Store, as_timedelta, store_from_env
 from .topology import HostLayout, host_id
 
 __all__ = [
@@ -534,6 +535,8 @@ def init(
                 _root=dist.distributed_c10d._get_default_store(),
                 prefix="fastcomm",
             )
+        elif (etcd := store_from_env(timeout=timeout, rank=rank)) is not None:
+            base = etcd  # FASTCOMM_STORE=etcd://...: no rank serves the store
         else:
             host, port = _rendezvous(launch, rank, world_size)
             agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
