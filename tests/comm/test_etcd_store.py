@@ -8,7 +8,9 @@ where ``etcd`` is not installed.
 from __future__ import annotations
 
 import datetime
+import http.client
 import os
+import socket
 import threading
 import time
 
@@ -101,6 +103,62 @@ def test_client_add_is_exact_from_threads_and_clients(etcd1, unique_name):
     finally:
         for c in clients:
             c.close()
+
+
+class AnswerDropper:
+    """A member that applies every request and dies before answering: a TCP listener that
+    passes each HTTP request on to a real etcd member, then closes the connection instead of
+    returning the answer."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.applied = 0
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self.server.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:  # closed
+                return
+            with conn:
+                conn.settimeout(5)
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head, body = data.split(b"\r\n\r\n", 1)
+                lines = head.decode().split("\r\n")
+                length = next(int(h.split(":")[1]) for h in lines
+                              if h.lower().startswith("content-length"))
+                while len(body) < length:
+                    body += conn.recv(65536)
+                etcd = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+                etcd.request("POST", lines[0].split()[1], body=body)
+                etcd.getresponse().read()
+                etcd.close()
+                self.applied += 1
+
+    def close(self) -> None:
+        self.server.shutdown(socket.SHUT_RDWR)  # wakes the accept() under way
+        self.server.close()
+        self.thread.join(10)
+
+
+def test_add_counts_once_when_the_answer_is_lost_and_another_member_is_asked(etcd1, unique_name):
+    dropper = AnswerDropper(etcd1.client_ports[0])
+    c = EtcdClient(f"{dropper.endpoint},{etcd1.endpoints}", request_timeout=2, timeout=10)
+    try:
+        for i in range(5):  # a new key each time: the first transaction applies
+            c._preferred = 0  # start at the member that drops answers every time
+            assert c.add(f"{unique_name}/n{i}", 3) == 3
+            assert c.get(f"{unique_name}/n{i}").value == b"3"
+        assert dropper.applied >= 5  # each add was applied there first, its answer lost
+    finally:
+        c.close()
+        dropper.close()
 
 
 def test_lease_keep_alive_holds_its_keys_and_revoke_deletes_them(client, unique_name):
