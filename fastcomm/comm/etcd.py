@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import os
 import socket
 import threading
 import time
@@ -195,10 +196,13 @@ class _Member:
         self.port = int(port)
         self._idle: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
+        self._pid = os.getpid()
 
     def connection(self, limit: float) -> tuple[http.client.HTTPConnection, bool]:
         """An idle connection (``True``: reused) or a new, connected one."""
         with self._lock:
+            if self._pid != os.getpid():  # a forked child: the parent's sockets are not ours
+                self._idle, self._pid = [], os.getpid()
             if self._idle:
                 conn = self._idle.pop()
                 conn.sock.settimeout(limit)
