@@ -78,7 +78,7 @@ class Reducer:
         self.params = list(params)
         self.sparse = frozenset(sparse)
         self.names = list(names)
-        self.step = StepState(len(self.params))
+        self.step = StepState(len(self.params))  # this backward's (step.py); _build sets a part
         self.config = config
         self._use_comm(comm)
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
@@ -102,9 +102,8 @@ class Reducer:
         self._static_unused: list[int] = []
         self._static_global_unused: frozenset[int] = frozenset()
 
-        # per-iteration state: the step's (step.py, made first: _build arms a part of it), and
-        # two flags read from outside on every gradient: by the gradient hook, and by the
-        # strategies (this backward runs with create_graph=True)
+        # per-iteration flags besides self.step, read from outside on every gradient: by the
+        # gradient hook, and by the strategies (this backward runs with create_graph=True)
         self.expect_hooks = False
         self.create_graph = False
         self.synced_iterations = 0

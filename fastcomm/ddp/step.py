@@ -81,12 +81,13 @@ class StepState:
 
         Args:
             n_params: the reducer's parameters.
-            bucket_sizes: each bucket's number of parameters, in launch order.
+            bucket_sizes: each bucket's number of parameters, in launch order (the list
+                becomes :attr:`pending`).
             delay: launch nothing before the end of backward.
             unused_now: the parameters to mark unused as backward starts.
         """
         self.ready = bytearray(n_params)
-        self.pending = list(bucket_sizes)
+        self.pending = bucket_sizes
         self.arrived = [0] * len(bucket_sizes)
         self.next_bucket = 0
         self.results = [None] * len(bucket_sizes)
