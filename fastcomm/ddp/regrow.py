@@ -9,10 +9,13 @@ is due; one store ``check``); the first to see it sets the admission to the next
 (``compare_set``). There the requests posted by then become the last members of a new epoch,
 once every joining node among them has posted as many as its agent said it brings
 (``joining_node_key``; else a step later, and past the recovery timeout without the missing
-ones, as decided per step by ``compare_set``). Rank 0 posts their admissions (members, step, bucket
-order, backend: ``hier`` once the members span hosts), all build the new communicator, and
+ones, as decided per step by ``compare_set``). Rank 0 posts their admissions (members, step,
+bucket order, the running communicator's backend); the running ranks build its successor
+(``reconfigured``: ``hier`` once shm's members span hosts), the joiners the same from the
+backend's name (``world.for_new_members``), each DDP swaps it in (``DDP.replace_comm``), and
 rank 0 streams the parameters, buffers and ``DDP.register_state`` objects' ``state_dict``s
-(at the joiners' first forward). ``DDP.join_step`` tells a joiner's loop where it is.
+(``RegisteredStates``; at the joiners' first forward). ``DDP.join_step`` tells a joiner's
+loop where it is.
 """
 from __future__ import annotations
 
