@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastcomm.comm.base import Communicator
+from fastcomm.comm.world import replace_world
 
 from ._setup import (
     check_mixed_precision,
@@ -43,9 +44,9 @@ from .config import DDPConfig, check_param_dtype
 from .health import GradHealth
 from .join import Join, notify_join
 from .pickling import ddp_getstate, ddp_setstate
-from .recover import Keeper, MembershipChange, Recovery, recovery_enabled
+from .recover import MembershipChange, Recovery, recovery_enabled
 from .reducer import Reducer
-from .regrow import Grower, joining
+from .regrow import Grower, RegisteredStates, joining
 from .regrow import join as join_running
 from .sparse import sparse_param_indices
 
@@ -185,39 +186,51 @@ class DDP(nn.Module):
     def _start(self, names: list[str], params: list, check_finite: bool) -> None:
         """The initial broadcast and the reducer; with recovery on, its state first, and for a
         replacement joining instead of broadcasting (``recover.py``, ``regrow.py``)."""
-        self._states: dict[str, Any] = {}
-        self._loading_states = False
+        self.registered_states = RegisteredStates()
+        """The objects of :meth:`register_state`."""
         self.join_step = 0
         """The steps the running ranks had done when this rank joined them (0: from the start)."""
+        self._recovery: Recovery | None = None
         header = None
         if recovery_enabled() and joining(self.comm):
             self._recovery, header = join_running(self)
         elif recovery_enabled() and self.comm.size > 1:
-            self._recovery = Recovery(self)
-            if not self._recovery.supported:
-                self._recovery = None  # it warned: liveness across hosts needs hier
-        else:
-            self._recovery = None
+            recovery = Recovery(self)
+            # unsupported, it warned: ranks across hosts on a communicator that cannot shrink
+            self._recovery = recovery if recovery.supported else None
         if self.config.init_sync and header is None:
             self._collective(lambda: self._init_sync(names, params), "init")
         self._build_reducer(names, params, check_finite)
         if self._recovery is not None:
-            self.reducer.keeper = Keeper(self.reducer)
-            self.reducer.recovery = self._recovery
+            self._recovery.attach(self.reducer)
             if self._recovery.grower is None:
                 self._recovery.grower = Grower(self._recovery)
-        if header is not None:
-            self._adopt(header)
+        if header is not None:  # a joiner takes the running ranks' buckets, step and state
+            self.join_step = header["step"]
+            self.reducer.take_layout(header["order"], header["step"], header["rebuilt"],
+                                     header["rebuild_due"])
+            broadcast_tensors(self.comm, list(self.reducer.params) + self.synced_buffers(), src=0)
+            self.registered_states.loading = True
 
-    def _adopt(self, header: dict) -> None:
-        """A joiner takes the running ranks' buckets, step and state (``regrow``)."""
-        reducer = self.reducer
-        reducer._build(header["order"])
-        reducer.rebuilt, reducer.rebuild_due = header["rebuilt"], header["rebuild_due"]
-        reducer._recording = False
-        reducer.synced_iterations = self.join_step = header["step"]
-        broadcast_tensors(self.comm, list(reducer.params) + self.synced_buffers(), src=0)
-        self._loading_states = True
+    def replace_comm(self, comm: Communicator) -> Communicator:
+        """Reduces over `comm` from now on, in place of the communicator in use: the one
+        place that swaps it (in-place recovery's shrink, a regrow's admission, a joiner's
+        stand-in; a collective of `comm`'s ranks). What depends on it follows: recovery's
+        liveness watch looks at `comm`, the reducer re-plans over it (buckets, shared memory,
+        strategies, CUDA-graph lane, health), and ``fastcomm.get_world()`` and the comm hooks'
+        states that named the old one follow (``fastcomm.comm.world.replace_world``).
+
+        Returns:
+            The communicator replaced (not closed: the caller closes it).
+        """
+        old, self.comm = self.comm, comm
+        if self._recovery is not None:  # first: a peer lost from here on is named
+            self._recovery.follow(comm)
+        reducer = getattr(self, "reducer", None)  # a joiner's is built on `comm`
+        if reducer is not None:
+            reducer.replace_comm(comm)
+        replace_world(old, comm, self._torch_members)
+        return old
 
     def register_state(self, name: str, obj: Any) -> None:
         """Registers `obj` (anything with ``state_dict``/``load_state_dict``: the optimizer,
@@ -227,13 +240,7 @@ class DDP(nn.Module):
         Raises:
             TypeError: `obj` has no ``state_dict``/``load_state_dict``.
         """
-        if not (callable(getattr(obj, "state_dict", None))
-                and callable(getattr(obj, "load_state_dict", None))):
-            raise TypeError(
-                f"register_state({name!r}, ...) needs state_dict() and load_state_dict(), got "
-                f"{type(obj).__name__}"
-            )
-        self._states[str(name)] = obj
+        self.registered_states.register(name, obj)
 
     def _init_sync(self, names: list[str], params: list) -> None:
         verify_same_parameters(self.comm, names, params)
