@@ -17,6 +17,7 @@ _LAZY: dict[str, str] = {
     "CommAbortedError": ".errors",
     "CommClosedError": ".errors",
     "CommTimeoutError": ".errors",
+    "EtcdStore": ".etcd_store",  # a c10d store in an etcd cluster
     "FastcommError": ".errors",
     "FastcommProcessGroup": ".c10d",  # the torch.distributed backend "fastcomm"
     "monitored_barrier": ".c10d",  # dist.monitored_barrier for the backend's groups
@@ -49,6 +50,7 @@ __all__ = [
     "CommAbortedError",
     "CommClosedError",
     "CommTimeoutError",
+    "EtcdStore",
     "FastcommError",
     "FastcommProcessGroup",
     "GlooCommunicator",

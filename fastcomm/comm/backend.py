@@ -430,6 +430,42 @@ class CommBackend(abc.ABC):
         whose parts are built by ``fastcomm.comm.world`` need :attr:`make_child` instead."""
         return type(self)(store, rank, size, timeout)
 
+    # ------------------------------------------------------------------ membership changes
+    def reconfigured(
+        self, store: Store, rank: int, size: int, *, spans_hosts: bool = False
+    ) -> Communicator:
+        """This communicator's successor over new members (in-place recovery's survivors, or
+        the members after ranks joined): a collective of the new members, each calling it on
+        its own communicator of this kind (a rank that joins them, holding none, calls
+        ``fastcomm.comm.world.for_new_members`` with this one's ``backend``). Built by
+        :meth:`for_new_members` with this one as ``old``.
+
+        Args:
+            store: a namespace private to the successor, the same on every new member.
+            rank: this process's rank among the new members.
+            size: the number of new members.
+            spans_hosts: whether the new members run on more than one host.
+        """
+        return type(self).for_new_members(
+            store, rank, size, self.timeout, old=self, spans_hosts=spans_hosts
+        )
+
+    @classmethod
+    def for_new_members(
+        cls, store: Store, rank: int, size: int, timeout: timedelta, *,
+        old: Communicator | None = None, spans_hosts: bool = False,
+    ) -> Communicator:
+        """A communicator of this kind over new members, the same on every one of them
+        whether it holds one of this kind (``old``) or joins them (``old`` is ``None``): what
+        it keeps of ``old`` is per rank only (NCCL's device), or the same on every rank.
+        Default: ``fastcomm.comm.world.new_communicator`` of this ``backend``, no fallback;
+        backends override it (NCCL, shm, ipc, a torch group's adapter)."""
+        from .world import new_communicator  # world imports every backend
+
+        return new_communicator(
+            cls.backend, store=store, rank=rank, size=size, timeout=timeout, fallback=False
+        )
+
     # ------------------------------------------------------------------ composed backends
     _aborted: BaseException | None = None
 

@@ -100,7 +100,9 @@ class HierCommunicator(Communicator):
         self.leaders = leaders
         # CPU tensors, hierarchically; the leaders' sum order depends on an element's place
         # beyond two hosts, the shm sum inside a host does not
-        self.capabilities = Capabilities(layout_free=size <= 2)
+        self.capabilities = Capabilities(
+            layout_free=size <= 2, sees_lost_peers=True, shrinks_across_hosts=True
+        )
         for part in (leaders, flat):
             if part is not None and hasattr(part, "abort_slice_s"):
                 part.abort_slice_s = ABORT_SLICE_S

@@ -199,7 +199,8 @@ class NcclCommunicator(Communicator):
         # CUDA tensors of its own device (`moves`); two-term sums are layout free (NCCL's
         # rings and trees order more terms by their position)
         self.capabilities = Capabilities(
-            devices=frozenset({"cuda"}), layout_free=size <= 2, graph_all_reduce=True
+            devices=frozenset({"cuda"}), layout_free=size <= 2, graph_all_reduce=True,
+            shrinks_across_hosts=True,
         )
         self._graph_lane: GraphLane | None = None
 
@@ -210,6 +211,20 @@ class NcclCommunicator(Communicator):
 
     def moves(self, device: torch.device, op: str | None = None) -> bool:
         return device == self._device
+
+    @classmethod
+    def for_new_members(
+        cls, store: Store, rank: int, size: int, timeout: timedelta, *,
+        old: Communicator | None = None, spans_hosts: bool = False,
+    ) -> Communicator:
+        """NCCL over new members: a fresh unique id, on ``old``'s GPU (a rank that joins them:
+        the current device)."""
+        from .world import new_communicator  # world imports every backend
+
+        return new_communicator(
+            cls.backend, store=store, rank=rank, size=size, timeout=timeout,
+            device=None if old is None else old.device,
+        )
 
     # ------------------------------------------------------------------ plumbing
     def _enqueue(

@@ -1,7 +1,9 @@
 """Host-side key-value store used for rendezvous.
 
 ``Store`` wraps torch's ``TCPStore`` and ``PrefixStore``; fastcomm never runs a server of its
-own. ``barrier``, ``all_gather_object`` and ``broadcast_object`` need a name unique per use
+own. ``Store.on_etcd`` (or ``FASTCOMM_STORE=etcd://...``, :func:`store_from_env`) puts the same
+store in an etcd cluster instead (:class:`~.etcd_store.EtcdStore`), where no node of the job
+serves it. ``barrier``, ``all_gather_object`` and ``broadcast_object`` need a name unique per use
 (the store keeps every key), built from a sequence number.
 
 Invariants: every blocking call has a timeout and raises :class:`StoreTimeoutError` naming the
@@ -38,18 +40,26 @@ __all__ = [
     "JOIN_ENV",
     "SECRET_ENV",
     "SECRET_FILE_ENV",
+    "STORE_ENV",
     "AnswerGuard",
     "Store",
     "as_timedelta",
     "job_secret_from_env",
     "joining_node_key",
     "lost_rank_key",
+    "parse_store_url",
+    "store_from_env",
 ]
 
 SECRET_ENV = "FASTCOMM_JOB_SECRET"
 """Environment variable holding the job's secret, in hex (``fastcomm-run`` sets it)."""
 SECRET_FILE_ENV = "FASTCOMM_JOB_SECRET_FILE"
 """Environment variable naming a file whose contents (whitespace stripped) are the secret."""
+STORE_ENV = "FASTCOMM_STORE"
+"""Environment variable naming the job's store when it is not a ``TCPStore`` at
+``MASTER_ADDR:MASTER_PORT``: ``etcd://host:port[,host:port...]/prefix`` puts it in an etcd
+cluster, under ``prefix`` (one per job: etcd keeps keys after the job). Unset or empty:
+``MASTER_ADDR``/``MASTER_PORT`` as before. Read by ``fastcomm.init()`` (:func:`store_from_env`)."""
 MIN_SECRET_BYTES = 16
 """A shorter secret is refused (the launcher makes 32 random bytes)."""
 
@@ -138,6 +148,47 @@ def job_secret_from_env(environ: Mapping[str, str] | None = None) -> bytes | Non
             f"got {len(secret)}"
         )
     return secret
+
+
+def parse_store_url(url: str) -> tuple[str, tuple[str, ...], str]:
+    """``etcd://host:port[,host:port...]/prefix`` as ``("etcd", endpoints, prefix)``.
+
+    Raises:
+        ValueError: another scheme, no endpoint, a malformed ``host:port`` or no prefix.
+    """
+    from .etcd import parse_endpoints  # no torch, no socket: cheap
+
+    scheme, sep, rest = url.strip().partition("://")
+    if not sep or scheme != "etcd":
+        raise ValueError(f"{STORE_ENV}={url!r}: expected etcd://host:port[,host:port...]/prefix")
+    hosts, _, prefix = rest.partition("/")
+    if not prefix.strip("/"):
+        raise ValueError(f"{STORE_ENV}={url!r}: no prefix after the endpoints (etcd keeps keys "
+                         "after a job: give each job its own, e.g. etcd://h:2379/job-42)")
+    try:
+        endpoints = parse_endpoints(hosts)
+    except ValueError as exc:
+        raise ValueError(f"{STORE_ENV}={url!r}: {exc}") from None
+    return scheme, endpoints, prefix.strip("/")
+
+
+def store_from_env(
+    environ: Mapping[str, str] | None = None,
+    *,
+    timeout: float | timedelta | None = None,
+    rank: int | None = None,
+) -> Store | None:
+    """The job's store as ``FASTCOMM_STORE`` names it (``None`` where it is unset or empty).
+
+    Raises:
+        ValueError: the variable is malformed (see :func:`parse_store_url`).
+    """
+    environ = os.environ if environ is None else environ
+    url = environ.get(STORE_ENV, "").strip()
+    if not url:
+        return None
+    _, endpoints, prefix = parse_store_url(url)
+    return Store.on_etcd(endpoints, prefix, timeout=timeout, rank=rank)
 
 
 # ---------------------------------------------------------------------- value encoding
@@ -495,7 +546,7 @@ class Store:
         prefix: str = "",
         rank: int | None = None,
         _base: dist.Store | None = None,
-        _root: dist.TCPStore | None = None,
+        _root: dist.Store | None = None,
         _secret: bytes | None | object = _FROM_ENV,
         _guard: AnswerGuard | None = None,
     ) -> None:
@@ -538,6 +589,36 @@ class Store:
         else:
             self._store = self._root
 
+    @classmethod
+    def on_etcd(
+        cls,
+        endpoints: str | Sequence[str],
+        prefix: str,
+        *,
+        timeout: float | timedelta | None = None,
+        rank: int | None = None,
+        request_timeout: float = 5.0,
+    ) -> Store:
+        """A store whose keys live in an etcd cluster, under ``prefix``: no process of the
+        job serves it, so any node may die (see :class:`~.etcd_store.EtcdStore`). Values are
+        signed with the job's secret as with a ``TCPStore``.
+
+        Args:
+            endpoints: the members' client addresses, ``"host:port,host:port"`` or a list.
+            prefix: the job's namespace in etcd (one per job: etcd keeps keys after it).
+            timeout, rank: as the constructor's.
+            request_timeout: seconds one request to one member may take before the next
+                member is tried.
+
+        Raises:
+            ValueError, TypeError: malformed endpoints, prefix, timeout or job secret.
+        """
+        from .etcd_store import EtcdStore  # etcd only where asked for
+
+        limit = as_timedelta(timeout, DEFAULT_TIMEOUT)
+        root = EtcdStore(endpoints, prefix, limit, request_timeout=request_timeout)
+        return cls(timeout=limit, rank=rank, _root=root)
+
     # ------------------------------------------------------------------ identity
     @property
     def host(self) -> str:
@@ -551,8 +632,9 @@ class Store:
 
     @property
     def address(self) -> str:
-        """``host:port``, as error messages name the store."""
-        return f"{self.host}:{self.port}"
+        """``host:port`` (``etcd://host:port,.../prefix`` in etcd), as error messages name the
+        store."""
+        return getattr(_unwrap(self._root), "address", None) or f"{self.host}:{self.port}"
 
     @property
     def torch_store(self) -> dist.Store:
@@ -685,7 +767,8 @@ class Store:
         return bool(self._call("delete", [key], self._store.delete_key, key))
 
     def num_keys(self) -> int:
-        """Keys in the whole store (every namespace: torch counts them at the server)."""
+        """Keys in the whole store (every namespace: torch counts them at the server; in
+        etcd, every key under the store's etcd prefix)."""
         return int(self._call("num_keys", [], self._store.num_keys))
 
     # ------------------------------------------------------------------ object values
@@ -787,7 +870,7 @@ class Store:
 
 
 def _unwrap(store: dist.Store) -> dist.Store:
-    """The TCPStore under nested PrefixStores (for naming its address in errors)."""
+    """The root store under nested PrefixStores (for naming its address in errors)."""
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
     return store

@@ -264,3 +264,16 @@ class Capabilities:
     """``all_gather`` and ``all_to_all`` accept an output that overlaps the input (torch's
     ``all_gather_into_tensor`` with the input a slice of the output, as FSDP2 calls it);
     elsewhere the input is copied first. An overlapping ``reduce_scatter`` is always staged."""
+
+    sees_lost_peers: bool = False
+    """Its waits notice by themselves that a peer on this host died (shared memory reads the
+    peer's ``/proc`` entry while it waits: ``shm``, ``hier``): in-place recovery needs no
+    liveness watch for this host's members. Elsewhere a Gloo wait sees a dead peer only as a
+    closed socket, when it reads from it, and a NCCL kernel spins forever, so a thread reads
+    ``/proc`` and calls ``abort`` (``fastcomm.ddp.liveness``)."""
+
+    shrinks_across_hosts: bool = False
+    """In-place recovery can go on without a rank lost on another host: ``abort`` stops its
+    pending calls and ``reconfigured`` builds the survivors' (``hier``, ``gloo``, ``nccl``).
+    Elsewhere (``shm`` and ``ipc`` live on one host; a torch group's waits cannot be
+    aborted) ranks spanning hosts fail as without recovery."""

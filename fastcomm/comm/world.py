@@ -1,7 +1,8 @@
 """``fastcomm.init()``: the process-wide communicator, set up from the launcher's environment.
 
 ``init`` reads the rank layout through :mod:`.launch_env` (torchrun's variables, else srun's,
-MPICH's or Open MPI's), agrees on it across ranks, finds or serves the ``TCPStore`` and picks
+MPICH's or Open MPI's), agrees on it across ranks, finds or serves the ``TCPStore`` (or, with
+``FASTCOMM_STORE=etcd://...``, uses the job's keys in etcd) and picks
 a backend: ``FASTCOMM_BACKEND``, else ``nccl`` where every local rank can own a GPU, else
 ``ipc`` where local ranks share GPUs, else ``shm``/``hier``/``gloo`` from the host layout.
 :func:`new_communicator` is the one place that builds backends and their parts.
@@ -33,13 +34,13 @@ from .nccl import NcclCommunicator, cupy_nccl, nccl_version
 from .pg.gloo import GlooCommunicator
 from .pg.torch_pg import TorchPGCommunicator, group_store
 from .shm import ShmCommunicator, ShmOptions, shm_available
-from .store import DEFAULT_TIMEOUT, Store, as_timedelta
+from .store import DEFAULT_TIMEOUT, Store, as_timedelta, store_from_env
 from .topology import HostLayout, host_id
 
 __all__ = [
     "init", "get_world", "shutdown", "new_communicator", "communicator_for", "is_initialized",
     "BACKENDS", "NcclFit", "nccl_fit", "cuda_device_count", "detected_nccl_version",
-    "group_communicator",
+    "group_communicator", "for_new_members", "replace_world",
 ]
 
 BACKENDS = ("gloo", "nccl", "shm", "hier", "ipc")
@@ -307,6 +308,52 @@ def new_communicator(
     return comm
 
 
+def for_new_members(
+    backend: str,
+    *,
+    store: Store,
+    rank: int,
+    size: int,
+    timeout: float | timedelta | None = None,
+    spans_hosts: bool = False,
+) -> Communicator:
+    """The communicator that the members holding one of kind ``backend`` (a communicator's
+    ``backend``: one of :data:`BACKENDS`, or ``"torch"``) build with its ``reconfigured``, for
+    a rank that joins them holding none (``fastcomm.ddp.regrow``); arguments as there.
+
+    Raises:
+        ValueError: unknown backend.
+    """
+    if backend == "ipc":
+        from .ipc import IpcCommunicator as kind  # lazy: it loads Triton (new_communicator)
+    else:
+        kinds = {"gloo": GlooCommunicator, "nccl": NcclCommunicator, "shm": ShmCommunicator,
+                 "hier": HierCommunicator, "torch": TorchPGCommunicator}
+        if backend not in kinds:
+            raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)}, "
+                             "torch")
+        kind = kinds[backend]
+    return kind.for_new_members(
+        store, rank, size, as_timedelta(timeout, DEFAULT_TIMEOUT), spans_hosts=spans_hosts
+    )
+
+
+def replace_world(
+    old: Communicator, new: Communicator, first_members: tuple[int, ...] | None = None
+) -> None:
+    """Records that ``new`` replaces ``old`` (in-place recovery's shrink, a regrow): from now
+    on :func:`get_world` returns ``new`` where it returned ``old``, ``old.replaced_by`` names
+    ``new`` (a comm hook's state made with ``old`` follows the line:
+    ``fastcomm.ddp.hooks.default.successor``), and ``new.first_members`` keeps the global torch
+    ranks of the line's first communicator (``first_members`` where ``old`` is the first: a
+    torch group of those ranks stands for the line, ``hooks.default.hook_comm``)."""
+    global _WORLD
+    old.replaced_by = new
+    new.first_members = getattr(old, "first_members", first_members)
+    if _WORLD is old:
+        _WORLD = new
+
+
 def _child(backend, device, fallback, options, store, rank, size, timeout) -> Communicator:
     """A sub-communicator of a ``backend`` communicator (its ``make_child``)."""
     return new_communicator(
@@ -534,6 +581,8 @@ def init(
                 _root=dist.distributed_c10d._get_default_store(),
                 prefix="fastcomm",
             )
+        elif (etcd := store_from_env(timeout=timeout, rank=rank)) is not None:
+            base = etcd  # FASTCOMM_STORE=etcd://...: no rank serves the store
         else:
             host, port = _rendezvous(launch, rank, world_size)
             agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"

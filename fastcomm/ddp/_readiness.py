@@ -69,9 +69,9 @@ class Readiness:
         if self.store is None or self._published_step == step:
             return
         record = {
-            "launched": reducer.next_bucket,
+            "launched": reducer.step.next_bucket,
             "buckets": len(reducer.buckets),
-            "missing": reducer.missing_gradients(),
+            "missing": reducer.step.missing(),
         }
         self.store.set(self._key(step, reducer.comm.rank), json.dumps(record))
         self._published_step = step

@@ -138,6 +138,30 @@ class Bucket:
             self.scratch[key] = buf
         return buf
 
+    def grad_targets(
+        self, unused: frozenset[int], create_graph: bool = False
+    ) -> list[torch.Tensor | None]:
+        """Where the bucket's reduced gradients go: each parameter's ``.grad`` (made when it
+        has none; detached under `create_graph`), ``None`` for the parameters in `unused` (no
+        rank produced their gradient)."""
+        if not unused and not create_graph:  # the usual step: every .grad, as it is
+            targets = [p.grad for p in self.params]
+            for k, g in enumerate(targets):
+                if g is None:
+                    p = self.params[k]
+                    targets[k] = p.grad = torch.empty_like(p)
+            return targets
+        targets: list[torch.Tensor | None] = []
+        for i, p in zip(self.param_indices, self.params, strict=True):
+            if i in unused:
+                targets.append(None)
+                continue
+            g = p.grad
+            if g is None:
+                g = p.grad = torch.empty_like(p)
+            targets.append(g.detach() if create_graph else g)
+        return targets
+
     def __repr__(self) -> str:
         return (
             f"Bucket({self.index}, {len(self.params)} params, {self.numel} x {self.dtype}, "

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastcomm.comm.base import Communicator
+from fastcomm.comm.world import replace_world
 
 from ._setup import (
     check_mixed_precision,
@@ -43,9 +44,9 @@ from .config import DDPConfig, check_param_dtype
 from .health import GradHealth
 from .join import Join, notify_join
 from .pickling import ddp_getstate, ddp_setstate
-from .recover import Keeper, MembershipChange, Recovery, recovery_enabled
+from .recover import MembershipChange, Recovery, recovery_enabled
 from .reducer import Reducer
-from .regrow import Grower, joining
+from .regrow import Grower, RegisteredStates, joining
 from .regrow import join as join_running
 from .sparse import sparse_param_indices
 
@@ -185,39 +186,51 @@ class DDP(nn.Module):
     def _start(self, names: list[str], params: list, check_finite: bool) -> None:
         """The initial broadcast and the reducer; with recovery on, its state first, and for a
         replacement joining instead of broadcasting (``recover.py``, ``regrow.py``)."""
-        self._states: dict[str, Any] = {}
-        self._loading_states = False
+        self.registered_states = RegisteredStates()
+        """The objects of :meth:`register_state`."""
         self.join_step = 0
         """The steps the running ranks had done when this rank joined them (0: from the start)."""
+        self._recovery: Recovery | None = None
         header = None
         if recovery_enabled() and joining(self.comm):
             self._recovery, header = join_running(self)
         elif recovery_enabled() and self.comm.size > 1:
-            self._recovery = Recovery(self)
-            if not self._recovery.supported:
-                self._recovery = None  # it warned: liveness across hosts needs hier
-        else:
-            self._recovery = None
+            recovery = Recovery(self)
+            # unsupported, it warned: ranks across hosts on a communicator that cannot shrink
+            self._recovery = recovery if recovery.supported else None
         if self.config.init_sync and header is None:
             self._collective(lambda: self._init_sync(names, params), "init")
         self._build_reducer(names, params, check_finite)
         if self._recovery is not None:
-            self.reducer.keeper = Keeper(self.reducer)
-            self.reducer.recovery = self._recovery
+            self._recovery.attach(self.reducer)
             if self._recovery.grower is None:
                 self._recovery.grower = Grower(self._recovery)
-        if header is not None:
-            self._adopt(header)
+        if header is not None:  # a joiner takes the running ranks' buckets, step and state
+            self.join_step = header["step"]
+            self.reducer.take_layout(header["order"], header["step"], header["rebuilt"],
+                                     header["rebuild_due"])
+            broadcast_tensors(self.comm, list(self.reducer.params) + self.synced_buffers(), src=0)
+            self.registered_states.loading = True
 
-    def _adopt(self, header: dict) -> None:
-        """A joiner takes the running ranks' buckets, step and state (``regrow``)."""
-        reducer = self.reducer
-        reducer._build(header["order"])
-        reducer.rebuilt, reducer.rebuild_due = header["rebuilt"], header["rebuild_due"]
-        reducer._recording = False
-        reducer.synced_iterations = self.join_step = header["step"]
-        broadcast_tensors(self.comm, list(reducer.params) + self.synced_buffers(), src=0)
-        self._loading_states = True
+    def replace_comm(self, comm: Communicator) -> Communicator:
+        """Reduces over `comm` from now on, in place of the communicator in use: the one
+        place that swaps it (in-place recovery's shrink, a regrow's admission, a joiner's
+        stand-in; a collective of `comm`'s ranks). What depends on it follows: recovery's
+        liveness watch looks at `comm`, the reducer re-plans over it (buckets, shared memory,
+        strategies, CUDA-graph lane, health), and ``fastcomm.get_world()`` and the comm hooks'
+        states that named the old one follow (``fastcomm.comm.world.replace_world``).
+
+        Returns:
+            The communicator replaced (not closed: the caller closes it).
+        """
+        old, self.comm = self.comm, comm
+        if self._recovery is not None:  # first: a peer lost from here on is named
+            self._recovery.follow(comm)
+        reducer = getattr(self, "reducer", None)  # a joiner's is built on `comm`
+        if reducer is not None:
+            reducer.replace_comm(comm)
+        replace_world(old, comm, self._torch_members)
+        return old
 
     def register_state(self, name: str, obj: Any) -> None:
         """Registers `obj` (anything with ``state_dict``/``load_state_dict``: the optimizer,
@@ -227,13 +240,7 @@ class DDP(nn.Module):
         Raises:
             TypeError: `obj` has no ``state_dict``/``load_state_dict``.
         """
-        if not (callable(getattr(obj, "state_dict", None))
-                and callable(getattr(obj, "load_state_dict", None))):
-            raise TypeError(
-                f"register_state({name!r}, ...) needs state_dict() and load_state_dict(), got "
-                f"{type(obj).__name__}"
-            )
-        self._states[str(name)] = obj
+        self.registered_states.register(name, obj)
 
     def _init_sync(self, names: list[str], params: list) -> None:
         verify_same_parameters(self.comm, names, params)
@@ -350,18 +357,21 @@ class DDP(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the wrapped module between the reducer's pre- and post-forward steps."""
-        # Under torch.compile the wrapped module's forward is compiled; the reducer's
-        # bookkeeping and collectives around it run eagerly (graph breaks), as torch DDP's
-        # pre/post forward do. Eager calls skip the disabling wrapper, a host cost per call
-        # (docs/ddp.md).
+        # Under torch.compile (``torch.compile(DDP(model))``) the reducer's bookkeeping runs
+        # eagerly (graph breaks), and so does the frame that calls the wrapped module, which
+        # Dynamo then compiles as a frame of its own while this DDP is torch's active DDP
+        # module: its DDPOptimizer splits the graph at the bucket boundaries, so the compiled
+        # backward hands each bucket over as it finishes (docs/ddp.md). Eager calls skip the
+        # disabling wrappers, a host cost per call.
         compiling = torch.compiler.is_compiling()
         sync = _pre_forward_eagerly(self) if compiling else self._pre_forward()
         if self.device_ids:
             inputs, kwargs = _to_device((inputs, kwargs), torch.device("cuda", self.device_ids[0]))
-        output = self.module(*inputs, **kwargs)
         if compiling:
+            output = _run_module_eagerly(self, inputs, kwargs)
             _post_forward_eagerly(self, output, sync)
         else:
+            output = _run_module(self, inputs, kwargs)
             self._post_forward(output, sync)
         return output
 
@@ -542,6 +552,37 @@ DistributedDataParallel = DDP
 # not here: a rank that never compiles, a replacement joining a job above all, starts faster
 _pre_forward_eagerly = torch._disable_dynamo(DDP._pre_forward)
 _post_forward_eagerly = torch._disable_dynamo(DDP._post_forward)
+
+
+def _run_module(ddp: DDP, inputs: tuple, kwargs: dict) -> Any:
+    """``ddp.module(*inputs, **kwargs)`` with `ddp` torch's active DDP module, which is what
+    Dynamo's DDPOptimizer looks for (``DistributedDataParallel._get_active_ddp_module()``) when
+    it compiles the module (``DDP(torch.compile(model))``, or the frame below under
+    ``torch.compile(DDP(model))``): it splits the graph where `ddp`'s buckets close
+    (``ddp.bucket_bytes_cap``)."""
+    torch_ddp = nn.parallel.DistributedDataParallel
+    outer = torch_ddp._active_ddp_module
+    # DDPOptimizer refuses a cap below its 1 MiB first bucket (an AssertionError, torch DDP's
+    # too): such a DDP's module compiles as one graph, the reductions after its backward
+    split = ddp.bucket_bytes_cap >= _FIRST_BUCKET_BYTES
+    torch_ddp._active_ddp_module = ddp if split else None
+    try:
+        return _call_module(ddp.module, inputs, kwargs)
+    finally:
+        torch_ddp._active_ddp_module = outer
+
+
+_FIRST_BUCKET_BYTES = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1 << 20)
+
+
+def _call_module(module: nn.Module, inputs: tuple, kwargs: dict) -> Any:
+    # A frame of fastcomm's, which Dynamo compiles (tracing into the module), where it would
+    # leave a torch.nn container's own call frame (nn.Sequential's, say) uncompiled.
+    return module(*inputs, **kwargs)
+
+
+# not traced, but what it calls is: the module's call is compiled as a frame of its own
+_run_module_eagerly = torch._disable_dynamo(_run_module, recursive=False)
 
 
 def _check_arguments(module, dim, broadcast_buffers, forward_sync_buffers, process_group) -> None:

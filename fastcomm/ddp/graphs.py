@@ -180,7 +180,7 @@ class GraphedAllReduce(PackedAllReduce):
             super().write_back(reducer, bucket, value, unused)
             return
         if reducer.health is not None:  # the replay wrote the gradients and their row
-            reducer.health.captured(bucket, reducer.grad_targets(bucket, unused))
+            reducer.health.captured(bucket, bucket.grad_targets(unused, reducer.create_graph))
 
     def _done_of(self, bucket: Bucket):
         graph = self._graphs.get(bucket.index)

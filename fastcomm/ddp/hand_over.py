@@ -34,7 +34,7 @@ def uses(t: torch.Tensor) -> int:
 
 def hand_over(reducer, bucket: Bucket, targets: list[torch.Tensor | None]) -> bool:
     """Writes `bucket`'s reduced flat buffer into its parameters' ``.grad`` (`targets`, from
-    ``reducer.grad_targets``) with as few copies as it can (see the module docstring); whether
+    ``Bucket.grad_targets``) with as few copies as it can (see the module docstring); whether
     it did (else the caller unpacks as usual)."""
     if (
         bucket.index not in reducer.hands_over or reducer.create_graph
@@ -50,7 +50,7 @@ def hand_over(reducer, bucket: Bucket, targets: list[torch.Tensor | None]) -> bo
     if not any(fresh):
         return False
     flat = bucket.flat
-    reducer._handed[bucket.index] = uses(flat)
+    reducer.handed[bucket.index] = uses(flat)
     written: list[torch.Tensor | None] = []
     into, out_of = [], []
     for p, t, v, offset, new in zip(
@@ -69,10 +69,10 @@ def hand_over(reducer, bucket: Bucket, targets: list[torch.Tensor | None]) -> bo
     return True
 
 
-def take_back(reducer) -> None:
+def take_back(reducer, handed: dict[int, int]) -> None:
     """Before a backward writes the buckets: each bucket whose buffer the last write-back
-    handed over keeps it where only the reducer holds it now, else takes a new one."""
-    handed, reducer._handed = reducer._handed, {}
+    handed over (`handed`: bucket index -> its storage's uses then, the reducer's, which it
+    clears) keeps it where only the reducer holds it now, else takes a new one."""
     if reducer.health is not None:
         reducer.health.begin_step()  # its records of the last step hold those gradients
     arrival_views = reducer._arrival_views

@@ -169,7 +169,7 @@ class InPlaceAllReduce(BucketStrategy):
     def write_back(
         self, reducer, bucket: Bucket, value: InPlaceReduction, unused: frozenset[int]
     ) -> None:
-        targets = reducer.grad_targets(bucket, unused)
+        targets = bucket.grad_targets(unused, reducer.create_graph)
         write_back(value, targets)  # only what was not reduced in place
         if reducer.health is not None:
             reducer.health.written(bucket, targets)

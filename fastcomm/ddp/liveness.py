@@ -2,8 +2,9 @@
 
 On other hosts: ``fastcomm-run --recover in-process`` sets ``lost_rank_key(RANK)`` in the job's
 store for every loss it absorbs (a worker that died, or each rank of a node whose agent stopped
-heartbeating). On this host: ``/proc`` (pid and start time), for the backends whose waits cannot
-see a dead peer themselves (:func:`watches_here`: Gloo, NCCL; shared memory sees it).
+heartbeating). On this host: ``/proc`` (pid and start time), for a communicator whose waits
+cannot see a dead peer themselves (no ``capabilities.sees_lost_peers``: Gloo, NCCL, ``ipc``;
+shared memory sees it).
 :class:`LossWatch` looks every ``POLL_S`` and aborts the communicator in use (its ``abort``)
 once a current member is gone, so a collective waiting on it raises ``CommAbortedError`` naming
 it instead of waiting out its timeout. It reads the store through a connection of its own; it
@@ -20,18 +21,10 @@ from collections.abc import Callable
 from fastcomm.comm.errors import CommAbortedError
 from fastcomm.comm.store import Store
 
-__all__ = ["POLL_S", "SEES_DEATH_HERE", "LossWatch", "watches_here"]
+__all__ = ["POLL_S", "LossWatch"]
 
 #: Seconds between two looks at the lost ranks' keys and at ``/proc``.
 POLL_S = 0.05
-#: Backends whose waits see a peer on this host die (shared memory checks ``/proc`` itself).
-SEES_DEATH_HERE = frozenset({"shm", "hier"})
-
-
-def watches_here(backend: str) -> bool:
-    """Whether the watch must look at this host's members for ``backend`` (a Gloo wait sees a
-    dead peer only as a closed socket, when it reads from it; a NCCL kernel spins forever)."""
-    return backend not in SEES_DEATH_HERE
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
@@ -57,7 +50,8 @@ class LossWatch:
         current: returns the communicator in use (it changes at each shrink); ``None`` once
             its DDP is gone (the thread then ends).
         poll_s: seconds between two looks.
-        here: also look at the members on this host (:func:`watches_here`).
+        here: also look at the members on this host (for a communicator without
+            ``capabilities.sees_lost_peers``).
     """
 
     def __init__(self, membership, current: Callable[[], object], poll_s: float = POLL_S,

@@ -26,12 +26,14 @@ from ._setup import (
     torch_members,
 )
 from .reducer import Reducer
+from .regrow import RegisteredStates
 from .sparse import sparse_param_indices
 
 __all__ = ["ddp_getstate", "ddp_setstate"]
 
 # what __getstate__ leaves out: rebuilt by __setstate__
-_TRANSIENT = ("comm", "process_group", "reducer", "active_join", "_recovery", "_states")
+_TRANSIENT = ("comm", "process_group", "reducer", "active_join", "_recovery",
+              "registered_states")
 
 
 def ddp_getstate(ddp: nn.Module) -> dict[str, Any]:
@@ -58,14 +60,18 @@ def ddp_getstate(ddp: nn.Module) -> dict[str, Any]:
 
 
 def ddp_setstate(ddp: nn.Module, state: dict[str, Any]) -> None:
-    """``DDP.__setstate__``: restores the module, then finds a communicator and a reducer."""
-    nn.Module.__setstate__(ddp, state)
-    ddp.active_join = None
-    ddp._recovery = None  # an unpickled copy does not shrink in place
-    ddp._states, ddp._loading_states = {}, False
-    ddp.comm = resolve_comm(None, None, ddp.module)
-    ddp.process_group = default_group()
-    ddp._torch_members = torch_members(None, None, ddp.comm)
+    """``DDP.__setstate__``: restores the module, with a communicator found again and a new
+    reducer."""
+    comm = resolve_comm(None, None, state["_modules"]["module"])
+    nn.Module.__setstate__(ddp, {
+        **state,
+        "active_join": None,
+        "_recovery": None,  # an unpickled copy does not shrink in place
+        "registered_states": RegisteredStates(),
+        "comm": comm,
+        "process_group": default_group(),
+        "_torch_members": torch_members(None, None, comm),
+    })
     names, params = reduced_parameters(ddp.module, ddp.parameters_to_ignore)
     ddp.reducer = Reducer(
         params, names, ddp.comm, ddp.config, sparse_param_indices(ddp.module, params)

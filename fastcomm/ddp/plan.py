@@ -7,7 +7,8 @@ a comm hook is registered, then only executes what it returned. In order: bucket
 memory or not (`shared_request`), ``.grad`` as bucket views or not (`grads_are_views`), each
 bucket's strategy (`choose_strategy`, first match wins: comm hook, sparse, shared view, view,
 in place via `in_place_plan`, replayed from a CUDA graph (``graphs.py``), packed on arrival,
-packed), and which gradients are staged into a shared bucket (`stages`).
+packed), which gradients are staged into a shared bucket (`stages`), and which buckets'
+write-back may hand the reduced buffer over as ``.grad`` (`hands_over`).
 
 Invariant: every rank takes the same decisions: they depend on the parameters' sizes, dtypes
 and devices, the config and the capabilities, never on this rank's gradients.
@@ -28,6 +29,7 @@ from fastcomm.comm.types import Capabilities
 from .bucket import CPU_VIEW_DTYPES, Bucket
 from .config import DDPConfig
 from .graphs import GraphedAllReduce
+from .hand_over import COUNTS_USES
 from .in_place import InPlaceAllReduce, InPlacePlan
 from .shared import SHARED_VIEW, eligible
 from .sparse import SPARSE
@@ -45,6 +47,7 @@ __all__ = [
     "SharedRequest",
     "choose_strategy",
     "grads_are_views",
+    "hands_over",
     "in_place_plan",
     "packs_on_arrival",
     "plan_buckets",
@@ -206,6 +209,24 @@ def in_place_plan(
         if in_place_bytes < config.unfolded_min_bytes_per_extra * extra:
             return None
     return InPlacePlan(bucket, large)
+
+
+def hands_over(
+    buckets: Sequence[Bucket], config: DDPConfig, hook: Callable | None, bucket_view: bool,
+    shared: bool,
+) -> frozenset[int]:
+    """The buckets whose write-back may hand the reduced buffer over as ``.grad``
+    (``hand_over.py``): not where ``.grad`` already is a bucket view or the buckets are shared,
+    nor under a comm hook (it may keep the buffer), nor where the gradients are so small that
+    its per-gradient check costs more than the copy it saves (the shared buckets'
+    threshold)."""
+    if not (config.hand_over_grads and hook is None and not bucket_view and not shared
+            and COUNTS_USES):
+        return frozenset()
+    return frozenset(
+        b.index for b in buckets
+        if not b.sparse and b.flat.nbytes >= len(b.params) * config.shared_min_mean_bytes
+    )
 
 
 def packs_on_arrival(bucket: Bucket, config: DDPConfig) -> bool:

@@ -4,15 +4,17 @@
 A collective failing because a peer died starts an epoch: over the job's store (no extra
 server) each survivor posts where it failed; the live members that posted are decided by
 ``compare_set`` and confirmed by a barrier that fails when one of them dies (then the next
-epoch). Ranks are renumbered densely in old-rank order and a communicator of the same backend
-is built. In backward, gradients a reduction may overwrite are kept as they arrive (``Keeper``:
-a reference where it can, a copy where it must), so the failed step is reduced again among the
-survivors, scaled by ``1/survivors``, and ``backward()`` returns as if nothing happened. Other
-collectives (``DDP()``'s broadcast, the bucket rebuild, the buffers) recover and retry.
-Liveness: from ``/proc`` on this host (the shm waits' own look, or ``liveness.LossWatch`` for
-Gloo and NCCL); on other hosts from the keys ``fastcomm-run`` sets for the losses it absorbs,
-watched by ``LossWatch``. Limits: dense gradients; across hosts, ``fastcomm-run`` and a backend
-in ``SHRINKS_ACROSS_HOSTS``.
+epoch). Ranks are renumbered densely in old-rank order, the failed communicator builds its
+successor over them (its ``reconfigured``) and the DDP swaps it in (``DDP.replace_comm``, the
+one place that swaps it). In backward, gradients a reduction may overwrite are kept as they
+arrive (``Keeper``: a reference where it can, a copy where it must), so the failed step is
+reduced again among the survivors, scaled by ``1/survivors``, and ``backward()`` returns as if
+nothing happened (the reducer's ``abandon_step`` ends it). Other collectives (``DDP()``'s
+broadcast, the bucket rebuild, the buffers) recover and retry. Liveness: from ``/proc`` on this
+host (the waits' own look where the communicator has ``capabilities.sees_lost_peers``, else
+``liveness.LossWatch``); on other hosts from the keys ``fastcomm-run`` sets for the losses it
+absorbs, watched by ``LossWatch``. Limits: dense gradients; across hosts, ``fastcomm-run`` and a
+communicator with ``capabilities.shrinks_across_hosts``.
 """
 
 from __future__ import annotations
@@ -33,11 +35,10 @@ from fastcomm.comm.store import lost_rank_key
 from fastcomm.comm.topology import host_id
 from fastcomm.kernels._launch import fp32_scale
 
-from .liveness import LossWatch, watches_here
+from .liveness import LossWatch
 
 __all__ = [
     "RECOVER_ENV",
-    "SHRINKS_ACROSS_HOSTS",
     "Keeper",
     "Membership",
     "MembershipChange",
@@ -55,9 +56,6 @@ RECOVER_TIMEOUT_ENV = "FASTCOMM_RECOVER_TIMEOUT"
 _POLL_S = 0.002
 #: Errors that say a peer went away (a timeout is a hang, the hang report's business).
 LOSS_ERRORS = (CommAbortedError, CommClosedError)
-#: Backends whose communicator a lost rank on another host can abort (``abort``) and that are
-#: rebuilt over the survivors; the others (a torch group) fail the job as without recovery.
-SHRINKS_ACROSS_HOSTS = frozenset({"hier", "gloo", "nccl"})
 
 
 class RecoveryError(FastcommError):
@@ -108,51 +106,84 @@ class MembershipChange:
 
 
 class Membership:
-    """The job's members over epochs, agreed over a store namespace of ``comm``.
+    """The job's members over epochs, agreed over a store namespace.
 
-    A collective call at construction (every rank gathers every rank's host, pid and start
-    time through the store).
+    Made by :meth:`gather` (every rank, as its DDP is built) or :meth:`adopt` (a rank that
+    joins running ones, from its admission).
+
+    Args:
+        store: the namespace in the job's store.
+        key: its name in the communicator's store (a joiner finds it under ``NAMESPACE_KEY``;
+            ``""`` for a joiner's).
+        me: this process's original rank (its row in `identity`).
+        members: the current members' original ranks, in rank order.
+        identity: by original rank, each member's ``[host, pid, process start time,
+            launcher rank]`` (the launcher rank may be missing: a replacement's).
+        epoch: the current epoch (0 until the first change).
+        timeout: seconds the members wait for each other in one epoch's agreement
+            (``FASTCOMM_RECOVER_TIMEOUT`` overrides it).
     """
 
-    def __init__(self, comm, timeout: float | None = None) -> None:
+    def __init__(self, store, key: str, me: int, members, identity, epoch: int = 0,
+                 timeout: float = 60.0) -> None:
+        self.store = store
+        self.key = key
+        self.me = me
+        self.epoch = epoch
+        self.members = list(members)
+        self.identity = [list(row) for row in identity]
+        text = os.environ.get(RECOVER_TIMEOUT_ENV, "").strip()
+        self.timeout = float(text) if text else timeout
+        self._host = host_id()
+        self.lost_store = store.root()
+        """The job's store at its root, where the launcher names the ranks it lost."""
+
+    @classmethod
+    def gather(cls, comm, timeout: float | None = None) -> Membership:
+        """Every rank's membership over a new namespace of ``comm.store``: a collective (every
+        rank gathers every rank's host, pid, start time and launcher rank through the store).
+
+        Raises:
+            RuntimeError: ``comm`` has no store.
+        """
         store = getattr(comm, "store", None)
         if store is None:
             raise RuntimeError(
                 f"fastcomm DDP (rank {comm.rank}): {RECOVER_ENV}=in-process needs a communicator "
                 f"with a store; {type(comm).__name__} has none"
             )
-        self.key = comm.next_key("ddp-recover")
-        """The namespace's name in ``comm.store`` (a joiner finds it under ``NAMESPACE_KEY``)."""
-        self.store = store.prefixed(self.key)
-        self.me = comm.rank
-        self.epoch = 0
-        self.members = list(range(comm.size))
-        text = os.environ.get(RECOVER_TIMEOUT_ENV, "").strip()
-        self.timeout = float(text) if text else (60.0 if timeout is None else timeout)
+        key = comm.next_key("ddp-recover")
+        namespace = store.prefixed(key)
         mine = [host_id(), os.getpid(), pid_start_time(os.getpid()) or 0, launch_rank()]
-        self.identity = self.store.all_gather_object(
-            "ids", comm.rank, comm.size, mine, comm.timeout
-        )
-        self._host = mine[0]
-        self.one_host = len({row[0] for row in self.identity}) == 1
-        """Whether every rank runs on this host (liveness is read from ``/proc``)."""
-        self.lost_store = store.root()
-        """The job's store at its root, where the launcher names the ranks it lost."""
+        identity = namespace.all_gather_object("ids", comm.rank, comm.size, mine, comm.timeout)
+        return cls(namespace, key, comm.rank, range(comm.size), identity,
+                   timeout=60.0 if timeout is None else timeout)
 
     @classmethod
     def adopt(cls, store, header: dict) -> Membership:
-        """A joiner's membership, from its admission (``regrow``): it is the last member."""
-        self = cls.__new__(cls)
-        self.store, self.key = store, ""
-        self.epoch, self.members = header["epoch"], list(header["members"])
-        self.identity = [list(row) for row in header["identity"]]
-        self.me = self.members[-1]
-        text = os.environ.get(RECOVER_TIMEOUT_ENV, "").strip()
-        self.timeout = float(text) if text else 60.0
-        self._host = host_id()
-        self.one_host = len({row[0] for row in self.identity}) == 1
-        self.lost_store = store.root()
-        return self
+        """A joiner's membership, from its admission (``regrow``): it is the member the header
+        names (``me``), else the last."""
+        members = header["members"]
+        return cls(store, "", header.get("me", members[-1]), members, header["identity"],
+                   epoch=header["epoch"])
+
+    def grow(self, rows: list[list]) -> None:
+        """The next epoch: the current members, then one joining member per identity row
+        (every member grows alike, from the same rows)."""
+        self.identity.extend(list(row) for row in rows)
+        self.members = self.members + list(range(len(self.identity) - len(rows),
+                                                 len(self.identity)))
+        self.epoch += 1
+
+    def comm_store(self):
+        """The namespace of the current epoch's communicator, this member's view."""
+        return self.store.prefixed(f"epoch{self.epoch}/comm", rank=self.rank)
+
+    @property
+    def spans_hosts(self) -> bool:
+        """Whether the current members run on more than one host (else liveness is read from
+        ``/proc``)."""
+        return len({self.identity[m][0] for m in self.members}) > 1
 
     @property
     def host(self) -> str:
@@ -336,56 +367,51 @@ class Recovery:
     """One DDP's recovery: the membership, the callbacks, and the redo of a failed step.
 
     Args:
-        ddp: the DDP (its ``comm`` is replaced after each shrink).
+        ddp: the DDP (its communicator is replaced after each change, ``DDP.replace_comm``).
+        membership: a joiner's (``Membership.adopt``); ``None``: gathered now, a collective.
     """
 
-    def __init__(self, ddp) -> None:
+    def __init__(self, ddp, membership: Membership | None = None) -> None:
         self.ddp = ddp
-        self.membership = Membership(ddp.comm)
-        backend = ddp.comm.backend
-        self.supported = self.membership.one_host or backend in SHRINKS_ACROSS_HOSTS
-        """Whether a loss can be recovered from: one host, or a backend that shrinks across."""
-        self.watch = None
+        self.membership = Membership.gather(ddp.comm) if membership is None else membership
+        caps = ddp.comm.capabilities
+        self.supported = not self.membership.spans_hosts or caps.shrinks_across_hosts
+        """Whether a loss can be recovered from: one host, or a communicator that shrinks
+        across hosts."""
+        self.watch: LossWatch | None = None
+        self.callbacks: list[Callable[[MembershipChange], None]] = []
+        self.changes: list[MembershipChange] = []
+        self.grower = None  # a regrow.Grower, set by DDP
         if not self.supported:
             warnings.warn(
                 f"fastcomm DDP (rank {ddp.comm.rank}): {RECOVER_ENV}=in-process shrinks in place "
-                "only when every rank runs on one host, or across hosts on the "
-                f"{', '.join(sorted(SHRINKS_ACROSS_HOSTS))} backends; these ranks span hosts on "
-                f"{backend}, so a lost rank fails the others as without it",
+                "only when every rank runs on one host, or across hosts on a communicator that "
+                "can be aborted and rebuilt over the survivors (hier, gloo, nccl); these ranks "
+                f"span hosts on {ddp.comm.backend}, so a lost rank fails the others as without it",
                 RuntimeWarning,
                 stacklevel=3,
             )
         else:
-            self._start_watch()
-        self.callbacks: list[Callable[[MembershipChange], None]] = []
-        self.changes: list[MembershipChange] = []
-        self.grower = None  # a regrow.Grower, set by DDP
-        if ddp.comm.rank == 0:  # where a replacement finds this namespace (regrow)
+            self.follow(ddp.comm)
+        if membership is None and ddp.comm.rank == 0:  # where a joiner finds it (regrow)
             ddp.comm.store.set(NAMESPACE_KEY, self.membership.key)
 
-    @classmethod
-    def adopt(cls, ddp, membership: Membership) -> Recovery:
-        """A joiner's recovery over `membership` (``regrow.join``)."""
-        self = cls.__new__(cls)
-        self.ddp, self.membership = ddp, membership
-        self.callbacks, self.changes, self.grower = [], [], None
-        self.supported, self.watch = True, None
-        if membership.one_host or ddp.comm.backend in SHRINKS_ACROSS_HOSTS:
-            self._start_watch()
-        return self
+    def attach(self, reducer) -> None:
+        """The reducer's side: it keeps each gradient a reduction may overwrite (`Keeper`)
+        and hands the end of a backward to :meth:`finalize`."""
+        reducer.keeper = Keeper(reducer)
+        reducer.recovery = self
 
-    def _start_watch(self) -> None:
-        """The liveness watch, where the communicator's waits need one: members on other hosts
-        (the launcher's keys), or on this host for a backend that cannot see a peer die."""
-        here = watches_here(self.ddp.comm.backend)
-        if self.membership.one_host and not here:
-            return
-        self.watch = LossWatch(self.membership, _comm_of(self), here=here)
-        self._arm(self.ddp.comm)
-
-    def _arm(self, comm) -> None:
-        """A call that failed on a peer's closed connection waits for the watch to name the
-        lost rank (the socket closes before ``/proc`` or the launcher says it)."""
+    def follow(self, comm) -> None:
+        """Watches `comm`, the DDP's communicator from now on: the liveness watch started where
+        it needs one and is not running yet (members on other hosts, whose losses the launcher
+        names; or members here that `comm`'s waits cannot see die:
+        ``capabilities.sees_lost_peers``), and a call of `comm` that failed on a peer's closed
+        connection waits for the watch to name the lost rank (``loss_grace``: the socket
+        closes before ``/proc`` or the launcher says it)."""
+        here = not comm.capabilities.sees_lost_peers
+        if self.watch is None and (here or self.membership.spans_hosts):
+            self.watch = LossWatch(self.membership, _comm_of(self), here=here)
         if self.watch is not None and hasattr(comm, "loss_grace"):
             comm.loss_grace = self.membership.timeout
 
@@ -400,39 +426,43 @@ class Recovery:
         return fn()
 
     def shrink(self, where: str, cause: BaseException) -> MembershipChange:
-        """Closes the failed communicator, agrees on the survivors and builds theirs."""
+        """Closes the failed communicator, agrees on the survivors and swaps theirs in."""
         ddp, start, seen_at = self.ddp, time.monotonic(), time.time()
         old = ddp.comm
         reducer = getattr(ddp, "reducer", None)
-        if reducer is not None:
-            _detach_from_region(reducer)
+        if reducer is not None:  # its shared region goes with the failed communicator
+            reducer.leave_shared_memory()
         before = list(self.membership.members)
         _close_quietly(old)
         members = self.membership.agree(where)
-        comm = _new_comm(old, self.membership)
-        self._arm(comm)
-        ddp.comm = comm
-        if reducer is not None:
-            rebind(reducer, comm)
-        _replace_world(old, comm, ddp._torch_members)
+        ddp.replace_comm(self.successor(old))
         change = MembershipChange(
-            epoch=self.membership.epoch, rank=comm.rank, world_size=comm.size,
+            epoch=self.membership.epoch, rank=ddp.comm.rank, world_size=ddp.comm.size,
             lost=tuple(before.index(r) for r in before if r not in members),
             members=tuple(members), where=where, seconds=time.monotonic() - start,
             seen_at=seen_at,
         )
+        self.announce(change)
+        return change
+
+    def successor(self, old):
+        """`old`'s successor over the current epoch's members (``old.reconfigured``): a
+        collective of those members."""
+        membership = self.membership
+        return old.reconfigured(membership.comm_store(), membership.rank,
+                                len(membership.members), spans_hosts=membership.spans_hosts)
+
+    def announce(self, change: MembershipChange) -> None:
+        """Records `change` and calls the ``on_membership_change`` callbacks with it."""
         self.changes.append(change)
         for fn in list(self.callbacks):
             fn(change)
-        return change
 
     # ------------------------------------------------------------------ backward
     def finalize(self, reducer) -> None:
         """The reducer's end of backward, with the failed step redone among the survivors."""
         try:
-            if reducer.failure is not None:
-                raise reducer.failure
-            reducer._finalize_steps()
+            reducer.finish_backward()
             return
         except LOSS_ERRORS as exc:
             cause: BaseException = exc
@@ -462,7 +492,8 @@ def _comm_of(recovery: Recovery) -> Callable[[], object]:
 def redo_step(reducer, keeper: Keeper) -> None:
     """Reduces every dense gradient of this step again over ``reducer.comm`` from `keeper`'s
     copies (scaled by ``1/size``, summed in rank order) and writes the averages into ``.grad``
-    (the bucket views where they are ``.grad``); then ends the iteration."""
+    (the bucket views where they are ``.grad``); then the reducer ends the step
+    (``abandon_step``)."""
     comm = reducer.comm
     scale = fp32_scale(1.0 / comm.size)
     dense = [i for i in range(len(reducer.params)) if i not in reducer.sparse]
@@ -482,53 +513,7 @@ def redo_step(reducer, keeper: Keeper) -> None:
                 target = torch.empty_like(p)
             target.copy_(value)
             p.grad = target
-    reducer.failure = None
-    reducer._results = []
-    reducer._incomplete = None
-    reducer.expect_hooks = False
-    reducer._started = False
-    reducer._used_work = reducer._used_map = None
-    reducer._after_synced_iteration()
-
-
-def rebind(reducer, comm) -> None:
-    """Points `reducer` at `comm`: its scale, shared region, buckets (same order), strategies
-    and health; ``.grad`` moved into the new bucket views where those are ``.grad``."""
-    from .health import GradHealth
-    from .plan import grads_are_views, shared_request
-    from .shared import SharedBuckets
-
-    order = [i for b in reducer.buckets for i in b.param_indices]
-    reducer.comm = comm
-    reducer.scale = 1.0 / comm.size
-    request = shared_request(
-        reducer.params, reducer.sparse, comm.capabilities, comm.size, reducer.config
-    )
-    reducer.shared = None if request is None else SharedBuckets.create(
-        comm, request, reducer.config.shared_bucket_cap_mb
-    )
-    reducer.bucket_view = grads_are_views(reducer.config, reducer.shared is not None)
-    reducer.buckets = []
-    reducer._build(order)
-    if reducer.bucket_view:
-        for i, p in enumerate(reducer.params):
-            view = reducer.grad_views[i]
-            if view is not None and p.grad is not None and not p.grad.is_sparse:
-                view.copy_(p.grad)
-                p.grad = view
-    check = reducer.health.check_finite if reducer.health is not None else False
-    reducer.health = GradHealth(reducer, check_finite=check)
-
-
-def _detach_from_region(reducer) -> None:
-    """Copies every ``.grad`` that lives in the shared region out of it (the region is unmapped
-    with its communicator)."""
-    if reducer.shared is None:
-        return
-    for p in reducer.params:
-        g = p.grad
-        if g is not None and not g.is_sparse:
-            p.grad = g.detach().clone()
+    reducer.abandon_step()
 
 
 def _close_quietly(comm) -> None:
@@ -537,41 +522,3 @@ def _close_quietly(comm) -> None:
         comm.close()
     except Exception:  # it failed already; the survivors' new one replaces it
         pass
-
-
-def same_backend(old) -> str:
-    """The backend a communicator rebuilt from `old` uses: `old`'s (``gloo`` for a torch
-    group's)."""
-    from fastcomm.comm.world import BACKENDS
-
-    return old.backend if old.backend in BACKENDS else "gloo"
-
-
-def _new_comm(old, membership: Membership, backend: str | None = None):
-    """A communicator of `old`'s backend (or `backend`) over the members of the current epoch."""
-    from fastcomm.comm.world import new_communicator
-
-    backend = backend or same_backend(old)
-    size = len(membership.members)
-    store = membership.store.prefixed(f"epoch{membership.epoch}/comm", rank=membership.rank)
-    return new_communicator(
-        backend, store=store, rank=membership.rank, size=size, timeout=old.timeout,
-        device=old.device if backend == "nccl" else None,  # a fresh unique id, same GPU
-        # ipc's Gloo side for its CUDA ops but all_reduce (decided alike on every rank,
-        # a joiner included: from the backend alone)
-        fallback=old.device.type != "cpu" or backend == "ipc",
-        options=getattr(old, "options", None) if backend == "shm" else None,
-    )
-
-
-def _replace_world(old, new, members: tuple[int, ...] | None) -> None:
-    """``fastcomm.get_world()`` returns `new` where it returned the failed `old`, and so does a
-    comm hook's state that names `old` (``old.replaced_by``, followed by ``hooks.hook_comm``)
-    or a torch group of the first communicator's members (`members`, the DDP's
-    ``_torch_members``, kept as ``new.first_members``)."""
-    from fastcomm.comm import world
-
-    old.replaced_by = new
-    new.first_members = getattr(old, "first_members", members)
-    if world._WORLD is old:
-        world._WORLD = new

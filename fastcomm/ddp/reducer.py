@@ -1,9 +1,10 @@
 """The reducer: per-parameter hooks, ready counting, bucket launches, finalize, rebuild.
 
-Each iteration: ``prepare_for_backward`` resets the ready state; each parameter's
-post-accumulate-grad hook marks it ready and launches bucket ``next`` once all its parameters
-are; ``_finalize`` (queued on the autograd engine) waits for each bucket and writes ``.grad``.
-How a bucket is reduced is its strategy, planned in ``plan.py``; the reducer only executes it.
+Each iteration: ``prepare_for_backward`` arms the step's state (``step.StepState``); each
+parameter's post-accumulate-grad hook marks it ready and launches bucket ``next`` once all its
+parameters are; ``_finalize`` (queued on the autograd engine) waits for each bucket and writes
+``.grad``. How a bucket is reduced is its strategy, planned in ``plan.py``; the reducer only
+executes it. The communicator is swapped by ``replace_comm`` only (``DDP.replace_comm``).
 
 Invariants: buckets launch strictly in index order, the same on every rank, so the
 collectives match; they are rebuilt once, after the first synchronized iteration, in rank 0's
@@ -26,22 +27,23 @@ import torch.autograd.profiler as _profiler
 
 from fastcomm.comm.base import Communicator
 from fastcomm.comm.errors import CommAbortedError, CommClosedError
-from fastcomm.comm.work import Work
 from fastcomm.kernels._launch import fp32_scale
 
 from .bucket import Bucket, build_buckets
 from .config import DDPConfig
-from .hand_over import COUNTS_USES, take_back
+from .hand_over import take_back
+from .health import GradHealth
 from .in_place import InPlaceReduction
-from .plan import grads_are_views, plan_buckets, shared_request
+from .plan import grads_are_views, hands_over, plan_buckets, shared_request
 from .shared import SharedBuckets
+from .step import GOT_GRAD as _GOT_GRAD
+from .step import SKIPPED as _SKIPPED
+from .step import UNUSED as _UNUSED
+from .step import WAITING as _WAITING
+from .step import StepState
 from .strategy import BucketStrategy, pack_into
 
 __all__ = ["Reducer", "find_unused"]
-
-# _ready states of a parameter in the current iteration
-_WAITING, _GOT_GRAD, _UNUSED = 0, 1, 2
-_SKIPPED = object()  # result of a bucket that skip_all_reduce_unused_params did not reduce
 # torch's reducer warns with this text on backward(create_graph=True)
 _CREATE_GRAPH_WARNING = (
     "Using DistributedDataParallel with create_graph=True  is not well-supported. The "
@@ -76,25 +78,17 @@ class Reducer:
         self.params = list(params)
         self.sparse = frozenset(sparse)
         self.names = list(names)
-        self.comm = comm
+        self.step = StepState(len(self.params))  # this backward's (step.py); _build sets a part
         self.config = config
-        # shared bucket memory (shared.py), where plan.py asks for it and the communicator
-        # can make it
-        request = shared_request(self.params, self.sparse, comm.capabilities, comm.size, config)
-        self.shared: SharedBuckets | None = (
-            None if request is None
-            else SharedBuckets.create(comm, request, config.shared_bucket_cap_mb)
-        )
-        self.bucket_view = grads_are_views(config, self.shared is not None)
+        self._use_comm(comm)
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
-        self.scale = 1.0 / comm.size
         self._comm_hook: Callable | None = None
         self.hook_state: Any = None
         self.buckets: list[Bucket] = []
         self.strategies: list[BucketStrategy] = []  # per bucket, decided in plan.py
         # per bucket index: the uses of its flat buffer's storage when the last write-back
         # made parts of it ``.grad`` (hand_over), the reducer's own uses only
-        self._handed: dict[int, int] = {}
+        self.handed: dict[int, int] = {}
         self._build(list(reversed(range(len(self.params)))))
 
         # rebuild: arrival order recorded during the first synchronized backward
@@ -108,37 +102,64 @@ class Reducer:
         self._static_unused: list[int] = []
         self._static_global_unused: frozenset[int] = frozenset()
 
-        # per-iteration state
+        # per-iteration flags besides self.step, read from outside on every gradient: by the
+        # gradient hook, and by the strategies (this backward runs with create_graph=True)
         self.expect_hooks = False
-        self._started = False
-        self._delay = False
-        # this backward takes the plain path of _on_grad (see _start_backward), and the
-        # arrival multiply's factor
-        self._plain = False
-        self._arrival_scale = 1.0
-        self._ready = bytearray(len(self.params))
-        self._pending: list[int] = []
-        self.next_bucket = 0  # index of the next bucket to launch, in launch order
-        self._results: list[Any] = []
-        self._unused_now: list[int] = []
-        self._used_work: Work | None = None
-        self._used_map: torch.Tensor | None = None
-        self._incomplete: list[int] | None = None
+        self.create_graph = False
         self.synced_iterations = 0
-        self.create_graph = False  # this backward runs with create_graph=True
         # parameters that got a gradient in no_sync backwards since the last reduction: they
         # count as used (torch's local_used_map), so every rank reduces their accumulated grads
         self._used_no_sync = bytearray(len(self.params))
         self.health = None  # a fastcomm.ddp.health.GradHealth, set by DDP
-        # in-place recovery (recover.py), set by DDP only when it is on: the gradients' copies,
-        # and the first lost-peer error of this backward's launches
+        # in-place recovery (recover.py), set by DDP only when it is on: the gradients' copies
         self.keeper = None
         self.recovery = None
-        self.failure: BaseException | None = None
 
         ref = weakref.ref(self)
         for i, p in enumerate(self.params):
             self._handles.append(p.register_post_accumulate_grad_hook(_make_grad_hook(ref, i)))
+
+    # ------------------------------------------------------------------ communicator
+    def _use_comm(self, comm: Communicator) -> None:
+        """Takes `comm`: its averaging factor, and the shared bucket memory (shared.py) where
+        plan.py asks for it and `comm` can make it (a collective)."""
+        self.comm = comm
+        self.scale = 1.0 / comm.size
+        request = shared_request(
+            self.params, self.sparse, comm.capabilities, comm.size, self.config
+        )
+        self.shared: SharedBuckets | None = None if request is None else SharedBuckets.create(
+            comm, request, self.config.shared_bucket_cap_mb
+        )
+        self.bucket_view = grads_are_views(self.config, self.shared is not None)
+
+    def replace_comm(self, comm: Communicator) -> None:
+        """Reduces over `comm` from the next backward on (``DDP.replace_comm``, a collective
+        of `comm`'s ranks): its scale and shared memory, the same buckets in the same order,
+        their strategies planned again for `comm` (a CUDA graph's lane included) and a health
+        of `comm`; a ``.grad`` that is a bucket view moves into its new view."""
+        order = [i for b in self.buckets for i in b.param_indices]
+        self._use_comm(comm)
+        self.buckets = []
+        self._build(order)
+        if self.bucket_view:
+            for i, p in enumerate(self.params):
+                view = self.grad_views[i]
+                if view is not None and p.grad is not None and not p.grad.is_sparse:
+                    view.copy_(p.grad)
+                    p.grad = view
+        if self.health is not None:
+            self.health = GradHealth(self, check_finite=self.health.check_finite)
+
+    def leave_shared_memory(self) -> None:
+        """Copies every ``.grad`` that lives in the shared bucket region out of it: the region
+        goes with its communicator (before ``replace_comm``, or closing it)."""
+        if self.shared is None:
+            return
+        for p in self.params:
+            g = p.grad
+            if g is not None and not g.is_sparse:
+                p.grad = g.detach().clone()
 
     # ------------------------------------------------------------------ buckets
     def _build(self, order: list[int]) -> None:
@@ -155,7 +176,7 @@ class Reducer:
             self.params, self.names, order, self.config.bucket_caps_bytes, self.sparse,
             self.shared,
         )
-        self._handed = {}  # new buffers: the handed-over ones stay their gradients' alone
+        self.handed = {}  # new buffers: the handed-over ones stay their gradients' alone
         self._bucket_of = [0] * len(self.params)
         self._position = [0] * len(self.params)  # each parameter's place in its bucket
         # each parameter's view into its bucket (None for a sparse parameter)
@@ -190,20 +211,13 @@ class Reducer:
         )
         self.strategies = plan.strategies
         self._on_arrival = plan.on_arrival
-        # the buckets whose write-back may hand the reduced buffer over as .grad (hand_over):
-        # not where .grad already is a bucket view, nor under a comm hook (it may keep the
-        # buffer), nor where the gradients are so small that its per-gradient check costs
-        # more than the copy it saves (the shared buckets' threshold)
-        config = self.config
-        self.hands_over = frozenset(
-            b.index for b in self.buckets
-            if not b.sparse and b.flat.nbytes >= len(b.params) * config.shared_min_mean_bytes
-        ) if (config.hand_over_grads and self._comm_hook is None and not self.bucket_view
-              and self.shared is None and COUNTS_USES) else frozenset()
+        self.hands_over = hands_over(  # buckets whose write-back may hand over the buffer
+            self.buckets, self.config, self._comm_hook, self.bucket_view, self.shared is not None
+        )
         # per parameter: the shm bucket whose staging takes its fresh gradient (only its
         # peers' parts copied in, fastcomm.ddp.shared), or None: a copy
         self._stage_in = plan.stage_in
-        self._arrived = [0] * len(self.buckets)  # gradients packed on arrival, this iteration
+        self.step.arrived = [0] * len(self.buckets)
         self._arrival_views = plan.arrival_views
 
     def bucket_indices(self) -> list[list[int]]:
@@ -240,11 +254,19 @@ class Reducer:
             )
         self._recording = True
 
+    def take_layout(self, order: list[int], step: int, rebuilt: bool, rebuild_due: bool) -> None:
+        """A joining rank's reducer takes the running ranks' bucket `order`, their
+        synchronized steps and rebuild state (``regrow``)."""
+        self._build(order)
+        self.rebuilt, self.rebuild_due, self._recording = rebuilt, rebuild_due, False
+        self.synced_iterations = step
+
     # ------------------------------------------------------------------ iteration
     def prepare_for_forward(self) -> None:
         """Raises if the previous iteration left buckets unreduced (unused parameters)."""
-        if self._incomplete is not None:
-            missing, self._incomplete = self._incomplete, None
+        step = self.step
+        if step.incomplete is not None:
+            missing, step.incomplete = step.incomplete, None
             self.expect_hooks = False
             raise RuntimeError(self._unused_error(missing))
 
@@ -258,21 +280,15 @@ class Reducer:
         self.expect_hooks = sync
         if not sync:
             return
-        n = len(self.params)
-        self._ready = bytearray(n)
-        self._pending = [len(b.params) for b in self.buckets]
-        self._arrived = [0] * len(self.buckets)
-        self.next_bucket = 0  # index of the next bucket to launch, in launch order
-        self._results = [None] * len(self.buckets)
-        self._started = False
-        self._used_work = None
-        self._delay = self.config.static_graph and not self.static_learned
-        if self.config.static_graph:
-            self._unused_now = self._static_unused if self.static_learned else []
-        elif self.config.find_unused_parameters:
-            self._unused_now = find_unused(outputs, self.index_of, n)
+        n, config = len(self.params), self.config
+        if config.static_graph:
+            unused = self._static_unused if self.static_learned else []
+        elif config.find_unused_parameters:
+            unused = find_unused(outputs, self.index_of, n)
         else:
-            self._unused_now = []
+            unused = []
+        delay = config.static_graph and not self.static_learned
+        self.step.arm(n, [len(b.params) for b in self.buckets], delay, unused)
 
     def _needs_used_map(self) -> bool:
         cfg = self.config
@@ -283,27 +299,29 @@ class Reducer:
         return cfg.find_unused_parameters
 
     def _on_grad(self, i: int, param: torch.Tensor) -> None:
-        if not self._started:
+        step = self.step  # once per call: the fields below are its slots (step.py's note)
+        if not step.started:
             self._start_backward()
-        state = self._ready[i]
-        if state or not self._plain:
+        state = step.ready[i]
+        if state or not step.plain:
             self._on_grad_checked(i, param, state)
             return
         # the plain case, a first gradient (most hooks of most steps): the checked path's
         # steps that apply, with the arrival pack's multiply made here
-        self._ready[i] = _GOT_GRAD
+        step.ready[i] = _GOT_GRAD
         b = self._bucket_of[i]
         view = self._arrival_views[i]
         if view is not None:
-            if pack_into(view, param.grad, self._arrival_scale):
-                self._arrived[b] += 1
+            if pack_into(view, param.grad, step.arrival_scale):
+                step.arrived[b] += 1
         elif self._on_arrival[b] and self.strategies[b].pack_one(
             self, self.buckets[b], self._position[i], param.grad
         ):
-            self._arrived[b] += 1
-        left = self._pending[b] - 1
-        self._pending[b] = left
-        if not left and b == self.next_bucket and not self._delay:
+            step.arrived[b] += 1
+        pending = step.pending
+        left = pending[b] - 1
+        pending[b] = left
+        if not left and b == step.next_bucket and not step.delay:
             self._launch_ready()
 
     def _on_grad_checked(self, i: int, param: torch.Tensor, state: int) -> None:
@@ -320,8 +338,9 @@ class Reducer:
             _into_view(self, i, param)
         if self._recording:
             self._arrivals.append(i)
-        self._ready[i] = _GOT_GRAD
-        if state == _UNUSED and self._bucket_of[i] < self.next_bucket:
+        step = self.step
+        step.ready[i] = _GOT_GRAD
+        if state == _UNUSED and self._bucket_of[i] < step.next_bucket:
             raise RuntimeError(
                 f"rank {self.comm.rank}: parameter {self.names[i]!r} received a gradient after "
                 "its bucket was reduced without it (it was marked unused: unreachable from the "
@@ -331,34 +350,37 @@ class Reducer:
         if self._on_arrival[b] and self.strategies[b].pack_one(
             self, self.buckets[b], self._position[i], param.grad
         ):
-            self._arrived[b] += 1
+            step.arrived[b] += 1
         if state == _WAITING:
-            self._pending[b] -= 1
-            if b == self.next_bucket and self._pending[b] == 0 and not self._delay:
+            step.pending[b] -= 1
+            if b == step.next_bucket and step.pending[b] == 0 and not step.delay:
                 self._launch_ready()
 
     def _start_backward(self) -> None:
-        self._started = True
-        if self._handed:
-            take_back(self)
+        step = self.step
+        step.started = True
+        if self.handed:
+            take_back(self, self.handed)
+            self.handed = {}
         if self.shared is not None:
             self.shared.begin_backward()
         # The engine runs the hooks in grad mode exactly when backward has create_graph=True.
         self.create_graph = torch.is_grad_enabled()
         if self.create_graph:
             warnings.warn(_CREATE_GRAPH_WARNING, UserWarning, stacklevel=2)
-        self._plain = not (
+        step.plain = not (
             self.create_graph or self.bucket_view or self._recording or self.keeper is not None
         )
-        self._arrival_scale = fp32_scale(self.scale)
+        step.arrival_scale = fp32_scale(self.scale)
         torch.autograd.Variable._execution_engine.queue_callback(_make_finalize(weakref.ref(self)))
-        for i in self._unused_now:
+        for i in step.unused_now:
             self._mark_unused(i)
-        if not self._delay:
+        if not step.delay:
             self._launch_ready()
 
     def _mark_unused(self, i: int) -> None:
-        if self._ready[i] != _WAITING:
+        step = self.step
+        if step.ready[i] != _WAITING:
             return
         if self.bucket_view and i not in self.sparse:
             p, view = self.params[i], self.grad_views[i]
@@ -368,47 +390,38 @@ class Reducer:
             elif g.data_ptr() != view.data_ptr():
                 view.copy_(g)
                 p.grad = view
-        self._ready[i] = _UNUSED
-        self._pending[self._bucket_of[i]] -= 1
+        step.ready[i] = _UNUSED
+        step.pending[self._bucket_of[i]] -= 1
 
     def _launch_ready(self) -> None:
-        buckets = self.buckets
-        while self.next_bucket < len(buckets) and self._pending[self.next_bucket] == 0:
-            self._launch(buckets[self.next_bucket])
-            self.next_bucket += 1
-        if self.next_bucket == len(buckets) and self._used_work is None and self._needs_used_map():
-            used = torch.tensor(
-                [
-                    1 if s == _GOT_GRAD or u else 0
-                    for s, u in zip(self._ready, self._used_no_sync, strict=True)
-                ],
-                dtype=torch.int32,
-                device=self.comm.device,
-            )
-            self._used_map = used
-            self._used_work = self.comm.all_reduce(used, async_op=True)
+        buckets, step = self.buckets, self.step
+        while step.next_bucket < len(buckets) and step.pending[step.next_bucket] == 0:
+            self._launch(buckets[step.next_bucket])
+            step.next_bucket += 1
+        if step.next_bucket == len(buckets) and step.used_work is None and self._needs_used_map():
+            step.share_used(self.comm, self._used_no_sync)
 
     def _launch(self, bucket: Bucket) -> None:
-        index = bucket.index
+        index, step = bucket.index, self.step
         if self.config.skip_all_reduce_unused_params and all(
-            self._ready[i] == _UNUSED for i in bucket.param_indices
+            step.ready[i] == _UNUSED for i in bucket.param_indices
         ):
-            self._results[index] = _SKIPPED
+            step.results[index] = _SKIPPED
             return
         grads = [p.grad for p in bucket.params]
         if self.create_graph:  # reduce the values; no autograd through the allreduce
             grads = [None if g is None else g.detach() for g in grads]
         if self.recovery is None:
-            self._results[index] = self._launch_one(index, bucket, grads)
+            step.results[index] = self._launch_one(index, bucket, grads)
             return
-        if self.failure is not None:  # the step is redone at its end (recover.py)
-            self._results[index] = _SKIPPED
+        if step.failure is not None:  # the step is redone at its end (recover.py)
+            step.results[index] = _SKIPPED
             return
         try:
-            self._results[index] = self._launch_one(index, bucket, grads)
+            step.results[index] = self._launch_one(index, bucket, grads)
         except (CommAbortedError, CommClosedError) as exc:
-            self.failure = exc
-            self._results[index] = _SKIPPED
+            step.failure = exc
+            step.results[index] = _SKIPPED
 
     def _launch_one(self, index: int, bucket: Bucket, grads: list) -> Any:
         if _profiler._is_profiler_enabled:  # a range per bucket, only while profiling
@@ -421,29 +434,37 @@ class Reducer:
         if self.recovery is not None:  # a lost peer's step is redone by the survivors
             self.recovery.finalize(self)
         else:
-            self._finalize_steps()
+            self.finish_backward()
 
-    def _finalize_steps(self) -> None:
+    def finish_backward(self) -> None:
+        """The end of a synchronized backward: waits for every bucket and writes ``.grad``.
+
+        Raises:
+            CommAbortedError, CommClosedError: a launch failed on a lost peer (with in-place
+                recovery on, which then redoes the step: ``abandon_step``).
+        """
+        step = self.step
+        if step.failure is not None:
+            raise step.failure
         self.expect_hooks = False
-        self._started = False
-        if self._delay or self.config.find_unused_parameters:
+        step.started = False
+        if step.delay or self.config.find_unused_parameters:
             # Everything not ready got no gradient this iteration: reduce it as unused.
             for i in range(len(self.params)):
                 self._mark_unused(i)
             self._launch_ready()
-        if self.next_bucket < len(self.buckets):
-            self._incomplete = self.missing_gradients()
+            if step.failure is not None:  # one of those launches
+                raise step.failure
+        if step.next_bucket < len(self.buckets):
+            step.incomplete = step.missing()
             if self.health is not None:
                 self.health.readiness.publish()  # the ranks waiting for a bucket read it
             return
         global_unused: frozenset[int] = self._static_global_unused
-        if self._used_work is not None:
-            self._used_work.wait()
-            used = self._used_map.tolist()
-            global_unused = frozenset(i for i, u in enumerate(used) if u == 0)
-            self._used_work = self._used_map = None
-        if self._delay:
-            self._static_unused = [i for i, s in enumerate(self._ready) if s == _UNUSED]
+        if step.used_work is not None:
+            global_unused = step.unused_everywhere()
+        if step.delay:
+            self._static_unused = [i for i, s in enumerate(step.ready) if s == _UNUSED]
             self._static_global_unused = global_unused
             self.static_learned = True
         health = self.health
@@ -456,12 +477,20 @@ class Reducer:
             value = values[bucket.index] if self.keeper is not None else wait(bucket)
             if value is not None:
                 strategy.write_back(self, bucket, value, global_unused)
-        self._results = []
+        step.results = []
         if self.shared is not None:  # no write to a bucket a peer still reads (shared.py)
             self.shared.settle()
         self._after_synced_iteration()
         if health is not None:
             health.end_step()
+
+    def abandon_step(self) -> None:
+        """Ends a backward whose reductions in-place recovery redid over the survivors'
+        communicator (``recover.redo_step`` wrote every ``.grad``): its launches and failure
+        are dropped, and it counts as a synchronized iteration."""
+        self.expect_hooks = False
+        self.step.clear()
+        self._after_synced_iteration()
 
     def _after_synced_iteration(self) -> None:
         self.synced_iterations += 1
@@ -474,49 +503,25 @@ class Reducer:
             self.rebuild_due = True
             self._recording = False
 
-    def missing_gradients(self) -> list[int]:
-        """Indices of the parameters still waiting for their gradient in this iteration."""
-        return [i for i, s in enumerate(self._ready) if s == _WAITING]
-
     def wait_bucket(self, bucket: Bucket) -> torch.Tensor | InPlaceReduction | None:
         """Waits for `bucket`'s reduction of this iteration; its reduced value (``None``:
         skipped as unused)."""
-        result = self._results[bucket.index]
+        result = self.step.results[bucket.index]
         if result is _SKIPPED:
             return None
         return self.strategies[bucket.index].wait(self, bucket, result)
 
     def packed_on_arrival(self, bucket: Bucket) -> bool:
         """Whether every gradient of `bucket` was packed as it arrived this iteration."""
-        return self._arrived[bucket.index] == len(bucket.params)
-
-    def grad_targets(self, bucket: Bucket, unused: frozenset[int]) -> list[torch.Tensor | None]:
-        """Where `bucket`'s reduced gradients go: each parameter's ``.grad`` (made when it has
-        none), ``None`` for the parameters in `unused` (no rank produced their gradient)."""
-        if not unused and not self.create_graph:  # the usual step: every .grad, as it is
-            targets = [p.grad for p in bucket.params]
-            for k, g in enumerate(targets):
-                if g is None:
-                    p = bucket.params[k]
-                    targets[k] = p.grad = torch.empty_like(p)
-            return targets
-        targets: list[torch.Tensor | None] = []
-        for i, p in zip(bucket.param_indices, bucket.params, strict=True):
-            if i in unused:
-                targets.append(None)
-                continue
-            g = p.grad
-            if g is None:
-                g = p.grad = torch.empty_like(p)
-            targets.append(g.detach() if self.create_graph else g)
-        return targets
+        return self.step.arrived[bucket.index] == len(bucket.params)
 
     # ------------------------------------------------------------------ join
     def shadow_backward(self) -> None:
         """A joined rank's side of one synchronized backward: every bucket's collective with
         zero gradients (through the comm hook when one is set), in bucket order."""
-        if self._handed:
-            take_back(self)
+        if self.handed:
+            take_back(self, self.handed)
+            self.handed = {}
         results = [s.shadow(self, b) for b, s in zip(self.buckets, self.strategies, strict=True)]
         if self._needs_used_map():
             used = torch.zeros(len(self.params), dtype=torch.int32, device=self.comm.device)

@@ -9,10 +9,13 @@ is due; one store ``check``); the first to see it sets the admission to the next
 (``compare_set``). There the requests posted by then become the last members of a new epoch,
 once every joining node among them has posted as many as its agent said it brings
 (``joining_node_key``; else a step later, and past the recovery timeout without the missing
-ones, as decided per step by ``compare_set``). Rank 0 posts their admissions (members, step, bucket
-order, backend: ``hier`` once the members span hosts), all build the new communicator, and
+ones, as decided per step by ``compare_set``). Rank 0 posts their admissions (members, step,
+bucket order, the running communicator's backend); the running ranks build its successor
+(``reconfigured``: ``hier`` once shm's members span hosts), the joiners the same from the
+backend's name (``world.for_new_members``), each DDP swaps it in (``DDP.replace_comm``), and
 rank 0 streams the parameters, buffers and ``DDP.register_state`` objects' ``state_dict``s
-(at the joiners' first forward). ``DDP.join_step`` tells a joiner's loop where it is.
+(``RegisteredStates``; at the joiners' first forward). ``DDP.join_step`` tells a joiner's
+loop where it is.
 """
 from __future__ import annotations
 
@@ -24,12 +27,14 @@ import os
 import sys
 import time
 import warnings
+from typing import Any
 
 import torch
 
 from fastcomm.comm.shm.segment import pid_start_time
 from fastcomm.comm.store import JOIN_ENV, joining_node_key
 from fastcomm.comm.topology import host_id
+from fastcomm.comm.world import for_new_members
 
 from .broadcast import broadcast_tensors
 from .recover import (
@@ -39,14 +44,9 @@ from .recover import (
     MembershipChange,
     Recovery,
     _close_quietly,
-    _detach_from_region,
-    _new_comm,
-    _replace_world,
-    rebind,
-    same_backend,
 )
 
-__all__ = ["JOIN_ENV", "Grower", "join", "joining"]
+__all__ = ["JOIN_ENV", "Grower", "RegisteredStates", "join", "joining"]
 
 EVERY_ENV = "FASTCOMM_RECOVER_JOIN_EVERY"
 _POLL_S = 0.005
@@ -127,7 +127,8 @@ class Grower:
         """Called at each synchronized forward with the steps done so far."""
         if self.states_pending:
             self.states_pending = False
-            stream_states(self.recovery.ddp)
+            ddp = self.recovery.ddp
+            ddp.registered_states.stream(ddp.comm)
         store = self.recovery.membership.store
         k = self.ticket
         if self.at is None:
@@ -206,17 +207,13 @@ class Grower:
         start, seen_at = time.monotonic(), time.time()
         recovery = self.recovery
         ddp, membership = recovery.ddp, recovery.membership
-        store, reducer = membership.store, ddp.reducer
+        reducer = ddp.reducer
         before = len(membership.members)
-        for j in range(k, k + n):
-            membership.identity.append(self._request(j)["id"])
-            membership.members = membership.members + [len(membership.identity) - 1]
-        membership.epoch += 1
+        membership.grow([self._request(j)["id"] for j in range(k, k + n)])
         old = ddp.comm
-        backend = _backend_for(old, membership)
-        if ddp.comm.rank == 0:
+        if old.rank == 0:
             header = {
-                "backend": backend,
+                "backend": old.backend,  # the joiners build its successor (for_new_members)
                 "epoch": membership.epoch, "members": membership.members,
                 "identity": membership.identity, "step": step,
                 "order": [i for b in reducer.buckets for i in b.param_indices],
@@ -225,70 +222,63 @@ class Grower:
             }
             for j in range(k, k + n):
                 header["me"] = membership.members[before + j - k]
-                store.set(f"grow/admit/{j}", json.dumps(header))
-        _detach_from_region(reducer)
-        comm = _new_comm(old, membership, backend)
-        ddp.comm = comm
-        _watch_other_hosts(recovery, comm)
-        rebind(reducer, comm)
-        _replace_world(old, comm, ddp._torch_members)
+                membership.store.set(f"grow/admit/{j}", json.dumps(header))
+        reducer.leave_shared_memory()  # the region goes with the old communicator
+        ddp.replace_comm(recovery.successor(old))
         _close_quietly(old)
+        comm = ddp.comm
         broadcast_tensors(comm, list(reducer.params) + ddp.synced_buffers(), src=0)
-        stream_states(ddp)
-        change = MembershipChange(
+        ddp.registered_states.stream(comm)
+        recovery.announce(MembershipChange(
             epoch=membership.epoch, rank=comm.rank, world_size=comm.size, lost=(),
             members=tuple(membership.members), where=f"join {step}",
             seconds=time.monotonic() - start, seen_at=seen_at,
-        )
-        recovery.changes.append(change)
-        for fn in list(recovery.callbacks):
-            fn(change)
+        ))
 
 
-def _backend_for(old, membership) -> str:
-    """The backend of the grown communicator: `old`'s, but ``hier`` where the members now
-    span hosts and `old` was ``shm`` (a node joining from another host)."""
-    backend = same_backend(old)
-    return "hier" if backend == "shm" and _spans_hosts(membership) else backend
+class RegisteredStates:
+    """The objects registered with ``DDP.register_state`` (anything with ``state_dict`` /
+    ``load_state_dict``), streamed from rank 0 to the ranks that join (regrow)."""
 
+    def __init__(self) -> None:
+        self.objects: dict[str, Any] = {}
+        self.loading = False
+        """Whether this rank joined and has not loaded rank 0's states yet."""
 
-def _spans_hosts(membership) -> bool:
-    """Whether the current members run on more than one host."""
-    return len({membership.identity[m][0] for m in membership.members}) > 1
+    def register(self, name: str, obj: Any) -> None:
+        """Registers `obj` under `name` (``DDP.register_state``).
 
+        Raises:
+            TypeError: `obj` has no ``state_dict``/``load_state_dict``.
+        """
+        if not (callable(getattr(obj, "state_dict", None))
+                and callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(
+                f"register_state({name!r}, ...) needs state_dict() and load_state_dict(), got "
+                f"{type(obj).__name__}"
+            )
+        self.objects[str(name)] = obj
 
-def _watch_other_hosts(recovery, comm) -> None:
-    """Once the members span hosts (a node joined from another), their losses are learnt from
-    the launcher's keys (``liveness.LossWatch``), as for ranks that started across hosts."""
-    membership = recovery.membership
-    if membership.one_host and _spans_hosts(membership):
-        membership.one_host = False
-    if recovery.watch is None:
-        recovery._start_watch()  # where the new communicator's waits need one
-    else:
-        recovery._arm(comm)  # a failed call waits for the watch to name the lost rank
-
-
-def stream_states(ddp) -> None:
-    """Rank 0's registered states (``DDP.register_state``) to every rank; loaded where the
-    DDP is joining (``ddp.join_step`` set and not yet loaded)."""
-    comm = ddp.comm
-    states = ddp._states
-    if comm.rank == 0:
-        buf = io.BytesIO()
-        torch.save({name: obj.state_dict() for name, obj in states.items()}, buf)
-        data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-        length = torch.tensor([data.numel()], dtype=torch.int64)
-    else:
-        length = torch.zeros(1, dtype=torch.int64)
-    comm.broadcast(length, src=0)
-    if comm.rank != 0:
-        data = torch.empty(int(length.item()), dtype=torch.uint8)
-    comm.broadcast(data, src=0)
-    if ddp._loading_states:
-        ddp._loading_states = False
+    def stream(self, comm) -> None:
+        """Rank 0's ``state_dict``s to every rank of `comm` (a collective); loaded where this
+        rank is :attr:`loading`."""
+        objects = self.objects
+        if comm.rank == 0:
+            buf = io.BytesIO()
+            torch.save({name: obj.state_dict() for name, obj in objects.items()}, buf)
+            data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+            length = torch.tensor([data.numel()], dtype=torch.int64)
+        else:
+            length = torch.zeros(1, dtype=torch.int64)
+        comm.broadcast(length, src=0)
+        if comm.rank != 0:
+            data = torch.empty(int(length.item()), dtype=torch.uint8)
+        comm.broadcast(data, src=0)
+        if not self.loading:
+            return
+        self.loading = False
         loaded = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
-        for name, obj in states.items():
+        for name, obj in objects.items():
             if name not in loaded:
                 raise RuntimeError(
                     f"fastcomm DDP (rank {comm.rank}): the joined state {name!r} was not "
@@ -361,14 +351,15 @@ def join(ddp, timeout: float = 600.0):
     store.set(f"grow/request/{k}", json.dumps(_request_of_mine()))
     header = json.loads(_admission(store, k, timeout))
     membership = Membership.adopt(store, header)
-    membership.me = header.get("me", membership.me)  # one of the requests admitted together
-    stand_in = ddp.comm
-    # the running ranks' backend, not the stand-in's (shm on one host, hier across hosts)
-    comm = _new_comm(stand_in, membership, header.get("backend"))
-    ddp.comm = comm
-    recovery = Recovery.adopt(ddp, membership)  # on hier across hosts: a loss watch
+    # the running ranks' kind, not the stand-in's: their successor (hier across hosts)
+    comm = for_new_members(
+        header["backend"], store=membership.comm_store(), rank=membership.rank,
+        size=len(membership.members), timeout=ddp.comm.timeout,
+        spans_hosts=membership.spans_hosts,
+    )
+    stand_in = ddp.replace_comm(comm)
+    recovery = Recovery(ddp, membership)  # on hier across hosts: a loss watch
     recovery.grower = Grower(recovery, header.get("next", k + 1), lost=header.get("lost", 0))
     recovery.grower.states_pending = True
-    _replace_world(stand_in, comm, ddp._torch_members)
     _close_quietly(stand_in)
     return recovery, header

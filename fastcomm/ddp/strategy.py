@@ -54,8 +54,6 @@ class ReducerLike(Protocol):
     health: Any  # a fastcomm.ddp.health.GradHealth, or None
     keeper: Any  # in-place recovery's copies of the gradients, or None
 
-    def grad_targets(self, bucket: Bucket, unused: frozenset[int]) -> Grads: ...
-
     def packed_on_arrival(self, bucket: Bucket) -> bool: ...
 
 
@@ -146,7 +144,7 @@ class PackedAllReduce(BucketStrategy):
     def write_back(
         self, reducer: ReducerLike, bucket: Bucket, value: torch.Tensor, unused: frozenset[int]
     ) -> None:
-        targets = reducer.grad_targets(bucket, unused)
+        targets = bucket.grad_targets(unused, reducer.create_graph)
         if value is bucket.flat and hand_over(reducer, bucket, targets):
             return
         if reducer.health is not None:

@@ -8,10 +8,10 @@ import torch
 import torch.distributed as dist
 
 from fastcomm.comm import group_communicator
+from fastcomm.comm.world import replace_world
 from fastcomm.ddp import DDP
 from fastcomm.ddp.bucket import GradBucket
 from fastcomm.ddp.hooks.default import hook_comm
-from fastcomm.ddp.recover import _replace_world
 from tests.ddp.common import MLP, init_torch_dist, rank
 from tests.harness import pool_fixture
 
@@ -31,7 +31,7 @@ def check_hook_groups_after_a_replacement() -> dict | None:
     before = ddp.comm
     # a successor over the same members, recorded as in-place recovery records its own
     successor = group_communicator(same_members)
-    _replace_world(before, successor, ddp._torch_members)
+    replace_world(before, successor, ddp._torch_members)
     bucket = GradBucket(ddp.reducer.buckets[0], None, is_last=True, scale=0.5,
                         bucket_view=False, comm=successor)
     found = {

@@ -19,7 +19,7 @@ from fastcomm.comm.errors import CommAbortedError
 from fastcomm.comm.shm.segment import pid_start_time
 from fastcomm.comm.store import Store, lost_rank_key
 from fastcomm.comm.topology import host_id
-from fastcomm.ddp.liveness import LossWatch, watches_here
+from fastcomm.ddp.liveness import LossWatch
 from fastcomm.ddp.recover import Membership, launch_rank
 
 pytestmark = pytest.mark.timeout(60)
@@ -77,10 +77,19 @@ def test_launch_rank_reads_rank(text, rank):
     assert launch_rank({"RANK": text}) == rank
 
 
-@pytest.mark.parametrize("backend, here", [("gloo", True), ("nccl", True), ("ipc", True),
-                                           ("torch", True), ("shm", False), ("hier", False)])
-def test_which_backends_the_watch_looks_at_this_host_for(backend, here):
-    assert watches_here(backend) is here
+@pytest.mark.parametrize("backend, sees, shrinks", [("gloo", False, True), ("ipc", False, False),
+                                                    ("shm", True, False), ("hier", True, True)])
+def test_what_a_communicator_says_recovery_needs(store, backend, sees, shrinks):
+    """Whether the watch must read ``/proc`` for this host's members (not where the waits see
+    a dead peer themselves) and whether a loss on another host can be shrunk away: each
+    communicator declares it (NCCL, which needs a GPU: tests/comm/test_successor.py)."""
+    comm = new_communicator(backend, store=store.prefixed("comm", rank=0), rank=0, size=1,
+                            timeout=30, watch=False)
+    try:
+        assert comm.capabilities.sees_lost_peers is sees
+        assert comm.capabilities.shrinks_across_hosts is shrinks
+    finally:
+        comm.close()
 
 
 def test_the_watch_aborts_gloo_when_a_member_here_dies(store):

@@ -321,8 +321,8 @@ def test_ranks_on_several_hosts_warn_and_keep_the_restart(tmp_path):
     for r in range(2):
         got = json.loads((tmp_path / f"w{r}.json").read_text())
         assert got["off"] and len(got["warned"]) == 1, got
-        assert got["backend"] == "torch" and "across hosts on the gloo, hier, nccl" in \
-            got["warned"][0], got
+        assert got["backend"] == "torch" and "rebuilt over the survivors (hier, gloo, nccl); " \
+            "these ranks span hosts on torch" in got["warned"][0], got
 
 
 GROW = """

@@ -16,14 +16,16 @@ from ..base import Communicator
 from ..launch_env import LaunchEnv, LaunchEnvError, detect
 from ..store import Store, as_timedelta
 from ..types import SUPPORTED_DTYPES, BitwiseOp, PremulSum, ReduceOp
+from ..work import SettledByWait
 from ..world import communicator_for
 from . import monitored
 from .agree import RED, as_list, kind_of
+from .compiled import never_traced
 from .issue import IssueOps
 from .multi import combined, copier, copy_to_all, same_tensors
-from .p2p import P2POps
+from .p2p import MessageWork, P2POps, _Received
 from .vcoll import VCollOps
-from .works import FastcommWork
+from .works import FastcommWork, FinishedWork
 
 BACKEND_NAME = "fastcomm"
 
@@ -636,6 +638,11 @@ def monitored_barrier(
     if not isinstance(pg, FastcommProcessGroup):
         return dist.monitored_barrier(group, timeout, wait_all_ranks)
     return pg.monitored_barrier(timeout, wait_all_ranks)
+
+
+# torch calls these from regions Dynamo compiles: run eagerly, as a C++ backend does
+never_traced(FastcommProcessGroup, VCollOps, P2POps, IssueOps, FastcommWork, SettledByWait,
+             FinishedWork, MessageWork, _Received)
 
 
 def create_process_group(opts: Any, backend_options: Any = None) -> FastcommProcessGroup:

@@ -154,6 +154,19 @@ class IpcCommunicator(Communicator):
         if self._cuda is not None:
             self._cuda.host_waits = seconds > 0
 
+    @classmethod
+    def for_new_members(
+        cls, store: Store, rank: int, size: int, timeout: timedelta, *,
+        old: Communicator | None = None, spans_hosts: bool = False,
+    ) -> Communicator:
+        """ipc over new members, with its Gloo fallback (its CUDA ops but ``all_reduce`` take
+        it) on every member alike."""
+        from ..world import new_communicator  # world imports every backend
+
+        return new_communicator(
+            cls.backend, store=store, rank=rank, size=size, timeout=timeout, fallback=True
+        )
+
     @property
     def cuda_transport(self):
         """The CUDA IPC transport of ``all_reduce`` (``None`` before the first CUDA

@@ -72,7 +72,8 @@ class GlooCommunicator(ProcessGroupCommunicator):
         # CPU tensors, and CUDA ones staged through host memory; sparse COO natively; with
         # more than two ranks an element's sum order depends on its place in the ring's chunks
         self.capabilities = Capabilities(
-            devices=frozenset({"cpu", "cuda"}), sparse_all_reduce=True, layout_free=size <= 2
+            devices=frozenset({"cpu", "cuda"}), sparse_all_reduce=True, layout_free=size <= 2,
+            shrinks_across_hosts=True,
         )
         start = time.monotonic()
         try:

@@ -21,6 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..base import Communicator
 from ..errors import FastcommError
 from ..store import Store
 from ..types import Capabilities
@@ -96,6 +97,15 @@ class TorchPGCommunicator(ProcessGroupCommunicator):
             f"TorchPGCommunicator(rank={self.rank}, size={self.size}, "
             f"backend={self.pg_backend}, device={self.device})"
         )
+
+    @classmethod
+    def for_new_members(
+        cls, store: Store, rank: int, size: int, timeout: timedelta, *,
+        old: Communicator | None = None, spans_hosts: bool = False,
+    ) -> Communicator:
+        """Gloo over new members (it moves CPU and CUDA tensors): a torch group cannot be
+        rebuilt over them."""
+        return GlooCommunicator.for_new_members(store, rank, size, timeout)
 
     # ------------------------------------------------------------------ split
     def _new_child(self, store: Store, rank: int, size: int, timeout: timedelta):

@@ -227,7 +227,7 @@ class ShmCommunicator(Communicator):
         self.capabilities = Capabilities(
             layout_free=True, premul_dtypes=premul, extended_reductions=reduce is None,
             shared_buckets=frozenset({"cpu"}) if reduce is None else frozenset(),
-            tagged_p2p=True,
+            tagged_p2p=True, sees_lost_peers=True,
         )
         self._regions = 0  # bucket regions made: each its own store keys
         self._live_regions: weakref.WeakSet[ShmBucketRegion] = weakref.WeakSet()
@@ -239,6 +239,25 @@ class ShmCommunicator(Communicator):
     def device(self) -> torch.device:
         """CPU: the tensors this communicator moves itself (CUDA ones take its fallback)."""
         return torch.device("cpu")
+
+    @classmethod
+    def for_new_members(
+        cls, store: Store, rank: int, size: int, timeout: timedelta, *,
+        old: Communicator | None = None, spans_hosts: bool = False,
+    ) -> Communicator:
+        """shm over new members of this host, with ``old``'s options (the environment's for a
+        rank that joins them, as ``old``'s were) and no Gloo fallback, the same on every
+        member; ``hier`` where they span hosts (a node joined from another host)."""
+        if spans_hosts:
+            from ..hier import HierCommunicator
+
+            return HierCommunicator.for_new_members(store, rank, size, timeout)
+        from ..world import new_communicator  # world imports every backend
+
+        return new_communicator(
+            cls.backend, store=store, rank=rank, size=size, timeout=timeout, fallback=False,
+            options=None if old is None else old.options,
+        )
 
     @property
     def broken(self) -> BaseException | None:

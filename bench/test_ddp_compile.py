@@ -1,0 +1,207 @@
+"""DDP training steps under ``torch.compile``: fastcomm DDP against torch DDP, eager and
+compiled, interleaved.
+
+Groups, each on 2 ranks (CPU over Gloo; on a GPU, one rank over NCCL):
+
+- ``mlp``: 8 x ``Linear(512, 512)`` (1 MiB weights), ``bucket_cap_mb=1``: 8 buckets, batch
+  32, SGD;
+- ``transformer``: a 4-layer decoder stack of width 256 (the GPT-2 block of
+  ``test_ddp_gpu.py``), sequence 64, batch 8, AdamW.
+
+Providers: ``no-comm`` (no DDP, compiled), ``torch-eager``, ``torch-compiled``,
+``fastcomm-eager``, ``fastcomm-compiled``; compiled means ``torch.compile(DDP(model))`` with the
+default backend (inductor). Every round runs ``steps`` steps of each provider in turn, a
+barrier before each; reported (``extra_info``): the median step of every provider over the
+rounds, the lowest and highest round median, and the ratios the targets read: fastcomm compiled
+over torch compiled, and over fastcomm eager. Also recorded: how many buckets each compiled DDP
+hands over before the input's gradient exists (its backward still running) in the last step.
+
+Quick mode (``--benchmark-disable`` or ``FASTCOMM_BENCH_QUICK=1``): small shapes, the
+``aot_eager`` backend, 2 steps: the code runs, no figure.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+import torch
+from _ddp_common import ON_GPU, quick
+
+from tests.harness import STATE, RankPool
+
+ROUNDS = 3
+STEPS = {"mlp": 20, "transformer": 10}
+PROVIDERS = ["no-comm", "torch-eager", "torch-compiled", "fastcomm-eager", "fastcomm-compiled"]
+
+
+def _models(group: str, quick_mode: bool, device: torch.device):
+    from test_ddp_gpu import GPT
+
+    if group == "mlp":
+        width = 64 if quick_mode else 512
+
+        def build():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(8)]).to(
+                device
+            )
+
+        import os
+
+        g = torch.Generator().manual_seed(int(os.environ["RANK"]))
+        x, y = torch.randn(32, width, generator=g), torch.randn(32, width, generator=g)
+        return build, (x.to(device), y.to(device)), torch.optim.SGD
+    shape = (128, 16, 32, 2, 2) if quick_mode else (512, 64, 256, 4, 4)
+    vocab, seq, width, layers, heads = shape
+
+    def build():
+        torch.manual_seed(0)
+        return GPT(vocab, seq, width, layers, heads).to(device)
+
+    import os
+
+    g = torch.Generator().manual_seed(int(os.environ["RANK"]))
+    idx = torch.randint(vocab, (8, seq + 1), generator=g).to(device)
+    return build, (idx[:, :-1], idx[:, 1:]), torch.optim.AdamW
+
+
+def setup_group(group: str, quick_mode: bool) -> int:
+    import torch.distributed as dist
+
+    from fastcomm.ddp import DDP
+
+    torch.set_num_threads(1)
+    device = torch.device("cuda", 0) if ON_GPU else torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if ON_GPU else "gloo")
+    backend = "aot_eager" if quick_mode else "inductor"
+    build, batch, opt = _models(group, quick_mode, device)
+    ids = [0] if ON_GPU else None
+    torch_ddp = torch.nn.parallel.DistributedDataParallel
+    models = {
+        "no-comm": torch.compile(build(), backend=backend),
+        "torch-eager": torch_ddp(build(), device_ids=ids, bucket_cap_mb=1),
+        "torch-compiled": torch.compile(torch_ddp(build(), device_ids=ids, bucket_cap_mb=1),
+                                        backend=backend),
+        "fastcomm-eager": DDP(build(), bucket_cap_mb=1),
+        "fastcomm-compiled": torch.compile(DDP(build(), bucket_cap_mb=1), backend=backend),
+    }
+    handed = {}
+    for name in ("torch-compiled", "fastcomm-compiled"):
+        handed[name] = _Recorder()
+        inner = models[name]._orig_mod
+        inner.register_comm_hook(None, handed[name].hook)
+    STATE["compile_bench"] = {
+        "models": models, "batch": batch, "gpt": group == "transformer", "handed": handed,
+        "opts": {k: opt(m.parameters(), lr=1e-4) for k, m in models.items()},
+    }
+    for name in models:  # warm-up: compile, rebuild
+        for _ in range(3):
+            step(name)
+    return sum(p.numel() for p in models["torch-eager"].parameters())
+
+
+class _Recorder:
+    """The plain all-reduce as a comm hook, counting the buckets handed over before the input's
+    gradient exists."""
+
+    def __init__(self) -> None:
+        self.input_done = False
+        self.early = self.total = 0
+
+    def hook(self, state, bucket):
+        import torch.distributed as dist
+
+        self.total += 1
+        self.early += not self.input_done
+        buffer = bucket.buffer().div_(dist.get_world_size())
+        return dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def step(name: str) -> float:
+    b = STATE["compile_bench"]
+    model, opt = b["models"][name], b["opts"][name]
+    x, y = b["batch"]
+    recorder = b["handed"].get(name)
+    start = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    if b["gpt"]:
+        logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+    else:
+        if recorder is not None:
+            x = x.detach().requires_grad_(True)
+            x.register_hook(lambda g: setattr(recorder, "input_done", True))
+            recorder.input_done, recorder.early, recorder.total = False, 0, 0
+        loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    if ON_GPU:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def interleaved(steps: int) -> dict:
+    import torch.distributed as dist
+
+    out = {}
+    for name in STATE["compile_bench"]["models"]:
+        dist.barrier()
+        out[name] = [step(name) for _ in range(steps)]
+    handed = {k: (r.early, r.total) for k, r in STATE["compile_bench"]["handed"].items()}
+    return {"times": out, "handed": handed}
+
+
+def teardown_group() -> None:
+    import torch._dynamo
+    import torch.distributed as dist
+
+    STATE.pop("compile_bench", None)
+    torch._dynamo.reset()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("group", ["mlp", "transformer"])
+def test_ddp_compile_step(benchmark, request, group):
+    quick_mode = quick(request.config)
+    world = 1 if ON_GPU else 2
+    env = {"CUDA_VISIBLE_DEVICES": "0"} if ON_GPU else {}
+    steps = 2 if quick_mode else STEPS[group]
+    with RankPool(world, env=env, timeout=900) as pool:
+        params = pool.run(setup_group, group, quick_mode)[0]
+        rounds = []
+
+        def run():
+            for _ in range(1 if quick_mode else ROUNDS):
+                rounds.append(pool.run(interleaved, steps))
+
+        benchmark.pedantic(run, rounds=1, iterations=1)
+        pool.run(teardown_group)
+    medians, spread = {}, {}
+    for name in PROVIDERS:
+        per_round = [[max(r["times"][name][i] for r in ranks) for i in range(steps)]
+                     for ranks in rounds]
+        medians[name] = statistics.median(t for rnd in per_round for t in rnd)
+        round_medians = [statistics.median(rnd) for rnd in per_round]
+        spread[name] = [round(1e3 * min(round_medians), 3), round(1e3 * max(round_medians), 3)]
+    handed = rounds[-1][0]["handed"]
+    info = {
+        "group": group, "ranks": world, "params": params, "steps_per_round": steps,
+        "median_step_ms": {n: round(1e3 * t, 3) for n, t in medians.items()},
+        "round_median_spread_ms": spread,
+        "handed_before_backward_ends": handed,
+        "ratio_fastcomm_compiled_over_torch_compiled": round(
+            medians["fastcomm-compiled"] / medians["torch-compiled"], 4),
+        "ratio_fastcomm_compiled_over_fastcomm_eager": round(
+            medians["fastcomm-compiled"] / medians["fastcomm-eager"], 4),
+    }
+    benchmark.extra_info.update(info)
+    for name, ms in info["median_step_ms"].items():
+        assert ms > 0, (name, info)
+    print(f"\n{group}: " + ", ".join(f"{n} {ms:.2f} ms" for n, ms in info["median_step_ms"].items())
+          + f"; handed before backward ends {handed}; fastcomm compiled / torch compiled "
+          f"{info['ratio_fastcomm_compiled_over_torch_compiled']:.3f}, / fastcomm eager "
+          f"{info['ratio_fastcomm_compiled_over_fastcomm_eager']:.3f}")
