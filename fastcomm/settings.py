@@ -368,9 +368,10 @@ RECOVER_TIMEOUT = Float(
 )
 RECOVER_JOIN = Text(
     "FASTCOMM_RECOVER_JOIN", None,
-    "Set by `fastcomm-run` for a replacement (the rank it replaces) or a joining node's "
-    "workers (`node<GROUP_RANK>`): they join the running ranks instead of starting a job.",
-    allowed="a rank or node<GROUP_RANK>",
+    "Set by `fastcomm-run` for a replacement (`1`, `2`, ...: its number on its node) or a "
+    "joining node's workers (`node<GROUP_RANK>`): they join the running ranks instead of "
+    "starting a job.",
+    allowed="a number or node<GROUP_RANK>",
 )
 RECOVER_JOIN_EVERY = Int(
     "FASTCOMM_RECOVER_JOIN_EVERY", 16,

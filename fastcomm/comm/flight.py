@@ -18,7 +18,6 @@ the report lives in :mod:`fastcomm.trace`.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import weakref
@@ -30,6 +29,7 @@ import torch
 import torch.autograd.profiler as _profiler
 from torch import Tensor as _Tensor
 
+from .. import settings
 from .flight_describe import STATES, entry, nbytes_of, wall
 
 if TYPE_CHECKING:
@@ -40,8 +40,7 @@ __all__ = [
     "run_recorded", "wall",
 ]
 
-SIZE_ENV = "FASTCOMM_FLIGHT_SIZE"
-DEFAULT_SIZE = 2000
+DEFAULT_SIZE = settings.FLIGHT_SIZE.default
 EMPTY, ISSUED, STARTED, COMPLETED, FAILED = 0, 1, 2, 3, 4
 SAMPLE = 8
 """Every ``SAMPLE``-th call (by sequence number) is timed: its latency, its issue time."""
@@ -63,17 +62,7 @@ _LOCK = threading.Lock()
 
 def configured_size() -> int:
     """The ring's length from ``FASTCOMM_FLIGHT_SIZE`` (0: off)."""
-    raw = os.environ.get(SIZE_ENV, "").strip()
-    if not raw:
-        return DEFAULT_SIZE
-    try:
-        size = int(raw)
-    except ValueError:
-        raise ValueError(f"{SIZE_ENV}={raw!r}: expected an int >= 0 (0 turns the flight "
-                         "recorder off)") from None
-    if size < 0:
-        raise ValueError(f"{SIZE_ENV}={size}: expected an int >= 0")
-    return size
+    return settings.FLIGHT_SIZE.get()
 
 
 class FlightRecorder:

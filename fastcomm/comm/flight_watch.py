@@ -27,7 +27,7 @@ import traceback
 import weakref
 from functools import partial
 
-from .. import trace
+from .. import settings, trace
 from .flight import recorders
 from .store import Store, lost_rank_key
 
@@ -35,22 +35,8 @@ __all__ = ["Watch", "dump_record", "request_report", "watch"]
 
 logger = logging.getLogger("fastcomm")
 
-POLL_ENV = "FASTCOMM_FLIGHT_POLL_S"
-SUSPECT_ENV = "FASTCOMM_SUSPECT_S"
-DIR_ENV = "FASTCOMM_FLIGHT_DIR"
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # fastcomm/
 _HIDDEN = (_PKG, os.path.dirname(threading.__file__))
-
-
-def _seconds(env: str, default: float) -> float:
-    raw = os.environ.get(env, "").strip()
-    try:
-        value = float(raw) if raw else default
-    except ValueError:
-        raise ValueError(f"{env}={raw!r}: expected seconds (a number > 0)") from None
-    if value <= 0:
-        raise ValueError(f"{env}={raw!r}: expected seconds (a number > 0)")
-    return value
 
 
 def thread_stacks() -> list[dict]:
@@ -138,7 +124,7 @@ def _publish(target: _Target, n: int, reason: str) -> None:
         target.store.set(key, target.store.encode(key, record))
     except Exception as exc:  # noqa: BLE001 - the store may be gone with the job
         logger.warning("rank %d: could not write its flight record: %s", target.rank, exc)
-    folder = os.environ.get(DIR_ENV)
+    folder = settings.FLIGHT_DIR.get()
     if folder:
         _write_json(os.path.join(folder, target.recorder.name, str(n),
                                  f"rank{target.rank}.json"), record)
@@ -221,7 +207,7 @@ def request_report(target: _Target, reason: str, wait_s: float) -> list[str]:
     _publish(target, n, reason)
     dumps, beats = _collect(target, n, wait_s)
     lines = trace.analyze(dumps, beats, target.size, target.recorder.name)
-    folder = os.environ.get(DIR_ENV)
+    folder = settings.FLIGHT_DIR.get()
     if folder:
         base = os.path.join(folder, target.recorder.name, str(n))
         _write_json(os.path.join(base, "beats.json"), {str(k): v for k, v in beats.items()})
@@ -243,8 +229,8 @@ class Watch(threading.Thread):
         super().__init__(name="fastcomm-flight", daemon=True)
         self.targets: list[_Target] = []
         self.lock = threading.Lock()
-        self.poll_s = _seconds(POLL_ENV, 1.0)
-        self.suspect_s = _seconds(SUSPECT_ENV, 30.0)
+        self.poll_s = settings.FLIGHT_POLL_S.get()
+        self.suspect_s = settings.SUSPECT_S.get()
         self.signalled = threading.Event()
 
     def add(self, comm) -> _Target:

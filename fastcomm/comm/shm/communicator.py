@@ -19,6 +19,7 @@ from datetime import timedelta
 
 import torch
 
+from ... import settings
 from ..backend import VKind
 from ..base import Communicator
 from ..errors import CommAbortedError, CommClosedError, FastcommError, SizesDisagreement
@@ -39,45 +40,6 @@ __all__ = ["ShmCommunicator", "ShmOptions", "shm_available"]
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
-# accepted values of each variable, said in the error a bad one gets (the dataclass's own
-# checks name the field, not the variable it came from)
-_ENV_RANGES = {
-    "FASTCOMM_SHM_SLOT_BYTES": ("a positive multiple of 4096", lambda v: v > 0 and not v % 4096),
-    "FASTCOMM_SHM_ONE_SHOT_BYTES": ("an integer >= 0", lambda v: v >= 0),
-    "FASTCOMM_SHM_SPIN_US": ("a number in [0, 1e6]", lambda v: 0 <= v <= 1e6),
-    "FASTCOMM_SHM_YIELD_US": ("a number in [0, 1e7]", lambda v: 0 <= v <= 1e7),
-}
-
-
-def _env_number(name: str, default, kind):
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    allowed, ok = _ENV_RANGES[name]
-    try:
-        value = kind(text)
-    except ValueError:
-        value = None
-    if value is None or not ok(value):  # NaN fails every comparison, so ok() too
-        raise ValueError(f"{name}={text!r}: must be {allowed} (or unset)")
-    return value
-
-
-def _env_int(name: str, default: int | None) -> int | None:
-    return _env_number(name, default, int)
-
-
-def _env_float(name: str, default: float | None) -> float | None:
-    return _env_number(name, default, float)
-
-
-def _env_flag(name: str, default: bool) -> bool:
-    text = os.environ.get(name, "").strip()
-    if text not in ("", "0", "1"):
-        raise ValueError(f"{name}={text!r}: must be 0 or 1 (or unset)")
-    return default if not text else text == "1"
-
-
 def shm_available() -> bool:
     """Whether this platform supports the ``shm`` communicator (Linux ``/dev/shm``, fences)."""
     return shm_supported() and fence_supported()
@@ -87,33 +49,31 @@ def shm_available() -> bool:
 class ShmOptions:
     """Tuning of a :class:`ShmCommunicator` (every rank must pass the same values)."""
 
-    slot_bytes: int = field(default_factory=lambda: _env_int("FASTCOMM_SHM_SLOT_BYTES", 1 << 20))
+    # the environment checks its values itself, so a bad one is named by its variable rather
+    # than by the field (__post_init__)
+    slot_bytes: int = field(default_factory=settings.SHM_SLOT_BYTES.get)
     """Bytes of each rank's slot in each of the two halves: the chunk a round moves. Multiple of
     4096; default 1 MiB (``FASTCOMM_SHM_SLOT_BYTES``): large enough that per-round Python costs
     stay small, small enough that a chunk is still in cache when the peers read it."""
 
-    one_shot_max: int | None = field(
-        default_factory=lambda: _env_int("FASTCOMM_SHM_ONE_SHOT_BYTES", None)
-    )
+    one_shot_max: int | None = field(default_factory=settings.SHM_ONE_SHOT_BYTES.get)
     """Largest all-reduce, in bytes, done in one shot instead of reduce-scatter + all-gather
     (``FASTCOMM_SHM_ONE_SHOT_BYTES``). ``None`` (default): ``512 KiB / size``, i.e. 256 KiB on
     2 ranks, the crossover found there (one shot reads every peer's copy, so the crossover
     falls as ranks are added; docs/shm.md)."""
 
-    spin_us: float | None = field(default_factory=lambda: _env_float("FASTCOMM_SHM_SPIN_US", None))
+    spin_us: float | None = field(default_factory=settings.SHM_SPIN_US.get)
     """Microseconds a waiting rank polls in a tight loop (``FASTCOMM_SHM_SPIN_US``). ``None``
     (default): 20 when the ranks fit on the cores this process may use, else 0 (polling would
     only delay the rank being waited for); and 0 while the host's load average exceeds 1.5x
     those cores, for the same reason (sampled once a second)."""
 
-    yield_us: float = field(default_factory=lambda: _env_float("FASTCOMM_SHM_YIELD_US", 1000.0))
+    yield_us: float = field(default_factory=settings.SHM_YIELD_US.get)
     """Microseconds a waiting rank then polls between ``sched_yield()`` calls (which hand the
     core to any runnable thread) before it sleeps on a futex; default 1000
     (``FASTCOMM_SHM_YIELD_US``)."""
 
-    compiled: bool = field(
-        default_factory=lambda: _env_flag("FASTCOMM_SHM_COMPILED", True)
-    )
+    compiled: bool = field(default_factory=settings.SHM_COMPILED.get)
     """Use the compiled core where it was built at install: small collectives run in it (one C
     call per call), so does each send/recv chunk (one mailbox slot), and a ``PremulSum`` is
     folded into the reduction (no pass of its own).
