@@ -29,7 +29,7 @@ from .config import LaunchConfig
 from .errors import Failure, exit_description
 from .rendezvous import RoundInfo
 
-__all__ = ["LossWatch", "announce_node", "loss_report"]
+__all__ = ["RoundLosses", "announce_node", "loss_report"]
 
 
 def announce_node(info: RoundInfo, node: str, log: Callable[[str], None]) -> None:
@@ -62,7 +62,7 @@ def loss_report(failure: Failure, live: int, world: int) -> str:
     return "\n".join(lines)
 
 
-class LossWatch:
+class RoundLosses:
     """The losses of one round under ``--recover in-process``.
 
     Args:
