@@ -8,10 +8,10 @@ reads as its default. ``docs/environment_variables.md`` holds the table ``python
 fastcomm.settings`` prints; a test checks the two agree.
 
 Readers name a variable through its object (``settings.RECOVER_JOIN.name``), never by a string
-of their own. Two modules cannot import this one, and read it their own way: the worker
-bootstrap (``launch/_bootstrap.py``, run by path before the user's script, so it imports nothing
-of the fastcomm package) loads this file by path; ``fastcomm.kernels`` imports nothing of
-fastcomm, so it keeps its own constant for ``FASTCOMM_KERNELS`` (a test checks it names
+of their own. Two readers stand outside the package's imports by design: the worker bootstrap
+(``launch/_bootstrap.py``, run by path before the user's script, so it imports nothing of the
+fastcomm package) loads this file by its path; ``fastcomm.kernels`` imports nothing of
+fastcomm, so it keeps its own constant for ``FASTCOMM_KERNELS`` (a test checks that it names
 :data:`KERNELS`).
 
 Standard library only: the bootstrap loads it in every worker before the user's script runs.
