@@ -560,7 +560,7 @@ def _run_module(ddp: DDP, inputs: tuple, kwargs: dict) -> Any:
     it compiles the module (``DDP(torch.compile(model))``, or the frame below under
     ``torch.compile(DDP(model))``): it splits the graph where `ddp`'s buckets close
     (``ddp.bucket_bytes_cap``)."""
-    torch_ddp = nn.parallel.DistributedDataParallel
+    torch_ddp = _TORCH_DDP
     outer = torch_ddp._active_ddp_module
     # DDPOptimizer refuses a cap below its 1 MiB first bucket (an AssertionError, torch DDP's
     # too): such a DDP's module compiles as one graph, the reductions after its backward
@@ -573,6 +573,9 @@ def _run_module(ddp: DDP, inputs: tuple, kwargs: dict) -> Any:
 
 
 _FIRST_BUCKET_BYTES = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1 << 20)
+# torch's own class, bound at import: a program (torch's DDP suite among them) may set
+# nn.parallel.DistributedDataParallel to fastcomm's DDP, and Dynamo asks torch's class
+_TORCH_DDP = nn.parallel.distributed.DistributedDataParallel
 
 
 def _call_module(module: nn.Module, inputs: tuple, kwargs: dict) -> Any:
