@@ -152,7 +152,10 @@ def test_every_rank_lost_fails_the_job(tmp_path):
 
 
 # The start of a job whose nodes join while it runs: a joining node's second rank asks
-# sys.argv[2] seconds after its first; `last` holds the step the last join happened at.
+# sys.argv[2] seconds after its first, or, where sys.argv[2] is "admitted", once its first has
+# been admitted (the admitted_<group rank>_<local rank> file its first writes as DDP() returns,
+# which a joiner's DDP() does once the running ranks admitted it); `last` holds the step the
+# last join happened at.
 JOINING = """
     import json, os, sys, time
     import torch
@@ -162,11 +165,23 @@ JOINING = """
 
     out = sys.argv[1]
     fastcomm.init(timeout=60)
-    if os.environ.get("FASTCOMM_RECOVER_JOIN") and os.environ["LOCAL_RANK"] == "1":
+    joining, local = os.environ.get("FASTCOMM_RECOVER_JOIN"), os.environ["LOCAL_RANK"]
+    if joining and local == "1" and sys.argv[2] == "admitted":
+        first = os.path.join(out, f"admitted_{os.environ['GROUP_RANK']}_0")
+        start = time.monotonic()
+        while not os.path.exists(first):
+            waited = time.monotonic() - start
+            if waited > 90:
+                raise TimeoutError(f"rank {os.environ['RANK']}: waited {waited:.1f} s for "
+                                   f"local rank 0's admission ({first})")
+            time.sleep(0.02)
+    elif joining and local == "1":
         time.sleep(float(sys.argv[2]))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
     ddp = DDP(model)
+    if joining:
+        open(os.path.join(out, f"admitted_{os.environ['GROUP_RANK']}_{local}"), "w").close()
     membership = ddp._recovery.membership
     me = membership.me  # the original rank
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
@@ -205,19 +220,21 @@ ELASTIC = JOINING + """
 def test_elastic_node_joins_the_running_round(tmp_path):
     """--nnodes 1:2 --recover in-process: a second agent arriving while the job runs is
     admitted into the running round (no restart); its two workers join the running ranks with
-    rank 0's state, and all four end bitwise equal. Its second worker asks 4 s after the
-    first, past the recovery timeout (2 s here): the first is admitted alone, rank 0 naming
-    the missing one, and the second at a later boundary (within the timeout both join at one
-    boundary: ``test_a_node_lost_then_back_is_admitted_into_the_running_round``)."""
+    rank 0's state, and all four end bitwise equal. Its second worker asks only once the first
+    has been admitted, which the running ranks do alone once the recovery timeout (2 s here)
+    has passed without the second: rank 0 names the missing one, and the second joins at a
+    later boundary (within the timeout both join at one boundary:
+    ``test_a_node_lost_then_back_is_admitted_into_the_running_round``). No margin between the
+    two workers' speeds: the second waits for the event itself."""
     path = script(tmp_path, "elastic.py", ELASTIC)
     flags = ["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
              "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "grow",
              "--monitor-interval", "0.05", "--rdzv-conf", "last_call_timeout=0.5",
              "--recover", "in-process"]
     env = clean_env(FASTCOMM_RECOVER_JOIN_EVERY="4", FASTCOMM_RECOVER_TIMEOUT="2")
-    first = start([*flags, path, tmp_path, 4.0], tmp_path, env)
+    first = start([*flags, path, tmp_path, "admitted"], tmp_path, env)
     wait_files(tmp_path, "training_*", 2, proc=first, timeout=90)
-    late = start([*flags, path, tmp_path, 4.0], tmp_path, env)
+    late = start([*flags, path, tmp_path, "admitted"], tmp_path, env)
     results = [finish(first, timeout=150), finish(late, timeout=150)]
     for r in results:
         assert r.returncode == 0, r.stderr[-4000:]
