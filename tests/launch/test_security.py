@@ -154,7 +154,9 @@ HOLD = """
         json.dump(record, fh)
     os.replace(os.path.join(out, "tmp_" + os.environ["RANK"]),
                os.path.join(out, "rec_" + os.environ["RANK"]))
+    deadline = time.monotonic() + 60
     while not os.path.exists(os.path.join(out, "go")):
+        assert time.monotonic() < deadline, "rank " + os.environ["RANK"] + ": no go after 60 s"
         time.sleep(0.05)
 """
 
@@ -194,7 +196,9 @@ PROBE = """
         with open(os.path.join(out, "port.tmp"), "w") as fh:
             fh.write(os.environ["MASTER_ADDR"] + " " + os.environ["MASTER_PORT"])
         os.replace(os.path.join(out, "port.tmp"), os.path.join(out, "port"))
+    deadline = time.monotonic() + 60
     while not os.path.exists(os.path.join(out, "go")):
+        assert time.monotonic() < deadline, f"rank {rank}: no go after 60 s"
         time.sleep(0.05)
     errors = []
     for call in (lambda: store.all_gather_object("g", rank, 3, rank),
