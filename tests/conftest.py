@@ -12,6 +12,12 @@ try:
     _HAS_CUDA = torch.cuda.is_available()
 except ImportError:  # pragma: no cover
     _HAS_CUDA = False
+else:
+    # pytest-xdist's workers share the machine's cores: intra-op threads beyond a worker's
+    # share only wait for a core (the pools' ranks, like launched workers, run one each)
+    _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    if _WORKERS > 1:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -40,7 +40,10 @@ _CTX.set_forkserver_preload(_PRELOAD)
 #: Environment of every pool's ranks unless its own ``env`` says otherwise. The flight watch
 #: polls every 0.5 s (1 s by default): a failed call's report waits 2 polls + 1 s for the peers'
 #: records, so a check that runs into a timeout or an abort waits 2 s for it, not 3 s.
-POOL_ENV = {"FASTCOMM_FLIGHT_POLL_S": "0.5"}
+#: ``OMP_NUM_THREADS=1`` is what ``fastcomm-run`` (as torchrun) gives several workers of one
+#: host: the ranks share its cores, and a second intra-op thread per rank only waits for one
+#: (600 steps of a small MLP: 1.7 s with one thread, 28 s with two on 2 busy cores).
+POOL_ENV = {"FASTCOMM_FLIGHT_POLL_S": "0.5", "OMP_NUM_THREADS": "1"}
 
 # Per-rank state that survives between checks of one pool (communicators, say).
 STATE: dict[str, Any] = {}
@@ -83,9 +86,20 @@ def _reseed() -> None:
     np.random.seed()
 
 
+def _threads() -> None:
+    """Applies ``OMP_NUM_THREADS``: torch read it when the fork server imported torch, before
+    the pool's environment was this rank's."""
+    text = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if text.isdigit() and int(text) > 0:
+        import torch
+
+        torch.set_num_threads(int(text))
+
+
 def _worker(rank: int, world_size: int, port: int, env: dict[str, str], conn: Connection):
     os.environ.clear()  # the pool's environment as it is now, not the server's at its start
     os.environ.update(env)
+    _threads()
     _reseed()
     os.environ.update(
         RANK=str(rank),

@@ -6,7 +6,10 @@ quantizes ``x + error`` and writes the new residual back in the same pass. `dequ
 computes ``q * scale`` in fp32 and writes (or adds) it into `out`.
 
 Invariants: the torch references give bit-identical results; a block of zeros gets scale 0 and
-codes 0; NaN and inf inputs are not supported (their codes are unspecified).
+codes 0; a block whose ``QMAX / amax`` overflows fp32 (amax below about 4e-37 for int8: tiny
+gradients and the residuals they leave) gets codes 0 too, its values kept whole in the error
+buffer (the reciprocal was inf, and 0 * inf made the residual NaN); NaN and inf inputs are not
+supported (their codes are unspecified).
 
 The block size's cost and error bound, and why the references match: docs/kernels.md.
 """
@@ -27,6 +30,8 @@ from ._launch import (
 )
 
 __all__ = ["quantize", "dequantize", "quantize_reference", "dequantize_reference"]
+
+FLT_MAX = 3.4028234663852886e38  # a larger reciprocal overflowed: its block gets codes 0
 
 #: Elements per quantization block (one fp32 scale each) unless told otherwise.
 DEFAULT_BLOCK = 256
@@ -72,6 +77,7 @@ def _quantize_kernel(
     # reference bit-exact.
     scale = tl.math.div_rn(amax, qmax)
     inv = tl.where(amax > 0, tl.math.div_rn(qmax, tl.where(amax > 0, amax, 1.0)), 0.0)
+    inv = tl.where(inv <= 3.4028234663852886e38, inv, 0.0)  # FLT_MAX: overflowed, codes 0
     y = v * inv[:, None]
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
     if IS_FP8:
@@ -390,6 +396,7 @@ def _quantize_torch(x, dtype, block, error, q, scales) -> None:
     # Tensor / tensor: `scalar / t` and `t / scalar` may use a rounded reciprocal in torch.
     scale = amax / qmax_t
     inv = torch.where(amax > 0, qmax_t / amax, torch.zeros_like(amax))
+    inv = torch.where(inv <= FLT_MAX, inv, torch.zeros_like(inv))  # overflowed: codes 0
     y = (vb * inv[:, None]).clamp(-qmax, qmax)
     if dtype == torch.int8:
         code = torch.round(y)

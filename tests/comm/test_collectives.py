@@ -207,7 +207,12 @@ def check_unwaited_async_progresses(backend, park: bool):
         work_module.PARK_S = 0.05 if park else saved
         try:
             comm.all_reduce(torch.ones(1), async_op=True).wait()  # the thread is up
-            time.sleep(0.3 if park else 0.0)
+            # shm runs the call on its executor's thread, idle past PARK_S now: parked once it
+            # has looked (waited for, not slept for; Gloo's own threads run Gloo's calls)
+            executor, deadline = comm._executor, time.monotonic() + 30
+            while park and backend == "shm" and not executor._parked:
+                assert time.monotonic() < deadline, "rank 0: the executor's thread never parked"
+                time.sleep(0.01)
             work = comm.all_reduce(t, async_op=True)
             deadline = time.monotonic() + 30
             # never wait(), is_completed() or get_future(): those start it themselves

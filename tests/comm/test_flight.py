@@ -27,8 +27,14 @@ ENV = {"FASTCOMM_SUSPECT_S": "2", "FASTCOMM_FLIGHT_POLL_S": "0.5"}
 WARMUP = 5  # calls before the faulty one: it is #6
 
 
-def next_batch(seconds):
-    time.sleep(seconds)  # the data loader that never delivers
+def next_batch(name, others):
+    """The data loader that never delivers, until every rank of `others` holds its report,
+    which names this frame (looked for every 20 ms: a fixed sleep could end before the
+    reports on a busy machine, and made every check wait it out)."""
+    store, deadline = rank_store(), time.monotonic() + 60
+    while not store.check([f"{name}/noted/{r}" for r in others]):
+        assert time.monotonic() < deadline, f"rank 1: no report of {others} after 60 s"
+        time.sleep(0.02)
 
 
 def _note(exc):
@@ -50,7 +56,7 @@ def _run(backend, name, fault):
         comm.all_reduce(tensor)
     if comm.rank == 1:
         if fault == "sleep":
-            next_batch(TIMEOUT + 5)
+            next_batch(name, [r for r in range(comm.size) if r != comm.rank])
             comm.close()
             return comm.rank, None
         if fault == "other":
@@ -69,6 +75,8 @@ def _run(backend, name, fault):
     except FastcommError as exc:
         if fault == "stop":
             _end_stopped(name, comm.size)
+        if fault == "sleep":  # rank 1 may leave its data loader
+            rank_store().set(f"{name}/noted/{comm.rank}", "1")
         return comm.rank, _note(exc)
     finally:
         comm.close()

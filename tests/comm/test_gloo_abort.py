@@ -110,8 +110,9 @@ def check_done_before_the_abort() -> list[float] | None:
     comm = fresh_comm("gloo", "gloo-abort-late", timeout=60)
     values = torch.full((4,), float(rank + 1))
     work = comm.all_reduce(values, async_op=True)
-    handle = work._handle
+    handle, deadline = work._handle, time.monotonic() + 30
     while not handle.is_completed():  # the backend finished it; nobody waited yet
+        assert time.monotonic() < deadline, f"rank {rank}: Gloo's all_reduce never completed"
         time.sleep(0.001)
     comm.abort(CommAbortedError(LOSS))
     work.wait()

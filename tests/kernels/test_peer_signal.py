@@ -328,8 +328,10 @@ def test_a_differing_descriptor_is_reported_by_every_rank(pool, impl):
                                                 else [world - 1]), (rank, report)
         assert report[3:] == ([other, agreed] if last else [agreed, other]), (rank, report)
         epochs.add(report[2])
-        # within a second where the spin bound is minutes: the comparison ended the wait
-        assert elapsed < 1.0, (rank, elapsed)
+        # well within the spin bound (minutes): the comparison ended the wait (0.03 s at most
+        # measured beside a busy core; a peer preempted before its barrier adds to it, which
+        # a twin of this check's 1 s bound did not survive on a busy machine)
+        assert elapsed < 20.0, (rank, elapsed)
     assert len(epochs) == 1
 
 

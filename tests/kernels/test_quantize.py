@@ -114,6 +114,26 @@ def test_zero_blocks_get_zero_scale_and_codes(device):
         assert scales.cpu()[1] == pytest.approx(1 / QMAX[qdtype])
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in divide:RuntimeWarning")  # numpy's
+@pytest.mark.parametrize("qdtype", QDTYPES, ids=["int8", "fp8"])
+def test_blocks_too_small_for_the_reciprocal_stay_in_the_error(device, qdtype):
+    """amax so small that QMAX / amax overflows fp32 (1e-37 and a subnormal here, beside
+    zeros): codes 0, no NaN, the values kept whole in the error buffer; the same as the
+    reference. (The reciprocal was inf and 0 * inf turned the residual NaN: int8 DDP training
+    went NaN within 15 steps.)"""
+    x = torch.zeros(3 * 64)
+    x[0], x[1], x[64], x[128:192] = 1e-37, -3e-38, 1e-40, torch.linspace(-1, 1, 64)
+    x = x.to(device)
+    error, error_ref = torch.zeros_like(x), torch.zeros(3 * 64)
+    q, scales = quantize(x, dtype=qdtype, block=64, error=error)
+    q_ref, scales_ref = quantize_reference(x.cpu(), dtype=qdtype, block=64, error=error_ref)
+    assert_same_codes(q, q_ref)
+    assert torch.equal(scales.cpu(), scales_ref) and torch.equal(error.cpu(), error_ref)
+    assert not bool(q.cpu().float()[:128].any()) and bool(q.cpu().float()[128:].any())
+    assert torch.equal(error.cpu()[:128], x.cpu()[:128])  # kept whole, finite
+    assert bool(torch.isfinite(error).all())
+
+
 def test_int8_rounds_half_to_even(device):
     # amax 127 makes the code scale exactly 1, so codes are the rounded inputs.
     x = [127.0, 0.5, -0.5, 1.5, -2.5, 0.49999997, -126.5, 3.2, 2.5000002]

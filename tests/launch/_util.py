@@ -45,16 +45,34 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def start(
-    args: list[str], cwd: Path, env: dict[str, str] | None = None, cmd: list[str] | None = None
+    args: list[str],
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    cmd: list[str] | None = None,
+    err_file: Path | None = None,
 ) -> subprocess.Popen:
-    return subprocess.Popen(
-        [*(cmd or LAUNCH), *map(str, args)],
-        cwd=cwd,
-        env=env or clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    """Starts the launcher; its stderr goes to ``err_file`` where given (read while it runs:
+    :func:`wait_output`), else to a pipe; :func:`finish` returns it either way."""
+    stderr = open(err_file, "w") if err_file is not None else subprocess.PIPE  # noqa: SIM115
+    try:
+        proc = subprocess.Popen(
+            [*(cmd or LAUNCH), *map(str, args)],
+            cwd=cwd,
+            env=env or clean_env(),
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+    finally:
+        if err_file is not None:
+            stderr.close()
+    proc.err_file = err_file
+    return proc
+
+
+def _stderr(proc: subprocess.Popen, piped: str | None) -> str:
+    err_file = getattr(proc, "err_file", None)
+    return err_file.read_text() if err_file is not None else piped or ""
 
 
 def finish(proc: subprocess.Popen, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -67,8 +85,22 @@ def finish(proc: subprocess.Popen, timeout: float = 60) -> subprocess.CompletedP
         except subprocess.TimeoutExpired:
             proc.kill()
             out, err = proc.communicate()
+        err = _stderr(proc, err)
         raise AssertionError(f"launcher timed out\nstdout:\n{out}\nstderr:\n{err}") from None
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, _stderr(proc, err))
+
+
+def wait_output(proc: subprocess.Popen, text: str, timeout: float = 60.0) -> None:
+    """Waits until the stderr of `proc` (started with ``err_file``) holds `text`; raises
+    naming it, with the log's tail, once `proc` exited or `timeout` s passed without it."""
+    start_time = time.monotonic()
+    while text not in proc.err_file.read_text():
+        waited = time.monotonic() - start_time
+        if proc.poll() is not None or waited > timeout:
+            how = f"exited {proc.returncode}" if proc.poll() is not None else "still runs"
+            raise AssertionError(f"launcher {how} after {waited:.1f} s without {text!r} in its "
+                                 f"output:\n{proc.err_file.read_text()[-3000:]}")
+        time.sleep(0.05)
 
 
 def run(

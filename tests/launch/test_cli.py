@@ -168,7 +168,7 @@ def test_usage_error_from_the_command_line(tmp_path):
     """`python -m fastcomm.launch` exits 2 with a usage message and starts nothing."""
     marker = tmp_path / "started"
     path = script(tmp_path, "train.py", f"open({str(marker)!r}, 'w').close()\n")
-    result = run(["--nnodes", "3:2", path], tmp_path, timeout=30)
+    result = run(["--nnodes", "3:2", path], tmp_path, timeout=50)
     assert result.returncode == 2, result.stderr
     assert "usage: fastcomm-run" in result.stderr and "MIN must be <= MAX" in result.stderr
     assert not marker.exists()

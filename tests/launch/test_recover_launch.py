@@ -24,6 +24,7 @@ from ._util import (
     start,
     wait_files,
     wait_gone,
+    wait_output,
 )
 
 pytestmark = pytest.mark.timeout(90)
@@ -40,24 +41,39 @@ JOB = """
             print("replacement", os.environ["FASTCOMM_RECOVER_JOIN"],
                   "from a spare" if spare else "cold", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+    # The others go on once the launcher has absorbed rank 1's loss: the test writes "go" when
+    # the launcher says so (an event, not a fixed sleep the launcher had to beat). Without
+    # --recover in-process the launcher stops them first; one that neither absorbed the loss
+    # nor stopped them would let them finish after 30 s, leaving done files.
+    deadline = time.monotonic() + 30
+    while not os.path.exists(os.path.join(out, "go")) and time.monotonic() < deadline:
+        time.sleep(0.02)
     if rank == 2 and sys.argv[3] == "2":
-        time.sleep(0.5)
         raise ValueError("a second loss")
-    time.sleep(1.5)  # the others are not stopped meanwhile
     open(os.path.join(out, f"done_{rank}_{os.environ['TORCHELASTIC_RESTART_COUNT']}"),
          "w").close()
 """
+GOES_ON = "the job goes on with 2 of 3 ranks"
+
+
+def _go_once_absorbed(proc: subprocess.Popen, out) -> None:
+    """Lets JOB's other ranks go on once the launcher reported rank 1's loss absorbed."""
+    wait_output(proc, GOES_ON)
+    (out / "go").touch()
 
 
 def test_loss_reported_and_the_others_go_on(tmp_path):
     path = script(tmp_path, "job.py", JOB)
-    result = run(["--nproc-per-node", "3", "--recover", "in-process", "--max-restarts", "2",
-                  path, tmp_path, "in-process", "1"], tmp_path)
+    proc = start(["--nproc-per-node", "3", "--recover", "in-process", "--max-restarts", "2",
+                  path, tmp_path, "in-process", "1"], tmp_path, err_file=tmp_path / "err")
+    try:
+        _go_once_absorbed(proc, tmp_path)
+    finally:
+        result = finish(proc)
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in tmp_path.glob("done_*")) == ["done_0_0", "done_2_0"]
     assert "rank 1 (local_rank 1, host" in result.stderr
-    assert "was lost: killed by signal 9 (SIGKILL); the job goes on with 2 of 3 ranks" in (
-        result.stderr)
+    assert f"was lost: killed by signal 9 (SIGKILL); {GOES_ON}" in result.stderr
     assert "restarting" not in result.stderr
     # each replacement (rank 1 again) dies as well; the budget is spent, the others finish
     assert result.stderr.count("starting a replacement for rank 1") == 2
@@ -71,11 +87,14 @@ def test_no_spare_starts_the_replacement_cold(tmp_path):
     interpreter that imports torch itself."""
     path = script(tmp_path, "job.py", JOB)
     proc = start(["--nproc-per-node", "3", "--recover", "in-process", "--max-restarts", "1",
-                  "--no-spare", path, tmp_path, "in-process", "1"], tmp_path)
+                  "--no-spare", path, tmp_path, "in-process", "1"], tmp_path,
+                 err_file=tmp_path / "err")
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while not list(tmp_path.glob("done_*")) and time.monotonic() < deadline:
             assert not spares_left(proc.pid)  # none while the workers run
+            if GOES_ON in (tmp_path / "err").read_text():
+                (tmp_path / "go").touch()
             time.sleep(0.1)
     finally:
         result = finish(proc, timeout=60)
@@ -101,10 +120,14 @@ def test_an_unused_spare_goes_with_the_job(tmp_path):
 
 def test_below_min_ranks_stops_with_the_report(tmp_path):
     path = script(tmp_path, "job.py", JOB)
-    result = run(["--nproc-per-node", "3", "--recover", "in-process", "--min-ranks", "2",
-                  path, tmp_path, "in-process", "2"], tmp_path)
+    proc = start(["--nproc-per-node", "3", "--recover", "in-process", "--min-ranks", "2",
+                  path, tmp_path, "in-process", "2"], tmp_path, err_file=tmp_path / "err")
+    try:
+        _go_once_absorbed(proc, tmp_path)  # rank 2's loss comes second
+    finally:
+        result = finish(proc)
     assert result.returncode == 1, result.stderr
-    assert "the job goes on with 2 of 3 ranks" in result.stderr  # the first loss
+    assert GOES_ON in result.stderr  # the first loss
     assert "fewer than the minimum 2: stopping" in result.stderr
     report = result.stderr[result.stderr.index("FAILED"):]
     assert "Root cause: rank 1 (local_rank 1" in report and "SIGKILL" in report
@@ -112,6 +135,8 @@ def test_below_min_ranks_stops_with_the_report(tmp_path):
 
 
 def test_restart_stays_the_default(tmp_path):
+    """Rank 1's loss ends the round: the others, waiting for a "go" that never comes, are
+    stopped (no done files), not left to go on."""
     path = script(tmp_path, "job.py", JOB)
     result = run(["--nproc-per-node", "3", path, tmp_path, "", "1"], tmp_path)
     assert result.returncode == 1, result.stderr
@@ -125,7 +150,7 @@ def test_restart_stays_the_default(tmp_path):
 ])
 def test_bad_flags(tmp_path, flags, message):
     path = script(tmp_path, "job.py", "pass\n")
-    result = run([*flags, path], tmp_path, timeout=30)
+    result = run([*flags, path], tmp_path, timeout=60)
     assert result.returncode == 2 and message in result.stderr, result.stderr
 
 
@@ -152,7 +177,10 @@ def test_every_rank_lost_fails_the_job(tmp_path):
 
 
 # The start of a job whose nodes join while it runs: a joining node's second rank asks
-# sys.argv[2] seconds after its first; `last` holds the step the last join happened at.
+# sys.argv[2] seconds after its first, or, where sys.argv[2] is "admitted", once its first has
+# been admitted (the admitted_<group rank>_<local rank> file its first writes as DDP() returns,
+# which a joiner's DDP() does once the running ranks admitted it); `last` holds the step the
+# last join happened at.
 JOINING = """
     import json, os, sys, time
     import torch
@@ -162,11 +190,23 @@ JOINING = """
 
     out = sys.argv[1]
     fastcomm.init(timeout=60)
-    if os.environ.get("FASTCOMM_RECOVER_JOIN") and os.environ["LOCAL_RANK"] == "1":
+    joining, local = os.environ.get("FASTCOMM_RECOVER_JOIN"), os.environ["LOCAL_RANK"]
+    if joining and local == "1" and sys.argv[2] == "admitted":
+        first = os.path.join(out, f"admitted_{os.environ['GROUP_RANK']}_0")
+        start = time.monotonic()
+        while not os.path.exists(first):
+            waited = time.monotonic() - start
+            if waited > 90:
+                raise TimeoutError(f"rank {os.environ['RANK']}: waited {waited:.1f} s for "
+                                   f"local rank 0's admission ({first})")
+            time.sleep(0.02)
+    elif joining and local == "1":
         time.sleep(float(sys.argv[2]))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
     ddp = DDP(model)
+    if joining:
+        open(os.path.join(out, f"admitted_{os.environ['GROUP_RANK']}_{local}"), "w").close()
     membership = ddp._recovery.membership
     me = membership.me  # the original rank
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
@@ -205,19 +245,21 @@ ELASTIC = JOINING + """
 def test_elastic_node_joins_the_running_round(tmp_path):
     """--nnodes 1:2 --recover in-process: a second agent arriving while the job runs is
     admitted into the running round (no restart); its two workers join the running ranks with
-    rank 0's state, and all four end bitwise equal. Its second worker asks 4 s after the
-    first, past the recovery timeout (2 s here): the first is admitted alone, rank 0 naming
-    the missing one, and the second at a later boundary (within the timeout both join at one
-    boundary: ``test_a_node_lost_then_back_is_admitted_into_the_running_round``)."""
+    rank 0's state, and all four end bitwise equal. Its second worker asks only once the first
+    has been admitted, which the running ranks do alone once the recovery timeout (2 s here)
+    has passed without the second: rank 0 names the missing one, and the second joins at a
+    later boundary (within the timeout both join at one boundary:
+    ``test_a_node_lost_then_back_is_admitted_into_the_running_round``). No margin between the
+    two workers' speeds: the second waits for the event itself."""
     path = script(tmp_path, "elastic.py", ELASTIC)
     flags = ["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
              "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "grow",
              "--monitor-interval", "0.05", "--rdzv-conf", "last_call_timeout=0.5",
              "--recover", "in-process"]
     env = clean_env(FASTCOMM_RECOVER_JOIN_EVERY="4", FASTCOMM_RECOVER_TIMEOUT="2")
-    first = start([*flags, path, tmp_path, 4.0], tmp_path, env)
+    first = start([*flags, path, tmp_path, "admitted"], tmp_path, env)
     wait_files(tmp_path, "training_*", 2, proc=first, timeout=90)
-    late = start([*flags, path, tmp_path, 4.0], tmp_path, env)
+    late = start([*flags, path, tmp_path, "admitted"], tmp_path, env)
     results = [finish(first, timeout=150), finish(late, timeout=150)]
     for r in results:
         assert r.returncode == 0, r.stderr[-4000:]

@@ -59,9 +59,9 @@ FAILING = """
         raise ValueError(f"corrupt batch at step {step}")
 
     if rank == "1":
-        for _ in range(200):  # let rank 0 start this attempt too
-            if os.path.exists(os.path.join(out, f"ran_0_{attempt}")):
-                break
+        deadline = time.monotonic() + 30  # rank 0 starts this attempt too, then it fails
+        while not os.path.exists(os.path.join(out, f"ran_0_{attempt}")):
+            assert time.monotonic() < deadline, f"rank 1: no ran_0_{attempt} after 30 s"
             time.sleep(0.05)
         load_batch(7)
     time.sleep(30)  # rank 0 is stopped by the agent when rank 1 fails

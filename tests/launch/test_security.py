@@ -155,7 +155,9 @@ HOLD = """
         json.dump(record, fh)
     os.replace(os.path.join(out, "tmp_" + os.environ["RANK"]),
                os.path.join(out, "rec_" + os.environ["RANK"]))
+    deadline = time.monotonic() + 60
     while not os.path.exists(os.path.join(out, "go")):
+        assert time.monotonic() < deadline, "rank " + os.environ["RANK"] + ": no go after 60 s"
         time.sleep(0.05)
 """
 
@@ -170,7 +172,7 @@ def test_standalone_job_listens_on_loopback_only(tmp_path):
         records = [json.loads(p.read_text()) for p in wait_files(tmp_path, "rec_*", 2, proc=proc)]
         sockets = _listening_sockets(proc.pid)
         (tmp_path / "go").touch()
-        result = finish(proc, timeout=30)
+        result = finish(proc, timeout=50)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -195,7 +197,9 @@ PROBE = """
         with open(os.path.join(out, "port.tmp"), "w") as fh:
             fh.write(os.environ["MASTER_ADDR"] + " " + os.environ["MASTER_PORT"])
         os.replace(os.path.join(out, "port.tmp"), os.path.join(out, "port"))
+    deadline = time.monotonic() + 60
     while not os.path.exists(os.path.join(out, "go")):
+        assert time.monotonic() < deadline, f"rank {rank}: no go after 60 s"
         time.sleep(0.05)
     errors = []
     for call in (lambda: store.all_gather_object("g", rank, 3, rank),
@@ -260,7 +264,7 @@ def _one_line_usage_error(result, tmp_path, needle):
 )
 def test_bad_settings_are_one_line_without_traceback(tmp_path, flags, needle):
     path = script(tmp_path, "train.py", "print('started')\n")
-    result = run([*flags, path], tmp_path, env=clean_env(TMPDIR=str(tmp_path)), timeout=30)
+    result = run([*flags, path], tmp_path, env=clean_env(TMPDIR=str(tmp_path)), timeout=50)
     _one_line_usage_error(result, tmp_path, needle)
     assert "started" not in result.stdout
 
@@ -275,7 +279,7 @@ def test_port_in_use_is_named(tmp_path):
             ["--nproc-per-node", "2", "--master-port", port, path],
             tmp_path,
             env=clean_env(TMPDIR=str(tmp_path)),
-            timeout=30,
+            timeout=50,
         )
     _one_line_usage_error(result, tmp_path, f"port {port} on 127.0.0.1 is already in use")
     assert "started" not in result.stdout and "timed out" not in result.stderr

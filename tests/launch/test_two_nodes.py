@@ -137,6 +137,19 @@ class Nodes:
         self.procs.append(proc)
         return proc
 
+    def wait_joined(self, i: int, run_id: str, proc: subprocess.Popen, name: str,
+                    timeout: float = 60.0) -> None:
+        """Waits until a node has joined round 0 of ``run_id`` in the rendezvous store node
+        ``i`` serves (its first node record is written), looking from node ``i``'s network;
+        raises naming the store, what it waited for and how long, with ``name``'s log."""
+        probe = subprocess.run(
+            ["ip", "netns", "exec", self.netns[i], sys.executable, "-c", JOINED, ADDRS[i],
+             str(PORT), f"fastcomm.launch/{run_id}/r0", str(timeout)],
+            env=clean_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout + 30,
+        )
+        if probe.returncode != 0 or proc.poll() is not None:
+            raise AssertionError(f"{probe.stderr[-2000:]}\n{name}:\n{self.err(name)}")
+
     def result(self, proc: subprocess.Popen, name: str, timeout: float) -> tuple[int, str]:
         try:
             code = proc.wait(timeout)
@@ -166,6 +179,29 @@ class Nodes:
             self.kill(proc)
         for ns in self.netns:  # deleting a namespace deletes the veth end it holds
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+# Run in a node's network: waits until round 0's first node record is in the rendezvous store
+# at argv[1]:argv[2] (argv[3]: the round's namespace), for at most argv[4] seconds.
+JOINED = """
+import sys, time
+from fastcomm.comm.errors import FastcommError
+from fastcomm.comm.store import Store
+
+addr, port, namespace, limit = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+start, store = time.monotonic(), None
+while True:
+    try:
+        store = store or Store(addr, port, timeout=5, _secret=None).prefixed(namespace)
+        if store.check(["node/0"]):
+            break
+    except FastcommError:  # nothing listens yet
+        store = None
+    waited = time.monotonic() - start
+    if waited > limit:
+        sys.exit(f"no node joined {namespace} at {addr}:{port} within {waited:.1f} s")
+    time.sleep(0.05)
+"""
 
 
 @pytest.fixture(scope="module")
@@ -448,7 +484,7 @@ def test_a_node_powered_off_mid_backward_is_recovered_in_place(nodes, record_pro
                 "/mnt/recover", conf=FAST.replace("last_call_timeout=1", "last_call_timeout=20"))
     args[1] = "1:2"
     node0 = nodes.start(0, args, "recover0")
-    time.sleep(3)
+    nodes.wait_joined(0, "two", node0, "recover0")  # not a fixed head start: node0 is first
     node1 = nodes.start(1, args, "recover1")
     deadline = time.monotonic() + 60
     while not (out / "stopped").exists():

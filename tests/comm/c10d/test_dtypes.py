@@ -28,7 +28,15 @@ import torch.distributed as dist
 import fastcomm  # noqa: F401 - registers the backend
 from fastcomm.comm.c10d import FastcommProcessGroup
 from fastcomm.comm.types import BitwiseOp, PremulSum, ReduceOp
-from tests.harness import STATE, env_rank, env_world, pool_fixture, rank_comm, rank_store
+from tests.harness import (
+    STATE,
+    env_rank,
+    env_world,
+    poll_keys,
+    pool_fixture,
+    rank_comm,
+    rank_store,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -400,13 +408,18 @@ def check_monitored_barrier():
         dist.monitored_barrier(fast, timedelta(seconds=1))
     messages = {}
     for wait_all, late in ((False, {world - 1}), (True, set(range(1, world)))):
+        # the late ranks come once rank 0 has given its verdict (not after a fixed sleep: a
+        # rank 0 that a busy machine kept from the barrier that long found them all there)
+        verdict = f"monitored/{STATE.setdefault('monitored', 0)}/verdict"
+        STATE["monitored"] += 1
         if rank in late:
-            time.sleep(1.5)
+            poll_keys(rank_store(), [verdict], timeout=60)
         start = time.monotonic()
         with pytest.raises(fastcomm.CommTimeoutError) as info:
             fastcomm.monitored_barrier(fast, timedelta(seconds=1.0), wait_all_ranks=wait_all)
         if rank == 0:
             assert 0.9 < time.monotonic() - start < 5, time.monotonic() - start
+            rank_store().set(verdict, "1")
         messages[wait_all] = str(info.value)
         dist.barrier(fast)
     fastcomm.monitored_barrier(fast, timedelta(seconds=10))  # in step again

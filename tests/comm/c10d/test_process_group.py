@@ -34,6 +34,7 @@ from tests.harness import (
     env_world,
     free_port,
     poll_barrier,
+    poll_keys,
     pool_fixture,
     rank_store,
 )
@@ -459,16 +460,20 @@ def check_work_semantics():
     assert work.is_success() and work.exception() is None
     assert doubled.wait().tolist() == [2.0 * world * (world + 1) / 2] * 3
     assert work.result()[0] is t
-    # a peer that comes late: the work is pending, a short wait raises and leaves it running
-    rank_store().barrier(f"late/{STATE.setdefault('late', 0)}", world, 30)
+    # a peer that comes late: the work is pending, a short wait raises and leaves it running;
+    # rank 1 comes once rank 0 has looked (not after a fixed sleep: a rank 0 slower than that
+    # on a busy machine found the work completed)
+    late = f"late/{STATE.setdefault('late', 0)}"
     STATE["late"] += 1
+    rank_store().barrier(late, world, 30)
     if rank == 1:
-        time.sleep(1.0)
+        poll_keys(rank_store(), [f"{late}/looked"], timeout=60)
     pending = dist.all_reduce(torch.ones(2), async_op=True)
     if rank == 0:
         assert not pending.is_completed()
         with pytest.raises(CommTimeoutError, match="allreduce|all_reduce"):
             pending.wait(timedelta(milliseconds=100))
+        rank_store().set(f"{late}/looked", "1")
     assert pending.wait() and pending.is_completed()
     # an asynchronous gather (a v-call): its future gives the outputs
     out = [torch.empty(2) for _ in range(world)] if rank == 0 else []

@@ -323,7 +323,9 @@ def test_a_rank_that_never_arrives_makes_the_others_raise_naming_it(pool, unique
     absent = pool.world_size - 1
     assert results[absent] is None
     for rank, (elapsed, message) in enumerate(results[:absent]):
-        assert OP_TIMEOUT <= elapsed < OP_TIMEOUT + 1.5, (rank, elapsed, message)
+        # at the timeout, not at a later one: a multiple of it, as the overshoot (the kernel's
+        # wait runs in Triton's interpreter here) reached 0.5 s with one core busy elsewhere
+        assert OP_TIMEOUT <= elapsed < 3 * OP_TIMEOUT, (rank, elapsed, message)
         assert f"rank(s) [{absent}] never arrived" in message, message
         assert message.startswith(f"rank {rank}: all_reduce"), message
 

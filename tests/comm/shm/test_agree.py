@@ -29,7 +29,10 @@ from fastcomm.comm.types import PremulSum
 from tests.comm.shm.test_communicator import SMALL, exact, fold
 from tests.harness import STATE, pool_fixture, rank_store
 
-RAISE_WITHIN_S = 1.0
+# Disagreeing ranks raise at the comparison, not at the communicators' 60 s timeout: measured
+# at 7 ms at most beside a busy core, but a peer preempted between the barrier and its call
+# adds to it (the same 1 s bound on the ipc twin failed at 1.2 s on a busy machine).
+RAISE_WITHIN_S = 10.0
 SLOT = SMALL["slot_bytes"]
 
 

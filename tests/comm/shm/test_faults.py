@@ -133,33 +133,36 @@ def check_close_right_after_a_collective_a_peer_still_waits_in(name):
     )
     comm.barrier()
     t = torch.full((4,), 7.0) if rank == 0 else torch.zeros(4)
+    store = rank_store().prefixed(f"{name}-steps")
     if rank == 1:
         sync = comm._flags
-        sync.words = _DelayedStateReads(sync.words, sync.state_idx[0], delay_s=0.5)
+        sync.words = _HeldStateRead(sync.words, sync.state_idx[0], store)
         comm.broadcast(t, src=0)
         comm.close()
         return t.tolist()
-    sync = comm._flags
-    deadline = time.monotonic() + TIMEOUT
-    while sync.words[sync.wait_idx[1]] != 1:  # rank 1 announced it waits on rank 0's word
-        assert time.monotonic() < deadline, "rank 1 never waited on rank 0"
-        time.sleep(0.001)
-    time.sleep(0.05)  # rank 1 has read the word (not yet published) and is in its state read
+    # rank 1 has read our progress word (not yet published) and is held in its read of our
+    # state word: an event, not a sleep (a fixed sleep could end before rank 1 got there)
+    poll_keys(store, ["reading"], timeout=TIMEOUT)
     comm.broadcast(t, src=0)
-    comm.close()  # at once: rank 1 reads our state word only after this
+    comm.close()  # rank 1 reads our state word only after this
+    store.set("closed", "1")
     return t.tolist()
 
 
-class _DelayedStateReads:
-    """The segment's words as one rank sees them, each read of one word delayed: the rank is
-    preempted right before it looks at a peer's state (as on a loaded machine)."""
+class _HeldStateRead:
+    """The segment's words as one rank sees them, its first read of one word held until the
+    peer has closed: the rank is preempted right before it looks at a peer's state (as on a
+    loaded machine). ``reading`` and ``closed`` in `store` mark the two events."""
 
-    def __init__(self, words, slow_index: int, delay_s: float) -> None:
-        self._words, self._slow, self._delay = words, slow_index, delay_s
+    def __init__(self, words, slow_index: int, store) -> None:
+        self._words, self._slow, self._store = words, slow_index, store
+        self._held = False
 
     def __getitem__(self, index):
-        if index == self._slow:
-            time.sleep(self._delay)
+        if index == self._slow and not self._held:
+            self._held = True
+            self._store.set("reading", "1")
+            poll_keys(self._store, ["closed"], timeout=TIMEOUT)
         return self._words[index]
 
     def __setitem__(self, index, value):

@@ -284,10 +284,18 @@ def check_peer_gone_while_waiting(name: str, compiled: bool, how: str):
     """Rank 1 waits in recv from rank 0, which closes its communicator or aborts (a recv of
     the wrong size) meanwhile: rank 1 raises CommAbortedError long before its timeout."""
     rank = int(os.environ["RANK"])
-    comm = p2p_comm(name, compiled=compiled, timeout=60.0)
+    # no spin, no yield: rank 1 sleeps at once, announcing itself (the word after its acked
+    # counter), and rank 0 acts once it has (not after a fixed sleep, which a busy machine
+    # could make end before rank 1 waits)
+    comm = p2p_comm(name, compiled=compiled, timeout=60.0, spin_us=0.0, yield_us=0.0)
     try:
         if rank == 0:
-            time.sleep(0.2)  # rank 1 is asleep in its wait by now
+            words = comm._flags.words
+            announce = comm._seg.layout.acked(1, 0) // 8 + 1
+            deadline = time.monotonic() + 30
+            while words[announce] != 1:
+                assert time.monotonic() < deadline, "rank 0: rank 1 never slept in its recv"
+                time.sleep(0.001)
             if how == "close":
                 comm.close()
             else:
