@@ -227,6 +227,14 @@ class EtcdClient:
         answer = self._call("delete_prefix", p, "/v3/kv/deleterange", body, timeout)
         return int(answer.get("deleted", 0))
 
+    def delete_range(self, start: bytes | str, end: bytes | str, *,
+                     timeout: float | None = None) -> int:
+        """Deletes every key in ``[start, end)``; returns how many there were."""
+        k, e = _key(start), _key(end)
+        body = {"key": _b64(k), "range_end": _b64(e)}
+        answer = self._call("delete_range", k, "/v3/kv/deleterange", body, timeout)
+        return int(answer.get("deleted", 0))
+
     def compare_and_set(
         self,
         key: bytes | str,
@@ -542,11 +550,16 @@ class Lease:
                     self.lost = str(exc)
                     return
 
-    def revoke(self) -> bool:
-        """Stops the keep-alive and revokes the lease; returns whether it still existed."""
+    def stop(self) -> None:
+        """Stops the keep-alive (the lease then expires after its TTL, unless another client
+        keeps it)."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(self.client.request_timeout + 1)
+
+    def revoke(self) -> bool:
+        """Stops the keep-alive and revokes the lease; returns whether it still existed."""
+        self.stop()
         return self.client.revoke(self.id)
 
     def __enter__(self) -> Lease:
