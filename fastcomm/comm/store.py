@@ -47,6 +47,7 @@ __all__ = [
     "job_secret_from_env",
     "joining_node_key",
     "lost_rank_key",
+    "env_rendezvous",
     "parse_store_url",
     "store_from_env",
 ]
@@ -189,6 +190,29 @@ def store_from_env(
         return None
     _, endpoints, prefix = parse_store_url(url)
     return Store.on_etcd(endpoints, prefix, timeout=timeout, rank=rank)
+
+
+def env_rendezvous(url: str, timeout: timedelta | None = None):
+    """torch's ``env://`` rendezvous over the store ``FASTCOMM_STORE`` names: yields ``(store,
+    rank, world size)`` once, as torch's handler does (``rank``/``world_size`` from the URL's
+    query, else ``RANK``/``WORLD_SIZE``). ``import fastcomm`` routes ``env://`` here where the
+    variable is set, so ``init_process_group`` and ``fastcomm.init()`` share the job's store.
+
+    Raises:
+        ValueError: ``FASTCOMM_STORE`` is malformed, or ``RANK``/``WORLD_SIZE`` is missing.
+    """
+    from urllib.parse import parse_qsl, urlparse
+
+    query = dict(parse_qsl(urlparse(url).query))
+    numbers = {}
+    for name, env in (("rank", "RANK"), ("world_size", "WORLD_SIZE")):
+        text = query.get(name, os.environ.get(env, ""))
+        if not text.strip().lstrip("-").isdigit():
+            raise ValueError(f"env:// rendezvous over {STORE_ENV}: {env} expected, got {text!r}")
+        numbers[name] = int(text)
+    store = store_from_env(timeout=timeout, rank=numbers["rank"])
+    yield store.torch_store, numbers["rank"], numbers["world_size"]
+    raise RuntimeError("Unable to perform re-rendezvous using env:// method")
 
 
 # ---------------------------------------------------------------------- value encoding
@@ -598,6 +622,7 @@ class Store:
         timeout: float | timedelta | None = None,
         rank: int | None = None,
         request_timeout: float = 5.0,
+        _secret: bytes | None | object = _FROM_ENV,
     ) -> Store:
         """A store whose keys live in an etcd cluster, under ``prefix``: no process of the
         job serves it, so any node may die (see :class:`~.etcd_store.EtcdStore`). Values are
@@ -609,6 +634,7 @@ class Store:
             timeout, rank: as the constructor's.
             request_timeout: seconds one request to one member may take before the next
                 member is tried.
+            _secret: the job secret (default: from the environment, as the constructor's).
 
         Raises:
             ValueError, TypeError: malformed endpoints, prefix, timeout or job secret.
@@ -617,7 +643,7 @@ class Store:
 
         limit = as_timedelta(timeout, DEFAULT_TIMEOUT)
         root = EtcdStore(endpoints, prefix, limit, request_timeout=request_timeout)
-        return cls(timeout=limit, rank=rank, _root=root)
+        return cls(timeout=limit, rank=rank, _root=root, _secret=_secret)
 
     # ------------------------------------------------------------------ identity
     @property
