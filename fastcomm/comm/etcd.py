@@ -353,15 +353,23 @@ class EtcdClient:
         return self._receipt_lease
 
     # ------------------------------------------------------------------ waiting
-    def missing(self, keys: Iterable[bytes | str], *,
-                timeout: float | None = None) -> tuple[list[bytes], int]:
-        """Which of ``keys`` do not exist, and the revision at which that was read."""
+    def missing(self, keys: Iterable[bytes | str], *, timeout: float | None = None,
+                serializable: bool = False) -> tuple[list[bytes], int]:
+        """Which of ``keys`` do not exist, and the revision at which that was read.
+
+        ``serializable``: read from the member asked, without a round to the leader (answered
+        during an election too); a key set an instant ago may be reported missing, never the
+        reverse. For a poll that looks again.
+        """
         ks = [_key(k) for k in keys]
         absent, revision = [], 0
         for i in range(0, len(ks), _MAX_TXN_OPS):
             chunk = ks[i : i + _MAX_TXN_OPS]
-            body = {"success": [{"request_range": {"key": _b64(k), "count_only": True}}
-                                for k in chunk]}
+            ranges = [{"key": _b64(k), "count_only": True} for k in chunk]
+            if serializable:
+                for r in ranges:
+                    r["serializable"] = True
+            body = {"success": [{"request_range": r} for r in ranges]}
             answer = self._call("check", chunk[0], "/v3/kv/txn", body, timeout)
             revision = max(revision, int(answer["header"]["revision"]))
             for k, response in zip(chunk, answer["responses"], strict=True):

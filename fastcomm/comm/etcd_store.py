@@ -172,6 +172,13 @@ class EtcdStore(dist.Store):
                              timeout=self._limit())
         return not absent
 
+    def check_stale(self, keys: list[str]) -> bool:
+        """``check`` answered by the nearest member without a round to the leader, so during an
+        election too: a key set an instant ago may be reported missing (never the reverse)."""
+        absent, _ = self._do(self.client.missing, [self._full(k) for k in keys],
+                             timeout=self._limit(), serializable=True)
+        return not absent
+
     def delete_key(self, key: str) -> bool:
         return self._do(self.client.delete, self._full(key), timeout=self._limit())
 

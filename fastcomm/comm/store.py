@@ -767,9 +767,18 @@ class Store:
         except RuntimeError as exc:  # DistStoreError / DistNetworkError derive from it
             raise self._timeout_error(keys, op, start, exc) from exc
 
-    def check(self, keys: Iterable[str]) -> bool:
-        """Whether every key in ``keys`` is set (does not wait)."""
+    def check(self, keys: Iterable[str], *, stale_ok: bool = False) -> bool:
+        """Whether every key in ``keys`` is set (does not wait).
+
+        ``stale_ok``: in etcd, answered by the nearest member without a round to the leader
+        (no wait while the members elect one); a key set an instant ago may be reported unset,
+        never the reverse. For a poll that looks again (a ``TCPStore`` answers as without it).
+        """
         keys = list(keys)
+        root = self._root
+        if stale_ok and hasattr(root, "check_stale"):
+            full = [self._key_name(k) for k in keys]
+            return bool(self._call("check", keys, root.check_stale, full))
         return bool(self._call("check", keys, self._store.check, keys))
 
     def add(self, key: str, amount: int = 1) -> int:

@@ -672,9 +672,11 @@ class Rendezvous:
         waits for the others: the last agent out waits for those waiting to be admitted,
         then deletes the job's keys (``EtcdJob.finish``)."""
         round_store = info.store
+        # read before counting out: the last agent out deletes the keys once it counted
+        members = self.members(info.round) if self.etcd is not None else 0
         exited = round_store.add("exited", 1)
         if self.etcd is not None:
-            if exited >= self.members(info.round) - lost:
+            if exited >= members - lost:
                 self._wait_for_waiting(info, timeout, lost)
                 self.etcd.finish()
             return
