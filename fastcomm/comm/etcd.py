@@ -291,7 +291,8 @@ class EtcdClient:
         A transaction compares the key's revision and this client's receipt; it writes the
         sum to both. When an answer is lost and the request is retried (on this member or
         another), the receipt tells whether the lost one was applied, so the amount is added
-        exactly once.
+        exactly once. Adding 0 to a key that exists only reads it (no write, no revision: the
+        launcher reads its counters so, every tick).
 
         Raises:
             ValueError: the key holds something other than a decimal integer.
@@ -301,6 +302,10 @@ class EtcdClient:
             raise TypeError(f"etcd add amount must be an int, got {amount!r}")
         k = _key(key)
         limit = self.timeout if timeout is None else _positive(timeout, "timeout")
+        if amount == 0:
+            kv = self.get(k, timeout=limit)
+            if kv is not None:
+                return _integer(kv, k)
         deadline = time.monotonic() + limit
         with self._add_lock:  # one receipt per client: one add at a time
             current: KeyValue | None = None  # first guess: the key does not exist
@@ -558,11 +563,11 @@ class Lease:
                     self.lost = str(exc)
                     return
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
         """Stops the keep-alive (the lease then expires after its TTL, unless another client
-        keeps it)."""
+        keeps it); ``wait``: for a renewal in flight (at most ``request_timeout`` + 1 s)."""
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
+        if wait and self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(self.client.request_timeout + 1)
 
     def revoke(self) -> bool:

@@ -104,6 +104,7 @@ class Agent:
         """The rendezvous store (a client's answers bounded by the heartbeat limit)."""
         self.etcd: EtcdJob | None = None
         """The job in etcd (``--rdzv-backend etcd``: no agent serves a store)."""
+        self._etcd_gone = False  # the etcd cluster could not serve a call
         self.is_host = False
         self.group_rank: int | None = None
         self.dirs = RunDirs(config, self.log)
@@ -228,7 +229,7 @@ class Agent:
             self._restore_signals()
             self.dirs.cleanup()
             if self.etcd is not None:
-                self.etcd.close()
+                self.etcd.close(reachable=not self._etcd_gone)
 
     def _etcd_lost(self, exc: BaseException) -> bool:
         """With the etcd backend: when ``exc`` says the cluster could not serve a call (its
@@ -236,6 +237,7 @@ class Agent:
         loss = etcd_loss(exc) if self.etcd is not None else None
         if loss is None:
             return False
+        self._etcd_gone = True
         self.log(f"error: lost the etcd cluster, stopping this node's workers: {loss}")
         self._stop_workers()
         return True

@@ -242,12 +242,15 @@ class EtcdJob:
             self.log(f"could not delete the job's keys in etcd ({exc}); the next job of run id "
                      f"{self.cfg.run_id!r} deletes them")
 
-    def close(self) -> None:
+    def close(self, reachable: bool = True) -> None:
         """Stops renewing the leases and revokes this agent's (its liveness key goes at once);
-        closes the connections (best effort: an unreachable cluster lets them expire)."""
+        closes the connections. Best effort; with ``reachable=False`` (the cluster could not
+        serve a call) nothing is asked of it: the leases expire on their own."""
         for lease in (self.lease, self.job_lease):
             if lease is not None:
-                lease.stop()
+                lease.stop(wait=False)
+        if not reachable:
+            return
         if self.lease is not None:
             try:
                 self.client.revoke(self.lease.id, timeout=min(self.call_s, 2.0))
