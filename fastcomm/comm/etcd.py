@@ -76,6 +76,8 @@ class EtcdClient:
             is tried (default 5).
         timeout: seconds a call may take with its failovers when it is given none (default
             30).
+        receipts: the prefix of this client's :meth:`add` receipt key (default
+            ``RECEIPT_PREFIX``; a store puts it beside its own keys, so that they go together).
 
     Raises:
         ValueError, TypeError: malformed endpoints or timeouts.
@@ -87,6 +89,7 @@ class EtcdClient:
         *,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
         timeout: float = DEFAULT_TIMEOUT,
+        receipts: str = RECEIPT_PREFIX,
     ) -> None:
         self.endpoints = parse_endpoints(endpoints)
         self.request_timeout = _positive(request_timeout, "request_timeout")
@@ -94,7 +97,7 @@ class EtcdClient:
         self._members = [_Member(e) for e in self.endpoints]
         self._preferred = 0
         self._add_lock = threading.Lock()
-        self._receipt = f"{RECEIPT_PREFIX}{uuid.uuid4().hex}".encode()
+        self._receipt = f"{receipts}{uuid.uuid4().hex}".encode()
         self._receipt_rev = 0  # the receipt's mod_revision as this client last saw it
         self._receipt_lease: int | None = None
 
@@ -527,7 +530,8 @@ class Lease:
     Attributes:
         id: the lease's id (pass it as ``lease=`` to :meth:`EtcdClient.put`).
         ttl: its time to live in seconds, as granted.
-        lost: why the keep-alive thread gave up (``None`` while the lease is kept).
+        lost: why the keep-alive thread gave up: the cluster said the lease is gone
+            (``None`` while the lease is kept).
     """
 
     def __init__(self, client: EtcdClient, lease_id: int, ttl: int) -> None:
@@ -543,7 +547,11 @@ class Lease:
 
     def keep_alive(self, interval: float | None = None) -> Lease:
         """Renews the lease every ``interval`` s (default a third of its TTL) on a daemon
-        thread until :meth:`revoke`; a renewal that fails past the TTL sets :attr:`lost`."""
+        thread until :meth:`stop` or :meth:`revoke`. The cluster saying the lease is gone
+        (expired, revoked) sets :attr:`lost` and ends the thread; a renewal the cluster cannot
+        serve (an election, its majority lost) is tried again at the next interval: etcd
+        counts a lease's TTL from the last renewal its leader saw, and a new leader gives
+        every lease a full TTL again."""
         every = self.ttl / 3 if interval is None else _positive(interval, "interval")
         if self._thread is None:
             self._thread = threading.Thread(target=self._renew, args=(every,), daemon=True,
@@ -552,16 +560,14 @@ class Lease:
         return self
 
     def _renew(self, every: float) -> None:
-        renewed = time.monotonic()
         while not self._stop.wait(every):
-            left = renewed + self.ttl - time.monotonic()
             try:
-                self.client.refresh(self.id, timeout=max(left, every))
-                renewed = time.monotonic()
+                self.client.refresh(self.id, timeout=max(every, self.client.request_timeout))
+            except EtcdUnavailableError:
+                continue  # not served now: the lease lives on in etcd until it says otherwise
             except EtcdError as exc:
-                if time.monotonic() - renewed >= self.ttl or "expired" in str(exc):
-                    self.lost = str(exc)
-                    return
+                self.lost = str(exc)
+                return
 
     def stop(self, wait: bool = True) -> None:
         """Stops the keep-alive (the lease then expires after its TTL, unless another client

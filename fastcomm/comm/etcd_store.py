@@ -79,8 +79,11 @@ class EtcdStore(dist.Store):
         if (self.prefix + "/").startswith(RECEIPT_PREFIX.split("/")[0] + "/"):
             raise ValueError(f"prefix {prefix!r} is the etcd client's own ({RECEIPT_PREFIX})")
         self.set_timeout(as_timedelta(timeout, DEFAULT_TIMEOUT))
+        # the add receipts beside the prefix (not under it: num_keys counts the store's keys),
+        # so that deleting the job's keys deletes them too, a killed process's included
         self.client = EtcdClient(endpoints, request_timeout=request_timeout,
-                                 timeout=self.timeout.total_seconds())
+                                 timeout=self.timeout.total_seconds(),
+                                 receipts=f"{self.prefix}.receipts/")
 
     @property
     def endpoints(self) -> tuple[str, ...]:
