@@ -5,9 +5,10 @@ Every key of a job lives under ``fastcomm-run/<run id>/`` in etcd:
 
     lease                 the job's lease id (16 hex digits), put on that lease
     g<lease id>/          the live generation of the job:
-      fastcomm.launch/<run id>/r<r>/...   the rendezvous rounds (``rendezvous``, docs/launch.md)
-      alive/<agent id>                    each agent's liveness key, on the agent's own lease
-      w<r>/...                            round ``r``'s workers' store (their ``FASTCOMM_STORE``)
+      rdzv/fastcomm.launch/<run id>/r<r>/...  the rendezvous rounds (``rendezvous``)
+      alive/<agent id>                        each agent's liveness key, on its own lease
+      w<r>/...                                round ``r``'s workers' store (``FASTCOMM_STORE``)
+      rdzv.receipts/, w<r>.receipts/          the stores' clients' ``add`` receipts
 
 The first agent of a job grants the job's lease and puts ``lease`` with it (a transaction on
 version 0: one agent wins), then deletes what older generations left (a job of this run id that
@@ -19,9 +20,10 @@ generation.
 Each agent puts ``alive/<agent id>`` on a lease of its own whose TTL is the heartbeat limit
 (``keep_alive_interval * keep_alive_max_attempt``, whole seconds), renewed every
 ``keep_alive_interval`` by a thread: an agent's death, or its node's, shows as the key expiring
-(:class:`LeaseBeats`). An agent whose own lease expired (etcd unreachable from it for the TTL)
-stops, since the others take it for lost. Every call to etcd is bounded by the heartbeat limit
-(at least ``MIN_CALL_S``): a cluster that lost its majority stops every agent with one line.
+(:class:`LeaseBeats`). An agent whose own lease expired stops, since the others take it for
+lost. Every call to etcd is bounded by the heartbeat limit (at least ``MIN_CALL_S``, which an
+election and one silent member fit in): a cluster that lost its majority stops every agent
+with one line.
 
 Each agent lists the members on its own machine first, for itself and its workers: a client
 stays with the member that answered last, so a node's death costs the others no request to its
@@ -45,8 +47,11 @@ __all__ = ["ETCD_ROOT", "EtcdJob", "LeaseBeats", "etcd_loss", "local_first"]
 
 #: Where the jobs of fastcomm-run live in etcd (``<root>/<run id>/``).
 ETCD_ROOT = "fastcomm-run"
-#: The shortest bound of one call to etcd (a leader election takes about a second).
-MIN_CALL_S = 2.0
+#: The shortest bound of one call to etcd: an election (about a second) and a member that
+#: does not answer (``REQUEST_S``) fit in it.
+MIN_CALL_S = 5.0
+#: Seconds one request to one member may take before the next one is tried.
+REQUEST_S = 1.0
 #: The shortest TTL of the job's lease: it outlives a pause of every agent's renewals.
 MIN_JOB_TTL_S = 10
 
@@ -99,7 +104,7 @@ class EtcdJob:
         self.root = f"{ETCD_ROOT}/{cfg.run_id}"
         self.call_s = max(cfg.heartbeat_limit, MIN_CALL_S)
         """Seconds one call to etcd may take, with its failovers."""
-        self.request_s = min(5.0, self.call_s / 2)
+        self.request_s = REQUEST_S
         """Seconds one request to one member may take before the next member is tried."""
         self.ttl = max(1, math.ceil(cfg.heartbeat_limit))
         """The TTL of this agent's liveness lease (whole seconds)."""
@@ -163,7 +168,7 @@ class EtcdJob:
                         f"the join timeout ({cfg.join_timeout:g} s): {exc}"
                     ) from None
                 time.sleep(min(0.5, cfg.join_timeout - waited))
-        self._store = EtcdStore(self.endpoints, self.prefix, self.call_s,
+        self._store = EtcdStore(self.endpoints, f"{self.prefix}/rdzv", self.call_s,
                                 request_timeout=self.request_s)
         return Store(timeout=self.call_s, _root=self._store, _secret=self.secret)
 
@@ -218,9 +223,11 @@ class EtcdJob:
         return self.lease is not None and self.lease.lost is not None
 
     def check_lease(self) -> None:
-        """Raises ``LaunchError`` once this agent's liveness lease is lost: the other agents
-        take this node for lost, so it must stop."""
+        """Raises once this agent's liveness lease is lost: the other agents take this node for
+        lost, so it must stop. ``EtcdUnavailableError`` where the cluster cannot serve a call
+        (it lost its majority, or this node lost it), else ``LaunchError``."""
         if self.lease_lost:
+            self.client.get(f"{self.root}/lease")  # says why, where the cluster is lost
             raise LaunchError(
                 f"this node's liveness lease in etcd ({self.address}) was not renewed within "
                 f"its {self.ttl} s: the other nodes take it for lost ({self.lease.lost})"
