@@ -63,6 +63,10 @@ class EtcdStore(dist.Store):
         ValueError, TypeError: malformed endpoints, prefix or timeouts.
     """
 
+    called_directly = True
+    """``fastcomm.Store`` calls this store's methods from Python (keys prefixed there), not
+    through torch's C++ ``PrefixStore``."""
+
     def __init__(
         self,
         endpoints: str | Sequence[str],

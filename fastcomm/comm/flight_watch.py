@@ -278,6 +278,8 @@ class Watch(threading.Thread):
             with self.lock:
                 targets = [t for t in self.targets if t.alive]
             for target in targets:
+                if self.stopping:
+                    return
                 try:
                     self._visit(target, signalled)
                 except Exception as exc:  # noqa: BLE001 - the store went with the job

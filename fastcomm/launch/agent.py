@@ -307,6 +307,8 @@ class Agent:
         host, port = cfg.rdzv_host, cfg.rdzv_port
         if cfg.rdzv_backend == "etcd":  # the address that routes to a member elsewhere
             host, port = route_endpoint(cfg.rdzv_endpoints)
+            if cfg.max_nodes == 1:  # every worker is here, wherever etcd runs
+                host = "127.0.0.1"
         try:
             listen = listen_address(
                 host,
