@@ -15,7 +15,6 @@ takes it from there, as ``fastcomm.init()`` does.
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from typing import Any
 
@@ -72,7 +71,9 @@ def _route_env_rendezvous() -> None:
         return
 
     def env(url: str, **kwargs: Any):
-        if not os.environ.get("FASTCOMM_STORE", "").strip():
+        from . import settings
+
+        if not settings.STORE.is_set():
             return torch_env(url, **kwargs)
         from .comm.store import env_rendezvous
 

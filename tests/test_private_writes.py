@@ -23,26 +23,6 @@ ALLOWED: tuple[tuple[str, str, str], ...] = (
      "torch DDP sets it the same way around its module's call"),
 )
 
-#: TEMPORARY: writes in the files another change is reworking (the op dispatch of
-#: comm/base.py, the c10d adapter's works, the flight recorder's registration of a work), to
-#: go with that change; then this list goes too. (file, attribute, what should own it)
-PENDING_ELSEWHERE: tuple[tuple[str, str, str], ...] = (
-    ("fastcomm/comm/base.py", "_aborted",
-     "abort_parts marks a composite communicator (hier, ipc) aborted: its own method"),
-    ("fastcomm/comm/c10d/issue.py", "_outputs", "a finished work's outputs: its constructor"),
-    ("fastcomm/comm/c10d/works.py", "_outputs", "a finished work's outputs: its constructor"),
-    ("fastcomm/comm/c10d/p2p.py", "_outputs", "a receive's work: its constructor"),
-    ("fastcomm/comm/c10d/p2p.py", "_src", "a receive's work: its constructor"),
-    ("fastcomm/comm/c10d/p2p.py", "_flight", "the flight recorder's registration of a work"),
-    ("fastcomm/comm/c10d/p2p.py", "_last_received", "the process group's own p2p state"),
-    ("fastcomm/comm/c10d/p2p.py", "_mailboxes", "the process group's own p2p state"),
-    ("fastcomm/comm/c10d/p2p.py", "_lane", "the process group's own p2p state"),
-    ("fastcomm/comm/flight.py", "_flight", "the flight recorder's registration of a work"),
-    ("fastcomm/comm/flight.py", "_flight_dumped", "an error dumped once: the recorder's record"),
-    ("fastcomm/comm/work.py", "_executor", "a queued work's executor: the Work's constructor"),
-)
-
-
 def _private(name: str) -> bool:
     return (name.startswith("_") and not name.startswith("_ddp_")
             and not (name.startswith("__") and name.endswith("__")))
@@ -116,7 +96,7 @@ def _all_writes() -> list[tuple[str, int, str]]:
 
 
 def test_no_module_writes_another_objects_private_attribute():
-    known = {(f, a) for f, a, _ in ALLOWED + PENDING_ELSEWHERE}
+    known = {(f, a) for f, a, _ in ALLOWED}
     left = [f"{f}:{line} {a}" for f, line, a in _all_writes() if (f, a) not in known]
     assert not left, (
         "writes to another object's private attribute (give the owner a method):\n  "
@@ -127,9 +107,9 @@ def test_no_module_writes_another_objects_private_attribute():
 def test_the_lists_are_short_and_current():
     assert len(ALLOWED) <= 5
     written = {(f, a) for f, _, a in _all_writes()}
-    stale = [(f, a) for f, a, _ in ALLOWED + PENDING_ELSEWHERE if (f, a) not in written]
+    stale = [(f, a) for f, a, _ in ALLOWED if (f, a) not in written]
     assert not stale, f"entries whose write is gone (remove them): {stale}"
-    assert all(why for _, _, why in ALLOWED + PENDING_ELSEWHERE)
+    assert all(why for _, _, why in ALLOWED)
 
 
 def test_what_counts_as_a_write():

@@ -12,6 +12,7 @@ from typing import Any
 # Public name -> submodule (relative to this package) that defines it.
 _LAZY: dict[str, str] = {
     "Capabilities": ".types",
+    "CollectiveMismatchError": ".errors",
     "Communicator": ".base",
     "CommAbortedError": ".errors",
     "CommClosedError": ".errors",
@@ -44,6 +45,7 @@ _LAZY: dict[str, str] = {
 
 __all__ = [
     "Capabilities",
+    "CollectiveMismatchError",
     "Communicator",
     "CommAbortedError",
     "CommClosedError",

@@ -7,18 +7,21 @@ what is allowed. The usual operands pass each check's first test without buildin
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from .types import EXTRA_DTYPES, SUPPORTED_DTYPES, PremulSum, ReduceOp
+from .vcoll import plain_pieces
 
 __all__ = [
     "DTYPES",
     "REDUCED_DTYPES",
     "bad_sizes",
-    "check_members",
+    "check_p2p",
     "check_pair",
+    "check_pieces",
     "check_peer",
     "check_premul_dtype",
     "check_reduce_scatter_op",
@@ -161,18 +164,16 @@ def check_pair(output: object, input: object, op: str) -> None:
         raise ValueError(f"{op}: output on {output.device} but input on {input.device}")
 
 
-def plain_pair(comm, output: object, input: object) -> bool:
-    """Whether ``output`` and ``input`` are the usual operands of ``comm`` (open, plain
-    contiguous CPU tensors of one supported dtype that autograd does not track, moved by
-    ``comm`` itself): then every check of :func:`check_pair` holds, tested in a fraction of
-    its time."""
+def plain_pair(output: object, input: object) -> bool:
+    """Whether ``output`` and ``input`` are the usual operands (plain contiguous CPU tensors of
+    one supported dtype that autograd does not track): then every check of :func:`check_pair`
+    holds, tested in a fraction of its time (the caller adds its own state: open, moving CPU
+    tensors itself)."""
     return (
         type(output) is torch.Tensor
         and type(input) is torch.Tensor
-        and not comm._closed
         and output.is_cpu
         and input.is_cpu
-        and comm._cpu_native
         and output.dtype is input.dtype
         and input.dtype in DTYPES
         and not output.requires_grad
@@ -201,17 +202,17 @@ def check_peer(peer: object, size: int, op: str, name: str) -> int:
     return peer
 
 
-def check_p2p(comm, tensor: object, peer: object, op: str, name: str, verb: str) -> None:
-    """The checks of ``send``/``recv``: open, a valid tensor, a peer that is another rank.
+def check_p2p(rank: int, size: int, tensor: object, peer: object, op: str, name: str,
+              verb: str) -> None:
+    """The checks of ``send``/``recv`` on rank ``rank`` of ``size``: a valid tensor, a peer
+    that is another rank.
 
     Raises:
-        CommClosedError: ``comm`` is closed.
         TypeError, ValueError: as :func:`check_tensor`; ``peer`` out of range or this rank.
     """
-    comm._check_open(op)
     check_tensor(tensor, op)
-    check_peer(peer, comm.size, op, name)
-    if peer == comm.rank:
+    check_peer(peer, size, op, name)
+    if peer == rank:
         raise ValueError(f"{op}: {name}={peer} is this rank; a rank cannot {verb} itself")
 
 
@@ -246,25 +247,40 @@ def check_split_args(color: object, key: object) -> None:
         raise TypeError(f"split: key must be an int or None, got {key!r}")
 
 
-def check_members(rank: Any, size: Any, fallback: Any, kind: type) -> None:
-    """A communicator's ``rank`` of ``size``, and its ``fallback`` (``None`` or an instance of
-    ``kind`` over the same ranks).
+def check_pieces(size: int, op: str, outputs: Sequence, inputs: Sequence) -> tuple[list, list]:
+    """Checks a v-call's pieces (before anything is sent): lists of ``size`` tensors, dense,
+    contiguous, one dtype, on one device. Returns them as lists.
 
     Raises:
-        ValueError: ``size`` is not a positive int, ``rank`` not in ``[0, size)``, or the
-            fallback spans other ranks.
-        TypeError: ``fallback`` is not a ``kind``.
+        TypeError: not tensors, or dtypes that differ.
+        ValueError: lists of the wrong length, non-contiguous or sparse pieces, devices that
+            differ.
     """
-    if not isinstance(size, int) or size < 1:
-        raise ValueError(f"size must be a positive int, got {size!r}")
-    if not isinstance(rank, int) or not 0 <= rank < size:
-        raise ValueError(f"rank must be an int in [0, {size}), got {rank!r}")
-    if fallback is not None and not isinstance(fallback, kind):
-        raise TypeError(
-            f"fallback must be a fastcomm Communicator or None, got {type(fallback).__name__}"
-        )
-    if fallback is not None and (fallback.rank, fallback.size) != (rank, size):
-        raise ValueError(
-            f"the fallback must span the same ranks: rank {fallback.rank} of "
-            f"{fallback.size}, this communicator rank {rank} of {size}"
-        )
+    outputs, inputs = list(outputs), list(inputs)  # the caller's lists may change later
+    if len(outputs) == size and len(inputs) == size:
+        first = inputs[0]
+        if first.__class__ is torch.Tensor:  # the usual call, checked in one pass
+            if plain_pieces(outputs, first) and plain_pieces(inputs, first):
+                return outputs, inputs
+    for name, pieces in (("outputs", outputs), ("inputs", inputs)):
+        if len(pieces) != size:
+            raise ValueError(f"{op}: {name} has {len(pieces)} tensors; expected one per rank "
+                             f"({size})")
+    first = inputs[0] if isinstance(inputs[0], torch.Tensor) else None
+    for name, pieces in (("outputs", outputs), ("inputs", inputs)):
+        for i, t in enumerate(pieces):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{op}: {name}[{i}] must be a torch.Tensor, got "
+                                f"{type(t).__name__}")
+            if t.layout is not _STRIDED:
+                raise ValueError(f"{op}: {name}[{i}] has layout {t.layout}; dense tensors only")
+            if not t.is_contiguous():
+                raise ValueError(f"{op}: {name}[{i}] must be contiguous (shape "
+                                 f"{tuple(t.shape)}, strides {t.stride()})")
+            if first is not None and t.dtype != first.dtype:
+                raise TypeError(f"{op}: {name}[{i}] has dtype {t.dtype}, inputs[0] "
+                                f"{first.dtype}; one dtype per call")
+            if first is not None and t.device != first.device:
+                raise ValueError(f"{op}: {name}[{i}] is on {t.device}, inputs[0] on "
+                                 f"{first.device}")
+    return outputs, inputs

@@ -25,3 +25,16 @@ class CommClosedError(FastcommError):
 
 class CommAbortedError(FastcommError):
     """A communicator was aborted (watchdog timeout or a peer failure) while work was pending."""
+
+
+class CollectiveMismatchError(FastcommError):
+    """The ranks issued different collectives (op, dtype, element count, reduce op or root), or
+    a call's ranks disagree on its sizes: raised on every rank, its text from
+    :func:`~fastcomm.comm.calls.mismatch_message`. Recognised by this type (the flight recorder
+    dumps every rank's record on it), never by its text."""
+
+
+class SizesDisagreement(CollectiveMismatchError, ValueError):
+    """The ranks of a call of unequal sizes (a v-call, a list call handed to Gloo) disagree on
+    its op, root, dtype or sizes: raised on every rank, found before any output changed, so
+    the communicator stays usable."""

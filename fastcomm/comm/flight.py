@@ -10,40 +10,41 @@ dump is written. States: ``started`` (a synchronous call running), ``issued`` (a
 ``async_op`` call whose ``Work`` is pending), ``completed``, ``failed``.
 
 ``FASTCOMM_FLIGHT_SIZE`` sets the ring's length (default 2000; 0 turns recording off). The
-recorder also gives ``comm.stats`` its latencies (:meth:`FlightRecorder.latencies`). Dumps, the
-heartbeat and the early warning live in :mod:`.flight_watch`; the report in :mod:`fastcomm.trace`.
+recorder also gives ``comm.stats`` its latencies (:meth:`FlightRecorder.latencies`). A call that
+fails is reported to its communicator's failure hooks (:class:`~.hooks.CommHooks`): the flight
+watch (:mod:`.flight_watch`) registers the dumps, the heartbeat and the early warning there;
+the report lives in :mod:`fastcomm.trace`.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from functools import wraps
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.autograd.profiler as _profiler
 from torch import Tensor as _Tensor
 
+from .. import settings
 from .flight_describe import STATES, entry, nbytes_of, wall
 
+if TYPE_CHECKING:
+    from .hooks import CommHooks
+
 __all__ = [
-    "FlightRecorder", "ON_FAILURE", "STATES", "recorded", "recorder_for", "recorders",
+    "FlightRecorder", "STATES", "ended", "recorded", "recorder_for", "recorders",
     "run_recorded", "wall",
 ]
 
-SIZE_ENV = "FASTCOMM_FLIGHT_SIZE"
-DEFAULT_SIZE = 2000
+DEFAULT_SIZE = settings.FLIGHT_SIZE.default
 EMPTY, ISSUED, STARTED, COMPLETED, FAILED = 0, 1, 2, 3, 4
 SAMPLE = 8
 """Every ``SAMPLE``-th call (by sequence number) is timed: its latency, its issue time."""
 _UNSAMPLED = SAMPLE - 1
-#: ``[handler]`` once :mod:`.flight_watch` is imported: ``handler(recorder, exc)`` dumps every
-#: rank's record after a failed call (set there: the watch sits above the recorder)
-ON_FAILURE: list[Callable[[Any, BaseException], None]] = []
 _now = time.perf_counter_ns
 
 _weak = weakref.ref
@@ -61,17 +62,7 @@ _LOCK = threading.Lock()
 
 def configured_size() -> int:
     """The ring's length from ``FASTCOMM_FLIGHT_SIZE`` (0: off)."""
-    raw = os.environ.get(SIZE_ENV, "").strip()
-    if not raw:
-        return DEFAULT_SIZE
-    try:
-        size = int(raw)
-    except ValueError:
-        raise ValueError(f"{SIZE_ENV}={raw!r}: expected an int >= 0 (0 turns the flight "
-                         "recorder off)") from None
-    if size < 0:
-        raise ValueError(f"{SIZE_ENV}={size}: expected an int >= 0")
-    return size
+    return settings.FLIGHT_SIZE.get()
 
 
 class FlightRecorder:
@@ -82,13 +73,15 @@ class FlightRecorder:
         rank: this process's rank in it.
         size: its ranks.
         capacity: slots in the ring.
+        hooks: the communicator's hooks, told of every call that fails (``None``: nobody).
     """
 
     __slots__ = ("name", "rank", "size", "capacity", "seq", "_op", "_arg", "_extra", "_t0",
                  "_t1", "_state", "_last", "_prev", "_range", "_seen", "done", "backend", "main",
-                 "__weakref__")
+                 "_hooks", "__weakref__")
 
-    def __init__(self, name: str, rank: int, size: int, capacity: int = DEFAULT_SIZE) -> None:
+    def __init__(self, name: str, rank: int, size: int, capacity: int = DEFAULT_SIZE,
+                 hooks: CommHooks | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"flight recorder capacity must be >= 1, got {capacity}")
         self.name = name
@@ -98,6 +91,7 @@ class FlightRecorder:
         self.capacity = capacity
         self.main = False
         """Whether reports follow this communicator (the one the job's ranks all call)."""
+        self._hooks = hooks
         self.seq = 0
         """The last sequence number issued (1 is the first call)."""
         self.done = 0
@@ -161,9 +155,11 @@ class FlightRecorder:
             self._close_range()
 
     def fail(self, seq: int, exc: BaseException) -> None:
-        """Ends call ``seq``, which raised ``exc``: the record is dumped first (:func:`failed`),
-        while the call still shows as in flight."""
-        failed(self, exc)
+        """Ends call ``seq``, which raised ``exc``: the communicator's failure hooks run first
+        (:meth:`~.hooks.CommHooks.failed`: a dump of the record), while the call still shows as
+        in flight."""
+        if self._hooks is not None:
+            self._hooks.failed(exc)
         self.end(seq, False)
 
     def pending(self, seq: int) -> None:
@@ -198,11 +194,11 @@ class FlightRecorder:
             self._close_range()
         if result is None:
             self.end(seq)
-        elif getattr(result, "_flight", 0) is None:  # a fastcomm Work: it reports its end
+            return result
+        record_in = getattr(result, "record_in", None)
+        if record_in is not None:  # a fastcomm Work: it reports its end (Work.record_in)
             self._state[seq % self.capacity] = ISSUED
-            result._flight = (self, seq)
-            if getattr(result, "_done", False) and getattr(result, "event", None) is None:
-                self.end(seq, result._error is None)  # finished before it was told
+            record_in(self, seq)
         else:
             self.end(seq)  # another kind of handle: counted done once issued
         return result
@@ -284,12 +280,12 @@ def _shape_of(arg: Any) -> tuple:
 
 
 def recorder_for(comm) -> FlightRecorder | None:
-    """A new recorder for ``comm`` (``None`` where ``FASTCOMM_FLIGHT_SIZE=0``)."""
+    """A new recorder for ``comm`` that tells ``comm.hooks`` of failed calls (``None`` where
+    ``FASTCOMM_FLIGHT_SIZE=0``)."""
     size = configured_size()
     if not size:
         return None
-    recorder = FlightRecorder(comm.backend, comm.rank, comm.size, size)
-    return recorder
+    return FlightRecorder(comm.backend, comm.rank, comm.size, size, comm.hooks)
 
 
 def recorders() -> list[FlightRecorder]:
@@ -303,7 +299,7 @@ def recorded(op: str, arg: int = 0, extra: int | None = None,
     """Records every call of the decorated public method as ``op``: positional argument
     ``arg`` describes it (-1: none), ``extra`` (index after ``self``, or keyword
     ``extra_name``) is its reduce op or root. A call that raises is recorded failed, and a
-    timeout or abort dumps the record (:mod:`.flight_watch`)."""
+    timeout or abort runs the communicator's failure hooks (:mod:`.hooks`)."""
 
     def wrap(method: Callable) -> Callable:
         @wraps(method)
@@ -344,30 +340,14 @@ def run_recorded(recorder: FlightRecorder | None, op: str, arg: Any, extra: Any,
     recorder.returned(seq)
 
 
-def work_ended(work: Any, error: BaseException | None) -> None:
-    """A stream's watchdog saw ``work``'s event complete (``error`` ``None``) or failed it:
-    its call ends in its recorder; a failure dumps the record (once per error)."""
-    flight = getattr(work, "_flight", None)
+def ended(flight: tuple[FlightRecorder, int] | None, error: BaseException | None) -> None:
+    """Ends a recorded call whose operation outlived it (``flight``: its ``(recorder, seq)``,
+    held by its ``Work`` until now; ``None``: not recorded): completed, or failed with
+    ``error`` (the communicator's failure hooks run first, once per error)."""
     if flight is None:
         return
-    work._flight = None
     recorder, seq = flight
-    if error is not None and getattr(error, "_flight_dumped", False) is False:
-        try:
-            error._flight_dumped = True
-        except AttributeError:
-            pass
-        failed(recorder, error)
-    recorder.end(seq, error is None)
-
-
-def failed(recorder: FlightRecorder, exc: BaseException) -> None:
-    """A call of ``recorder``'s communicator raised ``exc``: a timeout, an abort, a lost peer
-    or a collective mismatch dumps every rank's record (:mod:`.flight_watch`); an argument
-    error raised before anything was sent does not."""
-    from .errors import CommClosedError, FastcommError
-
-    if isinstance(exc, CommClosedError):
-        return
-    if (isinstance(exc, FastcommError) or "collective mismatch" in str(exc)) and ON_FAILURE:
-        ON_FAILURE[0](recorder, exc)
+    if error is not None:
+        recorder.fail(seq, error)
+    else:
+        recorder.end(seq)

@@ -26,31 +26,18 @@ import threading
 import time
 import traceback
 import weakref
+from functools import partial
 
-from .. import trace
-from .flight import ON_FAILURE, recorders
+from .. import settings, trace
+from .flight import recorders
 from .store import Store, lost_rank_key
 
-__all__ = ["Watch", "dump_record", "on_failure", "request_report", "watch"]
+__all__ = ["Watch", "dump_record", "request_report", "watch"]
 
 logger = logging.getLogger("fastcomm")
 
-POLL_ENV = "FASTCOMM_FLIGHT_POLL_S"
-SUSPECT_ENV = "FASTCOMM_SUSPECT_S"
-DIR_ENV = "FASTCOMM_FLIGHT_DIR"
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # fastcomm/
 _HIDDEN = (_PKG, os.path.dirname(threading.__file__))
-
-
-def _seconds(env: str, default: float) -> float:
-    raw = os.environ.get(env, "").strip()
-    try:
-        value = float(raw) if raw else default
-    except ValueError:
-        raise ValueError(f"{env}={raw!r}: expected seconds (a number > 0)") from None
-    if value <= 0:
-        raise ValueError(f"{env}={raw!r}: expected seconds (a number > 0)")
-    return value
 
 
 def thread_stacks() -> list[dict]:
@@ -138,7 +125,7 @@ def _publish(target: _Target, n: int, reason: str) -> None:
         target.store.set(key, target.store.encode(key, record))
     except Exception as exc:  # noqa: BLE001 - the store may be gone with the job
         logger.warning("rank %d: could not write its flight record: %s", target.rank, exc)
-    folder = os.environ.get(DIR_ENV)
+    folder = settings.FLIGHT_DIR.get()
     if folder:
         _write_json(os.path.join(folder, target.recorder.name, str(n),
                                  f"rank{target.rank}.json"), record)
@@ -221,7 +208,7 @@ def request_report(target: _Target, reason: str, wait_s: float) -> list[str]:
     _publish(target, n, reason)
     dumps, beats = _collect(target, n, wait_s)
     lines = trace.analyze(dumps, beats, target.size, target.recorder.name)
-    folder = os.environ.get(DIR_ENV)
+    folder = settings.FLIGHT_DIR.get()
     if folder:
         base = os.path.join(folder, target.recorder.name, str(n))
         _write_json(os.path.join(base, "beats.json"), {str(k): v for k, v in beats.items()})
@@ -243,8 +230,8 @@ class Watch(threading.Thread):
         super().__init__(name="fastcomm-flight", daemon=True)
         self.targets: list[_Target] = []
         self.lock = threading.Lock()
-        self.poll_s = _seconds(POLL_ENV, 1.0)
-        self.suspect_s = _seconds(SUSPECT_ENV, 30.0)
+        self.poll_s = settings.FLIGHT_POLL_S.get()
+        self.suspect_s = settings.SUSPECT_S.get()
         self.signalled = threading.Event()
         self.stopping = False
 
@@ -258,11 +245,13 @@ class Watch(threading.Thread):
         if self.is_alive() and self is not threading.current_thread():
             self.join(timeout)
 
-    def add(self, comm) -> None:
+    def add(self, comm) -> _Target:
+        """Watches ``comm`` from now on; its target."""
         target = _Target(comm)
         self._beat(target)  # named by its heartbeat from the start, not after a poll
         with self.lock:
             self.targets = [t for t in self.targets if t.alive] + [target]
+        return target
 
     @staticmethod
     def _beat(target: _Target) -> None:
@@ -322,7 +311,9 @@ def _on_sigusr1(signum, frame) -> None:
 
 
 def watch(comm) -> None:
-    """Starts (once per process) the flight thread and adds ``comm`` to what it watches."""
+    """Starts (once per process) the flight thread, adds ``comm`` to what it watches and
+    registers the dump of every rank's record as one of ``comm``'s failure hooks
+    (:meth:`~.hooks.CommHooks.register_failure`)."""
     global _WATCH
     if comm.flight is None:
         return
@@ -335,19 +326,14 @@ def watch(comm) -> None:
             if threading.current_thread() is threading.main_thread() and \
                     signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
                 signal.signal(signal.SIGUSR1, _on_sigusr1)
-    _WATCH.add(comm)
+    target = _WATCH.add(comm)
+    comm.hooks.register_failure(partial(_report_failure, _WATCH, target))
 
 
-def on_failure(recorder, exc: BaseException) -> None:
-    """A call of a watched communicator timed out or was aborted: every rank's dump, the
-    report in the log, its first line as a note on ``exc``."""
-    watch_ = _WATCH
-    if watch_ is None:
-        return
-    with watch_.lock:
-        target = next((t for t in watch_.targets if t.recorder is recorder), None)
-    if target is None:
-        return
+def _report_failure(watch_: Watch, target: _Target, exc: BaseException) -> None:
+    """A call of ``target``'s communicator timed out, was aborted or disagreed with its peers'
+    (its failure hook): every rank's dump, the report in the log, its first line as a note on
+    ``exc``."""
     try:
         lines = request_report(target, f"{type(exc).__name__}: {exc}",
                                wait_s=2 * watch_.poll_s + 1.0)
@@ -356,6 +342,3 @@ def on_failure(recorder, exc: BaseException) -> None:
         return
     logger.error("rank %d: flight report:\n%s", target.rank, "\n".join(lines))
     exc.add_note(f"flight report: {lines[0]}")
-
-
-ON_FAILURE[:] = [on_failure]

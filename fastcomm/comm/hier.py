@@ -22,9 +22,15 @@ from datetime import timedelta
 
 import torch
 
-from .base import Communicator, abort_parts
+from .base import Communicator
 from .calls import HEAD, Call, encode, first_difference, mismatch_message, tensor_call
-from .errors import CommAbortedError, CommClosedError, CommTimeoutError, FastcommError
+from .errors import (
+    CollectiveMismatchError,
+    CommAbortedError,
+    CommClosedError,
+    CommTimeoutError,
+    FastcommError,
+)
 from .reduction import reduce_into
 from .store import Store
 from .topology import HostLayout
@@ -184,7 +190,7 @@ class HierCommunicator(Communicator):
             intra.broadcast(out, 0)
         problem = _mismatch(out[:head])
         if problem is not None:
-            raise FastcommError(mismatch_message(self.rank, call.op, problem))
+            raise CollectiveMismatchError(mismatch_message(self.rank, call.op, problem))
         if riding:
             flat.copy_(out[head:head + nbytes].view(flat.dtype))
         return riding
@@ -235,43 +241,47 @@ class HierCommunicator(Communicator):
         # the all-reduce of a copy off the root: only the root's tensor changes
         self._all_reduce(tensor if self.rank == root else tensor.clone(), op, call)
 
-    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Task:
+    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp,
+                         blocking: bool = False) -> Task:
         call = tensor_call("all_reduce", tensor, op)
         return self._task("all_reduce", tensor, lambda: self._all_reduce(tensor, op, call))
 
-    def _impl_reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp) -> Task:
+    def _impl_reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp,
+                     blocking: bool = False) -> Task:
         call = tensor_call("reduce", tensor, op, root)
         return self._task("reduce", tensor, lambda: self._reduce(tensor, root, op, call))
 
-    def _impl_broadcast(self, tensor: torch.Tensor, src: int) -> Task:
+    def _impl_broadcast(self, tensor: torch.Tensor, src: int, blocking: bool = False) -> Task:
         call = tensor_call("broadcast", tensor, root=src)
-        return self._agreed("broadcast", tensor, call, lambda: self._broadcast(tensor, src))
+        return self._agreed("broadcast", tensor, call,
+                            lambda: self._broadcast(tensor, src))
 
-    def _impl_barrier(self) -> Task:
+    def _impl_barrier(self, blocking: bool = False) -> Task:
         # the agreement waits for every rank: it is the barrier
         return self._agreed("barrier", None, tensor_call("barrier"), lambda: None)
 
     # ------------------------------------------------------------------ flat ops (Gloo)
     # agreed first: Gloo given calls that differ hangs, aborts the process or returns garbage
-    def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Task:
+    def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor,
+                         blocking: bool = False) -> Task:
         task = self.flat._impl_all_gather(output, input)
         return self._agreed("all_gather", output, tensor_call("all_gather", input), task.run)
 
-    def _impl_reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp
-    ) -> Task:
+    def _impl_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
+                             blocking: bool = False) -> Task:
         task = self.flat._impl_reduce_scatter(output, input, op)
         call = tensor_call("reduce_scatter", output, op)
         return self._agreed("reduce_scatter", output, call, task.run)
 
-    def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Task:
+    def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor,
+                         blocking: bool = False) -> Task:
         task = self.flat._impl_all_to_all(output, input)
         return self._agreed("all_to_all", output, tensor_call("all_to_all", input), task.run)
 
-    def _impl_send(self, tensor: torch.Tensor, dst: int) -> Task:
+    def _impl_send(self, tensor: torch.Tensor, dst: int, blocking: bool = False) -> Task:
         return self.flat._impl_send(tensor, dst)
 
-    def _impl_recv(self, tensor: torch.Tensor, src: int) -> Task:
+    def _impl_recv(self, tensor: torch.Tensor, src: int, blocking: bool = False) -> Task:
         return self.flat._impl_recv(tensor, src)
 
     # ------------------------------------------------------------------ lost ranks
@@ -279,7 +289,7 @@ class HierCommunicator(Communicator):
         """From any thread: every pending and later call raises ``CommAbortedError`` naming
         ``error`` (a lost rank); the shm part is marked aborted (this host's peers fail at
         once), the Gloo parts' waits stop within ``ABORT_SLICE_S``. :meth:`close` follows."""
-        abort_parts(self, error, (self.leaders, self.flat, self.intra))
+        self._abort_parts(error, (self.leaders, self.flat, self.intra))
 
     def _run_task(self, task: Task, start: float) -> None:
         if self._aborted is not None:

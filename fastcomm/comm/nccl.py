@@ -196,7 +196,7 @@ class NcclCommunicator(Communicator):
         self.loss_grace = 0.0
         """Non-zero once in-place recovery watches the peers: ``wait()`` then blocks the host
         until the collective is done, so a lost peer's abort is seen before the step goes on."""
-        # CUDA tensors of its own device (`_moves`); two-term sums are layout free (NCCL's
+        # CUDA tensors of its own device (`moves`); two-term sums are layout free (NCCL's
         # rings and trees order more terms by their position)
         self.capabilities = Capabilities(
             devices=frozenset({"cuda"}), layout_free=size <= 2, graph_all_reduce=True,
@@ -209,7 +209,7 @@ class NcclCommunicator(Communicator):
         """This rank's CUDA device."""
         return self._device
 
-    def _moves(self, device: torch.device, op: str | None) -> bool:
+    def moves(self, device: torch.device, op: str | None = None) -> bool:
         return device == self._device
 
     @classmethod
@@ -317,28 +317,31 @@ class NcclCommunicator(Communicator):
         :class:`EventWork` (the stream orders the collectives; the event completes them)."""
         return Task(op, output, partial(self._enqueue, op, output, keep, launch))
 
-    def _impl_all_reduce(self, tensor, op):
+    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp,
+                         blocking: bool = False) -> Task:
         n, ptr, comm = tensor.numel(), tensor.data_ptr(), self._comm
         dt, red = dtype_code(self._dtypes, tensor.dtype), self._ops[op]
         return self._stream_task(
             "all_reduce", tensor, (tensor,), lambda s: comm.allReduce(ptr, ptr, n, dt, red, s)
         )
 
-    def _impl_broadcast(self, tensor, src):
+    def _impl_broadcast(self, tensor: torch.Tensor, src: int, blocking: bool = False) -> Task:
         n, ptr, comm = tensor.numel(), tensor.data_ptr(), self._comm
         dt = dtype_code(self._dtypes, tensor.dtype)
         return self._stream_task(
             "broadcast", tensor, (tensor,), lambda s: comm.broadcast(ptr, ptr, n, dt, src, s)
         )
 
-    def _impl_all_gather(self, output, input):
+    def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor,
+                         blocking: bool = False) -> Task:
         n, dt = input.numel(), dtype_code(self._dtypes, input.dtype)
         return self._stream_task(
             "all_gather", output, (output, input),
             lambda s: self._comm.allGather(input.data_ptr(), output.data_ptr(), n, dt, s),
         )
 
-    def _impl_reduce_scatter(self, output, input, op):
+    def _impl_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
+                             blocking: bool = False) -> Task:
         n, dt = output.numel(), dtype_code(self._dtypes, input.dtype)
         red = self._ops[op]
         return self._stream_task(
@@ -346,7 +349,8 @@ class NcclCommunicator(Communicator):
             lambda s: self._comm.reduceScatter(input.data_ptr(), output.data_ptr(), n, dt, red, s),
         )
 
-    def _impl_all_to_all(self, output, input):
+    def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor,
+                         blocking: bool = False) -> Task:
         chunk, dt = input.numel() // self.size, dtype_code(self._dtypes, input.dtype)
         step = chunk * input.element_size()
 
@@ -361,19 +365,19 @@ class NcclCommunicator(Communicator):
 
         return self._stream_task("all_to_all", output, (output, input), launch)
 
-    def _impl_send(self, tensor, dst):
+    def _impl_send(self, tensor: torch.Tensor, dst: int, blocking: bool = False) -> Task:
         n, dt = tensor.numel(), dtype_code(self._dtypes, tensor.dtype)
         return self._stream_task(
             "send", tensor, (tensor,), lambda s: self._comm.send(tensor.data_ptr(), n, dt, dst, s)
         )
 
-    def _impl_recv(self, tensor, src):
+    def _impl_recv(self, tensor: torch.Tensor, src: int, blocking: bool = False) -> Task:
         n, dt = tensor.numel(), dtype_code(self._dtypes, tensor.dtype)
         return self._stream_task(
             "recv", tensor, (tensor,), lambda s: self._comm.recv(tensor.data_ptr(), n, dt, src, s)
         )
 
-    def _impl_barrier(self):
+    def _impl_barrier(self, blocking: bool = False) -> Task:
         def run() -> EventWork:
             one = torch.ones(1, device=self._device)
             work = self._impl_all_reduce(one, ReduceOp.SUM).run()

@@ -33,14 +33,11 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .. import settings
 from .errors import FastcommError, StoreTimeoutError
 
 __all__ = [
     "DEFAULT_TIMEOUT",
-    "JOIN_ENV",
-    "SECRET_ENV",
-    "SECRET_FILE_ENV",
-    "STORE_ENV",
     "AnswerGuard",
     "Store",
     "as_timedelta",
@@ -52,15 +49,6 @@ __all__ = [
     "store_from_env",
 ]
 
-SECRET_ENV = "FASTCOMM_JOB_SECRET"
-"""Environment variable holding the job's secret, in hex (``fastcomm-run`` sets it)."""
-SECRET_FILE_ENV = "FASTCOMM_JOB_SECRET_FILE"
-"""Environment variable naming a file whose contents (whitespace stripped) are the secret."""
-STORE_ENV = "FASTCOMM_STORE"
-"""Environment variable naming the job's store when it is not a ``TCPStore`` at
-``MASTER_ADDR:MASTER_PORT``: ``etcd://host:port[,host:port...]/prefix`` puts it in an etcd
-cluster, under ``prefix`` (one per job: etcd keeps keys after the job). Unset or empty:
-``MASTER_ADDR``/``MASTER_PORT`` as before. Read by ``fastcomm.init()`` (:func:`store_from_env`)."""
 MIN_SECRET_BYTES = 16
 """A shorter secret is refused (the launcher makes 32 random bytes)."""
 
@@ -76,11 +64,6 @@ def lost_rank_key(rank: int) -> str:
     lost: ``fastcomm-run --recover in-process`` sets it (the reason as its value), the
     survivors' in-place recovery reads it (liveness across hosts)."""
     return f"fastcomm/lost/{rank}"
-
-
-JOIN_ENV = "FASTCOMM_RECOVER_JOIN"
-"""Set by the launcher in a replacement's environment (the rank it replaces, or ``node1`` for
-a joining node's workers): it joins the running ranks instead of starting a job."""
 
 
 def joining_node_key(node: str) -> str:
@@ -125,24 +108,20 @@ def job_secret_from_env(environ: Mapping[str, str] | None = None) -> bytes | Non
         ValueError: the variable is not hex, the file cannot be read, or the secret is shorter
             than 16 bytes.
     """
-    environ = os.environ if environ is None else environ
-    text = environ.get(SECRET_ENV, "").strip()
-    if text:
-        try:
-            secret = bytes.fromhex(text)
-        except ValueError:
-            raise ValueError(f"{SECRET_ENV} must be hex digits, got {len(text)} chars") from None
-        source = SECRET_ENV
+    secret = settings.JOB_SECRET.get(environ)
+    if secret is not None:
+        source = settings.JOB_SECRET.name
     else:
-        path = environ.get(SECRET_FILE_ENV, "")
-        if not path:
+        path = settings.JOB_SECRET_FILE.get(environ)
+        if path is None:
             return None
+        name = settings.JOB_SECRET_FILE.name
         try:
             with open(path, "rb") as fh:
                 secret = fh.read().strip()
         except OSError as exc:
-            raise ValueError(f"{SECRET_FILE_ENV}: cannot read {path!r}: {exc.strerror}") from None
-        source = f"{SECRET_FILE_ENV} ({path})"
+            raise ValueError(f"{name}: cannot read {path!r}: {exc.strerror}") from None
+        source = f"{name} ({path})"
     if len(secret) < MIN_SECRET_BYTES:
         raise ValueError(
             f"{source}: the job secret must be at least {MIN_SECRET_BYTES} bytes, "
@@ -159,17 +138,18 @@ def parse_store_url(url: str) -> tuple[str, tuple[str, ...], str]:
     """
     from .etcd import parse_endpoints  # no torch, no socket: cheap
 
+    name = settings.STORE.name
     scheme, sep, rest = url.strip().partition("://")
     if not sep or scheme != "etcd":
-        raise ValueError(f"{STORE_ENV}={url!r}: expected etcd://host:port[,host:port...]/prefix")
+        raise ValueError(f"{name}={url!r}: expected etcd://host:port[,host:port...]/prefix")
     hosts, _, prefix = rest.partition("/")
     if not prefix.strip("/"):
-        raise ValueError(f"{STORE_ENV}={url!r}: no prefix after the endpoints (etcd keeps keys "
+        raise ValueError(f"{name}={url!r}: no prefix after the endpoints (etcd keeps keys "
                          "after a job: give each job its own, e.g. etcd://h:2379/job-42)")
     try:
         endpoints = parse_endpoints(hosts)
     except ValueError as exc:
-        raise ValueError(f"{STORE_ENV}={url!r}: {exc}") from None
+        raise ValueError(f"{name}={url!r}: {exc}") from None
     return scheme, endpoints, prefix.strip("/")
 
 
@@ -184,9 +164,8 @@ def store_from_env(
     Raises:
         ValueError: the variable is malformed (see :func:`parse_store_url`).
     """
-    environ = os.environ if environ is None else environ
-    url = environ.get(STORE_ENV, "").strip()
-    if not url:
+    url = settings.STORE.get(environ)
+    if url is None:
         return None
     _, endpoints, prefix = parse_store_url(url)
     return Store.on_etcd(endpoints, prefix, timeout=timeout, rank=rank)
@@ -211,7 +190,8 @@ def env_rendezvous(url: str, timeout: timedelta | None = None):
     for name, env in (("rank", "RANK"), ("world_size", "WORLD_SIZE")):
         text = query.get(name, os.environ.get(env, ""))
         if not text.strip().lstrip("-").isdigit():
-            raise ValueError(f"env:// rendezvous over {STORE_ENV}: {env} expected, got {text!r}")
+            raise ValueError(
+                f"env:// rendezvous over {settings.STORE.name}: {env} expected, got {text!r}")
         numbers[name] = int(text)
     store = store_from_env(timeout=timeout, rank=numbers["rank"])
     # torch keeps only the C++ side: the Python store must outlive the process group (its
@@ -303,8 +283,8 @@ def decode_value(data: bytes, key: str, secret: bytes | None) -> Any:
     if data.startswith(_SIGNED):
         if secret is None:
             raise ValueError(
-                f"the value is signed but this process has no job secret ({SECRET_ENV} or "
-                f"{SECRET_FILE_ENV} unset)"
+                f"the value is signed but this process has no job secret "
+                f"({settings.JOB_SECRET.name} or {settings.JOB_SECRET_FILE.name} unset)"
             )
         mac = data[len(_SIGNED) : len(_SIGNED) + _MAC_HEX]
         body = data[len(_SIGNED) + _MAC_HEX + 1 :]

@@ -24,7 +24,6 @@ from datetime import timedelta
 import torch
 
 from .errors import CommTimeoutError
-from .flight import work_ended
 from .work import Work
 
 __all__ = ["EventWork", "StreamWatchdog"]
@@ -65,6 +64,10 @@ class EventWork(Work):
     def _fail(self, error: BaseException) -> None:
         # done for the host since it was enqueued: the error arrives later, from the device
         self._error = error
+
+    def record_in(self, recorder, seq: int) -> None:
+        # done for the host at once: its call ends when the watchdog sees the event complete
+        self._flight = (recorder, seq)
 
     def _check(self) -> None:
         error = self._error
@@ -168,7 +171,7 @@ class StreamWatchdog:
         pending = self.pending
         # drop a finished head now and then, so tensors are released between polls too
         if pending and pending[0].event.query():
-            work_ended(pending.popleft(), None)
+            pending.popleft().record_end(None)
         pending.append(work)
 
     def add(self, work: EventWork) -> None:
@@ -180,7 +183,7 @@ class StreamWatchdog:
         while not self._stop.wait(self.interval_s):
             with self.lock:
                 while self.pending and self.pending[0].event.query():
-                    work_ended(self.pending.popleft(), None)
+                    self.pending.popleft().record_end(None)
                 stuck = self.pending[0] if self.pending else None
             error = self._check() if self._check is not None else None
             if error is None and stuck is not None and stuck._elapsed() > self.timeout_s:
@@ -220,7 +223,7 @@ class StreamWatchdog:
                 work._fail(error)
             self.pending.clear()
         for work in failed:  # the flight record of each, and one dump (outside the lock)
-            work_ended(work, error)
+            work.record_end(error)
 
     def close(self, timeout: float = 1.0) -> None:
         """Stops the thread (pending works stay as they are)."""

@@ -7,11 +7,11 @@ that its ranks share a host.
 
 from __future__ import annotations
 
-import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
+from .. import settings
 from .store import Store
 
 __all__ = ["HostLayout", "host_id"]
@@ -23,8 +23,8 @@ def host_id() -> str:
     The boot id tells apart two machines (or containers on different machines) with the same
     hostname; ranks with equal identities are assumed to share ``/dev/shm``.
     """
-    override = os.environ.get("FASTCOMM_HOST_ID")
-    if override:
+    override = settings.HOST_ID.get()
+    if override is not None:
         return override
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:

@@ -27,7 +27,7 @@ from datetime import timedelta
 import torch
 
 from .errors import CommTimeoutError, FastcommError
-from .flight import work_ended
+from .flight import ended
 
 __all__ = [
     "OrderedExecutor", "SettledByWait", "StoppableThread", "Task", "Work", "completed_work",
@@ -61,6 +61,7 @@ class Work:
         output: the tensor the future resolves to.
         devices: CUDA devices for a stream-aware future, or ``None`` for a CPU future.
         completed: the operation has already finished (successfully).
+        executor: the :class:`OrderedExecutor` it is queued on (``wait()`` may run it there).
     """
 
     def __init__(
@@ -71,6 +72,7 @@ class Work:
         *,
         devices: list[torch.device] | None = None,
         completed: bool = False,
+        executor: OrderedExecutor | None = None,
     ) -> None:
         self.op = op
         self.rank = rank
@@ -80,7 +82,7 @@ class Work:
         self._error: BaseException | None = None
         self._future: torch.futures.Future | None = None
         self._done = completed
-        self._executor: OrderedExecutor | None = None  # queued there: wait() may run it
+        self._executor = executor  # queued there: wait() may run it
         # Held while pending, released once done: a waiter blocks on it (a bare lock is
         # several times cheaper to make than a threading.Event).
         self._latch = None
@@ -95,7 +97,20 @@ class Work:
     def _fail(self, error: BaseException) -> None:
         self._finish(error)
 
-    _flight = None  # (recorder, seq) of the call that returned it (``flight.recorded``)
+    _flight = None  # (recorder, seq) of the call that returned it, until its end is recorded
+
+    def record_in(self, recorder, seq: int) -> None:
+        """Ends call ``seq`` of ``recorder`` (the flight recorder of the call that returned
+        this work) when the operation completes: now where it already has."""
+        self._flight = (recorder, seq)
+        if self._done:  # finished before it was told (a synchronous path's completed work)
+            self.record_end(self._error)
+
+    def record_end(self, error: BaseException | None) -> None:
+        """Ends this work's call in its flight recorder (once; a failure runs the
+        communicator's failure hooks): called by whatever completes the work."""
+        flight, self._flight = self._flight, None
+        ended(flight, error)
 
     def _finish(self, error: BaseException | None) -> None:
         with _FUTURE_LOCK:
@@ -104,8 +119,10 @@ class Work:
             self._error = error
             self._done = True
             future = self._future
-        if self._flight is not None:  # its call ends in the flight recorder
-            work_ended(self, error)
+        flight = self._flight
+        if flight is not None:  # its call ends in the flight recorder (record_end, inlined)
+            self._flight = None
+            ended(flight, error)
         if self._latch is not None:
             self._latch.release()
         if future is not None:
@@ -351,8 +368,7 @@ class OrderedExecutor(StoppableThread):
         if not async_op and self.busy == 0:
             self._run_task(task, time.monotonic())
             return None
-        work = Work(task.op, self.rank, task.output)
-        work._executor = self
+        work = Work(task.op, self.rank, task.output, executor=self)
         with self._lock:
             self.busy += 1
             self._queue.append((work, task))

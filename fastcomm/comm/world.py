@@ -26,6 +26,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from .. import settings
 from . import flight_watch
 from .base import Communicator
 from .hier import HierCommunicator
@@ -43,7 +44,7 @@ __all__ = [
     "group_communicator", "for_new_members", "replace_world",
 ]
 
-BACKENDS = ("gloo", "nccl", "shm", "hier", "ipc")
+BACKENDS = settings.BACKEND.choices
 
 SHARED_GPU_MIN_NCCL = (2, 30)
 """First NCCL release that accepts several ranks of one communicator on one GPU (with
@@ -184,12 +185,8 @@ def shared_gpu_backend(fit: NcclFit, local_world_size: int) -> str | None:
 def _pick_backend(world_size: int, cpu_tensors: bool) -> tuple[str, NcclFit | None]:
     """:func:`default_backend`, with the :class:`NcclFit` that decided it (``None`` when NCCL
     was not considered)."""
-    forced = os.environ.get("FASTCOMM_BACKEND", "").strip().lower()
-    if forced:
-        if forced not in BACKENDS:
-            raise ValueError(
-                f"FASTCOMM_BACKEND={forced!r} is not a backend; allowed: {', '.join(BACKENDS)}"
-            )
+    forced = settings.BACKEND.get()
+    if forced is not None:
         return forced, None
     cpu = "shm" if shm_available() else "gloo"
     if cpu_tensors:  # the caller trains on CPU: NCCL could not move its tensors
@@ -435,7 +432,7 @@ def _plan(rank: int, size: int, backend: str | None, device) -> _Plan:
     """The backend and device :func:`communicator_for` will build, checked before anything
     connects (so a bad request fails fast, naming the rank)."""
     # only an automatic choice of shm is narrowed by host layout; an explicit or forced one is kept
-    auto = backend is None and not os.environ.get("FASTCOMM_BACKEND", "").strip()
+    auto = backend is None and not settings.BACKEND.is_set()
     cpu_tensors = device is not None and not isinstance(device, int) and (
         torch.device(device).type == "cpu"
     )
@@ -596,7 +593,7 @@ def init(
         _WORLD_STORE = base
         _INIT_COUNT += 1
         store = base.prefixed(f"fastcomm/world{_INIT_COUNT}", rank=rank)
-    if os.environ.get("FASTCOMM_RECOVER_JOIN"):  # a replacement: DDP joins the running ranks
+    if settings.RECOVER_JOIN.get():  # a replacement: DDP joins the running ranks
         _WORLD = _joining(store, timeout)
         return _WORLD
     try:
@@ -695,7 +692,7 @@ def _local_shm(
 ) -> ShmCommunicator | None:
     """``group_communicator``'s shared-memory case, or ``None`` when the members span hosts,
     this platform has no ``/dev/shm`` or ``FASTCOMM_BACKEND`` names another backend."""
-    forced = os.environ.get("FASTCOMM_BACKEND", "").strip().lower()
+    forced = settings.BACKEND.text().lower()  # any name but shm opts out
     if forced and forced != "shm":
         return None
     if process_group in _LOCAL_SHM:

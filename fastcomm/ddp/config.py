@@ -5,19 +5,19 @@ module read only the config. Bucket caps follow torch: 25 MiB buckets, and a 1 M
 bucket (the first gradients to arrive, so their allreduce starts early) while the cap is
 left at its default.
 
-Every threshold and environment variable behind how a bucket is reduced is read here, once, into
-a field; ``plan.py`` decides each bucket's reduction from these fields and the communicator's
-capabilities. The module constants below are the fields' defaults, looked up when a config is
-made (tests lower them for the DDPs their checks build).
+Every threshold and environment variable (``fastcomm.settings``) behind how a bucket is reduced
+is read here, once, into a field; ``plan.py`` decides each bucket's reduction from these fields
+and the communicator's capabilities. The module constants below are the fields' defaults,
+looked up when a config is made (tests lower them for the DDPs their checks build).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 
+from fastcomm import settings
 from fastcomm.kernels._launch import FLOAT_DTYPES
 
 from .bucket import MUL_INTO_VIEWS_MAX
@@ -34,7 +34,7 @@ DEFAULT_FIRST_BUCKET_MB = 1.0
 # average this many bytes: a bucket view costs a copy and a `.grad` store per gradient in
 # Python, which the packed path does in two foreach calls per bucket; with hundreds of tiny
 # gradients that outweighs the collective's saving (figures: docs/ddp.md).
-SHARED_MIN_MEAN_BYTES = 16 << 10
+SHARED_MIN_MEAN_BYTES = settings.DDP_SHARED_MIN_MEAN_BYTES.default
 # A fresh gradient at least this large is staged into its shared CPU bucket (only the peers'
 # parts copied in, its own slice read where autograd left it); a smaller one is copied whole:
 # the staging's few slicing calls cost more than copying a few KiB (figures: docs/ddp.md).
@@ -81,33 +81,25 @@ class DDPConfig:
     one buffer instead of two. ``None`` (default): on where the buckets go into shared memory
     (``shared_buckets``), else off, torch's default."""
 
-    shared_buckets: bool = field(
-        default_factory=lambda: os.environ.get("FASTCOMM_DDP_SHARED_BUCKETS", "1").strip() != "0"
-    )
+    shared_buckets: bool = field(default_factory=settings.DDP_SHARED_BUCKETS.get)
     """Put the buckets in memory the communicator's ranks share and reduce them in place out of
     the peers' buckets, where the communicator offers it (``capabilities.shared_buckets``:
     ``shm``) and ``gradient_as_bucket_view`` is not ``False`` (see ``fastcomm.ddp.shared``).
     Default on; ``FASTCOMM_DDP_SHARED_BUCKETS=0`` turns it off."""
 
-    shared_bucket_cap_mb: float | None = field(
-        default_factory=lambda: _env_cap("FASTCOMM_DDP_SHARED_CAP_MB")
-    )
+    shared_bucket_cap_mb: float | None = field(default_factory=settings.DDP_SHARED_CAP_MB.get)
     """The most MiB of ``/dev/shm`` the shared buckets may take (every rank's buckets: the
     world size times the gradients' bytes); over it, today's buffers with a warning. ``None``
     (default, or ``FASTCOMM_DDP_SHARED_CAP_MB``): no cap but ``/dev/shm``'s free space."""
 
-    hand_over_grads: bool = field(
-        default_factory=lambda: os.environ.get("FASTCOMM_DDP_HAND_OVER", "1").strip() != "0"
-    )
+    hand_over_grads: bool = field(default_factory=settings.DDP_HAND_OVER.get)
     """Without bucket views, write a CPU bucket's reduced gradients back by making each
     ``.grad`` that autograd created in this backward a view of the reduced buffer, instead of
     copying the buffer into it (``gradient_as_bucket_view``'s saving without its aliasing: the
     buffer is written again only once no gradient holds it). Default on;
     ``FASTCOMM_DDP_HAND_OVER=0`` copies, as torch DDP does."""
 
-    cuda_graphs: bool = field(
-        default_factory=lambda: os.environ.get("FASTCOMM_DDP_CUDA_GRAPHS", "1").strip() != "0"
-    )
+    cuda_graphs: bool = field(default_factory=settings.DDP_CUDA_GRAPHS.get)
     """Replay each packed CUDA bucket's pack, all-reduce and unpack from a CUDA graph captured
     after its first launch, where the communicator offers it (``capabilities.
     graph_all_reduce``: NCCL; see ``fastcomm.ddp.graphs``): one host call per bucket instead of
@@ -144,8 +136,8 @@ class DDPConfig:
     ``bucket_cap_mb_list`` are both ``None``."""
 
     shared_min_mean_bytes: int = field(
-        default_factory=lambda: _env_bytes(
-            "FASTCOMM_DDP_SHARED_MIN_MEAN_BYTES", SHARED_MIN_MEAN_BYTES
+        default_factory=lambda: settings.DDP_SHARED_MIN_MEAN_BYTES.get(
+            default=SHARED_MIN_MEAN_BYTES
         )
     )
     """With ``gradient_as_bucket_view=None``, the buckets are shared only where the gradients
@@ -238,24 +230,6 @@ class DDPConfig:
         """Whether buckets are rebuilt once in arrival order (torch: not with a dynamic
         unused set, whose arrival order may change every iteration)."""
         return self.static_graph or not self.find_unused_parameters
-
-
-def _env_cap(name: str) -> float | None:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError(f"{name}={text!r}: expected a number of MiB") from None
-
-
-def _env_bytes(name: str, default: int) -> int:
-    text = os.environ.get(name, "").strip()
-    try:
-        return int(text) if text else default
-    except ValueError:
-        raise ValueError(f"{name}={text!r}: expected a number of bytes") from None
 
 
 def _check_count(name: str, value: object) -> None:

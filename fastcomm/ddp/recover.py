@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastcomm import settings
 from fastcomm.comm.errors import CommAbortedError, CommClosedError, FastcommError
 from fastcomm.comm.shm.segment import pid_start_time, process_alive
 from fastcomm.comm.store import lost_rank_key
@@ -38,7 +39,6 @@ from fastcomm.kernels._launch import fp32_scale
 from .liveness import LossWatch
 
 __all__ = [
-    "RECOVER_ENV",
     "Keeper",
     "Membership",
     "MembershipChange",
@@ -47,12 +47,8 @@ __all__ = [
     "recovery_enabled",
 ]
 
-#: ``in-process``: DDP shrinks in place when a rank is lost (``fastcomm-run --recover``).
-RECOVER_ENV = "FASTCOMM_RECOVER"
 #: Where rank 0 publishes its DDP's recovery namespace in the world's store (for a joiner).
 NAMESPACE_KEY = "ddp-recover/current"
-#: Seconds the survivors wait for each other in one epoch's agreement (default 60).
-RECOVER_TIMEOUT_ENV = "FASTCOMM_RECOVER_TIMEOUT"
 _POLL_S = 0.002
 #: Errors that say a peer went away (a timeout is a hang, the hang report's business).
 LOSS_ERRORS = (CommAbortedError, CommClosedError)
@@ -74,10 +70,7 @@ def recovery_enabled(environ=None) -> bool:
     Raises:
         ValueError: a value other than ``in-process``, ``restart`` or empty.
     """
-    text = (os.environ if environ is None else environ).get(RECOVER_ENV, "").strip().lower()
-    if text not in ("", "restart", "in-process"):
-        raise ValueError(f"{RECOVER_ENV}={text!r}: must be in-process or restart (or unset)")
-    return text == "in-process"
+    return settings.RECOVER.get(environ) == "in-process"
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,8 +125,7 @@ class Membership:
         self.epoch = epoch
         self.members = list(members)
         self.identity = [list(row) for row in identity]
-        text = os.environ.get(RECOVER_TIMEOUT_ENV, "").strip()
-        self.timeout = float(text) if text else timeout
+        self.timeout = settings.RECOVER_TIMEOUT.get(default=timeout)
         self._host = host_id()
         self.lost_store = store.root()
         """The job's store at its root, where the launcher names the ranks it lost."""
@@ -149,8 +141,8 @@ class Membership:
         store = getattr(comm, "store", None)
         if store is None:
             raise RuntimeError(
-                f"fastcomm DDP (rank {comm.rank}): {RECOVER_ENV}=in-process needs a communicator "
-                f"with a store; {type(comm).__name__} has none"
+                f"fastcomm DDP (rank {comm.rank}): {settings.RECOVER.name}=in-process needs a "
+                f"communicator with a store; {type(comm).__name__} has none"
             )
         key = comm.next_key("ddp-recover")
         namespace = store.prefixed(key)
@@ -286,7 +278,7 @@ class Membership:
         if elapsed > self.timeout:
             raise RecoveryError(
                 f"rank {self.me}: recovery timed out after {elapsed:.1f} s waiting for {what} "
-                f"({RECOVER_TIMEOUT_ENV}={self.timeout:g})"
+                f"({settings.RECOVER_TIMEOUT.name}={self.timeout:g})"
             )
 
 
@@ -384,10 +376,11 @@ class Recovery:
         self.grower = None  # a regrow.Grower, set by DDP
         if not self.supported:
             warnings.warn(
-                f"fastcomm DDP (rank {ddp.comm.rank}): {RECOVER_ENV}=in-process shrinks in place "
-                "only when every rank runs on one host, or across hosts on a communicator that "
-                "can be aborted and rebuilt over the survivors (hier, gloo, nccl); these ranks "
-                f"span hosts on {ddp.comm.backend}, so a lost rank fails the others as without it",
+                f"fastcomm DDP (rank {ddp.comm.rank}): {settings.RECOVER.name}=in-process shrinks "
+                "in place only when every rank runs on one host, or across hosts on a "
+                "communicator that can be aborted and rebuilt over the survivors (hier, gloo, "
+                f"nccl); these ranks span hosts on {ddp.comm.backend}, so a lost rank fails the "
+                "others as without it",
                 RuntimeWarning,
                 stacklevel=3,
             )

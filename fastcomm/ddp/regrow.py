@@ -31,24 +31,23 @@ from typing import Any
 
 import torch
 
+from fastcomm import settings
 from fastcomm.comm.shm.segment import pid_start_time
-from fastcomm.comm.store import JOIN_ENV, joining_node_key
+from fastcomm.comm.store import joining_node_key
 from fastcomm.comm.topology import host_id
 from fastcomm.comm.world import for_new_members
 
 from .broadcast import broadcast_tensors
 from .recover import (
     NAMESPACE_KEY,
-    RECOVER_TIMEOUT_ENV,
     Membership,
     MembershipChange,
     Recovery,
     _close_quietly,
 )
 
-__all__ = ["JOIN_ENV", "Grower", "RegisteredStates", "join", "joining"]
+__all__ = ["Grower", "RegisteredStates", "join", "joining"]
 
-EVERY_ENV = "FASTCOMM_RECOVER_JOIN_EVERY"
 _POLL_S = 0.005
 _BATCH_MAX = 64  # requests admitted at one boundary at most
 _NODE_PREFIX = "node"  # FASTCOMM_RECOVER_JOIN of a joining node's workers: node<GROUP_RANK>
@@ -61,19 +60,6 @@ def _parse_request(raw: bytes) -> dict:
     if not isinstance(request, dict) or not isinstance(request.get("id"), list):
         raise RuntimeError(f"fastcomm DDP: a join request is malformed: {raw[:200]!r}")
     return request
-
-
-def _every() -> int:
-    """``FASTCOMM_RECOVER_JOIN_EVERY``: the running ranks look for a joiner every this many
-    steps (default 16: one store round trip per 16 steps)."""
-    text = os.environ.get(EVERY_ENV, "").strip()
-    try:
-        every = int(text) if text else 16
-    except ValueError:
-        every = 0
-    if every < 1:
-        raise ValueError(f"{EVERY_ENV}={text!r}: must be an integer >= 1 (or unset)")
-    return every
 
 
 def _replacements() -> int:
@@ -103,7 +89,8 @@ class Grower:
         atexit.register(finished, recovery.membership.store)
         self.ticket = ticket
         self.at: int | None = None
-        self.every = _every()
+        # each look costs a store round trip, so the running ranks look every few steps only
+        self.every = settings.RECOVER_JOIN_EVERY.get()
         self.states_pending = False  # a joiner: the registered states still to receive
         self.lost = lost
         """Ranks lost so far (every rank counts the same shrinks, so all agree on it)."""
@@ -170,7 +157,7 @@ class Grower:
                 warnings.warn(
                     f"fastcomm DDP: admitting {n} joining rank(s) at step {step} without "
                     f"{'; '.join(missing)}: they had not asked within "
-                    f"{self.recovery.membership.timeout:g} s ({RECOVER_TIMEOUT_ENV})",
+                    f"{self.recovery.membership.timeout:g} s ({settings.RECOVER_TIMEOUT.name})",
                     RuntimeWarning, stacklevel=2,
                 )
         return n
@@ -297,12 +284,12 @@ def _admission(store, k: int, timeout: float) -> bytes:
     while not store.check([admit]):
         if store.check([closed]):
             raise RuntimeError(
-                f"replacement {os.environ.get(JOIN_ENV)}: the running ranks finished before "
+                f"replacement {settings.RECOVER_JOIN.get()}: the running ranks finished before "
                 "admitting it; nothing left to join"
             )
         if time.monotonic() > deadline:
             raise RuntimeError(
-                f"replacement {os.environ.get(JOIN_ENV)}: not admitted within {timeout:.0f} s"
+                f"replacement {settings.RECOVER_JOIN.get()}: not admitted within {timeout:.0f} s"
             )
         time.sleep(_POLL_S)
     return store.get(admit)
@@ -321,7 +308,7 @@ def _request_of_mine() -> dict:
     ``FASTCOMM_RECOVER_JOIN`` is ``node<g>``) the node and its local rank. A node's rank has a
     ``RANK`` of its own, in the row for the survivors' liveness on other hosts; a replacement's
     is the lost rank's, already named lost (``lost_rank_key``), so it is left out."""
-    tag = os.environ.get(JOIN_ENV, "")
+    tag = settings.RECOVER_JOIN.get() or ""
     row = [host_id(), os.getpid(), pid_start_time(os.getpid()) or 0]
     node = tag if tag.startswith(_NODE_PREFIX) else None
     text = os.environ.get("LOCAL_RANK", "").strip()

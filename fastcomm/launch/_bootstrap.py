@@ -25,8 +25,19 @@ import threading  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 
-AGENT_PID_ENV = "FASTCOMM_LAUNCH_AGENT_PID"
 _POLL_S = 0.2
+
+
+def _settings():
+    """``fastcomm/settings.py`` (standard library only), loaded by path: the names of fastcomm's
+    variables without importing the fastcomm package, nor torch, before the user's code does."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(_HERE), "settings.py")
+    spec = importlib.util.spec_from_file_location("_fastcomm_settings", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _set_pdeathsig(sig: int) -> None:
@@ -175,7 +186,7 @@ def main() -> None:
     opts, target, args = argv[:split], argv[split + 1], argv[split + 2 :]
     if "--cpus" in opts:
         _bind_cpus(opts[opts.index("--cpus") + 1])
-    pid_text = os.environ.pop(AGENT_PID_ENV, "")
+    pid_text = os.environ.pop(_settings().LAUNCH_AGENT_PID.name, "")
     agent_pid = int(pid_text) if pid_text.isdigit() else None
     if "--exec" in opts:
         _set_pdeathsig(signal.SIGKILL)

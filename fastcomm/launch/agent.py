@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 
+from fastcomm import settings
 from fastcomm.comm.errors import FastcommError, StoreTimeoutError
 from fastcomm.comm.store import Store
 
@@ -35,7 +36,7 @@ from .failures import (
 from .heartbeat import Heartbeats
 from .monitor import RoundMonitor
 from .net import listen_address
-from .recovery import JOIN_ENV, announce_node
+from .recovery import announce_node
 from .rendezvous import (
     Interrupted,
     JobEnded,
@@ -52,9 +53,8 @@ from .workers import WorkerGroup
 
 __all__ = ["launch", "Agent"]
 
-_VERBOSE = os.environ.get("LOGLEVEL", "").upper() in ("INFO", "DEBUG") or bool(
-    os.environ.get("FASTCOMM_LAUNCH_VERBOSE")
-)
+_VERBOSE = (os.environ.get("LOGLEVEL", "").upper() in ("INFO", "DEBUG")
+            or settings.LAUNCH_VERBOSE.get())
 
 
 def launch(config: LaunchConfig) -> int:
@@ -380,8 +380,9 @@ class Agent:
         start = time.perf_counter()
         env = self._env
         if info.joined:  # --recover in-process: the workers join the running ranks (regrow)
-            env = {**env, JOIN_ENV: f"node{info.group_rank}"}
-            announce_node(info, env[JOIN_ENV], self.log)
+            node = f"node{info.group_rank}"
+            env = {**env, settings.RECOVER_JOIN.name: node}
+            announce_node(info, node, self.log)
             self.log(f"joined the running round {info.round}; its workers join the running "
                      "ranks at a step boundary")
         specs = worker_specs(self.config, info, env, self.dirs.attempt(info.round))

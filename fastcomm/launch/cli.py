@@ -15,14 +15,14 @@ import os
 import sys
 import uuid
 
+from fastcomm import settings
+
 from .config import (
     EVENT_LOG_HANDLERS,
     RDZV_ALIASES,
     RDZV_BACKENDS,
     RDZV_CONF_KEYS,
     RECOVER_MODES,
-    SECRET_ENV,
-    SECRET_FILE_ENV,
     LaunchConfig,
     check_seconds,
     conf_bool,
@@ -190,8 +190,9 @@ def _add_node_flags(p: argparse.ArgumentParser) -> None:
     _opt(p, "--job-secret-file", default=None,
          help="file whose contents (at least 16 bytes) sign every value the launcher and the "
          f"workers read back from the stores; every node must name the same contents "
-         f"(or set ${SECRET_ENV} in hex, or ${SECRET_FILE_ENV}). A single node makes a random "
-         "secret when none is given; several nodes without one run unsigned (JSON only)")
+         f"(or set ${settings.JOB_SECRET.name} in hex, or ${settings.JOB_SECRET_FILE.name}). "
+         "A single node makes a random secret when none is given; several nodes without one "
+         "run unsigned (JSON only)")
 
 
 def _nproc(value: str) -> int:

@@ -14,6 +14,8 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from fastcomm import settings
+
 __all__ = [
     "LaunchConfig",
     "parse_nnodes",
@@ -40,9 +42,6 @@ MAX_SECONDS = 365 * 24 * 3600.0
 #: until the host runs out of memory or pids before anything reports it.
 MAX_NPROC_PER_NODE = 4096
 
-#: Environment variables of the job secret (read by ``fastcomm.comm.store`` in the workers too).
-SECRET_ENV = "FASTCOMM_JOB_SECRET"
-SECRET_FILE_ENV = "FASTCOMM_JOB_SECRET_FILE"
 MIN_SECRET_BYTES = 16
 
 # Std values of --redirects / --tee, as torch's ``Std``: which streams go to a file.
@@ -237,10 +236,10 @@ def read_job_secret(path: str | None, environ: Mapping[str, str]) -> tuple[bytes
         ValueError: the file cannot be read, the variable is not hex, or the secret is shorter
             than 16 bytes.
     """
-    hex_text = environ.get(SECRET_ENV, "").strip()
-    if path is None and not hex_text:
-        path = environ.get(SECRET_FILE_ENV) or None
-        flag = SECRET_FILE_ENV
+    from_env = None if path is not None else settings.JOB_SECRET.get(environ)
+    if path is None and from_env is None:
+        path = settings.JOB_SECRET_FILE.get(environ)
+        flag = settings.JOB_SECRET_FILE.name
     else:
         flag = "--job-secret-file"
     if path is not None:
@@ -250,12 +249,8 @@ def read_job_secret(path: str | None, environ: Mapping[str, str]) -> tuple[bytes
         except OSError as exc:
             raise ValueError(f"{flag}: cannot read {path!r}: {exc.strerror}") from None
         source = f"{flag} {path}"
-    elif hex_text:
-        try:
-            secret = bytes.fromhex(hex_text)
-        except ValueError:
-            raise ValueError(f"{SECRET_ENV} must be hex digits") from None
-        source = SECRET_ENV
+    elif from_env is not None:
+        secret, source = from_env, settings.JOB_SECRET.name
     else:
         return None, ""
     if len(secret) < MIN_SECRET_BYTES:

@@ -27,7 +27,7 @@ from .config import LaunchConfig
 from .errors import Failure
 from .failures import write_local
 from .heartbeat import Heartbeats
-from .recovery import LossWatch
+from .recovery import RoundLosses
 from .rendezvous import Rendezvous, RoundEnd, RoundInfo
 from .workers import WorkerGroup
 
@@ -108,7 +108,7 @@ class RoundMonitor:
         """This node's failures in the round, in the order they were seen."""
         self._grace_until: float | None = None
         self._reported_done = False
-        self.recovery = LossWatch(cfg, info) if cfg.recover == "in-process" else None
+        self.recovery = RoundLosses(cfg, info) if cfg.recover == "in-process" else None
         """The losses absorbed under ``--recover in-process`` (``None``: restart)."""
 
     def run(self) -> End:
@@ -185,7 +185,7 @@ class RoundMonitor:
 
     def _nodes_to_succeed(self) -> int:
         """The nodes whose workers must all succeed: the round's, less (under recovery) the
-        nodes lost whole (``recovery.LossWatch.take_node``)."""
+        nodes lost whole (``recovery.RoundLosses.take_node``)."""
         total = self.rdzv.members(self.info.round)  # with the nodes that joined it
         return total if self.recovery is None else total - self.info.store.add("lost-nodes", 0)
 

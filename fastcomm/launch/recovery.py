@@ -23,16 +23,14 @@ import os
 import sys
 from collections.abc import Callable
 
-from fastcomm.comm.store import JOIN_ENV, Store, joining_node_key, lost_rank_key
+from fastcomm import settings
+from fastcomm.comm.store import Store, joining_node_key, lost_rank_key
 
 from .config import LaunchConfig
 from .errors import Failure, exit_description
 from .rendezvous import RoundInfo
 
-__all__ = ["JOIN_ENV", "RECOVER_ENV", "LossWatch", "announce_node", "loss_report"]
-
-#: The workers' variable: ``in-process`` turns on fastcomm DDP's in-place shrink.
-RECOVER_ENV = "FASTCOMM_RECOVER"
+__all__ = ["RoundLosses", "announce_node", "loss_report"]
 
 
 def announce_node(info: RoundInfo, node: str, log: Callable[[str], None]) -> None:
@@ -65,7 +63,7 @@ def loss_report(failure: Failure, live: int, world: int) -> str:
     return "\n".join(lines)
 
 
-class LossWatch:
+class RoundLosses:
     """The losses of one round under ``--recover in-process``.
 
     Args:
@@ -166,7 +164,8 @@ class LossWatch:
         spec = worker.spec
         log_dir = f"{spec.log_dir}_replacement{self.replaced}"
         error_file = os.path.join(log_dir, "error.json")
-        env = {**spec.env, JOIN_ENV: str(self.replaced), "TORCHELASTIC_ERROR_FILE": error_file}
+        env = {**spec.env, settings.RECOVER_JOIN.name: str(self.replaced),
+               "TORCHELASTIC_ERROR_FILE": error_file}
         self.log(f"starting a replacement for rank {spec.rank} (replacement "
                  f"{self.replaced}; it joins at the running ranks' next step)")
         return dataclasses.replace(spec, env=env, log_dir=log_dir, error_file=error_file)

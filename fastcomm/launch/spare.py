@@ -14,10 +14,9 @@ import os
 import signal
 import subprocess
 
-__all__ = ["SPARE_ENV", "Spare", "spare_command"]
+from fastcomm import settings
 
-#: Set in an activated spare's environment: the ``time.time()`` of its activation.
-SPARE_ENV = "FASTCOMM_SPARE_ACTIVATED"
+__all__ = ["Spare", "spare_command"]
 
 
 def spare_command(cmd: list[str], bootstrap: str) -> list[str] | None:
@@ -49,7 +48,8 @@ class Spare:
         if self.proc.poll() is not None:
             self.kill()
             return None
-        line = json.dumps({"args": args, "env": {**env, SPARE_ENV: repr(now)}}) + "\n"
+        env = {**env, settings.SPARE_ACTIVATED.name: repr(now)}
+        line = json.dumps({"args": args, "env": env}) + "\n"
         try:
             self.proc.stdin.write(line.encode())
             self.proc.stdin.close()

@@ -15,12 +15,11 @@ import shutil
 import tempfile
 from collections.abc import Callable
 
-from fastcomm.comm.store import STORE_ENV
+from fastcomm import settings
 
-from .config import SECRET_ENV, SECRET_FILE_ENV, LaunchConfig, read_job_secret, std_for
+from .config import LaunchConfig, read_job_secret, std_for
 from .errors import LaunchError, UsageError
 from .net import interface_of
-from .recovery import RECOVER_ENV
 from .rendezvous import RoundInfo
 from .workers import BOOTSTRAP, WorkerSpec, line_prefix, pid_namespace, start_time
 
@@ -42,9 +41,9 @@ def job_secret(cfg: LaunchConfig, log: Log) -> bytes | None:
         secret = secrets.token_bytes(32)
     elif secret is None:
         log(
-            "no job secret (--job-secret-file, $FASTCOMM_JOB_SECRET or "
-            "$FASTCOMM_JOB_SECRET_FILE): store values are checked JSON but unsigned, so "
-            "any process that reaches the stores' ports can forge them"
+            f"no job secret (--job-secret-file, ${settings.JOB_SECRET.name} or "
+            f"${settings.JOB_SECRET_FILE.name}): store values are checked JSON but unsigned, "
+            "so any process that reaches the stores' ports can forge them"
         )
     return secret
 
@@ -58,13 +57,13 @@ def base_env(cfg: LaunchConfig, log: Log, info: Log) -> tuple[dict[str, str], by
         env["OMP_NUM_THREADS"] = "1"
     env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(cfg.signals_to_handle)
     if cfg.recover == "in-process":  # fastcomm DDP in the workers shrinks in place
-        env[RECOVER_ENV] = "in-process"
+        env[settings.RECOVER.name] = "in-process"
     secret = job_secret(cfg, log)
-    env.pop(SECRET_FILE_ENV, None)
+    env.pop(settings.JOB_SECRET_FILE.name, None)
     if secret is None:
-        env.pop(SECRET_ENV, None)
+        env.pop(settings.JOB_SECRET.name, None)
     else:
-        env[SECRET_ENV] = secret.hex()
+        env[settings.JOB_SECRET.name] = secret.hex()
     return env, secret
 
 
@@ -111,7 +110,7 @@ def _rank_env(cfg: LaunchConfig, info: RoundInfo, local_rank: int, error_file: s
         # the job's store is in etcd: fastcomm.init() and (once fastcomm is imported) torch's
         # env:// take it from FASTCOMM_STORE; torch's env:// without fastcomm has worker rank 0
         # serve MASTER_ADDR:MASTER_PORT itself, as under torchrun's etcd backend
-        env[STORE_ENV] = info.store_url
+        env[settings.STORE.name] = info.store_url
         env["TORCHELASTIC_USE_AGENT_STORE"] = "False"
     if cfg.virtual_local_rank:
         env["LOCAL_RANK"] = "0"
@@ -150,7 +149,7 @@ def worker_specs(cfg: LaunchConfig, info: RoundInfo, env: dict[str, str], attemp
                 cmd=_command(cfg, local_rank),
                 env={**env, **_rank_env(cfg, info, local_rank, error_file),
                      # the flight recorder's dumps and hang report (fastcomm.trace)
-                     "FASTCOMM_FLIGHT_DIR": env.get("FASTCOMM_FLIGHT_DIR")
+                     settings.FLIGHT_DIR.name: settings.FLIGHT_DIR.get(env)
                      or os.path.join(attempt, "flight")},
                 log_dir=log_dir,
                 error_file=error_file,

@@ -22,13 +22,14 @@ from dataclasses import dataclass, field
 from string import Template
 from typing import BinaryIO
 
+from fastcomm import settings
+
 from .config import STD_ERR, STD_OUT
 from .spare import Spare, spare_command
 
 __all__ = ["WorkerSpec", "WorkerGroup", "BOOTSTRAP", "pid_namespace", "start_time"]
 
 BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap.py")
-AGENT_PID_ENV = "FASTCOMM_LAUNCH_AGENT_PID"
 
 _CONSOLE_LOCK = threading.Lock()
 
@@ -215,7 +216,7 @@ class WorkerGroup:
         output pumps."""
         os.makedirs(spec.log_dir, exist_ok=True)
         env = dict(spec.env)
-        env[AGENT_PID_ENV] = env_pid
+        env[settings.LAUNCH_AGENT_PID.name] = env_pid
         proc = None
         if spare is not None and BOOTSTRAP in spec.cmd:
             proc = spare.activate(spec.cmd[spec.cmd.index(BOOTSTRAP) + 1 :], env, time.time())

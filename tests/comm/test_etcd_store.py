@@ -22,7 +22,8 @@ from fastcomm import Store, StoreTimeoutError
 from fastcomm.comm.errors import FastcommError
 from fastcomm.comm.etcd import EtcdClient, EtcdError, EtcdUnavailableError, parse_endpoints
 from fastcomm.comm.etcd_store import EtcdStore, EtcdStoreUnavailableError
-from fastcomm.comm.store import SECRET_ENV, parse_store_url, store_from_env
+from fastcomm.comm.store import parse_store_url, store_from_env
+from fastcomm.settings import JOB_SECRET
 from tests.etcd_cluster import EtcdCluster, etcd_binary, etcd_cluster_fixture
 from tests.harness import env_rank, free_port, pool_fixture
 
@@ -389,7 +390,7 @@ def test_fastcomm_init_takes_its_store_from_FASTCOMM_STORE(pool, etcd1, unique_n
 
 # ---------------------------------------------------------------------- fastcomm's Store
 def test_fastcomm_store_on_etcd_signs_and_checks_values(etcd1, unique_name, monkeypatch):
-    monkeypatch.setenv(SECRET_ENV, "ab" * 32)
+    monkeypatch.setenv(JOB_SECRET.name, "ab" * 32)
     stores = [Store.on_etcd(etcd1.endpoints, unique_name, timeout=10, rank=r) for r in range(3)]
     assert all(s.signed for s in stores)
     gathered, errors = {}, []

@@ -25,14 +25,15 @@ from hypothesis import strategies as st
 
 from fastcomm.comm.errors import FastcommError, StoreTimeoutError
 from fastcomm.comm.store import (
-    SECRET_ENV,
-    SECRET_FILE_ENV,
     Store,
     _serve,
     decode_value,
     encode_value,
     job_secret_from_env,
 )
+from fastcomm.settings import JOB_SECRET, JOB_SECRET_FILE
+
+SECRET_ENV, SECRET_FILE_ENV = JOB_SECRET.name, JOB_SECRET_FILE.name
 
 SECRET = "5ec7e7" * 6  # 18 bytes, hex
 

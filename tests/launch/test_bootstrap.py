@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from fastcomm.launch.errors import Failure, format_report, read_error_file, root_cause
-from fastcomm.launch.workers import AGENT_PID_ENV, BOOTSTRAP
+from fastcomm.launch.workers import BOOTSTRAP
+from fastcomm.settings import LAUNCH_AGENT_PID
 
 from ._util import clean_env, script
 
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def bootstrap(tmp_path, *args, error_file=None, cwd=None):
-    env = clean_env(**{AGENT_PID_ENV: str(os.getpid())})
+    env = clean_env(**{LAUNCH_AGENT_PID.name: str(os.getpid())})
     if error_file is not None:
         env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
     return subprocess.run(

@@ -327,7 +327,7 @@ def test_a_lost_node_is_absorbed_once_and_named_in_the_workers_store():
     round (lost-nodes, exited), each rank named lost in the workers' store (real TCPStores)."""
     from fastcomm.comm.store import Store, lost_rank_key
     from fastcomm.launch.config import LaunchConfig
-    from fastcomm.launch.recovery import LossWatch
+    from fastcomm.launch.recovery import RoundLosses
 
     workers = Store(is_server=True, timeout=10, _secret=None)
     server, info = _round(workers.port)
@@ -335,8 +335,8 @@ def test_a_lost_node_is_absorbed_once_and_named_in_the_workers_store():
                        recover="in-process", min_ranks=2, rdzv_port=29999)
     lines: list[str] = []
     _, info2 = _round(workers.port, seen_by=2, server=server)
-    watches = [LossWatch(cfg, info, lines.append), LossWatch(cfg, info2, lines.append)]
-    assert all(w.take_node(_node_lost(1)) for w in watches)
+    losses = [RoundLosses(cfg, info, lines.append), RoundLosses(cfg, info2, lines.append)]
+    assert all(w.take_node(_node_lost(1)) for w in losses)
     assert info.store.add("lost", 0) == 2
     assert info.store.add("lost-nodes", 0) == info.store.add("exited", 0) == 1
     assert info.store.add("done", 0) == 0  # a node waiting to join may still be admitted
@@ -346,27 +346,27 @@ def test_a_lost_node_is_absorbed_once_and_named_in_the_workers_store():
     assert not workers.check([lost_rank_key(r) for r in (0, 1, 4, 5)])
     assert "its ranks 2, 3 are lost; the job goes on with 4 of 6 ranks" in lines[0], lines
     # node 2 as well: 2 ranks left, the minimum; then node 0's own worker: below it
-    assert watches[0].take_node(_node_lost(2))
+    assert losses[0].take_node(_node_lost(2))
     assert "the job goes on with 2 of 6 ranks" in lines[-1]
     from fastcomm.launch.errors import Failure
 
     worker = Failure(rank=0, local_rank=0, group_rank=0, host="node0", pid=7, exitcode=-9,
                      timestamp=0.0)
-    assert not watches[0].take(worker)
+    assert not losses[0].take(worker)
     assert "fewer than the minimum 2: stopping" in lines[-1]
 
 
 def test_a_lost_node_below_the_minimum_is_not_absorbed():
     from fastcomm.comm.store import Store, lost_rank_key
     from fastcomm.launch.config import LaunchConfig
-    from fastcomm.launch.recovery import LossWatch
+    from fastcomm.launch.recovery import RoundLosses
 
     workers = Store(is_server=True, timeout=10, _secret=None)
     server, info = _round(workers.port)
     cfg = LaunchConfig(entrypoint="train.py", min_nodes=1, max_nodes=3, nproc_per_node=2,
                        recover="in-process", min_ranks=5, rdzv_port=29999)
     lines: list[str] = []
-    assert not LossWatch(cfg, info, lines.append).take_node(_node_lost(1))
+    assert not RoundLosses(cfg, info, lines.append).take_node(_node_lost(1))
     assert "4 live rank(s) are fewer than the minimum 5: stopping" in lines[-1]
     assert not workers.check([lost_rank_key(2)])  # the round fails: nobody is told to go on
 
@@ -484,7 +484,7 @@ def test_a_lost_node_makes_room_and_the_agents_learn_the_nodes_admitted():
 
     assert ask(0) == []  # full: 2 of MAX 2
     assert "full" in info0.store.get("grow/answer/0").decode()
-    info0.store.add("lost-nodes", 1)  # as LossWatch.take_node counts node 1's loss
+    info0.store.add("lost-nodes", 1)  # as RoundLosses.take_node counts node 1's loss
     assert ask(1) == [2]
     assert rdzv1.grown_nodes(info1) == [asking]
     assert [n.host for n in info1.nodes] == ["node0", "node1", "node2"]

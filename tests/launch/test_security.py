@@ -20,7 +20,7 @@ import pytest
 import torch.distributed as dist
 
 from fastcomm.comm.errors import FastcommError
-from fastcomm.comm.store import SECRET_ENV, SECRET_FILE_ENV, Store, encode_value
+from fastcomm.comm.store import Store, encode_value
 from fastcomm.launch.config import LaunchConfig
 from fastcomm.launch.errors import Failure, LaunchError
 from fastcomm.launch.rendezvous import (
@@ -30,6 +30,7 @@ from fastcomm.launch.rendezvous import (
     read_failures,
     write_failures,
 )
+from fastcomm.settings import JOB_SECRET, JOB_SECRET_FILE
 
 from ._util import clean_env, finish, kill_all, run, script, start, wait_files, wait_gone
 
@@ -163,7 +164,7 @@ def test_standalone_job_listens_on_loopback_only(tmp_path):
     """Both stores of a standalone job (rendezvous and workers') listen on 127.0.0.1; the
     workers get the job's random secret (and not the launcher's secret file variable)."""
     path = script(tmp_path, "hold.py", HOLD)
-    env = clean_env(TMPDIR=str(tmp_path), **{SECRET_FILE_ENV: ""})
+    env = clean_env(TMPDIR=str(tmp_path), **{JOB_SECRET_FILE.name: ""})
     proc = start(["--standalone", "--nproc-per-node", "2", path, tmp_path], tmp_path, env=env)
     try:
         records = [json.loads(p.read_text()) for p in wait_files(tmp_path, "rec_*", 2, proc=proc)]
@@ -361,10 +362,10 @@ def test_secret_flags_are_checked(tmp_path, monkeypatch):
     path = script(tmp_path, "train.py", "pass\n")
     secret = tmp_path / "secret"
     secret.write_text("0123456789abcdef0123456789abcdef\n")
-    monkeypatch.delenv(SECRET_ENV, raising=False)
-    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
+    monkeypatch.delenv(JOB_SECRET.name, raising=False)
+    monkeypatch.delenv(JOB_SECRET_FILE.name, raising=False)
     cfg = parse_config(get_parser().parse_args(["--job-secret-file", str(secret), str(path)]))
     assert cfg.job_secret == b"0123456789abcdef0123456789abcdef"
     assert "job_secret=" not in repr(cfg)  # never printed
-    monkeypatch.setenv(SECRET_ENV, "ab" * 16)
+    monkeypatch.setenv(JOB_SECRET.name, "ab" * 16)
     assert parse_config(get_parser().parse_args([str(path)])).job_secret == b"\xab" * 16

@@ -19,11 +19,11 @@ from ..types import SUPPORTED_DTYPES, BitwiseOp, PremulSum, ReduceOp
 from ..work import SettledByWait
 from ..world import communicator_for
 from . import monitored
-from . import p2p as _p2p
 from .agree import RED, as_list, kind_of
 from .compiled import never_traced
 from .issue import IssueOps
 from .multi import combined, copier, copy_to_all, same_tensors
+from .p2p import MessageWork, P2POps, _Received
 from .vcoll import VCollOps
 from .works import FastcommWork, FinishedWork
 
@@ -174,7 +174,7 @@ def _copy_rows(flat: torch.Tensor, outputs: list, dtype: torch.dtype) -> None:
         out.detach().copy_(row.view(dtype).view(out.shape))
 
 
-class FastcommProcessGroup(VCollOps, IssueOps, dist.ProcessGroup):
+class FastcommProcessGroup(VCollOps, P2POps, IssueOps, dist.ProcessGroup):
     """A torch process group whose collectives run on fastcomm communicators.
 
     Built by :func:`create_process_group` (torch calls it for ``init_process_group``,
@@ -228,9 +228,9 @@ class FastcommProcessGroup(VCollOps, IssueOps, dist.ProcessGroup):
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
         self._cuda: tuple[Communicator | None, Any] | None = None
         self._coalescing: list | None = None
-        self._mailboxes = None  # the communicator's tagged send/recv engine (p2p.py), or False
-        self._lane = None  # the engine's compiled usual send and recv (p2p.py), once built
-        self._last_received = None  # the handle of a finished receive, reused (p2p.py)
+        self._mailboxes = None  # the communicator's tagged send/recv engine (P2POps), or False
+        self._lane = None  # the engine's compiled usual send and recv (P2POps), once built
+        self._last_received = None  # the handle of a finished receive, reused (P2POps)
         self._cuda_lock = threading.Lock()
         # collectives handed to Gloo whose sizes the ranks compared first, by op
         self.agreed: Counter[str] = Counter()
@@ -595,13 +595,7 @@ class FastcommProcessGroup(VCollOps, IssueOps, dist.ProcessGroup):
     # (gather, scatter, alltoall, allgather_coalesced and the unequal sizes: VCollOps.)
 
     # ------------------------------------------------------------------ point to point
-    # On shm: the communicator's tagged engine; else handed to Gloo (p2p.py).
-    # (the functions themselves: a method that only calls one costs a frame per message)
-    send = _p2p.send
-    recv = _p2p.recv
-
-    def recv_anysource(self, tensors, tag=0):
-        return _p2p.recv(self, tensors, None, tag)
+    # On shm: the communicator's tagged engine; else handed to Gloo (P2POps, p2p.py).
 
     # ------------------------------------------------------------------ lifetime
     def shutdown(self) -> None:
@@ -647,8 +641,8 @@ def monitored_barrier(
 
 
 # torch calls these from regions Dynamo compiles: run eagerly, as a C++ backend does
-never_traced(FastcommProcessGroup, VCollOps, IssueOps, FastcommWork, SettledByWait,
-             FinishedWork, _p2p.MessageWork, _p2p._Received)
+never_traced(FastcommProcessGroup, VCollOps, P2POps, IssueOps, FastcommWork, SettledByWait,
+             FinishedWork, MessageWork, _Received)
 
 
 def create_process_group(opts: Any, backend_options: Any = None) -> FastcommProcessGroup:

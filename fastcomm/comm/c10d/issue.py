@@ -12,7 +12,7 @@ import time
 import torch
 
 from ..calls import encode, first_difference, mismatch_message
-from ..errors import FastcommError
+from ..errors import FastcommError, SizesDisagreement
 from ..work import wrap_error
 from .agree import CHECKED_OPS, FINGERPRINT, agrees, fingerprint, gloo_call
 from .works import FastcommWork, FinishedWork, finished_work
@@ -73,8 +73,7 @@ class IssueOps:
         work = self._last_done
         # 3: the attribute, `work` and the argument: no one else holds it
         if _REUSE_DONE and _refcount(work) == 3:
-            work._outputs = outputs
-            return work
+            return work.holding(outputs)
         work = self._last_done = finished_work(outputs)
         return work
 
@@ -149,7 +148,7 @@ class IssueOps:
             raise type(exc)(f"rank {self._rank}: {what}: comparing the ranks' sizes: {exc}") \
                 from exc
         problem = first_difference(rows.tolist()) or "their calls' fingerprints differ"
-        raise ValueError(mismatch_message(self._rank, what, problem))
+        raise SizesDisagreement(mismatch_message(self._rank, what, problem))
 
     def _start_coalescing(self, device: torch.device) -> None:
         self._coalescing = []

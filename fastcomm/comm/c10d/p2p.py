@@ -4,7 +4,7 @@ On a group whose CPU communicator is ``shm``, a dense CPU tensor of any dtype mo
 bytes through the communicator's tagged engine (:class:`~fastcomm.comm.shm.p2p.Mailboxes`);
 the usual call (one contiguous tensor of one chunk) is one call of the engine's compiled lane
 (``Mailboxes.lane``), every other one (a non-contiguous tensor: through a copy) goes through
-:func:`_send`/:func:`_recv`. Anything else (CUDA, sparse, a ``hier`` or ``gloo``
+:meth:`_send`/:meth:`_recv`. Anything else (CUDA, sparse, a ``hier`` or ``gloo``
 communicator) is handed to the Gloo group (or a device map's CUDA backend) unchanged.
 
 Invariants: ``dist.batch_isend_irecv`` reaches this group as one ``send``/``recv`` per
@@ -25,13 +25,14 @@ import torch
 import torch.distributed as dist
 
 from ..calls import DTYPE_CODES as _CODES
-from ..errors import CommAbortedError, CommTimeoutError
+from ..errors import CommAbortedError, CommClosedError, CommTimeoutError
+from ..flight import ended
 from ..shm.p2p import MessageMismatchError
 from .issue import _REUSE_DONE
 from .multi import copier
 from .works import FinishedWork, finished_work, thread_future, wait_seconds
 
-__all__ = ["MessageMismatchError", "MessageWork", "recv", "send"]
+__all__ = ["MessageMismatchError", "MessageWork", "P2POps"]
 
 _STRIDED = torch.strided
 _TAG_MIN, _TAG_MAX = -(1 << 63), (1 << 63) - 1
@@ -44,22 +45,16 @@ class _Received(FinishedWork):
 
     __slots__ = ("_src",)
 
+    def holding(self, outputs: list, src: int) -> _Received:
+        """This handle, now of a receive into ``outputs`` from rank ``src`` (made once per
+        group, reused while nobody holds it)."""
+        self._outputs, self._src = outputs, src
+        return self
+
     def _source_rank(self) -> int:
         return self._src
 
     source_rank = _source_rank
-
-
-def _received(group, tensors: list, src: int) -> _Received:
-    """The handle of a receive that finished at once: the group's previous one when nothing
-    holds that any more (as ``IssueOps._done``: making a ``dist._Work`` costs more than the
-    rest of the call), else a new one."""
-    work = group._last_received
-    # 3: the attribute, `work` and the argument: no one else holds it
-    if work is None or not _REUSE_DONE or _refcount(work) != 3:
-        work = group._last_received = _Received()
-    work._outputs, work._src = tensors, src
-    return work
 
 
 class MessageWork(dist._Work):
@@ -71,7 +66,7 @@ class MessageWork(dist._Work):
     __slots__ = ("_engine", "_op", "_outputs", "_post", "_error", "_finished", "_future",
                  "_flight")
 
-    def __init__(self, engine, op, outputs: list, post) -> None:
+    def __init__(self, engine, op, outputs: list, post, flight: tuple | None = None) -> None:
         super().__init__()
         self._engine = engine
         self._op = op
@@ -80,7 +75,7 @@ class MessageWork(dist._Work):
         self._error: BaseException | None = None
         self._finished = False
         self._future: torch.futures.Future | None = None
-        self._flight: tuple | None = None  # (recorder, seq) until the operation ends
+        self._flight = flight  # (recorder, seq) until the operation ends
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         """Blocks until the operation is done and raises its error.
@@ -101,7 +96,7 @@ class MessageWork(dist._Work):
             except BaseException as exc:
                 self._error = exc
                 self._finished = True
-                _ended(self._flight, exc)
+                ended(self._flight, exc)
                 self._flight = None
                 raise
             self._settle()
@@ -120,7 +115,7 @@ class MessageWork(dist._Work):
                 error = exc
         self._error = error
         self._finished = True
-        _ended(self._flight, error)
+        ended(self._flight, error)
         self._flight = None
 
     def is_completed(self) -> bool:
@@ -165,57 +160,6 @@ class MessageWork(dist._Work):
         return f"MessageWork({op.kind} {where}, {'done' if self._finished else 'pending'})"
 
 
-def _engine(group, tensor: torch.Tensor):
-    """The group's tagged engine for ``tensor``, or ``None`` (hand the call to Gloo)."""
-    if not tensor.is_cpu or tensor.layout is not _STRIDED:
-        return None
-    engine = group._mailboxes
-    if engine is None:
-        comm = group.communicator
-        if not comm.capabilities.tagged_p2p:
-            group._mailboxes = False
-            return None
-        engine = group._mailboxes = comm.mailboxes
-        group._lane = engine.lane(comm, FinishedWork, _Received, _REUSE_DONE)
-    return engine or None
-
-
-def _checked(group, tensors: Any, peer: int | None, tag: Any, op: str) -> torch.Tensor:
-    """The one tensor of a send or receive, after the checks torch leaves to the group."""
-    if tensors.__class__ is list and len(tensors) == 1 and peer.__class__ is int and (
-            tag.__class__ is int and 0 <= peer < group._size and peer != group._rank
-            and _TAG_MIN <= tag <= _TAG_MAX):
-        tensor = tensors[0]
-        if tensor.__class__ is torch.Tensor:
-            return tensor  # the usual call, checked without building any message
-    if isinstance(tensors, torch.Tensor):
-        tensors = [tensors]
-    if len(tensors) != 1 or not isinstance(tensors[0], torch.Tensor):
-        raise ValueError(f"rank {group._rank}: {op} takes a list of one tensor, got "
-                         f"{len(tensors)} items")
-    if peer is not None and (not isinstance(peer, int) or isinstance(peer, bool)
-                             or not 0 <= peer < group._size or peer == group._rank):
-        raise ValueError(
-            f"rank {group._rank}: {op}: peer rank {peer!r} must be another rank of the group "
-            f"(0..{group._size - 1}, not {group._rank})"
-        )
-    if not isinstance(tag, int) or isinstance(tag, bool) or not _TAG_MIN <= tag <= _TAG_MAX:
-        raise ValueError(f"rank {group._rank}: {op}: tag {tag!r} must be an int in "
-                         f"[-2**63, 2**63)")
-    return tensors[0]
-
-
-def _check_usable(group, op: str) -> None:
-    """Raises when the communicator was closed or failed earlier (nothing is issued)."""
-    comm = group.communicator
-    if comm._closed or comm._broken is not None:
-        comm._check_open(op)
-        raise CommAbortedError(
-            f"rank {group._rank}: {op} refused: this group's shm communicator failed earlier "
-            f"({comm._broken})"
-        )
-
-
 def _recorded(comm, name: str, tensor: torch.Tensor, peer: int | None) -> tuple | None:
     """The call recorded in ``comm``'s flight recorder, as ``comm.send``/``comm.recv`` record
     theirs: ``(recorder, seq)``, or ``None`` with the recorder off."""
@@ -223,133 +167,191 @@ def _recorded(comm, name: str, tensor: torch.Tensor, peer: int | None) -> tuple 
     return None if recorder is None else (recorder, recorder.issue(name, tensor, peer))
 
 
-def _ended(flight: tuple | None, error: BaseException | None) -> None:
-    """Ends a recorded call; a failure dumps the record (a timeout, a lost peer)."""
-    if flight is None:
-        return
-    recorder, seq = flight
-    if error is not None:
-        recorder.fail(seq, error)
-    else:
-        recorder.end(seq)
+class P2POps:
+    """The point-to-point half of :class:`~.group.FastcommProcessGroup` (which sets ``_rank``,
+    ``_size``, ``communicator``, ``_coalescing``, and the engine state below to ``None``:
+    ``_mailboxes``, ``_lane``, ``_last_received``); see the module docstring."""
 
+    def _received(self, tensors: list, src: int) -> _Received:
+        """The handle of a receive that finished at once: the group's previous one when nothing
+        holds that any more (as ``IssueOps._done``: making a ``dist._Work`` costs more than the
+        rest of the call), else a new one."""
+        work = self._last_received
+        # 3: the attribute, `work` and the argument: no one else holds it
+        if work is None or not _REUSE_DONE or _refcount(work) != 3:
+            work = self._last_received = _Received()
+        return work.holding(tensors, src)
 
-def _issued(group, tensors: list, engine, op, post, flight: tuple | None = None) -> Any:
-    """The handle of an operation the engine took: finished already, or pending."""
-    if op.done and group._coalescing is None:
-        _ended(flight, op.error)
-        if op.error is not None:
-            raise op.error
-        if post is not None:
-            post()
-        if op.kind == "send":
-            return finished_work(tensors)
-        work = _Received()
-        work._outputs, work._src = tensors, op.source
-        return work
-    handle = MessageWork(engine, op, tensors, post)
-    handle._flight = flight
-    if flight is not None:  # recorded as pending until the operation ends (MessageWork)
-        flight[0].pending(flight[1])
-    if group._coalescing is not None:
-        group._coalescing.append(handle)
-    return handle
-
-
-def send(group, tensors: list, dstRank: int, tag: int = 0) -> Any:  # noqa: N803 - torch's
-    """The group's ``send``: see the module docstring. The usual call (one contiguous CPU
-    tensor of one chunk to another rank, not coalescing) is one call of the engine's compiled
-    lane (:meth:`~fastcomm.comm.shm.p2p.Mailboxes.lane`), with :func:`_send`'s checks, record
-    and handle; anything else, or a peer not ready within the spin budget, goes to
-    :func:`_send`."""
-    lane = group._lane
-    if lane is not None and group._coalescing is None:
-        work = lane.send(tensors, dstRank, tag)
-        if work is None or work is False:  # False: tried at once already
-            return _send(group, tensors, dstRank, tag, work is None)
-        return work
-    return _send(group, tensors, dstRank, tag)
-
-
-def _send(group, tensors: list, dst: int, tag: int, now: bool = True) -> Any:
-    """:func:`send` of any call: every check, staging, handing on (``now``: a one-chunk
-    message is tried at once first)."""
-    tensor = _checked(group, tensors, dst, tag, "send")
-    engine = group._mailboxes
-    if not engine or not tensor.is_cpu or tensor.layout is not _STRIDED:
-        engine = _engine(group, tensor)
+    def _engine(self, tensor: torch.Tensor):
+        """The group's tagged engine for ``tensor``, or ``None`` (hand the call to Gloo)."""
+        if not tensor.is_cpu or tensor.layout is not _STRIDED:
+            return None
+        engine = self._mailboxes
         if engine is None:
-            return group._forward("send", tensors, tensor, tensors, dst, tag, peer=dst)
-    comm = group.communicator
-    if comm._closed or comm._broken is not None:
-        _check_usable(group, "send")
-    comm.stats.record("send", tensor)
-    engine.check_rejects(dst, "send to")
-    code = _CODES[tensor.dtype]
-    flight = _recorded(comm, "send", tensor, dst)
-    try:
-        if tensor.is_contiguous():
-            if now and group._coalescing is None and engine.send_now(
-                    tensor.data_ptr(), tensor.nbytes, dst, tag, code):
-                _ended(flight, None)
-                return group._done(tensors)
-            data = tensor
-        else:
-            data = tensor.contiguous()
-        op = engine.isend(data, dst, tag, code)
-    except BaseException as exc:
-        _ended(flight, exc)
-        raise
-    return _issued(group, tensors, engine, op, None, flight)
+            comm = self.communicator
+            if not comm.capabilities.tagged_p2p:
+                self._mailboxes = False
+                return None
+            engine = self._mailboxes = comm.mailboxes
+            self._lane = engine.lane(comm, FinishedWork, _Received, _REUSE_DONE)
+        return engine or None
 
+    def _checked(self, tensors: Any, peer: int | None, tag: Any, op: str) -> torch.Tensor:
+        """The one tensor of a send or receive, after the checks torch leaves to the group."""
+        if tensors.__class__ is list and len(tensors) == 1 and peer.__class__ is int and (
+                tag.__class__ is int and 0 <= peer < self._size and peer != self._rank
+                and _TAG_MIN <= tag <= _TAG_MAX):
+            tensor = tensors[0]
+            if tensor.__class__ is torch.Tensor:
+                return tensor  # the usual call, checked without building any message
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        if len(tensors) != 1 or not isinstance(tensors[0], torch.Tensor):
+            raise ValueError(f"rank {self._rank}: {op} takes a list of one tensor, got "
+                             f"{len(tensors)} items")
+        if peer is not None and (not isinstance(peer, int) or isinstance(peer, bool)
+                                 or not 0 <= peer < self._size or peer == self._rank):
+            raise ValueError(
+                f"rank {self._rank}: {op}: peer rank {peer!r} must be another rank of the group "
+                f"(0..{self._size - 1}, not {self._rank})"
+            )
+        if not isinstance(tag, int) or isinstance(tag, bool) or not _TAG_MIN <= tag <= _TAG_MAX:
+            raise ValueError(f"rank {self._rank}: {op}: tag {tag!r} must be an int in "
+                             f"[-2**63, 2**63)")
+        return tensors[0]
 
-def recv(group, tensors: list, srcRank: int | None, tag: int = 0) -> Any:  # noqa: N803
-    """The group's ``recv`` (``srcRank``: a rank) and ``recv_anysource`` (``None``). The usual
-    call (one contiguous CPU tensor of one chunk from another rank, as :func:`send`'s) is one
-    call of the engine's compiled lane; anything else goes to :func:`_recv`."""
-    lane = group._lane
-    if lane is not None and group._coalescing is None:
-        work = lane.recv(tensors, srcRank, tag)
-        if work is None or work is False:  # False: tried at once already
-            return _recv(group, tensors, srcRank, tag, work is None)
-        return work
-    return _recv(group, tensors, srcRank, tag)
+    def _check_usable(self, op: str) -> None:
+        """Raises when the communicator was closed or failed earlier (nothing is issued)."""
+        comm = self.communicator
+        if comm.closed:
+            raise CommClosedError(f"rank {self._rank}: {op} called after close() of this "
+                                  f"group's communicator")
+        if comm.broken is not None:
+            raise CommAbortedError(
+                f"rank {self._rank}: {op} refused: this group's shm communicator failed earlier "
+                f"({comm.broken})"
+            )
 
+    def _issued(self, tensors: list, engine, op, post, flight: tuple | None = None) -> Any:
+        """The handle of an operation the engine took: finished already, or pending."""
+        if op.done and self._coalescing is None:
+            ended(flight, op.error)
+            if op.error is not None:
+                raise op.error
+            if post is not None:
+                post()
+            if op.kind == "send":
+                return finished_work(tensors)
+            return _Received().holding(tensors, op.source)
+        handle = MessageWork(engine, op, tensors, post, flight)
+        if flight is not None:  # recorded as pending until the operation ends (MessageWork)
+            flight[0].pending(flight[1])
+        if self._coalescing is not None:
+            self._coalescing.append(handle)
+        return handle
 
-def _recv(group, tensors: list, src: int | None, tag: int, now: bool = True) -> Any:
-    """:func:`recv` of any call: every check, staging, handing on (``now``: a one-chunk
-    message from a named rank is tried at once first)."""
-    name = "recv" if src is not None else "recv_anysource"
-    tensor = _checked(group, tensors, src, tag, name)
-    engine = group._mailboxes
-    if not engine or not tensor.is_cpu or tensor.layout is not _STRIDED:
-        engine = _engine(group, tensor)
-        if engine is None:
-            if src is None:
-                return group._forward(name, tensors, tensor, tensors, tag)
-            return group._forward(name, tensors, tensor, tensors, src, tag, peer=src)
-    comm = group.communicator
-    if comm._closed or comm._broken is not None:
-        _check_usable(group, name)
-    comm.stats.record("recv", None)
-    code = _CODES[tensor.dtype]
-    if src is not None:
-        engine.check_rejects(src, "receive from")
-    flight = _recorded(comm, "recv", tensor, src)
-    try:
-        if tensor.is_contiguous():
-            if now and src is not None and group._coalescing is None and engine.recv_now(
-                    tensor.data_ptr(), tensor.nbytes, src, tag, code):
-                _ended(flight, None)
-                _increment_version((tensor,))  # written behind autograd's back
-                return _received(group, tensors, src)
-            data, post = tensor, partial(_increment_version, (tensor,))
-        else:
-            data = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-            post = copier(tensor, data)
-        op = engine.irecv(data, src, tag, code)
-    except BaseException as exc:
-        _ended(flight, exc)
-        raise
-    return _issued(group, tensors, engine, op, post, flight)
+    def send(self, tensors: list, dstRank: int, tag: int = 0) -> Any:  # noqa: N803 - torch's
+        """The group's ``send``: see the module docstring. The usual call (one contiguous CPU
+        tensor of one chunk to another rank, not coalescing) is one call of the engine's compiled
+        lane (:meth:`~fastcomm.comm.shm.p2p.Mailboxes.lane`), with :meth:`_send`'s checks, record
+        and handle; anything else, or a peer not ready within the spin budget, goes to
+        :meth:`_send`."""
+        lane = self._lane
+        if lane is not None and self._coalescing is None:
+            work = lane.send(tensors, dstRank, tag)
+            if work is None or work is False:  # False: tried at once already
+                return self._send(tensors, dstRank, tag, work is None)
+            return work
+        return self._send(tensors, dstRank, tag)
+
+    def _send(self, tensors: list, dst: int, tag: int, now: bool = True) -> Any:
+        """:meth:`send` of any call: every check, staging, handing on (``now``: a one-chunk
+        message is tried at once first)."""
+        tensor = self._checked(tensors, dst, tag, "send")
+        engine = self._mailboxes
+        if not engine or not tensor.is_cpu or tensor.layout is not _STRIDED:
+            engine = self._engine(tensor)
+            if engine is None:
+                return self._forward("send", tensors, tensor, tensors, dst, tag, peer=dst)
+        comm = self.communicator
+        if comm.closed or comm.broken is not None:
+            self._check_usable("send")
+        comm.stats.record("send", tensor)
+        engine.check_rejects(dst, "send to")
+        code = _CODES[tensor.dtype]
+        flight = _recorded(comm, "send", tensor, dst)
+        try:
+            if tensor.is_contiguous():
+                if now and self._coalescing is None and engine.send_now(
+                        tensor.data_ptr(), tensor.nbytes, dst, tag, code):
+                    ended(flight, None)
+                    return self._done(tensors)
+                data = tensor
+            else:
+                data = tensor.contiguous()
+            op = engine.isend(data, dst, tag, code)
+        except BaseException as exc:
+            ended(flight, exc)
+            raise
+        return self._issued(tensors, engine, op, None, flight)
+
+    def recv(self, tensors: list, srcRank: int | None, tag: int = 0) -> Any:  # noqa: N803
+        """The group's ``recv`` (``srcRank``: a rank) and ``recv_anysource`` (``None``). The usual
+        call (one contiguous CPU tensor of one chunk from another rank, as :meth:`send`'s) is one
+        call of the engine's compiled lane; anything else goes to :meth:`_recv`."""
+        lane = self._lane
+        if lane is not None and self._coalescing is None:
+            work = lane.recv(tensors, srcRank, tag)
+            if work is None or work is False:  # False: tried at once already
+                return self._recv(tensors, srcRank, tag, work is None)
+            return work
+        return self._recv(tensors, srcRank, tag)
+
+    def recv_anysource(self, tensors: list, tag: int = 0) -> Any:
+        """:meth:`recv` from whichever rank's message comes first (torch's
+        ``recv_anysource``); its handle's ``_source_rank()`` names that rank."""
+        lane = self._lane
+        if lane is not None and self._coalescing is None:
+            work = lane.recv(tensors, None, tag)
+            if work is None or work is False:  # False: tried at once already
+                return self._recv(tensors, None, tag, work is None)
+            return work
+        return self._recv(tensors, None, tag)
+
+    def _recv(self, tensors: list, src: int | None, tag: int, now: bool = True) -> Any:
+        """:func:`recv` of any call: every check, staging, handing on (``now``: a one-chunk
+        message from a named rank is tried at once first)."""
+        name = "recv" if src is not None else "recv_anysource"
+        tensor = self._checked(tensors, src, tag, name)
+        engine = self._mailboxes
+        if not engine or not tensor.is_cpu or tensor.layout is not _STRIDED:
+            engine = self._engine(tensor)
+            if engine is None:
+                if src is None:
+                    return self._forward(name, tensors, tensor, tensors, tag)
+                return self._forward(name, tensors, tensor, tensors, src, tag, peer=src)
+        comm = self.communicator
+        if comm.closed or comm.broken is not None:
+            self._check_usable(name)
+        comm.stats.record("recv", None)
+        code = _CODES[tensor.dtype]
+        if src is not None:
+            engine.check_rejects(src, "receive from")
+        flight = _recorded(comm, "recv", tensor, src)
+        try:
+            if tensor.is_contiguous():
+                if now and src is not None and self._coalescing is None and engine.recv_now(
+                        tensor.data_ptr(), tensor.nbytes, src, tag, code):
+                    ended(flight, None)
+                    _increment_version((tensor,))  # written behind autograd's back
+                    return self._received(tensors, src)
+                data, post = tensor, partial(_increment_version, (tensor,))
+            else:
+                data = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+                post = copier(tensor, data)
+            op = engine.irecv(data, src, tag, code)
+        except BaseException as exc:
+            ended(flight, exc)
+            raise
+        return self._issued(tensors, engine, op, post, flight)
 

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-from ..adapt import rooted_now, split_now
 from ..types import ReduceOp
 from .multi import copier
 
@@ -96,8 +95,8 @@ class VCollOps:
             # the usual call (contiguous CPU tensors, waited for): the communicator does it
             outs = None if self._rank != root else (
                 output_tensors[0] if len(output_tensors) == 1 else False)
-            if outs is not False and rooted_now(self.communicator, "gather",
-                                                   input_tensors[0], outs, root):
+            if outs is not False and self.communicator.try_gather(outs, input_tensors[0],
+                                                                  root):
                 return self._done(output_tensors)
         comm = self._comm_for(input_tensors[0]) if len(input_tensors) == 1 else None
         outs = output_tensors[0] if output_tensors else None
@@ -120,8 +119,8 @@ class VCollOps:
             # the usual call (contiguous CPU tensors, waited for): the communicator does it
             ins = None if self._rank != root else (
                 input_tensors[0] if len(input_tensors) == 1 else False)
-            if ins is not False and rooted_now(self.communicator, "scatter",
-                                                  output_tensors[0], ins, root):
+            if ins is not False and self.communicator.try_scatter(output_tensors[0], ins,
+                                                                  root):
                 return self._done(output_tensors)
         comm = self._comm_for(output_tensors[0]) if len(output_tensors) == 1 else None
         ins = input_tensors[0] if input_tensors else None
@@ -147,8 +146,8 @@ class VCollOps:
     def _all_to_all_split(self, output, input, output_split_sizes, input_split_sizes, opts):
         """``all_to_all_single`` with split sizes (or dtypes the even path does not take)."""
         if (output_split_sizes and input_split_sizes and not opts.asyncOp
-                and self._coalescing is None and split_now(
-                    self.communicator, output, input, output_split_sizes, input_split_sizes)):
+                and self._coalescing is None and self.communicator.try_all_to_all_split(
+                    output, input, output_split_sizes, input_split_sizes)):
             # the usual call (contiguous CPU tensors, valid splits, waited for): done
             return self._done([output])
         comm = self._comm_for(input)

@@ -31,6 +31,13 @@ class FinishedWork(dist._Work):
 
     __slots__ = ("_outputs",)
 
+    def holding(self, outputs: list) -> FinishedWork:
+        """This handle, now of a call whose outputs are ``outputs`` (a group reuses its last
+        one while nobody holds it: making a ``dist._Work`` costs more than the rest of a
+        call)."""
+        self._outputs = outputs
+        return self
+
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         return True
 
@@ -59,9 +66,8 @@ class FinishedWork(dist._Work):
 
 
 def finished_work(outputs: list) -> FinishedWork:
-    work = FinishedWork()
-    work._outputs = outputs
-    return work
+    """A new finished handle of ``outputs``."""
+    return FinishedWork().holding(outputs)
 
 
 class FastcommWork(SettledByWait, dist._Work):

@@ -24,7 +24,7 @@ import torch
 
 from ...kernels._launch import fp32_scale, kernel_backend
 from ...kernels._peer_reduce import MAX_PEERS, PEER_DTYPES, peer_reduce, reduce_unchecked
-from ..base import Communicator, abort_parts
+from ..base import Communicator
 from ..reduction import Reduction, torch_reduce
 from ..store import Store
 from ..types import Capabilities, ReduceOp
@@ -174,35 +174,36 @@ class IpcCommunicator(Communicator):
         return self._cuda
 
     # ------------------------------------------------------------------ CPU: the shm part
-    def _run_inline(self, op: str, *args) -> bool:
-        # CPU tensors only (the first argument is a tensor for every op but barrier)
-        return (not args or args[0].is_cpu) and self.cpu._run_inline(op, *args)
+    # Every op but a CUDA all_reduce is the shm part's, blocking calls on its lane included;
+    # the v-calls are the contract's defaults over these.
+    def _impl_reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp,
+                     blocking: bool = False) -> Task | None:
+        return self.cpu._impl_reduce(tensor, root, op, blocking)
 
-    def _impl_reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp) -> Task:
-        return self.cpu._impl_reduce(tensor, root, op)
+    def _impl_broadcast(self, tensor: torch.Tensor, src: int,
+                        blocking: bool = False) -> Task | None:
+        return self.cpu._impl_broadcast(tensor, src, blocking)
 
-    def _impl_broadcast(self, tensor: torch.Tensor, src: int) -> Task:
-        return self.cpu._impl_broadcast(tensor, src)
+    def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor,
+                         blocking: bool = False) -> Task | None:
+        return self.cpu._impl_all_gather(output, input, blocking)
 
-    def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Task:
-        return self.cpu._impl_all_gather(output, input)
+    def _impl_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
+                             blocking: bool = False) -> Task | None:
+        return self.cpu._impl_reduce_scatter(output, input, op, blocking)
 
-    def _impl_reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp
-    ) -> Task:
-        return self.cpu._impl_reduce_scatter(output, input, op)
+    def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor,
+                         blocking: bool = False) -> Task | None:
+        return self.cpu._impl_all_to_all(output, input, blocking)
 
-    def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Task:
-        return self.cpu._impl_all_to_all(output, input)
+    def _impl_send(self, tensor: torch.Tensor, dst: int, blocking: bool = False) -> Task | None:
+        return self.cpu._impl_send(tensor, dst, blocking)
 
-    def _impl_send(self, tensor: torch.Tensor, dst: int) -> Task:
-        return self.cpu._impl_send(tensor, dst)
+    def _impl_recv(self, tensor: torch.Tensor, src: int, blocking: bool = False) -> Task | None:
+        return self.cpu._impl_recv(tensor, src, blocking)
 
-    def _impl_recv(self, tensor: torch.Tensor, src: int) -> Task:
-        return self.cpu._impl_recv(tensor, src)
-
-    def _impl_barrier(self) -> Task:
-        return self.cpu._impl_barrier()
+    def _impl_barrier(self, blocking: bool = False) -> Task | None:
+        return self.cpu._impl_barrier(blocking)
 
     # ------------------------------------------------------------------ CUDA all_reduce
     def _cuda_route(self, device: torch.device):
@@ -259,9 +260,10 @@ class IpcCommunicator(Communicator):
         )
         return None
 
-    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Task:
+    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp,
+                         blocking: bool = False) -> Task | None:
         if tensor.device.type != "cuda":
-            return self.cpu._impl_all_reduce(tensor, op)
+            return self.cpu._impl_all_reduce(tensor, op, blocking)
         transport = None
         if tensor.dtype in _CUDA_DTYPES and op._name_ in _KERNEL_OPS:
             transport = self._cuda_route(tensor.device)
@@ -271,7 +273,7 @@ class IpcCommunicator(Communicator):
                     f"{self._where()}: no route for a CUDA all_reduce of {tensor.dtype} "
                     f"({op.name}): the CUDA transport does not take it and there is no fallback"
                 )
-            return self.fallback._impl_all_reduce(tensor, op)
+            return self.fallback._impl_all_reduce(tensor, op, blocking)
 
         def enqueue() -> Work:
             work = transport.all_reduce(tensor, op)  # enqueued in the caller's stream order
@@ -325,7 +327,7 @@ class IpcCommunicator(Communicator):
         """From any thread (a lost rank): every part is aborted (the shm part marks this rank
         aborted, the CUDA transport stops its barriers, the Gloo fallback's waits stop), so
         pending and later calls raise ``CommAbortedError``; :meth:`close` follows."""
-        abort_parts(self, error, (self._cuda, self.cpu, self.fallback))
+        self._abort_parts(error, (self._cuda, self.cpu, self.fallback))
 
     def _new_child(self, store: Store, rank: int, size: int, timeout: timedelta):
         raise TypeError(

@@ -12,7 +12,7 @@ import torch
 
 from ...kernels._peer_signal import disagreeing_ranks, missing_ranks
 from ..calls import IPC_MAX_NUMEL, Call, describe, from_ipc_word, ipc_word, mismatch_message
-from ..errors import FastcommError
+from ..errors import CollectiveMismatchError
 from ..types import ReduceOp
 
 __all__ = [
@@ -74,7 +74,7 @@ def disagreement_message(rank: int, report: int, epoch: int, mine: int, theirs: 
     return (f"{mismatch_message(rank, call.op, problem)}; the CUDA IPC transport is aborted")
 
 
-def disagreement_error(rank: int, control) -> FastcommError | None:
+def disagreement_error(rank: int, control) -> CollectiveMismatchError | None:
     """The error of a disagreement reported in the control block `control` (a sequence of
     its words), or None when it holds none (yet).
 
@@ -84,5 +84,5 @@ def disagreement_error(rank: int, control) -> FastcommError | None:
     report, epoch, mine, theirs = (int(control[i]) for i in range(1, 5))
     if report >= 0 or not (mine and theirs):
         return None
-    return FastcommError(disagreement_message(rank, report, epoch, mine, theirs))
+    return CollectiveMismatchError(disagreement_message(rank, report, epoch, mine, theirs))
 

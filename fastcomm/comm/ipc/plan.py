@@ -10,12 +10,12 @@ memory in the tests. Workspace layout, one-shot and two-shot rounds, buffer alte
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
 from typing import NamedTuple, Protocol
 
 import torch
 
+from ... import settings
 from ...kernels._launch import fp32_scale
 from ...kernels._peer_reduce import launch_peer_reduce_table
 from ...kernels._peer_signal import flag_area_words
@@ -30,22 +30,23 @@ __all__ = [
     "run_steps", "two_shot_chunk", "workspace_layout",
 ]
 
-ENV_WORKSPACE = "FASTCOMM_IPC_CUDA_WORKSPACE_BYTES"
-ENV_TWO_SHOT = "FASTCOMM_IPC_CUDA_TWO_SHOT_BYTES"
-
 #: Alignment of every area of a workspace and of two-shot chunks (bytes): 128-bit accesses.
 ALIGN = 256
 CHUNK_ALIGN = 16
+
+#: The options the environment sets, each with its variable.
+_ENV_FIELDS = ((settings.IPC_CUDA_WORKSPACE_BYTES, "workspace_bytes"),
+               (settings.IPC_CUDA_TWO_SHOT_BYTES, "two_shot_bytes"))
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class IpcCudaOptions:
     """Sizes and bounds of the CUDA transport."""
 
-    workspace_bytes: int = 32 << 20
+    workspace_bytes: int = settings.IPC_CUDA_WORKSPACE_BYTES.default
     """Bytes of the data area per rank, split into two alternating buffers; larger messages
     are chunked into rounds of half of it."""
-    two_shot_bytes: int = 512 << 10
+    two_shot_bytes: int = settings.IPC_CUDA_TWO_SHOT_BYTES.default
     """Rounds of at least this many bytes run two-shot, smaller ones one-shot. Not measured
     yet: one-shot reads ``size`` times the round per rank, two-shot twice, so two-shot wins
     once bandwidth, not latency, dominates."""
@@ -68,21 +69,13 @@ class IpcCudaOptions:
     def from_env(cls, env: Mapping[str, str] | None = None) -> IpcCudaOptions:
         """Defaults, overridden by ``FASTCOMM_IPC_CUDA_WORKSPACE_BYTES`` and
         ``FASTCOMM_IPC_CUDA_TWO_SHOT_BYTES`` (integers, bytes)."""
-        env = os.environ if env is None else env
-        values = {}
-        for name, field in ((ENV_WORKSPACE, "workspace_bytes"), (ENV_TWO_SHOT, "two_shot_bytes")):
-            text = env.get(name, "").strip()
-            if text:
-                try:
-                    values[field] = int(text)
-                except ValueError:
-                    raise ValueError(f"{name}={text!r} is not an integer number of bytes") from None
+        given = [(var, field) for var, field in _ENV_FIELDS if var.is_set(env)]
+        values = {field: var.get(env) for var, field in given}
         try:
             return cls(**values)
         except ValueError as exc:  # name the variable the bad value came from
-            given = ", ".join(f"{n}={env.get(n, '').strip()}" for n in (ENV_WORKSPACE, ENV_TWO_SHOT)
-                              if env.get(n, "").strip())
-            raise ValueError(f"{exc} (from {given})") from None
+            named = ", ".join(f"{var.name}={var.text(env)}" for var, _ in given)
+            raise ValueError(f"{exc} (from {named})") from None
 
 
 class WorkspaceLayout(NamedTuple):
@@ -306,7 +299,7 @@ def check_agreed_options(rank: int, gathered: list) -> None:
     first = tuple(gathered[0])
     for peer, theirs in enumerate(gathered):
         if tuple(theirs) != first:
-            names = (f"workspace_bytes ({ENV_WORKSPACE})", f"two_shot_bytes ({ENV_TWO_SHOT})")
+            names = [f"{field} ({var.name})" for var, field in _ENV_FIELDS]
             differ = "; ".join(
                 f"{name}: rank 0 has {a}, rank {peer} has {b}"
                 for name, a, b in zip(names, first, theirs, strict=True)

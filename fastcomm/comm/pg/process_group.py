@@ -30,7 +30,6 @@ import torch.distributed as dist
 
 from ..base import Communicator
 from ..errors import CommAbortedError
-from ..flight import work_ended
 from ..store import as_timedelta
 from ..types import ReduceOp, divide_
 from ..work import SettledByWait, Task, Work, wrap_error
@@ -94,7 +93,12 @@ class PGWork(SettledByWait, Work):
                 self._error = wrap_error(self.op, self.rank, self.start, error)
             self._finished = True
         if self._flight is not None:  # its call ends in the flight recorder
-            work_ended(self, self._error)
+            self.record_end(self._error)
+
+    def record_in(self, recorder, seq: int) -> None:
+        self._flight = (recorder, seq)
+        if self._finished:
+            self.record_end(self._error)
 
     def wait(self, timeout: float | timedelta | None = None) -> bool:
         if not self._finished:
@@ -249,7 +253,8 @@ class ProcessGroupCommunicator(Communicator):
         return Task(op, output, partial(self._issue, op, output, issue, post))
 
     # ------------------------------------------------------------------ collectives
-    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Task:
+    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp,
+                         blocking: bool = False) -> Task:
         # the hot call of DDP over a torch group: the options are made once per op (torch
         # reads them at issue), and nothing is looked up by Enum (its hash runs Python code)
         cached = self._allreduce_opts.get(op._name_)
@@ -271,19 +276,19 @@ class ProcessGroupCommunicator(Communicator):
             raise wrap_error("all_reduce", self.rank, time.monotonic(), exc) from exc
         return PGWork(self, "all_reduce", tensor, handle, post)
 
-    def _impl_broadcast(self, tensor: torch.Tensor, src: int) -> Task:
+    def _impl_broadcast(self, tensor: torch.Tensor, src: int, blocking: bool = False) -> Task:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         pg = self.process_group
         return self._issue_task("broadcast", tensor, lambda: pg.broadcast([tensor], opts))
 
-    def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Task:
+    def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor,
+                         blocking: bool = False) -> Task:
         out_flat, in_flat, pg = output.view(-1), input.view(-1), self.process_group
         return self._issue_task("all_gather", output, lambda: pg._allgather_base(out_flat, in_flat))
 
-    def _impl_reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp
-    ) -> Task:
+    def _impl_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
+                             blocking: bool = False) -> Task:
         opts = dist.ReduceScatterOptions()
         opts.reduceOp, post = self._reduce_op(op, output)
         out_flat, in_flat = output.view(-1), input.view(-1)
@@ -292,20 +297,21 @@ class ProcessGroupCommunicator(Communicator):
             "reduce_scatter", output, lambda: pg._reduce_scatter_base(out_flat, in_flat, opts), post
         )
 
-    def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Task:
+    def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor,
+                         blocking: bool = False) -> Task:
         out_flat, in_flat, pg = output.view(-1), input.view(-1), self.process_group
         opts = dist.AllToAllOptions()
         issue = lambda: pg.alltoall_base(out_flat, in_flat, [], [], opts)  # noqa: E731
         return self._issue_task("all_to_all", output, issue)
 
-    def _impl_send(self, tensor: torch.Tensor, dst: int) -> Task:
+    def _impl_send(self, tensor: torch.Tensor, dst: int, blocking: bool = False) -> Task:
         pg = self.process_group
         return self._issue_task("send", tensor, lambda: pg.send([tensor], dst, 0))
 
-    def _impl_recv(self, tensor: torch.Tensor, src: int) -> Task:
+    def _impl_recv(self, tensor: torch.Tensor, src: int, blocking: bool = False) -> Task:
         pg = self.process_group
         return self._issue_task("recv", tensor, lambda: pg.recv([tensor], src, 0))
 
-    def _impl_barrier(self) -> Task:
+    def _impl_barrier(self, blocking: bool = False) -> Task:
         pg = self.process_group
         return self._issue_task("barrier", None, lambda: pg.barrier(dist.BarrierOptions()))

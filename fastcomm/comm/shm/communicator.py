@@ -19,12 +19,13 @@ from datetime import timedelta
 
 import torch
 
+from ... import settings
+from ..backend import VKind
 from ..base import Communicator
-from ..errors import CommAbortedError, CommClosedError, FastcommError
+from ..errors import CommAbortedError, CommClosedError, FastcommError, SizesDisagreement
 from ..store import Store
 from ..topology import host_id
 from ..types import Capabilities, PremulSum, ReduceOp
-from ..vcoll import SizesDisagreement, default_task
 from ..work import OrderedExecutor, Task, wrap_error
 from .buckets import ShmBucketRegion
 from .core import PREMUL_KINDS
@@ -39,45 +40,6 @@ __all__ = ["ShmCommunicator", "ShmOptions", "shm_available"]
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
-# accepted values of each variable, said in the error a bad one gets (the dataclass's own
-# checks name the field, not the variable it came from)
-_ENV_RANGES = {
-    "FASTCOMM_SHM_SLOT_BYTES": ("a positive multiple of 4096", lambda v: v > 0 and not v % 4096),
-    "FASTCOMM_SHM_ONE_SHOT_BYTES": ("an integer >= 0", lambda v: v >= 0),
-    "FASTCOMM_SHM_SPIN_US": ("a number in [0, 1e6]", lambda v: 0 <= v <= 1e6),
-    "FASTCOMM_SHM_YIELD_US": ("a number in [0, 1e7]", lambda v: 0 <= v <= 1e7),
-}
-
-
-def _env_number(name: str, default, kind):
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    allowed, ok = _ENV_RANGES[name]
-    try:
-        value = kind(text)
-    except ValueError:
-        value = None
-    if value is None or not ok(value):  # NaN fails every comparison, so ok() too
-        raise ValueError(f"{name}={text!r}: must be {allowed} (or unset)")
-    return value
-
-
-def _env_int(name: str, default: int | None) -> int | None:
-    return _env_number(name, default, int)
-
-
-def _env_float(name: str, default: float | None) -> float | None:
-    return _env_number(name, default, float)
-
-
-def _env_flag(name: str, default: bool) -> bool:
-    text = os.environ.get(name, "").strip()
-    if text not in ("", "0", "1"):
-        raise ValueError(f"{name}={text!r}: must be 0 or 1 (or unset)")
-    return default if not text else text == "1"
-
-
 def shm_available() -> bool:
     """Whether this platform supports the ``shm`` communicator (Linux ``/dev/shm``, fences)."""
     return shm_supported() and fence_supported()
@@ -87,33 +49,31 @@ def shm_available() -> bool:
 class ShmOptions:
     """Tuning of a :class:`ShmCommunicator` (every rank must pass the same values)."""
 
-    slot_bytes: int = field(default_factory=lambda: _env_int("FASTCOMM_SHM_SLOT_BYTES", 1 << 20))
+    # the environment checks its values itself, so a bad one is named by its variable rather
+    # than by the field (__post_init__)
+    slot_bytes: int = field(default_factory=settings.SHM_SLOT_BYTES.get)
     """Bytes of each rank's slot in each of the two halves: the chunk a round moves. Multiple of
     4096; default 1 MiB (``FASTCOMM_SHM_SLOT_BYTES``): large enough that per-round Python costs
     stay small, small enough that a chunk is still in cache when the peers read it."""
 
-    one_shot_max: int | None = field(
-        default_factory=lambda: _env_int("FASTCOMM_SHM_ONE_SHOT_BYTES", None)
-    )
+    one_shot_max: int | None = field(default_factory=settings.SHM_ONE_SHOT_BYTES.get)
     """Largest all-reduce, in bytes, done in one shot instead of reduce-scatter + all-gather
     (``FASTCOMM_SHM_ONE_SHOT_BYTES``). ``None`` (default): ``512 KiB / size``, i.e. 256 KiB on
     2 ranks, the crossover found there (one shot reads every peer's copy, so the crossover
     falls as ranks are added; docs/shm.md)."""
 
-    spin_us: float | None = field(default_factory=lambda: _env_float("FASTCOMM_SHM_SPIN_US", None))
+    spin_us: float | None = field(default_factory=settings.SHM_SPIN_US.get)
     """Microseconds a waiting rank polls in a tight loop (``FASTCOMM_SHM_SPIN_US``). ``None``
     (default): 20 when the ranks fit on the cores this process may use, else 0 (polling would
     only delay the rank being waited for); and 0 while the host's load average exceeds 1.5x
     those cores, for the same reason (sampled once a second)."""
 
-    yield_us: float = field(default_factory=lambda: _env_float("FASTCOMM_SHM_YIELD_US", 1000.0))
+    yield_us: float = field(default_factory=settings.SHM_YIELD_US.get)
     """Microseconds a waiting rank then polls between ``sched_yield()`` calls (which hand the
     core to any runnable thread) before it sleeps on a futex; default 1000
     (``FASTCOMM_SHM_YIELD_US``)."""
 
-    compiled: bool = field(
-        default_factory=lambda: _env_flag("FASTCOMM_SHM_COMPILED", True)
-    )
+    compiled: bool = field(default_factory=settings.SHM_COMPILED.get)
     """Use the compiled core where it was built at install: small collectives run in it (one C
     call per call), so does each send/recv chunk (one mailbox slot), and a ``PremulSum`` is
     folded into the reduction (no pass of its own).
@@ -260,6 +220,12 @@ class ShmCommunicator(Communicator):
         )
 
     @property
+    def broken(self) -> BaseException | None:
+        """The error this communicator failed with (a failed operation, :meth:`abort`): every
+        later call raises; ``None`` while it works."""
+        return self._broken
+
+    @property
     def segment_name(self) -> str:
         """The segment's name under ``/dev/shm`` while it was being set up."""
         return self._seg.name
@@ -359,126 +325,187 @@ class ShmCommunicator(Communicator):
         raise error from exc
 
     # ------------------------------------------------------------------ collectives
-    # Every op has one entry in the schedules, named after it, taking the ``_impl_*``
-    # arguments and the time the call began: the entry itself takes the compiled core (one C
-    # call when the call fits one slot and the peers are there) or the Python rounds.
-    def _run_inline(self, op: str, *args) -> bool:
-        """A synchronous call with no asynchronous work pending runs on the caller's thread
-        with no ``Work`` or task built: below a few KiB that bookkeeping would cost as much as
-        moving the bytes. ``op`` names the schedules' entry (``Communicator._run_inline``'s hook).
-        (Routing sent only CPU tensors here.)"""
-        if self._executor.busy or self._broken is not None or (
-            args and type(args[0]) is not torch.Tensor
-        ):
-            return False
-        start = time.monotonic()
-        try:
-            getattr(self._schedules, op)(*args, start)
-        except BaseException as exc:
-            self._abort(op, start, exc)
-        return True
-
-    def _run_inline_p2p(self, op: str, tensor: torch.Tensor, peer: int) -> bool:
-        """A synchronous send or recv runs on the caller's thread, with no ``Work`` or task
-        built, when nothing is pending on that peer's executor of ``op`` (so messages keep their
-        issue order); any size, as the executor would run it there. (Routing sent only CPU
-        tensors here.)"""
-        if self._broken is not None or type(tensor) is not torch.Tensor:
-            return False
-        executor = self._p2p.get((op, peer))
-        if executor is not None and executor.busy:
-            return False
-        start = time.monotonic()
-        try:
-            getattr(self._schedules, op)(tensor, peer, start)
-        except BaseException as exc:
-            self._abort(op, start, exc)
-        return True
-
-    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp | PremulSum) -> Task:
+    # Every op has one entry in the schedules, named after it, taking the op's arguments and
+    # the time the call began: the entry itself takes the compiled core (one C call when the
+    # call fits one slot and the peers are there) or the Python rounds. A blocking call with
+    # nothing queued before it runs the entry on the caller's thread with no task or Work built:
+    # below a few KiB that bookkeeping would cost as much as moving the bytes. (Routing sends
+    # only CPU tensors here; a tensor subclass takes the task.)
+    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp | PremulSum,
+                         blocking: bool = False) -> Task | None:
         entry = self._schedules.all_reduce
+        if (blocking and not self._executor.busy and self._broken is None
+                and type(tensor) is torch.Tensor):
+            start = time.monotonic()
+            try:
+                entry(tensor, op, start)
+            except BaseException as exc:
+                self._abort("all_reduce", start, exc)
+            return None
         return self._task("all_reduce", tensor, lambda: entry(tensor, op, time.monotonic()))
 
-    def _impl_reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp) -> Task:
+    def _impl_reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp,
+                     blocking: bool = False) -> Task | None:
         entry = self._schedules.reduce
+        if (blocking and not self._executor.busy and self._broken is None
+                and type(tensor) is torch.Tensor):
+            start = time.monotonic()
+            try:
+                entry(tensor, root, op, start)
+            except BaseException as exc:
+                self._abort("reduce", start, exc)
+            return None
         return self._task("reduce", tensor, lambda: entry(tensor, root, op, time.monotonic()))
 
-    def _impl_broadcast(self, tensor: torch.Tensor, src: int) -> Task:
+    def _impl_broadcast(self, tensor: torch.Tensor, src: int,
+                        blocking: bool = False) -> Task | None:
         entry = self._schedules.broadcast
+        if (blocking and not self._executor.busy and self._broken is None
+                and type(tensor) is torch.Tensor):
+            start = time.monotonic()
+            try:
+                entry(tensor, src, start)
+            except BaseException as exc:
+                self._abort("broadcast", start, exc)
+            return None
         return self._task("broadcast", tensor, lambda: entry(tensor, src, time.monotonic()))
 
-    def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Task:
+    def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor,
+                         blocking: bool = False) -> Task | None:
         entry = self._schedules.all_gather
+        if (blocking and not self._executor.busy and self._broken is None
+                and type(output) is torch.Tensor):
+            start = time.monotonic()
+            try:
+                entry(output, input, start)
+            except BaseException as exc:
+                self._abort("all_gather", start, exc)
+            return None
         return self._task("all_gather", output,
                           lambda: entry(output, input, time.monotonic()))
 
-    def _impl_reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp
-    ) -> Task:
+    def _impl_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
+                             blocking: bool = False) -> Task | None:
         entry = self._schedules.reduce_scatter
+        if (blocking and not self._executor.busy and self._broken is None
+                and type(output) is torch.Tensor):
+            start = time.monotonic()
+            try:
+                entry(output, input, op, start)
+            except BaseException as exc:
+                self._abort("reduce_scatter", start, exc)
+            return None
         return self._task("reduce_scatter", output,
                           lambda: entry(output, input, op, time.monotonic()))
 
-    def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Task:
+    def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor,
+                         blocking: bool = False) -> Task | None:
         entry = self._schedules.all_to_all
+        if (blocking and not self._executor.busy and self._broken is None
+                and type(output) is torch.Tensor):
+            start = time.monotonic()
+            try:
+                entry(output, input, start)
+            except BaseException as exc:
+                self._abort("all_to_all", start, exc)
+            return None
         return self._task("all_to_all", output,
                           lambda: entry(output, input, time.monotonic()))
 
-    def _impl_send(self, tensor: torch.Tensor, dst: int) -> Task:
-        entry = self._schedules.send
-        return Task("send", tensor, lambda: entry(tensor, dst, time.monotonic()),
-                    self._p2p_executor("send", dst))
-
-    def _impl_recv(self, tensor: torch.Tensor, src: int) -> Task:
-        entry = self._schedules.recv
-        return Task("recv", tensor, lambda: entry(tensor, src, time.monotonic()),
-                    self._p2p_executor("recv", src))
-
-    def _impl_barrier(self) -> Task:
+    def _impl_barrier(self, blocking: bool = False) -> Task | None:
         entry = self._schedules.barrier
+        if blocking and not self._executor.busy and self._broken is None:
+            start = time.monotonic()
+            try:
+                entry(start)
+            except BaseException as exc:
+                self._abort("barrier", start, exc)
+            return None
         return self._task("barrier", None, lambda: entry(time.monotonic()))
 
-    def _run_inline_v(self, kind: str, root: int, outputs: list, inputs: list) -> bool:
-        """A synchronous v-call with no asynchronous work pending runs on the caller's thread
-        with no task or ``Work`` built (as :meth:`_run_inline`); a disagreement leaves the
-        communicator usable (every rank raised after the same round)."""
-        return self._v_inline(self._v.run, kind, root, outputs, inputs)
+    # ------------------------------------------------------------------ point to point
+    # A blocking send or recv runs on the caller's thread, with no Work or task built, when
+    # nothing is pending on that peer's executor of its kind (so messages keep their issue
+    # order); any size, as the executor would run it there.
+    def _impl_send(self, tensor: torch.Tensor, dst: int, blocking: bool = False) -> Task | None:
+        return self._p2p_op("send", self._schedules.send, tensor, dst, blocking)
 
-    def _run_inline_rooted(self, kind: str, root: int, mine: torch.Tensor,
-                           theirs: list | None) -> bool:
-        """:meth:`_run_inline_v` of a ``gather`` or ``scatter`` with no piece list made
-        (``VSchedule.run_rooted``)."""
-        return self._v_inline(self._v.run_rooted, kind, root, mine, theirs)
+    def _impl_recv(self, tensor: torch.Tensor, src: int, blocking: bool = False) -> Task | None:
+        return self._p2p_op("recv", self._schedules.recv, tensor, src, blocking)
 
-    def _v_inline(self, run, kind: str, *args) -> bool:
-        """``run(kind, *args)`` on the caller's thread where nothing asynchronous is pending
-        (``False``: the caller builds a task); a failure aborts the communicator's v-calls."""
-        if self._executor.busy or self._broken is not None or not self._v_fits:
+    def _p2p_op(self, kind: str, entry, tensor: torch.Tensor, peer: int,
+                blocking: bool) -> Task | None:
+        """A send or recv (``kind``; ``entry``: its schedule) of ``tensor`` with ``peer``."""
+        if blocking and self._broken is None and type(tensor) is torch.Tensor:
+            executor = self._p2p.get((kind, peer))
+            if executor is None or not executor.busy:
+                start = time.monotonic()
+                try:
+                    entry(tensor, peer, start)
+                except BaseException as exc:
+                    self._abort(kind, start, exc)
+                return None
+        return Task(kind, tensor, lambda: entry(tensor, peer, time.monotonic()),
+                    self._p2p_executor(kind, peer))
+
+    # ------------------------------------------------------------------ unequal sizes
+    # A blocking v-call with nothing queued runs on the caller's thread (as the collectives
+    # above); a failure aborts the communicator's v-calls (`_abort`), but a disagreement
+    # leaves it usable (every rank raised after the same round). More ranks than a slot has
+    # headers for take the contract's default v-call.
+    def _impl_v_call(self, kind: VKind, root: int, outputs: list, inputs: list,
+                     blocking: bool = False) -> Task | None:
+        if not self._v_fits:
+            return super()._impl_v_call(kind, root, outputs, inputs)
+        run = self._v.run
+        if blocking and not self._executor.busy and self._broken is None:
+            start = time.monotonic()
+            try:
+                run(kind, root, outputs, inputs)
+            except BaseException as exc:
+                self._abort(kind, start, exc)
+            return None
+        return self._task(kind, outputs[self.rank], lambda: run(kind, root, outputs, inputs))
+
+    def _impl_gather(self, input: torch.Tensor, outputs: list | None, root: int,
+                     blocking: bool = False) -> Task | None:
+        if blocking and self._rooted_lane("gather", input, outputs, root):
+            return None
+        return super()._impl_gather(input, outputs, root, blocking)
+
+    def _impl_scatter(self, output: torch.Tensor, inputs: list | None, root: int,
+                      blocking: bool = False) -> Task | None:
+        if blocking and self._rooted_lane("scatter", output, inputs, root):
+            return None
+        return super()._impl_scatter(output, inputs, root, blocking)
+
+    def _rooted_lane(self, kind: VKind, mine: torch.Tensor, theirs: list | None,
+                    root: int) -> bool:
+        """A gather or scatter (``kind``) done on the caller's thread where nothing is queued,
+        with no list of pieces made (``VSchedule.run_rooted``); ``False``, having done
+        nothing, otherwise."""
+        if not self._v_fits or self._executor.busy or self._broken is not None:
             return False
         start = time.monotonic()
         try:
-            run(kind, *args)
+            self._v.run_rooted(kind, root, mine, theirs)
         except BaseException as exc:
             self._abort(kind, start, exc)
         return True
 
-    def _run_inline_v_split(self, output: torch.Tensor, input: torch.Tensor, out_bytes: list[int],
-                      in_bytes: list[int]) -> bool:
-        """:meth:`_run_inline_v` of consecutive pieces of one tensor each side (no view made)."""
-        if self._executor.busy or self._broken is not None or not self._v_fits:
-            return False
-        start = time.monotonic()
-        try:
-            self._v.run_split(output, input, out_bytes, in_bytes)
-        except BaseException as exc:
-            self._abort("all_to_all", start, exc)
-        return True
-
-    def _impl_v_call(self, kind: str, root: int, outputs: list, inputs: list) -> Task:
-        if not self._v_fits:  # more ranks than a slot has headers for
-            return default_task(self, kind, root, outputs, inputs)
-        run = self._v.run
-        return self._task(kind, outputs[self.rank], lambda: run(kind, root, outputs, inputs))
+    def _impl_all_to_all_split(self, output: torch.Tensor, input: torch.Tensor,
+                               output_splits: list[int], input_splits: list[int],
+                               byte_splits: tuple[list[int], list[int]],
+                               blocking: bool = False) -> Task | None:
+        if blocking and self._v_fits and not self._executor.busy and self._broken is None:
+            start = time.monotonic()  # the pieces' offsets: no view made
+            try:
+                self._v.run_split(output, input, *byte_splits)
+            except BaseException as exc:
+                self._abort("all_to_all", start, exc)
+            return None
+        return super()._impl_all_to_all_split(output, input, output_splits, input_splits,
+                                              byte_splits, blocking)
 
     # ------------------------------------------------------------------ lifetime
     def abort(self, error: BaseException) -> None:

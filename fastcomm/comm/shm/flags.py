@@ -16,6 +16,7 @@ import platform
 import time
 from os import sched_yield
 
+from ... import settings
 from ..errors import CommAbortedError, CommClosedError, CommTimeoutError
 from .segment import ABORTED, CLOSED, MESSAGE_BYTES, Segment, process_alive
 
@@ -59,10 +60,8 @@ def fences_needed() -> bool:
     Raises:
         ValueError: ``FASTCOMM_SHM_FENCE`` is set to something other than 0 or 1.
     """
-    text = os.environ.get("FASTCOMM_SHM_FENCE", "").strip()
-    if text not in ("", "0", "1"):
-        raise ValueError(f"FASTCOMM_SHM_FENCE={text!r}: must be 0 or 1 (or unset)")
-    return not _TSO or text == "1"
+    forced = settings.SHM_FENCE.get()  # checked on every machine, fencing or not
+    return not _TSO or forced
 
 
 def fence_supported() -> bool:

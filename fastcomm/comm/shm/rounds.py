@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..calls import TWO_STEP, describe, from_shm_words, mismatch_message
-from ..errors import FastcommError
+from ..errors import CollectiveMismatchError
 from .flags import PeerFlags
 from .segment import Layout
 
@@ -124,7 +124,7 @@ class Rounds:
         for p in self.flags.peers:
             theirs, theirs_b = words[desc_idx[p][half]], words[desc_idx[p][2 + half]]
             if theirs != word_a or theirs_b != word_b:
-                raise FastcommError(self._mismatch(p, word_a, word_b, theirs, theirs_b))
+                raise CollectiveMismatchError(self._mismatch(p, word_a, word_b, theirs, theirs_b))
 
     def _mismatch(self, peer: int, word_a: int, word_b: int, theirs: int, theirs_b: int) -> str:
         mine = from_shm_words(word_a, word_b)

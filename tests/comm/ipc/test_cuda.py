@@ -24,6 +24,7 @@ import time
 import pytest
 import torch
 
+from fastcomm import settings
 from fastcomm.comm.errors import CommAbortedError, FastcommError
 from fastcomm.comm.ipc import descriptor as ipc_descriptor
 from fastcomm.comm.ipc import plan as ipc_plan
@@ -54,11 +55,12 @@ SMALL = dict(workspace_bytes=2048, two_shot_bytes=256)
 def test_options_defaults_env_and_validation():
     default = IpcCudaOptions.from_env({})
     assert default.workspace_bytes == 32 << 20
-    env = {ipc_plan.ENV_WORKSPACE: "4096", ipc_plan.ENV_TWO_SHOT: " 1000 "}
+    env = {settings.IPC_CUDA_WORKSPACE_BYTES.name: "4096",
+           settings.IPC_CUDA_TWO_SHOT_BYTES.name: " 1000 "}
     assert IpcCudaOptions.from_env(env).workspace_bytes == 4096
     assert IpcCudaOptions.from_env(env).two_shot_bytes == 1000
     with pytest.raises(ValueError, match="FASTCOMM_IPC_CUDA_WORKSPACE_BYTES='32M'"):
-        IpcCudaOptions.from_env({ipc_plan.ENV_WORKSPACE: "32M"})
+        IpcCudaOptions.from_env({settings.IPC_CUDA_WORKSPACE_BYTES.name: "32M"})
     with pytest.raises(ValueError, match="workspace_bytes=1000 must be a positive multiple"):
         IpcCudaOptions(workspace_bytes=1000)
     with pytest.raises(ValueError, match="two_shot_bytes=0"):
