@@ -229,7 +229,7 @@ def test_the_first_node_lost_in_place_then_a_node_joins(etcd3, tmp_path):
         kill_all([a.pid for a in agents.values()])
     logs = {h: e.read_text() for h, e in errs.items()}
     assert late.returncode == 0 and codes == {h: 0 for h in codes}, (late.stderr[-3000:], logs)
-    assert "admitted to the running round 0 as group rank 3" in late.stderr
+    assert "[fastcomm-run node 3] joined the running round 0" in late.stderr
     # group rank 0 was lost: the node of group rank 1 admitted the joiner
     assert sum("node 3 joins the running round 0" in log for log in logs.values()) == 1, logs
     reports = {r: json.loads((tmp_path / f"r{r}.json").read_text()) for r in (1, 2, 3)}
