@@ -240,8 +240,8 @@ class Nodes:
         if len(rows) < self.count:
             return None
         ids = {row["Status"]["header"]["member_id"]: row["Endpoint"] for row in rows}
-        lead = rows[0]["Status"]["leader"]
-        if lead not in ids:
+        leads = {row["Status"].get("leader", 0) for row in rows}  # JSON omits a 0 (none)
+        if len(leads) != 1 or (lead := leads.pop()) not in ids:
             return None
         return self.etcd_endpoints.split(",").index(ids[lead])
 
