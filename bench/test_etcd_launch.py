@@ -14,8 +14,8 @@ cluster on 127.0.0.1) and on c10d (the ``TCPStore`` of the agent that binds the 
 The figures: the slowest agent's ``RENDEZVOUS`` event (torch's: joining the round until it
 closes), and from starting the agents to the last worker running. Each scenario runs
 ``FASTCOMM_BENCH_ETCD_REPEATS`` (3) times; a row is the median run's, with every run's figure.
-Quick mode (``--benchmark-disable``, as the test suite runs it): one power-off of the first
-node (where the nodes can be made) and one rendezvous of each backend, nothing written.
+Quick mode (``--benchmark-disable``, as the test suite runs it): one rendezvous of each
+backend, nothing written (the power-off runs in ``tests/launch/test_etcd_nodes.py``).
 """
 
 from __future__ import annotations
@@ -141,14 +141,11 @@ def nodes(tmp_path_factory):
         made.remove()
 
 
-@pytest.mark.timeout(1800)
-def test_etcd_launch_quick(etcd, nodes, tmp_path):
-    """Quick mode: one power-off of the first node, one rendezvous on each backend; checked,
-    nothing written."""
+@pytest.mark.timeout(600)
+def test_etcd_launch_quick(etcd, tmp_path):
+    """Quick mode: one rendezvous on each backend; checked, nothing written."""
     if not QUICK:
         pytest.skip("the full benchmark is test_etcd_launch")
-    row = measure_power_off(nodes, "quick0", 0)
-    assert row["power_off_to_next_step_s"] < 30, row
     for backend in ("etcd", "c10d"):
         got = measure_rendezvous(tmp_path / backend, backend, etcd)
         assert got["rendezvous_ms"] > 0, got
