@@ -7,12 +7,15 @@ Importing the package registers the ``torch.distributed`` backend ``"fastcomm"``
 CUDA): ``dist.init_process_group("fastcomm")``. Registration loads no communicator; the first
 group of the backend loads ``fastcomm.comm.c10d``. Under srun or mpiexec it also sets torchrun's
 variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
-``MASTER_PORT``) from the launcher's where they are absent (:mod:`fastcomm.comm.launch_env`).
+``MASTER_PORT``) from the launcher's where they are absent (:mod:`fastcomm.comm.launch_env`),
+and where ``FASTCOMM_STORE`` names the job's store (in etcd) torch's ``env://`` rendezvous
+takes it from there, as ``fastcomm.init()`` does.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 __version__ = "0.1.0"
@@ -54,6 +57,32 @@ def _register_torch_backend() -> None:
     )
 
 
+def _route_env_rendezvous() -> None:
+    """torch's ``env://`` (``init_process_group``'s default) takes the job's store from
+    ``FASTCOMM_STORE`` where it is set, as ``fastcomm.init()`` does (``fastcomm-run
+    --rdzv-backend etcd`` sets it: the store is in etcd, no rank serves one); torch's own
+    handler runs where it is not."""
+    rendezvous = sys.modules.get("torch.distributed.rendezvous")
+    handlers = getattr(rendezvous, "_rendezvous_handlers", None)
+    if not isinstance(handlers, dict) or getattr(handlers.get("env"), "fastcomm", False):
+        return
+    torch_env = handlers.get("env")
+    if torch_env is None:  # pragma: no cover - a torch without env://
+        return
+
+    def env(url: str, **kwargs: Any):
+        from . import settings
+
+        if not settings.STORE.is_set():
+            return torch_env(url, **kwargs)
+        from .comm.store import env_rendezvous
+
+        return env_rendezvous(url, kwargs.get("timeout"))
+
+    env.fastcomm = True
+    handlers["env"] = env
+
+
 def _export_launcher_env() -> None:
     """Under srun or mpiexec, torchrun's variables from the launcher's (where absent), so
     ``init_process_group("fastcomm")`` and other readers of ``RANK``/``WORLD_SIZE`` see the job."""
@@ -63,6 +92,7 @@ def _export_launcher_env() -> None:
 
 
 _register_torch_backend()
+_route_env_rendezvous()
 _export_launcher_env()
 
 

@@ -76,6 +76,8 @@ class EtcdClient:
             is tried (default 5).
         timeout: seconds a call may take with its failovers when it is given none (default
             30).
+        receipts: the prefix of this client's :meth:`add` receipt key (default
+            ``RECEIPT_PREFIX``; a store puts it beside its own keys, so that they go together).
 
     Raises:
         ValueError, TypeError: malformed endpoints or timeouts.
@@ -87,6 +89,7 @@ class EtcdClient:
         *,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
         timeout: float = DEFAULT_TIMEOUT,
+        receipts: str = RECEIPT_PREFIX,
     ) -> None:
         self.endpoints = parse_endpoints(endpoints)
         self.request_timeout = _positive(request_timeout, "request_timeout")
@@ -94,7 +97,7 @@ class EtcdClient:
         self._members = [_Member(e) for e in self.endpoints]
         self._preferred = 0
         self._add_lock = threading.Lock()
-        self._receipt = f"{RECEIPT_PREFIX}{uuid.uuid4().hex}".encode()
+        self._receipt = f"{receipts}{uuid.uuid4().hex}".encode()
         self._receipt_rev = 0  # the receipt's mod_revision as this client last saw it
         self._receipt_lease: int | None = None
 
@@ -227,6 +230,14 @@ class EtcdClient:
         answer = self._call("delete_prefix", p, "/v3/kv/deleterange", body, timeout)
         return int(answer.get("deleted", 0))
 
+    def delete_range(self, start: bytes | str, end: bytes | str, *,
+                     timeout: float | None = None) -> int:
+        """Deletes every key in ``[start, end)``; returns how many there were."""
+        k, e = _key(start), _key(end)
+        body = {"key": _b64(k), "range_end": _b64(e)}
+        answer = self._call("delete_range", k, "/v3/kv/deleterange", body, timeout)
+        return int(answer.get("deleted", 0))
+
     def compare_and_set(
         self,
         key: bytes | str,
@@ -283,7 +294,8 @@ class EtcdClient:
         A transaction compares the key's revision and this client's receipt; it writes the
         sum to both. When an answer is lost and the request is retried (on this member or
         another), the receipt tells whether the lost one was applied, so the amount is added
-        exactly once.
+        exactly once. Adding 0 to a key that exists only reads it (no write, no revision: the
+        launcher reads its counters so, every tick).
 
         Raises:
             ValueError: the key holds something other than a decimal integer.
@@ -293,6 +305,10 @@ class EtcdClient:
             raise TypeError(f"etcd add amount must be an int, got {amount!r}")
         k = _key(key)
         limit = self.timeout if timeout is None else _positive(timeout, "timeout")
+        if amount == 0:
+            kv = self.get(k, timeout=limit)
+            if kv is not None:
+                return _integer(kv, k)
         deadline = time.monotonic() + limit
         with self._add_lock:  # one receipt per client: one add at a time
             current: KeyValue | None = None  # first guess: the key does not exist
@@ -345,15 +361,23 @@ class EtcdClient:
         return self._receipt_lease
 
     # ------------------------------------------------------------------ waiting
-    def missing(self, keys: Iterable[bytes | str], *,
-                timeout: float | None = None) -> tuple[list[bytes], int]:
-        """Which of ``keys`` do not exist, and the revision at which that was read."""
+    def missing(self, keys: Iterable[bytes | str], *, timeout: float | None = None,
+                serializable: bool = False) -> tuple[list[bytes], int]:
+        """Which of ``keys`` do not exist, and the revision at which that was read.
+
+        ``serializable``: read from the member asked, without a round to the leader (answered
+        during an election too); a key set an instant ago may be reported missing, never the
+        reverse. For a poll that looks again.
+        """
         ks = [_key(k) for k in keys]
         absent, revision = [], 0
         for i in range(0, len(ks), _MAX_TXN_OPS):
             chunk = ks[i : i + _MAX_TXN_OPS]
-            body = {"success": [{"request_range": {"key": _b64(k), "count_only": True}}
-                                for k in chunk]}
+            ranges = [{"key": _b64(k), "count_only": True} for k in chunk]
+            if serializable:
+                for r in ranges:
+                    r["serializable"] = True
+            body = {"success": [{"request_range": r} for r in ranges]}
             answer = self._call("check", chunk[0], "/v3/kv/txn", body, timeout)
             revision = max(revision, int(answer["header"]["revision"]))
             for k, response in zip(chunk, answer["responses"], strict=True):
@@ -506,7 +530,8 @@ class Lease:
     Attributes:
         id: the lease's id (pass it as ``lease=`` to :meth:`EtcdClient.put`).
         ttl: its time to live in seconds, as granted.
-        lost: why the keep-alive thread gave up (``None`` while the lease is kept).
+        lost: why the keep-alive thread gave up: the cluster said the lease is gone
+            (``None`` while the lease is kept).
     """
 
     def __init__(self, client: EtcdClient, lease_id: int, ttl: int) -> None:
@@ -522,7 +547,11 @@ class Lease:
 
     def keep_alive(self, interval: float | None = None) -> Lease:
         """Renews the lease every ``interval`` s (default a third of its TTL) on a daemon
-        thread until :meth:`revoke`; a renewal that fails past the TTL sets :attr:`lost`."""
+        thread until :meth:`stop` or :meth:`revoke`. The cluster saying the lease is gone
+        (expired, revoked) sets :attr:`lost` and ends the thread; a renewal the cluster cannot
+        serve (an election, its majority lost) is tried again at the next interval: etcd
+        counts a lease's TTL from the last renewal its leader saw, and a new leader gives
+        every lease a full TTL again."""
         every = self.ttl / 3 if interval is None else _positive(interval, "interval")
         if self._thread is None:
             self._thread = threading.Thread(target=self._renew, args=(every,), daemon=True,
@@ -531,22 +560,25 @@ class Lease:
         return self
 
     def _renew(self, every: float) -> None:
-        renewed = time.monotonic()
         while not self._stop.wait(every):
-            left = renewed + self.ttl - time.monotonic()
             try:
-                self.client.refresh(self.id, timeout=max(left, every))
-                renewed = time.monotonic()
+                self.client.refresh(self.id, timeout=max(every, self.client.request_timeout))
+            except EtcdUnavailableError:
+                continue  # not served now: the lease lives on in etcd until it says otherwise
             except EtcdError as exc:
-                if time.monotonic() - renewed >= self.ttl or "expired" in str(exc):
-                    self.lost = str(exc)
-                    return
+                self.lost = str(exc)
+                return
+
+    def stop(self, wait: bool = True) -> None:
+        """Stops the keep-alive (the lease then expires after its TTL, unless another client
+        keeps it); ``wait``: for a renewal in flight (at most ``request_timeout`` + 1 s)."""
+        self._stop.set()
+        if wait and self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(self.client.request_timeout + 1)
 
     def revoke(self) -> bool:
         """Stops the keep-alive and revokes the lease; returns whether it still existed."""
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(self.client.request_timeout + 1)
+        self.stop()
         return self.client.revoke(self.id)
 
     def __enter__(self) -> Lease:

@@ -63,6 +63,10 @@ class EtcdStore(dist.Store):
         ValueError, TypeError: malformed endpoints, prefix or timeouts.
     """
 
+    called_directly = True
+    """``fastcomm.Store`` calls this store's methods from Python (keys prefixed there), not
+    through torch's C++ ``PrefixStore``."""
+
     def __init__(
         self,
         endpoints: str | Sequence[str],
@@ -79,8 +83,11 @@ class EtcdStore(dist.Store):
         if (self.prefix + "/").startswith(RECEIPT_PREFIX.split("/")[0] + "/"):
             raise ValueError(f"prefix {prefix!r} is the etcd client's own ({RECEIPT_PREFIX})")
         self.set_timeout(as_timedelta(timeout, DEFAULT_TIMEOUT))
+        # the add receipts beside the prefix (not under it: num_keys counts the store's keys),
+        # so that deleting the job's keys deletes them too, a killed process's included
         self.client = EtcdClient(endpoints, request_timeout=request_timeout,
-                                 timeout=self.timeout.total_seconds())
+                                 timeout=self.timeout.total_seconds(),
+                                 receipts=f"{self.prefix}.receipts/")
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -170,6 +177,13 @@ class EtcdStore(dist.Store):
     def check(self, keys: list[str]) -> bool:
         absent, _ = self._do(self.client.missing, [self._full(k) for k in keys],
                              timeout=self._limit())
+        return not absent
+
+    def check_stale(self, keys: list[str]) -> bool:
+        """``check`` answered by the nearest member without a round to the leader, so during an
+        election too: a key set an instant ago may be reported missing (never the reverse)."""
+        absent, _ = self._do(self.client.missing, [self._full(k) for k in keys],
+                             timeout=self._limit(), serializable=True)
         return not absent
 
     def delete_key(self, key: str) -> bool:

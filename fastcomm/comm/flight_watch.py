@@ -15,6 +15,7 @@ process: stopped or gone). :mod:`fastcomm.trace` turns the dumps into the report
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -232,6 +233,17 @@ class Watch(threading.Thread):
         self.poll_s = settings.FLIGHT_POLL_S.get()
         self.suspect_s = settings.SUSPECT_S.get()
         self.signalled = threading.Event()
+        self.stopping = False
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Ends the thread, waiting up to ``timeout`` for a visit in progress (registered at
+        exit: a store call that the interpreter's finalization catches midway ends the process
+        with ``std::terminate`` where the store is Python behind torch's C++ ``PrefixStore``,
+        e.g. in etcd)."""
+        self.stopping = True
+        self.signalled.set()
+        if self.is_alive() and self is not threading.current_thread():
+            self.join(timeout)
 
     def add(self, comm) -> _Target:
         """Watches ``comm`` from now on; its target."""
@@ -247,12 +259,16 @@ class Watch(threading.Thread):
         target.store.set(key, target.store.encode(key, target.beat()))
 
     def run(self) -> None:
-        while True:
+        while not self.stopping:
             signalled = self.signalled.wait(self.poll_s)  # SIGUSR1 wakes it at once
             self.signalled.clear()
+            if self.stopping:
+                return
             with self.lock:
                 targets = [t for t in self.targets if t.alive]
             for target in targets:
+                if self.stopping:
+                    return
                 try:
                     self._visit(target, signalled)
                 except Exception as exc:  # noqa: BLE001 - the store went with the job
@@ -306,6 +322,7 @@ def watch(comm) -> None:
         if _WATCH is None:
             _WATCH = Watch()
             _WATCH.start()
+            atexit.register(_WATCH.stop)
             if threading.current_thread() is threading.main_thread() and \
                     signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
                 signal.signal(signal.SIGUSR1, _on_sigusr1)

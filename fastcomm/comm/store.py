@@ -44,6 +44,7 @@ __all__ = [
     "job_secret_from_env",
     "joining_node_key",
     "lost_rank_key",
+    "env_rendezvous",
     "parse_store_url",
     "store_from_env",
 ]
@@ -168,6 +169,36 @@ def store_from_env(
         return None
     _, endpoints, prefix = parse_store_url(url)
     return Store.on_etcd(endpoints, prefix, timeout=timeout, rank=rank)
+
+
+_ENV_STORES: list[Store] = []  # the stores env_rendezvous handed to torch
+
+
+def env_rendezvous(url: str, timeout: timedelta | None = None):
+    """torch's ``env://`` rendezvous over the store ``FASTCOMM_STORE`` names: yields ``(store,
+    rank, world size)`` once, as torch's handler does (``rank``/``world_size`` from the URL's
+    query, else ``RANK``/``WORLD_SIZE``). ``import fastcomm`` routes ``env://`` here where the
+    variable is set, so ``init_process_group`` and ``fastcomm.init()`` share the job's store.
+
+    Raises:
+        ValueError: ``FASTCOMM_STORE`` is malformed, or ``RANK``/``WORLD_SIZE`` is missing.
+    """
+    from urllib.parse import parse_qsl, urlparse
+
+    query = dict(parse_qsl(urlparse(url).query))
+    numbers = {}
+    for name, env in (("rank", "RANK"), ("world_size", "WORLD_SIZE")):
+        text = query.get(name, os.environ.get(env, ""))
+        if not text.strip().lstrip("-").isdigit():
+            raise ValueError(
+                f"env:// rendezvous over {settings.STORE.name}: {env} expected, got {text!r}")
+        numbers[name] = int(text)
+    store = store_from_env(timeout=timeout, rank=numbers["rank"])
+    # torch keeps only the C++ side: the Python store must outlive the process group (its
+    # methods are Python, found through this object)
+    _ENV_STORES.append(store)
+    yield store.torch_store, numbers["rank"], numbers["world_size"]
+    raise RuntimeError("Unable to perform re-rendezvous using env:// method")
 
 
 # ---------------------------------------------------------------------- value encoding
@@ -567,6 +598,11 @@ class Store:
             self._store = dist.PrefixStore(prefix, self._root)
         else:
             self._store = self._root
+        # a store written in Python (etcd) is called directly, keys prefixed here: through
+        # torch's C++ PrefixStore, a call that the interpreter's finalization catches in a
+        # daemon thread ends the process (std::terminate as the thread exits in C++ frames)
+        self._ops = _Prefixed(self._root, prefix) if getattr(
+            self._root, "called_directly", False) else self._store
 
     @classmethod
     def on_etcd(
@@ -577,6 +613,7 @@ class Store:
         timeout: float | timedelta | None = None,
         rank: int | None = None,
         request_timeout: float = 5.0,
+        _secret: bytes | None | object = _FROM_ENV,
     ) -> Store:
         """A store whose keys live in an etcd cluster, under ``prefix``: no process of the
         job serves it, so any node may die (see :class:`~.etcd_store.EtcdStore`). Values are
@@ -588,6 +625,7 @@ class Store:
             timeout, rank: as the constructor's.
             request_timeout: seconds one request to one member may take before the next
                 member is tried.
+            _secret: the job secret (default: from the environment, as the constructor's).
 
         Raises:
             ValueError, TypeError: malformed endpoints, prefix, timeout or job secret.
@@ -596,7 +634,7 @@ class Store:
 
         limit = as_timedelta(timeout, DEFAULT_TIMEOUT)
         root = EtcdStore(endpoints, prefix, limit, request_timeout=request_timeout)
-        return cls(timeout=limit, rank=rank, _root=root)
+        return cls(timeout=limit, rank=rank, _root=root, _secret=_secret)
 
     # ------------------------------------------------------------------ identity
     @property
@@ -688,12 +726,12 @@ class Store:
 
     def set(self, key: str, value: bytes | str) -> None:
         """Sets ``key`` to ``value`` (a ``str`` is stored UTF-8 encoded)."""
-        self._call("set", [key], self._store.set, key, _to_bytes(value))
+        self._call("set", [key], self._ops.set, key, _to_bytes(value))
 
     def get(self, key: str, timeout: float | timedelta | None = None) -> bytes:
         """Returns the value of ``key``, waiting up to ``timeout`` for it to be set."""
         self.wait([key], timeout, op="get")
-        return self._call("get", [key], self._store.get, key)
+        return self._call("get", [key], self._ops.get, key)
 
     def wait(
         self,
@@ -711,23 +749,32 @@ class Store:
         try:
             if self.guard is not None:
                 names = ", ".join(repr(self._key_name(k)) for k in keys)
-                self.guard.call(f"store {op} of {names} at {self.address}", self._store.wait,
+                self.guard.call(f"store {op} of {names} at {self.address}", self._ops.wait,
                                 keys, limit, extra=limit.total_seconds())
             else:
-                self._store.wait(keys, limit)
+                self._ops.wait(keys, limit)
         except StoreTimeoutError:
             raise
         except RuntimeError as exc:  # DistStoreError / DistNetworkError derive from it
             raise self._timeout_error(keys, op, start, exc) from exc
 
-    def check(self, keys: Iterable[str]) -> bool:
-        """Whether every key in ``keys`` is set (does not wait)."""
+    def check(self, keys: Iterable[str], *, stale_ok: bool = False) -> bool:
+        """Whether every key in ``keys`` is set (does not wait).
+
+        ``stale_ok``: in etcd, answered by the nearest member without a round to the leader
+        (no wait while the members elect one); a key set an instant ago may be reported unset,
+        never the reverse. For a poll that looks again (a ``TCPStore`` answers as without it).
+        """
         keys = list(keys)
-        return bool(self._call("check", keys, self._store.check, keys))
+        root = self._root
+        if stale_ok and hasattr(root, "check_stale"):
+            full = [self._key_name(k) for k in keys]
+            return bool(self._call("check", keys, root.check_stale, full))
+        return bool(self._call("check", keys, self._ops.check, keys))
 
     def add(self, key: str, amount: int = 1) -> int:
         """Atomically adds ``amount`` to the integer at ``key`` and returns the new value."""
-        return int(self._call("add", [key], self._store.add, key, int(amount)))
+        return int(self._call("add", [key], self._ops.add, key, int(amount)))
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
         """Sets ``key`` to ``desired`` if it holds ``expected`` (``b""``: unset); returns the
@@ -735,7 +782,7 @@ class Store:
         return self._call(
             "compare_set",
             [key],
-            self._store.compare_set,
+            self._ops.compare_set,
             key,
             _to_bytes(expected),
             _to_bytes(desired),
@@ -743,12 +790,12 @@ class Store:
 
     def delete(self, key: str) -> bool:
         """Deletes ``key``; returns whether it was set."""
-        return bool(self._call("delete", [key], self._store.delete_key, key))
+        return bool(self._call("delete", [key], self._ops.delete_key, key))
 
     def num_keys(self) -> int:
         """Keys in the whole store (every namespace: torch counts them at the server; in
         etcd, every key under the store's etcd prefix)."""
-        return int(self._call("num_keys", [], self._store.num_keys))
+        return int(self._call("num_keys", [], self._ops.num_keys))
 
     # ------------------------------------------------------------------ object values
     def encode(self, key: str, obj: Any) -> bytes:
@@ -827,7 +874,7 @@ class Store:
         self.set(mine, self.encode(mine, obj))
         keys = [f"{name}/{r}" for r in range(world_size)]
         self.wait(keys, timeout, op="all_gather_object")
-        return [self.decode(k, self._call("get", [k], self._store.get, k)) for k in keys]
+        return [self.decode(k, self._call("get", [k], self._ops.get, k)) for k in keys]
 
     def broadcast_object(
         self,
@@ -846,6 +893,42 @@ class Store:
             self.set(key, self.encode(key, obj))
             return obj
         return self.decode(key, self.get(key, timeout))
+
+
+class _Prefixed:
+    """The c10d operations of a store written in Python (``called_directly``), keys under
+    ``prefix``: what ``dist.PrefixStore`` does, without torch's C++ between the caller and
+    the store."""
+
+    __slots__ = ("root", "prefix")
+
+    def __init__(self, root, prefix: str) -> None:
+        self.root = root
+        self.prefix = f"{prefix}/" if prefix else ""
+
+    def set(self, key: str, value: bytes) -> None:
+        self.root.set(self.prefix + key, value)
+
+    def get(self, key: str) -> bytes:
+        return self.root.get(self.prefix + key)
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        self.root.wait([self.prefix + k for k in keys], timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.root.check([self.prefix + k for k in keys])
+
+    def add(self, key: str, amount: int) -> int:
+        return self.root.add(self.prefix + key, amount)
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        return self.root.compare_set(self.prefix + key, expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        return self.root.delete_key(self.prefix + key)
+
+    def num_keys(self) -> int:
+        return self.root.num_keys()
 
 
 def _unwrap(store: dist.Store) -> dist.Store:

@@ -639,7 +639,10 @@ def shutdown() -> None:
     if _WORLD is not None:
         _WORLD.close()
     _WORLD = None
-    _WORLD_STORE = None
+    store, _WORLD_STORE = _WORLD_STORE, None
+    close = getattr(getattr(store, "_root", None), "close", None)
+    if close is not None:  # an etcd store: its connections, its client's lease
+        close()
 
 
 def group_communicator(

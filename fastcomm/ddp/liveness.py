@@ -111,7 +111,9 @@ class LossWatch:
         if key is not None:
             if self._store is None:
                 self._store = own_connection(membership.lost_store)
-            if not self._store.check([key]):
+            # polled every POLL_S by every rank: in etcd answered by the nearest member, no
+            # round to the leader (a loss is seen at the next look at worst)
+            if not self._store.check([key], stale_ok=True):
                 return None
             why = self._store.get(key).decode("utf-8", "replace")
             self.lost[original] = why

@@ -120,7 +120,9 @@ class Grower:
         k = self.ticket
         if self.at is None:
             every = 1 if self.expected() else self.every
-            if step % every or not store.check([f"grow/request/{k}"]):
+            # a stale answer costs one boundary; in etcd it never waits for an election, so a
+            # lost member does not slow the step
+            if step % every or not store.check([f"grow/request/{k}"], stale_ok=True):
                 return
             self.at = int(store.compare_set(f"grow/at/{k}", "", str(step + every)))
             self.seen = time.monotonic()

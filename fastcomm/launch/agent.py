@@ -24,6 +24,7 @@ from fastcomm.comm.store import Store
 
 from .config import LaunchConfig
 from .errors import Failure, LaunchError, UsageError, format_report, headline
+from .etcd_job import EtcdJob, etcd_loss, route_endpoint
 from .events import EventLog
 from .failures import (
     collect_job_failures,
@@ -101,6 +102,9 @@ class Agent:
         self.rdzv: Rendezvous | None = None
         self.store: Store | None = None
         """The rendezvous store (a client's answers bounded by the heartbeat limit)."""
+        self.etcd: EtcdJob | None = None
+        """The job in etcd (``--rdzv-backend etcd``: no agent serves a store)."""
+        self._etcd_gone = False  # the etcd cluster could not serve a call
         self.is_host = False
         self.group_rank: int | None = None
         self.dirs = RunDirs(config, self.log)
@@ -193,10 +197,14 @@ class Agent:
         except LaunchError as exc:
             self.log(f"error: {exc}")
             self._stop_workers()
-            self._tell_peers(f"the agent of node {self.group_rank} ({self.host}) failed: {exc}")
+            if self.etcd is None or not self.etcd.lease_lost:  # else the peers know it lost
+                self._tell_peers(
+                    f"the agent of node {self.group_rank} ({self.host}) failed: {exc}")
             return 1
         except StoreTimeoutError as exc:  # the rendezvous host stopped answering, or is gone
             cfg = self.config
+            if self._etcd_lost(exc):
+                return 1
             self.log(
                 f"error: lost the rendezvous store at {cfg.rdzv_host}:{cfg.rdzv_port} (the "
                 f"rendezvous host, {cfg.rdzv_host}): {exc}"
@@ -204,6 +212,8 @@ class Agent:
             self._stop_workers()
             return 1
         except FastcommError as exc:  # a refused store value
+            if self._etcd_lost(exc):
+                return 1
             self.log(f"error: {exc}")
             self._stop_workers()
             return 1
@@ -218,6 +228,19 @@ class Agent:
             self.events.agent_end(started, ok=code is not None, group_rank=self.group_rank)
             self._restore_signals()
             self.dirs.cleanup()
+            if self.etcd is not None:
+                self.etcd.close(reachable=not self._etcd_gone)
+
+    def _etcd_lost(self, exc: BaseException) -> bool:
+        """With the etcd backend: when ``exc`` says the cluster could not serve a call (its
+        majority lost, or unreachable), says so in one line and stops the workers."""
+        loss = etcd_loss(exc) if self.etcd is not None else None
+        if loss is None:
+            return False
+        self._etcd_gone = True
+        self.log(f"error: lost the etcd cluster, stopping this node's workers: {loss}")
+        self._stop_workers()
+        return True
 
     def _stop_workers(self, sig: int = signal.SIGTERM, *, again: bool = True) -> None:
         if self.group is not None:
@@ -236,7 +259,8 @@ class Agent:
         try:
             write_local(info, [])
             self.rdzv.end_round(info.round, RoundEnd.FAILURE, [lost])
-            if self.is_host:  # give the others a moment to read it before the store goes
+            if self.is_host and self.etcd is None:
+                # give the others a moment to read it before the store goes
                 self.rdzv.exit_barrier(info, True, timeout=min(5.0, self.config.close_timeout))
         except Exception as exc:  # best effort: the peers' heartbeat check covers it
             self.log(
@@ -277,30 +301,26 @@ class Agent:
 
     def _open_rendezvous(self) -> None:
         """Builds the workers' base environment, opens the rendezvous store (serving it on the
-        host) and joins the job's rendezvous as this node."""
+        host; on etcd, the job's namespace there) and joins the job's rendezvous as this node."""
         cfg = self.config
         self._env, secret = base_env(cfg, self.log, self.info)
+        host, port = cfg.rdzv_host, cfg.rdzv_port
+        if cfg.rdzv_backend == "etcd":  # the address that routes to a member elsewhere
+            host, port = route_endpoint(cfg.rdzv_endpoints)
+            if cfg.max_nodes == 1:  # every worker is here, wherever etcd runs
+                host = "127.0.0.1"
         try:
             listen = listen_address(
-                cfg.rdzv_host,
-                cfg.rdzv_port,
+                host,
+                port,
                 single_node=cfg.max_nodes == 1,
                 local_addr=cfg.local_addr,
             )
         except OSError as exc:
             raise UsageError(
-                f"no route to the rendezvous host {cfg.rdzv_host!r} ({exc}); give --local-addr"
+                f"no route to the rendezvous host {host!r} ({exc}); give --local-addr"
             ) from None
         set_gloo_interface(self._env, cfg, listen, self.log, self.info)
-        store, self.is_host = open_store(cfg, self.check_stop, listen=listen, secret=secret)
-        self.store = store
-        if not self.is_host:
-            # a silent rendezvous host (powered off) never answers: every call is bounded by
-            # the heartbeat limit, and a stop signal is seen while one waits
-            store.bound_answers(cfg.keep_alive_interval * cfg.keep_alive_max_attempt,
-                                self.check_stop)
-        role = "served here" if self.is_host else "client"
-        self.info(f"rendezvous store {store.address} ({role}); this node listens on {listen}")
         node = NodeInfo(
             agent_id=new_agent_id(),
             host=self.host,
@@ -310,7 +330,21 @@ class Agent:
             pid=os.getpid(),
             node_rank=cfg.node_rank if cfg.rdzv_backend == "static" else None,
         )
-        self.rdzv = Rendezvous(store, cfg, node, self.check_stop, self.info, listen=listen)
+        if cfg.rdzv_backend == "etcd":
+            self.etcd = EtcdJob(cfg, secret, self.check_stop, self.log)
+            store, self.is_host = self.etcd.open(node.agent_id), False
+        else:
+            store, self.is_host = open_store(cfg, self.check_stop, listen=listen, secret=secret)
+        self.store = store
+        if not self.is_host and self.etcd is None:
+            # a silent rendezvous host (powered off) never answers: every call is bounded by
+            # the heartbeat limit, and a stop signal is seen while one waits
+            store.bound_answers(cfg.keep_alive_interval * cfg.keep_alive_max_attempt,
+                                self.check_stop)
+        role = "served here" if self.is_host else "client"
+        self.info(f"rendezvous store {store.address} ({role}); this node listens on {listen}")
+        self.rdzv = Rendezvous(store, cfg, node, self.check_stop, self.info, listen=listen,
+                               etcd=self.etcd)
 
     def _next_round(self, **kwargs):
         """``Rendezvous.next_round``, timed as torch's ``RENDEZVOUS`` event."""
@@ -401,8 +435,7 @@ class Agent:
     def _give_up(self, info: RoundInfo, local: list[Failure]) -> int:
         """Restarts are spent: gathers every node's failures, prints the report, exits 1."""
         cfg = self.config
-        beats = self._beats or Heartbeats(info, cfg.keep_alive_interval,
-                                          cfg.keep_alive_max_attempt)
+        beats = self._beats or self.rdzv.heartbeats(info)
         failures, lost = collect_job_failures(
             self.rdzv, info, beats,
             wait_s=min(30.0, cfg.shutdown_timeout + 5.0),

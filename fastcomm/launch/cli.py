@@ -19,6 +19,8 @@ from fastcomm import settings
 
 from .config import (
     EVENT_LOG_HANDLERS,
+    RDZV_ALIASES,
+    RDZV_BACKENDS,
     RDZV_CONF_KEYS,
     RECOVER_MODES,
     LaunchConfig,
@@ -26,6 +28,7 @@ from .config import (
     conf_bool,
     conf_float,
     parse_endpoint,
+    parse_etcd_endpoints,
     parse_filters,
     parse_nnodes,
     parse_rdzv_conf,
@@ -100,9 +103,12 @@ def _add_job_flags(p: argparse.ArgumentParser) -> None:
     _opt(p, "--nproc-per-node", default="1",
          help="workers per node: an int, or cpu, gpu, xpu, auto")
     # rendezvous
-    _opt(p, "--rdzv-backend", default="static", help="static or c10d")
+    _opt(p, "--rdzv-backend", default="static",
+         help="static, c10d or etcd (etcd-v2): etcd keeps the rendezvous and the job's store "
+         "in an etcd cluster, so no node serves anything")
     _opt(p, "--rdzv-endpoint", default="",
-         help="host:port of the rendezvous store (served by the agent on that host)")
+         help="host:port of the rendezvous store (served by the agent on that host); with "
+         "etcd, the members' client addresses host:port[,host:port...]")
     _opt(p, "--rdzv-id", default="none", help="job id (TORCHELASTIC_RUN_ID)")
     _opt(p, "--rdzv-conf", default="",
          help="k=v,... (join_timeout, last_call_timeout, close_timeout, read_timeout, "
@@ -226,8 +232,9 @@ def parse_config(args: argparse.Namespace) -> LaunchConfig:
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
     conf = parse_rdzv_conf(args.rdzv_conf)
     backend, host, port, run_id = _rendezvous(args, max_nodes)
+    endpoints = parse_etcd_endpoints(args.rdzv_endpoint) if backend == "etcd" else ()
     _warn_unused_addresses(args, backend)
-    _check_rdzv_conf(conf)
+    _check_rdzv_conf(conf, backend)
     _check_unsupported(args)
     ranks_filter = _ranks_filter(args.local_ranks_filter)
     shutdown = _shutdown_timeout(args.shutdown_timeout)
@@ -258,6 +265,7 @@ def parse_config(args: argparse.Namespace) -> LaunchConfig:
         nproc_per_node=nproc,
         node_rank=args.node_rank,
         rdzv_backend=backend,
+        rdzv_endpoints=endpoints,
         rdzv_host=host,
         rdzv_port=port,
         run_id=run_id,
@@ -297,11 +305,21 @@ def parse_config(args: argparse.Namespace) -> LaunchConfig:
 def _rendezvous(args: argparse.Namespace, max_nodes: int) -> tuple[str, str, int, str]:
     """``(backend, host, port, run id)`` of the rendezvous: ``--standalone`` and a single node
     without an endpoint get a c10d store on a free local port, as torchrun."""
-    backend = args.rdzv_backend
+    backend = RDZV_ALIASES.get(args.rdzv_backend, args.rdzv_backend)
     endpoint = args.rdzv_endpoint
     run_id = args.rdzv_id
-    if backend not in ("static", "c10d"):
-        raise ValueError(f"--rdzv-backend must be static or c10d, got {backend!r}")
+    if backend not in RDZV_BACKENDS:
+        raise ValueError(
+            f"--rdzv-backend must be static, c10d or etcd (etcd-v2), got {args.rdzv_backend!r}"
+        )
+    if backend == "etcd":
+        if args.standalone:
+            raise ValueError(
+                "--standalone serves the rendezvous on this node; it contradicts "
+                "--rdzv-backend etcd (give one or the other)"
+            )
+        host, port = parse_endpoint(parse_etcd_endpoints(endpoint)[0])
+        return backend, host, port, run_id
     if args.standalone:
         if max_nodes > 1:
             raise ValueError(
@@ -331,14 +349,20 @@ def _rendezvous(args: argparse.Namespace, max_nodes: int) -> tuple[str, str, int
     return backend, host, port, run_id
 
 
-def _check_rdzv_conf(conf: dict[str, str]) -> None:
-    """Warns of ``--rdzv-conf`` keys fastcomm-run does not read; refuses a non-TCP store."""
+def _check_rdzv_conf(conf: dict[str, str], backend: str) -> None:
+    """Warns of ``--rdzv-conf`` keys fastcomm-run does not read; refuses a non-TCP store (and,
+    with etcd, any ``store_type``: the store is the etcd cluster)."""
     for key in conf:
         if key not in RDZV_CONF_KEYS:
             _warn(
                 f"--rdzv-conf key {key!r} is not one fastcomm-run reads "
                 f"({', '.join(RDZV_CONF_KEYS)}); ignored, as torch's rendezvous ignores keys"
             )
+    if backend == "etcd" and "store_type" in conf:
+        raise ValueError(
+            f"--rdzv-conf store_type={conf['store_type']}: with --rdzv-backend etcd the "
+            "rendezvous and the job's store live in the etcd cluster; leave store_type out"
+        )
     if conf.get("store_type", "tcp").strip().lower() != "tcp":
         raise ValueError(
             f"--rdzv-conf store_type={conf['store_type']}: fastcomm-run's rendezvous store is "

@@ -28,7 +28,10 @@ __all__ = [
     "RDZV_CONF_KEYS",
     "RECOVER_MODES",
     "EVENT_LOG_HANDLERS",
+    "RDZV_BACKENDS",
+    "ETCD_DEFAULT_PORT",
     "parse_filters",
+    "parse_etcd_endpoints",
 ]
 
 #: The longest interval or timeout accepted (a year): ``inf`` or ``1e300`` seconds would only
@@ -57,6 +60,13 @@ RDZV_CONF_KEYS = {
     "keep_alive_max_attempt": "missed heartbeats before a node is declared lost (3)",
     "store_type": "the rendezvous store: tcp only (torch's file store is refused)",
 }
+
+#: ``--rdzv-backend`` names: ``etcd-v2`` (torchrun's name) is read as ``etcd``.
+RDZV_BACKENDS = ("static", "c10d", "etcd")
+RDZV_ALIASES = {"etcd-v2": "etcd"}
+
+#: etcd's client port, where an ``--rdzv-endpoint`` of the etcd backend names none.
+ETCD_DEFAULT_PORT = 2379
 
 #: ``--recover`` modes: today's restart of every worker, or the survivors going on in place.
 RECOVER_MODES = ("restart", "in-process")
@@ -107,6 +117,37 @@ def parse_endpoint(value: str, default_port: int | None = None) -> tuple[str, in
     if not 0 <= port < 65536:
         raise ValueError(f"rendezvous endpoint port must be in [0, 65535], got {port}")
     return host, port
+
+
+def parse_etcd_endpoints(value: str) -> tuple[str, ...]:
+    """``--rdzv-endpoint`` of the etcd backend: ``host[:port][,host[:port]...]`` (port 2379 where
+    none is given) as a tuple of ``host:port``, duplicates dropped.
+
+    Raises:
+        ValueError: an empty list, or an item that is not ``host[:port]``.
+    """
+    items = [item.strip() for item in str(value or "").split(",")]
+    if not any(items):
+        raise ValueError(
+            "--rdzv-backend etcd needs --rdzv-endpoint host:port[,host:port...] (the etcd "
+            "members' client addresses)"
+        )
+    endpoints = []
+    for item in items:
+        text = item.removeprefix("http://").rstrip("/")
+        if item.startswith("https://"):
+            raise ValueError(f"--rdzv-endpoint {item!r}: TLS is not supported (use http://)")
+        try:
+            host, port = parse_endpoint(text, default_port=ETCD_DEFAULT_PORT)
+        except ValueError:
+            raise ValueError(
+                f"--rdzv-endpoint {value!r}: {item!r} is not host:port (an etcd member's "
+                "client address)"
+            ) from None
+        if port == 0:
+            raise ValueError(f"--rdzv-endpoint {value!r}: {item!r} has port 0")
+        endpoints.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    return tuple(dict.fromkeys(endpoints))
 
 
 def parse_rdzv_conf(value: str) -> dict[str, str]:
@@ -263,7 +304,11 @@ class LaunchConfig:
     node_rank: int = 0
     """This node's GROUP_RANK with the static backend (ignored by c10d, which assigns it)."""
     rdzv_backend: str = "c10d"
-    """``static`` (fixed node set, ranks from ``node_rank``) or ``c10d`` (store-based rounds)."""
+    """``static`` (fixed node set, ranks from ``node_rank``), ``c10d`` (store-based rounds, the
+    store served by one agent) or ``etcd`` (the same rounds in an etcd cluster: no agent serves
+    anything, see ``etcd_job``)."""
+    rdzv_endpoints: tuple[str, ...] = ()
+    """With ``rdzv_backend="etcd"``: the etcd members' client addresses (``host:port``)."""
     rdzv_host: str = "127.0.0.1"
     """Host of the rendezvous store."""
     rdzv_port: int = 0
@@ -355,8 +400,27 @@ class LaunchConfig:
                 f"--nproc-per-node must be <= {MAX_NPROC_PER_NODE} (workers of one node), "
                 f"got {self.nproc_per_node}"
             )
-        if self.rdzv_backend not in ("static", "c10d"):
-            raise ValueError(f"--rdzv-backend must be static or c10d, got {self.rdzv_backend!r}")
+        self.rdzv_backend = RDZV_ALIASES.get(self.rdzv_backend, self.rdzv_backend)
+        if self.rdzv_backend not in RDZV_BACKENDS:
+            raise ValueError(
+                f"--rdzv-backend must be static, c10d or etcd (etcd-v2), got {self.rdzv_backend!r}"
+            )
+        if self.rdzv_backend == "etcd":
+            if isinstance(self.rdzv_endpoints, str) or not self.rdzv_endpoints:
+                raise ValueError(
+                    "--rdzv-backend etcd needs --rdzv-endpoint host:port[,host:port...] (the "
+                    f"etcd members' client addresses), got {self.rdzv_endpoints!r}"
+                )
+            self.rdzv_endpoints = tuple(self.rdzv_endpoints)
+            if self.is_host is not None:
+                raise ValueError(
+                    "--rdzv-conf is_host: with --rdzv-backend etcd no agent serves the "
+                    "rendezvous (it lives in the etcd cluster); leave is_host out"
+                )
+        elif self.rdzv_endpoints:
+            raise ValueError(
+                f"rdzv_endpoints are the etcd backend's; --rdzv-backend is {self.rdzv_backend}"
+            )
         if self.rdzv_backend == "static":
             if self.min_nodes != self.max_nodes:
                 raise ValueError(
@@ -369,7 +433,7 @@ class LaunchConfig:
                 )
             if self.rdzv_port == 0 and self.max_nodes > 1:
                 raise ValueError("the static backend with several nodes needs a fixed port")
-        if self.rdzv_port == 0 and self.max_nodes > 1:
+        if self.rdzv_port == 0 and self.max_nodes > 1 and self.rdzv_backend != "etcd":
             raise ValueError(
                 "a job of several nodes needs --rdzv-endpoint host:port (port 0 is standalone)"
             )
@@ -467,4 +531,9 @@ class LaunchConfig:
     @property
     def standalone(self) -> bool:
         """The store is this agent's own, on a free port (single node)."""
-        return self.rdzv_port == 0
+        return self.rdzv_port == 0 and self.rdzv_backend != "etcd"
+
+    @property
+    def heartbeat_limit(self) -> float:
+        """Seconds without a heartbeat (or, on etcd, a kept lease) before an agent is lost."""
+        return self.keep_alive_interval * self.keep_alive_max_attempt

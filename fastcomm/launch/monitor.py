@@ -9,7 +9,8 @@ Every ``--monitor-interval`` the agent polls its workers and the round, and prop
 * every agent's workers succeeded  -> ``SUCCESS``
 * a node waits and there is room   -> ``MEMBERSHIP`` (not a failure restart; under
                                       ``--recover in-process`` it joins the running round)
-* a peer agent stops heartbeating  -> ``FAILURE`` (node lost)
+* a peer agent stops heartbeating  -> ``FAILURE`` (node lost; on etcd: its liveness key
+                                      expired)
 
 Under ``--recover in-process`` a failing worker, or a node whose agent stopped heartbeating, is
 reported and the round goes on (``recovery``) until fewer than the minimum of ranks are left.
@@ -102,7 +103,7 @@ class RoundMonitor:
             cfg.recover == "in-process" and info.store.check([f"lost-node/{g}"]))]
         """GROUP_RANKs of the other agents, whose heartbeats are watched (with those the
         running round admits later; not those already lost)."""
-        self.beats = Heartbeats(info, cfg.keep_alive_interval, cfg.keep_alive_max_attempt)
+        self.beats: Heartbeats = rdzv.heartbeats(info)
         self.failures: list[Failure] = []
         """This node's failures in the round, in the order they were seen."""
         self._grace_until: float | None = None
@@ -190,12 +191,12 @@ class RoundMonitor:
 
     def _end_to_admit(self) -> End | None:
         """Ends the round to admit a waiting node, if there is room and no worker finished.
-        Under ``--recover in-process`` the node of group rank 0 admits it into the running
-        round instead (its workers join the running ranks at a step boundary)."""
+        Under ``--recover in-process`` the lowest group rank not lost admits it into the
+        running round instead (its workers join the running ranks at a step boundary)."""
         info = self.info
         if self.recovery is not None:
-            if (self.cfg.max_nodes > 1 and info.group_rank == 0 and not info.joined
-                    and info.store.add("done", 0) == 0):
+            if (self.cfg.max_nodes > 1 and info.store.add("done", 0) == 0
+                    and self.rdzv.admitter(info)):
                 for group_rank in self.rdzv.admit_waiting(info):
                     self.recovery.log(f"node {group_rank} joins the running round "
                                       f"{info.round} (--recover in-process)")

@@ -10,9 +10,10 @@ all, which fastcomm DDP admits at a step boundary); once fewer than the minimum 
 report, naming the first loss as the root cause (no restart). A round whose live workers all
 succeed ends in success. A node lost whole (no heartbeat from its agent) is absorbed alike,
 counted out of the round; every absorbed rank is named in the workers' store
-(``lost_rank_key``), where the survivors on other hosts learn of it. A node arriving in an
-elastic ``--nnodes MIN:MAX`` job joins the running round (``rendezvous``): its workers start
-with ``FASTCOMM_RECOVER_JOIN`` and join the running ranks as a replacement does.
+(``lost_rank_key``; in etcd with the etcd backend), where the survivors on other hosts learn of
+it: whichever node is lost, group rank 0's included, when the store is in etcd. A node
+arriving in an elastic ``--nnodes MIN:MAX`` job joins the running round (``rendezvous``): its
+workers start with ``FASTCOMM_RECOVER_JOIN`` and join the running ranks as a replacement does.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def announce_node(info: RoundInfo, node: str, log: Callable[[str], None]) -> Non
     `info`) brings under ``joining_node_key(node)`` in the workers' store, before its workers
     start. Best effort: unreached, the running ranks admit each worker as it asks."""
     try:
-        store = Store(info.master_addr, info.master_port, timeout=10.0, _secret=None)
+        store = info.workers_store(timeout=10.0)
         store.set(joining_node_key(node), str(info.nodes[info.group_rank].nproc))
     except RuntimeError as exc:
         log(f"could not tell the running ranks how many ranks {node} brings: {exc}")
@@ -143,8 +144,7 @@ class RoundLosses:
         store that cannot be reached leaves the survivors to their own liveness checks)."""
         try:
             if self._workers_store is None:
-                self._workers_store = Store(self.info.master_addr, self.info.master_port,
-                                            timeout=10.0, _secret=None)
+                self._workers_store = self.info.workers_store(timeout=10.0)
             for rank in ranks:
                 self._workers_store.set(lost_rank_key(rank), why.splitlines()[0])
         except RuntimeError as exc:

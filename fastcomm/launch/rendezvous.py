@@ -1,7 +1,9 @@
 """Store-based rendezvous: the agents of a job agree, round by round, on the node set.
 
 One agent serves the rendezvous ``Store`` (the one on the endpoint host; with the static
-backend, node rank 0); the others connect to it, retrying within the join timeout. All keys of
+backend, node rank 0); the others connect to it, retrying within the join timeout. With the
+etcd backend no agent serves anything: the same keys live in an etcd cluster (``etcd_job``),
+and so do the workers' stores. All keys of
 a job live under ``fastcomm.launch/<run_id>/`` and every round ``r`` has its own namespace
 ``r<r>/``: nothing stale from a failed round can leak into the next one. A round closes once
 ``MAX`` nodes joined, or ``MIN`` joined and the last-call window passed; a node that joins
@@ -95,6 +97,9 @@ class RoundInfo:
     the running ranks at a step boundary instead of starting with them."""
     grown_ranks: int = 0
     """The ranks of ``nodes`` that joined the round while it ran."""
+    store_url: str | None = None
+    """The workers' store in etcd (``etcd://.../<prefix>``, their ``FASTCOMM_STORE``), with the
+    etcd backend; ``None``: the ``TCPStore`` at ``master_addr:master_port``."""
 
     @property
     def group_world_size(self) -> int:
@@ -114,6 +119,20 @@ class RoundInfo:
     def world_size_now(self) -> int:
         """WORLD_SIZE with every node the round admitted while it ran, so far."""
         return self.world_size - self.grown_ranks + self.store.add("grow/ranks", 0)
+
+    def workers_store(self, timeout: float = 10.0) -> Store:
+        """A client of the round's workers' store (raw keys: values unsigned).
+
+        Raises:
+            RuntimeError: the ``TCPStore`` could not be reached within ``timeout``.
+        """
+        if self.store_url is not None:
+            from fastcomm.comm.store import parse_store_url
+
+            _, endpoints, prefix = parse_store_url(self.store_url)
+            return Store.on_etcd(endpoints, prefix, timeout=timeout,
+                                 request_timeout=min(5.0, timeout / 2), _secret=None)
+        return Store(self.master_addr, self.master_port, timeout=timeout, _secret=None)
 
     def role_ranks(self, role: str) -> tuple[int, int]:
         """(ROLE_RANK of this node's local rank 0, ROLE_WORLD_SIZE)."""
@@ -305,9 +324,12 @@ class Rendezvous:
         log: Callable[[str], None] = lambda msg: None,
         *,
         listen: str = "127.0.0.1",
+        etcd=None,
     ) -> None:
         self.config = config
         self.node = node
+        self.etcd = etcd
+        """The job in etcd (``etcd_job.EtcdJob``) with the etcd backend, else ``None``."""
         self.base = store.prefixed(f"fastcomm.launch/{config.run_id}")
         self._check_stop = check_stop
         self._log = log
@@ -318,6 +340,16 @@ class Rendezvous:
     def round_store(self, r: int) -> Store:
         """The key namespace of round ``r`` in the rendezvous store."""
         return self.base.prefixed(f"r{r}")
+
+    def heartbeats(self, info: RoundInfo):
+        """The watch on the other agents of round ``info``: their heartbeat counters, or on
+        etcd their liveness keys (``etcd_job.LeaseBeats``)."""
+        cfg = self.config
+        if self.etcd is not None:
+            return self.etcd.heartbeats(info)
+        from .heartbeat import Heartbeats
+
+        return Heartbeats(info, cfg.keep_alive_interval, cfg.keep_alive_max_attempt)
 
     def _sleep(self) -> None:
         self._check_stop()
@@ -499,12 +531,19 @@ class Rendezvous:
             # A fresh worker store per round is what makes restarts work: torchrun reuses one
             # store for every round, so restarted workers read the failed round's keys (e.g.
             # Gloo's peer addresses) and fail with ``connectFullMesh ... Connection refused``
-            # or hang. Hence MASTER_PORT changes every round.
+            # or hang. Hence MASTER_PORT changes every round. On etcd the store is the round's
+            # namespace there (``store_url``); MASTER_ADDR:MASTER_PORT is then a free port
+            # where worker rank 0 serves torch's own ``env://`` store, as under torchrun's
+            # etcd backend (a script that does not import fastcomm).
             addr = cfg.master_addr or ordered[0].addr
-            self._worker_store = Store(
-                self._listen, 0, is_server=True, timeout=cfg.read_timeout, _secret=None
-            )
-            master = f"{addr}:{self._worker_store.port}"
+            if self.etcd is None:
+                self._worker_store = Store(
+                    self._listen, 0, is_server=True, timeout=cfg.read_timeout, _secret=None
+                )
+                port = self._worker_store.port
+            else:
+                port = free_port(self._listen)
+            master = f"{addr}:{port}"
             round_store.set("master", round_store.encode("master", master))
         addr, port = self._master(r)
         self._log(
@@ -519,7 +558,11 @@ class Rendezvous:
             master_addr=addr,
             master_port=int(port),
             store=round_store,
+            store_url=self._workers_url(r),
         )
+
+    def _workers_url(self, r: int) -> str | None:
+        return None if self.etcd is None else self.etcd.workers_url(r)
 
     def _master(self, r: int) -> tuple[str, int]:
         """Round ``r``'s worker store address (waits ``read_timeout`` for it)."""
@@ -560,13 +603,20 @@ class Rendezvous:
         return RoundInfo(
             round=r, group_rank=group_rank, nodes=nodes, restart_count=self.restarts_of(r),
             master_addr=addr, master_port=port, store=store, joined=True,
-            grown_ranks=answer["grown_ranks"],
+            grown_ranks=answer["grown_ranks"], store_url=self._workers_url(r),
         )
 
+    def admitter(self, info: RoundInfo) -> bool:
+        """Whether this node answers the nodes asking to join the running round ``info``: the
+        node of the lowest group rank not lost whole (``lost-node/<g>``), so that losing
+        group rank 0 loses no admission."""
+        store = info.store
+        return all(store.check([f"lost-node/{g}"]) for g in range(info.group_rank))
+
     def admit_waiting(self, info: RoundInfo) -> list[int]:
-        """The node of group rank 0 of a running round answers the nodes that asked to join
-        it (:meth:`_ask_running`): each admitted while the round has room (``MAX`` nodes),
-        as the next group rank. Returns the group ranks admitted."""
+        """The admitting node of a running round (:meth:`admitter`) answers the nodes that
+        asked to join it (:meth:`_ask_running`): each admitted while the round has room
+        (``MAX`` nodes), as the next group rank. Returns the group ranks admitted."""
         store = info.store
         asked, answered = store.add("grow/asked", 0), store.add("grow/answered", 0)
         admitted = []
@@ -618,11 +668,26 @@ class Rendezvous:
     ) -> None:
         """Counts this agent out; the store host waits (``close_timeout``) for the others and
         for agents that waited to be admitted, so none loses the store before it read the
-        outcome. ``lost``: nodes of the round declared lost, not waited for."""
+        outcome. ``lost``: nodes of the round declared lost, not waited for. On etcd nobody
+        waits for the others: the last agent out waits for those waiting to be admitted,
+        then deletes the job's keys (``EtcdJob.finish``)."""
         round_store = info.store
-        round_store.add("exited", 1)
+        # read before counting out: the last agent out deletes the keys once it counted
+        members = self.members(info.round) if self.etcd is not None else 0
+        exited = round_store.add("exited", 1)
+        if self.etcd is not None:
+            if exited >= members - lost:
+                self._wait_for_waiting(info, timeout, lost)
+                self.etcd.finish()
+            return
         if not is_host:
             return
+        self._wait_for_waiting(info, timeout, lost)
+
+    def _wait_for_waiting(self, info: RoundInfo, timeout: float | None, lost: int = 0) -> None:
+        """Waits (``close_timeout``) until every agent of round ``info`` counted out and every
+        agent that waited to join the next round read that the job ended."""
+        round_store = info.store
         nxt = self.round_store(info.round + 1)
         deadline = time.monotonic() + (self.config.close_timeout if timeout is None else timeout)
         while time.monotonic() < deadline:
@@ -631,6 +696,13 @@ class Rendezvous:
             ):
                 return
             time.sleep(self.POLL_S)
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on ``host`` now (bound, read and released)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def default_host() -> str:

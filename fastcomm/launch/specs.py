@@ -2,7 +2,8 @@
 
 The environment is torchrun's: the agent's own, plus ``OMP_NUM_THREADS=1`` (several workers),
 the job secret, Gloo's interface (several nodes) and, per worker, the rank variables of the
-round. Logs and error files go under ``--log-dir``, else a temporary folder removed at exit.
+round (with the etcd backend, ``FASTCOMM_STORE``: the round's store in etcd). Logs and error
+files go under ``--log-dir``, else a temporary folder removed at exit.
 """
 
 from __future__ import annotations
@@ -105,6 +106,12 @@ def _rank_env(cfg: LaunchConfig, info: RoundInfo, local_rank: int, error_file: s
         TORCHELASTIC_ERROR_FILE=error_file,
         LOCAL_RANK=str(local_rank),
     )
+    if info.store_url is not None:
+        # the job's store is in etcd: fastcomm.init() and (once fastcomm is imported) torch's
+        # env:// take it from FASTCOMM_STORE; torch's env:// without fastcomm has worker rank 0
+        # serve MASTER_ADDR:MASTER_PORT itself, as under torchrun's etcd backend
+        env[settings.STORE.name] = info.store_url
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "False"
     if cfg.virtual_local_rank:
         env["LOCAL_RANK"] = "0"
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")

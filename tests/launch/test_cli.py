@@ -48,7 +48,18 @@ BAD = [
     pytest.param(
         ["--monitor-interval", "0"], "--monitor-interval must be a finite number", id="monitor-0"
     ),
-    pytest.param(["--rdzv-backend", "etcd"], "static or c10d", id="backend"),
+    pytest.param(["--rdzv-backend", "zookeeper"], "static, c10d or etcd", id="backend"),
+    pytest.param(["--rdzv-backend", "etcd"], "needs --rdzv-endpoint", id="etcd-no-endpoint"),
+    pytest.param(["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "h1:2379,,h2"], "is not host",
+                 id="etcd-empty-item"),
+    pytest.param(["--rdzv-backend", "etcd", "--rdzv-endpoint", "https://h1:2379"],
+                 "TLS is not supported", id="etcd-tls"),
+    pytest.param(["--rdzv-backend", "etcd", "--rdzv-endpoint", "h1:2379", "--standalone"],
+                 "contradicts --rdzv-backend etcd", id="etcd-standalone"),
+    pytest.param(["--rdzv-backend", "etcd", "--rdzv-endpoint", "h1", "--rdzv-conf",
+                  "is_host=1"], "no agent serves the rendezvous", id="etcd-is-host"),
+    pytest.param(["--rdzv-backend", "etcd", "--rdzv-endpoint", "h1", "--rdzv-conf",
+                  "store_type=tcp"], "leave store_type out", id="etcd-store-type"),
     pytest.param(
         ["--rdzv-backend", "c10d", "--nnodes", "2"], "needs --rdzv-endpoint", id="c10d-no-endpoint"
     ),
@@ -255,6 +266,22 @@ def test_pet_environment_defaults(monkeypatch, marker_script):
     monkeypatch.setenv("PET_NODE_RANK", "0")
     monkeypatch.setenv("PET_STANDALONE", "1")
     assert config_of([str(path)]).standalone
+
+
+def test_etcd_backend_flags(marker_script):
+    """torchrun's etcd spellings: etcd and etcd-v2 alike, endpoints with etcd's port 2379 where
+    none is given, duplicates dropped; the run id and MIN:MAX as with c10d."""
+    path, _ = marker_script
+    flags = ["--nnodes", "2:3", "--rdzv-endpoint", "10.0.0.1:2379,10.0.0.2,[::1]:3379,10.0.0.1",
+             "--rdzv-id", "job7", str(path)]
+    a = config_of(["--rdzv-backend", "etcd", *flags])
+    b = config_of(["--rdzv_backend", "etcd-v2", *flags])
+    assert a == b and a.rdzv_backend == "etcd" and a.run_id == "job7"
+    assert a.rdzv_endpoints == ("10.0.0.1:2379", "10.0.0.2:2379", "[::1]:3379")
+    assert (a.rdzv_host, a.rdzv_port, a.min_nodes, a.max_nodes) == ("10.0.0.1", 2379, 2, 3)
+    assert not a.standalone
+    with pytest.raises(ValueError, match="needs --rdzv-endpoint"):
+        LaunchConfig(entrypoint="x.py", rdzv_backend="etcd")
 
 
 def test_module_and_no_python(tmp_path):

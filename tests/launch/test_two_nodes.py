@@ -1,223 +1,43 @@
-"""Two real nodes on one machine: each in its own network, UTS, mount and PID namespace.
-
-The nodes are joined by one veth pair with no route out (10.213.34.1 and .2, a /30 that exists
-only inside the two namespaces), each has its own hostname (``node0``, ``node1``), its own
-tmpfs on ``/dev/shm`` and ``/tmp``, and a Debian-style ``/etc/hosts`` (its own name on
-127.0.1.1, the other's on the veth); ``FASTCOMM_HOST_ID`` is unset, so fastcomm tells the
-hosts apart as it would two machines. The checkout and this interpreter's prefixes are bound
-back over the node's own ``/tmp`` and ``/dev/shm`` where they lie there (CI's clone, a venv in
-a temporary folder), and the node runs ``sys.executable``: the nodes import what pytest does.
+"""Two real nodes on one machine (``_nodes.Nodes``): each in its own network, UTS, mount and PID
+namespace, joined by a bridge with no route out (10.213.34.1 and .2), each with its own
+hostname (``node0``, ``node1``), ``/dev/shm``, ``/tmp`` and a Debian-style ``/etc/hosts``;
+``FASTCOMM_HOST_ID`` is unset, so fastcomm tells the hosts apart as it would two machines.
 Root, ``ip netns`` (iproute2), ``unshare`` and ``mount`` (util-linux) are needed: skipped
-elsewhere.
-
-Everything made here (namespaces, the veth pair, mounts, processes) goes when the module ends,
-also on failure: each node runs under ``unshare --kill-child`` as PID 1 of its own PID
-namespace, so killing the outer process kills every process of the node, its mounts go with its
-mount namespace, and deleting the network namespaces deletes the veth pair.
+elsewhere. Everything made here goes when the module ends, also on failure (``Nodes.remove``).
 """
 
 from __future__ import annotations
 
-import os
-import shlex
 import shutil
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from ._util import LAUNCHED_DDP, REPO, clean_env, script
+from ._nodes import Nodes, why_not
+from ._util import LAUNCHED_DDP, REPO, script
 
-ADDRS = ("10.213.34.1", "10.213.34.2")
 PORT = 29534  # inside the namespaces only: nothing else listens there
 # short heartbeats keep the losses quick; the behaviour under test is the same at 5 s x 3
 FAST = "keep_alive_interval=0.5,keep_alive_max_attempt=4,last_call_timeout=1"
 
-
-NEEDS = (
-    "the two-node tests need root (network, UTS, mount and PID namespaces), `ip` (iproute2), "
-    "`unshare` and `mount` (util-linux), and leave to run `ip netns add`"
-)
-HIDDEN = ("/tmp", "/dev/shm")  # each node mounts a tmpfs of its own on these
-
-
-def _why_not() -> str | None:
-    if os.name != "posix" or os.geteuid() != 0:
-        return f"{NEEDS}: not root"
-    missing = [tool for tool in ("ip", "unshare", "mount") if shutil.which(tool) is None]
-    if missing:
-        return f"{NEEDS}: {', '.join(missing)} not found"
-    probe = f"fcprobe{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"{NEEDS}: `ip netns add` failed here: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
-def _bound_back() -> list[str]:
-    """Paths the node's tmpfs mounts would hide that its processes need: the checkout (also the
-    editable install's target) and the interpreter's prefixes, as named and as resolved, under
-    ``/tmp`` or ``/dev/shm``; a path inside another one comes with it."""
-    named = {str(REPO), sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
-    paths = {os.path.abspath(p) for p in named} | {os.path.realpath(p) for p in named}
-    hidden = [p for p in paths if any(p == h or p.startswith(h + "/") for h in HIDDEN)]
-    return [p for p in sorted(hidden) if not any(p.startswith(q + "/") for q in hidden)]
-
-
-_REASON = _why_not()
+_REASON = why_not()
 pytestmark = [
     pytest.mark.skipif(_REASON is not None, reason=_REASON or ""),
     pytest.mark.timeout(120),
 ]
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-
-class Nodes:
-    """The two namespaced nodes; :meth:`start` runs a command as ``node<i>``."""
-
-    def __init__(self, shared: Path) -> None:
-        tag = f"{os.getpid() % 100000}"
-        self.netns = [f"fc34n0-{tag}", f"fc34n1-{tag}"]
-        self.veth = [f"fc34a{tag}", f"fc34b{tag}"]
-        self.shared = shared
-        self.procs: list[subprocess.Popen] = []
-
-    def build(self) -> None:
-        for ns in self.netns:
-            _ip("netns", "add", ns)
-        _ip("link", "add", self.veth[0], "type", "veth", "peer", "name", self.veth[1])
-        for i, (ns, dev) in enumerate(zip(self.netns, self.veth, strict=True)):
-            _ip("link", "set", dev, "netns", ns)
-            _ip("-n", ns, "addr", "add", f"{ADDRS[i]}/30", "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            hosts = self.shared / f"hosts{i}"
-            hosts.write_text(
-                f"127.0.0.1 localhost\n127.0.1.1 node{i}\n"
-                f"{ADDRS[0]} node0\n{ADDRS[1]} node1\n"
-            )
-
-    def start(
-        self, i: int, args: list[str], name: str, program: tuple[str, ...] = ("-m",
-                                                                              "fastcomm.launch")
-    ) -> subprocess.Popen:
-        """``python *program *args`` (by default ``python -m fastcomm.launch *args``) on node
-        ``i``; output in ``<name>.out/.err``."""
-        env = clean_env()
-        env.pop("FASTCOMM_HOST_ID", None)
-        env.pop("GLOO_SOCKET_IFNAME", None)
-        # what the tmpfs mounts hide (_bound_back) is held on /mnt/.hold<i>-<k> first, then
-        # bound back over the node's own /tmp and /dev/shm
-        paths = [shlex.quote(p) for p in _bound_back()]
-        hold = [f"/mnt/.hold{i}-{k}" for k in range(len(paths))]
-        inner = " && ".join([
-            f"hostname node{i}",
-            f"mount --bind {shlex.quote(str(self.shared))} /mnt",
-            *(f"mkdir -p {h} && mount --bind {p} {h}" for p, h in zip(paths, hold, strict=True)),
-            *(f"mount -t tmpfs tmpfs {h}" for h in HIDDEN),
-            *(f"mkdir -p {p} && mount --bind {h} {p}" for p, h in zip(paths, hold, strict=True)),
-            f"mount --bind /mnt/hosts{i} /etc/hosts",
-            "cd /mnt",
-            f"exec {shlex.quote(sys.executable)} {shlex.join([*program, *args])} "
-            f"> /mnt/{name}.out 2> /mnt/{name}.err",
-        ])
-        cmd = [
-            "ip", "netns", "exec", self.netns[i],
-            "unshare", "--uts", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
-            "sh", "-c", inner,
-        ]
-        proc = subprocess.Popen(cmd, env=env, cwd=REPO, start_new_session=True)
-        self.procs.append(proc)
-        return proc
-
-    def wait_joined(self, i: int, run_id: str, proc: subprocess.Popen, name: str,
-                    timeout: float = 60.0) -> None:
-        """Waits until a node has joined round 0 of ``run_id`` in the rendezvous store node
-        ``i`` serves (its first node record is written), looking from node ``i``'s network;
-        raises naming the store, what it waited for and how long, with ``name``'s log."""
-        probe = subprocess.run(
-            ["ip", "netns", "exec", self.netns[i], sys.executable, "-c", JOINED, ADDRS[i],
-             str(PORT), f"fastcomm.launch/{run_id}/r0", str(timeout)],
-            env=clean_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout + 30,
-        )
-        if probe.returncode != 0 or proc.poll() is not None:
-            raise AssertionError(f"{probe.stderr[-2000:]}\n{name}:\n{self.err(name)}")
-
-    def result(self, proc: subprocess.Popen, name: str, timeout: float) -> tuple[int, str]:
-        try:
-            code = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill(proc)
-            message = f"{name} did not finish in {timeout} s:\n{self.err(name)}"
-            raise AssertionError(message) from None
-        return code, self.err(name)
-
-    def err(self, name: str) -> str:
-        path = self.shared / f"{name}.err"
-        return path.read_text() if path.exists() else ""
-
-    def out(self, name: str) -> str:
-        path = self.shared / f"{name}.out"
-        return path.read_text() if path.exists() else ""
-
-    @staticmethod
-    def kill(proc: subprocess.Popen) -> None:
-        """Ends a node: its unshare dies, its PID 1 gets SIGKILL, and every process with it."""
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-    def remove(self) -> None:
-        for proc in self.procs:
-            self.kill(proc)
-        for ns in self.netns:  # deleting a namespace deletes the veth end it holds
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-
-# Run in a node's network: waits until round 0's first node record is in the rendezvous store
-# at argv[1]:argv[2] (argv[3]: the round's namespace), for at most argv[4] seconds.
-JOINED = """
-import sys, time
-from fastcomm.comm.errors import FastcommError
-from fastcomm.comm.store import Store
-
-addr, port, namespace, limit = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
-start, store = time.monotonic(), None
-while True:
-    try:
-        store = store or Store(addr, port, timeout=5, _secret=None).prefixed(namespace)
-        if store.check(["node/0"]):
-            break
-    except FastcommError:  # nothing listens yet
-        store = None
-    waited = time.monotonic() - start
-    if waited > limit:
-        sys.exit(f"no node joined {namespace} at {addr}:{port} within {waited:.1f} s")
-    time.sleep(0.05)
-"""
-
-
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     shared = tmp_path_factory.mktemp("two_nodes")
     shared.chmod(0o755)
-    made = Nodes(shared)
+    made = Nodes(shared, count=2)
     try:
         made.build()
         yield made
     finally:
         made.remove()
-        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        assert not any(ns in listed for ns in made.netns), listed
-        links = subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
-        assert not any(dev in links for dev in made.veth), links
+        made.check_removed()
 
 
 def _job(*extra: str, nproc: int = 2, conf: str = FAST) -> list[str]:
@@ -484,7 +304,7 @@ def test_a_node_powered_off_mid_backward_is_recovered_in_place(nodes, record_pro
                 "/mnt/recover", conf=FAST.replace("last_call_timeout=1", "last_call_timeout=20"))
     args[1] = "1:2"
     node0 = nodes.start(0, args, "recover0")
-    nodes.wait_joined(0, "two", node0, "recover0")  # not a fixed head start: node0 is first
+    nodes.wait_joined(0, PORT, "two", node0, "recover0")  # not a fixed head start: node0 is first
     node1 = nodes.start(1, args, "recover1")
     deadline = time.monotonic() + 60
     while not (out / "stopped").exists():
@@ -493,12 +313,12 @@ def test_a_node_powered_off_mid_backward_is_recovered_in_place(nodes, record_pro
     assert (out / "stopped").read_text() == "node1"
     powered_off = time.time()
     try:
-        _ip("-n", nodes.netns[1], "link", "set", nodes.veth[1], "down")
+        nodes.link(1, False)
         nodes.kill(node1)
         code, err = nodes.result(node0, "recover0", 120)
         exited = time.time()
     finally:
-        _ip("-n", nodes.netns[1], "link", "set", nodes.veth[1], "up")
+        nodes.link(1, True)
     assert code == 0, err
     assert "node 1 (node1) was lost: no heartbeat from the agent of node 1" in err, err
     assert "its ranks 2, 3 are lost; the job goes on with 2 of 4 ranks" in err, err

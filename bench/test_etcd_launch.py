@@ -1,0 +1,194 @@
+"""Losing a node under ``fastcomm-run --rdzv-backend etcd``, and the rendezvous on etcd against
+c10d.
+
+    PYTHONPATH=. python -m pytest bench/test_etcd_launch.py -q -s   # etcd_*.json
+
+Power-off: three namespaced nodes (``tests/launch/_nodes.py``: root and ``ip netns``), an etcd
+member on each, one rank each training a 0.27M-parameter MLP with ``--recover in-process``,
+heartbeat limit 2 s (0.5 s x 4); the node of rank 0 (the first node: group rank 0) or of rank
+1 is powered off mid-backward (its link down, every process killed, its etcd member too). The
+figure: seconds from the power-off to the survivors' next completed step
+(``tests/launch/test_etcd_nodes.py``'s ``power_off``). Rendezvous: three agents on 127.0.0.1
+started at once (``--nnodes 3``, a script that only writes the time), on etcd (a 3-member
+cluster on 127.0.0.1) and on c10d (the ``TCPStore`` of the agent that binds the port first).
+The figures: the agents' ``RENDEZVOUS`` events (torch's: joining the round until it closes
+and its ranks are known): the last agent to join (the protocol's own cost: it finds the others
+there) and the first (who also waits for the others to start), and from starting the agents to
+the last worker running. Each power-off runs ``FASTCOMM_BENCH_ETCD_REPEATS`` (3) times, each
+rendezvous 3 x as many; a row is the median run's, with every run's figure. Results:
+``bench/results/etcd_power_off.json``, ``etcd_rendezvous.json``.
+Quick mode (``--benchmark-disable``, as the test suite runs it): one rendezvous of each
+backend, nothing written (the power-off runs in ``tests/launch/test_etcd_nodes.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+REPEATS = int(os.environ.get("FASTCOMM_BENCH_ETCD_REPEATS", "3"))
+QUICK = bool(os.environ.get("FASTCOMM_BENCH_QUICK")) or "--benchmark-disable" in sys.argv
+NO_ETCD = shutil.which("etcd") is None
+
+STARTED = """
+import json, os, sys, time
+with open(os.path.join(sys.argv[1], "w%s.json" % os.environ["RANK"]), "w") as fh:
+    json.dump({"time": time.time()}, fh)
+"""
+
+
+def _env() -> dict[str, str]:
+    sys.path.insert(0, str(REPO))
+    from tests.launch._util import clean_env
+
+    return clean_env()
+
+
+def measure_rendezvous(out: Path, backend: str, etcd=None) -> dict:
+    """Three agents of a 3-node job started at once on ``backend``: the last and the first
+    agent's ``RENDEZVOUS`` (ms), and from their start to the last worker running (ms)."""
+    from tests.harness import free_port
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "started.py"
+    path.write_text(STARTED)
+    endpoint = etcd.endpoints if backend == "etcd" else f"127.0.0.1:{free_port()}"
+    flags = ["--nnodes", "3", "--nproc-per-node", "1", "--rdzv-backend", backend,
+             "--rdzv-endpoint", endpoint, "--rdzv-id", f"rdzv-{out.name}",
+             "--monitor-interval", "0.05", "--event-log-handler", "console"]
+    start = time.time()
+    agents = [subprocess.Popen([sys.executable, "-m", "fastcomm.launch", *flags, str(path),
+                                str(out)], cwd=out, env=_env(), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    errs = []
+    try:
+        for agent in agents:
+            errs.append(agent.communicate(timeout=120)[1])
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+                agent.communicate()
+    rendezvous = []
+    for agent, err in zip(agents, errs, strict=True):
+        assert agent.returncode == 0, err[-3000:]
+        for line in err.splitlines():
+            if line.startswith("{") and ".RENDEZVOUS" in line:
+                rendezvous.append(float(json.loads(line)["metadata"]["duration_ms"]))
+    started = max(json.loads((out / f"w{r}.json").read_text())["time"] for r in range(3))
+    return {"backend": backend, "last_agent_ms": round(min(rendezvous), 1),
+            "first_agent_ms": round(max(rendezvous), 1),
+            "start_to_workers_ms": round((started - start) * 1e3, 1)}
+
+
+def measure_power_off(nodes, name: str, victim: int) -> dict:
+    """One power-off of the node of rank ``victim`` (0: the first node); its figures."""
+    from tests.launch.test_etcd_nodes import power_off
+
+    nodes.etcd_up()
+    run = power_off(nodes, name, victim)
+    reports = run["reports"]
+    assert all(r["done"] == reports[run["survivors"][0]]["done"] for r in reports.values())
+    return {"victim_rank": victim, "node": f"node{run['lost']}",
+            "power_off_to_next_step_s": round(run["resumed"], 3),
+            "shrink_s": round(max(r["changes"][0][2] for r in reports.values()), 3)}
+
+
+def _median_row(runs: list[dict], key: str) -> dict:
+    ordered = sorted(runs, key=lambda r: r[key])
+    row = dict(ordered[len(ordered) // 2])
+    row["runs"] = [r[key] for r in runs]
+    return row
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    if NO_ETCD:
+        from tests.etcd_cluster import INSTALL
+
+        pytest.skip(f"needs the etcd server: {INSTALL}")
+    from tests.etcd_cluster import EtcdCluster
+
+    with EtcdCluster(3, str(tmp_path_factory.mktemp("etcd"))) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    sys.path.insert(0, str(REPO))
+    from tests.launch._nodes import Nodes, why_not
+    from tests.launch.test_etcd_nodes import TRAIN
+
+    reason = why_not()
+    if reason is not None or NO_ETCD:
+        pytest.skip(reason or "needs the etcd server")
+    shared = tmp_path_factory.mktemp("bench_nodes")
+    shared.chmod(0o755)
+    made = Nodes(shared, count=3)
+    try:
+        made.build()
+        (shared / "secret").write_text("three-nodes-secret\n")
+        (shared / "train.py").write_text(TRAIN.lstrip())
+        made.etcd_up()
+        yield made
+    finally:
+        made.remove()
+
+
+@pytest.mark.timeout(600)
+def test_etcd_launch_quick(etcd, tmp_path):
+    """Quick mode: one rendezvous on each backend; checked, nothing written."""
+    if not QUICK:
+        pytest.skip("the full benchmark is test_etcd_launch")
+    for backend in ("etcd", "c10d"):
+        got = measure_rendezvous(tmp_path / backend, backend, etcd)
+        assert 0 < got["last_agent_ms"] <= got["first_agent_ms"], got
+
+
+def _write(name: str, result: dict) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / name).write_text(json.dumps(result, indent=1) + "\n")
+
+
+@pytest.mark.timeout(3600)
+def test_etcd_power_off(nodes, tmp_path):
+    """The first node's power-off against another's: to the survivors' next step."""
+    if QUICK:
+        pytest.skip("quick mode runs test_etcd_launch_quick; the figures need the full run")
+    result = {"machine": os.uname().nodename, "cpus": os.cpu_count(), "repeats": REPEATS,
+              "heartbeat_limit_s": 2.0, "power_off": []}
+    for victim in (0, 1):
+        runs = [measure_power_off(nodes, f"off{victim}-{k}", victim) for k in range(REPEATS)]
+        result["power_off"].append(_median_row(runs, "power_off_to_next_step_s"))
+        print(result["power_off"][-1])
+    _write("etcd_power_off.json", result)
+
+
+@pytest.mark.timeout(3600)
+def test_etcd_rendezvous(etcd, tmp_path):
+    """The rendezvous of a 3-node job on etcd against c10d."""
+    if QUICK:
+        pytest.skip("quick mode runs test_etcd_launch_quick; the figures need the full run")
+    repeats = 3 * REPEATS
+    result = {"machine": os.uname().nodename, "cpus": os.cpu_count(), "repeats": repeats,
+              "rendezvous": []}
+    for backend in ("etcd", "c10d"):
+        runs = [measure_rendezvous(tmp_path / f"{backend}{k}", backend, etcd)
+                for k in range(repeats)]
+        row = _median_row(runs, "last_agent_ms")
+        for key in ("first_agent_ms", "start_to_workers_ms"):
+            row[f"{key}_runs"] = [r[key] for r in runs]
+            row[key] = statistics.median(row[f"{key}_runs"])
+        result["rendezvous"].append(row)
+        print(row)
+    _write("etcd_rendezvous.json", result)
