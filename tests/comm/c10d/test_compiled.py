@@ -1,8 +1,9 @@
-"""torch DDP compiled on the ``fastcomm`` backend: ``torch.compile(DDP(model))`` (its
-DDPOptimizer splits the graph), against the same program on Gloo, on 2 CPU ranks (the groups
-and data of ``test_parity.py``). (An FSDP2 model under ``torch.compile`` compiles nothing on
-CPU in torch 2.13, on either backend: its hooks break the graph inside the layers' loop, and
-Dynamo then runs the frame eagerly.)
+"""torch DDP and FSDP2 compiled on the ``fastcomm`` backend, against the same program on Gloo,
+on 2 CPU ranks (the groups and data of ``test_parity.py``): ``torch.compile(DDP(model))`` (its
+DDPOptimizer splits the graph), and FSDP2 with each layer compiled before it is sharded, as
+torchtitan does. (A whole FSDP2 model under ``torch.compile`` compiles nothing on CPU in torch
+2.13, on either backend: its hooks break the graph inside the layers' loop, and Dynamo then runs
+the frame eagerly.)
 
 torch's C++ calls the group's Python methods from inside compiled regions; Dynamo must never
 trace them (it sees the group as an opaque object and failed with ``UnsafeScriptObjectError``
@@ -75,4 +76,56 @@ pool = pool_fixture([2], env={"OMP_NUM_THREADS": "1"}, timeout=240)
 
 def test_torch_ddp_compiled(pool):
     for compiled in pool.run(check_torch_ddp_compiled):
+        assert all(n > 0 for n in compiled), compiled  # compiled on both backends
+
+
+class Block(nn.Module):
+    """A layer of the model's own class (Dynamo leaves a bare ``nn.Linear``'s frame alone)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x))
+
+
+class Blocks(nn.Module):
+    def __init__(self, seed: int = 0, depth: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layers = nn.ModuleList(Block() for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def check_fsdp2_compiled():
+    """FSDP2 with each layer compiled before it is sharded (how torchtitan compiles: the
+    layers' bodies are graphs, FSDP2's gathers and reduce-scatters run between them)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    fc, gloo = _groups()
+    params, compiled = [], []
+    for group in (fc, gloo):
+        torch._dynamo.reset()
+        before = _graphs()
+        mesh = DeviceMesh.from_group(group, "cpu")
+        model = Blocks()
+        for layer in model.layers:
+            layer.compile(backend="aot_eager")
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        _train(model, torch.optim.Adam(model.parameters(), lr=0.01))
+        compiled.append(_graphs() - before)
+        params.append(torch.cat([p.full_tensor().view(-1) for p in model.parameters()]))
+    _same(*params)
+    return compiled
+
+
+def test_fsdp2_compiled(pool):
+    for compiled in pool.run(check_fsdp2_compiled):
         assert all(n > 0 for n in compiled), compiled  # compiled on both backends
