@@ -235,6 +235,13 @@ class Watch(threading.Thread):
         self.signalled = threading.Event()
         self.stopping = False
 
+    @property
+    def answer_s(self) -> float:
+        """How long a report waits for the ranks' dumps: a rank answers at its next visit (one
+        poll), and a busy host delays the visit and the dump's write across the store; a rank
+        whose process is gone or stopped is not waited for."""
+        return 3 * self.poll_s + 2.0
+
     def stop(self, timeout: float = 2.0) -> None:
         """Ends the thread, waiting up to ``timeout`` for a visit in progress (registered at
         exit: a store call that the interpreter's finalization catches midway ends the process
@@ -278,7 +285,7 @@ class Watch(threading.Thread):
         store = target.store
         self._beat(target)
         if signalled:  # SIGUSR1 (the launcher asks): every rank's dump and the report
-            lines = request_report(target, "SIGUSR1", wait_s=2 * self.poll_s + 1.0)
+            lines = request_report(target, "SIGUSR1", wait_s=self.answer_s)
             logger.info("rank %d: flight report (SIGUSR1):\n%s", target.rank, "\n".join(lines))
         n = store.add("flight/req", 0)
         if n > target.handled:
@@ -292,7 +299,7 @@ class Watch(threading.Thread):
             return
         target.warned = seq
         lines = request_report(target, f"{op} #{seq} waited {self.suspect_s:.0f} s",
-                               wait_s=2 * self.poll_s + 1.0)
+                               wait_s=self.answer_s)
         message = (f"rank {target.rank}: {op} #{seq} has waited {time.time() - issued:.0f} s "
                    f"(suspect after {self.suspect_s:.0f} s; still waiting): " + "\n".join(lines))
         if logger.hasHandlers():
@@ -336,7 +343,7 @@ def _report_failure(watch_: Watch, target: _Target, exc: BaseException) -> None:
     ``exc``."""
     try:
         lines = request_report(target, f"{type(exc).__name__}: {exc}",
-                               wait_s=2 * watch_.poll_s + 1.0)
+                               wait_s=watch_.answer_s)
     except Exception as err:  # noqa: BLE001 - the report must not hide the error itself
         logger.warning("rank %d: no flight report: %s", target.rank, err)
         return

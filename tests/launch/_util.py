@@ -152,9 +152,11 @@ def wait_files(
     timeout: float = 30.0,
     proc: subprocess.Popen | None = None,
 ) -> list[Path]:
+    """At least ``count`` files matching ``pattern``, each written (not empty: a worker opens
+    its file before it writes it)."""
     deadline = time.monotonic() + timeout
     while True:
-        found = sorted(directory.glob(pattern))
+        found = sorted(f for f in directory.glob(pattern) if f.stat().st_size > 0)
         if len(found) >= count:
             return found
         if proc is not None and proc.poll() is not None:
