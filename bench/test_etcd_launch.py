@@ -17,6 +17,10 @@ there) and the first (who also waits for the others to start), and from starting
 the last worker running. Each power-off runs ``FASTCOMM_BENCH_ETCD_REPEATS`` (3) times, each
 rendezvous 3 x as many; a row is the median run's, with every run's figure. Results:
 ``bench/results/etcd_power_off.json``, ``etcd_rendezvous.json``.
+Steady step: the same DDP training (2 ranks on 127.0.0.1, shm, ``--recover in-process``, so
+the liveness watch polls the store) launched on etcd and on c10d, alternating, the median step
+of each run after its first 30: nothing on the step's path touches the store.
+Result: ``etcd_step.json``.
 Quick mode (``--benchmark-disable``, as the test suite runs it): one rendezvous of each
 backend, nothing written (the power-off runs in ``tests/launch/test_etcd_nodes.py``).
 """
@@ -91,6 +95,51 @@ def measure_rendezvous(out: Path, backend: str, etcd=None) -> dict:
             "start_to_workers_ms": round((started - start) * 1e3, 1)}
 
 
+STEPS = """
+import json, os, statistics, sys, time
+import torch
+import fastcomm
+from fastcomm.ddp import DDP
+
+torch.set_num_threads(1)
+comm = fastcomm.init(backend="shm")
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)]), comm=comm,
+            bucket_cap_mb=0.25)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x = torch.randn(32, 256)
+times = []
+for _ in range(int(sys.argv[2])):
+    start = time.perf_counter()
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+    times.append(time.perf_counter() - start)
+if comm.rank == 0:
+    with open(os.path.join(sys.argv[1], "steps.json"), "w") as fh:
+        json.dump({"median_ms": statistics.median(times[30:]) * 1e3}, fh)
+fastcomm.shutdown()
+"""
+
+
+def measure_step(out: Path, backend: str, etcd, steps: int = 400) -> float:
+    """The median DDP step (ms) of 2 ranks launched with ``backend`` (see the docstring)."""
+    from tests.harness import free_port
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "steps.py"
+    path.write_text(STEPS)
+    endpoint = etcd.endpoints if backend == "etcd" else f"127.0.0.1:{free_port()}"
+    flags = ["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", backend,
+             "--rdzv-endpoint", endpoint, "--rdzv-id", f"step-{out.name}",
+             "--recover", "in-process"]
+    run = subprocess.run([sys.executable, "-m", "fastcomm.launch", *flags, str(path), str(out),
+                          str(steps)], cwd=out, env=_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads((out / "steps.json").read_text())["median_ms"]
+
+
 def measure_power_off(nodes, name: str, victim: int) -> dict:
     """One power-off of the node of rank ``victim`` (0: the first node); its figures."""
     from tests.launch.test_etcd_nodes import power_off
@@ -153,6 +202,7 @@ def test_etcd_launch_quick(etcd, tmp_path):
     for backend in ("etcd", "c10d"):
         got = measure_rendezvous(tmp_path / backend, backend, etcd)
         assert 0 < got["last_agent_ms"] <= got["first_agent_ms"], got
+        assert measure_step(tmp_path / f"step-{backend}", backend, etcd, steps=40) > 0
 
 
 def _write(name: str, result: dict) -> None:
@@ -192,3 +242,22 @@ def test_etcd_rendezvous(etcd, tmp_path):
         result["rendezvous"].append(row)
         print(row)
     _write("etcd_rendezvous.json", result)
+
+
+@pytest.mark.timeout(3600)
+def test_etcd_step(etcd, tmp_path):
+    """The DDP step of a job launched on etcd against c10d (alternating runs)."""
+    if QUICK:
+        pytest.skip("quick mode runs test_etcd_launch_quick; the figures need the full run")
+    runs: dict[str, list[float]] = {"etcd": [], "c10d": []}
+    for k in range(2 * REPEATS):
+        for backend in (("etcd", "c10d") if k % 2 == 0 else ("c10d", "etcd")):
+            runs[backend].append(round(measure_step(tmp_path / f"{backend}{k}", backend, etcd),
+                                       3))
+    etcd_ms, c10d_ms = (statistics.median(runs[b]) for b in ("etcd", "c10d"))
+    result = {"machine": os.uname().nodename, "cpus": os.cpu_count(), "repeats": 2 * REPEATS,
+              "ranks": 2, "model": "6 x Linear(256, 256), batch 32, shm, --recover in-process",
+              "etcd_step_ms": etcd_ms, "c10d_step_ms": c10d_ms,
+              "etcd_over_c10d": round(etcd_ms / c10d_ms, 3), "runs": runs}
+    print(result)
+    _write("etcd_step.json", result)
