@@ -30,6 +30,7 @@ from fastcomm.comm.errors import CommAbortedError, CommClosedError
 from fastcomm.kernels._launch import fp32_scale
 
 from .bucket import Bucket, build_buckets
+from .compiled import TracedBuckets
 from .config import DDPConfig
 from .hand_over import take_back
 from .health import GradHealth
@@ -89,6 +90,7 @@ class Reducer:
         # per bucket index: the uses of its flat buffer's storage when the last write-back
         # made parts of it ``.grad`` (hand_over), the reducer's own uses only
         self.handed: dict[int, int] = {}
+        self.traced = TracedBuckets(self)  # the buckets as compiled autograd traces them
         self._build(list(reversed(range(len(self.params)))))
 
         # rebuild: arrival order recorded during the first synchronized backward
@@ -189,6 +191,7 @@ class Reducer:
         self._choose_strategies()
         if self.bucket_view and old:
             _move_grad_views(self.params, self.sparse, old, self.grad_views, kept)
+        self.traced.layout(self.buckets, len(self.params))
 
     @property
     def comm_hook(self) -> Callable | None:
@@ -486,8 +489,9 @@ class Reducer:
 
     def abandon_step(self) -> None:
         """Ends a backward whose reductions in-place recovery redid over the survivors'
-        communicator (``recover.redo_step`` wrote every ``.grad``): its launches and failure
-        are dropped, and it counts as a synchronized iteration."""
+        communicator (``recover.redo_step`` wrote every ``.grad``), or compiled autograd traced
+        (``compiled.py``): the eager launches and failure are dropped, and it counts as a
+        synchronized iteration."""
         self.expect_hooks = False
         self.step.clear()
         self._after_synced_iteration()
@@ -618,8 +622,11 @@ def _make_grad_hook(ref: weakref.ref, i: int):
         reducer = ref()
         if reducer is not None:
             if reducer.expect_hooks:
-                reducer._on_grad(i, param)
-            else:  # a no_sync backward
+                if torch.compiler.is_compiling():  # compiled autograd traces it (compiled.py)
+                    reducer.traced.ready(i, param, reducer)
+                else:
+                    reducer._on_grad(i, param)
+            elif not torch.compiler.is_compiling():  # a no_sync backward
                 reducer._used_no_sync[i] = 1
 
     return hook
