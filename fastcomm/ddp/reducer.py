@@ -621,15 +621,22 @@ def _make_grad_hook(ref: weakref.ref, i: int):
     def hook(param: torch.Tensor) -> None:
         reducer = ref()
         if reducer is not None:
+            traced = torch.compiler.is_compiling() and _compiled_autograd_traces()
             if reducer.expect_hooks:
-                if torch.compiler.is_compiling():  # compiled autograd traces it (compiled.py)
+                if traced:  # compiled autograd traces it into the backward (compiled.py)
                     reducer.traced.ready(i, param, reducer)
                 else:
                     reducer._on_grad(i, param)
-            elif not torch.compiler.is_compiling():  # a no_sync backward
+            elif not traced:  # a no_sync backward
                 reducer._used_no_sync[i] = 1
 
     return hook
+
+
+def _compiled_autograd_traces() -> bool:
+    # Dynamo also compiles a hook as a frame of its own, when an eager backward runs from a
+    # compiled function: that trace takes the eager path (and its graph breaks)
+    return torch._dynamo.compiled_autograd.in_compiled_autograd_region
 
 
 def _make_finalize(ref: weakref.ref):
