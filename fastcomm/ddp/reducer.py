@@ -5,6 +5,8 @@ parameter's post-accumulate-grad hook marks it ready and launches bucket ``next`
 parameters are; ``_finalize`` (queued on the autograd engine) waits for each bucket and writes
 ``.grad``. How a bucket is reduced is its strategy, planned in ``plan.py``; the reducer only
 executes it. The communicator is swapped by ``replace_comm`` only (``DDP.replace_comm``).
+Under compiled autograd the hooks are traced into the compiled backward instead, each
+bucket's reduction a custom op (``compiled.py``).
 
 Invariants: buckets launch strictly in index order, the same on every rank, so the
 collectives match; they are rebuilt once, after the first synchronized iteration, in rank 0's
