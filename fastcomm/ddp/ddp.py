@@ -40,6 +40,7 @@ from ._setup import (
 )
 from .broadcast import broadcast_tensors, verify_same_parameters
 from .bucket import GradBucket
+from .compiled import check_compiled_autograd, compiled_autograd_on
 from .config import DDPConfig, check_param_dtype
 from .health import GradHealth
 from .join import Join, notify_join
@@ -391,6 +392,8 @@ class DDP(nn.Module):
 
     def _post_forward(self, output: Any, sync: bool) -> None:
         self.require_forward_param_sync = sync
+        if sync and compiled_autograd_on():  # its backward traces the reductions (compiled.py)
+            check_compiled_autograd(self)
         self.reducer.prepare_for_backward(output, sync)
 
     def will_sync_buffers(self) -> bool:

@@ -5,6 +5,8 @@ parameter's post-accumulate-grad hook marks it ready and launches bucket ``next`
 parameters are; ``_finalize`` (queued on the autograd engine) waits for each bucket and writes
 ``.grad``. How a bucket is reduced is its strategy, planned in ``plan.py``; the reducer only
 executes it. The communicator is swapped by ``replace_comm`` only (``DDP.replace_comm``).
+Under compiled autograd the hooks are traced into the compiled backward instead, each
+bucket's reduction a custom op (``compiled.py``).
 
 Invariants: buckets launch strictly in index order, the same on every rank, so the
 collectives match; they are rebuilt once, after the first synchronized iteration, in rank 0's
@@ -30,6 +32,7 @@ from fastcomm.comm.errors import CommAbortedError, CommClosedError
 from fastcomm.kernels._launch import fp32_scale
 
 from .bucket import Bucket, build_buckets
+from .compiled import TracedBuckets
 from .config import DDPConfig
 from .hand_over import take_back
 from .health import GradHealth
@@ -89,6 +92,7 @@ class Reducer:
         # per bucket index: the uses of its flat buffer's storage when the last write-back
         # made parts of it ``.grad`` (hand_over), the reducer's own uses only
         self.handed: dict[int, int] = {}
+        self.traced = TracedBuckets(self)  # the buckets as compiled autograd traces them
         self._build(list(reversed(range(len(self.params)))))
 
         # rebuild: arrival order recorded during the first synchronized backward
@@ -189,6 +193,7 @@ class Reducer:
         self._choose_strategies()
         if self.bucket_view and old:
             _move_grad_views(self.params, self.sparse, old, self.grad_views, kept)
+        self.traced.layout(self.buckets, len(self.params))
 
     @property
     def comm_hook(self) -> Callable | None:
@@ -486,8 +491,9 @@ class Reducer:
 
     def abandon_step(self) -> None:
         """Ends a backward whose reductions in-place recovery redid over the survivors'
-        communicator (``recover.redo_step`` wrote every ``.grad``): its launches and failure
-        are dropped, and it counts as a synchronized iteration."""
+        communicator (``recover.redo_step`` wrote every ``.grad``), or compiled autograd traced
+        (``compiled.py``): the eager launches and failure are dropped, and it counts as a
+        synchronized iteration."""
         self.expect_hooks = False
         self.step.clear()
         self._after_synced_iteration()
@@ -617,12 +623,22 @@ def _make_grad_hook(ref: weakref.ref, i: int):
     def hook(param: torch.Tensor) -> None:
         reducer = ref()
         if reducer is not None:
+            traced = torch.compiler.is_compiling() and _compiled_autograd_traces()
             if reducer.expect_hooks:
-                reducer._on_grad(i, param)
-            else:  # a no_sync backward
+                if traced:  # compiled autograd traces it into the backward (compiled.py)
+                    reducer.traced.ready(i, param, reducer)
+                else:
+                    reducer._on_grad(i, param)
+            elif not traced:  # a no_sync backward
                 reducer._used_no_sync[i] = 1
 
     return hook
+
+
+def _compiled_autograd_traces() -> bool:
+    # Dynamo also compiles a hook as a frame of its own, when an eager backward runs from a
+    # compiled function: that trace takes the eager path (and its graph breaks)
+    return torch._dynamo.compiled_autograd.in_compiled_autograd_region
 
 
 def _make_finalize(ref: weakref.ref):

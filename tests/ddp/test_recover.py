@@ -16,9 +16,9 @@ from tests.launch._util import clean_env, run, script, spares_left
 STEPS = 6
 KILL_STEP = 3
 
-# argv: out dir, the points ("<rank>:<point>", comma separated), shared buckets (0/1), and a
-# comm hook ("", "int8": QuantizeState over the world, "int8-torch": over torch's default group,
-# "powersgd": PowerSGD over the DDP's)
+# argv: out dir, the points ("<rank>:<point>", comma separated), shared buckets (0/1), a comm
+# hook ("", "int8": QuantizeState over the world, "int8-torch": over torch's default group,
+# "powersgd": PowerSGD over the DDP's), and "compile" to train torch.compile(DDP(model))
 JOB = """
 import json, os, signal, sys
 import torch
@@ -29,6 +29,7 @@ from fastcomm.ddp import ddp as ddp_module, recover
 from fastcomm.comm.shm import buckets as shm_buckets
 
 out, points, shared, comm_hook = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
+compiled = sys.argv[5:] == ["compile"]
 STEPS, KILL_STEP = {steps}, {kill_step}
 comm = fastcomm.init(timeout=60)
 me = comm.rank
@@ -87,13 +88,21 @@ elif comm_hook == "powersgd":  # compressing from the first step
 seen = []
 ddp.on_membership_change(seen.append)
 opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-done, sizes = [], []
+done, sizes, graphs = [], [], []
+if compiled:
+    import torch._dynamo
+    counters = torch._dynamo.utils.counters
+    trained = torch.compile(ddp, backend="aot_eager")
+else:
+    trained = ddp
 for step in range(STEPS):
     state["step"] = step
     gen = torch.Generator().manual_seed(1000 * me + step)
     x = torch.randn(8, 16, generator=gen)
     opt.zero_grad(set_to_none=True)
-    ddp(x).square().mean().backward()
+    trained(x).square().mean().backward()
+    if compiled:  # graphs compiled so far, after each step
+        graphs.append(counters["stats"]["unique_graphs"])
     sizes.append([ddp.world_size, list(ddp._recovery.membership.members)])
     if point == "optimizer" and step == KILL_STEP:
         die()
@@ -104,7 +113,7 @@ with open(os.path.join(out, f"r{{me}}.json"), "w") as fh:
     changes = [[c.epoch, c.rank, c.world_size, list(c.lost), list(c.members), c.where]
                for c in ddp._recovery.changes]
     json.dump({{"done": done, "sizes": sizes, "changes": changes, "rank": ddp.rank,
-               "seen": len(seen), "backend": ddp.comm.backend,
+               "seen": len(seen), "backend": ddp.comm.backend, "graphs": graphs,
                "watch": ddp._recovery.watch is not None,
                "hook_comm": None if not comm_hook else [hook_state.phases.first is ddp.comm,
                                                    hook_state.phases.first.size]}}, fh)
@@ -140,13 +149,14 @@ def _replay(sizes: list) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
-def _launch(tmp_path, points: str, shared: bool, hook: str = "", backend: str = "shm"):
+def _launch(tmp_path, points: str, shared: bool, hook: str = "", backend: str = "shm",
+            compiled: bool = False):
     """The 3-rank job on CPU tensors over `backend` (named: on a GPU machine the automatic
     choice would be ipc, where the shared-bucket kill points never come)."""
     path = script(tmp_path, "job.py", JOB.format(steps=STEPS, kill_step=KILL_STEP))
     result = run(
         ["--nproc-per-node", "3", "--recover", "in-process", path, tmp_path, points,
-         "1" if shared else "0", hook],
+         "1" if shared else "0", hook, *(["compile"] if compiled else [])],
         tmp_path, timeout=150, env=clean_env(FASTCOMM_BACKEND=backend),
     )
     return result
@@ -223,6 +233,21 @@ def test_kill_in_backward_with_a_compressing_hook(tmp_path, hook):
     assert reports[0]["changes"][0][5] == f"backward {KILL_STEP}"
     for r in (0, 2):
         assert reports[r]["hook_comm"] == [True, 2], reports[r]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_kill_in_a_compiled_backward(tmp_path, backend):
+    """``torch.compile(DDP(model))``: killed in a gradient hook while the compiled backward
+    runs; the survivors finish every step with the replay's parameters, and compile nothing
+    after the shrink (the graphs do not depend on the communicator)."""
+    result = _launch(tmp_path, "1:backward", shared=False, backend=backend, compiled=True)
+    reports, sizes = _check(tmp_path, result, {1})
+    assert [s[0] for s in sizes] == [3] * KILL_STEP + [2] * (STEPS - KILL_STEP)
+    for r in (0, 2):
+        graphs = reports[r]["graphs"]
+        assert graphs[0] > 0, graphs
+        assert graphs[KILL_STEP - 1:] == [graphs[KILL_STEP - 1]] * (STEPS - KILL_STEP + 1), graphs
 
 
 @pytest.mark.timeout(200)
@@ -437,12 +462,20 @@ if rank in killed:
 ddp = DDP(model, bucket_cap_mb=0.25)
 assert ddp._recovery is not None and ddp._recovery.watch is not None
 opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-done, sizes = [], []
+done, sizes, graphs = [], [], []
+if compiled:
+    import torch._dynamo
+    counters = torch._dynamo.utils.counters
+    trained = torch.compile(ddp, backend="aot_eager")
+else:
+    trained = ddp
 for step in range(STEPS):
     state["step"] = step
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1000 * rank + step))
     opt.zero_grad(set_to_none=True)
-    ddp(x).square().mean().backward()
+    trained(x).square().mean().backward()
+    if compiled:  # graphs compiled so far, after each step
+        graphs.append(counters["stats"]["unique_graphs"])
     sizes.append([ddp.world_size, list(ddp._recovery.membership.members)])
     opt.step()
     done.append(step)
