@@ -400,43 +400,7 @@ class LaunchConfig:
                 f"--nproc-per-node must be <= {MAX_NPROC_PER_NODE} (workers of one node), "
                 f"got {self.nproc_per_node}"
             )
-        self.rdzv_backend = RDZV_ALIASES.get(self.rdzv_backend, self.rdzv_backend)
-        if self.rdzv_backend not in RDZV_BACKENDS:
-            raise ValueError(
-                f"--rdzv-backend must be static, c10d or etcd (etcd-v2), got {self.rdzv_backend!r}"
-            )
-        if self.rdzv_backend == "etcd":
-            if isinstance(self.rdzv_endpoints, str) or not self.rdzv_endpoints:
-                raise ValueError(
-                    "--rdzv-backend etcd needs --rdzv-endpoint host:port[,host:port...] (the "
-                    f"etcd members' client addresses), got {self.rdzv_endpoints!r}"
-                )
-            self.rdzv_endpoints = tuple(self.rdzv_endpoints)
-            if self.is_host is not None:
-                raise ValueError(
-                    "--rdzv-conf is_host: with --rdzv-backend etcd no agent serves the "
-                    "rendezvous (it lives in the etcd cluster); leave is_host out"
-                )
-        elif self.rdzv_endpoints:
-            raise ValueError(
-                f"rdzv_endpoints are the etcd backend's; --rdzv-backend is {self.rdzv_backend}"
-            )
-        if self.rdzv_backend == "static":
-            if self.min_nodes != self.max_nodes:
-                raise ValueError(
-                    "the static rendezvous backend needs a fixed --nnodes N "
-                    "(use --rdzv-backend c10d for MIN:MAX)"
-                )
-            if not 0 <= self.node_rank < self.max_nodes:
-                raise ValueError(
-                    f"--node-rank must be in [0, {self.max_nodes}), got {self.node_rank}"
-                )
-            if self.rdzv_port == 0 and self.max_nodes > 1:
-                raise ValueError("the static backend with several nodes needs a fixed port")
-        if self.rdzv_port == 0 and self.max_nodes > 1 and self.rdzv_backend != "etcd":
-            raise ValueError(
-                "a job of several nodes needs --rdzv-endpoint host:port (port 0 is standalone)"
-            )
+        self._check_rendezvous()
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.recover not in RECOVER_MODES:
@@ -479,6 +443,46 @@ class LaunchConfig:
                 raise ValueError(f"--signals-to-handle: {name} cannot be caught")
         if not self.python:
             self.python = os.environ.get("PYTHON_EXEC", sys.executable)
+
+    def _check_rendezvous(self) -> None:
+        """Validates the rendezvous backend, its endpoints and the node rank and port."""
+        self.rdzv_backend = RDZV_ALIASES.get(self.rdzv_backend, self.rdzv_backend)
+        if self.rdzv_backend not in RDZV_BACKENDS:
+            raise ValueError(
+                f"--rdzv-backend must be static, c10d or etcd (etcd-v2), got {self.rdzv_backend!r}"
+            )
+        if self.rdzv_backend == "etcd":
+            if isinstance(self.rdzv_endpoints, str) or not self.rdzv_endpoints:
+                raise ValueError(
+                    "--rdzv-backend etcd needs --rdzv-endpoint host:port[,host:port...] (the "
+                    f"etcd members' client addresses), got {self.rdzv_endpoints!r}"
+                )
+            self.rdzv_endpoints = tuple(self.rdzv_endpoints)
+            if self.is_host is not None:
+                raise ValueError(
+                    "--rdzv-conf is_host: with --rdzv-backend etcd no agent serves the "
+                    "rendezvous (it lives in the etcd cluster); leave is_host out"
+                )
+        elif self.rdzv_endpoints:
+            raise ValueError(
+                f"rdzv_endpoints are the etcd backend's; --rdzv-backend is {self.rdzv_backend}"
+            )
+        if self.rdzv_backend == "static":
+            if self.min_nodes != self.max_nodes:
+                raise ValueError(
+                    "the static rendezvous backend needs a fixed --nnodes N "
+                    "(use --rdzv-backend c10d for MIN:MAX)"
+                )
+            if not 0 <= self.node_rank < self.max_nodes:
+                raise ValueError(
+                    f"--node-rank must be in [0, {self.max_nodes}), got {self.node_rank}"
+                )
+            if self.rdzv_port == 0 and self.max_nodes > 1:
+                raise ValueError("the static backend with several nodes needs a fixed port")
+        if self.rdzv_port == 0 and self.max_nodes > 1 and self.rdzv_backend != "etcd":
+            raise ValueError(
+                "a job of several nodes needs --rdzv-endpoint host:port (port 0 is standalone)"
+            )
 
     def _check_outputs(self) -> None:
         """Validates the event handler, the CPU binding and the duplicate filters."""
