@@ -67,6 +67,8 @@ class LossWatch:
         self.here = here
         self.lost: dict[int, str] = {}
         """Original rank -> why it was lost (the launcher's words, or ``exited``)."""
+        self.seen_by: dict[int, str] = {}
+        """Original rank -> how its loss was seen: ``"pidfd"``, ``"poll"`` or ``"store"``."""
         self._store: Store | None = None  # made at the first look at a remote member
         self._exits = ProcessExits(look_s=poll_s)  # the members here, added as they come
         self._stop = threading.Event()
@@ -146,12 +148,12 @@ class LossWatch:
             if not self._store.check([key], stale_ok=True):
                 return None
             why = self._store.get(key).decode("utf-8", "replace")
-            self.lost[original] = why
+            self.lost[original], self.seen_by[original] = why, "store"
             return PeerLostError(f"{who}, host {host}) was lost: {why}", "store", time.time())
         if not self.here or host != membership.host or not self._exits.exited(original):
             return None
-        self.lost[original] = "exited"
         how = self._exits.how(original)
+        self.lost[original], self.seen_by[original] = "exited", how
         return PeerLostError(f"{who}, pid {pid}, this host) exited (seen by {how})", how,
                              time.time())
 

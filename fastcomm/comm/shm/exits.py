@@ -106,7 +106,7 @@ class ProcessExits:
 
     def wait(self, timeout_s: float, extra_fd: int | None = None) -> list[Hashable]:
         """Sleeps until a pidfd'd process exits, `extra_fd` is readable or `timeout_s`
-        passes; then returns every key found exited (the looked-up ones at their cadence)."""
+        passes; returns the keys whose pidfd woke it (the looked-up ones: :meth:`exited`)."""
         if extra_fd is not None:
             self._poller.register(extra_fd, select.POLLIN)
         try:
@@ -117,8 +117,6 @@ class ProcessExits:
         found = [self._keys_of_fd[fd] for fd, _ in ready if fd in self._keys_of_fd]
         for key in found:  # stays readable: slept on no more (exited() still says so)
             self._poller.unregister(self._fds[key])
-        now = time.monotonic()
-        found += [key for key in list(self._looked) if self.exited(key, now)]
         return found
 
     def close(self) -> None:
