@@ -66,7 +66,8 @@ def changed(change):
     with open(os.path.join(out, f"change_{me}.json"), "w") as fh:
         json.dump({"seconds": change.seconds, "where": change.where,
                    "seen_at": change.seen_at,
-                   "detected_by": getattr(change, "detected_by", "?")}, fh)
+                   "detected_by": getattr(change, "detected_by", "?"),
+                   "detected_at": getattr(change, "detected_at", None)}, fh)
 ddp.on_membership_change(changed)
 opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
 gen = torch.Generator().manual_seed(me)
@@ -193,6 +194,11 @@ def measure_loss(out: Path, mode: str, point: str) -> dict:
                  "rebuild_ms": round(max(c["seconds"] for c in changes) * 1e3, 1),
                  "failed_at": changes[0]["where"],
                  "detected_by": sorted({c.get("detected_by", "?") for c in changes}),
+                 # the first survivor's wait that saw the loss (the recovery starts later,
+                 # once its backward is over: seen_ms)
+                 "detected_ms": round((min(c["detected_at"] for c in changes) - kill["time"])
+                                      * 1e3, 1) if all(c.get("detected_at") for c in changes)
+                 else None,
                  **_step_costs([records[(r, 0)] for r in survivors])}
     else:
         extra = {}
