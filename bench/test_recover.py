@@ -1,6 +1,7 @@
 """Losing a rank: ``fastcomm-run --recover in-process`` against the restart and torchft.
 
     PYTHONPATH=. python -m pytest bench/test_recover.py -q -s   # recover.json, recover.png
+    PYTHONPATH=. python -m pytest bench/test_recover.py -q -s -k shrink  # recover_shrink.json
 
 3 shm ranks under the real launcher train a 1.38M-parameter MLP (batch 64, SGD + momentum);
 rank 1 SIGKILLs itself at step 20, inside its backward (before its last bucket launches) or
@@ -64,7 +65,9 @@ ddp = DDP(model)
 def changed(change):
     with open(os.path.join(out, f"change_{me}.json"), "w") as fh:
         json.dump({"seconds": change.seconds, "where": change.where,
-                   "seen_at": change.seen_at}, fh)
+                   "seen_at": change.seen_at,
+                   "detected_by": getattr(change, "detected_by", "?"),
+                   "detected_at": getattr(change, "detected_at", None)}, fh)
 ddp.on_membership_change(changed)
 opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
 gen = torch.Generator().manual_seed(me)
@@ -159,6 +162,19 @@ def _records(out: Path) -> dict[tuple[int, int], list]:
     return found
 
 
+def _step_costs(survivors: list[list]) -> dict:
+    """The survivors' healthy step (median of steps 5 to the kill, end to end, the slowest
+    survivor's) and their step across the loss (from the end of the step before the kill to
+    the end of the first step without the victim, the slowest survivor's), in ms."""
+    healthy = max(statistics.median(b[1] - a[1] for a, b in zip(
+        rows[4 : KILL_STEP - 1], rows[5:KILL_STEP], strict=True))
+                  for rows in survivors)
+    across = max(next(t for _, t, w in rows if w == 2) - rows[KILL_STEP - 1][1]
+                 for rows in survivors)
+    return {"healthy_step_ms": round(healthy * 1e3, 1), "loss_step_ms": round(across * 1e3, 1),
+            "loss_cost_ms": round((across - healthy) * 1e3, 1)}
+
+
 def measure_loss(out: Path, mode: str, point: str) -> dict:
     """One job under ``--recover mode``, rank 1 killed at step 20 (`point`); the figures."""
     out.mkdir(parents=True, exist_ok=True)
@@ -176,7 +192,14 @@ def measure_loss(out: Path, mode: str, point: str) -> dict:
         changes = [json.loads((out / f"change_{r}.json").read_text()) for r in survivors]
         extra = {"seen_ms": round((max(c["seen_at"] for c in changes) - kill["time"]) * 1e3, 1),
                  "rebuild_ms": round(max(c["seconds"] for c in changes) * 1e3, 1),
-                 "failed_at": changes[0]["where"]}
+                 "failed_at": changes[0]["where"],
+                 "detected_by": sorted({c.get("detected_by", "?") for c in changes}),
+                 # the first survivor's wait that saw the loss (the recovery starts later,
+                 # once its backward is over: seen_ms)
+                 "detected_ms": round((min(c["detected_at"] for c in changes) - kill["time"])
+                                      * 1e3, 1) if all(c.get("detected_at") for c in changes)
+                 else None,
+                 **_step_costs([records[(r, 0)] for r in survivors])}
     else:
         extra = {}
         after = [records[(r, 1)][0][1] for r in range(3)]
@@ -400,6 +423,32 @@ def test_recover_quick(tmp_path):
         pytest.skip("the full benchmark is test_recover")
     row = measure_loss(tmp_path / "quick", "in-process", "backward")
     assert row["steps_lost"] == 0 and row["world_sizes_after"] == [2, 3], row
+
+
+SHRINK_FIGURES = ("healthy_step_ms", "loss_step_ms", "loss_cost_ms", "seen_ms", "rebuild_ms")
+
+
+@pytest.mark.timeout(1800)
+def test_recover_shrink(tmp_path):
+    """The in-place loss alone, in detail (``recover_shrink.json``): per kill point, the medians
+    over the runs of the survivors' healthy step, their step across the loss, the loss seen
+    after the kill, the new communicator after that, and how the loss was seen."""
+    if QUICK:
+        pytest.skip("quick mode runs test_recover_quick; the figures need the full run")
+    result = {"machine": os.uname().nodename, "cpus": os.cpu_count(), "repeats": REPEATS,
+              "shrink": []}
+    for point in ("backward", "between"):
+        runs = [measure_loss(tmp_path / f"shrink-{point}-{k}", "in-process", point)
+                for k in range(REPEATS)]
+        row = {"point": point, "detected_by": sorted({d for r in runs for d in r["detected_by"]})}
+        for name in SHRINK_FIGURES:
+            row[name] = round(statistics.median(r[name] for r in runs), 1)
+            row[f"runs_{name}"] = [r[name] for r in runs]
+        result["shrink"].append(row)
+        print(row)
+        assert all(r["steps_lost"] == 0 for r in runs)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "recover_shrink.json").write_text(json.dumps(result, indent=1) + "\n")
 
 
 @pytest.mark.timeout(1800)

@@ -290,6 +290,11 @@ SHM_FENCE = Flag(
     "FASTCOMM_SHM_FENCE", False,
     "Forces explicit memory fences on the `shm` flags on x86 too (other machines always fence).",
 )
+PIDFD = Flag(
+    "FASTCOMM_PIDFD", True,
+    "Whether a peer process on this host is watched through a pidfd (Linux >= 5.3), its exit "
+    "seen within a wait's sleep slice; 0 reads `/proc` every 50 ms instead.",
+)
 
 # ------------------------------------------------------------------------------ ipc communicator
 IPC_CUDA_WORKSPACE_BYTES = Int(

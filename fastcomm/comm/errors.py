@@ -27,6 +27,26 @@ class CommAbortedError(FastcommError):
     """A communicator was aborted (watchdog timeout or a peer failure) while work was pending."""
 
 
+class PeerLostError(CommAbortedError):
+    """An operation failed because a peer is gone: its process exited, or it marked itself
+    aborted or closed.
+
+    Args:
+        message: what failed, on which rank, after how long, and which peer.
+        detected_by: how the loss was seen: ``"pidfd"`` (the exit as an event), ``"poll"``
+            (a look at ``/proc``), ``"flag"`` (the peer's own abort or close mark).
+        seen_at: when it was seen (``time.time()``).
+    """
+
+    def __init__(self, message: str, detected_by: str = "", seen_at: float = 0.0) -> None:
+        super().__init__(message, detected_by, seen_at)  # args rebuild it when unpickled
+        self.detected_by = detected_by
+        self.seen_at = seen_at
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 class CollectiveMismatchError(FastcommError):
     """The ranks issued different collectives (op, dtype, element count, reduce op or root), or
     a call's ranks disagree on its sizes: raised on every rank, its text from

@@ -4,21 +4,26 @@ On other hosts: ``fastcomm-run --recover in-process`` sets ``lost_rank_key(RANK)
 store for every loss it absorbs (a worker that died, or each rank of a node whose agent stopped
 heartbeating). On this host: ``/proc`` (pid and start time), for a communicator whose waits
 cannot see a dead peer themselves (no ``capabilities.sees_lost_peers``: Gloo, NCCL, ``ipc``;
-shared memory sees it).
-:class:`LossWatch` looks every ``POLL_S`` and aborts the communicator in use (its ``abort``)
-once a current member is gone, so a collective waiting on it raises ``CommAbortedError`` naming
-it instead of waiting out its timeout. It reads the store through a connection of its own; it
-is stopped at exit, before the interpreter finalizes.
+shared memory sees it), each member's exit as an event (its pidfd, ``shm.exits``; ``/proc``
+every ``POLL_S`` where none opens).
+:class:`LossWatch` sleeps on those pidfds, waking at an exit or every ``POLL_S`` for the
+store's keys, and aborts the communicator in use (its ``abort``) once a current member is
+gone, so a collective waiting on it raises ``PeerLostError`` naming it instead of waiting out
+its timeout. It reads the store through a connection of its own; it is stopped at exit, before
+the interpreter finalizes.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import threading
+import time
 import weakref
 from collections.abc import Callable
 
-from fastcomm.comm.errors import CommAbortedError
+from fastcomm.comm.errors import PeerLostError
+from fastcomm.comm.shm.exits import ProcessExits
 from fastcomm.comm.store import Store
 
 __all__ = ["POLL_S", "LossWatch"]
@@ -62,21 +67,43 @@ class LossWatch:
         self.here = here
         self.lost: dict[int, str] = {}
         """Original rank -> why it was lost (the launcher's words, or ``exited``)."""
+        self.seen_by: dict[int, str] = {}
+        """Original rank -> how its loss was seen: ``"pidfd"``, ``"poll"`` or ``"store"``."""
         self._store: Store | None = None  # made at the first look at a remote member
+        self._exits = ProcessExits(look_s=poll_s)  # the members here, added as they come
         self._stop = threading.Event()
+        self._looking = threading.Lock()
+        self._wake_read, self._wake_write = os.pipe()  # close() wakes the thread's sleep
         self._thread = threading.Thread(target=self._loop, name="fastcomm-loss-watch",
                                         daemon=True)
         _LIVE.add(self)
         self._thread.start()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            if self.current() is None:
-                return
-            try:
-                self.look()
-            except RuntimeError:  # the store is gone: the job is ending
-                return
+        try:
+            while not self._stop.is_set():
+                with self._looking:
+                    self._watch_members_here()
+                self._exits.wait(self.poll_s, self._wake_read)
+                if self._stop.is_set() or self.current() is None:
+                    return
+                try:
+                    self.look()
+                except RuntimeError:  # the store is gone: the job is ending
+                    return
+        finally:
+            self._exits.close()
+            os.close(self._wake_read)
+
+    def _watch_members_here(self) -> None:
+        """Watches the exit of each member on this host not watched yet (members join)."""
+        membership = self.membership
+        if not self.here:
+            return
+        for original in membership.members:
+            host, pid, start = membership.identity[original][:3]
+            if original != membership.me and host == membership.host:
+                self._exits.add(original, pid, start)
 
     def look(self) -> list[int]:
         """Looks once; aborts the communicator in use for each member newly named lost.
@@ -84,6 +111,11 @@ class LossWatch:
         Returns:
             The original ranks newly found lost.
         """
+        with self._looking:  # the thread's look and a caller's take each loss once
+            return self._look()
+
+    def _look(self) -> list[int]:
+        self._watch_members_here()
         membership = self.membership
         found = []
         for original in list(membership.members):
@@ -101,7 +133,7 @@ class LossWatch:
                 abort(error)
         return found
 
-    def _gone(self, original: int) -> CommAbortedError | None:
+    def _gone(self, original: int) -> PeerLostError | None:
         """The error naming member `original` if it is lost (kept in :attr:`lost`), else
         ``None``."""
         membership = self.membership
@@ -116,16 +148,26 @@ class LossWatch:
             if not self._store.check([key], stale_ok=True):
                 return None
             why = self._store.get(key).decode("utf-8", "replace")
-            self.lost[original] = why
-            return CommAbortedError(f"{who}, host {host}) was lost: {why}")
-        if not self.here or host != membership.host or membership.alive(original):
+            self.lost[original], self.seen_by[original] = why, "store"
+            return PeerLostError(f"{who}, host {host}) was lost: {why}", "store", time.time())
+        if not self.here or host != membership.host or not self._exits.exited(original):
             return None
-        self.lost[original] = "exited"
-        return CommAbortedError(f"{who}, pid {pid}, this host) exited")
+        how = self._exits.how(original)
+        self.lost[original], self.seen_by[original] = "exited", how
+        return PeerLostError(f"{who}, pid {pid}, this host) exited (seen by {how})", how,
+                             time.time())
 
     def close(self) -> None:
-        """Stops the thread (idempotent)."""
+        """Stops the thread (idempotent); it closes its pidfds as it ends."""
+        if self._stop.is_set():
+            return
         self._stop.set()
+        try:
+            os.write(self._wake_write, b"x")
+        except OSError:  # the thread ended already, its end of the pipe with it
+            pass
+        finally:
+            os.close(self._wake_write)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=2.0)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import warnings
 import weakref
@@ -30,7 +31,12 @@ from dataclasses import dataclass
 import torch
 
 from fastcomm import settings
-from fastcomm.comm.errors import CommAbortedError, CommClosedError, FastcommError
+from fastcomm.comm.errors import (
+    CommAbortedError,
+    CommClosedError,
+    FastcommError,
+    PeerLostError,
+)
 from fastcomm.comm.shm.segment import pid_start_time, process_alive
 from fastcomm.comm.store import lost_rank_key
 from fastcomm.comm.topology import host_id
@@ -85,7 +91,11 @@ class MembershipChange:
         members: every member's original rank (the rank at construction), in new-rank order.
         where: the collective that failed (``"backward 20"``, ``"init"``...).
         seconds: from the failure seen here to the new communicator.
-        seen_at: when the failure was seen here (``time.time()``).
+        seen_at: when the recovery began here (``time.time()``).
+        detected_by: how this rank learned of the loss: ``"pidfd"`` (the exit as an event),
+            ``"poll"`` (a look at ``/proc``), ``"flag"`` (a peer's abort mark), ``"store"``
+            (the launcher's key), ``""`` (unknown: an error that did not say).
+        detected_at: when its wait saw the loss (``time.time()``; ``seen_at`` where unknown).
     """
 
     epoch: int
@@ -96,6 +106,8 @@ class MembershipChange:
     where: str
     seconds: float
     seen_at: float
+    detected_by: str = ""
+    detected_at: float = 0.0
 
 
 class Membership:
@@ -419,21 +431,26 @@ class Recovery:
         return fn()
 
     def shrink(self, where: str, cause: BaseException) -> MembershipChange:
-        """Closes the failed communicator, agrees on the survivors and swaps theirs in."""
+        """Closes the failed communicator (on a thread of its own), agrees on the survivors and
+        swaps theirs in."""
         ddp, start, seen_at = self.ddp, time.monotonic(), time.time()
+        lost = _peer_lost(cause)
         old = ddp.comm
         reducer = getattr(ddp, "reducer", None)
         if reducer is not None:  # its shared region goes with the failed communicator
             reducer.leave_shared_memory()
         before = list(self.membership.members)
-        _close_quietly(old)
+        # its threads drain and its mapping goes while the survivors agree and build the
+        # successor (off the step's path: tens of ms on a busy host); nothing uses it now
+        threading.Thread(target=_close_quietly, args=(old,), name="fastcomm-close-failed").start()
         members = self.membership.agree(where)
         ddp.replace_comm(self.successor(old))
         change = MembershipChange(
             epoch=self.membership.epoch, rank=ddp.comm.rank, world_size=ddp.comm.size,
             lost=tuple(before.index(r) for r in before if r not in members),
             members=tuple(members), where=where, seconds=time.monotonic() - start,
-            seen_at=seen_at,
+            seen_at=seen_at, detected_by=getattr(lost, "detected_by", ""),
+            detected_at=getattr(lost, "seen_at", 0.0) or seen_at,
         )
         self.announce(change)
         return change
@@ -468,6 +485,17 @@ class Recovery:
             except LOSS_ERRORS as exc:
                 cause = exc
         raise RecoveryError(f"{where}: the redo kept failing") from cause
+
+
+def _peer_lost(error: BaseException | None) -> PeerLostError | None:
+    """The ``PeerLostError`` at the root of `error` (its causes and contexts), if any."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, PeerLostError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def _comm_of(recovery: Recovery) -> Callable[[], object]:

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -92,8 +93,26 @@ def test_what_a_communicator_says_recovery_needs(store, backend, sees, shrinks):
         comm.close()
 
 
-def test_the_watch_aborts_gloo_when_a_member_here_dies(store):
-    """Member 0 is a real process of this host (``sleep``), member 1 this one."""
+def _wait_for(condition, what: str, timeout_s: float = 10.0) -> float:
+    """Seconds until `condition()` held; fails naming `what` after `timeout_s`."""
+    start = time.monotonic()
+    while not condition():
+        elapsed = time.monotonic() - start
+        assert elapsed < timeout_s, f"{what}: not within {elapsed:.1f} s"
+        time.sleep(0.001)
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("pidfd", ["1", "0"])
+def test_the_watch_aborts_gloo_when_a_member_here_dies(store, monkeypatch, pidfd):
+    """Member 0 is a real process of this host (``sleep``), member 1 this one. With a pidfd the
+    watch's thread wakes at the exit itself (its store look is an hour away); without one
+    (``FASTCOMM_PIDFD=0``, as where the kernel has no pidfd_open) it reads ``/proc`` every
+    ``poll_s``."""
+    monkeypatch.setenv("FASTCOMM_PIDFD", pidfd)
+    how, poll_s = ("pidfd", 3600) if pidfd == "1" else ("poll", 0.05)
+    if how == "pidfd" and not hasattr(os, "pidfd_open"):
+        pytest.skip("no os.pidfd_open in this Python")
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         start = pid_start_time(child.pid)
@@ -102,7 +121,7 @@ def test_the_watch_aborts_gloo_when_a_member_here_dies(store):
             "epoch": 0, "members": [0, 1], "identity": identity})
         comm = new_communicator("gloo", store=store.prefixed("comm", rank=0), rank=0, size=1,
                                 timeout=30, watch=False)
-        watch = LossWatch(membership, lambda: comm, poll_s=3600, here=True)
+        watch = LossWatch(membership, lambda: comm, poll_s=poll_s, here=True)
         blind = LossWatch(membership, lambda: None, poll_s=3600)  # the launcher's keys only
         try:
             assert watch.look() == [] and membership.alive(0)
@@ -111,12 +130,13 @@ def test_the_watch_aborts_gloo_when_a_member_here_dies(store):
             child.wait(timeout=30)
             assert not membership.alive(0)
             assert blind.look() == []
-            assert watch.look() == [0]
+            seconds = _wait_for(lambda: watch.lost, "the watch's thread to see the exit")
+            assert seconds < 2.0  # an hour's poll never looked: the event woke it
             assert watch.look() == []  # once
-            assert watch.lost == {0: "exited"}
+            assert watch.lost == {0: "exited"} and watch.seen_by == {0: how}
             with pytest.raises(CommAbortedError, match=(
                     rf"rank 0: all_reduce refused: member 0 \(launcher rank 4, pid {child.pid}, "
-                    r"this host\) exited")):
+                    rf"this host\) exited \(seen by {how}\)")):
                 comm.all_reduce(torch.ones(4))
         finally:
             watch.close()

@@ -97,6 +97,8 @@ else:
     trained = ddp
 for step in range(STEPS):
     state["step"] = step
+    if point == "between" and step == KILL_STEP:  # at a step boundary, before its forward
+        die()
     gen = torch.Generator().manual_seed(1000 * me + step)
     x = torch.randn(8, 16, generator=gen)
     opt.zero_grad(set_to_none=True)
@@ -114,6 +116,7 @@ with open(os.path.join(out, f"r{{me}}.json"), "w") as fh:
                for c in ddp._recovery.changes]
     json.dump({{"done": done, "sizes": sizes, "changes": changes, "rank": ddp.rank,
                "seen": len(seen), "backend": ddp.comm.backend, "graphs": graphs,
+               "seen_by": [c.detected_by for c in ddp._recovery.changes],
                "watch": ddp._recovery.watch is not None,
                "hook_comm": None if not comm_hook else [hook_state.phases.first is ddp.comm,
                                                    hook_state.phases.first.size]}}, fh)
@@ -150,14 +153,15 @@ def _replay(sizes: list) -> list[torch.Tensor]:
 
 
 def _launch(tmp_path, points: str, shared: bool, hook: str = "", backend: str = "shm",
-            compiled: bool = False):
+            compiled: bool = False, **env: str):
     """The 3-rank job on CPU tensors over `backend` (named: on a GPU machine the automatic
-    choice would be ipc, where the shared-bucket kill points never come)."""
+    choice would be ipc, where the shared-bucket kill points never come); `env` added to the
+    ranks' environment."""
     path = script(tmp_path, "job.py", JOB.format(steps=STEPS, kill_step=KILL_STEP))
     result = run(
         ["--nproc-per-node", "3", "--recover", "in-process", path, tmp_path, points,
          "1" if shared else "0", hook, *(["compile"] if compiled else [])],
-        tmp_path, timeout=150, env=clean_env(FASTCOMM_BACKEND=backend),
+        tmp_path, timeout=150, env=clean_env(FASTCOMM_BACKEND=backend, **env),
     )
     return result
 

@@ -4,7 +4,8 @@ Every rank owns its progress words and is their only writer: ``seq`` advances by
 publish of a collective, identically on all ranks; send/recv use the per-pair ``sent``/``acked``
 counters. A waiter spins, then yields, then sleeps on a futex (announced, so a publisher makes
 the system call only then); every wait is bounded by the timeout and fails fast when a peer
-closed, aborted or died. ``fence()`` orders data and flag on weakly ordered machines (a no-op
+closed, aborted or died (a peer's exit is seen through its pidfd between two sleep slices,
+``exits.ProcessExits``). ``fence()`` orders data and flag on weakly ordered machines (a no-op
 on x86-64). Details and the memory-ordering argument: ``docs/shm.md``.
 """
 
@@ -17,15 +18,15 @@ import time
 from os import sched_yield
 
 from ... import settings
-from ..errors import CommAbortedError, CommClosedError, CommTimeoutError
-from .segment import ABORTED, CLOSED, MESSAGE_BYTES, Segment, process_alive
+from ..errors import CommClosedError, CommTimeoutError, PeerLostError
+from .exits import FLAG, ProcessExits
+from .segment import ABORTED, CLOSED, MESSAGE_BYTES, Segment
 
 __all__ = ["PeerFlags", "fence_supported"]
 
 SLICE_S = 0.002
 CROWD_SAMPLE_S = 1.0  # how often the automatic spin looks at the load average
 CROWD_FACTOR = 1.5  # load average above this many times our cores: skip the spin
-LIVENESS_S = 0.05
 _MASK32 = 0xFFFFFFFF
 _monotonic = time.monotonic  # read on every wait's budget: a global, not two lookups
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
@@ -128,6 +129,8 @@ class PeerFlags:
         self.peer_seq_idx = [self.seq_idx[p] for p in self.peers]
         self.peer_desc_idx = [self.desc_idx[p] for p in self.peers]
         self.identity = {p: seg.peer_identity(p) for p in self.peers}
+        self.exits = ProcessExits((p, *self.identity[p]) for p in self.peers)
+        """Each peer's process, watched for its exit (a pidfd where one opens)."""
         self._futex = _SYSCALLS[_MACHINE][0]
         self._slices: dict[int, _Timespec] = {}  # sleep_on's timeouts, by nanoseconds
         self.fenced = fences_needed() and fence_supported()
@@ -139,8 +142,9 @@ class PeerFlags:
         return self._seg
 
     def release(self) -> None:
-        """Drops the export of the mapping (before ``Segment.close``)."""
+        """Drops the export of the mapping (before ``Segment.close``) and the peers' pidfds."""
         self.words.release()
+        self.exits.close()
 
     # ------------------------------------------------------------------ publishing
     def publish(self) -> int:
@@ -250,7 +254,6 @@ class PeerFlags:
             return
         words = self.words
         deadline = start + self.timeout_s
-        next_liveness = time.monotonic() + LIVENESS_S
         addr = ctypes.c_void_p(self.base_address + 8 * idx)
         if announce:
             words[self.wait_idx[self.rank]] = peer + 1
@@ -278,16 +281,10 @@ class PeerFlags:
                 now = time.monotonic()
                 if now > deadline:
                     raise self._timeout(idx, target, peer, op, start, group)
-                if now > next_liveness:
-                    pid, start_time = self.identity[peer]
-                    if not process_alive(pid, start_time):
-                        if words[idx] >= target:
-                            return
-                        raise CommAbortedError(
-                            f"rank {self.rank}: {op} failed after {now - start:.1f} s: rank "
-                            f"{peer} (pid {pid}) exited without joining it"
-                        )
-                    next_liveness = now + LIVENESS_S
+                if self.exits.exited(peer, now):
+                    if words[idx] >= target:
+                        return
+                    raise self.peer_exited(peer, op, start)
                 _syscall(self._futex, addr, _FUTEX_WAIT, value & _MASK32, ctypes.byref(_SLICE),
                          None, 0)
         finally:
@@ -317,7 +314,17 @@ class PeerFlags:
                     return True
         return False
 
-    def peer_gone(self, peer: int, op: str, start: float) -> CommAbortedError:
+    def peer_exited(self, peer: int, op: str, start: float) -> PeerLostError:
+        """The error of `op` (begun at `start`) whose `peer`'s process exited, saying how its
+        exit was seen (``exits.PIDFD`` or ``exits.POLL``)."""
+        pid = self.identity[peer][0]
+        how = self.exits.how(peer)
+        return PeerLostError(
+            f"rank {self.rank}: {op} failed after {time.monotonic() - start:.1f} s: rank "
+            f"{peer} (pid {pid}) exited without joining it (seen by {how})", how, time.time(),
+        )
+
+    def peer_gone(self, peer: int, op: str, start: float) -> PeerLostError:
         state = self.words[self.state_idx[peer]]
         elapsed = time.monotonic() - start
         if state == ABORTED:
@@ -328,7 +335,8 @@ class PeerFlags:
             why = f"rank {peer} closed the communicator without joining it"
         else:
             why = f"rank {peer} is in state {state}"
-        return CommAbortedError(f"rank {self.rank}: {op} failed after {elapsed:.1f} s: {why}")
+        return PeerLostError(f"rank {self.rank}: {op} failed after {elapsed:.1f} s: {why}", FLAG,
+                             time.time())
 
     def _timeout(
         self, idx: int, target: int, peer: int, op: str, start: float, group: list[int] | None

@@ -21,11 +21,10 @@ import torch
 import torch.autograd.profiler as _profiler
 
 from ..calls import DTYPE_CODES, DTYPES
-from ..errors import CommAbortedError, CommClosedError, CommTimeoutError, FastcommError
+from ..errors import CommClosedError, CommTimeoutError, FastcommError
 from ..work import StoppableThread
 from .core import Status
 from .flags import fence
-from .segment import process_alive
 from .streams import Streams
 
 __all__ = ["DTYPE_CODES", "MessageMismatchError", "Mailboxes", "dtype_code"]
@@ -34,7 +33,6 @@ POLL_S = 0.001  # the engine's thread: how often it moves operations nobody wait
 PARK_S = 0.002  # ... and how long it polls after the last operation left pending (see _loop)
 _SLEEP_ONE_NS = 2_000_000  # one pair to wake us: sleep in 2 ms slices
 _SLEEP_MANY_NS = 100_000  # several pairs (only one futex wakes us): 100 us slices
-_LIVENESS_S = 0.05
 _U64 = (1 << 64) - 1
 # a header's dtype code: calls.py's (0 is no dtype)
 
@@ -140,7 +138,6 @@ class Mailboxes(StoppableThread):
         self._scratch = torch.empty(max(self._room, 1), dtype=torch.uint8)  # dropped chunks
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._liveness = 0.0  # when the peers' processes were last looked at
         self._parked = False  # the thread waits on the condition: _wake_thread must notify it
         self._last_pending = 0.0  # when an operation was last left pending at its issue
 
@@ -495,9 +492,6 @@ class Mailboxes(StoppableThread):
         name = f"{op.kind} {'to' if op.kind == 'send' else 'from'} " + (
             "any rank" if op.peer is None else f"rank {op.peer}") + f" (tag {_signed(op.tag)})"
         peers = self._peers if op.peer is None else [op.peer]
-        look = now - self._liveness > _LIVENESS_S  # the peers' processes, every 50 ms
-        if look:
-            self._liveness = now
         if words[flags.state_idx[self.rank]]:
             raise CommClosedError(f"rank {self.rank}: {name} interrupted: this communicator "
                                   "was closed")
@@ -510,13 +504,8 @@ class Mailboxes(StoppableThread):
             gone = None
             if words[flags.state_idx[peer]]:
                 gone = flags.peer_gone(peer, name, op.start)
-            elif look:
-                pid, start_time = flags.identity[peer]
-                if not process_alive(pid, start_time):
-                    gone = CommAbortedError(
-                        f"rank {self.rank}: {name} failed after {elapsed:.1f} s: rank {peer} "
-                        f"(pid {pid}) exited"
-                    )
+            elif flags.exits.exited(peer, now):  # its pidfd, else /proc every 50 ms
+                gone = flags.peer_exited(peer, name, op.start)
             if gone is not None and (op.peer is not None or len(peers) == 1):
                 with self._lock:
                     self._progress()
