@@ -466,20 +466,12 @@ if rank in killed:
 ddp = DDP(model, bucket_cap_mb=0.25)
 assert ddp._recovery is not None and ddp._recovery.watch is not None
 opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-done, sizes, graphs = [], [], []
-if compiled:
-    import torch._dynamo
-    counters = torch._dynamo.utils.counters
-    trained = torch.compile(ddp, backend="aot_eager")
-else:
-    trained = ddp
+done, sizes = [], []
 for step in range(STEPS):
     state["step"] = step
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1000 * rank + step))
     opt.zero_grad(set_to_none=True)
-    trained(x).square().mean().backward()
-    if compiled:  # graphs compiled so far, after each step
-        graphs.append(counters["stats"]["unique_graphs"])
+    ddp(x).square().mean().backward()
     sizes.append([ddp.world_size, list(ddp._recovery.membership.members)])
     opt.step()
     done.append(step)
