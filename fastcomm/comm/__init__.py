@@ -17,6 +17,7 @@ _LAZY: dict[str, str] = {
     "CommAbortedError": ".errors",
     "CommClosedError": ".errors",
     "CommTimeoutError": ".errors",
+    "PeerLostError": ".errors",  # a CommAbortedError: a peer exited, aborted or closed
     "EtcdStore": ".etcd_store",  # a c10d store in an etcd cluster
     "FastcommError": ".errors",
     "FastcommProcessGroup": ".c10d",  # the torch.distributed backend "fastcomm"
@@ -56,6 +57,7 @@ __all__ = [
     "GlooCommunicator",
     "HierCommunicator",
     "IpcCommunicator",
+    "PeerLostError",
     "PremulSum",
     "ReduceOp",
     "SUPPORTED_DTYPES",

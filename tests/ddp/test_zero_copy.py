@@ -301,7 +301,7 @@ def test_rank_killed_mid_step_fails_the_others_fast(pool, unique_name):
     assert list(failure.errors) == [dead] and "died" in failure.errors[dead]
     for rank in range(dead):
         kind, message, elapsed = failure.results[rank]
-        assert kind == "CommAbortedError", message
+        assert kind == "PeerLostError", message
         assert f"rank {dead}" in message and "exited" in message and "bucket" in message
         assert elapsed < TIMEOUT / 3, (elapsed, message)
 

@@ -151,12 +151,13 @@ def wait_files(
     count: int,
     timeout: float = 30.0,
     proc: subprocess.Popen | None = None,
+    written: bool = False,
 ) -> list[Path]:
-    """At least ``count`` files matching ``pattern``, each written (not empty: a worker opens
-    its file before it writes it)."""
+    """At least ``count`` files matching ``pattern``; ``written``: each not empty (a worker
+    opens a file it writes, a pid say, before it writes it; a marker file stays empty)."""
     deadline = time.monotonic() + timeout
     while True:
-        found = sorted(f for f in directory.glob(pattern) if f.stat().st_size > 0)
+        found = sorted(f for f in directory.glob(pattern) if not written or f.stat().st_size)
         if len(found) >= count:
             return found
         if proc is not None and proc.poll() is not None:

@@ -201,7 +201,7 @@ def test_job_goes_on_without_a_killed_node(tmp_path):
     )
     pids = []
     try:
-        files = wait_files(tmp_path, "pid_*_2", 2, proc=survivor)
+        files = wait_files(tmp_path, "pid_*_2", 2, proc=survivor, written=True)
         pids = [int(f.read_text()) for f in files]
         victim.kill()
         finish(victim, timeout=10)
@@ -271,7 +271,8 @@ def test_losing_the_rendezvous_store_restarts_nothing(tmp_path):
     port, mine, host, survivor = _host_and_survivor(tmp_path, path, "1:2")
     pids = []
     try:
-        pids = [int(f.read_text()) for f in wait_files(tmp_path, "pid_*", 2, proc=survivor)]
+        files = wait_files(tmp_path, "pid_*", 2, proc=survivor, written=True)
+        pids = [int(f.read_text()) for f in files]
         result = _kill_host(host, survivor, tmp_path, mine, pids)
         assert f"lost the connection to the store at 127.0.0.1:{port}" in result.stderr
     finally:
@@ -301,7 +302,8 @@ def test_losing_the_store_after_a_node_finished_restarts_nothing(tmp_path):
     port, mine, host, survivor = _host_and_survivor(tmp_path, path, "2")
     pids = []
     try:
-        pids = [int(f.read_text()) for f in wait_files(tmp_path, "pid_*", 2, proc=survivor)]
+        files = wait_files(tmp_path, "pid_*", 2, proc=survivor, written=True)
+        pids = [int(f.read_text()) for f in files]
         [done] = wait_files(tmp_path, "finished_*", 1, proc=survivor)
         survivor_pid = int((tmp_path / done.name.replace("finished", "pid")).read_text())
         assert wait_gone([survivor_pid], timeout=10) == []
@@ -349,7 +351,7 @@ def test_a_lost_agent_is_named_within_the_heartbeat_limit_and_not_waited_for(tmp
     )
     pids = []
     try:
-        files = wait_files(tmp_path, "pid_*", 2, proc=host)
+        files = wait_files(tmp_path, "pid_*", 2, proc=host, written=True)
         pids = [int(f.read_text()) for f in files]
         victim.kill()
         finish(victim, timeout=10)
@@ -396,7 +398,8 @@ def test_a_silent_rendezvous_host_never_blocks_the_other_agent(tmp_path, ending)
     )
     pids = []
     try:
-        pids = [int(f.read_text()) for f in wait_files(tmp_path, "pid_*", 2, proc=other)]
+        files = wait_files(tmp_path, "pid_*", 2, proc=other, written=True)
+        pids = [int(f.read_text()) for f in files]
         time.sleep(0.5)
         os.kill(host.pid, signal.SIGSTOP)
         stopped = time.monotonic()

@@ -40,7 +40,7 @@ def _start_job(tmp_path, nproc=2):
         tmp_path,
         env=clean_env(TMPDIR=str(tmp_path)),
     )
-    files = wait_files(tmp_path, "pids_*", nproc, proc=proc)
+    files = wait_files(tmp_path, "pids_*", nproc, proc=proc, written=True)
     pids = [int(p) for f in files for p in f.read_text().split()]
     return proc, pids
 
@@ -132,7 +132,7 @@ def test_sigterm_mid_setup_removes_the_workers_segments(tmp_path):
     )
     pids = []
     try:
-        files = wait_files(tmp_path, "pid_*", 2, proc=proc)
+        files = wait_files(tmp_path, "pid_*", 2, proc=proc, written=True)
         pids = [int(f.read_text()) for f in files]
         deadline = time.monotonic() + 30
         while len(_segments_of(pids)) < 2 and time.monotonic() < deadline:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from fastcomm import CommTimeoutError, FastcommError
-from fastcomm.comm import CommAbortedError
+from fastcomm.comm import PeerLostError
 from fastcomm.comm import reduction as _reduction
 from fastcomm.comm.shm import segment as _shm_segment
 from fastcomm.comm.shm.segment import SHM_DIR, sweep_stale
@@ -215,7 +215,7 @@ def test_rank_that_raises_mid_collective_fails_the_others_fast(pool, unique_name
         if rank == 1:
             assert "injected fault" in message and "all_reduce" in message, message
         else:
-            assert kind == "CommAbortedError", message
+            assert kind == "PeerLostError", message  # a CommAbortedError: the peer's mark
             assert "rank 1 aborted" in message and "injected fault" in message, message
             assert elapsed < TIMEOUT / 3, (elapsed, message)
         assert again[1] == "CommAbortedError" and "failed earlier" in again[3], again
@@ -227,7 +227,7 @@ def test_rank_killed_mid_collective_fails_the_others_fast(pool, unique_name):
     assert list(failure.errors) == [dead] and "died" in failure.errors[dead]
     for rank in range(dead):
         _, kind, elapsed, message = failure.results[rank]
-        assert kind == "CommAbortedError", message
+        assert kind == "PeerLostError", message  # a CommAbortedError naming the peer
         assert f"rank {dead}" in message and "exited" in message and "all_reduce" in message
         assert elapsed < TIMEOUT / 3, (elapsed, message)
 
@@ -240,7 +240,7 @@ def test_recv_from_a_killed_rank_fails_fast(pool, unique_name):
     assert list(failure.errors) == [dead] and "died" in failure.errors[dead]
     for rank in range(dead):
         _, kind, elapsed, message = failure.results[rank]
-        assert kind == "CommAbortedError", message
+        assert kind == "PeerLostError", message
         assert "recv" in message and f"rank {dead}" in message and "exited" in message, message
         assert elapsed < TIMEOUT / 3, (elapsed, message)
 
@@ -267,7 +267,7 @@ def test_peer_that_closed_is_reported(pool, unique_name):
     for result in pool.run(check_peer_closed, unique_name):
         if result is not None:
             rank, kind, elapsed, message = result
-            assert kind == CommAbortedError.__name__ and "rank 1 closed" in message, message
+            assert kind == PeerLostError.__name__ and "rank 1 closed" in message, message
             assert elapsed < TIMEOUT / 3
 
 
