@@ -332,7 +332,7 @@ def test_a_lost_agent_is_named_within_the_heartbeat_limit_and_not_waited_for(tmp
     if env["GROUP_RANK"] == "1":
         time.sleep(50)
     peer = os.path.join(out, "pid_1")
-    while not os.path.exists(peer):
+    while not os.path.exists(peer) or not os.path.getsize(peer):  # made, then written
         time.sleep(0.05)
     pid = int(open(peer).read())
     while os.path.exists("/proc/%d" % pid) and open("/proc/%d/stat" % pid).read().split(
