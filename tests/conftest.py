@@ -25,17 +25,7 @@ _names = itertools.count()
 _LEFTOVERS = pytest.StashKey()
 
 
-def pytest_configure(config):
-    """pytest-xdist hands out the files in the collection's order (``tests/schedule.py``), not
-    in its own (the files with the most tests first)."""
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False
-
-
 def pytest_collection_modifyitems(config, items):
-    from tests.schedule import file_seconds, longest_first
-
-    items[:] = longest_first(items, file_seconds())
     if _HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
