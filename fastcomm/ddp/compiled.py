@@ -5,17 +5,21 @@ compiled function) Dynamo traces the parameters' post-accumulate-grad hooks into
 graph, so the reducer's eager path (counters, a final callback on the autograd engine) cannot
 run there. A traced hook hands its parameter to :class:`TracedBuckets` instead, which counts
 the bucket's gradients at trace time; the hook that completes bucket ``next`` puts a
-``fastcomm::bucket_all_reduce`` call into the graph for it and every later bucket already
-complete (index order, as eager), and copies the reduced gradients back into ``.grad``. At run
-time the op reduces through the bucket's packed all-reduce or the registered comm hook, on the
+``fastcomm::bucket_launch`` call into the graph for it and every later bucket already complete
+(index order, as eager): it packs the gradients and starts the reduction without waiting. The
+hook that launches the last bucket then adds a ``fastcomm::bucket_wait`` per bucket, which
+waits for the reduction and copies the reduced gradients back into ``.grad``. So the graph
+reduces bucket ``k`` while it differentiates the layers below it, as eager DDP does. At run
+time the ops reduce through the bucket's packed all-reduce or the registered comm hook, on the
 reducer's communicator of the moment (looked up by an integer key), so recovery's swap and the
 hooks (fp16, bf16, PowerSGD...) work unchanged.
 
-Invariants: each op takes the token the previous bucket's op returned, so no compiler reorders
-the collectives (every rank issues them in bucket order); the trace leaves the counters as it
-found them (Dynamo replays the trace's writes after each run: the next backward finds them
-armed, and its guards hold, so no recompilation); the op of the last bucket ends the
-synchronized iteration (``Reducer.abandon_step``: step count, bucket rebuild).
+Invariants: each launch takes the token the previous launch returned, and each wait its
+bucket's launch token and the previous wait's, so no compiler reorders the collectives (every
+rank issues them in bucket order) or waits before the last launch; the trace leaves
+:class:`TracedBuckets` as it found it (Dynamo replays the trace's writes after each run: the
+next backward finds it armed, and its guards hold, so no recompilation); the wait of the last
+bucket ends the synchronized iteration (``Reducer.abandon_step``: step count, bucket rebuild).
 """
 
 from __future__ import annotations
@@ -28,32 +32,76 @@ import torch
 
 from .strategy import PACKED, CommHook
 
-__all__ = ["TracedBuckets", "bucket_all_reduce", "check_compiled_autograd", "compiled_autograd_on"]
+__all__ = [
+    "TracedBuckets", "bucket_launch", "bucket_wait", "check_compiled_autograd",
+    "compiled_autograd_on",
+]
 
 # reducer key -> weakref to the reducer; a key is never reused
 _REDUCERS: dict[int, weakref.ref] = {}
 _KEYS = itertools.count()
 
 
-@torch.library.custom_op("fastcomm::bucket_all_reduce", mutates_args=())
-def bucket_all_reduce(
-    grads: list[torch.Tensor], after: torch.Tensor, key: int, bucket: int
-) -> list[torch.Tensor]:
-    """Bucket `bucket` of the reducer `key` reduced: its gradients `grads` averaged over the
-    ranks (or whatever its comm hook makes of them), as new tensors, then a new token.
+# (reducer key, bucket index) -> (the strategy, what its launch returned), from a bucket's
+# launch op to its wait op
+_LAUNCHED: dict[tuple[int, int], tuple[Any, Any]] = {}
+
+
+def _reducer(key: int, op: str) -> Any:
+    reducer = _REDUCERS[key]()
+    if reducer is None:
+        raise RuntimeError(f"fastcomm::{op}: the DDP of key {key} is gone")
+    return reducer
+
+
+@torch.library.custom_op("fastcomm::bucket_launch", mutates_args=())
+def bucket_launch(grads: list[torch.Tensor], after: torch.Tensor, key: int,
+                  bucket: int) -> torch.Tensor:
+    """Bucket `bucket` of the reducer `key` launched: its gradients `grads` (bucket order)
+    packed and their reduction started (the bucket's packed all-reduce or the registered comm
+    hook), without waiting for it; a new token.
 
     Args:
-        grads: the bucket's gradients in bucket order.
-        after: the token of the previous bucket's call (orders the collectives).
+        grads: the bucket's gradients in bucket order (copied into the bucket at once).
+        after: the token of the previous bucket's launch (orders the collectives).
         key: the reducer's key (:class:`TracedBuckets`).
         bucket: the bucket's index.
     """
-    reducer = _REDUCERS[key]()
-    if reducer is None:
-        raise RuntimeError(f"fastcomm::bucket_all_reduce: the DDP of key {key} is gone")
+    reducer = _reducer(key, "bucket_launch")
     b = reducer.buckets[bucket]
     strategy = PACKED if reducer.comm_hook is None else CommHook(reducer.comm_hook, PACKED)
-    value = strategy.wait(reducer, b, strategy.launch(reducer, b, list(grads)))
+    _LAUNCHED[(key, bucket)] = (strategy, strategy.launch(reducer, b, list(grads)))
+    return torch.empty((), dtype=after.dtype, device=after.device)
+
+
+@bucket_launch.register_fake
+def _(grads, after, key, bucket):
+    return torch.empty_like(after)
+
+
+@torch.library.custom_op("fastcomm::bucket_wait", mutates_args=())
+def bucket_wait(grads: list[torch.Tensor], launched: torch.Tensor, after: torch.Tensor,
+                key: int, bucket: int) -> list[torch.Tensor]:
+    """The reduction :func:`bucket_launch` started for bucket `bucket` of the reducer `key`,
+    waited for: the reduced gradients as new tensors (shaped and typed as `grads`), then a
+    new token. The last bucket's wait ends the synchronized iteration.
+
+    Args:
+        grads: the bucket's gradients in bucket order (their shapes and dtypes).
+        launched: the token of this bucket's launch.
+        after: the token of the previous bucket's wait (the last launch's for the first).
+        key: the reducer's key.
+        bucket: the bucket's index.
+    """
+    reducer = _reducer(key, "bucket_wait")
+    b = reducer.buckets[bucket]
+    try:
+        strategy, launched = _LAUNCHED.pop((key, bucket))
+    except KeyError:
+        raise RuntimeError(
+            f"rank {reducer.comm.rank}: fastcomm::bucket_wait: bucket {bucket} was not launched"
+        ) from None
+    value = strategy.wait(reducer, b, launched)
     reduced = [
         value[o : o + g.numel()].view(g.shape).to(g.dtype, copy=True)
         for o, g in zip(b.offsets, grads, strict=True)
@@ -63,8 +111,8 @@ def bucket_all_reduce(
     return [*reduced, torch.empty((), dtype=after.dtype, device=after.device)]
 
 
-@bucket_all_reduce.register_fake
-def _(grads, after, key, bucket):
+@bucket_wait.register_fake
+def _(grads, launched, after, key, bucket):
     return [*(torch.empty_like(g) for g in grads), torch.empty_like(after)]
 
 
@@ -91,6 +139,8 @@ class TracedBuckets:
         self.sizes = [len(m) for m in self.members]
         self.pending = list(self.sizes)
         self.arrived: list[Any] = [None] * n
+        self.launched: list[Any] = [None] * len(buckets)
+        self.last = self.token
         self.next = 0
 
     def ready(self, i: int, param: torch.Tensor, reducer: Any) -> None:
@@ -103,21 +153,27 @@ class TracedBuckets:
         self.pending[b] -= 1
         if b != self.next or self.pending[b]:
             return
-        token = self.token
         while self.next < len(self.members) and self.pending[self.next] == 0:
-            members = self.members[self.next]
+            grads = [self.arrived[k].grad for k in self.members[self.next]]
+            self.last = torch.ops.fastcomm.bucket_launch(grads, self.last, self.key, self.next)
+            self.launched[self.next] = self.last
+            self.next += 1
+        if self.next < len(self.members):
+            return
+        token = self.last
+        for b, members in enumerate(self.members):  # every bucket launched: the waits
             params = [self.arrived[k] for k in members]
-            out = torch.ops.fastcomm.bucket_all_reduce(
-                [p.grad for p in params], token, self.key, self.next
-            )
+            out = torch.ops.fastcomm.bucket_wait([p.grad for p in params], self.launched[b],
+                                                 token, self.key, b)
             for p, g in zip(params, out, strict=False):
                 p.grad.copy_(g)
             token = out[-1]
-            self.next += 1
-        if self.next == len(self.members):  # armed again for the next backward
-            self.pending[:] = self.sizes
-            self.arrived[:] = [None] * len(self.arrived)
-            self.next = 0
+        # armed again for the next backward, every attribute as the trace found it
+        self.pending[:] = self.sizes
+        self.arrived[:] = [None] * len(self.arrived)
+        self.launched[:] = [None] * len(self.launched)
+        self.last = self.token
+        self.next = 0
 
 
 def check_compiled_autograd(ddp: Any) -> None:

@@ -41,6 +41,7 @@ from fastcomm.comm.store import Store
 
 from .config import LaunchConfig
 from .errors import Failure, LaunchError
+from .heartbeat import lost_node_failure
 from .net import is_local_address
 
 __all__ = ["ETCD_ROOT", "EtcdJob", "LeaseBeats", "etcd_loss", "local_first"]
@@ -309,18 +310,8 @@ class LeaseBeats:
         for g in peers:
             if keys[g] not in absent:
                 continue
-            node = info.nodes[g]
-            return Failure(
-                rank=-1,
-                local_rank=-1,
-                group_rank=g,
-                host=node.host,
-                pid=node.pid,
-                exitcode=1,
-                timestamp=time.time() - self.limit,
-                round=info.round,
-                role=node.role,
-                message=(f"no heartbeat from the agent of node {g}: its liveness lease in etcd "
-                         f"expired (TTL {self.job.ttl} s)"),
-            )
+            return lost_node_failure(
+                info, g, self.limit,
+                f"no heartbeat from the agent of node {g}: its liveness lease in etcd "
+                f"expired (TTL {self.job.ttl} s)")
         return None

@@ -12,7 +12,7 @@ import time
 from .errors import Failure
 from .rendezvous import RoundInfo
 
-__all__ = ["Heartbeats"]
+__all__ = ["Heartbeats", "lost_node_failure"]
 
 
 class Heartbeats:
@@ -52,17 +52,17 @@ class Heartbeats:
             if last is None or last[0] != count:
                 self.seen[g] = (count, now)
             elif now - last[1] > self.limit:
-                node = info.nodes[g]
-                return Failure(
-                    rank=-1,
-                    local_rank=-1,
-                    group_rank=g,
-                    host=node.host,
-                    pid=node.pid,
-                    exitcode=1,
-                    timestamp=time.time() - (now - last[1]),
-                    round=info.round,
-                    role=node.role,
-                    message=f"no heartbeat from the agent of node {g} for {now - last[1]:.0f} s",
-                )
+                return lost_node_failure(info, g, now - last[1],
+                                         f"no heartbeat from the agent of node {g} for "
+                                         f"{now - last[1]:.0f} s")
         return None
+
+
+def lost_node_failure(info: RoundInfo, group_rank: int, silent_s: float, message: str) -> Failure:
+    """The failure of node `group_rank` of round `info` whose agent was last heard `silent_s`
+    seconds ago (its timestamp: so it precedes, as the root cause, the peer-loss errors the
+    loss caused); `message` says how the loss was seen."""
+    node = info.nodes[group_rank]
+    return Failure(rank=-1, local_rank=-1, group_rank=group_rank, host=node.host, pid=node.pid,
+                   exitcode=1, timestamp=time.time() - silent_s, round=info.round,
+                   role=node.role, message=message)

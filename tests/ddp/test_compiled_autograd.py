@@ -4,9 +4,10 @@
 8 buckets). ``torch._dynamo.config.compiled_autograd`` is on and the training step (forward and
 ``backward()``) is compiled, so compiled autograd traces the backward, the DDP's gradient hooks
 included, into one graph. A recording backend keeps the graphs Dynamo compiles; the backward's
-is the one with ``fastcomm::bucket_all_reduce`` nodes. Asserted: eager's parameters after 5
-steps, one such node per bucket, in bucket order, each before the matrix products of the
-layers below its bucket (issued while the backward still runs, not after it), and no
+is the one with ``fastcomm::bucket_launch`` nodes. Asserted: eager's parameters after 5
+steps; one launch per bucket, in bucket order, each before the matrix products of the layers
+below its bucket (issued while the backward still runs, not after it); one wait per bucket, in
+order, after the backward's last matrix product (the reductions overlap the backward); no
 recompilation after step 3.
 """
 
@@ -91,16 +92,18 @@ def check_traced(variant: str, compiled_autograd: bool, steps: int = 5) -> dict:
 
 
 def _bucket_nodes(gm) -> list:
-    return [n for n in gm.graph.nodes if "bucket_all_reduce" in str(n.target)]
+    return [n for n in gm.graph.nodes if "bucket_launch" in str(n.target)]
 
 
 def _summary(gm) -> list[tuple[str, int]]:
-    """The backward graph's bucket reductions (``("bucket", index)``) and matrix products
-    (``("mm", 0)``), in graph order."""
+    """The backward graph's bucket launches (``("bucket", index)``), waits (``("wait",
+    index)``) and matrix products (``("mm", 0)``), in graph order."""
     out = []
     for n in gm.graph.nodes:
-        if "bucket_all_reduce" in str(n.target):
+        if "bucket_launch" in str(n.target):
             out.append(("bucket", n.args[3]))
+        elif "bucket_wait" in str(n.target):
+            out.append(("wait", n.args[4]))
         elif str(n.target) == "aten.mm.default":
             out.append(("mm", 0))
     return out
@@ -116,15 +119,19 @@ def test_reductions_are_traced_into_the_compiled_backward(pool, variant):
         # eager's parameters (the compiled forward rounds differently)
         for a, b in zip(ours["params"], ref["params"], strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-        # one reduction per bucket, in bucket order, in the compiled backward graph
+        # one launch and one wait per bucket, each in bucket order, in the compiled backward
         graph = ours["graph"]
         buckets = [i for kind, i in graph if kind == "bucket"]
         assert buckets == list(range(ours["buckets"])), graph
-        # issued as the backward runs: every bucket but the last (the first layer's) before
-        # the last matrix product, i.e. before the first layer's gradients exist
+        waits = [(k, i) for k, (kind, i) in enumerate(graph) if kind == "wait"]
+        assert [i for _, i in waits] == buckets, graph
+        # launched as the backward runs: every bucket but the last (the first layer's) before
+        # the last matrix product, i.e. before the first layer's gradients exist; waited for
+        # after it (the reductions run while the layers below are differentiated)
         last_mm = max(k for k, (kind, _) in enumerate(graph) if kind == "mm")
         early = [i for k, (kind, i) in enumerate(graph) if kind == "bucket" and k < last_mm]
         assert len(early) >= ours["buckets"] - 1, graph
+        assert all(k > last_mm for k, _ in waits), graph
         # a comm hook goes through the op: called once per bucket, in order, every step
         if variant in ("fp16", "bf16"):
             for record in ours["hook_order"]:

@@ -331,97 +331,53 @@ class ShmCommunicator(Communicator):
     # nothing queued before it runs the entry on the caller's thread with no task or Work built:
     # below a few KiB that bookkeeping would cost as much as moving the bytes. (Routing sends
     # only CPU tensors here; a tensor subclass takes the task.)
-    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp | PremulSum,
-                         blocking: bool = False) -> Task | None:
-        entry = self._schedules.all_reduce
+    def _collective(self, name: str, entry, tensor: torch.Tensor | None, blocking: bool,
+                    *args) -> Task | None:
+        """Runs the schedules' ``entry`` for op ``name`` with ``args`` and the start time: on
+        the caller's thread when the call blocks and nothing is queued (a failure aborts the
+        communicator), else as a task on the executor (`tensor`: the one its Work reports)."""
         if (blocking and not self._executor.busy and self._broken is None
-                and type(tensor) is torch.Tensor):
+                and (tensor is None or type(tensor) is torch.Tensor)):
             start = time.monotonic()
             try:
-                entry(tensor, op, start)
+                entry(*args, start)
             except BaseException as exc:
-                self._abort("all_reduce", start, exc)
+                self._abort(name, start, exc)
             return None
-        return self._task("all_reduce", tensor, lambda: entry(tensor, op, time.monotonic()))
+        return self._task(name, tensor, lambda: entry(*args, time.monotonic()))
+
+    def _impl_all_reduce(self, tensor: torch.Tensor, op: ReduceOp | PremulSum,
+                         blocking: bool = False) -> Task | None:
+        return self._collective("all_reduce", self._schedules.all_reduce, tensor, blocking,
+                                tensor, op)
 
     def _impl_reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp,
                      blocking: bool = False) -> Task | None:
-        entry = self._schedules.reduce
-        if (blocking and not self._executor.busy and self._broken is None
-                and type(tensor) is torch.Tensor):
-            start = time.monotonic()
-            try:
-                entry(tensor, root, op, start)
-            except BaseException as exc:
-                self._abort("reduce", start, exc)
-            return None
-        return self._task("reduce", tensor, lambda: entry(tensor, root, op, time.monotonic()))
+        return self._collective("reduce", self._schedules.reduce, tensor, blocking,
+                                tensor, root, op)
 
     def _impl_broadcast(self, tensor: torch.Tensor, src: int,
                         blocking: bool = False) -> Task | None:
-        entry = self._schedules.broadcast
-        if (blocking and not self._executor.busy and self._broken is None
-                and type(tensor) is torch.Tensor):
-            start = time.monotonic()
-            try:
-                entry(tensor, src, start)
-            except BaseException as exc:
-                self._abort("broadcast", start, exc)
-            return None
-        return self._task("broadcast", tensor, lambda: entry(tensor, src, time.monotonic()))
+        return self._collective("broadcast", self._schedules.broadcast, tensor, blocking,
+                                tensor, src)
 
     def _impl_all_gather(self, output: torch.Tensor, input: torch.Tensor,
                          blocking: bool = False) -> Task | None:
-        entry = self._schedules.all_gather
-        if (blocking and not self._executor.busy and self._broken is None
-                and type(output) is torch.Tensor):
-            start = time.monotonic()
-            try:
-                entry(output, input, start)
-            except BaseException as exc:
-                self._abort("all_gather", start, exc)
-            return None
-        return self._task("all_gather", output,
-                          lambda: entry(output, input, time.monotonic()))
+        return self._collective("all_gather", self._schedules.all_gather, output, blocking,
+                                output, input)
 
     def _impl_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
                              blocking: bool = False) -> Task | None:
-        entry = self._schedules.reduce_scatter
-        if (blocking and not self._executor.busy and self._broken is None
-                and type(output) is torch.Tensor):
-            start = time.monotonic()
-            try:
-                entry(output, input, op, start)
-            except BaseException as exc:
-                self._abort("reduce_scatter", start, exc)
-            return None
-        return self._task("reduce_scatter", output,
-                          lambda: entry(output, input, op, time.monotonic()))
+        return self._collective("reduce_scatter", self._schedules.reduce_scatter, output,
+                                blocking, output, input, op)
 
     def _impl_all_to_all(self, output: torch.Tensor, input: torch.Tensor,
                          blocking: bool = False) -> Task | None:
-        entry = self._schedules.all_to_all
-        if (blocking and not self._executor.busy and self._broken is None
-                and type(output) is torch.Tensor):
-            start = time.monotonic()
-            try:
-                entry(output, input, start)
-            except BaseException as exc:
-                self._abort("all_to_all", start, exc)
-            return None
-        return self._task("all_to_all", output,
-                          lambda: entry(output, input, time.monotonic()))
+        return self._collective("all_to_all", self._schedules.all_to_all, output, blocking,
+                                output, input)
 
     def _impl_barrier(self, blocking: bool = False) -> Task | None:
-        entry = self._schedules.barrier
-        if blocking and not self._executor.busy and self._broken is None:
-            start = time.monotonic()
-            try:
-                entry(start)
-            except BaseException as exc:
-                self._abort("barrier", start, exc)
-            return None
-        return self._task("barrier", None, lambda: entry(time.monotonic()))
+        return self._collective("barrier", self._schedules.barrier, None, blocking)
 
     # ------------------------------------------------------------------ point to point
     # A blocking send or recv runs on the caller's thread, with no Work or task built, when
