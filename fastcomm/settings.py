@@ -358,6 +358,13 @@ DDP_CUDA_GRAPHS = Switch(
     "FASTCOMM_DDP_CUDA_GRAPHS", True,
     "Default of `DDPConfig.cuda_graphs`: packed CUDA buckets replay from a captured CUDA graph.",
 )
+DDP_COMPILED_OVERLAP = Choice(
+    "FASTCOMM_DDP_COMPILED_OVERLAP", "auto",
+    "Under compiled autograd, whether a bucket's reduction runs while the backward goes on (its "
+    "wait after the last launch) or is waited for at once; `auto`: on for CUDA buckets, off for "
+    "CPU ones, whose reduction thread would take the backward's cores.",
+    choices=("auto", "on", "off"),
+)
 
 # ------------------------------------------------------------------------------ recovery
 RECOVER = Choice(

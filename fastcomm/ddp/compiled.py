@@ -6,10 +6,13 @@ graph, so the reducer's eager path (counters, a final callback on the autograd e
 run there. A traced hook hands its parameter to :class:`TracedBuckets` instead, which counts
 the bucket's gradients at trace time; the hook that completes bucket ``next`` puts a
 ``fastcomm::bucket_launch`` call into the graph for it and every later bucket already complete
-(index order, as eager): it packs the gradients and starts the reduction without waiting. The
-hook that launches the last bucket then adds a ``fastcomm::bucket_wait`` per bucket, which
-waits for the reduction and copies the reduced gradients back into ``.grad``. So the graph
-reduces bucket ``k`` while it differentiates the layers below it, as eager DDP does. At run
+(index order, as eager): it packs the gradients and starts the reduction without waiting. A
+``fastcomm::bucket_wait`` per bucket waits for the reduction and copies the reduced gradients
+back into ``.grad``. With overlap (``FASTCOMM_DDP_COMPILED_OVERLAP``; by default for CUDA
+buckets) the hook that launches the last bucket adds every wait, so the graph reduces bucket
+``k`` while it differentiates the layers below it, as eager DDP does; without it (by default
+for CPU buckets, whose reduction thread would take the backward's cores) each wait follows its
+launch. At run
 time the ops reduce through the bucket's packed all-reduce or the registered comm hook, on the
 reducer's communicator of the moment (looked up by an integer key), so recovery's swap and the
 hooks (fp16, bf16, PowerSGD...) work unchanged.
@@ -29,6 +32,8 @@ import weakref
 from typing import Any
 
 import torch
+
+from fastcomm import settings
 
 from .strategy import PACKED, CommHook
 
@@ -132,6 +137,7 @@ class TracedBuckets:
     def layout(self, buckets: list, n: int) -> None:
         """Takes the reducer's (new) buckets; a backward traced before it is traced again."""
         self.members = [list(b.param_indices) for b in buckets]
+        self.overlap = _overlaps(self.token.device)
         self.bucket_of = [0] * n
         for b, members in enumerate(self.members):
             for i in members:
@@ -157,23 +163,37 @@ class TracedBuckets:
             grads = [self.arrived[k].grad for k in self.members[self.next]]
             self.last = torch.ops.fastcomm.bucket_launch(grads, self.last, self.key, self.next)
             self.launched[self.next] = self.last
+            if not self.overlap:  # waited for at once
+                self.last = self._wait(self.next, self.last)
             self.next += 1
         if self.next < len(self.members):
             return
-        token = self.last
-        for b, members in enumerate(self.members):  # every bucket launched: the waits
-            params = [self.arrived[k] for k in members]
-            out = torch.ops.fastcomm.bucket_wait([p.grad for p in params], self.launched[b],
-                                                 token, self.key, b)
-            for p, g in zip(params, out, strict=False):
-                p.grad.copy_(g)
-            token = out[-1]
+        if self.overlap:  # every bucket launched: the waits
+            token = self.last
+            for b in range(len(self.members)):
+                token = self._wait(b, token)
         # armed again for the next backward, every attribute as the trace found it
         self.pending[:] = self.sizes
         self.arrived[:] = [None] * len(self.arrived)
         self.launched[:] = [None] * len(self.launched)
         self.last = self.token
         self.next = 0
+
+    def _wait(self, b: int, after: torch.Tensor) -> torch.Tensor:
+        """Traces bucket `b`'s wait (after token `after`) and the copy of its reduced gradients
+        into ``.grad``; the wait's token."""
+        params = [self.arrived[k] for k in self.members[b]]
+        out = torch.ops.fastcomm.bucket_wait([p.grad for p in params], self.launched[b], after,
+                                             self.key, b)
+        for p, g in zip(params, out, strict=False):
+            p.grad.copy_(g)
+        return out[-1]
+
+
+def _overlaps(device: torch.device) -> bool:
+    """Whether the waits go after the last launch (``FASTCOMM_DDP_COMPILED_OVERLAP``)."""
+    choice = settings.DDP_COMPILED_OVERLAP.get()
+    return device.type == "cuda" if choice == "auto" else choice == "on"
 
 
 def check_compiled_autograd(ddp: Any) -> None:

@@ -38,9 +38,13 @@ def _make_hook_recorder(hook, order: list[int]):
     return recording
 
 
-def check_traced(variant: str, compiled_autograd: bool, steps: int = 5) -> dict:
+def check_traced(variant: str, compiled_autograd: bool, steps: int = 5,
+                 overlap: str = "on") -> dict:
     """`steps` steps of fastcomm DDP (``variant``: ``shm``, the pool's default communicator;
-    ``gloo``; ``fp16`` / ``bf16``: those compression hooks), compiled autograd on or off."""
+    ``gloo``; ``fp16`` / ``bf16``: those compression hooks), compiled autograd on or off, with
+    ``FASTCOMM_DDP_COMPILED_OVERLAP`` set to `overlap`."""
+    import os
+
     import torch._dynamo
     from torch._dynamo.backends.debugging import aot_eager
 
@@ -50,6 +54,7 @@ def check_traced(variant: str, compiled_autograd: bool, steps: int = 5) -> dict:
 
     init_torch_dist()
     torch._dynamo.reset()
+    os.environ["FASTCOMM_DDP_COMPILED_OVERLAP"] = overlap  # read as the DDP lays out its buckets
     kwargs = {"comm": rank_comm("gloo")} if variant == "gloo" else {}
     model, ddp = _wrap("fastcomm", "outer" if compiled_autograd else "no", **kwargs)
     order: list[int] = []
@@ -88,6 +93,7 @@ def check_traced(variant: str, compiled_autograd: bool, steps: int = 5) -> dict:
         "buckets": len(ddp.reducer.buckets),
         "graph": _summary(backward[-1]) if backward else [],
         "captures": counters["compiled_autograd"]["captures"],
+        "overlap": ddp.reducer.traced.overlap,
     }
 
 
@@ -112,7 +118,7 @@ def _summary(gm) -> list[tuple[str, int]]:
 @pytest.mark.parametrize("variant", ["shm", "gloo", "fp16", "bf16"])
 def test_reductions_are_traced_into_the_compiled_backward(pool, variant):
     eager = pool.run(check_traced, variant, False)
-    traced = pool.run(check_traced, variant, True)
+    traced = pool.run(check_traced, variant, True)  # FASTCOMM_DDP_COMPILED_OVERLAP=on
     for rank in range(2):
         ours, ref = traced[rank], eager[rank]
         assert ours["captures"] >= 1, ours  # compiled autograd ran the backward
@@ -132,6 +138,7 @@ def test_reductions_are_traced_into_the_compiled_backward(pool, variant):
         early = [i for k, (kind, i) in enumerate(graph) if kind == "bucket" and k < last_mm]
         assert len(early) >= ours["buckets"] - 1, graph
         assert all(k > last_mm for k, _ in waits), graph
+        assert ours["overlap"] is True
         # a comm hook goes through the op: called once per bucket, in order, every step
         if variant in ("fp16", "bf16"):
             for record in ours["hook_order"]:
@@ -140,6 +147,24 @@ def test_reductions_are_traced_into_the_compiled_backward(pool, variant):
         # compiled at the first step; nothing compiled after step 3
         unique = ours["unique"]
         assert unique[0] < unique[1], unique
+        assert unique[3:] == [unique[3]] * (len(unique) - 3), unique
+
+
+def test_cpu_buckets_wait_at_once_by_default(pool):
+    """``auto`` (the default) on CPU buckets: each wait right after its launch, the same
+    parameters as eager and as overlap."""
+    eager = pool.run(check_traced, "shm", False)
+    traced = pool.run(check_traced, "shm", True, overlap="auto")
+    for rank in range(2):
+        ours = traced[rank]
+        assert ours["overlap"] is False and ours["captures"] >= 1, ours
+        for a, b in zip(ours["params"], eager[rank]["params"], strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        graph = [(kind, i) for kind, i in ours["graph"] if kind != "mm"]
+        pairs = [("bucket", b) if k % 2 == 0 else ("wait", b)
+                 for b in range(ours["buckets"]) for k in (0, 1)]
+        assert graph == pairs, ours["graph"]
+        unique = ours["unique"]
         assert unique[3:] == [unique[3]] * (len(unique) - 3), unique
 
 
