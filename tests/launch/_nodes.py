@@ -259,6 +259,13 @@ class Nodes:
         return self.etcd_endpoints.split(",").index(ids[lead])
 
     # ------------------------------------------------------------------ teardown
+    def end_test(self) -> None:
+        """Ends every node a test started that still runs (a test that failed midway), so the
+        next test of the module finds the network and the rendezvous port free."""
+        for proc in self.procs:
+            self.kill(proc)
+        self.procs.clear()
+
     def remove(self) -> None:
         for proc in self.procs:
             self.kill(proc)

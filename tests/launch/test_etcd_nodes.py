@@ -57,8 +57,9 @@ state = {"step": -1}
 if me == victim:
     def hook(param):
         if state["step"] == kill:
-            with open(os.path.join(out, "stopped"), "w") as fh:
+            with open(os.path.join(out, "stopped.tmp"), "w") as fh:
                 fh.write(socket.gethostname())
+            os.replace(os.path.join(out, "stopped.tmp"), os.path.join(out, "stopped"))
             time.sleep(120)  # its node is powered off meanwhile
     model[0].weight.register_post_accumulate_grad_hook(hook)
 ddp = DDP(model, bucket_cap_mb=0.25)
@@ -110,7 +111,8 @@ def cluster(nodes):
     for i in range(nodes.count):
         nodes.link(i, True)
     nodes.etcd_up()
-    return nodes
+    yield nodes
+    nodes.end_test()
 
 
 def _start(nodes, name: str, victim: int, steps: int = STEPS, pause: float = PAUSE_S) -> list:

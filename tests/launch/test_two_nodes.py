@@ -52,6 +52,8 @@ def _job(*extra: str, nproc: int = 2, conf: str = FAST) -> list[str]:
 @pytest.fixture(autouse=True)
 def _secret(nodes):
     (nodes.shared / "secret").write_text("two-nodes-secret\n")
+    yield
+    nodes.end_test()
 
 
 def _run_both(nodes, args, name, timeout=90, late: float = 0.0):
@@ -252,8 +254,9 @@ state = {{"step": -1}}
 if me == 3:
     def hook(param):
         if state["step"] == KILL:
-            with open(os.path.join(out, "stopped"), "w") as fh:
+            with open(os.path.join(out, "stopped.tmp"), "w") as fh:
                 fh.write(socket.gethostname())
+            os.replace(os.path.join(out, "stopped.tmp"), os.path.join(out, "stopped"))
             time.sleep(120)  # node1 is powered off meanwhile
     model[0].weight.register_post_accumulate_grad_hook(hook)
 ddp = DDP(model, bucket_cap_mb=0.25)
