@@ -12,10 +12,10 @@ back into ``.grad``. With overlap (``FASTCOMM_DDP_COMPILED_OVERLAP``; by default
 buckets) the hook that launches the last bucket adds every wait, so the graph reduces bucket
 ``k`` while it differentiates the layers below it, as eager DDP does; without it (by default
 for CPU buckets, whose reduction thread would take the backward's cores) each wait follows its
-launch. At run
-time the ops reduce through the bucket's packed all-reduce or the registered comm hook, on the
-reducer's communicator of the moment (looked up by an integer key), so recovery's swap and the
-hooks (fp16, bf16, PowerSGD...) work unchanged.
+launch. At run time the ops reduce through the bucket's packed all-reduce or the registered
+comm hook, on the reducer's communicator of the moment (looked up by an integer key), so
+recovery's swap and the hooks (fp16, bf16, PowerSGD...) work unchanged. A launch whose wait
+never came (a backward that raised between them) is replaced by the bucket's next launch.
 
 Invariants: each launch takes the token the previous launch returned, and each wait its
 bucket's launch token and the previous wait's, so no compiler reorders the collectives (every
