@@ -6,7 +6,8 @@ binds the CPUs (``--cpus``, ``--numa-binding``), runs the target with ``runpy`` 
 uncaught exception to ``$TORCHELASTIC_ERROR_FILE`` in torch's ``@record`` format (exit 1), and
 SIGKILLs the worker's process group when the agent is gone. ``--exec`` (``--no-python``) sets
 ``PR_SET_PDEATHSIG`` and ``exec``s the program. ``--spare``: a warm spare (``spare.py``)
-imports torch and fastcomm first, then reads the rest from stdin. Details: docs/launch.md.
+imports torch and fastcomm first, then reads the rest from stdin; ``--server FD``: the fork
+server (``forkserver.py``) imports them once and forks each worker. Details: docs/launch.md.
 
 It is run by path, not as ``-m fastcomm.launch._bootstrap``, so the worker does not import
 the fastcomm package (nor torch) before the user's code does (a spare does, by design).
@@ -143,22 +144,124 @@ def _run_python(module: bool, target: str, args: list) -> None:
 SPARE_IMPORTS = ("torch", "torch._dynamo", "torch.optim", "fastcomm", "fastcomm.ddp")
 
 
-def _spare() -> list:
-    """``--spare`` (``fastcomm/launch/spare.py``): imports :data:`SPARE_IMPORTS`, then waits for
-    one JSON line on stdin -- the worker's arguments and environment -- and returns the
-    arguments; exits quietly at end of input (not needed: the agent is done or gone)."""
+def _import_warm() -> None:
     import importlib
 
-    # read at once, so that the agent's write never waits for the imports (a pipe holds 64 KiB)
-    box = []
-    reader = threading.Thread(target=lambda: box.append(sys.stdin.buffer.readline()),
-                              name="fastcomm-spare-stdin", daemon=True)
-    reader.start()
     for name in SPARE_IMPORTS:
         try:
             importlib.import_module(name)
         except Exception:  # the worker's own import reports it, where it matters
             pass
+
+
+def _serve(fd: int) -> list:
+    """``--server FD`` (``fastcomm/launch/forkserver.py``): imports :data:`SPARE_IMPORTS`, then
+    forks one worker per request read from the socket ``fd`` and reports it started and, once
+    reaped, its exit status. Returns the request's arguments in each forked worker (never in the
+    server, which exits when the agent closes its end)."""
+    import select
+    import socket
+    import warnings
+
+    _import_warm()
+    imported_env = dict(os.environ)
+    sock = socket.socket(fileno=fd)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    pending, fds = b"", []
+
+    def send(msg: dict) -> None:
+        try:
+            sock.sendall((json.dumps(msg) + "\n").encode())
+        except OSError:
+            os._exit(0)  # the agent is gone: so are we (the workers watch us)
+
+    send({"ready": os.getpid()})
+    while True:
+        ready = select.select([sock, wake_r], [], [])[0]
+        if wake_r in ready:
+            try:
+                while os.read(wake_r, 512):
+                    pass
+            except BlockingIOError:
+                pass  # drained
+            _reap(send)
+        if sock not in ready:
+            continue
+        data, new_fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
+        if not data:
+            os._exit(0)  # the agent closed its end
+        pending, fds = pending + data, fds + new_fds
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            job, mine, fds = json.loads(line), fds[:3], fds[3:]
+            led_r, led_w = os.pipe()
+            with warnings.catch_warnings():  # 3.12+: "multi-threaded, fork() may deadlock"
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+            if pid == 0:  # the worker
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                for own in (led_r, wake_r, wake_w):
+                    os.close(own)
+                sock.close()
+                os.setsid()
+                os.close(led_w)  # the server may report it started: it leads its session
+                for target, source in enumerate(mine):
+                    os.dup2(source, target)
+                for source in mine:
+                    if source > 2:
+                        os.close(source)
+                _become(job["env"], imported_env)
+                return list(job["args"])
+            os.close(led_w)
+            os.read(led_r, 1)  # end of file once the worker called setsid (or died)
+            os.close(led_r)
+            for source in mine:
+                os.close(source)
+            send({"started": pid})
+
+
+def _reap(send) -> None:
+    """Reports every exited worker (its status as ``Popen.returncode`` gives it)."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        send({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _become(env: dict, imported_env: dict) -> None:
+    """A forked worker takes its own environment; what torch and numpy took from the server's
+    at import is set again where it differs (OpenMP's pool size, numpy's global seed)."""
+    os.environ.clear()
+    os.environ.update(env)
+    torch = sys.modules.get("torch")
+    threads = env.get("OMP_NUM_THREADS", "")
+    if torch is not None and threads.isdigit() and int(threads) > 0 \
+            and threads != imported_env.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(int(threads))
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()  # as a new interpreter's: from the OS, not the server's copy
+
+
+def _spare() -> list:
+    """``--spare`` (``fastcomm/launch/spare.py``): imports :data:`SPARE_IMPORTS`, then waits for
+    one JSON line on stdin -- the worker's arguments and environment -- and returns the
+    arguments; exits quietly at end of input (not needed: the agent is done or gone)."""
+    # read at once, so that the agent's write never waits for the imports (a pipe holds 64 KiB)
+    box = []
+    reader = threading.Thread(target=lambda: box.append(sys.stdin.buffer.readline()),
+                              name="fastcomm-spare-stdin", daemon=True)
+    reader.start()
+    _import_warm()
     reader.join()
     line = box[0]
     if not line:
@@ -173,11 +276,14 @@ def _spare() -> list:
 
 
 def main() -> None:
-    """Parses ``[--spare] | [--module|--exec] [--cpus LIST] -- TARGET ARGS...``; runs the
-    target as above (``--spare``: the rest comes on stdin)."""
+    """Parses ``[--spare] | [--server FD] | [--module|--exec] [--cpus LIST] -- TARGET ARGS...``;
+    runs the target as above (``--spare``: the rest comes on stdin; ``--server``: each forked
+    worker's comes on the socket)."""
     argv = sys.argv[1:]
     if argv == ["--spare"]:
         argv = _spare()
+    elif len(argv) == 2 and argv[0] == "--server":
+        argv = _serve(int(argv[1]))
     try:
         split = argv.index("--")
     except ValueError:

@@ -33,6 +33,7 @@ from .failures import (
     worker_failure,
     write_local,
 )
+from .forkserver import ForkServer
 from .heartbeat import Heartbeats
 from .monitor import RoundMonitor
 from .net import listen_address
@@ -48,7 +49,7 @@ from .rendezvous import (
     new_agent_id,
     open_store,
 )
-from .specs import RunDirs, base_env, set_gloo_interface, worker_specs
+from .specs import RunDirs, base_env, fork_server, set_gloo_interface, worker_specs
 from .workers import WorkerGroup
 
 __all__ = ["launch", "Agent"]
@@ -99,6 +100,8 @@ class Agent:
         self.config = config
         self.host = default_host()
         self.group: WorkerGroup | None = None
+        self._server: ForkServer | None = None
+        """The fork server the workers of every round start from (``forkserver.py``)."""
         self.rdzv: Rendezvous | None = None
         self.store: Store | None = None
         """The rendezvous store (a client's answers bounded by the heartbeat limit)."""
@@ -223,6 +226,8 @@ class Agent:
             return 1
         finally:
             self._stop_workers()
+            if self._server is not None:
+                self._server.close()
             if self._outcome is not None:
                 self.events.job_end(*self._outcome, self._last_workers)
             self.events.agent_end(started, ok=code is not None, group_rank=self.group_rank)
@@ -304,6 +309,11 @@ class Agent:
         host; on etcd, the job's namespace there) and joins the job's rendezvous as this node."""
         cfg = self.config
         self._env, secret = base_env(cfg, self.log, self.info)
+        self._server = fork_server(cfg, self._env)
+        if self._server is not None and not self._server.wait_ready():  # before any heartbeat
+            self.log("the fork server did not start; the workers start as new interpreters")
+            self._server.close()
+            self._server = None
         host, port = cfg.rdzv_host, cfg.rdzv_port
         if cfg.rdzv_backend == "etcd":  # the address that routes to a member elsewhere
             host, port = route_endpoint(cfg.rdzv_endpoints)
@@ -397,9 +407,10 @@ class Agent:
                 "stdout": self.config.duplicate_stdout_filters,
                 "stderr": self.config.duplicate_stderr_filters,
             },
-            # replacements (--recover in-process) start from a warm spare
+            # replacements (--recover in-process) start warm: forked, or from a spare
             spares=self.config.max_restarts
             if self.config.recover == "in-process" and self.config.spare else 0,
+            server=self._server,
         )
         self._last_workers = self.group.workers
         self.check_stop()

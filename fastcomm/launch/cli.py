@@ -23,6 +23,7 @@ from .config import (
     RDZV_BACKENDS,
     RDZV_CONF_KEYS,
     RECOVER_MODES,
+    START_METHODS,
     LaunchConfig,
     check_seconds,
     conf_bool,
@@ -125,12 +126,14 @@ def _add_job_flags(p: argparse.ArgumentParser) -> None:
          help="with --recover in-process: the fewest live ranks the job goes on with")
     _opt(p, "--no-spare", action=_CheckEnv,
          help="with --recover in-process --max-restarts N: start a replacement as a new "
-         "interpreter instead of keeping a warm spare (an idle interpreter with torch imported)")
+         "interpreter instead of warm (forked, or under --start-method spawn from a spare: an "
+         "idle interpreter with torch imported)")
     _opt(p, "--monitor-interval", type=float, default=0.1,
          help="seconds between checks of the workers")
-    _opt(p, "--start-method", default="spawn", choices=["spawn", "fork", "forkserver"],
-         help="how --run-path workers start: spawn only (workers are always new interpreters); "
-         "no effect on a script's workers, as torchrun")
+    _opt(p, "--start-method", default="forkserver", choices=list(START_METHODS),
+         help="how Python workers start: forkserver (the default; fork is the same) forks them "
+         "from one interpreter that imported torch and fastcomm once; spawn starts each as a "
+         "new interpreter (for a script that sets torch's import-time variables itself)")
     _opt(p, "--event-log-handler", default="null",
          help=f"where torchelastic events go: {', '.join(EVENT_LOG_HANDLERS)} (console: JSON "
          "lines on stderr)")
@@ -281,6 +284,7 @@ def parse_config(args: argparse.Namespace) -> LaunchConfig:
         recover=args.recover,
         min_ranks=args.min_ranks,
         spare=not args.no_spare,
+        start_method=args.start_method,
         monitor_interval=args.monitor_interval,
         shutdown_timeout=float(shutdown),
         role=args.role,
@@ -371,7 +375,7 @@ def _check_rdzv_conf(conf: dict[str, str], backend: str) -> None:
 
 
 def _check_unsupported(args: argparse.Namespace) -> None:
-    """Refuses ``--logs-specs``; checks ``--run-path`` and ``--start-method``."""
+    """Refuses ``--logs-specs``; checks ``--run-path``."""
     if args.logs_specs is not None:
         raise ValueError(
             f"--logs-specs {args.logs_specs!r}: fastcomm-run loads no torchrun.logs_specs "
@@ -454,23 +458,12 @@ def _warn_unused_addresses(args: argparse.Namespace, backend: str) -> None:
 
 
 def _check_start(args: argparse.Namespace) -> None:
-    """``--run-path`` and ``--start-method`` (torchrun uses the latter only with the former)."""
+    """``--run-path`` contradicts ``--module``."""
     if args.run_path and args.module:
         raise ValueError(
             "--run-path runs a script file with runpy.run_path; it contradicts --module "
             "(give the script's path)"
         )
-    if args.start_method == "spawn":
-        return
-    if args.run_path:
-        raise ValueError(
-            f"--start-method {args.start_method}: fastcomm-run starts every --run-path worker "
-            "as a new interpreter (spawn); use --start-method spawn or leave it out"
-        )
-    _warn(
-        f"--start-method {args.start_method} has no effect on a script's workers, which are new "
-        "processes (torchrun uses it only with --run-path)"
-    )
 
 
 def _check_log_dir(path: str) -> None:

@@ -71,6 +71,10 @@ ETCD_DEFAULT_PORT = 2379
 #: ``--recover`` modes: today's restart of every worker, or the survivors going on in place.
 RECOVER_MODES = ("restart", "in-process")
 
+#: ``--start-method``: Python workers forked from the fork server (``fork`` is the same here: a
+#: worker cannot fork from the agent's threads), or each a new interpreter (``spawn``).
+START_METHODS = ("forkserver", "fork", "spawn")
+
 #: ``--event-log-handler`` names: torch registers these three (``console`` logs every event as a
 #: JSON line on stderr; the other two drop them); no other can be registered from a command line.
 EVENT_LOG_HANDLERS = ("null", "console", "dynamic_rendezvous")
@@ -342,6 +346,10 @@ class LaunchConfig:
     spare: bool = True
     """With ``recover="in-process"`` and ``max_restarts``: replacements start from a warm
     spare (``spare.py``); ``False`` (``--no-spare``): each starts as a new interpreter."""
+    start_method: str = "forkserver"
+    """How Python workers start: ``forkserver`` (or ``fork``) forks them from one interpreter
+    per round that imported torch and fastcomm (``forkserver.py``); ``spawn`` starts each as a
+    new interpreter (``--no-python`` workers and ``--numa-binding`` ones always are)."""
     monitor_interval: float = 0.1
     """Seconds between checks of the workers and of the store."""
     shutdown_timeout: float = 30.0
@@ -403,6 +411,11 @@ class LaunchConfig:
         self._check_rendezvous()
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.start_method not in START_METHODS:
+            raise ValueError(
+                f"--start-method must be one of {', '.join(START_METHODS)}, "
+                f"got {self.start_method!r}"
+            )
         if self.recover not in RECOVER_MODES:
             raise ValueError(
                 f"--recover must be one of {', '.join(RECOVER_MODES)}, got {self.recover!r}"

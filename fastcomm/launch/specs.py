@@ -19,11 +19,12 @@ from fastcomm import settings
 
 from .config import LaunchConfig, read_job_secret, std_for
 from .errors import LaunchError, UsageError
+from .forkserver import ForkServer
 from .net import interface_of
 from .rendezvous import RoundInfo
 from .workers import BOOTSTRAP, WorkerSpec, line_prefix, pid_namespace, start_time
 
-__all__ = ["RunDirs", "base_env", "job_secret", "worker_specs"]
+__all__ = ["RunDirs", "base_env", "fork_server", "job_secret", "worker_specs"]
 
 Log = Callable[[str], None]
 
@@ -120,6 +121,28 @@ def _rank_env(cfg: LaunchConfig, info: RoundInfo, local_rank: int, error_file: s
             raise LaunchError(f"local rank {local_rank} exceeds CUDA_VISIBLE_DEVICES={visible}")
         env["CUDA_VISIBLE_DEVICES"] = devices[local_rank].strip() if devices else str(local_rank)
     return env
+
+
+def fork_server(cfg: LaunchConfig, env: dict[str, str]) -> ForkServer | None:
+    """The fork server the Python workers start from (``--start-method forkserver``, the
+    default), started at once so that its imports overlap the rendezvous; ``None`` where every
+    worker starts as a new interpreter: ``spawn``, ``--no-python``, ``--numa-binding``, or a
+    script whose text names neither torch nor fastcomm (nothing worth importing ahead)."""
+    if cfg.start_method == "spawn":
+        return None
+    cmd = _command(cfg, 0)
+    if not ForkServer.usable(cmd, BOOTSTRAP) or not (cfg.module or _names_torch(cfg.entrypoint)):
+        return None
+    return ForkServer(cmd, BOOTSTRAP, env)
+
+
+def _names_torch(path: str) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            text = fh.read(1 << 20)
+    except OSError:
+        return False  # the worker reports it
+    return b"torch" in text or b"fastcomm" in text
 
 
 def _command(cfg: LaunchConfig, local_rank: int) -> list[str]:

@@ -25,6 +25,7 @@ from typing import BinaryIO
 from fastcomm import settings
 
 from .config import STD_ERR, STD_OUT
+from .forkserver import Forked, ForkServer
 from .spare import Spare, spare_command
 
 __all__ = ["WorkerSpec", "WorkerGroup", "BOOTSTRAP", "pid_namespace", "start_time"]
@@ -54,7 +55,7 @@ class WorkerSpec:
 @dataclass(slots=True)
 class _Worker:
     spec: WorkerSpec
-    proc: subprocess.Popen
+    proc: subprocess.Popen | Forked
     threads: list[threading.Thread] = field(default_factory=list)
     files: list[BinaryIO] = field(default_factory=list)
     exitcode: int | None = None
@@ -167,12 +168,14 @@ class WorkerGroup:
 
     def __init__(
         self, specs: list[WorkerSpec], duplicate_filters: dict[str, tuple[str, ...]] | None = None,
-        spares: int = 0,
+        spares: int = 0, server: ForkServer | None = None,
     ) -> None:
         """``duplicate_filters``: per stream (``stdout``, ``stderr``), the substrings of the
         tee'd lines copied to ``filtered_<stream>.log`` next to the workers' log folders.
-        ``spares``: how many replacements (``add``) may start from a warm spare (``spare.py``),
-        one kept ready at a time."""
+        ``spares``: how many replacements (``add``) may start warm: forked by the fork server,
+        or else from a warm spare (``spare.py``), one kept ready at a time. ``server``: the
+        agent's fork server (``forkserver.py``), which forks the workers it can (the others
+        start as new interpreters)."""
         self.specs = specs
         self.workers: list[_Worker] = []
         self._signalled: set[int] = set()
@@ -180,21 +183,22 @@ class WorkerGroup:
         self._filtered: dict[str, _Filtered] = {}
         self._spares = spares
         self._spare: Spare | None = None
+        self._server = server
 
     def start(self) -> None:
         """Starts every worker, each in its own process group, and its output pumps."""
-        env_pid = str(os.getpid())
         for name, needles in self._duplicate.items():
             attempt = os.path.dirname(self.specs[0].log_dir)
             os.makedirs(attempt, exist_ok=True)
             self._filtered[name] = _Filtered(os.path.join(attempt, f"filtered_{name}.log"), needles)
         for spec in self.specs:
-            self._spawn(spec, env_pid)
+            self._spawn(spec)
         self._keep_spare()
 
     def _keep_spare(self) -> None:
-        """Starts a warm spare while replacements may still come (none for ``--no-python``)."""
-        if self._spare is not None or self._spares <= 0 or not self.specs:
+        """Starts a warm spare while replacements may still come (none for ``--no-python``,
+        nor beside a fork server)."""
+        if self._spare is not None or self._spares <= 0 or not self.specs or self._server:
             return
         template = self.specs[0]
         cmd = spare_command(template.cmd, BOOTSTRAP)
@@ -202,21 +206,24 @@ class WorkerGroup:
             self._spare = Spare(cmd, template.env)
 
     def add(self, spec: WorkerSpec) -> _Worker:
-        """Starts one more worker (a replacement under ``--recover in-process``), from the warm
-        spare where there is one."""
+        """Starts one more worker (a replacement under ``--recover in-process``), warm where it
+        may (forked, or from the spare)."""
         self.specs.append(spec)
         spare, self._spare = self._spare, None
-        worker = self._spawn(spec, str(os.getpid()), spare)
+        worker = self._spawn(spec, spare, replacement=True)
         self._spares -= 1
         self._keep_spare()
         return worker
 
-    def _spawn(self, spec: WorkerSpec, env_pid: str, spare: Spare | None = None) -> _Worker:
-        """Starts `spec`'s worker in its own process group (or hands it to `spare`), with its
-        output pumps."""
+    def _spawn(self, spec: WorkerSpec, spare: Spare | None = None,
+               replacement: bool = False) -> _Worker:
+        """Starts `spec`'s worker in its own process group (forked by the server, handed to
+        `spare`, or a new process), with its output pumps. A `replacement` is forked only while
+        spares are allowed (its environment says so: ``FASTCOMM_SPARE_ACTIVATED``)."""
         os.makedirs(spec.log_dir, exist_ok=True)
         env = dict(spec.env)
-        env[settings.LAUNCH_AGENT_PID.name] = env_pid
+        env[settings.LAUNCH_AGENT_PID.name] = str(os.getpid())
+        server = self._server if not replacement or self._spares > 0 else None
         proc = None
         if spare is not None and BOOTSTRAP in spec.cmd:
             proc = spare.activate(spec.cmd[spec.cmd.index(BOOTSTRAP) + 1 :], env, time.time())
@@ -242,6 +249,8 @@ class WorkerGroup:
                 kwargs[name] = fh
             else:
                 kwargs[name] = subprocess.DEVNULL
+        if proc is None and server is not None and ForkServer.usable(spec.cmd, BOOTSTRAP):
+            proc = _fork(server, spec, env, kwargs, replacement)
         if proc is None:
             proc = subprocess.Popen(
                 spec.cmd,
@@ -343,6 +352,39 @@ class WorkerGroup:
         if self._spare is not None:
             self._spare.kill()
             self._spare = None
+
+
+def _fork(server: ForkServer, spec: WorkerSpec, env: dict[str, str], kwargs: dict,
+          replacement: bool) -> Forked | None:
+    """Has the server fork `spec`'s worker with the output `kwargs` would give ``Popen``
+    (``PIPE``, a log file, ``DEVNULL``); ``None`` if the server could not (the caller starts a
+    new interpreter). The worker watches the server, its parent, as a new one the agent."""
+    env = {**env, settings.LAUNCH_AGENT_PID.name: str(server.proc.pid)}
+    if replacement:
+        env[settings.SPARE_ACTIVATED.name] = repr(time.time())
+    null = os.open(os.devnull, os.O_RDWR)
+    theirs, ours, mine = [null], {}, []
+    try:
+        for name in ("stdout", "stderr"):
+            target = kwargs.get(name, subprocess.DEVNULL)
+            if target is subprocess.PIPE:
+                read, write = os.pipe()
+                ours[name] = os.fdopen(read, "rb")
+                mine.append(write)
+                theirs.append(write)
+            elif target is subprocess.DEVNULL:
+                theirs.append(null)
+            else:
+                theirs.append(target.fileno())
+        args = spec.cmd[spec.cmd.index(BOOTSTRAP) + 1 :]
+        proc = server.spawn(args, env, tuple(theirs), ours.get("stdout"), ours.get("stderr"))
+    finally:
+        for fd in (null, *mine):
+            os.close(fd)
+    if proc is None:
+        for reader in ours.values():
+            reader.close()
+    return proc
 
 
 SHM_DIR = "/dev/shm"

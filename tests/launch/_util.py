@@ -219,10 +219,12 @@ dist.destroy_process_group()
 """
 
 
-def spares_left(parent: int | None = None, cwd: Path | None = None) -> list[int]:
-    """The pids of this checkout's warm spare workers (``_bootstrap.py --spare``) running
-    (only `parent`'s children, where given; only those working in `cwd`, a job's folder, where
-    given: other tests' jobs may have spares of their own at the same time)."""
+def spares_left(parent: int | None = None, cwd: Path | None = None,
+                kinds: tuple[str, ...] = ("--spare", "--server")) -> list[int]:
+    """The pids of this checkout's warm interpreters running, of `kinds`: spare workers and
+    fork servers (``_bootstrap.py --spare``, ``--server``); only `parent`'s children, where
+    given; only those working in `cwd`, a job's folder, where given (other tests' jobs may have
+    their own at the same time)."""
     from fastcomm.launch.workers import BOOTSTRAP
 
     found = []
@@ -232,7 +234,7 @@ def spares_left(parent: int | None = None, cwd: Path | None = None) -> list[int]
                 argv = fh.read().split(b"\0")
         except OSError:
             continue
-        if BOOTSTRAP.encode() in argv and b"--spare" in argv:
+        if BOOTSTRAP.encode() in argv and any(kind.encode() in argv for kind in kinds):
             if parent is not None and _parent(entry) != parent:
                 continue
             if cwd is not None and _cwd(entry) != Path(cwd).resolve():

@@ -92,7 +92,7 @@ def test_no_spare_starts_the_replacement_cold(tmp_path):
     try:
         deadline = time.monotonic() + 60
         while not list(tmp_path.glob("done_*")) and time.monotonic() < deadline:
-            assert not spares_left(proc.pid)  # none while the workers run
+            assert not spares_left(proc.pid, kinds=("--spare",))  # none while the workers run
             if GOES_ON in (tmp_path / "err").read_text():
                 (tmp_path / "go").touch()
             time.sleep(0.1)
