@@ -12,6 +12,7 @@ import os
 import re
 import secrets
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 
@@ -131,18 +132,48 @@ def fork_server(cfg: LaunchConfig, env: dict[str, str]) -> ForkServer | None:
     if cfg.start_method == "spawn":
         return None
     cmd = _command(cfg, 0)
-    if not ForkServer.usable(cmd, BOOTSTRAP) or not (cfg.module or _names_torch(cfg.entrypoint)):
+    path = _module_file(cfg.entrypoint) if cfg.module else cfg.entrypoint
+    if not ForkServer.usable(cmd, BOOTSTRAP) or not _names_torch(path):
         return None
     return ForkServer(cmd, BOOTSTRAP, env)
 
 
-def _names_torch(path: str) -> bool:
+def _names_torch(path: str | None) -> bool:
+    """Whether the source at `path` names torch or fastcomm (``None``: not known, so yes)."""
+    if path is None:
+        return True
     try:
         with open(path, "rb") as fh:
             text = fh.read(1 << 20)
     except OSError:
         return False  # the worker reports it
     return b"torch" in text or b"fastcomm" in text
+
+
+def _module_file(name: str) -> str | None:
+    """The source file ``python -m name`` runs, found without importing anything (``None``:
+    not a source file found on the path)."""
+    from importlib.machinery import PathFinder
+
+    search = [os.getcwd(), *sys.path]
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        spec = PathFinder.find_spec(part, search)
+        if spec is None:
+            return None
+        if i == len(parts) - 1:
+            if spec.submodule_search_locations:  # a package runs its __main__
+                return _module_file_in(spec.submodule_search_locations)
+            return spec.origin
+        search = list(spec.submodule_search_locations or [])
+    return None
+
+
+def _module_file_in(locations) -> str | None:
+    from importlib.machinery import PathFinder
+
+    spec = PathFinder.find_spec("__main__", list(locations))
+    return None if spec is None else spec.origin
 
 
 def _command(cfg: LaunchConfig, local_rank: int) -> list[str]:
