@@ -1,6 +1,6 @@
 """``python -m fastcomm.launch``: the same as the ``fastcomm-run`` console script."""
 
-from .cli import main
+from .cli import run
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run()

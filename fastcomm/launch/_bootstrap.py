@@ -164,6 +164,10 @@ def _serve(fd: int) -> list:
     import warnings
 
     _import_warm()
+    import gc
+
+    gc.collect()
+    gc.freeze()  # the workers' collections skip the server's objects (and copy no page of them)
     imported_env = dict(os.environ)
     sock = socket.socket(fileno=fd)
     wake_r, wake_w = os.pipe()
@@ -280,9 +284,10 @@ def main() -> None:
     runs the target as above (``--spare``: the rest comes on stdin; ``--server``: each forked
     worker's comes on the socket)."""
     argv = sys.argv[1:]
+    forked = len(argv) == 2 and argv[0] == "--server"
     if argv == ["--spare"]:
         argv = _spare()
-    elif len(argv) == 2 and argv[0] == "--server":
+    elif forked:
         argv = _serve(int(argv[1]))
     try:
         split = argv.index("--")
@@ -307,8 +312,21 @@ def main() -> None:
         threading.Thread(
             target=_watch, args=(agent_pid,), name="fastcomm-agent-watch", daemon=True
         ).start()
+    if not forked:
+        _run_to_end("--module" in opts, target, args)
+        return
     try:
-        _run_python("--module" in opts, target, args)
+        _run_to_end("--module" in opts, target, args)
+        code = 0
+    except SystemExit as exc:
+        code = _status(exc.code)
+    _exit_forked(code)
+
+
+def _run_to_end(module: bool, target: str, args: list) -> None:
+    """Runs the target; an uncaught exception is printed, recorded, and exits 1."""
+    try:
+        _run_python(module, target, args)
     except SystemExit:
         raise
     except Exception as exc:  # what torch's @record records
@@ -323,6 +341,49 @@ def main() -> None:
         # it while the interpreter tears down).
         _record(exc, tb)
         sys.exit(1)
+
+
+def _status(code) -> int:
+    """The exit status ``sys.exit(code)`` gives (a non-integer is printed; status 1)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    try:
+        sys.stderr.write(f"{code}\n")
+    except Exception:
+        pass  # stderr is closed: the status still says it
+    return 1
+
+
+def _exit_forked(code: int) -> None:
+    """A forked worker's exit: what the interpreter's exit does for the worker's own state --
+    wait for its non-daemon threads, run its ``atexit`` callbacks, flush the files it left
+    open, collect its garbage, flush the standard streams -- then ``os._exit``. The modules the
+    server imported are not torn down: that costs about a second per worker and copies every
+    page shared with the server (and the server froze them: ``gc.freeze``)."""
+    import atexit
+    import gc
+    import io
+
+    threading._shutdown()  # what the interpreter's exit waits for first
+    atexit._run_exitfuncs()
+    # Flushed before the collection: a file in a reference cycle may have its raw file closed
+    # before its buffer is written when the cycle is collected.
+    for obj in gc.get_objects():  # the worker's own objects: the server's are frozen
+        if isinstance(obj, (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)):
+            try:
+                if not obj.closed:
+                    obj.flush()
+            except Exception:
+                pass  # a broken pipe or a closed fd: nothing to keep
+    gc.collect()  # the worker's garbage, and its finalizers
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass  # closed: nothing left to write
+    os._exit(code)
 
 
 if __name__ == "__main__":

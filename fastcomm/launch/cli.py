@@ -498,3 +498,19 @@ def main(argv: list[str] | None = None) -> int:
     from .agent import launch
 
     return launch(config)
+
+
+def run() -> None:
+    """The ``fastcomm-run`` console script (and ``python -m fastcomm.launch``): :func:`main`,
+    then the process ends without tearing down the modules it imported (torch: about half a
+    second), once its ``atexit`` callbacks ran and its output is flushed."""
+    import atexit
+
+    code = main()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass  # the console is gone: the status still says how it ended
+    os._exit(code)
