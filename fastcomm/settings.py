@@ -394,14 +394,14 @@ RECOVER_JOIN_EVERY = Int(
 # ------------------------------------------------------------------------------ the launcher
 SPARE_ACTIVATED = Text(
     "FASTCOMM_SPARE_ACTIVATED", None,
-    "Set by `fastcomm-run` in a warm spare's environment when it becomes a replacement: the "
-    "`time.time()` of that moment.",
+    "Set by `fastcomm-run` in a replacement's environment when it starts warm (forked by the "
+    "fork server, or from a warm spare): the `time.time()` of that moment.",
     allowed="a time.time()", kind="float",
 )
 LAUNCH_AGENT_PID = Text(
     "FASTCOMM_LAUNCH_AGENT_PID", None,
-    "Set by `fastcomm-run` for its workers' bootstrap, which removes it: the agent's pid, "
-    "whose exit ends the worker.",
+    "Set by `fastcomm-run` for its workers' bootstrap, which removes it: the pid of the "
+    "worker's parent (the agent, or the fork server), whose exit ends the worker.",
     allowed="a pid", kind="int",
 )
 LAUNCH_VERBOSE = Switch(
