@@ -366,24 +366,29 @@ def _exit_forked(code: int) -> None:
     import gc
     import io
 
-    threading._shutdown()  # what the interpreter's exit waits for first
-    atexit._run_exitfuncs()
-    # Flushed before the collection: a file in a reference cycle may have its raw file closed
-    # before its buffer is written when the cycle is collected.
-    for obj in gc.get_objects():  # the worker's own objects: the server's are frozen
-        if isinstance(obj, (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)):
+    try:
+        threading._shutdown()  # what the interpreter's exit waits for first
+        atexit._run_exitfuncs()
+        # Flushed before the collection: a file in a reference cycle may have its raw file
+        # closed before its buffer is written when the cycle is collected.
+        writers = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
+        for obj in gc.get_objects():  # the worker's own objects: the server's are frozen
+            if issubclass(type(obj), writers):  # type(): a dead weak proxy raises on isinstance
+                try:
+                    if not obj.closed:
+                        obj.flush()
+                except Exception:
+                    pass  # a broken pipe or a closed fd: nothing to keep
+        gc.collect()  # the worker's garbage, and its finalizers
+    except BaseException:  # as an interpreter's exit: printed, the status kept
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
             try:
-                if not obj.closed:
-                    obj.flush()
+                stream.flush()
             except Exception:
-                pass  # a broken pipe or a closed fd: nothing to keep
-    gc.collect()  # the worker's garbage, and its finalizers
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass  # closed: nothing left to write
-    os._exit(code)
+                pass  # closed: nothing left to write
+        os._exit(code)
 
 
 if __name__ == "__main__":

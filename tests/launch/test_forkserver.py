@@ -159,10 +159,14 @@ def test_the_server_applies_the_workers_thread_count(tmp_path):
 def test_a_forked_worker_exits_as_an_interpreter_would(tmp_path):
     """Its exit skips the teardown of the server's modules, not its own: a non-daemon thread is
     waited for, ``atexit`` callbacks run, a file left open is flushed, ``sys.exit(text)``
-    prints the text and exits 1 -- as a new interpreter's exit does."""
+    prints the text and exits 1 -- as a new interpreter's exit does (a dead weak proxy among
+    its objects included)."""
     path = script(tmp_path, "ends.py", """
-        import atexit, os, sys, threading, time, torch
+        import atexit, os, sys, threading, time, torch, weakref
         out, rank = sys.argv[1], os.environ["RANK"]
+        class Gone:
+            pass
+        dead = [weakref.proxy(Gone())]  # a proxy whose object is gone (the exit walks it)
         left_open = open(os.path.join(out, f"open_{rank}"), "w")
         left_open.write("written, never closed")
         atexit.register(lambda: open(os.path.join(out, f"atexit_{rank}"), "w").close())
