@@ -159,13 +159,12 @@ def _serve(fd: int) -> list:
     forks one worker per request read from the socket ``fd`` and reports it started and, once
     reaped, its exit status. Returns the request's arguments in each forked worker (never in the
     server, which exits when the agent closes its end)."""
+    import gc
     import select
     import socket
     import warnings
 
     _import_warm()
-    import gc
-
     gc.collect()
     gc.freeze()  # the workers' collections skip the server's objects (and copy no page of them)
     imported_env = dict(os.environ)

@@ -358,7 +358,8 @@ def _fork(server: ForkServer, spec: WorkerSpec, env: dict[str, str], kwargs: dic
           replacement: bool) -> Forked | None:
     """Has the server fork `spec`'s worker with the output `kwargs` would give ``Popen``
     (``PIPE``, a log file, ``DEVNULL``); ``None`` if the server could not (the caller starts a
-    new interpreter). The worker watches the server, its parent, as a new one the agent."""
+    new interpreter). The worker watches the server, its parent, as a new interpreter
+    watches the agent."""
     env = {**env, settings.LAUNCH_AGENT_PID.name: str(server.proc.pid)}
     if replacement:
         env[settings.SPARE_ACTIVATED.name] = repr(time.time())
