@@ -175,8 +175,9 @@ def test_a_forked_worker_exits_as_an_interpreter_would(tmp_path):
             open(os.path.join(out, f"thread_{rank}"), "w").close()
         threading.Thread(target=late).start()
         if rank == "1":  # once rank 0 flushed (else the launcher stops it: rank 1 fails)
-            deadline = time.monotonic() + 20
-            while not os.path.getsize(os.path.join(out, "open_0")) and time.monotonic() < deadline:
+            first, deadline = os.path.join(out, "open_0"), time.monotonic() + 20
+            while time.monotonic() < deadline and not (
+                    os.path.exists(first) and os.path.getsize(first)):
                 time.sleep(0.02)
             sys.exit("rank 1 says goodbye")
     """)
