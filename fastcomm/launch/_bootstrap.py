@@ -165,6 +165,10 @@ def _serve(fd: int) -> list:
     import warnings
 
     _import_warm()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # no forked child could use CUDA
+        sys.stderr.write("[fastcomm-run] CUDA was initialized while importing; not forking\n")
+        os._exit(1)  # the agent starts the workers as new interpreters
     gc.collect()
     gc.freeze()  # the workers' collections skip the server's objects (and copy no page of them)
     imported_env = dict(os.environ)

@@ -188,3 +188,22 @@ def test_a_forked_worker_exits_as_an_interpreter_would(tmp_path):
     for rank in (0, 1):
         assert (tmp_path / f"open_{rank}").read_text() == "written, never closed"
         assert (tmp_path / f"atexit_{rank}").exists() and (tmp_path / f"thread_{rank}").exists()
+
+
+def test_a_server_that_does_not_start_leaves_new_interpreters(tmp_path):
+    """The server dies before it is ready (here a ``sitecustomize`` ends it; on a GPU node,
+    CUDA initialized by an import): one warning, and the workers start as new interpreters."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os, sys\nif '--server' in sys.argv:\n    os._exit(3)\n")
+    path = script(tmp_path, "probe.py", PROBE)
+    env = clean_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")])])
+    proc = start(["--nproc-per-node", "2", path, tmp_path], tmp_path, env)
+    result = finish(proc)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("the fork server did not start") == 1, result.stderr
+    reports = _reports(tmp_path)
+    assert [r["warm"] for r in reports.values()] == [False, False]
+    assert {r["ppid"] for r in reports.values()} == {proc.pid}
