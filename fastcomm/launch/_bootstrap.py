@@ -145,13 +145,20 @@ SPARE_IMPORTS = ("torch", "torch._dynamo", "torch.optim", "fastcomm", "fastcomm.
 
 
 def _import_warm() -> None:
+    """Imports :data:`SPARE_IMPORTS` with the garbage collector off: its passes over the
+    objects the imports make cost a fifth of their time (3.5 s against 2.8 s of CPU here)."""
+    import gc
     import importlib
 
-    for name in SPARE_IMPORTS:
-        try:
-            importlib.import_module(name)
-        except Exception:  # the worker's own import reports it, where it matters
-            pass
+    gc.disable()
+    try:
+        for name in SPARE_IMPORTS:
+            try:
+                importlib.import_module(name)
+            except Exception:  # the worker's own import reports it, where it matters
+                pass
+    finally:
+        gc.enable()
 
 
 def _serve(fd: int) -> list:
