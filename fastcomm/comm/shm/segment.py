@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from itertools import count
 
-from ..errors import FastcommError
+from ..errors import FastcommError, PeerLostError, StoreTimeoutError
 from ..store import Store
 
 __all__ = [
@@ -266,7 +266,7 @@ class Segment:
             seg._put(layout.misc(rank, 2), os.getpid())
             seg._put(layout.misc(rank, 3), pid_start_time(os.getpid()) or 0)
             store.set(keys[rank], b"1")
-            store.wait(keys, timeout, op="shm setup")
+            seg._wait_mapped(store, keys, rank, timeout)
             # every rank has mapped it: any of them may unlink it now, so none returns from
             # setup with the name still in /dev/shm (unlinking twice is harmless)
             path = os.path.join(SHM_DIR, name)
@@ -282,6 +282,39 @@ class Segment:
             if path is not None:
                 unlink_segment(path)
         return seg
+
+    def _wait_mapped(self, store: Store, keys: list[str], rank: int, timeout: timedelta) -> None:
+        """Waits until every rank has mapped the segment; a rank that died meanwhile (the
+        creator, named by the segment's name, or a rank that recorded its pid) ends the wait at
+        once instead of at the timeout. Polls the store: a few ms apart, then 50 ms."""
+        start = time.monotonic()
+        pause = 0.002
+        while not store.check(keys):
+            dead = self._dead_member()
+            if dead is not None:
+                raise PeerLostError(
+                    f"rank {rank}: shm setup: {dead} died before every rank had mapped the "
+                    f"segment (after {time.monotonic() - start:.2f} s)", "poll", time.time()
+                )
+            if time.monotonic() - start >= timeout.total_seconds():
+                missing = [r for r, key in enumerate(keys) if not store.check([key])]
+                raise StoreTimeoutError(
+                    f"rank {rank}: shm setup: rank(s) {missing} did not map the segment within "
+                    f"{timeout.total_seconds():.1f} s (store keys "
+                    f"{', '.join(repr(keys[r]) for r in missing)} at {store.address})"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+    def _dead_member(self) -> str | None:
+        """A member provably gone during setup (``"rank R (pid P)"``), else ``None``."""
+        if creator_gone(self.name):
+            return f"rank 0 (pid {self.name[len(PREFIX):].split('-')[0]})"
+        for r in range(self.layout.size):
+            pid, start = self.peer_identity(r)
+            if pid and not process_alive(pid, start or None):
+                return f"rank {r} (pid {pid})"
+        return None
 
     def _put(self, offset: int, value: int) -> None:
         struct.pack_into("<Q", self.mm, offset, value)

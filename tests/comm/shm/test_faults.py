@@ -194,14 +194,52 @@ def check_setup_killed_before_unlink(name):
     rank = int(os.environ["RANK"])
     if rank == 0:  # dies after creating and publishing the file, before anyone unlinks it
         _shm_segment.Segment._put = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
     try:
-        # 10 s: the Gloo fallback's setup must not time out first on a loaded host
-        comm = fresh_comm("shm", name, timeout=10.0)
+        comm = fresh_comm("shm", name, timeout=TIMEOUT)
     except FastcommError as exc:
         name = rank_store().prefixed(name).get("shm/name", 1).decode()
-        return name, str(exc)
+        return name, type(exc).__name__, time.monotonic() - start, str(exc)
     comm.close()
     raise AssertionError("setup succeeded although rank 0 was killed")
+
+
+def check_setup_peer_killed_after_mapping(name):
+    """Rank 1 dies once it has mapped the segment and recorded its pid, before it says so."""
+    rank = int(os.environ["RANK"])
+    if rank == 1:
+        put = _shm_segment.Segment._put
+        calls = []
+
+        def put_then_die(self, offset, value):
+            calls.append(offset)
+            if len(calls) == 2:  # its pid is recorded; its start time is the second word
+                os.kill(os.getpid(), signal.SIGKILL)
+            put(self, offset, value)
+
+        _shm_segment.Segment._put = put_then_die
+    start = time.monotonic()
+    try:
+        fresh_comm("shm", name, timeout=TIMEOUT)
+    except FastcommError as exc:
+        return type(exc).__name__, time.monotonic() - start, str(exc)
+    raise AssertionError("setup succeeded although rank 1 was killed")
+
+
+def check_setup_rank_slow_to_map(name):
+    """The last rank joins the communicator but does not map the segment within the timeout
+    (it gives up after three timeouts): the others time out, naming it."""
+    if int(os.environ["RANK"]) == int(os.environ["WORLD_SIZE"]) - 1:
+        def never_maps(*args):
+            time.sleep(3 * OP_TIMEOUT)
+            raise FastcommError("injected: did not map")
+
+        _shm_segment.attach_segment = never_maps
+    try:
+        fresh_comm("shm", name, timeout=OP_TIMEOUT)
+    except FastcommError as exc:
+        return type(exc).__name__, str(exc)
+    raise AssertionError("setup succeeded without the last rank")
 
 
 # ------------------------------------------------------------------ pytest side
@@ -278,15 +316,40 @@ def test_segment_is_unlinked_once_every_rank_mapped_it(pool, unique_name):
 def test_segment_of_a_creator_killed_during_setup_is_swept(pool, unique_name):
     failure = pool.expect_failure(check_setup_killed_before_unlink, unique_name)
     assert 0 in failure.errors and "died" in failure.errors[0]
-    names = {name for name, _ in failure.results.values()}
+    names = {name for name, *_ in failure.results.values()}
     assert len(names) == 1
     (name,) = names
-    # the other ranks mapped the file (their error is the missing barrier, not a missing file)
-    assert all("does not exist" not in message for _, message in failure.results.values())
+    for rank, (_, kind, elapsed, message) in failure.results.items():
+        # seen through the creator's pid in the segment's name, not at the timeout; the other
+        # ranks mapped the file (their error is the dead creator, not a missing file)
+        assert kind == "PeerLostError", (rank, message)
+        assert "rank 0 (pid" in message and "shm setup" in message, message
+        assert elapsed < TIMEOUT / 3, (rank, elapsed, message)
     if os.path.exists(os.path.join(SHM_DIR, name)):
         # else a segment created meanwhile elsewhere on this host swept it already
         assert name in sweep_stale() or not os.path.exists(os.path.join(SHM_DIR, name))
     assert not os.path.exists(os.path.join(SHM_DIR, name))
+
+
+def test_a_rank_killed_after_mapping_ends_the_others_setup(pool, unique_name):
+    failure = pool.expect_failure(check_setup_peer_killed_after_mapping, unique_name)
+    assert set(failure.errors) == {1} and "died" in failure.errors[1]
+    for rank, (kind, elapsed, message) in failure.results.items():
+        assert kind == "PeerLostError", (rank, message)
+        assert "rank 1 (pid" in message and f"rank {rank}: shm setup" in message, message
+        assert elapsed < TIMEOUT / 3, (rank, elapsed, message)
+
+
+def test_a_rank_that_does_not_map_in_time_is_named_at_the_timeout(pool, unique_name):
+    if pool.world_size != 2:
+        pytest.skip("waits out a timeout; one world size is enough")
+    *others, (kind, message) = pool.run(check_setup_rank_slow_to_map, unique_name)
+    last = pool.world_size - 1
+    assert kind == "FastcommError" and "injected: did not map" in message, message
+    for rank, (kind, message) in enumerate(others):
+        assert kind == "StoreTimeoutError", (rank, message)
+        assert f"rank(s) [{last}] did not map the segment within" in message, message
+    assert not [n for n in os.listdir(SHM_DIR) if unique_name in n]
 
 
 def _dead_pid() -> int:
