@@ -161,11 +161,27 @@ def _import_warm() -> None:
         gc.enable()
 
 
-def _serve(fd: int) -> list:
+def serve_forked(fd: int, env: dict) -> None:
+    """The server forked from the agent itself (``forkserver._fork_here``), torch imported
+    there already: takes the round's environment ``env``, then serves as ``--server FD`` does;
+    in each forked worker, runs it to its end. Never returns."""
+    imported_env = dict(os.environ)  # what torch (OpenMP's pool) was imported in
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [os.path.abspath(__file__), "--server", str(fd)]
+    argv = _serve(fd, imported_env)  # returns in each forked worker only
+    try:
+        _start(argv, forked=True)
+    except SystemExit as exc:  # before the target ran (the agent is gone, a bad command)
+        _exit_forked(_status(exc.code))
+
+
+def _serve(fd: int, imported_env: dict | None = None) -> list:
     """``--server FD`` (``fastcomm/launch/forkserver.py``): imports :data:`SPARE_IMPORTS`, then
     forks one worker per request read from the socket ``fd`` and reports it started and, once
     reaped, its exit status. Returns the request's arguments in each forked worker (never in the
-    server, which exits when the agent closes its end)."""
+    server, which exits when the agent closes its end). ``imported_env``: the environment
+    torch was imported in (default: this one)."""
     import gc
     import select
     import socket
@@ -178,7 +194,8 @@ def _serve(fd: int) -> list:
         os._exit(1)  # the agent starts the workers as new interpreters
     gc.collect()
     gc.freeze()  # the workers' collections skip the server's objects (and copy no page of them)
-    imported_env = dict(os.environ)
+    if imported_env is None:
+        imported_env = dict(os.environ)
     sock = socket.socket(fileno=fd)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
@@ -299,6 +316,12 @@ def main() -> None:
         argv = _spare()
     elif forked:
         argv = _serve(int(argv[1]))
+    _start(argv, forked)
+
+
+def _start(argv: list, forked: bool) -> None:
+    """Runs ``[--module|--exec] [--cpus LIST] -- TARGET ARGS...`` (a forked worker: to its end,
+    then :func:`_exit_forked`)."""
     try:
         split = argv.index("--")
     except ValueError:

@@ -17,6 +17,10 @@ The protocol, over a Unix socket pair (one request in flight at a time):
   worker leads its own session, and ``{"exit": pid, "code": c}`` when the server reaps it
   (``c`` as ``Popen.returncode``).
 
+The server is forked from the agent itself where it can be (``_fork_here``: torch is imported
+there already), else started as ``python -u _bootstrap.py --server FD``; either way ``ps`` shows
+it with that command line.
+
 The agent waits for ``ready`` before it joins the rendezvous (``Agent._open_rendezvous``): a
 fork then takes milliseconds, so starting the workers never holds up the agent's heartbeats.
 
@@ -88,10 +92,15 @@ class ForkServer:
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             fd = theirs.fileno()
-            self.proc = subprocess.Popen(
-                server_command(cmd, bootstrap, fd), env=env, pass_fds=[fd],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True,
-            )
+            if _can_fork_here(cmd, bootstrap):
+                title = _title(server_command(cmd, bootstrap, fd))
+                self.proc = _ServerChild(_fork_here(fd, env, self.sock.fileno(), title))
+            else:
+                self.proc = subprocess.Popen(
+                    server_command(cmd, bootstrap, fd), env=env, pass_fds=[fd],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
         finally:
             theirs.close()
         self.sock.setblocking(False)
@@ -197,6 +206,156 @@ class ForkServer:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:  # pragma: no cover - unkillable (D state)
             pass
+
+
+class _ServerChild:
+    """The server forked from the agent itself: the part of ``Popen`` :meth:`ForkServer.close`
+    uses."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+            elif deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"fork server pid {self.pid}", timeout)
+            else:
+                time.sleep(0.005)
+        return self.returncode
+
+
+def _can_fork_here(cmd: list[str], bootstrap: str) -> bool:
+    """Whether the server may be forked from the agent itself, whose torch is imported
+    already (the server then imports only what the agent lacks): the workers' interpreter is
+    this one, started plainly (``python -u BOOTSTRAP``), and the agent runs no other thread (a
+    lock another thread held would stay locked in the child)."""
+    import sys
+    import threading
+
+    flags = sys.flags
+    return (
+        sys.platform.startswith("linux")
+        and cmd[:3] == [cmd[0], "-u", bootstrap]
+        and os.path.realpath(cmd[0]) == os.path.realpath(sys.executable)
+        and "torch" in sys.modules
+        and threading.active_count() == 1
+        and not (flags.optimize or flags.isolated or flags.ignore_environment
+                 or flags.dev_mode or flags.utf8_mode or flags.no_site)
+    )
+
+
+def _encode(argv: list[str]) -> bytes:
+    return b"".join(os.fsencode(arg) + b"\0" for arg in argv)
+
+
+def _cmdline_area() -> tuple[int, int]:
+    """The addresses of this process's command line (``/proc/self/stat``'s ``arg_start`` and
+    ``arg_end``; ``(0, 0)`` where it does not say)."""
+    try:
+        with open("/proc/self/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+        return int(fields[45]), int(fields[46])  # fields 48 and 49 of proc(5)
+    except (OSError, IndexError, ValueError):
+        return 0, 0
+
+
+def _title(argv: list[str]) -> list[str]:
+    """The command line the forked server shows: the one a spawned server has where the
+    agent's leaves room for it, else with the names shortened (a command line cannot grow)."""
+    start, end = _cmdline_area()
+    python, flag, bootstrap, *rest = argv
+    for title in (argv, ["python", flag, os.path.basename(bootstrap), *rest],
+                  [os.path.basename(bootstrap), *rest]):
+        if len(_encode(title)) <= end - start:
+            return title
+    return argv  # cut to the room there is
+
+
+def _set_cmdline(argv: list[str]) -> None:  # pragma: no cover - in the child
+    """Writes ``argv`` over this process's command line (what ``ps`` and ``/proc/PID/cmdline``
+    show), padded with NULs; best effort."""
+    start, end = _cmdline_area()
+    if not start:
+        return
+    data = _encode(argv)[: end - start - 1]
+    try:
+        with open("/proc/self/mem", "r+b", buffering=0) as mem:
+            mem.seek(start)
+            mem.write(data.ljust(end - start, b"\0"))
+    except OSError:
+        pass  # the title stays the agent's
+
+
+def _fork_here(fd: int, env: dict[str, str], agent_end: int, title: list[str]) -> int:
+    """Forks the server from the agent; returns its pid. The child leads a session of its own,
+    keeps only the socket ``fd`` and stderr, takes the signal dispositions, ``sys.path``,
+    unbuffered standard streams and environment a new ``python -u BOOTSTRAP`` would have,
+    then serves (``_bootstrap.serve_forked``); it never returns here."""
+    import sys
+    import warnings
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()  # nothing the agent wrote is left for the child to write again
+        except (OSError, ValueError):
+            pass  # closed: nothing to write
+    with warnings.catch_warnings():  # 3.12+: "multi-threaded, fork() may deadlock"
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid:
+        return pid
+    try:  # pragma: no cover - the child (its tests run it through real launches)
+        _set_cmdline(title)
+        _become_server(fd, agent_end)
+        from . import _bootstrap
+
+        _bootstrap.serve_forked(fd, env)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(1)
+
+
+def _become_server(fd: int, agent_end: int) -> None:  # pragma: no cover - in the child
+    import io
+    import sys
+
+    os.setsid()
+    signal.set_wakeup_fd(-1)
+    for sig in signal.valid_signals():
+        try:
+            handler = signal.getsignal(sig)
+        except (OSError, ValueError):
+            continue
+        if callable(handler) and handler is not signal.default_int_handler:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
+                          else signal.SIG_DFL)
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    os.close(null)
+    os.close(agent_end)
+    os.closerange(3, fd)
+    os.closerange(fd + 1, 1 << 16)
+    if sys.path and not getattr(sys.flags, "safe_path", False):
+        del sys.path[0]  # the agent's script or working folder: a new bootstrap's is removed
+    def text(number: int, old, mode: str, **kwargs) -> io.TextIOWrapper:
+        raw = io.FileIO(number, mode, closefd=False)
+        return io.TextIOWrapper(raw if mode == "w" else io.BufferedReader(raw),
+                                encoding=getattr(old, "encoding", None) or "utf-8",
+                                errors=getattr(old, "errors", None) or "strict", **kwargs)
+
+    # as ``python -u`` makes them (unbuffered), on the fds each forked worker is given
+    sys.stdout = sys.__stdout__ = text(1, sys.__stdout__, "w", newline="\n", write_through=True)
+    sys.stderr = sys.__stderr__ = text(2, sys.__stderr__, "w", newline="\n", write_through=True)
+    sys.stdin = sys.__stdin__ = text(0, sys.__stdin__, "r")
 
 
 def _alive(pid: int) -> bool:

@@ -227,6 +227,7 @@ def spares_left(parent: int | None = None, cwd: Path | None = None,
     their own at the same time)."""
     from fastcomm.launch.workers import BOOTSTRAP
 
+    name = os.path.basename(BOOTSTRAP).encode()
     found = []
     for entry in os.listdir("/proc"):
         try:
@@ -234,7 +235,10 @@ def spares_left(parent: int | None = None, cwd: Path | None = None,
                 argv = fh.read().split(b"\0")
         except OSError:
             continue
-        if BOOTSTRAP.encode() in argv and any(kind.encode() in argv for kind in kinds):
+        # a forked server shows the bootstrap's name alone where the agent's command line
+        # left no room for its path
+        ours = BOOTSTRAP.encode() in argv or name in argv
+        if ours and any(kind.encode() in argv for kind in kinds):
             if parent is not None and _parent(entry) != parent:
                 continue
             if cwd is not None and _cwd(entry) != Path(cwd).resolve():

@@ -35,6 +35,12 @@ with open(os.path.join(out, f"w{rank}_{round_}.json"), "w") as fh:
         "stdin": os.readlink("/proc/self/fd/0"), "rank": rank,
         "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
         "draw": float(numpy.random.rand()),
+        "unbuffered": sys.stdout.write_through,
+        "parent_of_parent": int(open(f"/proc/{os.getppid()}/stat", "rb").read()
+                                .rsplit(b")", 1)[1].split()[1]),
+        "parent_argv": [a.decode() for a in open(f"/proc/{os.getppid()}/cmdline", "rb")
+                        .read().split(b"\\0") if a],
+        "stdout_raw": type(sys.stdout.buffer).__name__,
     })
     fh.write(json_text)
 print(f"hello from {rank}", flush=True)
@@ -62,20 +68,26 @@ def test_workers_are_forked_warm_and_each_is_its_own_worker(tmp_path):
     its exit status 3 is the one the report names."""
     path = script(tmp_path, "probe.py", PROBE)
     logs = tmp_path / "logs"
-    result = run(["--nproc-per-node", "2", "--max-restarts", "1", "--tee", "1", "--log-dir",
-                  logs, path, tmp_path, "fail"], tmp_path, env=clean_env())
+    proc = start(["--nproc-per-node", "2", "--max-restarts", "1", "--tee", "1", "--log-dir",
+                  logs, path, tmp_path, "fail"], tmp_path, clean_env())
+    result = finish(proc)
     assert result.returncode == 0, result.stderr
     assert "exit code 3" in result.stderr and "restarting" in result.stderr, result.stderr
     reports = _reports(tmp_path)
     assert sorted(reports) == ["w0_0", "w0_1", "w1_0", "w1_1"]
     servers = {r["ppid"] for r in reports.values()}
     assert len(servers) == 1  # one server, lasting across the rounds
+    # forked from the agent (which imported torch already), titled as a spawned server is
+    for r in reports.values():
+        assert r["parent_of_parent"] == proc.pid
+        assert r["parent_argv"][1:4] == ["-u", BOOTSTRAP, "--server"], r["parent_argv"]
     for name, r in reports.items():
         assert r["warm"], name
         assert r["sid"] == r["pid"], name  # a session (and process group) of its own
         assert r["argv"] == [str(path), str(tmp_path), "fail"] and r["name"] == "__main__"
         assert r["path0"] == str(tmp_path) and r["stdin"] == "/dev/null"
         assert r["omp"] == "1" and r["threads"] == 1
+        assert r["unbuffered"] and r["stdout_raw"] == "FileIO", r  # as ``python -u``'s
     assert len({r["draw"] for r in reports.values()}) == 4  # numpy reseeded in each
     assert result.stdout.count("[rank 0]: hello from 0") == 2
     assert next(logs.glob("*/attempt_1/1/stdout.log")).read_text() == "hello from 1\n"
@@ -190,16 +202,28 @@ def test_a_forked_worker_exits_as_an_interpreter_would(tmp_path):
         assert (tmp_path / f"atexit_{rank}").exists() and (tmp_path / f"thread_{rank}").exists()
 
 
-def test_a_server_that_does_not_start_leaves_new_interpreters(tmp_path):
+@pytest.mark.parametrize("started", ["forked-from-the-agent", "own-interpreter"])
+def test_a_server_that_does_not_start_leaves_new_interpreters(tmp_path, started):
     """The server dies before it is ready (here a ``sitecustomize`` ends it; on a GPU node,
-    CUDA initialized by an import): one warning, and the workers start as new interpreters."""
+    CUDA initialized by an import): one warning, and the workers start as new interpreters.
+    The server is forked from the agent by default, and started as an interpreter of its own
+    when the workers' interpreter is another (``PYTHON_EXEC``, here a wrapper script)."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(
-        "import os, sys\nif '--server' in sys.argv:\n    os._exit(3)\n")
+        "import os, sys\n"
+        "if '--server' in sys.argv:\n    os._exit(3)\n"
+        "if b'fastcomm.launch' in open('/proc/self/cmdline', 'rb').read().split(b'\\0'):\n"
+        "    # the agent: the server it forks dies at once\n"
+        "    os.register_at_fork(after_in_child=lambda: os._exit(3))\n")
     path = script(tmp_path, "probe.py", PROBE)
     env = clean_env()
     env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")])])
+    if started == "own-interpreter":
+        wrapper = tmp_path / "python-wrapper"
+        wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+        wrapper.chmod(0o755)
+        env["PYTHON_EXEC"] = str(wrapper)
     proc = start(["--nproc-per-node", "2", path, tmp_path], tmp_path, env)
     result = finish(proc)
     assert result.returncode == 0, result.stderr
@@ -207,3 +231,20 @@ def test_a_server_that_does_not_start_leaves_new_interpreters(tmp_path):
     reports = _reports(tmp_path)
     assert [r["warm"] for r in reports.values()] == [False, False]
     assert {r["ppid"] for r in reports.values()} == {proc.pid}
+
+
+def test_a_forked_server_title_fits_the_agents_command_line():
+    """The server forked from the agent shows a spawned server's command line where the
+    agent's leaves room for it, else the same with the names shortened (never longer than the
+    room: a command line cannot grow)."""
+    from fastcomm.launch import forkserver
+
+    start, end = forkserver._cmdline_area()
+    room = end - start
+    assert room >= len(b"python\0-u\0_bootstrap.py\0--server\0004\0")  # pytest's own is long
+    fits = ["/p", "-u", "/b/_bootstrap.py", "--server", "4"]
+    assert forkserver._title(fits) == fits
+    long = ["/" + "p" * room, "-u", "/b/_bootstrap.py", "--server", "4"]
+    assert forkserver._title(long) == ["python", "-u", "_bootstrap.py", "--server", "4"]
+    longer = ["/" + "p" * room, "-u", "/" + "b" * room + "/_bootstrap.py", "--server", "4"]
+    assert forkserver._title(longer) == ["python", "-u", "_bootstrap.py", "--server", "4"]
