@@ -202,6 +202,22 @@ def sweep_stale() -> list[str]:
     return removed
 
 
+#: the prefix of a rank's ``shm/mapped/R`` value when its setup ended on a lost member
+_LOST = "lost: "
+
+
+def _raise_lost_elsewhere(store: Store, keys: list[str], rank: int, exc: Exception) -> None:
+    """Raises ``PeerLostError`` where another rank's setup ended on a lost member (and its
+    creator removed the file this rank could not open)."""
+    for r, key in enumerate(keys):
+        if r != rank and store.check([key]):
+            value = store.get(key).decode("utf-8", "replace")
+            if value.startswith(_LOST):
+                raise PeerLostError(
+                    f"rank {rank}: shm setup failed on rank {r}: {value[len(_LOST):]}", "flag",
+                    time.time()) from exc
+
+
 class Segment:
     """A mapped segment; build with :meth:`setup` on every rank of a communicator.
 
@@ -261,12 +277,17 @@ class Segment:
                     mm = attach_segment(os.path.join(SHM_DIR, name), layout, rank)
                 except FastcommError as exc:
                     store.set(keys[rank], f"error: {exc}")
+                    _raise_lost_elsewhere(store, keys, rank, exc)  # the file went with it
                     raise
             seg = cls(name, layout, mm)
             seg._put(layout.misc(rank, 2), os.getpid())
             seg._put(layout.misc(rank, 3), pid_start_time(os.getpid()) or 0)
             store.set(keys[rank], b"1")
-            seg._wait_mapped(store, keys, rank, timeout)
+            try:
+                seg._wait_mapped(store, keys, rank, timeout)
+            except PeerLostError as exc:  # a rank still to map it reads why the file is gone
+                store.set(keys[rank], f"{_LOST}{exc}")
+                raise
             # every rank has mapped it: any of them may unlink it now, so none returns from
             # setup with the name still in /dev/shm (unlinking twice is harmless)
             path = os.path.join(SHM_DIR, name)
@@ -276,7 +297,7 @@ class Segment:
                 mm.close()
                 raise FastcommError(
                     f"rank {rank}: shm setup failed on rank {failed[0][0]}: "
-                    f"{failed[0][1].removeprefix('error: ')}"
+                    f"{failed[0][1].removeprefix('error: ').removeprefix(_LOST)}"
                 )
         finally:
             if path is not None:

@@ -205,8 +205,24 @@ def check_setup_killed_before_unlink(name):
 
 
 def check_setup_peer_killed_after_mapping(name):
-    """Rank 1 dies once it has mapped the segment and recorded its pid, before it says so."""
+    """Rank 1 dies once it has mapped the segment and recorded its pid, before it says so.
+    Rank 2 (of 3) maps only once rank 0 has given up and removed the file: it reads why."""
+    from tests.harness import rank_store
+
     rank = int(os.environ["RANK"])
+    if rank == 2:
+        attach = _shm_segment.attach_segment
+
+        def attach_late(*args):
+            store = rank_store().prefixed(name)
+            deadline = time.monotonic() + TIMEOUT
+            while time.monotonic() < deadline and not (
+                    store.check(["shm/mapped/0"])
+                    and store.get("shm/mapped/0").startswith(b"lost: ")):
+                time.sleep(0.01)
+            return attach(*args)
+
+        _shm_segment.attach_segment = attach_late
     if rank == 1:
         put = _shm_segment.Segment._put
         calls = []
@@ -338,6 +354,8 @@ def test_a_rank_killed_after_mapping_ends_the_others_setup(pool, unique_name):
         assert kind == "PeerLostError", (rank, message)
         assert "rank 1 (pid" in message and f"rank {rank}: shm setup" in message, message
         assert elapsed < TIMEOUT / 3, (rank, elapsed, message)
+        if rank == 2:  # it found the file gone, and rank 0's word on why
+            assert "shm setup failed on rank 0: rank 0: shm setup: rank 1" in message, message
 
 
 def test_a_rank_that_does_not_map_in_time_is_named_at_the_timeout(pool, unique_name):
