@@ -25,41 +25,7 @@ _names = itertools.count()
 _LEFTOVERS = pytest.StashKey()
 
 
-#: The files that take longest (per-file sums of a run at ``-n 3`` on 2 cores), scheduled
-#: first: with ``--dist loadfile`` a long file handed out last keeps one worker busy while the
-#: others have nothing left (that run's sums give 563 s in collection order, 525 s with these
-#: first). It orders the scheduling only; a file missing from the list runs after, as collected.
-_LONGEST_FIRST = [
-    "tests/launch/test_two_nodes.py",  # 117 s
-    "tests/ddp/test_recover.py",  # 109 s
-    "tests/launch/test_etcd_launch.py",  # 87 s
-    "tests/launch/test_etcd_nodes.py",  # 84 s
-    "tests/launch/test_recover_launch.py",  # 75 s
-    "tests/launch/test_multinode.py",  # 68 s
-    "tests/ddp/test_compile.py",  # 45 s
-    "tests/launch/test_forkserver.py",  # 43 s
-    "tests/comm/test_flight.py",  # 42 s
-    "tests/ddp/test_compiled_autograd.py",  # 42 s
-    "tests/comm/c10d/test_p2p.py",  # 36 s
-    "tests/comm/shm/test_communicator.py",  # 36 s
-    "tests/ddp/test_hooks.py",  # 33 s
-    "tests/launch/test_hang_report.py",  # 32 s
-    "tests/launch/test_security.py",  # 31 s
-    "tests/ddp/test_torch_parity.py",  # 28 s
-    "tests/comm/shm/test_faults.py",  # 28 s
-    "bench/test_ddp_compile.py",  # 27 s
-    "tests/launch/test_signals.py",  # 26 s
-    "tests/ddp/test_recover_event.py",  # 25 s
-    "tests/launch/test_flags.py",  # 25 s
-    "tests/comm/ipc/test_cuda.py",  # 24 s
-    "tests/comm/c10d/test_process_group.py",  # 24 s
-    "tests/comm/hier/test_communicator.py",  # 23 s
-]
-
-
 def pytest_collection_modifyitems(config, items):
-    rank = {path: i for i, path in enumerate(_LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable
     if _HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
