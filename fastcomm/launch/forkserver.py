@@ -268,7 +268,7 @@ def _title(argv: list[str]) -> list[str]:
     """The command line the forked server shows: the one a spawned server has where the
     agent's leaves room for it, else with the names shortened (a command line cannot grow)."""
     start, end = _cmdline_area()
-    python, flag, bootstrap, *rest = argv
+    _, flag, bootstrap, *rest = argv
     for title in (argv, ["python", flag, os.path.basename(bootstrap), *rest],
                   [os.path.basename(bootstrap), *rest]):
         if len(_encode(title)) <= end - start:
@@ -302,8 +302,8 @@ def _fork_here(fd: int, env: dict[str, str], agent_end: int, title: list[str]) -
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()  # nothing the agent wrote is left for the child to write again
-        except (OSError, ValueError):
-            pass  # closed: nothing to write
+        except (AttributeError, OSError, ValueError):
+            pass  # closed or None: nothing to write
     with warnings.catch_warnings():  # 3.12+: "multi-threaded, fork() may deadlock"
         warnings.simplefilter("ignore", DeprecationWarning)
         pid = os.fork()
