@@ -213,14 +213,15 @@ def check_setup_peer_killed_after_mapping(name):
     if rank == 2:
         attach = _shm_segment.attach_segment
 
-        def attach_late(*args):
+        def attach_late(path, *args):
             store = rank_store().prefixed(name)
             deadline = time.monotonic() + TIMEOUT
             while time.monotonic() < deadline and not (
                     store.check(["shm/mapped/0"])
-                    and store.get("shm/mapped/0").startswith(b"lost: ")):
+                    and store.get("shm/mapped/0").startswith(b"lost: ")
+                    and not os.path.exists(path)):  # rank 0 says why, then removes the file
                 time.sleep(0.01)
-            return attach(*args)
+            return attach(path, *args)
 
         _shm_segment.attach_segment = attach_late
     if rank == 1:
