@@ -747,3 +747,34 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, dict):
         return {k: _to_device(v, device) for k, v in obj.items()}
     return obj
+
+
+def _frames_dynamo_skips() -> None:
+    """``torch.compile(DDP(model))``: Dynamo runs `DDP.forward` as plain Python instead of
+    tracing it, which would break its graph three times (at the eager bookkeeping before and
+    after the module, and at the module's call), each break a frame of guards and resume code
+    per step. Only the module's call, in `_call_module`, is compiled (split by DDPOptimizer).
+    The reducer's bookkeeping is never compiled, nor anything it calls. A code object's strategy
+    is read only while Dynamo intercepts frames: eager calls cost nothing. Where Dynamo inlines
+    the forward instead (a compiled function that calls the DDP), the ``is_compiling`` branch
+    of `DDP.forward` keeps the bookkeeping out of the graph as before."""
+    try:
+        from torch._C._dynamo.eval_frame import (
+            _FrameAction,
+            _FrameExecStrategy,
+            set_code_exec_strategy,
+        )
+    except ImportError:  # a torch without the per-code strategy: Dynamo traces the forward
+        return
+    skip, default = _FrameAction.SKIP, _FrameAction.DEFAULT
+    for fn, nested in (
+        (DDP.forward, default),  # what it calls: below, and torch.compiler.is_compiling
+        (_run_module, default),  # its call of _call_module is compiled
+        (DDP._pre_forward, skip),
+        (DDP._post_forward, skip),
+        (_to_device, skip),
+    ):
+        set_code_exec_strategy(fn.__code__, _FrameExecStrategy(skip, nested))
+
+
+_frames_dynamo_skips()
