@@ -3,8 +3,8 @@ compiled, interleaved.
 
 Groups, each on 2 ranks (CPU over Gloo; on a GPU, one rank over NCCL):
 
-- ``mlp``: 8 x ``Linear(512, 512)`` (1 MiB weights), ``bucket_cap_mb=1``: 8 buckets, batch
-  32, SGD;
+- ``mlp``: 8 x ``Linear(512, 512)`` (1 MiB weights) in a module class of its own (so that
+  Dynamo compiles it under torch DDP as well), ``bucket_cap_mb=1``: 8 buckets, batch 32, SGD;
 - ``transformer``: a 4-layer decoder stack of width 256 (the GPT-2 block of
   ``test_ddp_gpu.py``), sequence 64, batch 8, AdamW.
 
@@ -36,6 +36,21 @@ STEPS = {"mlp": 20, "transformer": 10}
 PROVIDERS = ["no-comm", "torch-eager", "torch-compiled", "fastcomm-eager", "fastcomm-compiled"]
 
 
+class _MLP(torch.nn.Module):
+    """8 x ``Linear(width, width)`` in a module class of the benchmark's own: Dynamo compiles
+    its frame under torch DDP too (an ``nn.Sequential``'s call frame it leaves to run eagerly
+    when torch's DDP calls it, so torch DDP "compiled" would be eager)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(8))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
 def _models(group: str, quick_mode: bool, device: torch.device):
     from test_ddp_gpu import GPT
 
@@ -44,9 +59,7 @@ def _models(group: str, quick_mode: bool, device: torch.device):
 
         def build():
             torch.manual_seed(0)
-            return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(8)]).to(
-                device
-            )
+            return _MLP(width).to(device)
 
         import os
 
