@@ -29,9 +29,24 @@ def pool():
         yield p
 
 
+class _MLP(torch.nn.Module):
+    """DEPTH x ``Linear(WIDTH, WIDTH)`` in a class of the test's own: Dynamo compiles its frame
+    under torch's DDP as well (an ``nn.Sequential`` there would run eagerly, and torch DDP
+    "compiled" would be eager DDP)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
 def _mlp() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)])
+    return _MLP()
 
 
 class _WithSpare(torch.nn.Module):
@@ -131,6 +146,8 @@ def test_compiled_backward_hands_buckets_over_as_it_runs(pool, compiled):
         # buckets; of 9 where the compiled module's gradients arrive weight before bias, for
         # both DDPs); the first layer's bucket is the input's own
         assert early >= torch_early, (last, theirs[rank]["handed"][-1])
+        # ... and torch DDP's module was compiled, not run eagerly
+        assert theirs[rank]["graphs"][1] > theirs[rank]["graphs"][0], theirs[rank]["graphs"]
         assert early >= 7, last
         # every bucket, in index order, the same every step (compiled, the gradients of a
         # layer arrive weight before bias: the rebuild in arrival order makes 9 buckets of
