@@ -67,7 +67,8 @@ def changed(change):
         json.dump({"seconds": change.seconds, "where": change.where,
                    "seen_at": change.seen_at,
                    "detected_by": getattr(change, "detected_by", "?"),
-                   "detected_at": getattr(change, "detected_at", None)}, fh)
+                   "detected_at": getattr(change, "detected_at", None),
+                   "phases": dict(getattr(change, "phases", ()))}, fh)
 ddp.on_membership_change(changed)
 opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
 gen = torch.Generator().manual_seed(me)
@@ -199,6 +200,9 @@ def measure_loss(out: Path, mode: str, point: str) -> dict:
                  "detected_ms": round((min(c["detected_at"] for c in changes) - kill["time"])
                                       * 1e3, 1) if all(c.get("detected_at") for c in changes)
                  else None,
+                 # each part of rebuild_ms, the slower survivor's
+                 **{f"{name}_ms": round(max(c["phases"].get(name, 0.0) for c in changes) * 1e3,
+                                        1) for name in ("agree", "successor", "replan")},
                  **_step_costs([records[(r, 0)] for r in survivors])}
     else:
         extra = {}
@@ -425,7 +429,8 @@ def test_recover_quick(tmp_path):
     assert row["steps_lost"] == 0 and row["world_sizes_after"] == [2, 3], row
 
 
-SHRINK_FIGURES = ("healthy_step_ms", "loss_step_ms", "loss_cost_ms", "seen_ms", "rebuild_ms")
+SHRINK_FIGURES = ("healthy_step_ms", "loss_step_ms", "loss_cost_ms", "seen_ms", "rebuild_ms",
+                  "agree_ms", "successor_ms", "replan_ms")
 
 
 @pytest.mark.timeout(1800)

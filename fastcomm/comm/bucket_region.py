@@ -60,6 +60,9 @@ class BucketRegion(Protocol):
     stages: bool
     """Whether :meth:`RegionBucket.stage` saves a copy (shm: the part in this rank's own slice
     is read where autograd left it); DDP stages fresh gradients only where it does."""
+    starts_zeroed: bool
+    """Whether its memory reads as zeros until written (shm's new pages; not CUDA's), so that
+    a bucket laid out where none was needs no zeroing."""
     nbytes: int
     """Bytes of memory the region takes on this rank."""
     stats: RegionStats

@@ -55,7 +55,10 @@ __all__ = [
 
 #: Where rank 0 publishes its DDP's recovery namespace in the world's store (for a joiner).
 NAMESPACE_KEY = "ddp-recover/current"
-_POLL_S = 0.002
+#: The agreement's look at the store between two waits: the survivors reach it a few ms
+#: apart, and each wait ends within this of the last one's arrival (a store's timed wait
+#: cannot be cancelled cleanly, so the waits poll)
+_POLL_S = 0.0005
 #: Errors that say a peer went away (a timeout is a hang, the hang report's business).
 LOSS_ERRORS = (CommAbortedError, CommClosedError)
 
@@ -96,6 +99,9 @@ class MembershipChange:
             ``"poll"`` (a look at ``/proc``), ``"flag"`` (a peer's abort mark), ``"store"``
             (the launcher's key), ``""`` (unknown: an error that did not say).
         detected_at: when its wait saw the loss (``time.time()``; ``seen_at`` where unknown).
+        phases: seconds of each part of `seconds` here, in order: ``agree`` (the survivors'
+            membership), ``successor`` (the new communicator), ``replan`` (the reducer's
+            buckets and whatever else follows the communicator).
     """
 
     epoch: int
@@ -108,6 +114,7 @@ class MembershipChange:
     seen_at: float
     detected_by: str = ""
     detected_at: float = 0.0
+    phases: tuple[tuple[str, float], ...] = ()
 
 
 class Membership:
@@ -444,13 +451,19 @@ class Recovery:
         # successor (off the step's path: tens of ms on a busy host); nothing uses it now
         threading.Thread(target=_close_quietly, args=(old,), name="fastcomm-close-failed").start()
         members = self.membership.agree(where)
-        ddp.replace_comm(self.successor(old))
+        agreed = time.monotonic()
+        successor = self.successor(old)
+        built = time.monotonic()
+        ddp.replace_comm(successor)
+        end = time.monotonic()
         change = MembershipChange(
             epoch=self.membership.epoch, rank=ddp.comm.rank, world_size=ddp.comm.size,
             lost=tuple(before.index(r) for r in before if r not in members),
-            members=tuple(members), where=where, seconds=time.monotonic() - start,
+            members=tuple(members), where=where, seconds=end - start,
             seen_at=seen_at, detected_by=getattr(lost, "detected_by", ""),
             detected_at=getattr(lost, "seen_at", 0.0) or seen_at,
+            phases=(("agree", agreed - start), ("successor", built - agreed),
+                    ("replan", end - built)),
         )
         self.announce(change)
         return change
@@ -512,12 +525,16 @@ def _comm_of(recovery: Recovery) -> Callable[[], object]:
 
 def redo_step(reducer, keeper: Keeper) -> None:
     """Reduces every dense gradient of this step again over ``reducer.comm`` from `keeper`'s
-    copies (scaled by ``1/size``, summed in rank order) and writes the averages into ``.grad``
-    (the bucket views where they are ``.grad``); then the reducer ends the step
-    (``abandon_step``)."""
+    copies and writes the averages into ``.grad`` (the bucket views where they are ``.grad``);
+    then the reducer ends the step (``abandon_step``). The buckets in the successor's shared
+    memory are reduced there in place, as a backward's are (each copy staged: the part in this
+    rank's own slice is read where it is); the other gradients are scaled by ``1/size`` and
+    all-reduced together in one flat tensor per dtype."""
     comm = reducer.comm
     scale = fp32_scale(1.0 / comm.size)
-    dense = [i for i in range(len(reducer.params)) if i not in reducer.sparse]
+    in_place = _redo_in_place(reducer, keeper)
+    dense = [i for i in range(len(reducer.params))
+             if i not in reducer.sparse and i not in in_place]
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i in dense:
         by_dtype.setdefault(reducer.params[i].dtype, []).append(i)
@@ -535,6 +552,30 @@ def redo_step(reducer, keeper: Keeper) -> None:
             target.copy_(value)
             p.grad = target
     reducer.abandon_step()
+
+
+def _redo_in_place(reducer, keeper: Keeper) -> set[int]:
+    """Stages `keeper`'s copies into the reducer's shared buckets, launches each, in bucket
+    order, waits for them all, and makes each such ``.grad`` its view; the parameters done."""
+    if reducer.shared is None:
+        return set()
+    done: set[int] = set()
+    launched = []
+    region = reducer.shared.region
+    for bucket in reducer.buckets:
+        if bucket.shared is None:
+            continue
+        for k, i in enumerate(bucket.param_indices):
+            local = keeper.local(i)
+            if local.data_ptr() != reducer.grad_views[i].data_ptr():  # else in place already
+                bucket.shared.stage(bucket.offsets[k], local.reshape(-1).to(bucket.dtype))
+            done.add(i)
+        launched.append(region.launch(bucket.shared, reducer.scale))
+    for result in launched:
+        result.wait()
+    for i in done:
+        reducer.params[i].grad = reducer.grad_views[i]
+    return done
 
 
 def _close_quietly(comm) -> None:

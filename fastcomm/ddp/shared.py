@@ -60,6 +60,10 @@ class SharedBuckets:
         self.region = region
         self.device = device
         self.staged = region.stages
+        # bytes of the areas that may hold anything but zeros: a bucket laid out past them
+        # needs no zeroing (a region that starts zeroed: shm's fresh pages), and its pages are
+        # first touched by the gradients themselves
+        self._written = 0 if region.starts_zeroed else float("inf")
         self.begin_layout()
 
     @classmethod
@@ -98,11 +102,14 @@ class SharedBuckets:
         if not eligible(bucket.params[0], self.device):
             return None
         shared = self.region.bucket(self._slot, self._offset, bucket.dtype, bucket.numel)
-        shared.flat.zero_()
+        end = self._offset + _padded(shared.nbytes)
+        if self._offset < self._written:
+            shared.flat.zero_()
+        self._written = max(self._written, end)
         if self.staged:
             self._staged.append(shared)
         self._slot += 1
-        self._offset += _padded(shared.nbytes)
+        self._offset = end
         return shared
 
     def begin_backward(self) -> None:

@@ -118,6 +118,7 @@ with open(os.path.join(out, f"r{{me}}.json"), "w") as fh:
                "seen": len(seen), "backend": ddp.comm.backend, "graphs": graphs,
                "seen_by": [c.detected_by for c in ddp._recovery.changes],
                "watch": ddp._recovery.watch is not None,
+               "calls": dict(ddp.comm.stats.calls), "buckets": len(ddp.reducer.buckets),
                "hook_comm": None if not comm_hook else [hook_state.phases.first is ddp.comm,
                                                    hook_state.phases.first.size]}}, fh)
 fastcomm.shutdown()
@@ -207,6 +208,21 @@ def test_kill_in_backward_packed_buckets(tmp_path):
     assert change[5] == f"backward {KILL_STEP}"
     assert reports[2]["changes"][0][1] == 1  # rank 2 is renumbered 1
     assert reports[0]["seen"] == reports[2]["seen"] == 1  # on_membership_change called
+
+
+@pytest.mark.timeout(200)
+def test_kill_in_backward_shared_buckets(tmp_path):
+    """Killed in a gradient hook with shared buckets: the survivors redo the step in their new
+    shared buckets, in place (the successor makes no all-reduce of its own, only the buckets'
+    in-place ones: the redo's and those of every later step)."""
+    result = _launch(tmp_path, "1:backward", shared=True)
+    reports, sizes = _check(tmp_path, result, {1})
+    assert [s[0] for s in sizes] == [3] * KILL_STEP + [2] * (STEPS - KILL_STEP)
+    for r in (0, 2):
+        calls = reports[r]["calls"]
+        assert "all_reduce" not in calls, calls
+        # every bucket of the step redone and of the steps after it
+        assert calls["shared_all_reduce"] == reports[r]["buckets"] * (STEPS - KILL_STEP), calls
 
 
 @pytest.mark.timeout(200)

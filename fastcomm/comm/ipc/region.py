@@ -156,6 +156,8 @@ class PeerBucketRegion:
 
     stages = False
     """Its buckets stage nothing: a fresh gradient reaches them as a whole copy."""
+    starts_zeroed = False
+    """Its area is allocated, not cleared: every bucket is zeroed as it is laid out."""
 
     def __init__(self, rank: int, size: int, layout: RegionLayout, area: torch.Tensor,
                  bases: torch.Tensor, control: torch.Tensor, max_spins: int,

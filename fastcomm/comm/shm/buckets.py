@@ -159,6 +159,9 @@ class ShmBucketRegion:
     stages = True
     """Its buckets take fresh gradients' slices where autograd left them, copied at launch
     (:meth:`ShmBucket.stage`), as well as whole copies."""
+    starts_zeroed = True
+    """A new segment's pages read as zeros (``posix_fallocate`` of a new file): a bucket laid
+    out where no bucket was needs no zeroing."""
 
     def __init__(self, name: str, layout: _RegionLayout, mm, rank: int, timeout_s: float,
                  spin_us: float, yield_us: float) -> None:

@@ -307,9 +307,11 @@ class Segment:
     def _wait_mapped(self, store: Store, keys: list[str], rank: int, timeout: timedelta) -> None:
         """Waits until every rank has mapped the segment; a rank that died meanwhile (the
         creator, named by the segment's name, or a rank that recorded its pid) ends the wait at
-        once instead of at the timeout. Polls the store: a few ms apart, then 50 ms."""
+        once instead of at the timeout. Polls the store: 0.5 ms apart at first (a peer maps
+        the segment within a few ms, and a wait is over within half a millisecond of it; a
+        store's timed wait cannot be cancelled cleanly), then further apart up to 50 ms."""
         start = time.monotonic()
-        pause = 0.002
+        pause = 0.0005
         while not store.check(keys):
             dead = self._dead_member()
             if dead is not None:
@@ -325,7 +327,7 @@ class Segment:
                     f"{', '.join(repr(keys[r]) for r in missing)} at {store.address})"
                 )
             time.sleep(pause)
-            pause = min(pause * 2, 0.05)
+            pause = min(pause * 1.5, 0.05)
 
     def _dead_member(self) -> str | None:
         """A member provably gone during setup (``"rank R (pid P)"``), else ``None``."""
