@@ -364,10 +364,15 @@ class Keeper:
             self.saved[i] = buf
         self.stamp[i] = reducer.synced_iterations
 
+    def has(self, i: int) -> bool:
+        """Whether parameter `i`'s local gradient of this step is kept here (not in
+        ``.grad``)."""
+        return self.stamp[i] == self.reducer.synced_iterations and self.saved[i] is not None
+
     def local(self, i: int) -> torch.Tensor:
         """Parameter `i`'s local gradient of this step (zeros when it got none)."""
         p = self.reducer.params[i]
-        if self.stamp[i] == self.reducer.synced_iterations and self.saved[i] is not None:
+        if self.has(i):
             return self.saved[i]
         if p.grad is not None and not p.grad.is_sparse:
             return p.grad
@@ -437,15 +442,16 @@ class Recovery:
                 self.shrink(where, exc)
         return fn()
 
-    def shrink(self, where: str, cause: BaseException) -> MembershipChange:
+    def shrink(self, where: str, cause: BaseException, redo: bool = False) -> MembershipChange:
         """Closes the failed communicator (on a thread of its own), agrees on the survivors and
-        swaps theirs in."""
+        swaps theirs in. `redo`: the failed backward is redone next (`finalize`), which writes
+        every gradient it keeps again: those leave the shared region without a copy."""
         ddp, start, seen_at = self.ddp, time.monotonic(), time.time()
         lost = _peer_lost(cause)
         old = ddp.comm
         reducer = getattr(ddp, "reducer", None)
         if reducer is not None:  # its shared region goes with the failed communicator
-            reducer.leave_shared_memory()
+            reducer.leave_shared_memory(reducer.keeper.has if redo else None)
         before = list(self.membership.members)
         # its threads drain and its mapping goes while the survivors agree and build the
         # successor (off the step's path: tens of ms on a busy host); nothing uses it now
@@ -491,7 +497,7 @@ class Recovery:
             cause: BaseException = exc
         where = f"backward {reducer.synced_iterations}"
         for _ in range(len(self.membership.members)):
-            self.shrink(where, cause)
+            self.shrink(where, cause, redo=True)
             try:
                 redo_step(reducer, reducer.keeper)
                 return

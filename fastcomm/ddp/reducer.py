@@ -155,15 +155,17 @@ class Reducer:
         if self.health is not None:
             self.health = GradHealth(self, check_finite=self.health.check_finite)
 
-    def leave_shared_memory(self) -> None:
+    def leave_shared_memory(self, rewritten: Callable[[int], bool] | None = None) -> None:
         """Copies every ``.grad`` that lives in the shared bucket region out of it: the region
-        goes with its communicator (before ``replace_comm``, or closing it)."""
+        goes with its communicator (before ``replace_comm``, or closing it). A parameter for
+        which `rewritten` says yes (its gradient is written again before anyone reads it: the
+        redo of a failed step) is left without one instead."""
         if self.shared is None:
             return
-        for p in self.params:
+        for i, p in enumerate(self.params):
             g = p.grad
             if g is not None and not g.is_sparse:
-                p.grad = g.detach().clone()
+                p.grad = None if rewritten is not None and rewritten(i) else g.detach().clone()
 
     # ------------------------------------------------------------------ buckets
     def _build(self, order: list[int]) -> None:
