@@ -1,15 +1,19 @@
 """Processes of this host seen to exit: by event where the kernel gives one, else by a look.
 
-A pidfd (``os.pidfd_open``, Linux >= 5.3) becomes readable the moment its process exits, so a
-wait that checks it between two sleep slices learns of a SIGKILLed peer within a slice (2 ms)
-and a thread can sleep on it (``select.poll``) and wake at the exit itself. Where none can be
+A pidfd (``os.pidfd_open``, Linux >= 5.3) becomes readable once its process has exited, so a
+thread can sleep on it (``select.poll``) and wake at the exit itself. The kernel makes it
+readable only after tearing the process's memory down, though: 13 ms after a SIGKILL for a
+rank of the recovery benchmark, 50 ms for a process holding 400 MB. A wait that checks
+between two sleep slices (2 ms) therefore also looks at the process's stat in ``/proc``, where
+the kernel's exit flag shows within a few ms of the kill (``"exiting"``). Where none can be
 opened (an older kernel or Python, a sandbox that forbids the call, ``FASTCOMM_PIDFD=0``) the
 process is looked up in ``/proc`` every ``LOOK_S`` instead, its start time guarding against a
 reused pid. A pidfd is opened only after its process's start time was checked against the one
 recorded, so it names that process and no later one.
 
 Invariant: a key is watched one way for its whole life, and :meth:`ProcessExits.how` says
-which (``"pidfd"`` or ``"poll"``), for the error that names the loss.
+how its exit was seen (``"pidfd"``, ``"exiting"`` or ``"poll"``), for the error that names the
+loss.
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ import weakref
 from collections.abc import Hashable, Iterable
 
 from ... import settings
-from .segment import process_alive
+from .segment import process_alive, process_exiting
 
-__all__ = ["FLAG", "LOOK_S", "PIDFD", "POLL", "ProcessExits", "pidfd_usable"]
+__all__ = ["EXITING", "FLAG", "LOOK_S", "PIDFD", "POLL", "ProcessExits", "pidfd_usable"]
 
-#: How a peer's loss was seen: its pidfd, a look at ``/proc``, its own abort or close mark.
-PIDFD, POLL, FLAG = "pidfd", "poll", "flag"
+#: How a peer's loss was seen: its pidfd, its exit flag in ``/proc`` (before the pidfd), a
+#: look at ``/proc`` (no pidfd), its own abort or close mark.
+PIDFD, EXITING, POLL, FLAG = "pidfd", "exiting", "poll", "flag"
 #: Seconds between two looks at ``/proc`` for a process watched without a pidfd.
 LOOK_S = 0.05
 
@@ -63,6 +68,8 @@ class ProcessExits:
         self._use_pidfd = pidfd_usable()
         self._fds: dict[Hashable, int] = {}
         self._keys_of_fd: dict[int, Hashable] = {}
+        self._pids: dict[Hashable, tuple[int, int | None]] = {}  # the pidfd'd ones'
+        self._seen: dict[Hashable, str] = {}  # how an exit was seen, once it was
         self._looked: dict[Hashable, tuple[int, int | None]] = {}
         self._next_look: dict[Hashable, float] = {}
         self._poller = select.poll()
@@ -82,19 +89,29 @@ class ProcessExits:
             return
         self._fds[key] = fd
         self._keys_of_fd[fd] = key
+        self._pids[key] = (pid, start_time)
         self._poller.register(fd, select.POLLIN)
 
     def how(self, key: Hashable) -> str:
-        """How `key`'s exit is seen: ``"pidfd"`` (at once) or ``"poll"`` (a look at ``/proc``
-        every ``look_s``)."""
-        return PIDFD if key in self._fds else POLL
+        """How `key`'s exit was seen (:meth:`exited` said so), or is watched: ``"pidfd"``,
+        ``"exiting"`` (its exit flag, before its pidfd), ``"poll"`` (a look at ``/proc`` every
+        ``look_s``, no pidfd)."""
+        return self._seen.get(key) or (PIDFD if key in self._fds else POLL)
 
     def exited(self, key: Hashable, now: float | None = None) -> bool:
-        """Whether `key`'s process has exited: its pidfd's state (one system call), else a
-        ``/proc`` look when the last one is ``look_s`` old (``now``: ``time.monotonic()``)."""
+        """Whether `key`'s process has exited or is exiting: its pidfd's state (one system
+        call), then its exit flag (a read of its stat); without a pidfd, a ``/proc`` look when
+        the last one is ``look_s`` old (``now``: ``time.monotonic()``)."""
         fd = self._fds.get(key)
         if fd is not None:
-            return bool(select.select((fd,), (), (), 0)[0])
+            if select.select((fd,), (), (), 0)[0]:
+                self._seen.setdefault(key, PIDFD)
+                return True
+            pid, start_time = self._pids[key]
+            if process_exiting(pid, start_time or None):
+                self._seen.setdefault(key, EXITING)
+                return True
+            return False
         if key not in self._looked:  # closed
             return False
         now = time.monotonic() if now is None else now
@@ -123,6 +140,7 @@ class ProcessExits:
         """Closes every pidfd (idempotent); every key is then forgotten (never seen exited)."""
         _close_fds(self._fds)
         self._keys_of_fd.clear()
+        self._pids.clear()
         self._looked.clear()
         self._next_look.clear()
         self._poller = select.poll()

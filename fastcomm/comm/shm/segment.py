@@ -143,6 +143,30 @@ def pid_start_time(pid: int) -> int | None:
     return int(fields[19])  # field 22 of stat(5), counted after "pid (comm)"
 
 
+#: The kernel's flag of a task in its exit path (``PF_EXITING``, include/linux/sched.h): field 9
+#: of stat(5).
+_PF_EXITING = 0x4
+
+
+def process_exiting(pid: int, start_time: int | None = None) -> bool:
+    """Whether ``pid`` (the process that started at ``start_time``) is gone or on its way out:
+    no such process, a zombie, or its main thread in the kernel's exit path. A SIGKILLed
+    process shows the flag within a few ms; its pidfd becomes readable only once the kernel has
+    torn its memory down, tens of ms later for a process holding hundreds of MB. (A Python
+    process's main thread leaves only with the whole process.)"""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+    except OSError:
+        return True
+    fields = text[text.rfind(b")") + 2 :].split()
+    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+        return True
+    if start_time and int(fields[19]) != start_time:
+        return True  # the pid is another process's now
+    return bool(int(fields[6]) & _PF_EXITING)
+
+
 def process_alive(pid: int, start_time: int | None = None) -> bool:
     """Whether ``pid`` runs (and, given ``start_time``, is the same process, not a reused pid)."""
     now = pid_start_time(pid)
