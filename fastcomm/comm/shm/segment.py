@@ -127,20 +127,26 @@ class Layout:
         return self.mailboxes + 2 * self.size * (self.size - 1) * self.mbox_bytes
 
 
-def pid_start_time(pid: int) -> int | None:
-    """The start time (clock ticks since boot) of ``pid``, or ``None`` if it is gone or a zombie.
-
-    A zombie has exited but is not reaped yet; ``os.kill(pid, 0)`` would still succeed on it.
-    """
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/PID/stat`` after ``pid (comm)`` (the state first: field 3 of
+    stat(5) is ``[0]``), or ``None`` if there is no such process, or it is a zombie (exited, not
+    reaped yet: ``os.kill(pid, 0)`` would still succeed on it)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             text = f.read()
     except OSError:
         return None
     fields = text[text.rfind(b")") + 2 :].split()
-    if not fields or fields[0] in (b"Z", b"X"):
+    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
         return None
-    return int(fields[19])  # field 22 of stat(5), counted after "pid (comm)"
+    return fields
+
+
+def pid_start_time(pid: int) -> int | None:
+    """The start time (clock ticks since boot) of ``pid``, or ``None`` if it is gone or a
+    zombie."""
+    fields = _stat_fields(pid)
+    return None if fields is None else int(fields[19])  # field 22 of stat(5)
 
 
 #: The kernel's flag of a task in its exit path (``PF_EXITING``, include/linux/sched.h): field 9
@@ -154,17 +160,10 @@ def process_exiting(pid: int, start_time: int | None = None) -> bool:
     process shows the flag within a few ms; its pidfd becomes readable only once the kernel has
     torn its memory down, tens of ms later for a process holding hundreds of MB. (A Python
     process's main thread leaves only with the whole process.)"""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read()
-    except OSError:
-        return True
-    fields = text[text.rfind(b")") + 2 :].split()
-    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
-        return True
-    if start_time and int(fields[19]) != start_time:
-        return True  # the pid is another process's now
-    return bool(int(fields[6]) & _PF_EXITING)
+    fields = _stat_fields(pid)
+    if fields is None or (start_time and int(fields[19]) != start_time):
+        return True  # gone, a zombie, or the pid is another process's now
+    return bool(int(fields[6]) & _PF_EXITING)  # field 9 of stat(5)
 
 
 def process_alive(pid: int, start_time: int | None = None) -> bool:
