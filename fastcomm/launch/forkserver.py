@@ -253,15 +253,26 @@ def _encode(argv: list[str]) -> bytes:
     return b"".join(os.fsencode(arg) + b"\0" for arg in argv)
 
 
+def stat_fields(pid: int | str) -> list[bytes] | None:
+    """The fields of ``/proc/PID/stat`` after ``pid (comm)`` (the state is ``[0]``, field 3 of
+    proc(5)); ``None`` where it cannot be read (no such process, no ``/proc``). `pid` may be
+    ``"self"``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            text = fh.read()
+    except OSError:
+        return None
+    end = text.rfind(b")")
+    return text[end + 1 :].split() if end >= 0 else None
+
+
 def _cmdline_area() -> tuple[int, int]:
     """The addresses of this process's command line (``/proc/self/stat``'s ``arg_start`` and
     ``arg_end``; ``(0, 0)`` where it does not say)."""
-    try:
-        with open("/proc/self/stat", "rb") as fh:
-            fields = fh.read().rsplit(b")", 1)[1].split()
-        return int(fields[45]), int(fields[46])  # fields 48 and 49 of proc(5)
-    except (OSError, IndexError, ValueError):
+    fields = stat_fields("self")
+    if fields is None or len(fields) < 47:
         return 0, 0
+    return int(fields[45]), int(fields[46])  # fields 48 and 49 of proc(5)
 
 
 def _title(argv: list[str]) -> list[str]:
@@ -360,8 +371,5 @@ def _become_server(fd: int, agent_end: int) -> None:  # pragma: no cover - in th
 
 def _alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie does not: the server that would reap it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return False
+    fields = stat_fields(pid)
+    return bool(fields) and fields[0] not in (b"Z", b"X")

@@ -25,7 +25,7 @@ from typing import BinaryIO
 from fastcomm import settings
 
 from .config import STD_ERR, STD_OUT
-from .forkserver import Forked, ForkServer
+from .forkserver import Forked, ForkServer, stat_fields
 from .spare import Spare, spare_command
 
 __all__ = ["WorkerSpec", "WorkerGroup", "BOOTSTRAP", "pid_namespace", "start_time"]
@@ -394,11 +394,8 @@ SEGMENT_PREFIX = "fastcomm-"
 
 def start_time(pid: int) -> int | None:
     """Start time of ``pid`` in clock ticks since boot (field 22 of ``/proc/<pid>/stat``)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return int(fh.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
+    fields = stat_fields(pid)
+    return int(fields[19]) if fields is not None and len(fields) > 19 else None
 
 
 def pid_namespace() -> int:
@@ -462,10 +459,8 @@ def _live_groups() -> set[int] | None:
     for name in names:
         if not name.isdigit():
             continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as fh:
-                fields = fh.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
+        fields = stat_fields(name)
+        if fields is None or len(fields) < 3:
             continue  # gone meanwhile
         if fields[0] not in (b"Z", b"X"):
             groups.add(int(fields[2]))
