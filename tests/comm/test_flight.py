@@ -313,3 +313,35 @@ def test_async_call_ends_when_its_work_does(backend):
         assert rows[0]["desc"] == "all_reduce(float32, 8 elements, op sum)", rows
     finally:
         comm.close()
+
+
+def _dump(rank: int, entries: list[dict], where: str = "train.py:10 in step") -> dict:
+    return {"rank": rank, "host": "h", "pid": 100 + rank, "where": where,
+            "recorders": [{"main": True, "seq": entries[-1]["seq"], "entries": entries}]}
+
+
+def _call(seq: int, state: str, issued: float) -> dict:
+    return {"seq": seq, "op": "all_reduce", "desc": "all_reduce(float32, 4 elements)",
+            "state": state, "issued": issued}
+
+
+@pytest.mark.parametrize("exited", ["after the wait began", "before it"])
+def test_a_rank_that_never_entered_comes_before_one_that_left_the_wait(exited):
+    """4 ranks: 0 and 1 wait in #5 since t0, 3 stopped before it (its last call #4), and 2
+    left no record (it exited). Where 2's last heartbeat came after t0 (it gave up on the wait,
+    say), rank 3 is the cause and 2 is named after it; where it came before, 2 is the cause."""
+    t0 = time.time() - 30
+    done = [_call(s, "completed", t0 - 5 + s) for s in range(1, 5)]
+    dumps = {r: _dump(r, [*done, _call(5, "started", t0)]) for r in (0, 1)}
+    dumps[3] = _dump(3, done, where="train.py:42 in next_batch")
+    beat_time = t0 + 20 if exited == "after the wait began" else t0 - 10
+    beats = {r: {"host": "h", "time": t0 + 25, "poll": 1.0} for r in (0, 1, 3)}
+    beats[2] = {"host": "h", "time": beat_time, "poll": 1.0, "status": "exited", "pid": 102}
+    line = analyze(dumps, beats, 4, "world")[0]
+    if exited == "after the wait began":
+        assert line.startswith("rank 3 never entered all_reduce #5 of world (ranks 0,1 "), line
+        assert "rank 3 is at train.py:42 in next_batch" in line, line
+        assert "rank 2 (host h) stopped answering" in line and "(pid 102 exited)" in line, line
+    else:
+        assert line.startswith("rank 2 (host h) stopped answering at "), line
+        assert "ranks 0,1 waiting in all_reduce #5 of world" in line, line
