@@ -432,7 +432,8 @@ class CommBackend(abc.ABC):
 
     # ------------------------------------------------------------------ membership changes
     def reconfigured(
-        self, store: Store, rank: int, size: int, *, spans_hosts: bool = False
+        self, store: Store, rank: int, size: int, *, spans_hosts: bool = False,
+        survivors: list[int] | None = None,
     ) -> Communicator:
         """This communicator's successor over new members (in-place recovery's survivors, or
         the members after ranks joined): a collective of the new members, each calling it on
@@ -445,6 +446,9 @@ class CommBackend(abc.ABC):
             rank: this process's rank among the new members.
             size: the number of new members.
             spans_hosts: whether the new members run on more than one host.
+            survivors: where every new member holds this communicator (a shrink), their ranks
+                in it, in new-rank order: a kind may then build the successor from what they
+                share instead of a store round (shm does). ``None``: a rank joins them.
         """
         return type(self).for_new_members(
             store, rank, size, self.timeout, old=self, spans_hosts=spans_hosts

@@ -247,6 +247,7 @@ def new_communicator(
     fallback: bool = True,
     options: ShmOptions | None = None,
     watch: bool = True,
+    survivors_of: tuple[Communicator, list[int]] | None = None,
 ) -> Communicator:
     """Builds a communicator of ``backend`` on ``store`` (a namespace private to it), with the
     parts it composes: the one place that builds backends.
@@ -268,6 +269,9 @@ def new_communicator(
         options: the shared-memory tuning of ``shm``, ``ipc`` and ``hier``'s host part.
         watch: give it the flight thread's heartbeat, dumps and early warning
             (:mod:`.flight_watch`); its sub-communicators are recorded, not watched.
+        survivors_of: ``shm`` only: ``(old, ranks)``, the shm communicator these ranks of it
+            survive (``ShmCommunicator.reconfigured``): its segment is made without a store
+            round.
 
     Raises:
         ValueError: unknown backend.
@@ -283,7 +287,8 @@ def new_communicator(
         comm = NcclCommunicator(store, rank, size, timeout, device=device)
     elif backend == "shm":
         side = gloo(store.prefixed("fallback")) if fallback else None
-        comm = ShmCommunicator(store, rank, size, timeout, options=options, fallback=side)
+        comm = ShmCommunicator(store, rank, size, timeout, options=options, fallback=side,
+                               survivors_of=survivors_of)
     elif backend == "hier":
         comm = _build_hier(store, rank, size, timeout, options)
     elif backend == "ipc":

@@ -458,7 +458,7 @@ class Recovery:
         threading.Thread(target=_close_quietly, args=(old,), name="fastcomm-close-failed").start()
         members = self.membership.agree(where)
         agreed = time.monotonic()
-        successor = self.successor(old)
+        successor = self.successor(old, [before.index(r) for r in members])
         built = time.monotonic()
         ddp.replace_comm(successor)
         end = time.monotonic()
@@ -474,12 +474,14 @@ class Recovery:
         self.announce(change)
         return change
 
-    def successor(self, old):
+    def successor(self, old, survivors: list[int] | None = None):
         """`old`'s successor over the current epoch's members (``old.reconfigured``): a
-        collective of those members."""
+        collective of those members. `survivors`: their ranks in `old`, where every member
+        holds it (a shrink)."""
         membership = self.membership
         return old.reconfigured(membership.comm_store(), membership.rank,
-                                len(membership.members), spans_hosts=membership.spans_hosts)
+                                len(membership.members), spans_hosts=membership.spans_hosts,
+                                survivors=survivors)
 
     def announce(self, change: MembershipChange) -> None:
         """Records `change` and calls the ``on_membership_change`` callbacks with it."""

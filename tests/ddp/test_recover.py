@@ -119,6 +119,8 @@ with open(os.path.join(out, f"r{{me}}.json"), "w") as fh:
                "seen_by": [c.detected_by for c in ddp._recovery.changes],
                "watch": ddp._recovery.watch is not None,
                "calls": dict(ddp.comm.stats.calls), "buckets": len(ddp.reducer.buckets),
+               "shm_keys": ddp.comm.store.check(["shm/name"]) or ddp.comm.store.check(
+                   ["shm/hosts/0"]) if ddp.comm.backend == "shm" else None,
                "hook_comm": None if not comm_hook else [hook_state.phases.first is ddp.comm,
                                                    hook_state.phases.first.size]}}, fh)
 fastcomm.shutdown()
@@ -212,13 +214,16 @@ def test_kill_in_backward_packed_buckets(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_kill_in_backward_shared_buckets(tmp_path):
-    """Killed in a gradient hook with shared buckets: the survivors redo the step in their new
-    shared buckets, in place (the successor makes no all-reduce of its own, only the buckets'
-    in-place ones: the redo's and those of every later step)."""
+    """Killed in a gradient hook with shared buckets: the survivors' new segment is made
+    without a store round, and they redo the step in their new shared buckets, in place (the
+    successor makes no all-reduce of its own, only the buckets' in-place ones: the redo's and
+    those of every later step)."""
     result = _launch(tmp_path, "1:backward", shared=True)
     reports, sizes = _check(tmp_path, result, {1})
     assert [s[0] for s in sizes] == [3] * KILL_STEP + [2] * (STEPS - KILL_STEP)
     for r in (0, 2):
+        # the successor's segment was made without a store round (Segment.setup_successor)
+        assert reports[r]["shm_keys"] is False, reports[r]
         calls = reports[r]["calls"]
         assert "all_reduce" not in calls, calls
         # every bucket of the step redone and of the steps after it

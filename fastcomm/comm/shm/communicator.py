@@ -33,7 +33,7 @@ from .flags import PeerFlags, fence_supported
 from .p2p import Mailboxes
 from .reductions import Reduction
 from .schedules import SegmentSchedules
-from .segment import ABORTED, CLOSED, Segment, shm_supported
+from .segment import ABORTED, CLOSED, Segment, pid_start_time, shm_supported
 
 __all__ = ["ShmCommunicator", "ShmOptions", "shm_available"]
 
@@ -137,6 +137,7 @@ class ShmCommunicator(Communicator):
         options: ShmOptions | None = None,
         fallback: Communicator | None = None,
         reduce: Reduction | None = None,
+        survivors_of: tuple[ShmCommunicator, list[int]] | None = None,
     ) -> None:
         super().__init__(store, rank, size, timeout, fallback=fallback)
         if not shm_available():
@@ -145,27 +146,25 @@ class ShmCommunicator(Communicator):
         mbox = opts.mbox_bytes or max(16 << 10, min(256 << 10, (64 << 20) // (2 * size * size)))
         mbox -= mbox % 4096
         one_shot = opts.one_shot_max if opts.one_shot_max is not None else (512 << 10) // size
-        # the ranks share a host and agree on the protocol's sizes, checked once here: a
-        # per-rank FASTCOMM_SHM_* value would otherwise pick different algorithms
-        mine = [host_id(), opts.slot_bytes, mbox, one_shot]
-        everyone = store.all_gather_object("shm/hosts", rank, size, mine, self.timeout)
-        hosts = [entry[0] for entry in everyone]
-        if len(set(hosts)) > 1:
-            raise FastcommError(
-                f"rank {rank}: the shm communicator needs every rank on one host, got hosts "
-                f"{dict(enumerate(hosts))}; use the 'hier' or 'gloo' backend"
-            )
-        for name, k in (("slot_bytes", 1), ("mbox_bytes", 2), ("one_shot_max", 3)):
-            values = {r: entry[k] for r, entry in enumerate(everyone)}
-            if len(set(values.values())) > 1:
-                raise FastcommError(
-                    f"rank {rank}: the shm ranks disagree on {name}: {values} (rank: bytes); "
-                    f"every rank must pass the same ShmOptions / FASTCOMM_SHM_* values"
-                )
+        if survivors_of is None:
+            self._check_peers(store, rank, size, [host_id(), opts.slot_bytes, mbox, one_shot])
         spin = opts.spin_us
         if spin is None:
             spin = 20.0 if size <= len(os.sched_getaffinity(0)) else 0.0
-        self._seg = Segment.setup(store, rank, size, opts.slot_bytes, mbox, self.timeout)
+        if survivors_of is None:
+            self._seg = Segment.setup(store, rank, size, opts.slot_bytes, mbox, self.timeout)
+        else:  # they held one segment and checked all this: no store round (`reconfigured`)
+            old, survivors = survivors_of
+            if len(survivors) != size:
+                raise ValueError(f"rank {rank}: {size} ranks but survivors {survivors}")
+            # read from the old one's records, which outlive its mapping (closed meanwhile)
+            known = {**old._flags.identity, old.rank: (os.getpid(), pid_start_time(os.getpid()))}
+            identities = [known[r] for r in survivors]
+            self._seg = Segment.setup_successor(
+                old._seg_name, identities, store.prefix, rank, opts.slot_bytes, mbox,
+                self.timeout,
+            )
+        self._seg_name = self._seg.name
         self._flags = PeerFlags(
             self._seg, rank, self.timeout.total_seconds(), spin, opts.yield_us,
             crowd_check=opts.spin_us is None,
@@ -195,10 +194,48 @@ class ShmCommunicator(Communicator):
         self._pid = os.getpid()
         _LIVE.add(self)
 
+    def _check_peers(self, store: Store, rank: int, size: int, mine: list) -> None:
+        """The ranks share a host and agree on the protocol's sizes, checked once here (a
+        store round): a per-rank FASTCOMM_SHM_* value would otherwise pick different
+        algorithms."""
+        everyone = store.all_gather_object("shm/hosts", rank, size, mine, self.timeout)
+        hosts = [entry[0] for entry in everyone]
+        if len(set(hosts)) > 1:
+            raise FastcommError(
+                f"rank {rank}: the shm communicator needs every rank on one host, got hosts "
+                f"{dict(enumerate(hosts))}; use the 'hier' or 'gloo' backend"
+            )
+        for name, k in (("slot_bytes", 1), ("mbox_bytes", 2), ("one_shot_max", 3)):
+            values = {r: entry[k] for r, entry in enumerate(everyone)}
+            if len(set(values.values())) > 1:
+                raise FastcommError(
+                    f"rank {rank}: the shm ranks disagree on {name}: {values} (rank: bytes); "
+                    f"every rank must pass the same ShmOptions / FASTCOMM_SHM_* values"
+                )
+
     @property
     def device(self) -> torch.device:
         """CPU: the tensors this communicator moves itself (CUDA ones take its fallback)."""
         return torch.device("cpu")
+
+    def reconfigured(
+        self, store: Store, rank: int, size: int, *, spans_hosts: bool = False,
+        survivors: list[int] | None = None,
+    ) -> Communicator:
+        """As :meth:`Communicator.reconfigured`. Given `survivors` (a shrink: every new member
+        holds this communicator, their ranks here in new-rank order) on one host, the
+        successor's segment is made from what they share, without a store round: its name
+        follows from the new rank 0's identity recorded here and the successor's namespace
+        (``Segment.setup_successor``), and the host and sizes were checked at this one's
+        setup."""
+        if survivors is None or spans_hosts:
+            return super().reconfigured(store, rank, size, spans_hosts=spans_hosts)
+        from ..world import new_communicator  # world imports every backend
+
+        return new_communicator(
+            self.backend, store=store, rank=rank, size=size, timeout=self.timeout,
+            fallback=False, options=self.options, survivors_of=(self, list(survivors)),
+        )
 
     @classmethod
     def for_new_members(

@@ -8,6 +8,7 @@ liveness checks: ``docs/shm.md``.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import re
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from itertools import count
 
-from ..errors import FastcommError, PeerLostError, StoreTimeoutError
+from ..errors import CommTimeoutError, FastcommError, PeerLostError, StoreTimeoutError
 from ..store import Store
 
 __all__ = [
@@ -325,6 +326,81 @@ class Segment:
         finally:
             if path is not None:
                 unlink_segment(path)
+        return seg
+
+    @classmethod
+    def setup_successor(
+        cls,
+        old_name: str,
+        identities: list[tuple[int, int | None]],
+        tag: str,
+        rank: int,
+        slot_bytes: int,
+        mbox_bytes: int,
+        timeout: timedelta,
+    ) -> Segment:
+        """The segment of the survivors of the segment `old_name`, made without a store round
+        (in-place recovery's shrink: every new member held that one). `identities`: each
+        survivor's ``(pid, start time)`` as recorded there, in new-rank order; `tag`: what makes
+        this successor's name unique, the same on every survivor (its store namespace). The
+        name follows from what they share: the new rank 0's pid and start time and a digest of
+        the old name and `tag`. Rank 0 creates the
+        file under a name of its own and renames it into place, so it appears whole; each
+        survivor maps it and records its pid in it, waits until all have, and unlinks it.
+
+        Raises:
+            PeerLostError: a survivor died before every one had mapped it.
+            CommTimeoutError: a survivor did not map it within ``timeout``.
+            FastcommError: the segment could not be created or mapped.
+        """
+        size = len(identities)
+        layout = Layout(size, slot_bytes, mbox_bytes)
+        pid, start = identities[0]
+        digest = hashlib.blake2b(f"{old_name}|{tag}".encode(), digest_size=6).hexdigest()
+        name = f"{PREFIX}{pid}-{start}-{pid_namespace()}-{digest}"
+        path = os.path.join(SHM_DIR, name)
+        begin = time.monotonic()
+
+        def check(waiting_on: list[int], what: str) -> None:
+            for r in waiting_on:
+                if process_exiting(identities[r][0], identities[r][1] or None):
+                    raise PeerLostError(
+                        f"rank {rank}: shm setup of the survivors' segment: rank {r} (pid "
+                        f"{identities[r][0]}) died before {what} (after "
+                        f"{time.monotonic() - begin:.3f} s)", "exiting", time.time())
+            if time.monotonic() - begin > timeout.total_seconds():
+                raise CommTimeoutError(
+                    f"rank {rank}: shm setup of the survivors' segment: rank(s) {waiting_on} "
+                    f"did not {what} within {timeout.total_seconds():.1f} s")
+
+        pause = 0.0002
+        if rank == 0:
+            staging = f"{path}-0"
+            mm = _create(staging, layout)
+            os.rename(staging, path)
+        else:
+            while not os.path.exists(path):
+                check([0], "it made the segment")
+                time.sleep(pause)
+                pause = min(pause * 1.5, 0.01)
+            mm = attach_segment(path, layout, rank)
+        seg = cls(name, layout, mm)
+        try:
+            seg._put(layout.misc(rank, 3), identities[rank][1] or 0)
+            seg._put(layout.misc(rank, 2), os.getpid())  # last: says it is mapped
+            pause = 0.0002
+            while True:
+                missing = [r for r in range(size) if not seg.peer_identity(r)[0]]
+                if not missing:
+                    break
+                check(missing, "it mapped the segment")
+                time.sleep(pause)
+                pause = min(pause * 1.5, 0.01)
+        except BaseException:
+            mm.close()
+            raise
+        finally:
+            unlink_segment(path)  # any survivor may, once all mapped it (and on failure)
         return seg
 
     def _wait_mapped(self, store: Store, keys: list[str], rank: int, timeout: timedelta) -> None:

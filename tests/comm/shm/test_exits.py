@@ -66,3 +66,33 @@ def test_a_killed_peer_is_seen_exiting_with_a_pidfd(monkeypatch):
         watch.close()
         proc.kill()
         proc.wait()
+
+
+def _dead_identity() -> tuple[int, int]:
+    proc = _child()
+    identity = (proc.pid, pid_start_time(proc.pid))
+    proc.kill()
+    proc.wait()
+    return identity
+
+
+@pytest.mark.parametrize("who", ["the creator", "a peer"])
+def test_a_survivor_lost_during_the_successor_setup(who):
+    """``Segment.setup_successor`` (no store): a survivor that died before it made the segment
+    (the new rank 0) or mapped it (another) ends the others' setup at once with
+    ``PeerLostError`` naming it, and no file is left in /dev/shm."""
+    from datetime import timedelta
+
+    from fastcomm.comm.errors import PeerLostError
+    from fastcomm.comm.shm.segment import Segment
+
+    me = (os.getpid(), pid_start_time(os.getpid()))
+    dead = _dead_identity()
+    identities, rank = ([dead, me], 1) if who == "the creator" else ([me, dead], 0)
+    before = set(os.listdir("/dev/shm"))
+    start = time.monotonic()
+    with pytest.raises(PeerLostError, match=rf"rank {1 - rank} \(pid {dead[0]}\) died before"):
+        Segment.setup_successor(f"fastcomm-test-{os.getpid()}", identities, "epoch1/comm", rank,
+                                4096, 4096, timedelta(seconds=30))
+    assert time.monotonic() - start < 10  # not the timeout
+    assert set(os.listdir("/dev/shm")) - before == set()
