@@ -8,7 +8,8 @@ is the one with ``fastcomm::bucket_launch`` nodes. Asserted: eager's parameters 
 steps; one launch per bucket, in bucket order, each before the matrix products of the layers
 below its bucket (issued while the backward still runs, not after it); one wait per bucket, in
 order, after the backward's last matrix product (the reductions overlap the backward); no
-recompilation after step 3.
+recompilation after step 3. Also under compiled autograd: ``no_sync`` (no reduction in its
+backward, the sum reduced at the next) and inductor compiling the traced backward.
 """
 
 from __future__ import annotations
@@ -195,3 +196,62 @@ def test_unsupported_option_raises_naming_it(pool):
     for message in pool.run(check_unsupported):
         assert "find_unused_parameters=True" in message, message
         assert "compiled autograd" in message, message
+
+
+def check_step_variant(kind: str, compiled_autograd: bool, steps: int = 6) -> dict:
+    """`steps` steps of fastcomm DDP, compiled autograd on or off: ``no_sync`` (every other
+    step accumulates a ``no_sync`` backward first) or ``inductor`` (the training step compiled
+    by inductor instead of ``aot_eager``)."""
+    import torch._dynamo
+
+    from tests.ddp.common import init_torch_dist
+
+    init_torch_dist()
+    torch._dynamo.reset()
+    model, ddp = _wrap("fastcomm", "outer" if compiled_autograd else "no")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def step(x, y):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+
+    def reductions() -> int:  # the communicator's (shared by the module's tests)
+        calls = ddp.comm.stats.calls
+        return calls.get("shared_all_reduce", 0) + calls.get("all_reduce", 0)
+
+    before = reductions()
+    counters = torch._dynamo.utils.counters
+    unique = [counters["stats"]["unique_graphs"]]
+    with torch._dynamo.config.patch(compiled_autograd=compiled_autograd):
+        backend = "inductor" if kind == "inductor" else "aot_eager"
+        run = torch.compile(step, backend=backend) if compiled_autograd else step
+        for i in range(steps):
+            x, y = _batch(i)
+            opt.zero_grad(set_to_none=True)
+            if kind == "no_sync" and i % 2 == 0:
+                with ddp.no_sync():
+                    run(x, y)
+                x, y = _batch(i + 50)
+            run(x, y)
+            opt.step()
+            unique.append(counters["stats"]["unique_graphs"])
+    return {"params": [p.detach().clone() for p in ddp.module.parameters()], "unique": unique,
+            "captures": counters["compiled_autograd"]["captures"],
+            "launches": reductions() - before}
+
+
+@pytest.mark.parametrize("kind", ["no_sync", "inductor"])
+def test_no_sync_and_inductor_under_compiled_autograd(pool, kind):
+    """``no_sync`` accumulates without a reduction and the next step reduces the sum, and
+    inductor compiles the traced backward: eager's parameters either way, and nothing compiled
+    after step 3."""
+    eager = pool.run(check_step_variant, kind, False)
+    traced = pool.run(check_step_variant, kind, True)
+    for rank in range(2):
+        ours, ref = traced[rank], eager[rank]
+        assert ours["captures"] >= 1, ours
+        for a, b in zip(ours["params"], ref["params"], strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        # as many reductions as eager: none in a no_sync backward
+        assert ours["launches"] == ref["launches"] > 0, (ours["launches"], ref["launches"])
+        unique = ours["unique"]
+        assert unique[3:] == [unique[3]] * (len(unique) - 3), unique
