@@ -267,8 +267,7 @@ class Nodes:
         self.procs.clear()
 
     def remove(self) -> None:
-        for proc in self.procs:
-            self.kill(proc)
+        self.end_test()
         for i in list(self.etcd):
             self.kill_etcd(i)
         # deleting a namespace deletes the veth end and the bridge it holds
