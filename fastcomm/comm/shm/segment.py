@@ -344,9 +344,9 @@ class Segment:
         survivor's ``(pid, start time)`` as recorded there, in new-rank order; `tag`: what makes
         this successor's name unique, the same on every survivor (its store namespace). The
         name follows from what they share: the new rank 0's pid and start time and a digest of
-        the old name and `tag`. Rank 0 creates the
-        file under a name of its own and renames it into place, so it appears whole; each
-        survivor maps it and records its pid in it, waits until all have, and unlinks it.
+        the old name and `tag`. Rank 0 creates the file under a name of its own and renames it
+        into place, so it appears whole; each survivor maps it and records its pid in it, waits
+        until all have, and unlinks it.
 
         Raises:
             PeerLostError: a survivor died before every one had mapped it.
@@ -357,7 +357,7 @@ class Segment:
         layout = Layout(size, slot_bytes, mbox_bytes)
         pid, start = identities[0]
         digest = hashlib.blake2b(f"{old_name}|{tag}".encode(), digest_size=6).hexdigest()
-        name = f"{PREFIX}{pid}-{start}-{pid_namespace()}-{digest}"
+        name = f"{PREFIX}{pid}-{start or 0}-{pid_namespace()}-{digest}"
         path = os.path.join(SHM_DIR, name)
         begin = time.monotonic()
 
