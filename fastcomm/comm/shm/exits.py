@@ -4,9 +4,9 @@ A pidfd (``os.pidfd_open``, Linux >= 5.3) becomes readable once its process has 
 thread can sleep on it (``select.poll``) and wake at the exit itself. The kernel makes it
 readable only after tearing the process's memory down, though: 50-58 ms after a SIGKILL for
 a process holding 400 MB (the recovery benchmark's survivors, already waiting, saw a rank's
-13-15 ms after its kill). A wait that checks
-between two sleep slices (2 ms) therefore also looks at the process's stat in ``/proc``, where
-the kernel's exit flag shows within a few ms of the kill (``"exiting"``). Where none can be
+13-15 ms after its kill). A wait that checks between two sleep slices (2 ms) therefore also
+looks at the process's stat in ``/proc``, where the kernel's exit flag shows within a few ms
+of the kill (``"exiting"``). Where none can be
 opened (an older kernel or Python, a sandbox that forbids the call, ``FASTCOMM_PIDFD=0``) the
 process is looked up in ``/proc`` every ``LOOK_S`` instead, its start time guarding against a
 reused pid. A pidfd is opened only after its process's start time was checked against the one
