@@ -233,7 +233,9 @@ def _can_fork_here(cmd: list[str], bootstrap: str) -> bool:
     """Whether the server may be forked from the agent itself, whose torch is imported
     already (the server then imports only what the agent lacks): the workers' interpreter is
     this one, started plainly (``python -u BOOTSTRAP``), and the agent runs no other thread (a
-    lock another thread held would stay locked in the child)."""
+    lock another thread held would stay locked in the child). UTF-8 mode is no reason to
+    refuse unless the agent's command line set it (``-X utf8``): from ``PYTHONUTF8`` or the C
+    locale (a container's, often) a spawned server would take it the same way."""
     import sys
     import threading
 
@@ -245,7 +247,7 @@ def _can_fork_here(cmd: list[str], bootstrap: str) -> bool:
         and "torch" in sys.modules
         and threading.active_count() == 1
         and not (flags.optimize or flags.isolated or flags.ignore_environment
-                 or flags.dev_mode or flags.utf8_mode or flags.no_site)
+                 or flags.dev_mode or "utf8" in sys._xoptions or flags.no_site)
     )
 
 

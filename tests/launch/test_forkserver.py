@@ -41,6 +41,7 @@ with open(os.path.join(out, f"w{rank}_{round_}.json"), "w") as fh:
         "parent_argv": [a.decode() for a in open(f"/proc/{os.getppid()}/cmdline", "rb")
                         .read().split(b"\\0") if a],
         "stdout_raw": type(sys.stdout.buffer).__name__,
+        "utf8": sys.flags.utf8_mode,
     })
     fh.write(json_text)
 print(f"hello from {rank}", flush=True)
@@ -92,6 +93,31 @@ def test_workers_are_forked_warm_and_each_is_its_own_worker(tmp_path):
     assert result.stdout.count("[rank 0]: hello from 0") == 2
     assert next(logs.glob("*/attempt_1/1/stdout.log")).read_text() == "hello from 1\n"
     assert not wait_gone(list(servers))
+
+
+def test_an_agent_in_the_c_locale_still_forks_its_server(tmp_path):
+    """In the C locale (a container's, often) Python turns UTF-8 mode on by itself, as a spawned
+    server would: the server is forked from the agent all the same, and the worker is in UTF-8
+    mode as a new interpreter would be."""
+    site, marks = tmp_path / "site", tmp_path / "marks"
+    site.mkdir()
+    marks.mkdir()
+    (site / "sitecustomize.py").write_text(  # the agent marks each child it forks
+        "import os\n"
+        "if b'fastcomm.launch' in open('/proc/self/cmdline', 'rb').read().split(b'\\0'):\n"
+        f"    os.register_at_fork(after_in_child=lambda: open(os.path.join({str(marks)!r}, "
+        "str(os.getpid())), 'w').close())\n")
+    path = script(tmp_path, "probe.py", PROBE)
+    env = {**clean_env(), "LANG": "C", "LC_ALL": "C"}
+    env.pop("PYTHONUTF8", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")])])
+    proc = start(["--nproc-per-node", "1", path, tmp_path], tmp_path, env)
+    result = finish(proc)
+    assert result.returncode == 0, result.stderr
+    report = _reports(tmp_path)["w0_0"]
+    assert report["parent_of_parent"] == proc.pid, report
+    assert str(report["ppid"]) in os.listdir(marks), report  # the server: forked, not spawned
+    assert report["warm"] and report["utf8"] == 1, report
 
 
 def test_spawn_starts_new_interpreters(tmp_path):
