@@ -53,7 +53,8 @@ def test_a_killed_peer_is_seen_exiting_with_a_pidfd(monkeypatch):
     proc = _child(_BIG)
     watch = exits.ProcessExits([("peer", proc.pid, pid_start_time(proc.pid))])
     try:
-        assert watch.how("peer") == exits.PIDFD
+        if watch.how("peer") != exits.PIDFD:
+            pytest.skip("no pidfd opens here (an old kernel, a sandbox)")
         assert not watch.exited("peer")
         os.kill(proc.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
