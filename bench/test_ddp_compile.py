@@ -29,26 +29,12 @@ import pytest
 import torch
 from _ddp_common import ON_GPU, quick
 
+from tests.ddp.common import LinearStack
 from tests.harness import STATE, RankPool
 
 ROUNDS = 3
 STEPS = {"mlp": 20, "transformer": 10}
 PROVIDERS = ["no-comm", "torch-eager", "torch-compiled", "fastcomm-eager", "fastcomm-compiled"]
-
-
-class _MLP(torch.nn.Module):
-    """8 x ``Linear(width, width)`` in a module class of the benchmark's own: Dynamo compiles
-    its frame under torch DDP too (an ``nn.Sequential``'s call frame it leaves to run eagerly
-    when torch's DDP calls it, so torch DDP "compiled" would be eager)."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(8))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 def _models(group: str, quick_mode: bool, device: torch.device):
@@ -59,7 +45,7 @@ def _models(group: str, quick_mode: bool, device: torch.device):
 
         def build():
             torch.manual_seed(0)
-            return _MLP(width).to(device)
+            return LinearStack(width, 8).to(device)
 
         import os
 

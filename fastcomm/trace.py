@@ -112,32 +112,32 @@ def _cause(dumps: dict[int, dict], beats: dict[int, dict], size: int, name: str
     """The first line and the ranks it blames."""
     waiting = {r: p for r, d in dumps.items() if (p := _pending(d)) is not None}
     since = min((p["issued"] for p in waiting.values() if p["issued"]), default=None)
-    waiting_text = ""
-    if waiting:
-        seq = min(p["seq"] for p in waiting.values())
-        op = next(p["op"] for p in waiting.values() if p["seq"] == seq)
-        waiting_text = (f"{_ranks(list(waiting))} waiting in {op} #{seq} of {name} since "
-                        f"{_clock(since)}")
+    seq = min((p["seq"] for p in waiting.values()), default=0)  # the oldest call waited in
+    op = next((p["op"] for p in waiting.values() if p["seq"] == seq), "")
+    behind = sorted(r for r, d in dumps.items() if _last_seq(d) < seq)  # never entered it
+    where = ", ".join(f"rank {r} is at {dumps[r].get('where') or '?'}" for r in behind)
+    never_entered = (f"{_ranks(behind)} never entered {op} #{seq} of {name} "
+                     f"({_ranks(sorted(set(waiting) - set(behind)))} waiting since "
+                     f"{_clock(since)}); {where}") if behind else ""
     silent = [r for r in range(size) if r not in dumps]
     if silent:
         lines = "; ".join(_silent(r, dumps, beats) for r in silent)
-        behind = _behind(dumps, waiting)
         if behind and since and all((beats.get(r) or {}).get("time", 0) > since for r in silent):
             # the silent ranks answered after the others began to wait (a rank that gave up on
             # the wait and exited, say): the ranks that never entered the call came first
-            return f"{_never_entered(dumps, waiting, behind, name, since)}; {lines}", behind
-        return (f"{lines}; {waiting_text}" if waiting_text else lines), silent
+            return f"{never_entered}; {lines}", behind
+        if not waiting:
+            return lines, silent
+        return (f"{lines}; {_ranks(list(waiting))} waiting in {op} #{seq} of {name} since "
+                f"{_clock(since)}"), silent
     problem = _disagreement(dumps)
     if problem is not None:
         return problem, []
     if not waiting:
         top = max((_last_seq(d) for d in dumps.values()), default=0)
         return f"no rank of {name} is inside a collective (last call #{top})", []
-    seq = min(p["seq"] for p in waiting.values())
-    op = next(p["op"] for p in waiting.values() if p["seq"] == seq)
-    behind = _behind(dumps, waiting)
     if behind:
-        return _never_entered(dumps, waiting, behind, name, since), behind
+        return never_entered, behind
     stuck = sorted(r for r, p in waiting.items() if p["seq"] == seq)
     if len(stuck) == size:
         return (f"all ranks are in {op} #{seq} of {name} since {_clock(since)}, none missing "
@@ -145,24 +145,6 @@ def _cause(dumps: dict[int, dict], beats: dict[int, dict], size: int, name: str
     ahead = sorted(set(dumps) - set(stuck))
     return (f"{_ranks(stuck)} waiting in {op} #{seq} of {name} since {_clock(since)}; "
             f"{_ranks(ahead)} went past it"), ahead
-
-
-def _behind(dumps: dict[int, dict], waiting: dict[int, dict]) -> list[int]:
-    """The ranks with a record whose last call comes before the oldest call others wait in."""
-    if not waiting:
-        return []
-    seq = min(p["seq"] for p in waiting.values())
-    return sorted(r for r, d in dumps.items() if _last_seq(d) < seq)
-
-
-def _never_entered(dumps: dict[int, dict], waiting: dict[int, dict], behind: list[int],
-                   name: str, since: float | None) -> str:
-    seq = min(p["seq"] for p in waiting.values())
-    op = next(p["op"] for p in waiting.values() if p["seq"] == seq)
-    where = ", ".join(f"rank {r} is at {dumps[r].get('where') or '?'}" for r in behind)
-    waiters = sorted(r for r in waiting if r not in behind)
-    return (f"{_ranks(behind)} never entered {op} #{seq} of {name} ({_ranks(waiters)} "
-            f"waiting since {_clock(since)}); {where}")
 
 
 def stragglers(dumps: dict[int, dict]) -> str | None:

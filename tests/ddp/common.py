@@ -20,6 +20,21 @@ from torch import nn
 from tests.harness import STATE
 
 
+class LinearStack(nn.Module):
+    """`depth` x ``Linear(width, width)`` in a module class of the tests' own: Dynamo compiles
+    its call frame under torch's DDP as well (an ``nn.Sequential``'s it leaves to run eagerly
+    there, so torch DDP "compiled" would be eager DDP)."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
 def init_torch_dist(backend: str = "gloo") -> None:
     """``init_process_group`` once per rank process (the pool's store, env:// style)."""
     if dist.is_initialized():

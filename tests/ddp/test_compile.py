@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.ddp.common import LinearStack
 from tests.harness import RankPool
 
 BACKEND = "aot_eager"
@@ -29,24 +30,9 @@ def pool():
         yield p
 
 
-class _MLP(torch.nn.Module):
-    """DEPTH x ``Linear(WIDTH, WIDTH)`` in a class of the test's own: Dynamo compiles its frame
-    under torch's DDP as well (an ``nn.Sequential`` there would run eagerly, and torch DDP
-    "compiled" would be eager DDP)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
 def _mlp() -> torch.nn.Module:
     torch.manual_seed(0)
-    return _MLP()
+    return LinearStack(WIDTH, DEPTH)
 
 
 class _WithSpare(torch.nn.Module):

@@ -228,23 +228,19 @@ class ShmCommunicator(Communicator):
         follows from the new rank 0's identity recorded here and the successor's namespace
         (``Segment.setup_successor``), and the host and sizes were checked at this one's
         setup."""
-        if survivors is None or spans_hosts:
-            return super().reconfigured(store, rank, size, spans_hosts=spans_hosts)
-        from ..world import new_communicator  # world imports every backend
-
-        return new_communicator(
-            self.backend, store=store, rank=rank, size=size, timeout=self.timeout,
-            fallback=False, options=self.options, survivors_of=(self, list(survivors)),
-        )
+        return type(self).for_new_members(store, rank, size, self.timeout, old=self,
+                                          spans_hosts=spans_hosts, survivors=survivors)
 
     @classmethod
     def for_new_members(
         cls, store: Store, rank: int, size: int, timeout: timedelta, *,
         old: Communicator | None = None, spans_hosts: bool = False,
+        survivors: list[int] | None = None,
     ) -> Communicator:
         """shm over new members of this host, with ``old``'s options (the environment's for a
         rank that joins them, as ``old``'s were) and no Gloo fallback, the same on every
-        member; ``hier`` where they span hosts (a node joined from another host)."""
+        member; ``hier`` where they span hosts (a node joined from another host). With
+        `survivors` (see :meth:`reconfigured`) its segment is made without a store round."""
         if spans_hosts:
             from ..hier import HierCommunicator
 
@@ -254,6 +250,7 @@ class ShmCommunicator(Communicator):
         return new_communicator(
             cls.backend, store=store, rank=rank, size=size, timeout=timeout, fallback=False,
             options=None if old is None else old.options,
+            survivors_of=None if old is None or survivors is None else (old, list(survivors)),
         )
 
     @property

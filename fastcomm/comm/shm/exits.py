@@ -69,9 +69,9 @@ class ProcessExits:
         self._use_pidfd = pidfd_usable()
         self._fds: dict[Hashable, int] = {}
         self._keys_of_fd: dict[int, Hashable] = {}
-        self._pids: dict[Hashable, tuple[int, int | None]] = {}  # the pidfd'd ones'
         self._seen: dict[Hashable, str] = {}  # how an exit was seen, once it was
-        self._looked: dict[Hashable, tuple[int, int | None]] = {}
+        # every watched key's (pid, start time); those without a pidfd are looked up in /proc
+        self._who: dict[Hashable, tuple[int, int | None]] = {}
         self._next_look: dict[Hashable, float] = {}
         self._poller = select.poll()
         # a communicator's flags may be dropped without release(): the pidfds go with them
@@ -81,16 +81,15 @@ class ProcessExits:
 
     def add(self, key: Hashable, pid: int, start_time: int | None) -> None:
         """Watches process `pid` (started at `start_time`) under `key` (once per key)."""
-        if key in self._fds or key in self._looked:
+        if key in self._who:
             return
+        self._who[key] = (pid, start_time)
         fd = _open(pid, start_time) if self._use_pidfd else None
         if fd is None:
-            self._looked[key] = (pid, start_time)
             self._next_look[key] = 0.0  # looked at the first time it is asked about
             return
         self._fds[key] = fd
         self._keys_of_fd[fd] = key
-        self._pids[key] = (pid, start_time)
         self._poller.register(fd, select.POLLIN)
 
     def how(self, key: Hashable) -> str:
@@ -108,18 +107,18 @@ class ProcessExits:
             if select.select((fd,), (), (), 0)[0]:
                 self._seen.setdefault(key, PIDFD)
                 return True
-            pid, start_time = self._pids[key]
+            pid, start_time = self._who[key]
             if process_exiting(pid, start_time or None):
                 self._seen.setdefault(key, EXITING)
                 return True
             return False
-        if key not in self._looked:  # closed
+        if key not in self._who:  # closed
             return False
         now = time.monotonic() if now is None else now
         if now < self._next_look[key]:
             return False
         self._next_look[key] = now + self.look_s
-        pid, start_time = self._looked[key]
+        pid, start_time = self._who[key]
         return not process_alive(pid, start_time or None)
 
     def wait(self, timeout_s: float, extra_fd: int | None = None) -> list[Hashable]:
@@ -141,8 +140,7 @@ class ProcessExits:
         """Closes every pidfd (idempotent); every key is then forgotten (never seen exited)."""
         _close_fds(self._fds)
         self._keys_of_fd.clear()
-        self._pids.clear()
-        self._looked.clear()
+        self._who.clear()
         self._next_look.clear()
         self._poller = select.poll()
 

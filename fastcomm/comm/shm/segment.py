@@ -15,6 +15,7 @@ import re
 import secrets
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from itertools import count
@@ -361,41 +362,37 @@ class Segment:
         path = os.path.join(SHM_DIR, name)
         begin = time.monotonic()
 
-        def check(waiting_on: list[int], what: str) -> None:
-            for r in waiting_on:
-                if process_exiting(identities[r][0], identities[r][1] or None):
-                    raise PeerLostError(
-                        f"rank {rank}: shm setup of the survivors' segment: rank {r} (pid "
-                        f"{identities[r][0]}) died before {what} (after "
-                        f"{time.monotonic() - begin:.3f} s)", "exiting", time.time())
-            if time.monotonic() - begin > timeout.total_seconds():
-                raise CommTimeoutError(
-                    f"rank {rank}: shm setup of the survivors' segment: rank(s) {waiting_on} "
-                    f"did not {what} within {timeout.total_seconds():.1f} s")
+        def wait(missing: Callable[[], list[int]], what: str) -> None:
+            """Until `missing()` (the ranks still to do `what`) is empty; a missing rank that
+            died, or the timeout, raises."""
+            pause = 0.0002
+            while waiting_on := missing():
+                for r in waiting_on:
+                    if process_exiting(identities[r][0], identities[r][1] or None):
+                        raise PeerLostError(
+                            f"rank {rank}: shm setup of the survivors' segment: rank {r} (pid "
+                            f"{identities[r][0]}) died before {what} (after "
+                            f"{time.monotonic() - begin:.3f} s)", "exiting", time.time())
+                if time.monotonic() - begin > timeout.total_seconds():
+                    raise CommTimeoutError(
+                        f"rank {rank}: shm setup of the survivors' segment: rank(s) "
+                        f"{waiting_on} did not {what} within {timeout.total_seconds():.1f} s")
+                time.sleep(pause)
+                pause = min(pause * 1.5, 0.01)
 
-        pause = 0.0002
         if rank == 0:
             staging = f"{path}-0"
             mm = _create(staging, layout)
             os.rename(staging, path)
         else:
-            while not os.path.exists(path):
-                check([0], "it made the segment")
-                time.sleep(pause)
-                pause = min(pause * 1.5, 0.01)
+            wait(lambda: [] if os.path.exists(path) else [0], "it made the segment")
             mm = attach_segment(path, layout, rank)
         seg = cls(name, layout, mm)
         try:
             seg._put(layout.misc(rank, 3), identities[rank][1] or 0)
             seg._put(layout.misc(rank, 2), os.getpid())  # last: says it is mapped
-            pause = 0.0002
-            while True:
-                missing = [r for r in range(size) if not seg.peer_identity(r)[0]]
-                if not missing:
-                    break
-                check(missing, "it mapped the segment")
-                time.sleep(pause)
-                pause = min(pause * 1.5, 0.01)
+            wait(lambda: [r for r in range(size) if not seg.peer_identity(r)[0]],
+                 "it mapped the segment")
         except BaseException:
             mm.close()
             raise
