@@ -358,6 +358,13 @@ DDP_CUDA_GRAPHS = Switch(
     "FASTCOMM_DDP_CUDA_GRAPHS", True,
     "Default of `DDPConfig.cuda_graphs`: packed CUDA buckets replay from a captured CUDA graph.",
 )
+DDP_COMPILED_BACKWARD = Choice(
+    "FASTCOMM_DDP_COMPILED_BACKWARD", "traced",
+    "Default of `DDPConfig.compiled_backward`: under `torch.compile(DDP(model))`, `traced` puts "
+    "the gradient hooks inside one compiled backward; `split` has Dynamo's DDPOptimizer compile "
+    "a graph per bucket, as for torch DDP.",
+    choices=("traced", "split"),
+)
 DDP_COMPILED_OVERLAP = Choice(
     "FASTCOMM_DDP_COMPILED_OVERLAP", "auto",
     "Under compiled autograd, whether a bucket's reduction runs while the backward goes on (its "

@@ -52,6 +52,7 @@ UNFOLDED_MIN_BYTES_PER_EXTRA = 4 << 20
 # the pack's own limit for multiplying view by view (bucket.py); beyond it the pack's foreach
 # copy and one multiply cost fewer calls than a multiply per gradient.
 ARRIVAL_PACK_MAX_GRADS = MUL_INTO_VIEWS_MAX
+COMPILED_BACKWARDS = settings.DDP_COMPILED_BACKWARD.choices
 
 
 @dataclass(kw_only=True, slots=True)
@@ -105,6 +106,13 @@ class DDPConfig:
     graph_all_reduce``: NCCL; see ``fastcomm.ddp.graphs``): one host call per bucket instead of
     the eager path's checks, records and launches, the same bits. Default on;
     ``FASTCOMM_DDP_CUDA_GRAPHS=0`` turns it off."""
+
+    compiled_backward: str = field(default_factory=settings.DDP_COMPILED_BACKWARD.get)
+    """Under ``torch.compile(DDP(model))``, how the compiled backward hands the buckets over:
+    ``"traced"`` (default, or ``FASTCOMM_DDP_COMPILED_BACKWARD``): one forward and one backward
+    graph, each gradient handed to its bucket by an op inside the backward as it is made
+    (``fastcomm.ddp.taps``); ``"split"``: Dynamo's DDPOptimizer compiles a graph per bucket,
+    and the eager hooks run between them (torch DDP's way)."""
 
     static_graph: bool = False
     """The set of used parameters and the order gradients arrive in never change: the first
@@ -189,6 +197,11 @@ class DDPConfig:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+        if self.compiled_backward not in COMPILED_BACKWARDS:
+            raise ValueError(
+                f"compiled_backward must be one of {', '.join(map(repr, COMPILED_BACKWARDS))}, "
+                f"got {self.compiled_backward!r}"
+            )
         if self.bucket_cap_mb is not None:
             _check_cap("bucket_cap_mb", self.bucket_cap_mb)
         if self.bucket_cap_mb_list is not None:

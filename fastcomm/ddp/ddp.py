@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._C._dynamo.eval_frame import get_eval_frame_callback as _get_eval_frame_callback
 
 from fastcomm.comm.base import Communicator
 from fastcomm.comm.world import replace_world
@@ -50,6 +51,8 @@ from .reducer import Reducer
 from .regrow import Grower, RegisteredStates, joining
 from .regrow import join as join_running
 from .sparse import sparse_param_indices
+from .taps import Taps, call_tapped
+from .taps import available as taps_available
 
 __all__ = ["DDP", "DistributedDataParallel"]
 
@@ -98,6 +101,10 @@ class DDP(nn.Module):
             graph captured after its first launch, where the communicator offers it (NCCL):
             one host call per bucket, the same results (see `fastcomm.ddp.graphs`). Default
             on (``FASTCOMM_DDP_CUDA_GRAPHS=0``: off).
+        compiled_backward: under ``torch.compile(DDP(model))``, ``"traced"`` (default;
+            ``FASTCOMM_DDP_COMPILED_BACKWARD``) compiles one backward that hands each gradient
+            to its bucket as it is made (see `fastcomm.ddp.taps`); ``"split"`` has Dynamo's
+            DDPOptimizer compile a graph per bucket, as for torch DDP.
         shared_bucket_cap_mb: the most MiB of ``/dev/shm`` those buckets may take (default:
             ``FASTCOMM_DDP_SHARED_CAP_MB``, else no cap); over it, or when ``/dev/shm`` is too
             small, a warning and the communicator's own buffers.
@@ -138,6 +145,7 @@ class DDP(nn.Module):
         shared_buckets: bool | None = None,
         shared_bucket_cap_mb: float | None = None,
         cuda_graphs: bool | None = None,
+        compiled_backward: str | None = None,
     ) -> None:
         super().__init__()
         _check_arguments(module, dim, broadcast_buffers, forward_sync_buffers, process_group)
@@ -154,6 +162,7 @@ class DDP(nn.Module):
             shared_buckets=shared_buckets,
             shared_bucket_cap_mb=shared_bucket_cap_mb,
             cuda_graphs=cuda_graphs,
+            compiled_backward=compiled_backward,
             static_graph=static_graph,
             init_sync=init_sync,
             skip_all_reduce_unused_params=skip_all_reduce_unused_params,
@@ -285,6 +294,8 @@ class DDP(nn.Module):
             params, names, self.comm, self.config, sparse_param_indices(self.module, params)
         )
         self.reducer.health = GradHealth(self.reducer, check_finite=check_finite)
+        # the compiled backward's taps (taps.py), made by the first compiled forward
+        self._taps: Taps | None = None
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self.active_join: Join | None = None
@@ -369,10 +380,10 @@ class DDP(nn.Module):
         if self.device_ids:
             inputs, kwargs = _to_device((inputs, kwargs), torch.device("cuda", self.device_ids[0]))
         if compiling:
-            output = _run_module_eagerly(self, inputs, kwargs)
+            output = _run_module_eagerly(self, inputs, kwargs, sync)
             _post_forward_eagerly(self, output, sync)
         else:
-            output = _run_module(self, inputs, kwargs)
+            output = _run_module(self, inputs, kwargs, sync)
             self._post_forward(output, sync)
         return output
 
@@ -557,12 +568,24 @@ _pre_forward_eagerly = torch._disable_dynamo(DDP._pre_forward)
 _post_forward_eagerly = torch._disable_dynamo(DDP._post_forward)
 
 
-def _run_module(ddp: DDP, inputs: tuple, kwargs: dict) -> Any:
-    """``ddp.module(*inputs, **kwargs)`` with `ddp` torch's active DDP module, which is what
-    Dynamo's DDPOptimizer looks for (``DistributedDataParallel._get_active_ddp_module()``) when
-    it compiles the module (``DDP(torch.compile(model))``, or the frame below under
-    ``torch.compile(DDP(model))``): it splits the graph where `ddp`'s buckets close
+def _run_module(ddp: DDP, inputs: tuple, kwargs: dict, sync: bool) -> Any:
+    """``ddp.module(*inputs, **kwargs)``. Under ``torch.compile(DDP(model))`` (Dynamo
+    intercepts the frames this calls), a synchronized step calls it with the taps that put
+    the gradient hooks inside the compiled backward (taps.py). Otherwise `ddp` is torch's
+    active DDP module while it runs, which is what Dynamo's DDPOptimizer looks for
+    (``DistributedDataParallel._get_active_ddp_module()``) when it compiles the module
+    (``DDP(torch.compile(model))``, or the frame below under ``torch.compile(DDP(model))``
+    with ``compiled_backward="split"``): it splits the graph where `ddp`'s buckets close
     (``ddp.bucket_bytes_cap``)."""
+    reducer = ddp.reducer
+    if _get_eval_frame_callback() is not None and ddp.config.compiled_backward == "traced":
+        if sync and _tappable(ddp):
+            reducer.traced_step = True
+            return call_tapped(ddp.module, ddp._taps, inputs, kwargs)  # a compiled frame
+        if not sync:  # nothing to reduce: one graph, no split
+            reducer.traced_step = False
+            return _call_module(ddp.module, inputs, kwargs)
+    reducer.traced_step = False
     torch_ddp = _TORCH_DDP
     outer = torch_ddp._active_ddp_module
     # DDPOptimizer refuses a cap below its 1 MiB first bucket (an AssertionError, torch DDP's
@@ -585,6 +608,17 @@ def _call_module(module: nn.Module, inputs: tuple, kwargs: dict) -> Any:
     # A frame of fastcomm's, which Dynamo compiles (tracing into the module), where it would
     # leave a torch.nn container's own call frame (nn.Sequential's, say) uncompiled.
     return module(*inputs, **kwargs)
+
+
+def _tappable(ddp: DDP) -> bool:
+    """Whether `ddp`'s compiled backward takes the taps (making them at the first call)."""
+    if ddp._taps is None:
+        if not taps_available() or compiled_autograd_on() or isinstance(
+            ddp.module, torch._dynamo.eval_frame.OptimizedModule
+        ):
+            return False
+        ddp._taps = Taps(ddp)
+    return not compiled_autograd_on()
 
 
 # not traced, but what it calls is: the module's call is compiled as a frame of its own
@@ -635,13 +669,15 @@ def _config_of(
     shared_buckets: bool | None,
     shared_bucket_cap_mb: float | None,
     cuda_graphs: bool | None,
+    compiled_backward: str | None,
     **options: Any,
 ) -> DDPConfig:
     """The `DDPConfig` of torch's arguments: ``forward_sync_buffers`` overrides
     ``broadcast_buffers`` for the forwards (and then the construction-time broadcast includes
     the buffers); ``None`` for ``shared_buckets`` / ``shared_bucket_cap_mb`` / ``cuda_graphs``
-    leaves the config's defaults (``FASTCOMM_DDP_SHARED_BUCKETS``,
-    ``FASTCOMM_DDP_SHARED_CAP_MB``, ``FASTCOMM_DDP_CUDA_GRAPHS``)."""
+    / ``compiled_backward`` leaves the config's defaults (``FASTCOMM_DDP_SHARED_BUCKETS``,
+    ``FASTCOMM_DDP_SHARED_CAP_MB``, ``FASTCOMM_DDP_CUDA_GRAPHS``,
+    ``FASTCOMM_DDP_COMPILED_BACKWARD``)."""
     if broadcast_buffers is None:
         broadcast_buffers = True
     forward_sync = broadcast_buffers if forward_sync_buffers is None else forward_sync_buffers
@@ -650,7 +686,8 @@ def _config_of(
         k: v
         for k, v in (("shared_buckets", shared_buckets),
                      ("shared_bucket_cap_mb", shared_bucket_cap_mb),
-                     ("cuda_graphs", cuda_graphs))
+                     ("cuda_graphs", cuda_graphs),
+                     ("compiled_backward", compiled_backward))
         if v is not None
     }
     return DDPConfig(

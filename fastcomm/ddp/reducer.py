@@ -110,6 +110,9 @@ class Reducer:
         # gradient hook, and by the strategies (this backward runs with create_graph=True)
         self.expect_hooks = False
         self.create_graph = False
+        # the forward ran with the compiled backward's taps: they hand the gradients over
+        # (on_traced_grad), the hooks stand aside (taps.py)
+        self.traced_step = False
         self.synced_iterations = 0
         # parameters that got a gradient in no_sync backwards since the last reduction: they
         # count as used (torch's local_used_map), so every rank reduces their accumulated grads
@@ -121,7 +124,8 @@ class Reducer:
 
         ref = weakref.ref(self)
         for i, p in enumerate(self.params):
-            self._handles.append(p.register_post_accumulate_grad_hook(_make_grad_hook(ref, i)))
+            hook = _make_grad_hook(ref, i, tapped=i not in self.sparse)
+            self._handles.append(p.register_post_accumulate_grad_hook(hook))
 
     # ------------------------------------------------------------------ communicator
     def _use_comm(self, comm: Communicator) -> None:
@@ -325,11 +329,50 @@ class Reducer:
             self, self.buckets[b], self._position[i], param.grad
         ):
             step.arrived[b] += 1
+        self._one_less(step, b)
+
+    def _one_less(self, step: StepState, b: int) -> None:
+        """Bucket `b` waits for one gradient less; launched (with what follows it) when it
+        waits for none and is next."""
         pending = step.pending
         left = pending[b] - 1
         pending[b] = left
         if not left and b == step.next_bucket and not step.delay:
             self._launch_ready()
+
+    def on_traced_grad(self, i: int, grad: torch.Tensor) -> None:
+        """Parameter `i`'s gradient `grad`, handed over inside a compiled backward
+        (``taps.py``): what its ``AccumulateGrad`` and gradient hook do in eager mode.
+
+        `grad` is the compiled graph's buffer, which it may reuse once this returns: it is
+        copied (into its bucket where the arrival pack takes it, else into ``.grad``)."""
+        param = self.params[i]
+        if self.expect_hooks:
+            step = self.step
+            if not step.started:
+                self._start_backward()
+            if step.plain and not step.ready[i] and param.grad is None:
+                # the arrival pack is the copy; the write-back makes ``.grad``
+                view = self._arrival_views[i]
+                if view is not None and pack_into(view, grad, step.arrival_scale):
+                    step.ready[i] = _GOT_GRAD
+                    b = self._bucket_of[i]
+                    step.arrived[b] += 1
+                    self._one_less(step, b)
+                    return
+        g = param.grad
+        if g is not None:
+            g.add_(grad)
+        elif self.bucket_view and self.keeper is None and self.grad_views[i] is not None:
+            view = self.grad_views[i]
+            view.copy_(grad)
+            param.grad = view
+        else:
+            param.grad = torch.empty_like(param).copy_(grad)
+        if self.expect_hooks:
+            self._on_grad(i, param)
+        else:  # a backward of a no_sync forward
+            self._used_no_sync[i] = 1
 
     def _on_grad_checked(self, i: int, param: torch.Tensor, state: int) -> None:
         if self.keeper is not None:
@@ -621,10 +664,12 @@ def _unused_message(comm, names: list[str]) -> str:
     )
 
 
-def _make_grad_hook(ref: weakref.ref, i: int):
+def _make_grad_hook(ref: weakref.ref, i: int, tapped: bool):
     def hook(param: torch.Tensor) -> None:
         reducer = ref()
-        if reducer is not None:
+        # after a tapped compiled backward, the engine still calls each tapped parameter's
+        # AccumulateGrad, with no gradient: its tap handed it over (taps.py)
+        if reducer is not None and not (tapped and reducer.traced_step):
             traced = torch.compiler.is_compiling() and _compiled_autograd_traces()
             if reducer.expect_hooks:
                 if traced:  # compiled autograd traces it into the backward (compiled.py)
