@@ -51,7 +51,7 @@ from .reducer import Reducer
 from .regrow import Grower, RegisteredStates, joining
 from .regrow import join as join_running
 from .sparse import sparse_param_indices
-from .taps import Taps, call_tapped
+from .taps import Taps, run_tapped
 from .taps import available as taps_available
 
 __all__ = ["DDP", "DistributedDataParallel"]
@@ -581,7 +581,7 @@ def _run_module(ddp: DDP, inputs: tuple, kwargs: dict, sync: bool) -> Any:
     if _get_eval_frame_callback() is not None and ddp.config.compiled_backward == "traced":
         if sync and _tappable(ddp):
             reducer.traced_step = True
-            return call_tapped(ddp.module, ddp._taps, inputs, kwargs)  # a compiled frame
+            return run_tapped(ddp.module, ddp._taps, inputs, kwargs)
         if not sync:  # nothing to reduce: one graph, no split
             reducer.traced_step = False
             return _call_module(ddp.module, inputs, kwargs)
@@ -618,7 +618,7 @@ def _tappable(ddp: DDP) -> bool:
         ):
             return False
         ddp._taps = Taps(ddp)
-    return not compiled_autograd_on()
+    return not (ddp._taps.broken or compiled_autograd_on())
 
 
 # not traced, but what it calls is: the module's call is compiled as a frame of its own
@@ -807,6 +807,8 @@ def _frames_dynamo_skips() -> None:
     for fn, nested in (
         (DDP.forward, default),  # what it calls: below, and torch.compiler.is_compiling
         (_run_module, default),  # its call of _call_module is compiled
+        (run_tapped, default),  # ... and run_tapped's of call_tapped
+        (_tappable, skip),
         (DDP._pre_forward, skip),
         (DDP._post_forward, skip),
         (_to_device, skip),

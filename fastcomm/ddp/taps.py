@@ -86,10 +86,17 @@ class _Tap(torch.autograd.Function):
 
 
 class Taps:
-    """A DDP's taps: its reduced dense parameters by name, and the key its op calls carry."""
+    """A DDP's taps: its reduced dense parameters by name, and the key its op calls carry.
+
+    Attributes:
+        broken: Dynamo broke the tapped call's graph: the taps sit in the first graph, whose
+            backward runs last, so the later graphs' buckets would wait for it. The DDP takes
+            the split path from the next step on (DDPOptimizer splits each graph).
+    """
 
     def __init__(self, ddp: Any) -> None:
         reducer = ddp.reducer
+        self.broken = False
         self.key = next(_KEYS)
         _OWNERS[self.key] = weakref.ref(ddp)
         weakref.finalize(ddp, _OWNERS.pop, self.key, None)
@@ -98,6 +105,17 @@ class Taps:
             for i, (name, p) in enumerate(zip(reducer.names, reducer.params, strict=True))
             if i not in reducer.sparse
         )
+
+
+def run_tapped(module: nn.Module, taps: Taps, inputs: tuple, kwargs: dict) -> Any:
+    """`module`'s call through `call_tapped`, compiled (Dynamo intercepts the frames this
+    calls); marks the taps broken when that compile broke the graph."""
+    breaks = torch._dynamo.utils.counters["graph_break"]
+    before = sum(breaks.values())
+    output = call_tapped(module, taps, inputs, kwargs)
+    if sum(breaks.values()) != before:
+        taps.broken = True
+    return output
 
 
 def call_tapped(module: nn.Module, taps: Taps, inputs: tuple, kwargs: dict) -> Any:

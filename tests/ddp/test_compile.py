@@ -47,6 +47,34 @@ class _WithSpare(torch.nn.Module):
         return self.body(x)
 
 
+class _WithSparse(torch.nn.Module):
+    """The MLP plus rows of an embedding with sparse gradients (their own bucket, reduced
+    from their eager hook, not through a tap)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _mlp()
+        self.emb = torch.nn.Embedding(16, WIDTH, sparse=True)
+        self.register_buffer("rows", torch.tensor([1, 3, 3, 7]))
+
+    def forward(self, x):
+        return self.body(x) + self.emb(self.rows)
+
+
+class _WithBreak(torch.nn.Module):
+    """The MLP with a graph break between its halves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = LinearStack(WIDTH, DEPTH // 2), LinearStack(WIDTH, DEPTH // 2)
+
+    def forward(self, x):
+        x = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(x)
+
+
 def _batch(step: int):
     import os
 
@@ -71,18 +99,19 @@ class _Recorder:
         return dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0])
 
 
-def _wrap(kind: str, compiled: str, **ddp_kwargs):
+def _wrap(kind: str, compiled: str, backend: str = BACKEND, **ddp_kwargs):
     """(the model to call, the DDP) for `kind` (``fastcomm``/``torch``) and `compiled`
     (``no``, ``outer``: ``torch.compile(DDP(m))``, ``inner``: ``DDP(torch.compile(m))``)."""
     from fastcomm.ddp import DDP
 
     cls = DDP if kind == "fastcomm" else torch.nn.parallel.DistributedDataParallel
     ddp_kwargs.setdefault("bucket_cap_mb", 1)
-    module = _WithSpare() if ddp_kwargs.get("find_unused_parameters") else _mlp()
+    model_class = ddp_kwargs.pop("model_class", _mlp)
+    module = _WithSpare() if ddp_kwargs.get("find_unused_parameters") else model_class()
     if compiled == "inner":
-        module = torch.compile(module, backend=BACKEND)
+        module = torch.compile(module, backend=backend)
     ddp = cls(module, **ddp_kwargs)
-    model = torch.compile(ddp, backend=BACKEND) if compiled == "outer" else ddp
+    model = torch.compile(ddp, backend=backend) if compiled == "outer" else ddp
     return model, ddp
 
 
@@ -155,9 +184,81 @@ def test_compiled_backward_hands_buckets_over_as_it_runs(pool, compiled):
         assert ours[rank]["breaks"] == 0, ours[rank]["breaks"]
 
 
-def check_feature(feature: str, compiled: str, steps: int = 5) -> list[torch.Tensor]:
-    """`steps` steps of fastcomm DDP with `feature`, compiled as `compiled`; its parameters
-    (and, for ``clip``, the norms)."""
+def check_launch_points(compiled_backward: str, steps: int = 4) -> dict:
+    """``torch.compile(DDP(m, compiled_backward=...))`` with inductor: the last step's
+    backward under the profiler; each bucket's launch (``fastcomm.ddp.bucket<i>``) against the
+    backward's matrix products (``aten::mm``), by start time."""
+    import torch._dynamo
+    from torch.profiler import ProfilerActivity, profile
+
+    from tests.ddp.common import init_torch_dist
+
+    init_torch_dist()
+    torch._dynamo.reset()
+    model, ddp = _wrap("fastcomm", "outer", "inductor", compiled_backward=compiled_backward)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    counters = torch._dynamo.utils.counters
+    before = counters["stats"]["unique_graphs"]
+    for step in range(steps):
+        x, y = _batch(step)
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if step == steps - 1:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                loss.backward()
+        else:
+            loss.backward()
+        opt.step()
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    mm = [e.time_range.start for e in events if e.name == "aten::mm"]
+    launches = [(e.name, e.time_range.start) for e in events
+                if e.name.startswith("fastcomm.ddp.bucket")]
+    return {
+        "launches": [name for name, _ in launches],
+        "before_last_mm": sum(t < mm[-1] for _, t in launches),
+        "mm": len(mm),
+        "buckets": len(ddp.reducer.buckets),
+        "traced": ddp.reducer.traced_step,
+        "graphs": counters["stats"]["unique_graphs"] - before,
+        "params": [p.detach().clone() for p in ddp.module.parameters()],
+    }
+
+
+def test_traced_backward_launches_each_bucket_between_its_kernels(pool):
+    """The default, ``compiled_backward="traced"``: one compiled backward, each bucket launched
+    by the op that hands its last gradient over, between the backward's matrix products (not
+    after them); the same parameters as DDPOptimizer's split (``"split"``). Inductor, not
+    ``aot_eager``: the op's place is inductor's schedule (taps.py)."""
+    traced = pool.run(check_launch_points, "traced")
+    split = pool.run(check_launch_points, "split")
+    for rank in range(2):
+        t, s = traced[rank], split[rank]
+        assert t["traced"] and not s["traced"], (t["traced"], s["traced"])
+        assert t["graphs"] == 1, t["graphs"]  # one Dynamo graph, no break
+        # every bucket, in index order; all but the first layer's launched while matrix
+        # products of the backward were still to come (15 of them: the input needs none)
+        assert t["launches"] == [f"fastcomm.ddp.bucket{i}" for i in range(t["buckets"])], t
+        assert t["mm"] == 2 * DEPTH - 1, t["mm"]
+        assert t["before_last_mm"] >= t["buckets"] - 1, t
+        assert s["before_last_mm"] >= s["buckets"] - 2, s
+        for a, b in zip(t["params"], s["params"], strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_compiled_backward_option_is_checked():
+    from fastcomm.ddp.config import DDPConfig
+
+    assert DDPConfig().compiled_backward == "traced"
+    assert DDPConfig(compiled_backward="split").compiled_backward == "split"
+    with pytest.raises(ValueError, match=r"compiled_backward must be one of 'traced', 'split', "
+                                         r"got 'graph'"):
+        DDPConfig(compiled_backward="graph")
+
+
+def check_feature(feature: str, compiled: str, steps: int = 5,
+                  compiled_backward: str = "traced") -> list[torch.Tensor]:
+    """`steps` steps of fastcomm DDP with `feature`, compiled as `compiled` (with
+    `compiled_backward`); its parameters (and, for ``clip``, the norms)."""
     import torch._dynamo
 
     from fastcomm.ddp import hooks
@@ -165,7 +266,11 @@ def check_feature(feature: str, compiled: str, steps: int = 5) -> list[torch.Ten
 
     init_torch_dist()
     torch._dynamo.reset()
-    kwargs = {}
+    kwargs = {"compiled_backward": compiled_backward}
+    if feature == "sparse":
+        kwargs["model_class"] = _WithSparse
+    if feature == "graph_break":
+        kwargs["model_class"] = _WithBreak
     if feature == "static_graph":
         kwargs["static_graph"] = True
     if feature == "unused":
@@ -196,17 +301,23 @@ def check_feature(feature: str, compiled: str, steps: int = 5) -> list[torch.Ten
         if feature == "clip":
             out.append(ddp.clip_grad_norm_(1.0).detach().clone())
         opt.step()
+    if compiled == "outer" and compiled_backward == "traced":
+        # the taps take every synchronized step, but where a graph break would leave them
+        # in the first graph: there the DDP goes over to the split path (taps.py)
+        breaks = feature == "graph_break"
+        assert ddp._taps.broken == breaks and ddp.reducer.traced_step != breaks, feature
     return graphs, out + [p.detach().clone() for p in ddp.module.parameters()]
 
 
 FEATURES = ["fp16", "bf16", "int8", "powersgd", "no_sync", "static_graph", "unused", "clip",
-            "shm"]
+            "shm", "sparse", "graph_break"]
 
 
+@pytest.mark.parametrize("compiled_backward", ["traced", "split"])
 @pytest.mark.parametrize("feature", FEATURES)
-def test_features_give_eager_results_compiled(pool, feature):
+def test_features_give_eager_results_compiled(pool, feature, compiled_backward):
     eager = pool.run(check_feature, feature, "no")
-    compiled = pool.run(check_feature, feature, "outer")
+    compiled = pool.run(check_feature, feature, "outer", compiled_backward=compiled_backward)
     # int8 and PowerSGD carry state between steps (error feedback): same inputs, same steps,
     # same results, up to the compiled forward's rounding
     for rank in range(2):
