@@ -8,13 +8,17 @@ Groups, each on 2 ranks (CPU over Gloo; on a GPU, one rank over NCCL):
 - ``transformer``: a 4-layer decoder stack of width 256 (the GPT-2 block of
   ``test_ddp_gpu.py``), sequence 64, batch 8, AdamW.
 
-Providers: ``no-comm`` (no DDP, compiled), ``torch-eager``, ``torch-compiled``,
-``fastcomm-eager``, ``fastcomm-compiled``; compiled means ``torch.compile(DDP(model))`` with the
-default backend (inductor). Every round runs ``steps`` steps of each provider in turn, a
-barrier before each; reported (``extra_info``): the median step of every provider over the
-rounds, the lowest and highest round median, and the ratios the targets read: fastcomm compiled
-over torch compiled, and over fastcomm eager. Also recorded: how many buckets each compiled DDP
-hands over before the input's gradient exists (its backward still running) in the last step.
+Providers: ``no-comm`` (no DDP, compiled), ``no-comm-eager`` (no DDP, eager), ``torch-eager``,
+``torch-compiled``, ``fastcomm-eager``, ``fastcomm-compiled`` (the default
+``compiled_backward="traced"``: one backward graph, the buckets launched from inside it),
+``fastcomm-split`` (``"split"``: DDPOptimizer's graph per bucket, torch DDP's way); compiled
+means ``torch.compile(DDP(model))`` with the default backend (inductor). Every round runs
+``steps`` steps of each provider in turn, a barrier before each; reported (``extra_info``): the
+median step of every provider over the rounds, the lowest and highest round median, the ratios
+the targets read (fastcomm compiled over torch compiled, and over fastcomm eager), what
+compiling does to the model alone, and the time each DDP adds to its model, eager or compiled.
+Also recorded: how many buckets each compiled DDP hands over before its backward's last matrix
+product starts (``aten::mm`` in the profiler), in the last round.
 
 Quick mode (``--benchmark-disable`` or ``FASTCOMM_BENCH_QUICK=1``): small shapes, the
 ``aot_eager`` backend, 2 steps: the code runs, no figure.
@@ -34,7 +38,8 @@ from tests.harness import STATE, RankPool
 
 ROUNDS = 3
 STEPS = {"mlp": 20, "transformer": 10}
-PROVIDERS = ["no-comm", "torch-eager", "torch-compiled", "fastcomm-eager", "fastcomm-compiled"]
+PROVIDERS = ["no-comm-eager", "no-comm", "torch-eager", "torch-compiled", "fastcomm-eager",
+             "fastcomm-compiled", "fastcomm-split"]
 
 
 def _models(group: str, quick_mode: bool, device: torch.device):
@@ -80,21 +85,27 @@ def setup_group(group: str, quick_mode: bool) -> int:
     ids = [0] if ON_GPU else None
     torch_ddp = torch.nn.parallel.DistributedDataParallel
     models = {
-        "no-comm": torch.compile(build(), backend=backend),
+        # a frame of its own: compiled as the module's own frame, its graph (no DDPOptimizer
+        # split) would be the one Dynamo finds for torch DDP's call of the same module class
+        "no-comm": torch.compile(_own_frame(build()), backend=backend),
+        "no-comm-eager": build(),
         "torch-eager": torch_ddp(build(), device_ids=ids, bucket_cap_mb=1),
         "torch-compiled": torch.compile(torch_ddp(build(), device_ids=ids, bucket_cap_mb=1),
                                         backend=backend),
         "fastcomm-eager": DDP(build(), bucket_cap_mb=1),
         "fastcomm-compiled": torch.compile(DDP(build(), bucket_cap_mb=1), backend=backend),
+        "fastcomm-split": torch.compile(DDP(build(), bucket_cap_mb=1, compiled_backward="split"),
+                                        backend=backend),
     }
     # the buckets handed over early are counted on models of their own, with a recording comm
     # hook (Gloo's all-reduce): the timed models keep each DDP's own reduction path
     handed, probes = {}, {}
-    for name, wrap in (("torch-compiled", torch_ddp), ("fastcomm-compiled", DDP)):
+    for name, wrap, kw in (("torch-compiled", torch_ddp, {}), ("fastcomm-compiled", DDP, {}),
+                           ("fastcomm-split", DDP, {"compiled_backward": "split"})):
         handed[name] = _Recorder()
-        inner = wrap(build(), bucket_cap_mb=1)
+        inner = wrap(build(), bucket_cap_mb=1, **kw)
         inner.register_comm_hook(None, handed[name].hook)
-        probes[name] = torch.compile(inner, backend="aot_eager")
+        probes[name] = torch.compile(inner, backend=backend)
     STATE["compile_bench"] = {
         "models": models, "batch": batch, "gpt": group == "transformer", "handed": handed,
         "opts": {k: opt(m.parameters(), lr=1e-4) for k, m in models.items()},
@@ -104,24 +115,40 @@ def setup_group(group: str, quick_mode: bool) -> int:
     for name in models:  # warm-up: compile, rebuild
         for _ in range(3):
             step(name)
+    for name in probes:
+        for _ in range(3):
+            step(name, probe=True)
     return sum(p.numel() for p in models["torch-eager"].parameters())
 
 
+def _own_frame(module: torch.nn.Module):
+    def call(x):
+        return module(x)
+
+    call.parameters = module.parameters
+    return call
+
+
 class _Recorder:
-    """The plain all-reduce as a comm hook, counting the buckets handed over before the input's
-    gradient exists."""
+    """The plain all-reduce as a comm hook, each call a profiler range: a probe step counts
+    the buckets handed over before the backward's last matrix product starts."""
 
     def __init__(self) -> None:
-        self.input_done = False
         self.early = self.total = 0
 
     def hook(self, state, bucket):
         import torch.distributed as dist
 
-        self.total += 1
-        self.early += not self.input_done
-        buffer = bucket.buffer().div_(dist.get_world_size())
-        return dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0])
+        with torch.profiler.record_function("probe.bucket"):
+            buffer = bucket.buffer().div_(dist.get_world_size())
+            work = dist.all_reduce(buffer, async_op=True)
+        return work.get_future().then(lambda f: f.value()[0])
+
+    def count(self, prof) -> None:
+        events = prof.events()
+        last_mm = max(e.time_range.start for e in events if e.name == "aten::mm")
+        starts = [e.time_range.start for e in events if e.name == "probe.bucket"]
+        self.total, self.early = len(starts), sum(t < last_mm for t in starts)
 
 
 def step(name: str, probe: bool = False) -> float:
@@ -136,12 +163,13 @@ def step(name: str, probe: bool = False) -> float:
         logits = model(x)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
     else:
-        if recorder is not None:
-            x = x.detach().requires_grad_(True)
-            x.register_hook(lambda g: setattr(recorder, "input_done", True))
-            recorder.input_done, recorder.early, recorder.total = False, 0, 0
         loss = torch.nn.functional.mse_loss(model(x), y)
-    loss.backward()
+    if recorder is not None:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            loss.backward()
+        recorder.count(prof)
+    else:
+        loss.backward()
     opt.step()
     if ON_GPU:
         torch.cuda.synchronize()
@@ -206,6 +234,19 @@ def test_ddp_compile_step(benchmark, request, group):
             medians["fastcomm-compiled"] / medians["torch-compiled"], 4),
         "ratio_fastcomm_compiled_over_fastcomm_eager": round(
             medians["fastcomm-compiled"] / medians["fastcomm-eager"], 4),
+        "ratio_fastcomm_compiled_over_fastcomm_split": round(
+            medians["fastcomm-compiled"] / medians["fastcomm-split"], 4),
+        # what compiling does to the model alone, and the time each DDP adds to its model
+        "ratio_no_comm_compiled_over_eager": round(
+            medians["no-comm"] / medians["no-comm-eager"], 4),
+        "ddp_added_ms": {
+            name: round(1e3 * (medians[name] - medians[base]), 3)
+            for name, base in (
+                ("fastcomm-eager", "no-comm-eager"), ("torch-eager", "no-comm-eager"),
+                ("fastcomm-compiled", "no-comm"), ("torch-compiled", "no-comm"),
+                ("fastcomm-split", "no-comm"),
+            )
+        },
     }
     benchmark.extra_info.update(info)
     for name, ms in info["median_step_ms"].items():
@@ -213,4 +254,7 @@ def test_ddp_compile_step(benchmark, request, group):
     print(f"\n{group}: " + ", ".join(f"{n} {ms:.2f} ms" for n, ms in info["median_step_ms"].items())
           + f"; handed before backward ends {handed}; fastcomm compiled / torch compiled "
           f"{info['ratio_fastcomm_compiled_over_torch_compiled']:.3f}, / fastcomm eager "
-          f"{info['ratio_fastcomm_compiled_over_fastcomm_eager']:.3f}")
+          f"{info['ratio_fastcomm_compiled_over_fastcomm_eager']:.3f}, / split "
+          f"{info['ratio_fastcomm_compiled_over_fastcomm_split']:.3f}; the model alone compiled / "
+          f"eager {info['ratio_no_comm_compiled_over_eager']:.3f}; DDP's added ms "
+          f"{info['ddp_added_ms']}")

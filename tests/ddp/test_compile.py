@@ -3,13 +3,17 @@
 2 CPU ranks over Gloo (torch's default group; fastcomm DDP on it, torch DDP beside it). The
 model is 8 x ``Linear(512, 512)`` (1 MiB weights) with ``bucket_cap_mb=1``: 8 buckets. A comm
 hook records, for each bucket it is handed, whether the input's gradient exists yet: the
-buckets handed over before it were launched while the backward still ran. Compiled, torch's
-DDPOptimizer splits the graph at the buckets' boundaries (fastcomm's DDP is torch's active DDP
-module while its module runs), so each bucket is handed over as its part of the backward ends.
+buckets handed over before it were launched while the backward still ran. Compiled, the
+default (``compiled_backward="traced"``) calls the module through taps whose backward hands
+each gradient to its bucket from inside the one compiled backward (``fastcomm.ddp.taps``);
+``"split"`` and ``DDP(torch.compile(m))`` have torch's DDPOptimizer split the graph at the
+buckets' boundaries (fastcomm's DDP is torch's active DDP module while its module runs), so
+each bucket is handed over as its part of the backward ends.
 
 The compiler backend is ``aot_eager`` (AOTAutograd's forward/backward split, eager kernels):
-what decides the overlap is the split, which every backend gets, and it compiles in a second
-where inductor takes tens on 2 cores. ``bench/test_ddp_compile.py`` measures with inductor.
+results, recompiles and the split do not depend on it, and it compiles in a second where
+inductor takes tens on 2 cores. Where each tapped bucket is launched is inductor's schedule:
+that test compiles with inductor. ``bench/test_ddp_compile.py`` measures with inductor.
 """
 
 from __future__ import annotations
@@ -116,14 +120,20 @@ def _wrap(kind: str, compiled: str, backend: str = BACKEND, **ddp_kwargs):
 
 
 def check_overlap(kind: str, compiled: str, steps: int = 6) -> dict:
-    """Trains `steps` steps with the recording hook; what the test asserts."""
+    """Trains `steps` steps with the recording hook; what the test asserts (``outer-split``:
+    ``outer`` with fastcomm's ``compiled_backward="split"``)."""
     import torch._dynamo
 
     from tests.ddp.common import init_torch_dist
 
     init_torch_dist()
     torch._dynamo.reset()
-    model, ddp = _wrap(kind, compiled)
+    kwargs = {}
+    if compiled == "outer-split":
+        compiled = "outer"
+        if kind == "fastcomm":
+            kwargs["compiled_backward"] = "split"
+    model, ddp = _wrap(kind, compiled, **kwargs)
     recorder = _Recorder()
     ddp.register_comm_hook(None, recorder.hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -148,7 +158,7 @@ def check_overlap(kind: str, compiled: str, steps: int = 6) -> dict:
     }
 
 
-@pytest.mark.parametrize("compiled", ["outer", "inner"])
+@pytest.mark.parametrize("compiled", ["outer", "outer-split", "inner"])
 def test_compiled_backward_hands_buckets_over_as_it_runs(pool, compiled):
     eager = pool.run(check_overlap, "fastcomm", "no")
     ours = pool.run(check_overlap, "fastcomm", compiled)
