@@ -117,7 +117,7 @@ with open(os.path.join(out, f"r{{me}}.json"), "w") as fh:
     json.dump({{"done": done, "sizes": sizes, "changes": changes, "rank": ddp.rank,
                "seen": len(seen), "backend": ddp.comm.backend, "graphs": graphs,
                "seen_by": [c.detected_by for c in ddp._recovery.changes],
-               "watch": ddp._recovery.watch is not None,
+               "watch": ddp._recovery.watch is not None, "traced": ddp.reducer.traced_step,
                "calls": dict(ddp.comm.stats.calls), "buckets": len(ddp.reducer.buckets),
                "shm_keys": ddp.comm.store.check(["shm/name"]) or ddp.comm.store.check(
                    ["shm/hosts/0"]) if ddp.comm.backend == "shm" else None,
@@ -263,25 +263,34 @@ def test_kill_in_backward_with_a_compressing_hook(tmp_path, hook):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("backend", ["shm", "gloo"])
 def test_kill_in_a_compiled_backward(tmp_path, backend):
-    """``torch.compile(DDP(model))``: killed in a gradient hook while the compiled backward
-    runs; the survivors finish every step with the replay's parameters, and compile nothing
-    after the shrink (the graphs do not depend on the communicator)."""
+    """``torch.compile(DDP(model))``: killed in a parameter's gradient hook, which the engine
+    calls after the compiled backward (its taps have launched the buckets); the survivors
+    finish every step with the replay's parameters, and compile nothing after the shrink (the
+    graphs do not depend on the communicator)."""
     result = _launch(tmp_path, "1:backward", shared=False, backend=backend, compiled=True)
     reports, sizes = _check(tmp_path, result, {1})
     assert [s[0] for s in sizes] == [3] * KILL_STEP + [2] * (STEPS - KILL_STEP)
     for r in (0, 2):
+        assert reports[r]["traced"], reports[r]  # the compiled backward's taps (taps.py)
         graphs = reports[r]["graphs"]
         assert graphs[0] > 0, graphs
         assert graphs[KILL_STEP - 1:] == [graphs[KILL_STEP - 1]] * (STEPS - KILL_STEP + 1), graphs
 
 
 @pytest.mark.timeout(200)
-def test_kill_inside_shared_bucket_reduction(tmp_path):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_kill_inside_shared_bucket_reduction(tmp_path, compiled):
     """Killed inside a shared bucket's reduction (its peers' slices partly pushed into the
-    survivors' buckets): the survivors redo the step from their own gradients' copies."""
-    result = _launch(tmp_path, "2:reduce", shared=True)
-    _, sizes = _check(tmp_path, result, {2})
+    survivors' buckets): the survivors redo the step from their own gradients' copies.
+    Compiled (``torch.compile(DDP(model))``), the reduction is launched from inside the
+    compiled backward, by the op its taps call (``fastcomm.ddp.taps``)."""
+    result = _launch(tmp_path, "2:reduce", shared=True, compiled=compiled)
+    reports, sizes = _check(tmp_path, result, {2})
     assert [s[0] for s in sizes] == [3] * KILL_STEP + [2] * (STEPS - KILL_STEP)
+    for r in (0, 1) if compiled else ():  # through the taps; nothing compiled after the shrink
+        assert reports[r]["traced"], reports[r]
+        graphs = reports[r]["graphs"]
+        assert graphs[KILL_STEP - 1:] == [graphs[KILL_STEP - 1]] * (STEPS - KILL_STEP + 1), graphs
 
 
 @pytest.mark.timeout(200)
