@@ -370,11 +370,11 @@ class DDP(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the wrapped module between the reducer's pre- and post-forward steps."""
         # Under torch.compile (``torch.compile(DDP(model))``) the reducer's bookkeeping runs
-        # eagerly (graph breaks), and so does the frame that calls the wrapped module, which
-        # Dynamo then compiles as a frame of its own while this DDP is torch's active DDP
-        # module: its DDPOptimizer splits the graph at the bucket boundaries, so the compiled
-        # backward hands each bucket over as it finishes (docs/ddp.md). Eager calls skip the
-        # disabling wrappers, a host cost per call.
+        # eagerly, and so does the frame that calls the wrapped module (_run_module). Dynamo
+        # compiles the module's call as a frame of its own: with the taps that hand each
+        # gradient to its bucket from inside the compiled backward (taps.py), or split by
+        # DDPOptimizer at the bucket boundaries while this DDP is torch's active DDP module
+        # (docs/ddp.md). Eager calls skip the disabling wrappers, a host cost per call.
         compiling = torch.compiler.is_compiling()
         sync = _pre_forward_eagerly(self) if compiling else self._pre_forward()
         if self.device_ids:
