@@ -26,7 +26,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._C._dynamo.eval_frame import get_eval_frame_callback as _get_eval_frame_callback
 
 from fastcomm.comm.base import Communicator
 from fastcomm.comm.world import replace_world
@@ -407,6 +406,20 @@ class DDP(nn.Module):
             check_compiled_autograd(self)
         self.reducer.prepare_for_backward(output, sync)
 
+    def _taps_for_compile(self) -> Taps | None:
+        """The taps a compiled synchronized step calls the module with (made at the first
+        call), or None: this torch cannot keep the op, compiled autograd traces the hooks, the
+        module is compiled on its own, or a graph break sent this DDP to the split path."""
+        if self._taps is None:
+            if not taps_available() or compiled_autograd_on() or isinstance(
+                self.module, torch._dynamo.eval_frame.OptimizedModule
+            ):
+                return None
+            self._taps = Taps(self)
+        if self._taps.broken or compiled_autograd_on():
+            return None
+        return self._taps
+
     def will_sync_buffers(self) -> bool:
         """Whether the next forward broadcasts the buffers (and a joined rank must match it)."""
         return (
@@ -579,9 +592,10 @@ def _run_module(ddp: DDP, inputs: tuple, kwargs: dict, sync: bool) -> Any:
     (``ddp.bucket_bytes_cap``)."""
     reducer = ddp.reducer
     if _get_eval_frame_callback() is not None and ddp.config.compiled_backward == "traced":
-        if sync and _tappable(ddp):
+        taps = ddp._taps_for_compile() if sync else None
+        if taps is not None:
             reducer.traced_step = True
-            return run_tapped(ddp.module, ddp._taps, inputs, kwargs)
+            return run_tapped(ddp.module, taps, inputs, kwargs)
         if not sync:  # nothing to reduce: one graph, no split
             reducer.traced_step = False
             return _call_module(ddp.module, inputs, kwargs)
@@ -599,6 +613,10 @@ def _run_module(ddp: DDP, inputs: tuple, kwargs: dict, sync: bool) -> Any:
 
 
 _FIRST_BUCKET_BYTES = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1 << 20)
+# Dynamo's frame callback: set while a torch.compile'd call runs (the frames it calls compiled)
+_get_eval_frame_callback = getattr(
+    torch._C._dynamo.eval_frame, "get_eval_frame_callback", lambda: None
+)
 # torch's own class, bound at import: a program (torch's DDP suite among them) may set
 # nn.parallel.DistributedDataParallel to fastcomm's DDP, and Dynamo asks torch's class
 _TORCH_DDP = nn.parallel.distributed.DistributedDataParallel
@@ -608,17 +626,6 @@ def _call_module(module: nn.Module, inputs: tuple, kwargs: dict) -> Any:
     # A frame of fastcomm's, which Dynamo compiles (tracing into the module), where it would
     # leave a torch.nn container's own call frame (nn.Sequential's, say) uncompiled.
     return module(*inputs, **kwargs)
-
-
-def _tappable(ddp: DDP) -> bool:
-    """Whether `ddp`'s compiled backward takes the taps (making them at the first call)."""
-    if ddp._taps is None:
-        if not taps_available() or compiled_autograd_on() or isinstance(
-            ddp.module, torch._dynamo.eval_frame.OptimizedModule
-        ):
-            return False
-        ddp._taps = Taps(ddp)
-    return not (ddp._taps.broken or compiled_autograd_on())
 
 
 # not traced, but what it calls is: the module's call is compiled as a frame of its own
@@ -808,7 +815,7 @@ def _frames_dynamo_skips() -> None:
         (DDP.forward, default),  # what it calls: below, and torch.compiler.is_compiling
         (_run_module, default),  # its call of _call_module is compiled
         (run_tapped, default),  # ... and run_tapped's of call_tapped
-        (_tappable, skip),
+        (DDP._taps_for_compile, skip),
         (DDP._pre_forward, skip),
         (DDP._post_forward, skip),
         (_to_device, skip),

@@ -2,12 +2,18 @@
 
 A synchronized step's forward is compiled with each reduced parameter passed through a tap
 (``torch.func.functional_call``), an identity whose backward hands the parameter's gradient
-to ``fastcomm::ddp_grad_ready``, an opaque custom op with an ordered effect: AOTAutograd keeps
-it where the gradient is made, between the backward's matrix products, and nothing removes
-it. The op does what the parameter's ``AccumulateGrad`` and DDP's hook do in eager mode
-(``Reducer.on_traced_grad``): the gradient goes into its bucket, and the bucket is launched
-as soon as it is full. The tap returns no gradient to the parameter, so autograd accumulates
-nothing after the compiled backward; the write-back at its end fills ``.grad``.
+to ``fastcomm::ddp_grad_ready``, an opaque op with an ordered effect, which no compiler
+removes or reorders against the others. The op does what the parameter's ``AccumulateGrad``
+and DDP's hook do in eager mode (``Reducer.on_traced_grad``): the gradient goes into its
+bucket, and the bucket is launched as soon as it is full. The tap returns no gradient to the
+parameter, so autograd accumulates nothing after the compiled backward; the write-back at
+its end fills ``.grad``.
+
+Where each op runs is the compiler's schedule. AOTAutograd's backward graph has the taps'
+backwards last (the autograd engine, which it traces, runs the nodes made first last);
+inductor's scheduler moves each op up to where its gradient is made, since the op frees that
+buffer (``reorder_for_peak_memory``, on by default). A backend that keeps AOTAutograd's order
+(``aot_eager``) runs the ops at the end of the backward: the same results, no overlap.
 
 One forward graph and one backward graph per step, where torch's DDPOptimizer compiles a
 forward and a backward per bucket (``compiled_backward="split"`` keeps that path).
@@ -25,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Taps", "available"]
+__all__ = ["Taps", "available", "run_tapped"]
 
 _NAME = "ddp_grad_ready"
 _LIB = f"fastcomm::{_NAME}"

@@ -54,6 +54,14 @@ if point == "recovery":  # during the survivors' agreement, once it reported its
         real_post(self, epoch, where)
         die()
     recover.Membership._post_here = post
+if point == "launch":  # launching bucket 1, its predecessor launched: compiled, from a tap
+    from fastcomm.ddp import reducer as reducer_module
+    real_launch = reducer_module.Reducer._launch
+    def launch(self, bucket):
+        if state["step"] == KILL_STEP and bucket.index == 1:
+            die()
+        real_launch(self, bucket)
+    reducer_module.Reducer._launch = launch
 if point == "reduce":  # inside a shared bucket's reduction (its peers' slices half pushed)
     real_reduce = shm_buckets.ShmBucketRegion._reduce
     calls = [0]
@@ -263,11 +271,12 @@ def test_kill_in_backward_with_a_compressing_hook(tmp_path, hook):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("backend", ["shm", "gloo"])
 def test_kill_in_a_compiled_backward(tmp_path, backend):
-    """``torch.compile(DDP(model))``: killed in a parameter's gradient hook, which the engine
-    calls after the compiled backward (its taps have launched the buckets); the survivors
-    finish every step with the replay's parameters, and compile nothing after the shrink (the
-    graphs do not depend on the communicator)."""
-    result = _launch(tmp_path, "1:backward", shared=False, backend=backend, compiled=True)
+    """``torch.compile(DDP(model))``: killed inside the compiled backward, where a tap's op
+    launches bucket 1 (bucket 0 launched); the survivors finish every step with the replay's
+    parameters, and compile nothing after the shrink (the graphs do not depend on the
+    communicator). A parameter's gradient hook, the eager test's kill point, runs after the
+    compiled backward, when every bucket may already be reduced."""
+    result = _launch(tmp_path, "1:launch", shared=False, backend=backend, compiled=True)
     reports, sizes = _check(tmp_path, result, {1})
     assert [s[0] for s in sizes] == [3] * KILL_STEP + [2] * (STEPS - KILL_STEP)
     for r in (0, 2):
