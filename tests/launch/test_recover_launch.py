@@ -458,10 +458,16 @@ def test_a_node_lost_then_back_is_admitted_into_the_running_round(tmp_path):
         first = subprocess.Popen([*LAUNCH, *map(str, [*flags, path, tmp_path, 1.0])],
                                  cwd=tmp_path, env={**env, HOST_ID: "hosta"},
                                  stdout=subprocess.DEVNULL, stderr=fh, text=True)
+    lost = None
     try:
-        wait_files(tmp_path, "training_*", 2, proc=first, timeout=90)
-        lost = start([*flags, path, tmp_path, 1.0], tmp_path, {**env, HOST_ID: "hostb"})
-        wait_files(tmp_path, "training_*", 4, proc=first, timeout=90)
+        try:  # the agent's stderr goes to a file: a failure shows it
+            wait_files(tmp_path, "training_*", 2, proc=first, timeout=90)
+            lost = start([*flags, path, tmp_path, 1.0], tmp_path, {**env, HOST_ID: "hostb"})
+            wait_files(tmp_path, "training_*", 4, proc=first, timeout=90)
+        except AssertionError as exc:
+            raise AssertionError(
+                f"{exc}\nthe first agent's stderr:\n{err.read_text()[-4000:]}"
+            ) from None
         lost.kill()  # the node goes: its agent, and with it its workers
         lost.communicate()
         pids = [int((tmp_path / f"training_{r}").read_text()) for r in (2, 3)]
@@ -473,9 +479,10 @@ def test_a_node_lost_then_back_is_admitted_into_the_running_round(tmp_path):
                       timeout=120)
         assert first.wait(timeout=60) == 0, err.read_text()[-4000:]
     finally:
-        if first.poll() is None:
-            first.kill()
-            first.wait()
+        for proc in (first, lost):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
     assert back.returncode == 0, back.stderr[-4000:]
     assert not wait_gone(pids)
     log = err.read_text()
