@@ -9,8 +9,8 @@ Groups, each on 2 ranks (CPU over Gloo; on a GPU, one rank over NCCL):
   ``test_ddp_gpu.py``), sequence 64, batch 8, AdamW.
 
 Providers: ``no-comm`` (no DDP, compiled), ``no-comm-eager`` (no DDP, eager), ``torch-eager``,
-``torch-compiled``, ``fastcomm-eager``, ``fastcomm-compiled`` (the default
-``compiled_backward="traced"``: one backward graph, the buckets launched from inside it),
+``torch-compiled``, ``fastcomm-eager``, ``fastcomm-compiled`` (``compiled_backward="traced"``,
+CPU's default: one backward graph, the buckets launched from inside it),
 ``fastcomm-split`` (``"split"``: DDPOptimizer's graph per bucket, torch DDP's way); compiled
 means ``torch.compile(DDP(model))`` with the default backend (inductor). Every round runs
 ``steps`` steps of each provider in turn, a barrier before each; reported (``extra_info``): the
@@ -93,15 +93,21 @@ def setup_group(group: str, quick_mode: bool) -> int:
         "torch-compiled": torch.compile(torch_ddp(build(), device_ids=ids, bucket_cap_mb=1),
                                         backend=backend),
         "fastcomm-eager": DDP(build(), bucket_cap_mb=1),
-        "fastcomm-compiled": torch.compile(DDP(build(), bucket_cap_mb=1), backend=backend),
-        "fastcomm-split": torch.compile(DDP(build(), bucket_cap_mb=1, compiled_backward="split"),
-                                        backend=backend),
+        "fastcomm-compiled": torch.compile(
+            DDP(build(), bucket_cap_mb=1, compiled_backward="traced"), backend=backend
+        ),
+        "fastcomm-split": torch.compile(
+            DDP(build(), bucket_cap_mb=1, compiled_backward="split"), backend=backend
+        ),
     }
     # the buckets handed over early are counted on models of their own, with a recording comm
     # hook (Gloo's all-reduce): the timed models keep each DDP's own reduction path
     handed, probes = {}, {}
-    for name, wrap, kw in (("torch-compiled", torch_ddp, {}), ("fastcomm-compiled", DDP, {}),
-                           ("fastcomm-split", DDP, {"compiled_backward": "split"})):
+    for name, wrap, kw in (
+        ("torch-compiled", torch_ddp, {}),
+        ("fastcomm-compiled", DDP, {"compiled_backward": "traced"}),
+        ("fastcomm-split", DDP, {"compiled_backward": "split"}),
+    ):
         handed[name] = _Recorder()
         inner = wrap(build(), bucket_cap_mb=1, **kw)
         inner.register_comm_hook(None, handed[name].hook)

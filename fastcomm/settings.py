@@ -359,11 +359,12 @@ DDP_CUDA_GRAPHS = Switch(
     "Default of `DDPConfig.cuda_graphs`: packed CUDA buckets replay from a captured CUDA graph.",
 )
 DDP_COMPILED_BACKWARD = Choice(
-    "FASTCOMM_DDP_COMPILED_BACKWARD", "traced",
+    "FASTCOMM_DDP_COMPILED_BACKWARD", "auto",
     "Default of `DDPConfig.compiled_backward`: under `torch.compile(DDP(model))`, `traced` puts "
     "the gradient hooks inside one compiled backward; `split` has Dynamo's DDPOptimizer compile "
-    "a graph per bucket, as for torch DDP.",
-    choices=("traced", "split"),
+    "a graph per bucket, as for torch DDP; `auto`: traced for CPU parameters, split for CUDA "
+    "ones (the traced path has not run on a GPU yet).",
+    choices=("auto", "traced", "split"),
 )
 DDP_COMPILED_OVERLAP = Choice(
     "FASTCOMM_DDP_COMPILED_OVERLAP", "auto",

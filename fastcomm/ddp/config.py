@@ -109,10 +109,11 @@ class DDPConfig:
 
     compiled_backward: str = field(default_factory=settings.DDP_COMPILED_BACKWARD.get)
     """Under ``torch.compile(DDP(model))``, how the compiled backward hands the buckets over:
-    ``"traced"`` (default, or ``FASTCOMM_DDP_COMPILED_BACKWARD``): one forward and one backward
-    graph, each gradient handed to its bucket by an op inside the backward as it is made
-    (``fastcomm.ddp.taps``); ``"split"``: Dynamo's DDPOptimizer compiles a graph per bucket,
-    and the eager hooks run between them (torch DDP's way)."""
+    ``"traced"``: one forward and one backward graph, each gradient handed to its bucket by an
+    op inside the backward as it is made (``fastcomm.ddp.taps``); ``"split"``: Dynamo's
+    DDPOptimizer compiles a graph per bucket, and the eager hooks run between them (torch DDP's
+    way); ``"auto"`` (default, or ``FASTCOMM_DDP_COMPILED_BACKWARD``): traced for CPU
+    parameters, split for CUDA ones, where the traced path has not been measured yet."""
 
     static_graph: bool = False
     """The set of used parameters and the order gradients arrive in never change: the first

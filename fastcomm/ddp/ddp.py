@@ -100,10 +100,11 @@ class DDP(nn.Module):
             graph captured after its first launch, where the communicator offers it (NCCL):
             one host call per bucket, the same results (see `fastcomm.ddp.graphs`). Default
             on (``FASTCOMM_DDP_CUDA_GRAPHS=0``: off).
-        compiled_backward: under ``torch.compile(DDP(model))``, ``"traced"`` (default;
-            ``FASTCOMM_DDP_COMPILED_BACKWARD``) compiles one backward that hands each gradient
-            to its bucket as it is made (see `fastcomm.ddp.taps`); ``"split"`` has Dynamo's
-            DDPOptimizer compile a graph per bucket, as for torch DDP.
+        compiled_backward: under ``torch.compile(DDP(model))``, ``"traced"`` compiles one
+            backward that hands each gradient to its bucket as it is made (see
+            `fastcomm.ddp.taps`); ``"split"`` has Dynamo's DDPOptimizer compile a graph per
+            bucket, as for torch DDP; ``"auto"`` (default; ``FASTCOMM_DDP_COMPILED_BACKWARD``):
+            traced for CPU parameters, split for CUDA ones.
         shared_bucket_cap_mb: the most MiB of ``/dev/shm`` those buckets may take (default:
             ``FASTCOMM_DDP_SHARED_CAP_MB``, else no cap); over it, or when ``/dev/shm`` is too
             small, a warning and the communicator's own buffers.
@@ -295,6 +296,10 @@ class DDP(nn.Module):
         self.reducer.health = GradHealth(self.reducer, check_finite=check_finite)
         # the compiled backward's taps (taps.py), made by the first compiled forward
         self._taps: Taps | None = None
+        mode = self.config.compiled_backward
+        self._traced_backward = mode == "traced" or (
+            mode == "auto" and not any(p.is_cuda for p in params)
+        )
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self.active_join: Join | None = None
@@ -591,7 +596,7 @@ def _run_module(ddp: DDP, inputs: tuple, kwargs: dict, sync: bool) -> Any:
     with ``compiled_backward="split"``): it splits the graph where `ddp`'s buckets close
     (``ddp.bucket_bytes_cap``)."""
     reducer = ddp.reducer
-    if _get_eval_frame_callback() is not None and ddp.config.compiled_backward == "traced":
+    if _get_eval_frame_callback() is not None and ddp._traced_backward:
         taps = ddp._taps_for_compile() if sync else None
         if taps is not None:
             reducer.traced_step = True

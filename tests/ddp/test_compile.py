@@ -4,8 +4,9 @@
 model is 8 x ``Linear(512, 512)`` (1 MiB weights) with ``bucket_cap_mb=1``: 8 buckets. A comm
 hook records, for each bucket it is handed, whether the input's gradient exists yet: the
 buckets handed over before it were launched while the backward still ran. Compiled, the
-default (``compiled_backward="traced"``) calls the module through taps whose backward hands
-each gradient to its bucket from inside the one compiled backward (``fastcomm.ddp.taps``);
+default for CPU parameters (``compiled_backward="auto"``: ``"traced"``) calls the module
+through taps whose backward hands each gradient to its bucket from inside the one compiled
+backward (``fastcomm.ddp.taps``);
 ``"split"`` and ``DDP(torch.compile(m))`` have torch's DDPOptimizer split the graph at the
 buckets' boundaries (fastcomm's DDP is torch's active DDP module while its module runs), so
 each bucket is handed over as its part of the backward ends.
@@ -154,6 +155,7 @@ def check_overlap(kind: str, compiled: str, steps: int = 6) -> dict:
         "handed": handed,
         "graphs": graphs,
         "breaks": sum(counters["graph_break"].values()) - breaks,
+        "traced": kind == "fastcomm" and ddp.reducer.traced_step,
         "params": [p.detach().clone() for p in ddp.module.parameters()],
     }
 
@@ -174,6 +176,8 @@ def test_compiled_backward_hands_buckets_over_as_it_runs(pool, compiled):
         # ... and torch DDP's module was compiled, not run eagerly
         assert theirs[rank]["graphs"][1] > theirs[rank]["graphs"][0], theirs[rank]["graphs"]
         assert early >= 7, last
+        # CPU parameters: the default ("auto") took the taps
+        assert ours[rank]["traced"] == (compiled == "outer"), (compiled, ours[rank]["traced"])
         # every bucket, in index order, the same every step (compiled, the gradients of a
         # layer arrive weight before bias: the rebuild in arrival order makes 9 buckets of
         # them where eager's order makes 8, as torch DDP's does)
@@ -235,7 +239,7 @@ def check_launch_points(compiled_backward: str, steps: int = 4) -> dict:
 
 
 def test_traced_backward_launches_each_bucket_between_its_kernels(pool):
-    """The default, ``compiled_backward="traced"``: one compiled backward, each bucket launched
+    """``compiled_backward="traced"`` (CPU's default): one compiled backward, each bucket launched
     by the op that hands its last gradient over, between the backward's matrix products (not
     after them); the same parameters as DDPOptimizer's split (``"split"``). Inductor, not
     ``aot_eager``: the op's place is inductor's schedule (taps.py)."""
@@ -258,10 +262,10 @@ def test_traced_backward_launches_each_bucket_between_its_kernels(pool):
 def test_compiled_backward_option_is_checked():
     from fastcomm.ddp.config import DDPConfig
 
-    assert DDPConfig().compiled_backward == "traced"
+    assert DDPConfig().compiled_backward == "auto"
     assert DDPConfig(compiled_backward="split").compiled_backward == "split"
-    with pytest.raises(ValueError, match=r"compiled_backward must be one of 'traced', 'split', "
-                                         r"got 'graph'"):
+    with pytest.raises(ValueError, match=r"compiled_backward must be one of 'auto', 'traced', "
+                                         r"'split', got 'graph'"):
         DDPConfig(compiled_backward="graph")
 
 
