@@ -13,7 +13,8 @@
 # Environment: FASTCOMM_ROUND_WORKERS (pytest-xdist workers, default 8),
 # FASTCOMM_ROUND_STEP_TIMEOUT (seconds per step, default 5400), FASTCOMM_ROUND_STEPS (names of
 # the steps to run, e.g. "versions train"; default all: versions pip-freeze tests train
-# train-cuda bench-ddp-gpu bench-kernels bench-ddp bench-compression bench-collectives charts).
+# train-cuda bench-ddp-gpu bench-ddp-compile bench-kernels bench-ddp bench-compression
+# bench-collectives charts).
 
 set -u
 
@@ -151,7 +152,7 @@ step tests "$PY" -m pytest -q -n "$WORKERS" tests -p no:cacheprovider \
 step train "$PY" -m fastcomm.launch --nproc-per-node 2 examples/train.py --no-progress
 step train-cuda "$PY" -m fastcomm.launch --nproc-per-node 2 examples/train.py --no-progress \
     --device cuda
-for bench in ddp_gpu kernels ddp compression collectives; do
+for bench in ddp_gpu ddp_compile kernels ddp compression collectives; do
     step "bench-${bench//_/-}" "$PY" -m pytest -q -s "bench/test_$bench.py" -p no:cacheprovider \
         --benchmark-json="$DEST/bench-${bench//_/-}.json"
 done
