@@ -33,7 +33,7 @@ __all__ = ["ddp_getstate", "ddp_setstate"]
 
 # what __getstate__ leaves out: rebuilt by __setstate__
 _TRANSIENT = ("comm", "process_group", "reducer", "active_join", "_recovery",
-              "registered_states")
+              "registered_states", "_taps")
 
 
 def ddp_getstate(ddp: nn.Module) -> dict[str, Any]:
@@ -67,6 +67,7 @@ def ddp_setstate(ddp: nn.Module, state: dict[str, Any]) -> None:
         **state,
         "active_join": None,
         "_recovery": None,  # an unpickled copy does not shrink in place
+        "_taps": None,  # its own, made by its first compiled forward (taps.py)
         "registered_states": RegisteredStates(),
         "comm": comm,
         "process_group": default_group(),

@@ -259,6 +259,52 @@ def test_traced_backward_launches_each_bucket_between_its_kernels(pool):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
+def check_pickled_copy(steps: int = 3) -> dict:
+    """A compiled DDP pickled after training (``torch.save``), loaded, compiled and trained on
+    the same batches as the original."""
+    import io
+
+    import torch._dynamo
+
+    from tests.ddp.common import init_torch_dist
+
+    init_torch_dist()
+    torch._dynamo.reset()
+    model, ddp = _wrap("fastcomm", "outer", compiled_backward="traced")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def train(model, opt, first):
+        for step in range(first, first + steps):
+            x, y = _batch(step)
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+    train(model, opt, 0)
+    buf = io.BytesIO()
+    torch.save(ddp, buf)
+    buf.seek(0)
+    copy = torch.load(buf, weights_only=False)
+    copy_model = torch.compile(copy, backend=BACKEND)
+    copy_opt = torch.optim.SGD(copy_model.parameters(), lr=0.05)
+    train(model, opt, steps)
+    train(copy_model, copy_opt, steps)
+    return {
+        "own_taps": copy._taps is not None and copy._taps is not ddp._taps
+        and copy._taps.key != ddp._taps.key,
+        "traced": copy.reducer.traced_step and ddp.reducer.traced_step,
+        "same": all(torch.equal(a, b) for a, b in
+                    zip(ddp.module.parameters(), copy.module.parameters(), strict=True)),
+    }
+
+
+def test_a_pickled_compiled_ddp_takes_taps_of_its_own(pool):
+    """The taps are not pickled: the loaded copy makes its own, whose op hands the gradients to
+    the copy's reducer, and trains as the original does."""
+    for rank, result in enumerate(pool.run(check_pickled_copy)):
+        assert result == {"own_taps": True, "traced": True, "same": True}, (rank, result)
+
+
 def test_compiled_backward_option_is_checked():
     from fastcomm.ddp.config import DDPConfig
 
