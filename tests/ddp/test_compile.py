@@ -6,10 +6,11 @@ hook records, for each bucket it is handed, whether the input's gradient exists 
 buckets handed over before it were launched while the backward still ran. Compiled, the
 default for CPU parameters (``compiled_backward="auto"``: ``"traced"``) calls the module
 through taps whose backward hands each gradient to its bucket from inside the one compiled
-backward (``fastcomm.ddp.taps``);
-``"split"`` and ``DDP(torch.compile(m))`` have torch's DDPOptimizer split the graph at the
-buckets' boundaries (fastcomm's DDP is torch's active DDP module while its module runs), so
-each bucket is handed over as its part of the backward ends.
+backward (``fastcomm.ddp.taps``); there the input's gradient comes after the whole compiled
+backward, so the launch points are read from the profiler instead. ``"split"`` and
+``DDP(torch.compile(m))`` have torch's DDPOptimizer split the graph at the buckets' boundaries
+(fastcomm's DDP is torch's active DDP module while its module runs), so each bucket is handed
+over as its part of the backward ends.
 
 The compiler backend is ``aot_eager`` (AOTAutograd's forward/backward split, eager kernels):
 results, recompiles and the split do not depend on it, and it compiles in a second where
