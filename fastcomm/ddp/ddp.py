@@ -415,15 +415,15 @@ class DDP(nn.Module):
         """The taps a compiled synchronized step calls the module with (made at the first
         call), or None: this torch cannot keep the op, compiled autograd traces the hooks, the
         module is compiled on its own, or a graph break sent this DDP to the split path."""
+        if compiled_autograd_on():
+            return None
         if self._taps is None:
-            if not taps_available() or compiled_autograd_on() or isinstance(
+            if not taps_available() or isinstance(
                 self.module, torch._dynamo.eval_frame.OptimizedModule
             ):
                 return None
             self._taps = Taps(self)
-        if self._taps.broken or compiled_autograd_on():
-            return None
-        return self._taps
+        return None if self._taps.broken else self._taps
 
     def will_sync_buffers(self) -> bool:
         """Whether the next forward broadcasts the buffers (and a joined rank must match it)."""
@@ -595,16 +595,15 @@ def _run_module(ddp: DDP, inputs: tuple, kwargs: dict, sync: bool) -> Any:
     (``DDP(torch.compile(model))``, or the frame below under ``torch.compile(DDP(model))``
     with ``compiled_backward="split"``): it splits the graph where `ddp`'s buckets close
     (``ddp.bucket_bytes_cap``)."""
-    reducer = ddp.reducer
+    taps = None
     if _get_eval_frame_callback() is not None and ddp._traced_backward:
-        taps = ddp._taps_for_compile() if sync else None
-        if taps is not None:
-            reducer.traced_step = True
-            return run_tapped(ddp.module, taps, inputs, kwargs)
         if not sync:  # nothing to reduce: one graph, no split
-            reducer.traced_step = False
+            ddp.reducer.traced_step = False
             return _call_module(ddp.module, inputs, kwargs)
-    reducer.traced_step = False
+        taps = ddp._taps_for_compile()
+    ddp.reducer.traced_step = taps is not None
+    if taps is not None:
+        return run_tapped(ddp.module, taps, inputs, kwargs)
     torch_ddp = _TORCH_DDP
     outer = torch_ddp._active_ddp_module
     # DDPOptimizer refuses a cap below its 1 MiB first bucket (an AssertionError, torch DDP's

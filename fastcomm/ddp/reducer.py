@@ -319,21 +319,22 @@ class Reducer:
             return
         # the plain case, a first gradient (most hooks of most steps): the checked path's
         # steps that apply, with the arrival pack's multiply made here
-        step.ready[i] = _GOT_GRAD
         b = self._bucket_of[i]
         view = self._arrival_views[i]
         if view is not None:
-            if pack_into(view, param.grad, step.arrival_scale):
-                step.arrived[b] += 1
-        elif self._on_arrival[b] and self.strategies[b].pack_one(
-            self, self.buckets[b], self._position[i], param.grad
-        ):
-            step.arrived[b] += 1
-        self._one_less(step, b)
+            packed = pack_into(view, param.grad, step.arrival_scale)
+        else:
+            packed = self._on_arrival[b] and self.strategies[b].pack_one(
+                self, self.buckets[b], self._position[i], param.grad
+            )
+        self._arrived(step, i, b, packed)
 
-    def _one_less(self, step: StepState, b: int) -> None:
-        """Bucket `b` waits for one gradient less; launched (with what follows it) when it
-        waits for none and is next."""
+    def _arrived(self, step: StepState, i: int, b: int, packed: bool) -> None:
+        """Parameter `i` of bucket `b` has its gradient (`packed`: already in the bucket); the
+        bucket is launched (with what follows it) when it waits for no other and is next."""
+        step.ready[i] = _GOT_GRAD
+        if packed:
+            step.arrived[b] += 1
         pending = step.pending
         left = pending[b] - 1
         pending[b] = left
@@ -355,10 +356,7 @@ class Reducer:
                 # the arrival pack is the copy; the write-back makes ``.grad``
                 view = self._arrival_views[i]
                 if view is not None and pack_into(view, grad, step.arrival_scale):
-                    step.ready[i] = _GOT_GRAD
-                    b = self._bucket_of[i]
-                    step.arrived[b] += 1
-                    self._one_less(step, b)
+                    self._arrived(step, i, self._bucket_of[i], True)
                     return
         g = param.grad
         if g is not None:
